@@ -1,0 +1,87 @@
+"""Paged attention: the one seam where device-specific kernels plug in.
+
+The torch path below is the reference (and the CPU path): prefill segments run SDPA
+one sequence at a time, decode tokens run as one padded batch gathered page by page
+from the block tables. A GPU kernel replaces `write_kv` / `paged_attention` with the
+same arguments.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillSegment:
+    start: int  # first row of this sequence's tokens in the flattened batch
+    length: int  # new tokens computed this step
+    context_len: int  # tokens in the cache once this step's K/V are written
+    blocks: torch.Tensor  # block ids covering `context_len`
+
+
+@dataclass
+class DecodeBatch:
+    start: int  # first decode row; decode rows are contiguous and one per sequence
+    blocks: torch.Tensor  # [B, max_blocks], padded with block 0
+    mask: torch.Tensor  # [B, 1, 1, max_blocks * block_size], True where a key is valid
+
+
+@dataclass
+class AttentionMetadata:
+    """Everything attention needs about one step's batch, built once and shared by every layer."""
+
+    block_size: int
+    k_rows: torch.Tensor  # [T] row of each new token's K in the layer view flattened to [blocks*2*slots]
+    v_rows: torch.Tensor  # [T] same for V
+    prefills: list[PrefillSegment]
+    decode: DecodeBatch | None
+
+
+def write_kv(layer_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
+    flat = layer_cache.view(-1, layer_cache.shape[-2], layer_cache.shape[-1])
+    flat.index_copy_(0, meta.k_rows, k)
+    flat.index_copy_(0, meta.v_rows, v)
+
+
+def _gather(layer_cache: torch.Tensor, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    # Gathering whole pages from a 2-D view is one row copy per block (the 5-D view takes a
+    # generic strided path).
+    n = layer_cache.shape[0]
+    pages = layer_cache.view(n, -1).index_select(0, blocks.reshape(-1)).view(-1, *layer_cache.shape[1:])
+    return pages[:, 0], pages[:, 1]
+
+
+def paged_attention(
+    q: torch.Tensor, layer_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    """q: [T, heads, dim] (roped). Returns [T, heads, dim]."""
+    out = torch.empty_like(q)
+    heads, kv_heads = q.shape[1], layer_cache.shape[-2]
+    gqa = heads != kv_heads
+    for seg in meta.prefills:
+        qs = q[seg.start : seg.start + seg.length].transpose(0, 1)  # [heads, Lq, dim]
+        k, v = _gather(layer_cache, seg.blocks)
+        k = k.reshape(-1, kv_heads, k.shape[-1])[: seg.context_len].transpose(0, 1)
+        v = v.reshape(-1, kv_heads, v.shape[-1])[: seg.context_len].transpose(0, 1)
+        if seg.context_len == seg.length:
+            o = F.scaled_dot_product_attention(qs, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+        else:
+            # Cached prefix or an earlier chunk sits before the new tokens: causal with an offset.
+            offset = seg.context_len - seg.length
+            q_pos = torch.arange(offset, seg.context_len, device=q.device)
+            mask = torch.arange(seg.context_len, device=q.device)[None, :] <= q_pos[:, None]
+            o = F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+        out[seg.start : seg.start + seg.length] = o.transpose(0, 1)
+    d = meta.decode
+    if d is not None:
+        b = d.blocks.shape[0]
+        qd = q[d.start : d.start + b].unsqueeze(2)  # [B, heads, 1, dim]
+        k, v = _gather(layer_cache, d.blocks)  # [B*max_blocks, slots, kv_heads, dim]
+        k = k.reshape(b, -1, kv_heads, k.shape[-1]).transpose(1, 2)
+        v = v.reshape(b, -1, kv_heads, v.shape[-1]).transpose(1, 2)
+        o = F.scaled_dot_product_attention(qd, k, v, attn_mask=d.mask, scale=scale, enable_gqa=gqa)
+        out[d.start : d.start + b] = o.squeeze(2)
+    return out

@@ -1,0 +1,51 @@
+"""Runtime settings shared by every process that loads a model."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None  # built-in name, HF directory or .gguf; None = $SPLITFIRE_MODEL or the default
+    device: str = "auto"  # auto | cpu | cuda
+    dtype: str = "auto"  # auto (float32 on CPU, bfloat16 on CUDA) | float32 | bfloat16
+    block_size: int = 16
+    kv_cache_gb: float = 1.0  # KV budget on CPU
+    gpu_memory_fraction: float = 0.85  # of free GPU memory after weights, on CUDA
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    max_model_len: int | None = None  # None = the model's max_position_embeddings
+    enable_prefix_cache: bool = True
+    threads: int | None = None  # torch intra-op threads on CPU; None = torch's default
+
+    def validate(self) -> EngineConfig:
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"--device must be auto, cpu or cuda, got {self.device!r}")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"--dtype must be auto, float32 or bfloat16, got {self.dtype!r}")
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("--device cuda asked for, but torch sees no CUDA device")
+        if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128, 256):
+            raise ValueError(f"--block-size must be a power of two up to 256, got {self.block_size}")
+        if self.kv_cache_gb <= 0:
+            raise ValueError(f"--kv-cache-gb must be positive, got {self.kv_cache_gb}")
+        if not 0 < self.gpu_memory_fraction <= 1:
+            raise ValueError(f"--gpu-memory-fraction must be in (0, 1], got {self.gpu_memory_fraction}")
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError("need max_num_seqs >= 1 and max_num_batched_tokens >= max_num_seqs")
+        return self
+
+    @property
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
+        return getattr(torch, self.dtype)

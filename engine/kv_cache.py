@@ -1,0 +1,85 @@
+"""The paged KV cache: one contiguous buffer for every layer's K and V.
+
+Layout `[layer, block, k|v, slot, kv_head, head_dim]`. One allocation means the
+transfer engine registers it once; putting K and V of a block side by side makes a
+block's KV for one layer a single *page*, and consecutive block ids of one layer are
+consecutive pages, so a request's blocks coalesce into few, large transfer entries.
+
+Byte addressing (what `kvtransfer/` uses; stable across processes with the same
+model, dtype and block size):
+
+    page_offset(layer, block) = (layer * num_blocks + block) * page_bytes
+    pages `block .. block+n-1` of one layer are the byte range
+    [page_offset(layer, block), page_offset(layer, block) + n * page_bytes)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.model_config import ModelConfig
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    num_layers: int
+    num_blocks: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @property
+    def element_size(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one block's K and V in one layer."""
+        return 2 * self.block_size * self.num_kv_heads * self.head_dim * self.element_size
+
+    @property
+    def total_bytes(self) -> int:
+        return self.num_layers * self.num_blocks * self.page_bytes
+
+    def page_offset(self, layer: int, block: int) -> int:
+        if not (0 <= layer < self.num_layers and 0 <= block < self.num_blocks):
+            raise IndexError(f"page (layer={layer}, block={block}) outside {self.num_layers}x{self.num_blocks}")
+        return (layer * self.num_blocks + block) * self.page_bytes
+
+    @classmethod
+    def for_budget(
+        cls, cfg: ModelConfig, budget_bytes: int, block_size: int, dtype: torch.dtype
+    ) -> KVLayout:
+        probe = cls(cfg.num_layers, 1, block_size, cfg.num_kv_heads, cfg.head_dim, dtype)
+        num_blocks = budget_bytes // (probe.page_bytes * cfg.num_layers)
+        if num_blocks < 2:
+            raise ValueError(
+                f"KV cache budget of {budget_bytes / 2**20:.1f} MiB holds fewer than 2 blocks "
+                f"({probe.page_bytes * cfg.num_layers / 2**20:.2f} MiB each); raise --kv-cache-gb"
+            )
+        return cls(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype)
+
+
+class KVCache:
+    def __init__(self, layout: KVLayout, device: torch.device):
+        self.layout = layout
+        self.buffer = torch.zeros(
+            (layout.num_layers, layout.num_blocks, 2, layout.block_size, layout.num_kv_heads, layout.head_dim),
+            dtype=layout.dtype,
+            device=device,
+        )
+
+    def layer(self, i: int) -> torch.Tensor:
+        """`[num_blocks, 2, block_size, kv_heads, head_dim]` view of layer `i`."""
+        return self.buffer[i]
+
+    @property
+    def base_address(self) -> int:
+        return self.buffer.data_ptr()
+
+    @property
+    def nbytes(self) -> int:
+        return self.layout.total_bytes

@@ -1,0 +1,255 @@
+"""The engine: requests in, token outputs out, one `step()` at a time.
+
+Single-threaded and synchronous on purpose; `async_engine.py` runs it on its own
+thread for the gRPC workers, `splitfire generate` drives it directly.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from engine.block_manager import BlockManager, BlockStats
+from engine.detokenizer import IncrementalDetokenizer
+from engine.engine_config import EngineConfig
+from engine.errors import RequestError
+from engine.kv_cache import KVCache, KVLayout
+from engine.model_config import ModelConfig
+from engine.model_runner import ModelRunner
+from engine.model_store import resolve_model
+from engine.sampling_params import SamplingParams
+from engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
+from engine.sequence import Mode, Sequence, Status, TokenLogprob
+from engine.tokenizer import Tokenizer
+from engine.weights import load_model
+
+log = logging.getLogger("splitfire.engine")
+
+
+class StepObserver(Protocol):
+    """Sees each forward pass layer by layer (the prefill worker's KV transfer plugs in here)."""
+
+    def before_forward(self, batch: list[ScheduledSeq]) -> None: ...
+
+    def after_layer(self, layer: int) -> None: ...
+
+    def after_forward(self) -> dict[str, str]:
+        """Waits for work started per layer; returns {request_id: error} for sequences that failed."""
+        ...
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    token_ids: list[int] = field(default_factory=list)  # new since the last output
+    text: str = ""  # new text since the last output
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finished: bool = False
+    finish_reason: str | None = None  # stop | length | abort | error | prefill
+    error: str | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_output_tokens: int = 0
+
+
+@dataclass
+class EngineStats:
+    blocks: BlockStats
+    running: int
+    waiting: int
+    reserved: int
+    num_preemptions: int
+    prompt_tokens_in_flight: int  # prompt tokens not yet computed, queued or running
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config.validate()
+        self.device = config.torch_device
+        self.dtype = config.torch_dtype
+        if config.threads and self.device.type == "cpu":
+            torch.set_num_threads(config.threads)
+        self.model_dir = resolve_model(config.model)
+        self.model_config = ModelConfig.from_dir(self.model_dir)
+        self.tokenizer = Tokenizer(self.model_dir)
+        t0 = time.perf_counter()
+        self.model = load_model(self.model_dir, self.device, self.dtype)
+        self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
+                                 self.model_config.max_position_embeddings)
+        self.model.build_rope_cache(self.max_model_len + 1, self.device, self.dtype)
+        self.kv = KVCache(self._kv_layout(), self.device)
+        self.blocks = BlockManager(self.kv.layout.num_blocks, config.block_size, config.enable_prefix_cache)
+        self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.blocks)
+        self.runner = ModelRunner(self.model, self.kv, self.device)
+        self.eos_token_ids = self.tokenizer.eos_token_ids or frozenset(self.model_config.eos_token_ids)
+        self.seqs: dict[str, Sequence] = {}
+        self._arrival = itertools.count()
+        log.info(
+            "engine ready model=%s device=%s dtype=%s kv_blocks=%d block_size=%d kv_mib=%.0f load_s=%.2f",
+            self.model_dir, self.device, self.dtype, self.kv.layout.num_blocks, config.block_size,
+            self.kv.nbytes / 2**20, time.perf_counter() - t0,
+        )
+
+    def _kv_layout(self) -> KVLayout:
+        budget = int(self.config.kv_cache_gb * 2**30)
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = int(free * self.config.gpu_memory_fraction)
+        return KVLayout.for_budget(self.model_config, budget, self.config.block_size, self.dtype)
+
+    # -- requests -------------------------------------------------------------------
+
+    def _new_seq(self, request_id: str, prompt: list[int], sampling: SamplingParams, tenant: str, mode: Mode) -> Sequence:
+        if request_id in self.seqs:
+            raise RequestError(f"request id {request_id!r} is already in flight")
+        if not prompt:
+            raise RequestError("prompt is empty")
+        vocab = self.model_config.vocab_size
+        if min(prompt) < 0 or max(prompt) >= vocab:
+            raise RequestError(f"prompt token ids must be in [0, {vocab})")
+        sampling.validate()
+        if len(prompt) >= self.max_model_len:
+            raise RequestError(
+                f"prompt is {len(prompt)} tokens; this model's context is {self.max_model_len} "
+                "(prompt plus at least one generated token)"
+            )
+        total = min(len(prompt) + sampling.max_tokens, self.max_model_len)
+        if self.blocks.blocks_for(total) > self.blocks.num_blocks:
+            raise RequestError(
+                f"prompt + max_tokens = {total} tokens needs {self.blocks.blocks_for(total)} KV blocks; "
+                f"this worker has {self.blocks.num_blocks} in all"
+            )
+        seq = Sequence(request_id, list(prompt), sampling, tenant=tenant, mode=mode, arrival=next(self._arrival))
+        if sampling.seed is not None:
+            seq.generator = torch.Generator(self.device).manual_seed(sampling.seed)
+        if mode == Mode.FULL:
+            seq.detok = IncrementalDetokenizer(self.tokenizer, prompt, sampling.stop)
+        return seq
+
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
+        tenant: str = "", mode: Mode = Mode.FULL,
+    ) -> Sequence:
+        seq = self._new_seq(request_id, prompt_token_ids, sampling, tenant, mode)
+        self.seqs[request_id] = seq
+        self.scheduler.add(seq)
+        return seq
+
+    def abort(self, request_id: str) -> bool:
+        seq = self.seqs.pop(request_id, None)
+        if seq is None:
+            return False
+        self.scheduler.remove(seq)
+        self.blocks.free_seq(seq)
+        seq.status, seq.finish_reason = Status.FINISHED, "abort"
+        return True
+
+    # -- disaggregated decode: KV filled by another process --------------------------
+
+    def reserve(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, tenant: str = "") -> Sequence | None:
+        """Take blocks for a prompt whose K/V another process will write. None = no blocks now.
+
+        Reuses this worker's own cached prefix: `seq.num_cached_tokens` tokens need no transfer.
+        """
+        seq = self._new_seq(request_id, prompt_token_ids, sampling, tenant, Mode.FULL)
+        if not self.blocks.allocate(seq, seq.num_tokens):
+            return None
+        seq.status = Status.RESERVED
+        self.seqs[request_id] = seq
+        return seq
+
+    def activate(self, request_id: str, first_token: int, logprob: TokenLogprob | None = None) -> RequestOutput:
+        """The prompt's K/V have landed: start decoding from `first_token`."""
+        seq = self.seqs[request_id]
+        assert seq.status == Status.RESERVED, f"{request_id} is {seq.status}, not reserved"
+        seq.num_computed_tokens = seq.num_prompt_tokens
+        self.blocks.register_computed(seq)
+        self.scheduler.add_running(seq)
+        out = RequestOutput(request_id, num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=seq.num_cached_tokens)
+        self._append_token(seq, first_token, logprob, out)
+        return out
+
+    # -- stepping -------------------------------------------------------------------
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    def step(self, observer: StepObserver | None = None) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        if not batch:
+            return []
+        hook = None
+        if observer is not None:
+            observer.before_forward(batch)
+            hook = observer.after_layer
+        samples = self.runner.run(batch, hook)
+        failed = observer.after_forward() if observer is not None else {}
+        outputs: list[RequestOutput] = []
+        it = iter(samples)
+        for s in batch:
+            seq = s.seq
+            sampled = next(it) if s.samples else None
+            seq.num_computed_tokens += s.num_tokens
+            if seq.request_id in failed:
+                outputs.append(self._finish(seq, "error", RequestOutput(seq.request_id), failed[seq.request_id]))
+                continue
+            self.blocks.register_computed(seq)
+            if sampled is None:
+                continue
+            out = RequestOutput(seq.request_id, num_prompt_tokens=seq.num_prompt_tokens,
+                                num_cached_tokens=seq.num_cached_tokens)
+            self._append_token(seq, sampled[0], sampled[1], out)
+            outputs.append(out)
+        return outputs
+
+    def _append_token(self, seq: Sequence, token: int, logprob: TokenLogprob | None, out: RequestOutput) -> None:
+        sp = seq.sampling
+        seq.output_token_ids.append(token)
+        out.token_ids.append(token)
+        if logprob is not None:
+            seq.logprobs.append(logprob)
+            out.logprobs.append(logprob)
+        out.num_output_tokens = len(seq.output_token_ids)
+        if seq.mode == Mode.PREFILL_ONLY:
+            self._finish(seq, "prefill", out)
+            return
+        if (token in self.eos_token_ids and not sp.ignore_eos) or token in sp.stop_token_ids:
+            self._finish(seq, "stop", out)
+            return
+        assert seq.detok is not None
+        text, hit_stop = seq.detok.push(token)
+        out.text += text
+        if hit_stop:
+            self._finish(seq, "stop", out)
+        elif len(seq.output_token_ids) >= sp.max_tokens or seq.num_tokens >= self.max_model_len:
+            self._finish(seq, "length", out)
+
+    def _finish(self, seq: Sequence, reason: str, out: RequestOutput, error: str | None = None) -> RequestOutput:
+        if seq.detok is not None and error is None:
+            out.text += seq.detok.flush()
+        seq.status, seq.finish_reason, seq.error = Status.FINISHED, reason, error
+        out.finished, out.finish_reason, out.error = True, reason, error
+        self.scheduler.remove(seq)
+        self.blocks.free_seq(seq)
+        self.seqs.pop(seq.request_id, None)
+        return out
+
+    def stats(self) -> EngineStats:
+        sched = self.scheduler
+        pending = sum(s.num_remaining for s in sched.waiting) + sum(
+            s.num_remaining for s in sched.running if s.num_remaining > 1
+        )
+        return EngineStats(
+            blocks=self.blocks.stats(),
+            running=len(sched.running),
+            waiting=len(sched.waiting),
+            reserved=sum(1 for s in self.seqs.values() if s.status == Status.RESERVED),
+            num_preemptions=sched.num_preemptions,
+            prompt_tokens_in_flight=pending,
+        )

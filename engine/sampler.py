@@ -1,0 +1,83 @@
+"""Turning a step's logits into tokens, one row per sequence.
+
+Pure functions of (logits, settings, generator) so tests call them directly. A seeded
+request draws its noise from its own generator, one row at a time, so its tokens do
+not depend on what else shares the batch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.sampling_params import SamplingParams
+from engine.sequence import Sequence, TokenLogprob
+
+
+def apply_penalties(logits: torch.Tensor, sp: SamplingParams, prompt: list[int], output: list[int]) -> torch.Tensor:
+    """Repetition penalty (HF semantics: over prompt and output) and OpenAI frequency/presence (output only)."""
+    logits = logits.clone()
+    if sp.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(prompt) | set(output)), dtype=torch.long, device=logits.device)
+        vals = logits[seen]
+        logits[seen] = torch.where(vals > 0, vals / sp.repetition_penalty, vals * sp.repetition_penalty)
+    if output and (sp.frequency_penalty != 0.0 or sp.presence_penalty != 0.0):
+        ids = torch.tensor(output, dtype=torch.long, device=logits.device)
+        counts = torch.zeros_like(logits).index_add_(0, ids, torch.ones_like(ids, dtype=logits.dtype))
+        logits -= sp.frequency_penalty * counts + sp.presence_penalty * (counts > 0).to(logits.dtype)
+    return logits
+
+
+def filtered_probs(logits: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
+    """Softmax at `temperature`, then top-k, top-p and min-p applied in that order (vLLM's order)."""
+    logits = logits / sp.temperature
+    if 0 < sp.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, sp.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if sp.top_p < 1.0:
+        sorted_p, order = probs.sort(descending=True)
+        # Keep the smallest prefix whose mass reaches top_p (always at least one token).
+        drop_sorted = (sorted_p.cumsum(-1) - sorted_p) >= sp.top_p
+        drop = torch.empty_like(drop_sorted).scatter_(0, order, drop_sorted)
+        probs = probs.masked_fill(drop, 0.0)
+    if sp.min_p > 0.0:
+        probs = probs.masked_fill(probs < sp.min_p * probs.max(), 0.0)
+    return probs
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    """Sample from (unnormalised) probs by the exponential race: argmax(p / E), E ~ Exp(1)."""
+    noise = torch.empty_like(probs).exponential_(generator=generator)
+    return int(torch.argmax(probs / noise))
+
+
+def top_logprobs(logprobs: torch.Tensor, token: int, n: int) -> TokenLogprob:
+    top: list[tuple[int, float]] = []
+    if n > 0:
+        vals, ids = torch.topk(logprobs, n)
+        top = list(zip(ids.tolist(), vals.tolist(), strict=True))
+    return TokenLogprob(token_id=token, logprob=float(logprobs[token]), top=top)
+
+
+def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[tuple[int, TokenLogprob | None]]:
+    """logits: [len(seqs), vocab] float32. Returns (token, logprob info or None) per sequence."""
+    out: list[tuple[int, TokenLogprob | None]] = []
+    plain_greedy = [i for i, s in enumerate(seqs) if s.sampling.greedy and not s.sampling.penalized]
+    greedy_tokens = {}
+    if plain_greedy:
+        idx = torch.tensor(plain_greedy, dtype=torch.long, device=logits.device)
+        greedy_tokens = dict(zip(plain_greedy, logits.index_select(0, idx).argmax(-1).tolist(), strict=True))
+    want_lp = [s.sampling.logprobs is not None for s in seqs]
+    raw_lp = torch.log_softmax(logits, dim=-1) if any(want_lp) else None
+    for i, seq in enumerate(seqs):
+        sp = seq.sampling
+        if i in greedy_tokens:
+            token = greedy_tokens[i]
+        else:
+            row = logits[i]
+            if sp.penalized:
+                row = apply_penalties(row, sp, seq.prompt_token_ids, seq.output_token_ids)
+            token = int(row.argmax()) if sp.greedy else draw(filtered_probs(row, sp), seq.generator)
+        info = top_logprobs(raw_lp[i], token, sp.logprobs) if raw_lp is not None and want_lp[i] else None
+        out.append((token, info))
+    return out

@@ -1,0 +1,109 @@
+"""Continuous batching: which sequences run in the next step, and how many tokens each.
+
+Every step, running decodes go first (one token each), so inter-token latency stays
+steady; the rest of the token budget goes to prompts in chunks, so a long prompt
+delays running decodes by at most one budget's worth of compute. When a decode needs
+a block and none is free, the newest sequence is preempted: its blocks are freed (full
+ones stay in the prefix cache) and it is recomputed later.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from engine.block_manager import BlockManager
+from engine.sequence import Sequence, Status
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512  # per-step token budget: the prefill chunk size
+
+
+@dataclass(eq=False)
+class ScheduledSeq:
+    seq: Sequence
+    num_tokens: int  # tokens computed this step, from seq.num_computed_tokens
+
+    @property
+    def samples(self) -> bool:
+        """True when this step reaches the end of the sequence, so its last row yields a token."""
+        return self.seq.num_computed_tokens + self.num_tokens == self.seq.num_tokens
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, blocks: BlockManager):
+        if config.max_num_batched_tokens < config.max_num_seqs:
+            raise ValueError("max_num_batched_tokens must be >= max_num_seqs (every decode needs one token)")
+        self.config = config
+        self.blocks = blocks
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = Status.WAITING
+        self.waiting.append(seq)
+
+    def add_running(self, seq: Sequence) -> None:
+        """A sequence that already holds its blocks and computed K/V (disaggregated decode)."""
+        seq.status = Status.RUNNING
+        self.running.append(seq)
+
+    def remove(self, seq: Sequence) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _preempt_newest(self) -> Sequence:
+        victim = max(self.running, key=lambda s: s.arrival)
+        self.running.remove(victim)
+        self.blocks.register_computed(victim)
+        self.blocks.free_seq(victim)
+        victim.num_computed_tokens = 0
+        victim.num_preemptions += 1
+        victim.status = Status.WAITING
+        self.waiting.appendleft(victim)
+        self.num_preemptions += 1
+        return victim
+
+    def schedule(self) -> list[ScheduledSeq]:
+        budget = self.config.max_num_batched_tokens
+        out: list[ScheduledSeq] = []
+        # 1. Decodes, oldest first; a decode that needs a block preempts the newest sequence.
+        for seq in sorted(self.running, key=lambda s: s.arrival):
+            if seq not in self.running or seq.num_remaining != 1:
+                continue
+            while not self.blocks.grow(seq, seq.num_tokens):
+                if self._preempt_newest() is seq:
+                    break
+            if seq in self.running:
+                out.append(ScheduledSeq(seq, 1))
+                budget -= 1
+        # 2. Prompts already under way (their blocks were allocated at admission).
+        for seq in sorted(self.running, key=lambda s: s.arrival):
+            if budget <= 0:
+                break
+            if seq.num_remaining > 1:
+                n = min(seq.num_remaining, budget)
+                out.append(ScheduledSeq(seq, n))
+                budget -= n
+        # 3. New (or preempted) sequences, first come first served, while blocks last.
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            if not self.blocks.allocate(seq, seq.num_tokens):
+                break
+            self.waiting.popleft()
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            n = min(seq.num_remaining, budget)
+            out.append(ScheduledSeq(seq, n))
+            budget -= n
+        return out

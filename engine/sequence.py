@@ -1,0 +1,74 @@
+"""A request inside the engine: its tokens, its block table and how far it has been computed."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.detokenizer import IncrementalDetokenizer
+from engine.sampling_params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"  # queued, holds no blocks
+    RESERVED = "reserved"  # holds blocks that another process is filling (disaggregated decode)
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Mode(enum.Enum):
+    FULL = "full"  # prefill then decode here (colocated)
+    PREFILL_ONLY = "prefill_only"  # prefill, sample the first token, stop (prefill worker)
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass(eq=False)  # identity semantics: two requests are never "equal"
+class Sequence:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    tenant: str = ""
+    mode: Mode = Mode.FULL
+    arrival: int = 0  # admission order; preemption takes the newest first
+    output_token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    block_table: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    num_cached_tokens: int = 0  # of those, how many came from the prefix cache at admission
+    num_registered_blocks: int = 0  # leading full blocks already entered in the prefix cache
+    block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of the full blocks so far
+    status: Status = Status.WAITING
+    finish_reason: str | None = None
+    error: str | None = None
+    generator: torch.Generator | None = None
+    detok: IncrementalDetokenizer | None = None
+    num_preemptions: int = 0
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_remaining(self) -> int:
+        """Tokens still to run through the model; 1 means a plain decode step."""
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def finished(self) -> bool:
+        return self.status == Status.FINISHED
