@@ -30,13 +30,24 @@ class IncrementalDetokenizer:
         self.stop = stop or []
         self.max_stop = max((len(s) for s in self.stop), default=0)
 
-    def _decode_new(self) -> str:
+    def _decode_new(self, final: bool = False) -> str:
         prefix = self.tokenizer.decode(self.tokens[self.prefix_offset : self.read_offset])
         full = self.tokenizer.decode(self.tokens[self.prefix_offset :])
-        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+        if len(full) > len(prefix) and (final or not full.endswith("\ufffd")):
             self.prefix_offset, self.read_offset = self.read_offset, len(self.tokens)
             return full[len(prefix) :]
         return ""
+
+    def _add_text(self, new: str) -> bool:
+        """Append decoded text; True (and `text` cut before it) when a stop string appears."""
+        start = max(0, len(self.text) - self.max_stop + 1)
+        self.text += new
+        if self.stop:
+            hits = [i for s in self.stop if (i := self.text.find(s, start)) != -1]
+            if hits:
+                self.text = self.text[: min(hits)]
+                return True
+        return False
 
     def push(self, token_id: int) -> tuple[str, bool]:
         """Add a generated token. Returns (text safe to emit now, whether a stop string was hit)."""
@@ -44,13 +55,8 @@ class IncrementalDetokenizer:
         new = self._decode_new()
         if not new:
             return "", False
-        start = max(0, len(self.text) - self.max_stop + 1)
-        self.text += new
-        if self.stop:
-            hits = [i for s in self.stop if (i := self.text.find(s, start)) != -1]
-            if hits:
-                self.text = self.text[: min(hits)]
-                return self.flush(), True
+        if self._add_text(new):
+            return self.flush(), True
         return self._emit(self._holdback()), False
 
     def _holdback(self) -> int:
@@ -70,5 +76,8 @@ class IncrementalDetokenizer:
         return out
 
     def flush(self) -> str:
-        """Everything not yet emitted (the request is over, so held-back text is final)."""
+        """Everything not yet emitted: the request is over, so held-back text and a trailing
+        incomplete character (decoded as U+FFFD, as every detokenizer must) are final."""
+        if self.read_offset < len(self.tokens):
+            self._add_text(self._decode_new(final=True))
         return self._emit(0)

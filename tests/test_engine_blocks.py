@@ -1,0 +1,87 @@
+"""KV blocks: tenant isolation, accounting after completion and abort, addressing."""
+
+from __future__ import annotations
+
+import torch
+from engine_helpers import drain, make_engine
+
+from engine.block_manager import BlockManager
+from engine.kv_cache import KVLayout
+from engine.sampling_params import SamplingParams
+from engine.sequence import Sequence
+
+
+def _seq(rid: str, tokens: list[int], tenant: str) -> Sequence:
+    return Sequence(rid, tokens, SamplingParams(), tenant=tenant)
+
+
+def test_prefix_blocks_never_cross_tenants():
+    bm = BlockManager(num_blocks=32, block_size=4)
+    prompt = list(range(20))
+    a = _seq("a", prompt, "tenant-a")
+    assert bm.allocate(a, len(prompt))
+    a.num_computed_tokens = len(prompt)
+    bm.register_computed(a)
+    b = _seq("b", prompt, "tenant-b")
+    assert bm.allocate(b, len(prompt))
+    assert b.num_cached_tokens == 0
+    assert not set(a.block_table) & set(b.block_table)
+    a2 = _seq("a2", prompt, "tenant-a")
+    assert bm.allocate(a2, len(prompt))
+    assert a2.num_cached_tokens == 16  # 4 full blocks, last one recomputed
+    assert a2.block_table[:4] == a.block_table[:4]
+
+
+def test_cached_blocks_are_reclaimed_lru_on_demand():
+    bm = BlockManager(num_blocks=4, block_size=4)
+    s = _seq("s", list(range(16)), "")
+    assert bm.allocate(s, 16)
+    s.num_computed_tokens = 16
+    bm.register_computed(s)
+    bm.free_seq(s)
+    assert bm.stats().cached == 4 and bm.stats().free == 0
+    t = _seq("t", list(range(100, 116)), "")
+    assert bm.allocate(t, 16)  # every cached block is evicted to make room
+    assert bm.stats().used == 4 and not bm.hash_to_block
+
+
+def test_blocks_return_after_completion_and_abort(tiny_model_dir):
+    engine = make_engine(tiny_model_dir)
+    total = engine.blocks.num_blocks
+    for i in range(4):
+        engine.add_request(f"done{i}", list(range(3 + i, 60 + i)), SamplingParams(temperature=0, max_tokens=5))
+    engine.add_request("aborted", list(range(3, 90)), SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
+    engine.step()
+    engine.step()
+    assert engine.blocks.stats().used > 0
+    assert engine.abort("aborted")
+    drain(engine)
+    s = engine.blocks.stats()
+    assert s.used == 0 and s.free + s.cached == total
+    assert not engine.seqs
+
+
+def test_request_that_can_never_fit_is_rejected(tiny_model_dir):
+    import pytest
+
+    from engine.errors import RequestError
+
+    engine = make_engine(tiny_model_dir, kv_cache_gb=8 * 8192 / 2**30)
+    with pytest.raises(RequestError, match="KV blocks"):
+        engine.add_request("big", list(range(3, 100)), SamplingParams(max_tokens=200))
+    with pytest.raises(RequestError, match="context"):
+        engine.add_request("long", [5] * 2000, SamplingParams(max_tokens=1))
+    with pytest.raises(RequestError, match="empty"):
+        engine.add_request("empty", [], SamplingParams())
+    with pytest.raises(RequestError, match="token ids"):
+        engine.add_request("oov", [10**6], SamplingParams())
+
+
+def test_page_addressing_matches_the_buffer():
+    layout = KVLayout(num_layers=3, num_blocks=5, block_size=4, num_kv_heads=2, head_dim=8, dtype=torch.float32)
+    buf = torch.arange(3 * 5 * 2 * 4 * 2 * 8, dtype=torch.float32).view(3, 5, 2, 4, 2, 8)
+    base = buf.data_ptr()
+    for layer, block in [(0, 0), (1, 3), (2, 4)]:
+        assert buf[layer, block].data_ptr() - base == layout.page_offset(layer, block)
+    assert layout.page_bytes == buf[0, 0].numel() * 4
+    assert layout.page_offset(1, 3) + 2 * layout.page_bytes == layout.page_offset(2, 0)

@@ -1,0 +1,98 @@
+"""Sampling: seeds, filters, penalties, stop conditions, logprobs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from engine_helpers import drain, make_engine
+
+from engine.errors import RequestError
+from engine.sampler import apply_penalties, filtered_probs
+from engine.sampling_params import SamplingParams
+
+
+def test_same_seed_same_tokens_alone_and_in_batch(tiny_model_dir):
+    sp = dict(temperature=1.0, top_p=0.95, max_tokens=20, ignore_eos=True)
+    prompt = list(range(5, 30))
+    alone = make_engine(tiny_model_dir)
+    alone.add_request("s", prompt, SamplingParams(seed=1234, **sp))
+    solo = drain(alone)["s"].token_ids
+
+    batch = make_engine(tiny_model_dir)
+    for i in range(6):
+        batch.add_request(f"n{i}", list(range(40 + i, 60 + 2 * i)), SamplingParams(**sp))
+    batch.add_request("s", prompt, SamplingParams(seed=1234, **sp))
+    batched = drain(batch)
+    assert batched["s"].token_ids == solo
+    # And a different seed diverges (20 tokens over a 400-token vocab at T=1).
+    other = make_engine(tiny_model_dir)
+    other.add_request("s", prompt, SamplingParams(seed=99, **sp))
+    assert drain(other)["s"].token_ids != solo
+
+
+def test_top_k_top_p_min_p_filters():
+    logits = torch.tensor([3.0, 2.0, 1.0, 0.0, -1.0])
+    p = filtered_probs(logits, SamplingParams(temperature=1.0, top_k=2))
+    assert (p[2:] == 0).all() and p[0] > p[1] > 0
+    p = filtered_probs(logits, SamplingParams(temperature=1.0, top_p=0.7))
+    full = torch.softmax(logits, -1)
+    assert full[0] < 0.7 < full[0] + full[1]
+    assert (p[:2] > 0).all() and (p[2:] == 0).all()
+    p = filtered_probs(logits, SamplingParams(temperature=1.0, min_p=0.3))
+    assert (p > 0).tolist() == [True, True, False, False, False]
+
+
+def test_penalties():
+    logits = torch.tensor([2.0, -2.0, 1.0, 1.0])
+    out = apply_penalties(logits, SamplingParams(repetition_penalty=2.0), prompt=[0], output=[1])
+    assert out.tolist() == [1.0, -4.0, 1.0, 1.0]
+    out = apply_penalties(logits, SamplingParams(frequency_penalty=0.5, presence_penalty=1.0), prompt=[2], output=[3, 3])
+    assert out.tolist() == [2.0, -2.0, 1.0, -1.0]
+
+
+def test_stop_string_never_partially_emitted(tiny_model_dir):
+    engine = make_engine(tiny_model_dir)
+    prompt = list(range(5, 30))
+    engine.add_request("free", prompt, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+    full = drain(engine)["free"].text
+    assert len(full) > 12
+    stop = full[8:12]
+    engine.add_request("stopped", prompt, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop=[stop]))
+    r = drain(engine)["stopped"]
+    assert r.finish_reason == "stop"
+    assert r.text == full[: full.index(stop)]
+
+
+def test_max_tokens_and_stop_token_ids(tiny_model_dir):
+    engine = make_engine(tiny_model_dir)
+    prompt = list(range(5, 30))
+    engine.add_request("len", prompt, SamplingParams(temperature=0, max_tokens=7, ignore_eos=True))
+    r = drain(engine)["len"]
+    assert len(r.token_ids) == 7 and r.finish_reason == "length"
+    engine.add_request("tok", prompt, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop_token_ids=[r.token_ids[3]]))
+    r2 = drain(engine)["tok"]
+    assert r2.finish_reason == "stop" and r2.token_ids == r.token_ids[: r.token_ids.index(r.token_ids[3]) + 1]
+
+
+def test_logprobs_are_normalised_and_ranked(tiny_model_dir):
+    engine = make_engine(tiny_model_dir)
+    seq = engine.add_request("lp", list(range(5, 20)), SamplingParams(temperature=0, max_tokens=4, logprobs=3, ignore_eos=True))
+    drain(engine)
+    assert len(seq.logprobs) == 4
+    for lp in seq.logprobs:
+        assert len(lp.top) == 3
+        assert lp.top[0][0] == lp.token_id  # greedy picks the most likely
+        assert lp.top[0][1] >= lp.top[1][1] >= lp.top[2][1]
+        assert lp.logprob <= 0 and math.isclose(lp.logprob, lp.top[0][1], rel_tol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [dict(temperature=-1), dict(top_p=0), dict(top_p=1.5), dict(max_tokens=0), dict(logprobs=50),
+     dict(min_p=2), dict(top_k=-1), dict(stop=[""]), dict(frequency_penalty=3)],
+)
+def test_invalid_sampling_is_rejected(kw):
+    with pytest.raises(RequestError):
+        SamplingParams(**kw).validate()
