@@ -149,6 +149,18 @@ class LLMEngine:
         seq.status, seq.finish_reason = Status.FINISHED, "abort"
         return True
 
+    def hold(self, request_id: str) -> Sequence | None:
+        """Stop a request but keep its blocks (another process may still be writing into them)."""
+        seq = self.seqs.pop(request_id, None)
+        if seq is not None:
+            self.scheduler.remove(seq)
+            seq.status, seq.finish_reason = Status.FINISHED, "abort"
+        return seq
+
+    def release(self, seq: Sequence) -> None:
+        """Free the blocks of a request stopped with `hold`."""
+        self.blocks.free_seq(seq)
+
     # -- disaggregated decode: KV filled by another process --------------------------
 
     def reserve(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, tenant: str = "") -> Sequence | None:
@@ -173,6 +185,12 @@ class LLMEngine:
         out = RequestOutput(request_id, num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=seq.num_cached_tokens)
         self._append_token(seq, first_token, logprob, out)
         return out
+
+    def start_local_prefill(self, request_id: str) -> None:
+        """A reserved request will be prefilled here after all (short uncached suffix)."""
+        seq = self.seqs[request_id]
+        assert seq.status == Status.RESERVED, f"{request_id} is {seq.status}, not reserved"
+        self.scheduler.add_running(seq)
 
     # -- stepping -------------------------------------------------------------------
 
@@ -239,6 +257,12 @@ class LLMEngine:
         self.blocks.free_seq(seq)
         self.seqs.pop(seq.request_id, None)
         return out
+
+    def kv_tokens_held(self) -> int:
+        return sum(s.num_computed_tokens for s in self.seqs.values())
+
+    def decode_tokens_remaining(self) -> int:
+        return sum(max(s.sampling.max_tokens - len(s.output_token_ids), 0) for s in self.seqs.values())
 
     def stats(self) -> EngineStats:
         sched = self.scheduler

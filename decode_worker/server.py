@@ -1,0 +1,41 @@
+"""`splitfire decode` (remote prefill over Mooncake) and `splitfire serve` (colocated, role both)."""
+
+from __future__ import annotations
+
+import argparse
+
+from decode_worker.service import DecodeService
+from engine.service.config import WorkerConfig, add_worker_args, worker_config_from
+from engine.service.lifecycle import load_context, new_server, serve
+from engine.service.worker_service import WorkerService
+from protos import splitfire_pb2_grpc as pb_grpc
+
+
+async def run(cfg: WorkerConfig) -> None:
+    ctx = load_context(cfg)
+    mooncake = None
+    if cfg.role == "decode":
+        from kvtransfer.mooncake_engine import MooncakeEngine
+        from prefill_worker.server import register_kv
+
+        mooncake = MooncakeEngine(cfg.transfer)
+        region = register_kv(mooncake, ctx.engine.engine)
+        decode = DecodeService(ctx, region, mooncake.segment)
+    else:
+        decode = DecodeService(ctx)
+    server = new_server()
+    pb_grpc.add_DecodeServicer_to_server(decode, server)
+    pb_grpc.add_WorkerServicer_to_server(WorkerService(ctx, extra_abort=decode.cancel_remote), server)
+    try:
+        await serve(ctx, server)
+    finally:
+        if mooncake is not None:
+            mooncake.close()
+
+
+def add_args(p: argparse.ArgumentParser, role: str) -> None:
+    add_worker_args(p, role)
+
+
+def config_from(args: argparse.Namespace, role: str) -> WorkerConfig:
+    return worker_config_from(args, role)

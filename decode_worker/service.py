@@ -1,0 +1,202 @@
+"""gRPC `Generate`: get the prompt's K/V (from a prefill worker, or computed here), then decode
+in the continuous batch and stream tokens, several per message when the reader lags."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+import grpc
+
+from decode_worker.prefill_policy import PrefillDecision, decide_prefill
+from engine.errors import RequestError
+from engine.sampling_params import SamplingParams
+from engine.service.convert import (
+    event_from_output,
+    logprob_from_proto,
+    sampling_from_proto,
+    sampling_to_proto,
+    token_ids_from_proto,
+)
+from engine.service.lifecycle import GRPC_OPTIONS
+from engine.service.worker_service import WorkerContext
+from kvtransfer.descriptors import KVRegion
+from protos import splitfire_pb2 as pb
+from protos import splitfire_pb2_grpc as pb_grpc
+
+log = logging.getLogger("splitfire.decode")
+
+RESERVE_RETRY_S = 0.01
+
+
+class GenerateError(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+class DecodeService(pb_grpc.DecodeServicer):
+    def __init__(self, ctx: WorkerContext, region: KVRegion | None = None, segment: str | None = None):
+        self.ctx = ctx
+        self.region = region  # None in the colocated role: no remote prefill
+        self.segment = segment
+        self._stubs: dict[str, pb_grpc.PrefillStub] = {}
+        self._channels: list[grpc.aio.Channel] = []
+        self._remote_calls: dict[str, grpc.aio.UnaryUnaryCall] = {}
+
+    def _stub(self, endpoint: str) -> pb_grpc.PrefillStub:
+        stub = self._stubs.get(endpoint)
+        if stub is None:
+            channel = grpc.aio.insecure_channel(endpoint, options=GRPC_OPTIONS)
+            self._channels.append(channel)
+            stub = self._stubs[endpoint] = pb_grpc.PrefillStub(channel)
+        return stub
+
+    async def cancel_remote(self, rid: str) -> bool:
+        call = self._remote_calls.pop(rid, None)
+        if call is not None:
+            call.cancel()
+        return call is not None
+
+    # -- getting the prompt's K/V -----------------------------------------------------
+
+    async def _reserve(self, rid: str, ids: list[int], sampling: SamplingParams, tenant: str) -> tuple[int, list[int]]:
+        aeng = self.ctx.engine
+        deadline = time.monotonic() + self.ctx.config.reserve_timeout_s
+
+        def reserve(engine):
+            seq = engine.reserve(rid, ids, sampling, tenant)
+            return None if seq is None else (seq.num_cached_tokens, list(seq.block_table))
+
+        while True:
+            try:
+                got = await aeng.call(reserve)
+            except RequestError as e:
+                raise GenerateError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from e
+            if got is not None:
+                return got
+            if time.monotonic() > deadline:
+                raise GenerateError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                    f"no free KV blocks for {len(ids)} tokens within {self.ctx.config.reserve_timeout_s:.0f}s")
+            await asyncio.sleep(RESERVE_RETRY_S)
+
+    async def _remote_prefill(self, rid: str, request: pb.GenerateRequest, cached: int, blocks: list[int]) -> None:
+        assert self.region is not None and self.segment is not None
+        bs = self.ctx.engine.engine.config.block_size
+        first = cached // bs
+        dest = pb.KVDestination(
+            segment=self.segment, base_address=self.region.base_address, num_blocks=self.region.num_blocks,
+            num_layers=self.region.num_layers, page_bytes=self.region.page_bytes, first_block=first,
+            block_ids=blocks[first:],
+        )
+        preq = pb.PrefillRequest(request_id=rid, token_ids=request.token_ids, sampling=request.sampling,
+                                 tenant=request.tenant, destination=dest)
+        endpoint = request.prefill_endpoint
+        call = self._stub(endpoint).Prefill(preq, timeout=self.ctx.config.prefill_timeout_s)
+        self._remote_calls[rid] = call
+        try:
+            resp: pb.PrefillResponse = await call
+        except asyncio.CancelledError:
+            call.cancel()
+            self.ctx.engine.quarantine(rid, self.ctx.config.kv_quarantine_s)
+            raise
+        except grpc.aio.AioRpcError as e:
+            self.ctx.engine.quarantine(rid, self.ctx.config.kv_quarantine_s)
+            code = e.code()
+            if code == grpc.StatusCode.CANCELLED:
+                raise GenerateError(code, f"request {rid} was aborted during prefill") from e
+            if code not in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.DEADLINE_EXCEEDED,
+                            grpc.StatusCode.RESOURCE_EXHAUSTED):
+                code = grpc.StatusCode.UNAVAILABLE
+            raise GenerateError(code, f"prefill worker {endpoint} failed: {e.code().name}: {e.details()}") from e
+        finally:
+            self._remote_calls.pop(rid, None)
+        lp = logprob_from_proto(resp.logprob) if resp.HasField("logprob") else None
+        log.info("event=kv_received rid=%s prefill=%s bytes=%d entries=%d transfer_s=%.4f prefill_cached=%d",
+                 rid, endpoint, resp.transfer_bytes, resp.transfer_entries, resp.transfer_seconds, resp.cached_tokens)
+        await self.ctx.engine.call_and_deliver(lambda e: [e.activate(rid, resp.first_token, lp)])
+
+    async def _start(self, rid: str, request: pb.GenerateRequest, ids: list[int], sampling: SamplingParams) -> PrefillDecision:
+        aeng, cfg = self.ctx.engine, self.ctx.config
+        if cfg.role == "both" or self.region is None:
+            try:
+                await aeng.call(lambda e: e.add_request(rid, ids, sampling, request.tenant))
+            except RequestError as e:
+                raise GenerateError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from e
+            return PrefillDecision(False, "colocated")
+        cached, blocks = await self._reserve(rid, ids, sampling, request.tenant)
+        decision = decide_prefill(len(ids), cached, bool(request.prefill_endpoint),
+                                  cfg.local_prefill_max_tokens, cfg.local_prefill_max_fraction)
+        self.ctx.metrics.prefill_mode.labels(role=cfg.role, mode="remote" if decision.remote else "local",
+                                             reason=decision.reason).inc()
+        log.info("event=prefill_decision rid=%s remote=%s reason=%s prompt=%d cached=%d",
+                 rid, decision.remote, decision.reason, len(ids), cached)
+        if decision.remote:
+            await self._remote_prefill(rid, request, cached, blocks)
+        else:
+            await aeng.call(lambda e: e.start_local_prefill(rid))
+        return decision
+
+    # -- the RPC ----------------------------------------------------------------------
+
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateEvent]:
+        ctx, aeng = self.ctx, self.ctx.engine
+        await ctx.refuse_if_draining(context)
+        rid = request.request_id or uuid.uuid4().hex
+        try:
+            ids = token_ids_from_proto(request.token_ids)
+            sampling = sampling_from_proto(request.sampling)
+        except RequestError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        t0 = time.perf_counter()
+        stream = aeng.open_stream(rid)
+        ctx.inflight.add(rid)
+        done = False
+        m, lbl = ctx.metrics, ctx.metrics.labels
+        try:
+            try:
+                decision = await self._start(rid, request, ids, sampling)
+            except GenerateError as e:
+                done = True
+                m.requests.labels(role=ctx.config.role, outcome="error").inc()
+                log.warning("event=generate_failed rid=%s code=%s error=%r", rid, e.code.name, str(e))
+                await context.abort(e.code, str(e))
+            mode = "colocated" if decision.reason == "colocated" else ("remote" if decision.remote else "local")
+            last = None
+            async for out in stream:
+                now = time.perf_counter()
+                if out.error is not None:
+                    done = True
+                    m.requests.labels(role=ctx.config.role, outcome="error").inc()
+                    await context.abort(grpc.StatusCode.INTERNAL, f"request {rid}: {out.error}")
+                if out.finish_reason == "abort":
+                    done = True
+                    await context.abort(grpc.StatusCode.CANCELLED, f"request {rid} was aborted")
+                ev = event_from_output(out)
+                if last is None:
+                    ev.prefill_mode, ev.prefill_reason = mode, decision.reason
+                    m.ttft.labels(**lbl).observe(now - t0)
+                elif out.token_ids:
+                    per = (now - last) / len(out.token_ids)
+                    for _ in out.token_ids:
+                        m.itl.labels(**lbl).observe(per)
+                last = now
+                if out.finished:
+                    done = True
+                    m.requests.labels(role=ctx.config.role, outcome=out.finish_reason or "stop").inc()
+                    log.info("event=generate_done rid=%s mode=%s prompt=%d cached=%d output=%d finish=%s total_s=%.3f",
+                             rid, mode, out.num_prompt_tokens, out.num_cached_tokens, out.num_output_tokens,
+                             out.finish_reason, now - t0)
+                yield ev
+        finally:
+            aeng.close_stream(rid)
+            ctx.inflight.discard(rid)
+            if not done:  # the client went away (or the router cancelled): stop the work everywhere
+                log.info("event=generate_cancelled rid=%s", rid)
+                if rid in self._remote_calls:
+                    await self.cancel_remote(rid)
+                else:
+                    aeng.abort(rid)

@@ -1,0 +1,235 @@
+"""Runs an `LLMEngine` on its own thread and bridges it to asyncio.
+
+The engine thread owns the engine: every change (add, abort, reserve, activate) is a
+command it runs between steps, so the engine needs no locks. Outputs of a step are
+handed to the event loop in one call; each request's stream merges whatever piled up
+since its reader last looked, so a slow reader costs one bigger message, never a
+stalled decode loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from engine.llm_engine import LLMEngine, RequestOutput, StepObserver
+
+log = logging.getLogger("splitfire.engine")
+T = TypeVar("T")
+
+
+class RequestStream:
+    """Outputs of one request, merged while unread."""
+
+    def __init__(self, request_id: str):
+        self.request_id = request_id
+        self._pending: RequestOutput | None = None
+        self._event = asyncio.Event()
+        self.finished = False
+
+    def push(self, out: RequestOutput) -> None:
+        p = self._pending
+        if p is None:
+            self._pending = out
+        else:
+            p.token_ids += out.token_ids
+            p.text += out.text
+            p.logprobs += out.logprobs
+            p.finished, p.finish_reason, p.error = out.finished, out.finish_reason, out.error
+            p.num_output_tokens = out.num_output_tokens
+            p.num_prompt_tokens = out.num_prompt_tokens or p.num_prompt_tokens
+            p.num_cached_tokens = out.num_cached_tokens or p.num_cached_tokens
+        self._event.set()
+
+    async def next(self) -> RequestOutput | None:
+        """Everything produced since the last call; None once the request is over."""
+        if self.finished:
+            return None
+        await self._event.wait()
+        self._event.clear()
+        out, self._pending = self._pending, None
+        assert out is not None
+        self.finished = out.finished
+        return out
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        out = await self.next()
+        if out is None:
+            raise StopAsyncIteration
+        return out
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, observer: StepObserver | None = None):
+        self.engine = engine
+        self.observer = observer
+        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._timers: list[tuple[float, int, Callable[[LLMEngine], Any]]] = []  # engine-thread only
+        self._seq = itertools.count()
+        self._streams: dict[str, RequestStream] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self.step_count = 0
+        self.on_step: Callable[[list[RequestOutput], float, int], None] | None = None  # metrics hook (loop thread)
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self._thread.start()
+
+    async def stop(self) -> None:
+        self._stopping = True
+        self._wake.set()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, 10)
+
+    # -- commands (called from the event loop) ----------------------------------------
+
+    def call(self, fn: Callable[[LLMEngine], T]) -> asyncio.Future[T]:
+        """Run `fn(engine)` on the engine thread between steps; its result or exception comes back."""
+        assert self._loop is not None, "start() first"
+        loop = self._loop
+        fut: asyncio.Future[T] = loop.create_future()
+
+        def run() -> None:
+            try:
+                res = fn(self.engine)
+            except BaseException as e:  # handed to the awaiting caller, which decides
+                loop.call_soon_threadsafe(_settle, fut, None, e)
+            else:
+                loop.call_soon_threadsafe(_settle, fut, res, None)
+
+        self._commands.put(run)
+        self._wake.set()
+        return fut
+
+    def call_and_deliver(self, fn: Callable[[LLMEngine], list[RequestOutput]]) -> asyncio.Future[None]:
+        """Like `call`, for commands that produce outputs (e.g. activating a prefilled request):
+        the outputs reach their streams before anything a later step produces."""
+        assert self._loop is not None, "start() first"
+        loop = self._loop
+
+        def wrapped(engine: LLMEngine) -> None:
+            outputs = fn(engine)
+            loop.call_soon_threadsafe(self.deliver, outputs)
+
+        return self.call(wrapped)
+
+    def abort(self, request_id: str) -> asyncio.Future[None]:
+        """Abort a request; its stream (if open) ends with finish_reason "abort"."""
+
+        def run(engine: LLMEngine) -> list[RequestOutput]:
+            if engine.abort(request_id):
+                return [RequestOutput(request_id, finished=True, finish_reason="abort")]
+            return []
+
+        return self.call_and_deliver(run)
+
+    def quarantine(self, request_id: str, delay_s: float) -> None:
+        """Stop a request now but free its blocks only after `delay_s`: a failed or cancelled
+        transfer may still land writes in them (Mooncake keeps writing after a failed call)."""
+
+        def hold(engine: LLMEngine) -> None:
+            seq = engine.hold(request_id)
+            if seq is not None:
+                heapq.heappush(self._timers, (time.monotonic() + delay_s, next(self._seq), lambda e: e.release(seq)))
+
+        self._commands.put(lambda: hold(self.engine))
+        self._wake.set()
+
+    def call_later(self, delay_s: float, fn: Callable[[LLMEngine], Any]) -> None:
+        """Run `fn(engine)` on the engine thread after `delay_s` (e.g. releasing quarantined blocks)."""
+
+        def schedule() -> None:
+            heapq.heappush(self._timers, (time.monotonic() + delay_s, next(self._seq), fn))
+
+        self._commands.put(schedule)
+        self._wake.set()
+
+    def open_stream(self, request_id: str) -> RequestStream:
+        stream = RequestStream(request_id)
+        self._streams[request_id] = stream
+        return stream
+
+    def close_stream(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
+
+    def deliver(self, outputs: list[RequestOutput]) -> None:
+        """Route outputs to their streams (event-loop thread)."""
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is not None:
+                stream.push(out)
+                if out.finished:
+                    self._streams.pop(out.request_id, None)
+
+    # -- engine thread ----------------------------------------------------------------
+
+    def _run_due_timers(self) -> float | None:
+        now = time.monotonic()
+        while self._timers and self._timers[0][0] <= now:
+            _, _, fn = heapq.heappop(self._timers)
+            try:
+                fn(self.engine)
+            except Exception:
+                log.exception("event=timer_failed")
+        return self._timers[0][0] - now if self._timers else None
+
+    def _run(self) -> None:
+        assert self._loop is not None
+        loop = self._loop
+        while not self._stopping:
+            while True:
+                try:
+                    cmd = self._commands.get_nowait()
+                except queue.Empty:
+                    break
+                cmd()
+            next_timer = self._run_due_timers()
+            if not self.engine.has_work:
+                self._wake.wait(timeout=next_timer if next_timer is not None else 1.0)
+                self._wake.clear()
+                continue
+            t0 = time.perf_counter()
+            try:
+                outputs = self.engine.step(self.observer)
+            except Exception as e:
+                log.exception("event=step_failed running=%d", len(self.engine.scheduler.running))
+                outputs = self._fail_all(f"engine step failed: {type(e).__name__}: {e}")
+            self.step_count += 1
+            if outputs or self.on_step is not None:
+                dt = time.perf_counter() - t0
+                loop.call_soon_threadsafe(self._after_step, outputs, dt)
+
+    def _after_step(self, outputs: list[RequestOutput], step_s: float) -> None:
+        self.deliver(outputs)
+        if self.on_step is not None:
+            self.on_step(outputs, step_s, len(self.engine.scheduler.running))
+
+    def _fail_all(self, message: str) -> list[RequestOutput]:
+        outs = []
+        for rid in list(self.engine.seqs):
+            self.engine.abort(rid)
+            outs.append(RequestOutput(rid, finished=True, finish_reason="error", error=message))
+        return outs
+
+
+def _settle(fut: asyncio.Future, result: Any, exc: BaseException | None) -> None:
+    if fut.done():
+        return
+    if exc is not None:
+        fut.set_exception(exc)
+    else:
+        fut.set_result(result)

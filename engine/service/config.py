@@ -1,0 +1,157 @@
+"""One config dataclass per worker process, from CLI flags (and `SPLITFIRE_<FLAG>` env vars)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass, field
+
+from engine.engine_config import EngineConfig
+from kvtransfer.config import TransferConfig
+
+ROLES = ("prefill", "decode", "both")
+DEFAULT_GRPC_PORT = {"prefill": 50061, "decode": 50051, "both": 50051}
+
+
+@dataclass
+class WorkerConfig:
+    role: str
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    transfer: TransferConfig = field(default_factory=TransferConfig)
+    host: str = "0.0.0.0"  # bind address of the gRPC and metrics servers
+    grpc_port: int = 50051
+    metrics_port: int = 0  # 0 = grpc_port + 1000
+    advertise: str = ""  # host:port the router should dial; default <mooncake host>:<grpc port>
+    redis_url: str = ""  # self-register with a heartbeat here (router discovery)
+    cpus: list[int] = field(default_factory=list)  # pin the process to these cores
+    drain_timeout_s: float = 30.0
+    # decode role: conditional disaggregation and remote-prefill safety
+    local_prefill_max_tokens: int = 128
+    local_prefill_max_fraction: float = 0.5
+    prefill_timeout_s: float = 120.0
+    kv_quarantine_s: float = 5.0  # hold blocks this long after a failed/aborted transfer (late writes)
+    reserve_timeout_s: float = 30.0  # wait this long for free KV blocks before refusing a request
+
+    def validate(self) -> WorkerConfig:
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+        if not 0 < self.grpc_port < 65536:
+            raise ValueError(f"--grpc-port must be in 1..65535, got {self.grpc_port}")
+        if self.metrics_port == 0:
+            self.metrics_port = self.grpc_port + 1000
+        if not 0 < self.metrics_port < 65536 or self.metrics_port == self.grpc_port:
+            raise ValueError(f"--metrics-port must be in 1..65535 and differ from --grpc-port, got {self.metrics_port}")
+        if self.local_prefill_max_tokens < 0 or not 0 <= self.local_prefill_max_fraction <= 1:
+            raise ValueError("--local-prefill-max-tokens must be >= 0 and --local-prefill-max-fraction in [0, 1]")
+        for name in ("prefill_timeout_s", "kv_quarantine_s", "reserve_timeout_s", "drain_timeout_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0")
+        if self.cpus and any(c < 0 or c >= (os.cpu_count() or 1) for c in self.cpus):
+            raise ValueError(f"--cpus {self.cpus} names a core this machine does not have ({os.cpu_count()} cores)")
+        if not self.advertise:
+            self.advertise = f"{self.transfer.hostname}:{self.grpc_port}"
+        self.engine.validate()
+        if self.role != "both":
+            self.transfer.validate()
+        return self
+
+
+def _env(name: str, default: object) -> object:
+    return os.environ.get(f"SPLITFIRE_{name.upper()}", default)
+
+
+def parse_cpus(spec: str) -> list[int]:
+    """'0', '0,1', '2-5' → core ids."""
+    out: list[int] = []
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        if "-" in part:
+            lo, hi = part.split("-", 1)
+            out.extend(range(int(lo), int(hi) + 1))
+        else:
+            out.append(int(part))
+    return out
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model and engine")
+    g.add_argument("--model", default=os.environ.get("SPLITFIRE_MODEL"), help="built-in name, HF model dir or .gguf (env SPLITFIRE_MODEL; default smollm2-135m-instruct)")
+    g.add_argument("--device", default=_env("device", "auto"), choices=["auto", "cpu", "cuda"])
+    g.add_argument("--dtype", default=_env("dtype", "auto"), choices=["auto", "float32", "bfloat16"])
+    g.add_argument("--kv-cache-gb", type=float, default=float(_env("kv_cache_gb", 1.0)), help="KV cache size on CPU (GiB)")
+    g.add_argument("--gpu-memory-fraction", type=float, default=float(_env("gpu_memory_fraction", 0.85)),
+                   help="fraction of free GPU memory (after weights) for the KV cache")
+    g.add_argument("--block-size", type=int, default=int(_env("block_size", 16)), help="tokens per KV block")
+    g.add_argument("--max-num-seqs", type=int, default=int(_env("max_num_seqs", 64)), help="running batch limit")
+    g.add_argument("--max-num-batched-tokens", type=int, default=int(_env("max_num_batched_tokens", 512)),
+                   help="tokens per step (prefill chunk size)")
+    g.add_argument("--max-model-len", type=int, default=_env("max_model_len", None), help="context limit (default: the model's)")
+    g.add_argument("--no-prefix-cache", action="store_true", help="disable prefix caching")
+    g.add_argument("--threads", type=int, default=_env("threads", None), help="torch CPU threads")
+
+
+def engine_config_from(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        model=args.model,
+        device=args.device,
+        dtype=args.dtype,
+        block_size=args.block_size,
+        kv_cache_gb=args.kv_cache_gb,
+        gpu_memory_fraction=args.gpu_memory_fraction,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=int(args.max_model_len) if args.max_model_len else None,
+        enable_prefix_cache=not args.no_prefix_cache,
+        threads=int(args.threads) if args.threads else None,
+    )
+
+
+def add_worker_args(p: argparse.ArgumentParser, role: str) -> None:
+    add_engine_args(p)
+    g = p.add_argument_group("serving")
+    g.add_argument("--host", default=_env("host", "0.0.0.0"), help="bind address")
+    g.add_argument("--grpc-port", type=int, default=int(_env("grpc_port", DEFAULT_GRPC_PORT[role])))
+    g.add_argument("--metrics-port", type=int, default=int(_env("metrics_port", 0)), help="Prometheus /metrics (default grpc port + 1000)")
+    g.add_argument("--advertise", default=_env("advertise", ""), help="host:port the router dials (default <mooncake-host>:<grpc-port>)")
+    g.add_argument("--redis-url", default=os.environ.get("REDIS_URL", ""), help="self-register here for router discovery (env REDIS_URL)")
+    g.add_argument("--cpus", default=_env("cpus", ""), help="pin to these cores, e.g. 0 or 0-3 (also sets torch threads)")
+    g.add_argument("--drain-timeout", type=float, default=float(_env("drain_timeout", 30.0)), help="SIGTERM: seconds to finish in-flight requests")
+    m = p.add_argument_group("KV transfer (Mooncake)")
+    m.add_argument("--mooncake-protocol", default=_env("mooncake_protocol", "tcp"), choices=["tcp", "rdma"])
+    m.add_argument("--mooncake-metadata", default=_env("mooncake_metadata", "P2PHANDSHAKE"),
+                   help="P2PHANDSHAKE, etcd://host:port or http://host:port/metadata")
+    m.add_argument("--mooncake-host", default=_env("mooncake_host", "127.0.0.1"), help="address peers reach this worker at")
+    m.add_argument("--mooncake-device", default=_env("mooncake_device", ""), help="RDMA NICs, e.g. mlx5_0,mlx5_1")
+    m.add_argument("--mooncake-timeout", type=int, default=int(_env("mooncake_timeout", 30)), help="seconds (>= 5)")
+    if role in ("decode", "both"):
+        d = p.add_argument_group("decode")
+        d.add_argument("--local-prefill-max-tokens", type=int, default=int(_env("local_prefill_max_tokens", 128)),
+                       help="prefill here when the uncached prompt part is at most this many tokens ...")
+        d.add_argument("--local-prefill-max-fraction", type=float, default=float(_env("local_prefill_max_fraction", 0.5)),
+                       help="... and at most this fraction of the prompt (0 disables local prefill)")
+        d.add_argument("--prefill-timeout", type=float, default=float(_env("prefill_timeout", 120.0)))
+        d.add_argument("--kv-quarantine", type=float, default=float(_env("kv_quarantine", 5.0)),
+                       help="seconds to hold blocks after a failed or aborted transfer")
+
+
+def worker_config_from(args: argparse.Namespace, role: str) -> WorkerConfig:
+    cfg = WorkerConfig(
+        role=role,
+        engine=engine_config_from(args),
+        transfer=TransferConfig(
+            hostname=args.mooncake_host, protocol=args.mooncake_protocol, metadata=args.mooncake_metadata,
+            device_name=args.mooncake_device, timeout_s=args.mooncake_timeout,
+        ),
+        host=args.host,
+        grpc_port=args.grpc_port,
+        metrics_port=args.metrics_port,
+        advertise=args.advertise,
+        redis_url=args.redis_url,
+        cpus=parse_cpus(args.cpus) if args.cpus else [],
+        drain_timeout_s=args.drain_timeout,
+    )
+    if role in ("decode", "both"):
+        cfg.local_prefill_max_tokens = args.local_prefill_max_tokens
+        cfg.local_prefill_max_fraction = args.local_prefill_max_fraction
+        cfg.prefill_timeout_s = args.prefill_timeout
+        cfg.kv_quarantine_s = args.kv_quarantine
+    return cfg.validate()

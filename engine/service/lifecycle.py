@@ -1,0 +1,131 @@
+"""Starting a worker process and stopping it cleanly: load, serve gRPC + /metrics, drain on SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import time
+
+import grpc
+import torch
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from engine.async_engine import AsyncEngine
+from engine.llm_engine import LLMEngine, RequestOutput, StepObserver
+from engine.service.config import WorkerConfig
+from engine.service.metrics import WorkerMetrics
+from engine.service.worker_service import WorkerContext
+
+log = logging.getLogger("splitfire.worker")
+
+GRPC_OPTIONS = [
+    ("grpc.max_receive_message_length", 64 * 2**20),
+    ("grpc.max_send_message_length", 64 * 2**20),
+    ("grpc.so_reuseport", 0),
+]
+
+
+def apply_cpu_affinity(cfg: WorkerConfig) -> None:
+    if cfg.cpus:
+        os.sched_setaffinity(0, cfg.cpus)
+        if cfg.engine.threads is None:
+            cfg.engine.threads = len(cfg.cpus)
+        log.info("event=cpu_affinity cpus=%s threads=%d", cfg.cpus, cfg.engine.threads)
+    if cfg.engine.threads:
+        torch.set_num_threads(cfg.engine.threads)
+
+
+def load_context(cfg: WorkerConfig, observer: StepObserver | None = None,
+                 engine: LLMEngine | None = None) -> WorkerContext:
+    apply_cpu_affinity(cfg)
+    engine = engine or LLMEngine(cfg.engine)
+    metrics = WorkerMetrics(cfg.role)
+    ctx = WorkerContext(cfg, AsyncEngine(engine, observer), metrics, model_name=engine.model_dir.name)
+    metrics.kv_total.labels(**metrics.labels).set(engine.blocks.num_blocks)
+    return ctx
+
+
+def _on_step(ctx: WorkerContext):
+    m, lbl = ctx.metrics, ctx.metrics.labels
+    eng = ctx.engine.engine
+    state = {"last": 0.0}
+
+    def update(outputs: list[RequestOutput], step_s: float, running: int) -> None:
+        m.step.labels(**lbl).observe(step_s)
+        now = time.monotonic()
+        if now - state["last"] < 0.25:  # gauges: 4 Hz is plenty, and keeps the loop thread cheap
+            return
+        state["last"] = now
+        m.batch.labels(**lbl).set(running)
+        m.queue.labels(**lbl).set(len(eng.scheduler.waiting))
+        b = eng.blocks
+        m.kv_used.labels(**lbl).set(b.num_blocks - len(b.free) - len(b.lru))
+        m.kv_cached.labels(**lbl).set(len(b.lru))
+        if b.prefix_query_tokens:
+            m.prefix_hit.labels(**lbl).set(b.prefix_hit_tokens / b.prefix_query_tokens)
+        m.preemptions.labels(**lbl).set(eng.scheduler.num_preemptions)
+
+    return update
+
+
+async def _metrics_app(ctx: WorkerContext) -> web.AppRunner:
+    async def metrics(_: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(ctx.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def health(_: web.Request) -> web.Response:
+        if ctx.draining:
+            return web.json_response({"status": "draining"}, status=503)
+        return web.json_response({"status": "serving", "role": ctx.config.role, "model": ctx.model_name})
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/health", health)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, ctx.config.host, ctx.config.metrics_port).start()
+    return runner
+
+
+async def serve(ctx: WorkerContext, server: grpc.aio.Server) -> None:
+    """Runs until SIGTERM/SIGINT, then drains: refuse new work, finish in-flight requests, exit."""
+    cfg = ctx.config
+    ctx.engine.on_step = _on_step(ctx)
+    ctx.engine.start()
+    address = f"{cfg.host}:{cfg.grpc_port}"
+    if server.add_insecure_port(address) == 0:
+        raise OSError(f"cannot bind gRPC port {address}")
+    await server.start()
+    metrics_runner = await _metrics_app(ctx)
+    heartbeat = None
+    if cfg.redis_url:
+        from engine.service.registration import heartbeat_loop
+
+        heartbeat = asyncio.create_task(heartbeat_loop(ctx))
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    log.info("event=worker_ready role=%s grpc=%s metrics=%s:%d advertise=%s model=%s",
+             cfg.role, address, cfg.host, cfg.metrics_port, cfg.advertise, ctx.model_name)
+    print(f"splitfire {cfg.role} worker ready on {address}", flush=True)
+    await stop.wait()
+    ctx.draining = True
+    log.info("event=draining inflight=%d timeout_s=%.0f", len(ctx.inflight), cfg.drain_timeout_s)
+    deadline = time.monotonic() + cfg.drain_timeout_s
+    while ctx.inflight and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    if ctx.inflight:
+        log.warning("event=drain_timeout abandoned=%d", len(ctx.inflight))
+    if heartbeat is not None:
+        heartbeat.cancel()
+    await server.stop(grace=1.0)
+    await metrics_runner.cleanup()
+    await ctx.engine.stop()
+    log.info("event=worker_stopped role=%s", cfg.role)
+
+
+def new_server() -> grpc.aio.Server:
+    return grpc.aio.server(options=GRPC_OPTIONS)

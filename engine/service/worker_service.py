@@ -1,0 +1,67 @@
+"""The `Worker` gRPC service every role serves (Abort, Health, Stats), and the shared context."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import grpc
+
+from engine.async_engine import AsyncEngine
+from engine.service.config import WorkerConfig
+from engine.service.metrics import WorkerMetrics
+from protos import splitfire_pb2 as pb
+from protos import splitfire_pb2_grpc as pb_grpc
+
+log = logging.getLogger("splitfire.worker")
+
+
+@dataclass
+class WorkerContext:
+    config: WorkerConfig
+    engine: AsyncEngine
+    metrics: WorkerMetrics
+    model_name: str
+    draining: bool = False
+    inflight: set[str] = field(default_factory=set)  # request ids with an open RPC
+
+    async def refuse_if_draining(self, context: grpc.aio.ServicerContext) -> None:
+        if self.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "worker is draining (shutting down)")
+
+
+class WorkerService(pb_grpc.WorkerServicer):
+    def __init__(self, ctx: WorkerContext, extra_abort=None):
+        self.ctx = ctx
+        self.extra_abort = extra_abort  # role-specific cleanup, e.g. cancel the remote prefill
+
+    async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
+        rid = request.request_id
+        found = await self.ctx.engine.call(lambda e: e.abort(rid))
+        if self.extra_abort is not None:
+            found = await self.extra_abort(rid) or found
+        log.info("event=abort rid=%s found=%s", rid, found)
+        return pb.AbortResponse(found=found)
+
+    async def Health(self, request: pb.HealthRequest, context) -> pb.HealthResponse:
+        eng = self.ctx.engine.engine
+        return pb.HealthResponse(
+            status="draining" if self.ctx.draining else "serving",
+            role=self.ctx.config.role,
+            model=self.ctx.model_name,
+            block_size=eng.config.block_size,
+            max_model_len=eng.max_model_len,
+        )
+
+    async def Stats(self, request: pb.StatsRequest, context) -> pb.StatsResponse:
+        def snapshot(e):
+            return e.stats(), e.kv_tokens_held(), e.decode_tokens_remaining()
+
+        st, held, remaining = await self.ctx.engine.call(snapshot)
+        b = st.blocks
+        return pb.StatsResponse(
+            prompt_tokens_in_flight=st.prompt_tokens_in_flight, running=st.running, waiting=st.waiting,
+            kv_blocks_total=b.total, kv_blocks_used=b.used, kv_blocks_free=b.free, kv_blocks_cached=b.cached,
+            kv_tokens_held=held, prefix_query_tokens=b.prefix_query_tokens, prefix_hit_tokens=b.prefix_hit_tokens,
+            decode_tokens_remaining=remaining, reserved=st.reserved,
+        )

@@ -1,0 +1,111 @@
+"""gRPC `Prefill`: compute a prompt (reusing this worker's prefix cache), write its K/V into
+the decode worker's blocks layer by layer, return the first token."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+
+import grpc
+
+from engine.errors import RequestError
+from engine.sequence import Mode
+from engine.service.convert import logprob_to_proto, sampling_from_proto, token_ids_from_proto
+from engine.service.worker_service import WorkerContext
+from kvtransfer.descriptors import KVRegion
+from prefill_worker.kv_sender import LayerwiseKVSender, TransferPlan
+from protos import splitfire_pb2 as pb
+from protos import splitfire_pb2_grpc as pb_grpc
+
+log = logging.getLogger("splitfire.prefill")
+
+
+def plan_from_request(request: pb.PrefillRequest, rid: str, own: KVRegion, block_size: int, n: int) -> TransferPlan:
+    d = request.destination
+    if not d.segment:
+        raise RequestError("destination.segment is empty")
+    dst = KVRegion(d.base_address, d.num_layers, d.num_blocks, d.page_bytes)
+    why = own.compatible_with(dst)
+    if why is not None:
+        raise RequestError(f"decode worker's KV layout is incompatible: {why}")
+    n_blocks = -(-n // block_size)
+    if not 0 <= d.first_block < n_blocks:
+        raise RequestError(f"destination.first_block {d.first_block} outside the prompt's {n_blocks} blocks")
+    if len(d.block_ids) != n_blocks - d.first_block:
+        raise RequestError(f"destination has {len(d.block_ids)} block ids, the prompt needs {n_blocks - d.first_block}")
+    bad = [b for b in d.block_ids if b >= d.num_blocks]
+    if bad:
+        raise RequestError(f"destination block ids {bad[:5]} outside the decode worker's {d.num_blocks} blocks")
+    return TransferPlan(rid, d.segment, dst, d.first_block, list(d.block_ids))
+
+
+class PrefillService(pb_grpc.PrefillServicer):
+    def __init__(self, ctx: WorkerContext, sender: LayerwiseKVSender, region: KVRegion):
+        self.ctx = ctx
+        self.sender = sender
+        self.region = region
+
+    async def Prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext) -> pb.PrefillResponse:
+        ctx, aeng = self.ctx, self.ctx.engine
+        await ctx.refuse_if_draining(context)
+        rid = request.request_id or uuid.uuid4().hex
+        t0 = time.perf_counter()
+        try:
+            ids = token_ids_from_proto(request.token_ids)
+            sampling = sampling_from_proto(request.sampling)
+            plan = plan_from_request(request, rid, self.region, aeng.engine.config.block_size, len(ids))
+        except RequestError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        stream = aeng.open_stream(rid)
+        ctx.inflight.add(rid)
+        added = False
+        try:
+            def admit(engine):
+                self.sender.add_plan(plan)
+                try:
+                    engine.add_request(rid, ids, sampling, request.tenant, Mode.PREFILL_ONLY)
+                except BaseException:
+                    self.sender.remove_plan(rid)
+                    raise
+
+            try:
+                await aeng.call(admit)
+            except RequestError as e:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            added = True
+            out = await stream.next()
+            assert out is not None and out.finished
+            if out.error is not None:
+                ctx.metrics.requests.labels(role="prefill", outcome="error").inc()
+                log.warning("event=prefill_failed rid=%s error=%r", rid, out.error)
+                await context.abort(grpc.StatusCode.UNAVAILABLE, f"prefill {rid}: {out.error}")
+            if out.finish_reason == "abort":
+                await context.abort(grpc.StatusCode.CANCELLED, f"prefill {rid} aborted")
+            added = False
+            m = ctx.metrics
+            m.requests.labels(role="prefill", outcome="ok").inc()
+            m.transfer_bytes.labels(**m.labels).inc(plan.bytes)
+            m.transfer_seconds.labels(**m.labels).observe(plan.transfer_s)
+            resp = pb.PrefillResponse(
+                first_token=out.token_ids[0], cached_tokens=out.num_cached_tokens,
+                computed_tokens=len(ids) - out.num_cached_tokens, transfer_bytes=plan.bytes,
+                transfer_entries=plan.entries, transfer_seconds=plan.transfer_s, compute_seconds=plan.compute_s,
+                queue_seconds=max(plan.started - t0, 0.0) if plan.started else 0.0,
+            )
+            if out.logprobs:
+                resp.logprob.CopyFrom(logprob_to_proto(out.logprobs[0]))
+            log.info("event=prefill_done rid=%s tokens=%d cached=%d bytes=%d entries=%d transfer_s=%.4f total_s=%.4f",
+                     rid, len(ids), out.num_cached_tokens, plan.bytes, plan.entries, plan.transfer_s,
+                     time.perf_counter() - t0)
+            return resp
+        except asyncio.CancelledError:
+            log.info("event=prefill_cancelled rid=%s", rid)
+            raise
+        finally:
+            aeng.close_stream(rid)
+            ctx.inflight.discard(rid)
+            if added:  # cancelled or failed mid-way: stop computing; writes finish before blocks are freed
+                aeng.abort(rid)
+            aeng.call(lambda e: self.sender.remove_plan(rid))

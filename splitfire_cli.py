@@ -1,0 +1,108 @@
+"""`splitfire` — one command for every part: up, router, prefill, decode, serve, generate, model fetch."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+
+
+def _worker(args: argparse.Namespace, role: str) -> int:
+    if role == "prefill":
+        from prefill_worker import server as prefill
+
+        asyncio.run(prefill.run(prefill.config_from(args)))
+    else:
+        from decode_worker import server as decode
+
+        asyncio.run(decode.run(decode.config_from(args, role)))
+    return 0
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from engine.llm_engine import LLMEngine
+    from engine.offline import generate
+    from engine.service.config import engine_config_from
+
+    engine = LLMEngine(engine_config_from(args))
+    src = open(args.input, encoding="utf-8") if args.input != "-" else sys.stdin
+    dst = open(args.output, "w", encoding="utf-8") if args.output != "-" else sys.stdout
+    with src, dst:
+        errors = generate(engine, src, dst, progress=not args.quiet)
+    if errors:
+        print(f"{errors} request(s) failed; see their 'error' fields", file=sys.stderr)
+    return 1 if errors else 0
+
+
+def _fetch(args: argparse.Namespace) -> int:
+    from engine.model_store import resolve_model
+
+    print(resolve_model(args.name))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from decode_worker import server as decode
+    from engine.service.config import add_engine_args
+    from prefill_worker import server as prefill
+
+    p = argparse.ArgumentParser(prog="splitfire", description=__doc__)
+    p.add_argument("--log-level", default=None, help="DEBUG, INFO (default), WARNING (env SPLITFIRE_LOG_LEVEL)")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    sp = sub.add_parser("prefill", help="run a prefill worker")
+    prefill.add_args(sp)
+    sp.set_defaults(func=lambda a: _worker(a, "prefill"))
+    sp = sub.add_parser("decode", help="run a decode worker")
+    decode.add_args(sp, "decode")
+    sp.set_defaults(func=lambda a: _worker(a, "decode"))
+    sp = sub.add_parser("serve", help="run a colocated worker (prefill and decode in one process)")
+    decode.add_args(sp, "both")
+    sp.set_defaults(func=lambda a: _worker(a, "both"))
+
+    sp = sub.add_parser("generate", help="offline batch generation: JSONL in, JSONL out")
+    add_engine_args(sp)
+    sp.add_argument("--input", default="-", help="JSONL file (default stdin)")
+    sp.add_argument("--output", default="-", help="JSONL file (default stdout)")
+    sp.add_argument("--quiet", action="store_true", help="no progress bar")
+    sp.set_defaults(func=_generate)
+
+    mp = sub.add_parser("model", help="model management")
+    msub = mp.add_subparsers(dest="model_command", required=True)
+    fp = msub.add_parser("fetch", help="fetch and convert a model; prints its directory")
+    fp.add_argument("name", nargs="?", default=None, help="default: $SPLITFIRE_MODEL or smollm2-135m-instruct")
+    fp.set_defaults(func=_fetch)
+
+    try:
+        from router import cli as router_cli
+    except ImportError:
+        router_cli = None
+    if router_cli is not None:
+        router_cli.add_subcommands(sub)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from engine.logs import setup_logging
+
+    setup_logging(args.log_level)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        return 130
+    except ValueError as e:  # config validation: a clear message, no traceback
+        print(f"splitfire {args.command}: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:
+        from engine.errors import EngineError
+        from kvtransfer.errors import TransferError
+
+        if isinstance(e, EngineError | TransferError | OSError):
+            print(f"splitfire {args.command}: {e}", file=sys.stderr)
+            return 1
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())
