@@ -18,7 +18,6 @@ from engine.service.convert import (
     event_from_output,
     logprob_from_proto,
     sampling_from_proto,
-    sampling_to_proto,
     token_ids_from_proto,
 )
 from engine.service.lifecycle import GRPC_OPTIONS

@@ -34,8 +34,13 @@ class EngineConfig:
             raise ValueError(f"--kv-cache-gb must be positive, got {self.kv_cache_gb}")
         if not 0 < self.gpu_memory_fraction <= 1:
             raise ValueError(f"--gpu-memory-fraction must be in (0, 1], got {self.gpu_memory_fraction}")
-        if self.max_num_seqs < 1 or self.max_num_batched_tokens < self.max_num_seqs:
-            raise ValueError("need max_num_seqs >= 1 and max_num_batched_tokens >= max_num_seqs")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"--max-num-seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"--max-num-batched-tokens ({self.max_num_batched_tokens}) must be >= --max-num-seqs "
+                f"({self.max_num_seqs}): every running sequence needs one token per step"
+            )
         return self
 
     @property

@@ -2,8 +2,8 @@
 
 Plugs into the engine as its `StepObserver`. For a request whose chunk runs this step,
 the blocks to send are those from the first block the decode worker lacks (or the
-first not yet sent) up to the block holding the chunk's last token; a block the chunk
-only partly filled is sent again with the next chunk.
+first not yet sent) up to the last block the chunk completes; the prompt's final,
+partly filled block goes with the last chunk. Every block is sent exactly once.
 """
 
 from __future__ import annotations
@@ -64,13 +64,14 @@ class LayerwiseKVSender:
             if plan is None:
                 continue
             end = s.seq.num_computed_tokens + s.num_tokens
-            lo, hi = plan.next_block, -(-end // bs)
+            last_chunk = end >= s.seq.num_prompt_tokens
+            lo, hi = plan.next_block, (-(-end // bs) if last_chunk else end // bs)
             if hi <= lo:
                 continue
             src = s.seq.block_table[lo:hi]
             dst = plan.dst_blocks[lo - plan.first_block : hi - plan.first_block]
             job = make_job(plan.request_id, plan.target, plan.dst, src, dst)
-            self._jobs.append((plan, job, end // bs))
+            self._jobs.append((plan, job, hi))
 
     def after_layer(self, layer: int) -> None:
         if not self._jobs:

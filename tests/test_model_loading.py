@@ -69,11 +69,11 @@ def test_gguf_file_converts_and_runs(tiny_model_dir, tmp_path, monkeypatch):
     """Write the tiny model as a GGUF (llama.cpp layout: permuted Q/K, gpt2 tokenizer) and load it."""
     gguf = pytest.importorskip("gguf")
     import numpy as np
+    from reference import ReferenceLlama
     from safetensors.torch import load_file
     from tokenizers import Tokenizer as HFTok
 
     from engine.gguf_convert import _unpermute
-    from reference import ReferenceLlama
 
     monkeypatch.setenv("SPLITFIRE_HOME", str(tmp_path / "home"))
     cfg = json.loads((tiny_model_dir / "config.json").read_text())

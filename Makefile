@@ -1,0 +1,57 @@
+# splitfire — the two commands a new user needs are `make run` and `make test`.
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+HAS_CUDA := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
+PYTEST_ARGS ?=
+
+.PHONY: setup run test test-fast test-slow lint protos bench clean system-deps
+
+setup: $(STAMP)
+
+# Debian packages: libibverbs for Mooncake, redis-server for session affinity and the tests.
+system-deps:
+	@need=""; \
+	[ -e /usr/lib/x86_64-linux-gnu/libibverbs.so.1 ] || [ -e /usr/lib/aarch64-linux-gnu/libibverbs.so.1 ] || need="$$need libibverbs1 ibverbs-providers"; \
+	command -v redis-server >/dev/null || need="$$need redis-server"; \
+	if [ -n "$$need" ]; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    echo ">> apt-get install$$need"; apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$need >/dev/null; \
+	  else echo ">> missing system packages:$$need (install them as root; without redis-server the router keeps state in-process)"; fi; \
+	fi
+
+$(STAMP): pyproject.toml | system-deps
+	@test -x $(PY) || python3 -m venv $(VENV)
+	@$(PY) -m pip install -q --upgrade pip
+ifeq ($(HAS_CUDA),1)
+	$(PY) -m pip install -q torch triton
+	$(PY) -m pip install -q -e '.[test,bench,mooncake-cuda]'
+else
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test,bench,mooncake]'
+endif
+	@touch $(STAMP)
+
+run: setup
+	$(VENV)/bin/splitfire model fetch
+	$(VENV)/bin/splitfire up
+
+lint: setup
+	$(VENV)/bin/ruff check .
+
+# The whole suite, slow SmolLM2 tests included.
+test: setup lint
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+test-fast: setup
+	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+test-slow: setup
+	$(PY) -m pytest -q -m slow $(PYTEST_ARGS)
+
+protos: setup
+	$(PY) -m grpc_tools.protoc -I . --python_out=. --grpc_python_out=. --pyi_out=. protos/splitfire.proto
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info

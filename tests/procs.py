@@ -1,0 +1,87 @@
+"""Starting real splitfire processes for tests: free ports, readiness, clean shutdown."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Proc:
+    name: str
+    popen: subprocess.Popen
+    log_path: Path
+    ports: dict[str, int] = field(default_factory=dict)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_for(self, text: str, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if text in self.log():
+                return
+            if self.popen.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.popen.returncode}:\n{self.log()[-3000:]}")
+            time.sleep(0.05)
+        raise TimeoutError(f"{self.name} not ready after {timeout}s:\n{self.log()[-3000:]}")
+
+    @property
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def kill(self) -> None:
+        if self.alive:
+            self.popen.kill()
+            self.popen.wait(10)
+
+    def stop(self, timeout: float = 15.0) -> int:
+        if self.alive:
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait(5)
+        return self.popen.returncode
+
+
+def spawn(name: str, args: list[str], log_dir: Path, env: dict[str, str] | None = None) -> Proc:
+    log_path = log_dir / f"{name}.log"
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "MC_LOG_LEVEL": "ERROR", **(env or {})}
+    full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), full_env.get("PYTHONPATH")]))
+    f = open(log_path, "w")
+    popen = subprocess.Popen([sys.executable, "-m", "splitfire_cli", *args], stdout=f, stderr=subprocess.STDOUT,
+                             env=full_env, cwd=ROOT, start_new_session=True)
+    return Proc(name, popen, log_path)
+
+
+def start_worker(role: str, model_dir: Path, log_dir: Path, *extra: str, name: str | None = None,
+                 wait: bool = True) -> Proc:
+    grpc_port, metrics_port = free_port(), free_port()
+    cmd = {"prefill": "prefill", "decode": "decode", "both": "serve"}[role]
+    args = [cmd, "--model", str(model_dir), "--device", "cpu", "--grpc-port", str(grpc_port),
+            "--metrics-port", str(metrics_port), "--host", "127.0.0.1", "--kv-cache-gb", "0.01", "--threads", "1", *extra]
+    p = spawn(name or f"{role}-{grpc_port}", args, log_dir)
+    p.ports = {"grpc": grpc_port, "metrics": metrics_port}
+    if wait:
+        p.wait_for("worker ready")
+    return p
+
+
+def address(p: Proc) -> str:
+    return f"127.0.0.1:{p.ports['grpc']}"

@@ -1,0 +1,177 @@
+"""Prefill and decode in two processes, K/V over Mooncake TCP: exact output, only new blocks
+move, aborts and crashes leave nothing behind, bad input is refused."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+import urllib.request
+
+import grpc
+import pytest
+from grpc_client import generate, greedy, stats, wait_blocks_free
+from procs import address, start_worker
+from reference import ReferenceLlama
+
+from protos import splitfire_pb2 as pb
+from protos import splitfire_pb2_grpc as pbg
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model_dir, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("logs")
+    # An 8-token step budget on the prefill side: prompts are chunked, each chunk's layers
+    # are sent as they finish, and a long prompt takes long enough to abort mid-way.
+    prefill = start_worker("prefill", tiny_model_dir, logs, "--max-num-batched-tokens", "8", "--max-num-seqs", "8")
+    decode = start_worker("decode", tiny_model_dir, logs, "--local-prefill-max-tokens", "0", "--kv-quarantine", "0.5")
+    both = start_worker("both", tiny_model_dir, logs)
+    yield {"prefill": prefill, "decode": decode, "both": both, "logs": logs}
+    for p in (prefill, decode, both):
+        assert p.stop() == 0, p.log()[-2000:]
+
+
+def prompt(i: int, n: int) -> list[int]:
+    return [(31 * i + 7 * j) % 390 + 3 for j in range(n)]
+
+
+async def until_prefill_under_way(addr: str) -> None:
+    for _ in range(400):
+        st = await stats(addr)
+        if st.running == 1 and 0 < st.prompt_tokens_in_flight < 950:
+            return
+        await asyncio.sleep(0.002)
+    raise AssertionError(f"the prefill should be under way: {st}")
+
+
+def metric(p, name: str) -> float:
+    body = urllib.request.urlopen(f"http://127.0.0.1:{p.ports['metrics']}/metrics", timeout=5).read().decode()
+    total = 0.0
+    for m in re.finditer(rf"^{name}(?:{{[^}}]*}})? ([0-9.e+-]+)$", body, re.M):
+        total += float(m.group(1))
+    return total
+
+
+async def test_disaggregated_output_equals_colocated_and_reference(cluster, tiny_model_dir):
+    ref = ReferenceLlama(tiny_model_dir)
+    prompts = [prompt(i, n) for i, n in enumerate([5, 17, 40, 96, 150, 33])]
+    pre = address(cluster["prefill"])
+    disagg = await asyncio.gather(*(generate(address(cluster["decode"]), p, greedy(10), prefill=pre) for p in prompts))
+    coloc = await asyncio.gather(*(generate(address(cluster["both"]), p, greedy(10)) for p in prompts))
+    for p, d, c in zip(prompts, disagg, coloc, strict=True):
+        assert d.prefill_mode == "remote"
+        assert d.token_ids == c.token_ids == ref.greedy(p, 10)
+        assert d.text == c.text
+        assert d.usage.completion_tokens == 10 and d.usage.prompt_tokens == len(p)
+
+
+async def test_second_turn_transfers_only_new_blocks(cluster):
+    dec, pre = cluster["decode"], cluster["prefill"]
+    turn1 = prompt(50, 70)
+    first = await generate(address(dec), turn1, greedy(6), prefill=address(pre))
+    bytes_before = metric(pre, "splitfire_worker_kv_transfer_bytes_total")
+    hits_before = (await stats(address(pre))).prefix_hit_tokens
+    turn2 = turn1 + first.token_ids + prompt(51, 60)  # 136 tokens: 4 blocks cached on decode
+    second = await generate(address(dec), turn2, greedy(6), prefill=address(pre))
+    assert second.prefill_mode == "remote" and second.usage.cached_tokens == 64
+    page = 2 * 16 * 2 * 16 * 4  # k+v, slots, kv heads, head dim, fp32
+    new_blocks = -(-len(turn2) // 16) - 4
+    sent = metric(pre, "splitfire_worker_kv_transfer_bytes_total") - bytes_before
+    assert sent == new_blocks * page * 2  # two layers
+    # The prefill worker reused its own cached prefix too: only the new tokens were computed.
+    assert (await stats(address(pre))).prefix_hit_tokens - hits_before == 64
+
+
+async def test_abort_mid_prefill_and_mid_decode_frees_blocks_on_both(cluster):
+    dec, pre = cluster["decode"], cluster["prefill"]
+    long_prompt = prompt(77, 1000)  # 125 chunks of 8 tokens on the prefill worker
+    task = asyncio.create_task(generate(address(dec), long_prompt, greedy(5), prefill=address(pre)))
+    await until_prefill_under_way(address(pre))
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    # Mid-decode: read a few events, then hang up.
+    async with grpc.aio.insecure_channel(address(dec)) as ch:
+        call = pbg.DecodeStub(ch).Generate(pb.GenerateRequest(token_ids=prompt(78, 40), sampling=greedy(900),
+                                                              prefill_endpoint=address(pre)))
+        got = 0
+        async for ev in call:
+            got += len(ev.token_ids)
+            if got >= 5:
+                break
+        call.cancel()
+    await wait_blocks_free(address(pre))
+    await wait_blocks_free(address(dec))
+
+
+async def test_prefill_worker_killed_mid_request(cluster, tiny_model_dir):
+    dec = cluster["decode"]
+    victim = start_worker("prefill", tiny_model_dir, cluster["logs"], "--max-num-batched-tokens", "8",
+                          "--max-num-seqs", "8", name="victim")
+    task = asyncio.create_task(generate(address(dec), prompt(90, 1000), greedy(5), prefill=address(victim)))
+    await until_prefill_under_way(address(victim))
+    t0 = time.monotonic()
+    victim.kill()
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await task
+    assert time.monotonic() - t0 < 10
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "prefill worker" in err.value.details()
+    # The decode worker keeps serving, and the failed request's blocks come back after quarantine.
+    ok = await generate(address(dec), prompt(91, 30), greedy(4), prefill=address(cluster["prefill"]))
+    assert len(ok.token_ids) == 4
+    await wait_blocks_free(address(dec))
+
+
+async def test_bad_input_over_grpc_is_invalid_argument(cluster):
+    dec, pre = address(cluster["decode"]), address(cluster["prefill"])
+    async with grpc.aio.insecure_channel(dec) as ch:
+        stub = pbg.DecodeStub(ch)
+        cases = [
+            pb.GenerateRequest(token_ids=[], sampling=greedy(4)),
+            pb.GenerateRequest(token_ids=[5, 6], sampling=pb.SamplingParams(max_tokens=4, temperature=-1)),
+            pb.GenerateRequest(token_ids=[5, 6], sampling=pb.SamplingParams(max_tokens=4, top_p=2)),
+            pb.GenerateRequest(token_ids=[10**6], sampling=greedy(4), prefill_endpoint=pre),
+            pb.GenerateRequest(token_ids=[5] * 5000, sampling=greedy(4), prefill_endpoint=pre),
+        ]
+        for req in cases:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                async for _ in stub.Generate(req):
+                    pass
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, req
+    async with grpc.aio.insecure_channel(pre) as ch:
+        stub = pbg.PrefillStub(ch)
+        good = dict(segment="127.0.0.1:1", base_address=4096, num_blocks=100, num_layers=2, page_bytes=4096)
+        cases = [
+            pb.PrefillRequest(token_ids=[5] * 20, sampling=greedy(1),
+                              destination=pb.KVDestination(**good, first_block=0, block_ids=[1, 500])),
+            pb.PrefillRequest(token_ids=[5] * 20, sampling=greedy(1),
+                              destination=pb.KVDestination(**good, first_block=0, block_ids=[1])),
+            pb.PrefillRequest(token_ids=[5] * 20, sampling=greedy(1),
+                              destination=pb.KVDestination(**{**good, "page_bytes": 8192}, block_ids=[1, 2])),
+            pb.PrefillRequest(token_ids=[], sampling=greedy(1), destination=pb.KVDestination(**good)),
+        ]
+        for req in cases:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await stub.Prefill(req)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, req
+    assert cluster["decode"].alive and cluster["prefill"].alive
+    ok = await generate(dec, prompt(3, 20), greedy(3), prefill=pre)
+    assert len(ok.token_ids) == 3
+
+
+async def test_conditional_disaggregation_prefills_short_suffix_locally(tiny_model_dir, tmp_path):
+    pre = start_worker("prefill", tiny_model_dir, tmp_path)
+    dec = start_worker("decode", tiny_model_dir, tmp_path, "--local-prefill-max-tokens", "64",
+                       "--local-prefill-max-fraction", "0.5")
+    try:
+        base = prompt(5, 100)
+        cold = await generate(address(dec), base, greedy(4), prefill=address(pre))
+        assert (cold.prefill_mode, cold.prefill_reason) == ("remote", "uncached_tokens_above_threshold")
+        warm = await generate(address(dec), base + cold.token_ids + prompt(6, 20), greedy(4), prefill=address(pre))
+        assert (warm.prefill_mode, warm.prefill_reason) == ("local", "short_uncached_suffix")
+        body = urllib.request.urlopen(f"http://127.0.0.1:{dec.ports['metrics']}/metrics", timeout=5).read().decode()
+        assert 'splitfire_worker_prefill_mode_total{mode="local",reason="short_uncached_suffix",role="decode"} 1.0' in body
+    finally:
+        pre.stop()
+        dec.stop()
