@@ -1,0 +1,1 @@
+"""The OpenAI-compatible front end: validate, tokenize once, place, stream, fail over."""

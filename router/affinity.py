@@ -1,0 +1,91 @@
+"""`x-session-affinity`: a session stays on its (prefill, decode) pair while that pair is
+healthy and not overloaded. Pins live in Redis so several routers agree, or in process
+memory when no Redis is configured."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Protocol
+
+
+@dataclass(frozen=True)
+class Pin:
+    prefill: str  # "" when the decode endpoint prefills itself (colocated or no prefill pool)
+    decode: str
+
+    def encode(self) -> str:
+        return f"{self.prefill}|{self.decode}"
+
+    @classmethod
+    def decode_str(cls, raw: str) -> Pin | None:
+        prefill, sep, decode = raw.partition("|")
+        return cls(prefill, decode) if sep and decode else None
+
+
+class PinStore(Protocol):
+    async def get(self, key: str) -> str | None: ...
+    async def set(self, key: str, value: str, ttl_s: float) -> None: ...
+    async def delete(self, key: str) -> None: ...
+
+
+class MemoryPinStore:
+    def __init__(self, max_entries: int = 1_000_000):
+        self._data: dict[str, tuple[str, float]] = {}
+        self.max_entries = max_entries
+
+    async def get(self, key: str) -> str | None:
+        item = self._data.get(key)
+        if item is None:
+            return None
+        if item[1] < time.monotonic():
+            del self._data[key]
+            return None
+        return item[0]
+
+    async def set(self, key: str, value: str, ttl_s: float) -> None:
+        if len(self._data) >= self.max_entries:
+            now = time.monotonic()
+            for k in [k for k, (_, exp) in self._data.items() if exp < now]:
+                del self._data[k]
+            if len(self._data) >= self.max_entries:
+                self._data.pop(next(iter(self._data)))
+        self._data[key] = (value, time.monotonic() + ttl_s)
+
+    async def delete(self, key: str) -> None:
+        self._data.pop(key, None)
+
+
+class RedisPinStore:
+    def __init__(self, client):  # redis.asyncio.Redis
+        self.r = client
+
+    async def get(self, key: str) -> str | None:
+        v = await self.r.get(key)
+        return v.decode() if isinstance(v, bytes) else v
+
+    async def set(self, key: str, value: str, ttl_s: float) -> None:
+        await self.r.set(key, value, px=int(ttl_s * 1000))
+
+    async def delete(self, key: str) -> None:
+        await self.r.delete(key)
+
+
+class SessionAffinity:
+    def __init__(self, store: PinStore, ttl_s: float):
+        self.store = store
+        self.ttl_s = ttl_s
+
+    @staticmethod
+    def key(tenant: str, session: str) -> str:
+        return f"splitfire:affinity:{tenant}:{session}"
+
+    async def lookup(self, tenant: str, session: str) -> Pin | None:
+        raw = await self.store.get(self.key(tenant, session))
+        return Pin.decode_str(raw) if raw else None
+
+    async def pin(self, tenant: str, session: str, pin: Pin) -> None:
+        await self.store.set(self.key(tenant, session), pin.encode(), self.ttl_s)
+
+    async def unpin(self, tenant: str, session: str) -> None:
+        await self.store.delete(self.key(tenant, session))

@@ -1,0 +1,60 @@
+"""`splitfire router` (and the entry for `splitfire up`)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+
+from aiohttp import web
+
+from router.config import RouterConfig, add_router_args, router_config_from
+
+log = logging.getLogger("splitfire.router")
+
+
+async def run(cfg: RouterConfig) -> None:
+    from router.server import Router, load_model_info
+
+    tokenizer, name, max_len = load_model_info(cfg)
+    router = Router(cfg, tokenizer, name, max_len)
+    try:
+        import uvloop  # noqa: F401  (installed: the loop policy is set by main())
+    except ImportError:
+        pass
+    runner = web.AppRunner(router.app(), access_log=None, handler_cancellation=True)
+    await runner.setup()
+    await web.TCPSite(runner, cfg.host, cfg.port, backlog=1024).start()
+    log.info("event=router_ready port=%d model=%s policy=%s endpoints=%d redis=%s", cfg.port, name, cfg.policy,
+             len(router.registry.all()), bool(cfg.redis_url))
+    print(f"splitfire router ready on http://{cfg.host}:{cfg.port} (model {name})", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    import signal
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await runner.cleanup()
+
+
+def _router(args: argparse.Namespace) -> int:
+    cfg = router_config_from(args)
+    try:
+        import uvloop
+
+        uvloop.run(run(cfg))
+    except ImportError:
+        asyncio.run(run(cfg))
+    return 0
+
+
+def add_subcommands(sub) -> None:
+    p = sub.add_parser("router", help="run the OpenAI-compatible router")
+    add_router_args(p)
+    p.set_defaults(func=_router)
+    try:
+        from router import up
+    except ImportError:
+        return
+    up.add_subcommand(sub)

@@ -1,0 +1,114 @@
+"""The router's one config dataclass, from CLI flags and env vars, validated at start."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass, field
+
+POLICIES = ("token", "round_robin", "random")
+
+
+@dataclass
+class RouterConfig:
+    host: str = "0.0.0.0"
+    port: int = 8000
+    model: str | None = None  # for the tokenizer and chat template; default $SPLITFIRE_MODEL
+    served_model_name: str = ""  # name clients use; default the model directory's name
+    prefill: list[str] = field(default_factory=list)
+    decode: list[str] = field(default_factory=list)
+    colocated: list[str] = field(default_factory=list)
+    openai_upstream: list[str] = field(default_factory=list)
+    discover_dns: list[str] = field(default_factory=list)  # role=host:port (a headless Service)
+    redis_url: str = ""  # affinity pins + worker self-registration; "" = in-process state
+    policy: str = "token"
+    affinity_ttl_s: float = 1800.0
+    affinity_overload_factor: float = 2.0  # break a pin when its endpoint carries this many times the mean load ...
+    affinity_overload_min_tokens: int = 4096  # ... and more than this many tokens in flight
+    prefix_aware: bool = True
+    prefix_index_blocks: int = 200_000  # block hashes remembered per endpoint
+    block_size: int = 16
+    max_concurrency: int = 256  # requests being served
+    max_queue: int = 512  # requests waiting for a slot; beyond it, 429
+    queue_timeout_s: float = 30.0
+    max_body_bytes: int = 4 * 2**20
+    max_retries: int = 2
+    retry_backoff_s: float = 0.05
+    health_interval_s: float = 2.0
+    health_timeout_s: float = 1.0
+    unhealthy_after: int = 2  # consecutive failed checks
+    stats_interval_s: float = 1.0
+    api_keys_file: str = ""
+    request_timeout_s: float = 600.0
+
+    def validate(self) -> RouterConfig:
+        if self.policy not in POLICIES:
+            raise ValueError(f"--policy must be one of {POLICIES}, got {self.policy!r}")
+        if not 0 < self.port < 65536:
+            raise ValueError(f"--port must be in 1..65535, got {self.port}")
+        if self.prefill and not self.decode:
+            raise ValueError("--prefill given without any --decode endpoint")
+        for spec in self.discover_dns:
+            role, _, target = spec.partition("=")
+            if role not in ("prefill", "decode", "colocated") or ":" not in target:
+                raise ValueError(f"--discover-dns expects role=host:port (role prefill|decode|colocated), got {spec!r}")
+        for url in self.openai_upstream:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"--openai-upstream must be an http(s) URL, got {url!r}")
+        for addr in self.prefill + self.decode + self.colocated:
+            host, _, port = addr.rpartition(":")
+            if not host or not port.isdigit():
+                raise ValueError(f"endpoint {addr!r} must be host:port")
+        if not (self.prefill or self.decode or self.colocated or self.openai_upstream or self.discover_dns
+                or self.redis_url):
+            raise ValueError("no endpoints: give --decode/--prefill/--colocated, --openai-upstream, "
+                             "--discover-dns, or --redis-url (workers self-register)")
+        if self.api_keys_file and not os.path.isfile(self.api_keys_file):
+            raise ValueError(f"--api-keys file {self.api_keys_file!r} does not exist")
+        if self.max_concurrency < 1 or self.max_queue < 0 or self.max_retries < 0:
+            raise ValueError("--max-concurrency must be >= 1, --max-queue and --max-retries >= 0")
+        return self
+
+
+def _env(name: str, default: str) -> str:
+    return os.environ.get(f"SPLITFIRE_ROUTER_{name.upper()}", default)
+
+
+def _list_env(name: str) -> list[str]:
+    v = os.environ.get(f"SPLITFIRE_ROUTER_{name.upper()}", "")
+    return [x for x in v.replace(",", " ").split() if x]
+
+
+def add_router_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default=_env("host", "0.0.0.0"))
+    p.add_argument("--port", type=int, default=int(_env("port", "8000")))
+    p.add_argument("--model", default=os.environ.get("SPLITFIRE_MODEL"), help="model whose tokenizer and chat template to use (env SPLITFIRE_MODEL)")
+    p.add_argument("--served-model-name", default=_env("served_model_name", ""), help="model name clients send (default: the model's)")
+    p.add_argument("--prefill", nargs="*", default=_list_env("prefill"), metavar="HOST:PORT", help="prefill workers")
+    p.add_argument("--decode", nargs="*", default=_list_env("decode"), metavar="HOST:PORT", help="decode workers")
+    p.add_argument("--colocated", nargs="*", default=_list_env("colocated"), metavar="HOST:PORT", help="colocated (serve) workers")
+    p.add_argument("--openai-upstream", nargs="*", default=_list_env("openai_upstream"), metavar="URL",
+                   help="OpenAI-compatible servers to balance across (vLLM, SGLang, llama.cpp)")
+    p.add_argument("--discover-dns", nargs="*", default=_list_env("discover_dns"), metavar="ROLE=HOST:PORT",
+                   help="resolve a headless Service's A records for workers of a role")
+    p.add_argument("--redis-url", default=os.environ.get("REDIS_URL", ""), help="affinity pins and worker registry (env REDIS_URL)")
+    p.add_argument("--policy", default=_env("policy", "token"), choices=POLICIES)
+    p.add_argument("--no-prefix-aware", action="store_true", help="ignore prefix-cache locality when placing")
+    p.add_argument("--affinity-ttl", type=float, default=float(_env("affinity_ttl", "1800")), help="seconds a session pin lives")
+    p.add_argument("--max-concurrency", type=int, default=int(_env("max_concurrency", "256")))
+    p.add_argument("--max-queue", type=int, default=int(_env("max_queue", "512")))
+    p.add_argument("--max-retries", type=int, default=int(_env("max_retries", "2")))
+    p.add_argument("--max-body-bytes", type=int, default=int(_env("max_body_bytes", str(4 * 2**20))))
+    p.add_argument("--api-keys", default=_env("api_keys", ""), help="file of 'key tenant' lines; enables auth")
+    p.add_argument("--health-interval", type=float, default=float(_env("health_interval", "2.0")))
+
+
+def router_config_from(args: argparse.Namespace) -> RouterConfig:
+    return RouterConfig(
+        host=args.host, port=args.port, model=args.model, served_model_name=args.served_model_name,
+        prefill=list(args.prefill), decode=list(args.decode), colocated=list(args.colocated),
+        openai_upstream=list(args.openai_upstream), discover_dns=list(args.discover_dns), redis_url=args.redis_url,
+        policy=args.policy, prefix_aware=not args.no_prefix_aware, affinity_ttl_s=args.affinity_ttl,
+        max_concurrency=args.max_concurrency, max_queue=args.max_queue, max_retries=args.max_retries,
+        max_body_bytes=args.max_body_bytes, api_keys_file=args.api_keys, health_interval_s=args.health_interval,
+    ).validate()

@@ -1,0 +1,253 @@
+"""The request path: pick, send, retry, stream.
+
+Failures before the first token are retried elsewhere with backoff. A decode worker
+that dies after tokens were streamed is replaced mid-stream: the prompt plus the tokens
+generated so far go to another worker, which continues the same client stream (with
+greedy sampling the client sees exactly the text of an uninterrupted run).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import statistics
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from engine.tokenizer import Tokenizer
+from router.affinity import Pin, SessionAffinity
+from router.balancer import Placement, Policy
+from router.chunks import Chunk, WorkerError
+from router.config import RouterConfig
+from router.endpoints import Endpoint, EndpointRegistry
+from router.errors import APIError, unavailable
+from router.metrics import RouterMetrics
+from router.openai_upstream import OpenAIUpstreamClient
+from router.prefix_index import PrefixIndex, prompt_block_hashes
+from router.protocol import GenRequest
+from router.worker_client import WorkerClient
+
+log = logging.getLogger("splitfire.router")
+
+
+@dataclass
+class Route:
+    decode: Endpoint  # decode, colocated or OpenAI upstream: where the stream comes from
+    prefill: Endpoint | None  # None: the decode endpoint prefills itself
+
+    def pin(self) -> Pin:
+        return Pin(self.prefill.address if self.prefill else "", self.decode.address)
+
+
+class Ticket:
+    """One attempt's contribution to the endpoints' in-flight token estimates."""
+
+    def __init__(self, route: Route, prompt_tokens: int, uncached: int, max_tokens: int):
+        self.route = route
+        self.prefiller = route.prefill or route.decode
+        self.uncached = uncached
+        self.held = prompt_tokens
+        self.remaining = max_tokens
+        self.prefilling = True
+        self.prefiller.prefill_tokens += uncached
+        d = route.decode
+        d.held_tokens += prompt_tokens
+        d.remaining_tokens += max_tokens
+        d.active += 1
+        if route.prefill is not None:
+            route.prefill.active += 1
+        for ep in (route.decode, route.prefill):
+            if ep is not None:
+                ep.note_peak()
+
+    def on_tokens(self, n: int) -> None:
+        if self.prefilling:
+            self.prefilling = False
+            self.prefiller.prefill_tokens -= self.uncached
+            if self.route.prefill is not None:
+                self.route.prefill.active -= 1
+        n = min(n, self.remaining)
+        d = self.route.decode
+        d.held_tokens += n
+        d.remaining_tokens -= n
+        self.held += n
+        self.remaining -= n
+
+    def close(self) -> None:
+        if self.prefilling:
+            self.on_tokens(0)
+        d = self.route.decode
+        d.held_tokens -= self.held
+        d.remaining_tokens -= self.remaining
+        d.active -= 1
+        self.held = self.remaining = 0
+
+
+class Dispatcher:
+    def __init__(self, cfg: RouterConfig, registry: EndpointRegistry, policy: Policy, affinity: SessionAffinity,
+                 index: PrefixIndex, workers: WorkerClient, upstreams: OpenAIUpstreamClient, metrics: RouterMetrics,
+                 tokenizer: Tokenizer | None):
+        self.cfg = cfg
+        self.registry = registry
+        self.policy = policy
+        self.affinity = affinity
+        self.index = index
+        self.workers = workers
+        self.upstreams = upstreams
+        self.metrics = metrics
+        self.tokenizer = tokenizer
+
+    # -- placement --------------------------------------------------------------------
+
+    def _overloaded(self, ep: Endpoint, peers: list[Endpoint]) -> bool:
+        load = ep.load()
+        if load <= self.cfg.affinity_overload_min_tokens:
+            return False
+        mean = statistics.fmean(p.load() for p in peers) if peers else 0.0
+        return load > self.cfg.affinity_overload_factor * max(mean, 1.0)
+
+    async def _pinned(self, req: GenRequest, decodes: list[Endpoint], prefills: list[Endpoint]) -> Route | None:
+        pin = await self.affinity.lookup(req.tenant, req.session)  # type: ignore[arg-type]
+        if pin is None:
+            self.metrics.affinity.labels(result="miss").inc()
+            return None
+        d = next((e for e in decodes if e.address == pin.decode), None)
+        p = next((e for e in prefills if e.address == pin.prefill), None) if pin.prefill else None
+        ok = d is not None and not self._overloaded(d, decodes)
+        if ok and pin.prefill:
+            ok = p is not None and not self._overloaded(p, prefills)
+        if ok and not pin.prefill and d is not None and d.role == "decode" and prefills:
+            ok = False  # pinned without a prefill worker, and one is available now
+        if not ok:
+            self.metrics.affinity.labels(result="break").inc()
+            log.info("event=affinity_break rid=%s session=%s pin=%s", req.id, req.session, pin.encode())
+            return None
+        self.metrics.affinity.labels(result="hit").inc()
+        assert d is not None
+        return Route(d, p)
+
+    async def place(self, req: GenRequest, hashes: list[bytes], exclude: set[str]) -> Route:
+        decodes = [e for e in self.registry.healthy("decode") + self.registry.healthy("colocated")
+                   if e.address not in exclude]
+        prefills = [e for e in self.registry.healthy("prefill") if e.address not in exclude]
+        if not decodes:
+            decodes = [e for e in self.registry.healthy("openai") if e.address not in exclude]
+            prefills = []
+        if not decodes:
+            raise unavailable("no healthy workers to serve this request; retry shortly")
+        n, bs = len(req.prompt_token_ids), self.cfg.block_size
+        max_blocks = (n - 1) // bs
+
+        def cached(ep: Endpoint) -> int:
+            return min(self.index.matched_blocks(ep.address, hashes), max_blocks) * bs
+
+        route = await self._pinned(req, decodes, prefills) if req.session else None
+        if route is None:
+            placement = Placement(n, cached)
+            d = self.policy.pick(decodes, placement)
+            p = self.policy.pick(prefills, placement) if (prefills and d.role == "decode") else None
+            route = Route(d, p)
+            if req.session:
+                await self.affinity.pin(req.tenant, req.session, route.pin())
+        for ep in (route.decode, route.prefill):
+            if ep is not None:
+                self.metrics.decisions.labels(policy=self.policy.name, role=ep.role, endpoint=ep.address).inc()
+        return route
+
+    # -- sending ----------------------------------------------------------------------
+
+    def _send(self, route: Route, req: GenRequest, ids: list[int], max_tokens: int, attempt: int) -> AsyncIterator[Chunk]:
+        d = route.decode
+        if d.role == "openai":
+            return self.upstreams.generate(d.address, req.kind, req.body, max_tokens)
+        return self.workers.generate(d.address, route.prefill.address if route.prefill else "",
+                                     f"{req.id}-{req.prompt_index}-{attempt}", ids, req.sampling, max_tokens,
+                                     req.tenant, self.cfg.request_timeout_s)
+
+    async def run(self, req: GenRequest) -> AsyncIterator[Chunk]:
+        """Yields the request's chunks; the last carries finish_reason and usage for the whole request."""
+        prompt = req.prompt_token_ids
+        hashes = prompt_block_hashes(req.tenant, prompt, self.cfg.block_size) if self.cfg.prefix_aware else []
+        generated: list[int] = []
+        sent_text = ""
+        exclude: set[str] = set()
+        attempt = 0
+        cached_tokens = 0
+        while True:
+            route = await self.place(req, hashes, exclude)
+            max_tokens = req.sampling.max_tokens - len(generated)
+            uncached_at = route.prefill or route.decode
+            uncached = len(prompt) - min(self.index.matched_blocks(uncached_at.address, hashes),
+                                          (len(prompt) - 1) // self.cfg.block_size) * self.cfg.block_size
+            ticket = Ticket(route, len(prompt) + len(generated), uncached, max_tokens)
+            if hashes:
+                for ep in (route.prefill, route.decode):
+                    if ep is not None:
+                        self.index.insert(ep.address, hashes)
+            finish = None
+            usage = (0, 0, 0)
+            try:
+                async for c in self._send(route, req, prompt + generated, max_tokens, attempt):
+                    if c.token_ids or c.text:
+                        ticket.on_tokens(len(c.token_ids) or 1)
+                    generated += c.token_ids
+                    sent_text += c.text
+                    if c.finish_reason:
+                        finish = c.finish_reason
+                    if c.prompt_tokens or c.completion_tokens:
+                        usage = (c.prompt_tokens, c.completion_tokens, c.cached_tokens)
+                        cached_tokens = c.cached_tokens
+                    c.finish_reason = None
+                    if c.text or c.logprobs or c.token_ids:
+                        yield c
+                ticket.close()
+            except WorkerError as e:
+                ticket.close()
+                attempt += 1
+                if e.failed:
+                    ep = self.registry.get(e.failed_role or route.decode.role, e.failed) or route.decode
+                    self.registry.mark_failed(ep, str(e))
+                    exclude.add(e.failed)
+                if not e.retryable:
+                    raise APIError(e.status, str(e), type_="invalid_request_error" if e.status == 400 else "upstream_error") from e
+                can_failover = route.decode.role != "openai" or not (generated or sent_text)
+                if attempt > self.cfg.max_retries or not can_failover:
+                    raise APIError(e.status, f"request failed after {attempt} attempt(s): {e}", type_="upstream_error",
+                                   code="worker_failed") from e
+                kind = "failover" if (generated or sent_text) else "retry"
+                self.metrics.retries.labels(kind=kind).inc()
+                log.warning("event=%s rid=%s attempt=%d failed=%s generated=%d error=%r", kind, req.id, attempt,
+                            e.failed, len(generated), str(e))
+                if kind == "failover" and self.tokenizer is not None and not req.sampling.stop:
+                    # Text the dead worker held back (an unfinished UTF-8 character) would be lost.
+                    full = self.tokenizer.decode(generated)
+                    if full.startswith(sent_text) and len(full) > len(sent_text) and not full.endswith("\ufffd"):
+                        yield Chunk(text=full[len(sent_text):])
+                        sent_text = full
+                await asyncio.sleep(self.cfg.retry_backoff_s * 2 ** (attempt - 1))
+                continue
+            if hashes and route.decode.role != "openai" and generated:
+                self.index.insert(route.decode.address,
+                                  prompt_block_hashes(req.tenant, prompt + generated, self.cfg.block_size))
+            prompt_tokens = len(prompt) if route.decode.role != "openai" else (usage[0] or len(prompt))
+            completion = len(generated) if route.decode.role != "openai" else usage[1]
+            yield Chunk(finish_reason=finish or "stop", prompt_tokens=prompt_tokens, completion_tokens=completion,
+                        cached_tokens=cached_tokens)
+            return
+
+
+async def timed(it: AsyncIterator[Chunk], metrics: RouterMetrics, t0: float) -> AsyncIterator[Chunk]:
+    """TTFT and inter-token latency as the client sees them."""
+    last = None
+    async for c in it:
+        if c.text or c.token_ids:
+            now = time.perf_counter()
+            if last is None:
+                metrics.ttft.observe(now - t0)
+            else:
+                n = max(len(c.token_ids), 1)
+                for _ in range(n):
+                    metrics.itl.observe((now - last) / n)
+            last = now
+        yield c

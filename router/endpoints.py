@@ -1,0 +1,103 @@
+"""Endpoints the router can send to, their health, and the tokens each has in flight.
+
+Load is estimated locally (updated on dispatch, per streamed token, on completion) and
+reconciled with the workers' own `Stats`, which also count other routers' requests:
+
+    load = max(local, reported + (local - local_when_reported))
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+log = logging.getLogger("splitfire.router")
+
+ROLES = ("prefill", "decode", "colocated", "openai")
+
+
+@dataclass(eq=False)
+class Endpoint:
+    address: str  # host:port for workers, base URL for OpenAI-compatible upstreams
+    role: str
+    source: str = "static"  # static | redis | dns
+    healthy: bool = True  # optimistic until a check fails
+    consecutive_failures: int = 0
+    last_seen: float = field(default_factory=time.monotonic)
+    block_size: int = 16
+    max_model_len: int = 0
+    # local estimates
+    prefill_tokens: int = 0  # uncached prompt tokens sent here and not yet prefilled
+    held_tokens: int = 0  # KV tokens our running requests hold here (decode / colocated)
+    remaining_tokens: int = 0  # output tokens our running requests may still produce here
+    active: int = 0  # requests in flight
+    peak_load: int = 0
+    # the worker's own view, and our local load when we read it
+    reported_prefill: int = 0
+    reported_decode: int = 0
+    local_prefill_at_report: int = 0
+    local_decode_at_report: int = 0
+
+    def prefill_load(self) -> int:
+        local = self.prefill_tokens
+        return max(local, self.reported_prefill + local - self.local_prefill_at_report)
+
+    def decode_load(self) -> int:
+        local = self.held_tokens + self.remaining_tokens
+        return max(local, self.reported_decode + local - self.local_decode_at_report)
+
+    def load(self) -> int:
+        if self.role == "prefill":
+            return self.prefill_load()
+        if self.role == "decode":
+            return self.decode_load()
+        return self.prefill_load() + self.decode_load()
+
+    def note_peak(self) -> None:
+        self.peak_load = max(self.peak_load, self.load())
+
+    def reconcile(self, prompt_tokens_in_flight: int, kv_tokens_held: int, decode_tokens_remaining: int) -> None:
+        self.reported_prefill = prompt_tokens_in_flight
+        self.reported_decode = kv_tokens_held + decode_tokens_remaining
+        self.local_prefill_at_report = self.prefill_tokens
+        self.local_decode_at_report = self.held_tokens + self.remaining_tokens
+
+
+class EndpointRegistry:
+    def __init__(self) -> None:
+        self.by_address: dict[tuple[str, str], Endpoint] = {}
+
+    def add(self, address: str, role: str, source: str = "static") -> Endpoint:
+        key = (role, address)
+        ep = self.by_address.get(key)
+        if ep is None:
+            ep = self.by_address[key] = Endpoint(address, role, source)
+            log.info("event=endpoint_added role=%s address=%s source=%s", role, address, source)
+        ep.last_seen = time.monotonic()
+        return ep
+
+    def sync(self, role: str, source: str, addresses: set[str]) -> None:
+        """Make the endpoints of (role, source) exactly `addresses` (dynamic discovery)."""
+        for a in addresses:
+            self.add(a, role, source)
+        for key, ep in list(self.by_address.items()):
+            if ep.role == role and ep.source == source and ep.address not in addresses and ep.active == 0:
+                del self.by_address[key]
+                log.info("event=endpoint_removed role=%s address=%s source=%s", role, ep.address, source)
+
+    def all(self) -> list[Endpoint]:
+        return list(self.by_address.values())
+
+    def get(self, role: str, address: str) -> Endpoint | None:
+        return self.by_address.get((role, address))
+
+    def healthy(self, role: str) -> list[Endpoint]:
+        return [e for e in self.by_address.values() if e.role == role and e.healthy]
+
+    def mark_failed(self, ep: Endpoint, why: str) -> None:
+        """Passive circuit breaker: a failed request ejects the endpoint until a health check passes."""
+        if ep.healthy:
+            log.warning("event=endpoint_ejected role=%s address=%s reason=%r", ep.role, ep.address, why)
+        ep.healthy = False
+        ep.consecutive_failures += 1

@@ -1,0 +1,57 @@
+"""The router's Prometheus metrics (its own registry; in-flight tokens read at scrape time)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
+
+from router.endpoints import EndpointRegistry
+
+LATENCY = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 1.5, 2, 3, 5, 10, 30, 60)
+ITL = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2)
+
+
+class _EndpointCollector:
+    def __init__(self, registry: EndpointRegistry):
+        self.endpoints = registry
+
+    def collect(self):
+        load = GaugeMetricFamily("splitfire_router_inflight_tokens", "Estimated tokens in flight per endpoint",
+                                 labels=["role", "endpoint"])
+        active = GaugeMetricFamily("splitfire_router_inflight_requests", "Requests in flight per endpoint",
+                                   labels=["role", "endpoint"])
+        healthy = GaugeMetricFamily("splitfire_router_endpoint_healthy", "1 if the endpoint is in rotation",
+                                    labels=["role", "endpoint"])
+        for ep in self.endpoints.all():
+            load.add_metric([ep.role, ep.address], ep.load())
+            active.add_metric([ep.role, ep.address], ep.active)
+            healthy.add_metric([ep.role, ep.address], 1 if ep.healthy else 0)
+        yield from (load, active, healthy)
+
+
+@dataclass
+class RouterMetrics:
+    endpoints: EndpointRegistry
+    registry: CollectorRegistry = field(default_factory=CollectorRegistry)
+
+    def __post_init__(self) -> None:
+        r = self.registry
+        self.requests = Counter("splitfire_router_requests", "HTTP requests by route and status", ["route", "status"], registry=r)
+        self.ttft = Histogram("splitfire_router_ttft_seconds", "Time to first token at the router", buckets=LATENCY, registry=r)
+        self.itl = Histogram("splitfire_router_inter_token_seconds", "Time between streamed tokens", buckets=ITL, registry=r)
+        self.e2e = Histogram("splitfire_router_request_seconds", "Whole request time", buckets=LATENCY, registry=r)
+        self.decisions = Counter("splitfire_router_routing_decisions", "Placements by policy, role and endpoint",
+                                 ["policy", "role", "endpoint"], registry=r)
+        self.affinity = Counter("splitfire_router_affinity", "Session-affinity lookups: hit, miss, break",
+                                ["result"], registry=r)
+        self.retries = Counter("splitfire_router_retries", "Attempts re-sent elsewhere: retry (before the first "
+                               "token) or failover (mid-stream)", ["kind"], registry=r)
+        self.queue = Gauge("splitfire_router_queue_depth", "Requests waiting for an admission slot", registry=r)
+        self.running = Gauge("splitfire_router_running_requests", "Requests holding an admission slot", registry=r)
+        self.prompt_tokens = Counter("splitfire_router_prompt_tokens", "Prompt tokens routed", registry=r)
+        self.completion_tokens = Counter("splitfire_router_completion_tokens", "Tokens streamed back", registry=r)
+        self.cached_tokens = Counter("splitfire_router_cached_prompt_tokens", "Prompt tokens workers served from "
+                                     "their prefix caches", registry=r)
+        r.register(_EndpointCollector(self.endpoints))

@@ -1,0 +1,71 @@
+"""Proxying to OpenAI-compatible servers (vLLM, SGLang, llama.cpp) with the same balancing,
+affinity, retries and stream rewriting as splitfire's own workers."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+
+from router.chunks import Chunk, WorkerError
+
+
+class OpenAIUpstreamClient:
+    def __init__(self) -> None:
+        self._session: aiohttp.ClientSession | None = None
+
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=30, enable_cleanup_closed=True)
+            self._session = aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None, sock_connect=5))
+        return self._session
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+    async def generate(self, base_url: str, kind: str, body: dict[str, Any], max_tokens: int) -> AsyncIterator[Chunk]:
+        path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
+        body = {**body, "stream": True, "stream_options": {"include_usage": True}, "max_tokens": max_tokens}
+        body.pop("max_completion_tokens", None)
+        try:
+            async with self.session().post(base_url.rstrip("/") + path, json=body) as resp:
+                if resp.status != 200:
+                    text = (await resp.text())[:500]
+                    raise WorkerError(f"upstream {base_url} answered {resp.status}: {text}",
+                                      retryable=resp.status >= 500 or resp.status == 429, status=resp.status,
+                                      failed=base_url, failed_role="openai")
+                async for raw in resp.content:
+                    line = raw.strip()
+                    if not line.startswith(b"data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == b"[DONE]":
+                        return
+                    obj = json.loads(data)
+                    c = Chunk()
+                    for ch in obj.get("choices") or []:
+                        c.text += (ch.get("delta") or {}).get("content") or ch.get("text") or ""
+                        c.finish_reason = ch.get("finish_reason") or c.finish_reason
+                    usage = obj.get("usage")
+                    if usage:
+                        c.prompt_tokens = usage.get("prompt_tokens", 0)
+                        c.completion_tokens = usage.get("completion_tokens", 0)
+                        c.cached_tokens = ((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+                    yield c
+        except (aiohttp.ClientError, TimeoutError, json.JSONDecodeError) as e:
+            raise WorkerError(f"upstream {base_url}: {type(e).__name__}: {e}", retryable=True, status=502,
+                              failed=base_url, failed_role="openai") from e
+
+    async def health(self, base_url: str, timeout_s: float) -> bool:
+        s = self.session()
+        for path in ("/health", "/v1/models"):
+            try:
+                async with s.get(base_url.rstrip("/") + path, timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
+                    if r.status == 200:
+                        return True
+            except (aiohttp.ClientError, TimeoutError):
+                continue
+        return False

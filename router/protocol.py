@@ -1,0 +1,255 @@
+"""OpenAI request bodies → one validated `GenRequest`; every rejection is a 4xx with the param named."""
+
+from __future__ import annotations
+
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.chat_template import TemplateError
+from engine.tokenizer import Tokenizer
+from router.errors import APIError, bad_request, not_found
+
+ROLES = {"system", "user", "assistant", "tool", "developer", "function"}
+MAX_STOP = 16
+
+
+@dataclass
+class Sampling:
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None
+
+
+@dataclass
+class GenRequest:
+    id: str
+    kind: str  # chat | completion
+    model: str
+    prompt_token_ids: list[int]
+    sampling: Sampling
+    stream: bool
+    include_usage: bool
+    tenant: str
+    session: str | None
+    want_logprobs: bool
+    body: dict[str, Any]  # the original body, for OpenAI-compatible upstreams
+    created: int = field(default_factory=lambda: int(time.time()))
+    prompt_index: int = 0  # which prompt of a batched /v1/completions request
+
+
+def _num(body: dict, name: str, lo: float, hi: float, default: float, integer: bool = False) -> Any:
+    v = body.get(name)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, int | float) or (integer and not isinstance(v, int)):
+        raise bad_request(f"'{name}' must be {'an integer' if integer else 'a number'}", param=name)
+    if not lo <= v <= hi:
+        raise bad_request(f"'{name}' must be between {lo} and {hi}, got {v}", param=name)
+    return v
+
+
+def _bool(body: dict, name: str, default: bool = False) -> bool:
+    v = body.get(name, default)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise bad_request(f"'{name}' must be a boolean", param=name)
+    return v
+
+
+def _stop(body: dict) -> list[str]:
+    v = body.get("stop")
+    if v is None:
+        return []
+    if isinstance(v, str):
+        v = [v]
+    if not isinstance(v, list) or not all(isinstance(s, str) and s for s in v):
+        raise bad_request("'stop' must be a non-empty string or a list of them", param="stop")
+    if len(v) > MAX_STOP:
+        raise bad_request(f"'stop' takes at most {MAX_STOP} strings", param="stop")
+    return v
+
+
+def _content_text(content: Any, i: int) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise bad_request(f"messages[{i}].content parts must be {{'type': 'text', 'text': str}} "
+                                  "(this model reads text only)", param=f"messages[{i}].content")
+            parts.append(part["text"])
+        return "".join(parts)
+    if content is None:
+        return ""
+    raise bad_request(f"messages[{i}].content must be a string or a list of text parts", param=f"messages[{i}].content")
+
+
+def parse_messages(body: dict) -> list[dict[str, Any]]:
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise bad_request("'messages' must be a non-empty list", param="messages")
+    out = []
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict):
+            raise bad_request(f"messages[{i}] must be an object", param=f"messages[{i}]")
+        role = m.get("role")
+        if role not in ROLES:
+            raise bad_request(f"messages[{i}].role must be one of {sorted(ROLES)}", param=f"messages[{i}].role")
+        msg = dict(m)
+        msg["content"] = _content_text(m.get("content"), i)
+        if role == "developer":
+            msg["role"] = "system"
+        out.append(msg)
+    return out
+
+
+class RequestParser:
+    def __init__(self, tokenizer: Tokenizer | None, model_names: set[str], max_model_len: int, default_model: str):
+        self.tokenizer = tokenizer
+        self.model_names = model_names
+        self.max_model_len = max_model_len
+        self.default_model = default_model
+
+    def _common(self, body: dict) -> tuple[str, bool, bool]:
+        if not isinstance(body, dict):
+            raise bad_request("request body must be a JSON object")
+        model = body.get("model")
+        if model is None:
+            raise bad_request("'model' is required", param="model")
+        if not isinstance(model, str):
+            raise bad_request("'model' must be a string", param="model")
+        if model not in self.model_names:
+            raise not_found(f"model '{model}' does not exist; available: {sorted(self.model_names)}", code="model_not_found")
+        n = body.get("n", 1)
+        if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
+            raise bad_request("'n' must be a positive integer", param="n")
+        if n not in (None, 1):
+            raise bad_request("'n' > 1 is not supported; send n separate requests", param="n")
+        if body.get("best_of") not in (None, 1):
+            raise bad_request("'best_of' > 1 is not supported", param="best_of")
+        if body.get("echo"):
+            raise bad_request("'echo' is not supported", param="echo")
+        stream = _bool(body, "stream")
+        so = body.get("stream_options")
+        include_usage = False
+        if so is not None:
+            if not isinstance(so, dict):
+                raise bad_request("'stream_options' must be an object", param="stream_options")
+            if not stream:
+                raise bad_request("'stream_options' is only allowed with stream=true", param="stream_options")
+            include_usage = _bool(so, "include_usage")
+        user = body.get("user")
+        if user is not None and not isinstance(user, str):
+            raise bad_request("'user' must be a string", param="user")
+        return model, stream, include_usage
+
+    def _sampling(self, body: dict, prompt_len: int, logprobs: int | None) -> Sampling:
+        room = self.max_model_len - prompt_len
+        if room < 1:
+            raise bad_request(
+                f"This model's maximum context length is {self.max_model_len} tokens; the prompt has {prompt_len}",
+                param="messages" if "messages" in body else "prompt", code="context_length_exceeded")
+        name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+        max_tokens = _num(body, name, 1, 2**31 - 1, room, integer=True)
+        if max_tokens > room:
+            raise bad_request(
+                f"'{name}' is {max_tokens}, but the prompt ({prompt_len} tokens) leaves room for {room} "
+                f"in this model's {self.max_model_len}-token context", param=name, code="context_length_exceeded")
+        seed = body.get("seed")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise bad_request("'seed' must be an integer", param="seed")
+        stop_ids = body.get("stop_token_ids") or []
+        if not isinstance(stop_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in stop_ids):
+            raise bad_request("'stop_token_ids' must be a list of non-negative integers", param="stop_token_ids")
+        return Sampling(
+            max_tokens=max_tokens,
+            temperature=_num(body, "temperature", 0.0, 2.0, 1.0),
+            top_p=_num(body, "top_p", 0.0, 1.0, 1.0) or 1e-9,
+            top_k=_num(body, "top_k", -1, 1 << 20, 0, integer=True) if body.get("top_k") != -1 else 0,
+            min_p=_num(body, "min_p", 0.0, 1.0, 0.0),
+            repetition_penalty=_num(body, "repetition_penalty", 0.01, 10.0, 1.0),
+            frequency_penalty=_num(body, "frequency_penalty", -2.0, 2.0, 0.0),
+            presence_penalty=_num(body, "presence_penalty", -2.0, 2.0, 0.0),
+            seed=seed % 2**63 if seed is not None else None,
+            stop=_stop(body),
+            stop_token_ids=stop_ids,
+            ignore_eos=_bool(body, "ignore_eos"),
+            logprobs=logprobs,
+        )
+
+    def _check_ids(self, ids: list[int], param: str) -> list[int]:
+        if not ids:
+            raise bad_request("the prompt is empty", param=param)
+        vocab = self.tokenizer.vocab_size if self.tokenizer else 2**31
+        if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab for t in ids):
+            raise bad_request(f"token ids must be integers in [0, {vocab})", param=param)
+        return ids
+
+    def _tok(self) -> Tokenizer:
+        if self.tokenizer is None:
+            raise APIError(400, "this router has no tokenizer configured (start it with --model)")
+        return self.tokenizer
+
+    def chat(self, body: Any, tenant: str, session: str | None) -> GenRequest:
+        model, stream, include_usage = self._common(body)
+        messages = parse_messages(body)
+        lp = _bool(body, "logprobs")
+        top = body.get("top_logprobs")
+        if top is not None:
+            if not lp:
+                raise bad_request("'top_logprobs' requires logprobs=true", param="top_logprobs")
+            top = _num(body, "top_logprobs", 0, 20, 0, integer=True)
+        tools = body.get("tools")
+        if tools is not None and not isinstance(tools, list):
+            raise bad_request("'tools' must be a list", param="tools")
+        try:
+            ids = self._tok().encode_chat(messages, add_generation_prompt=True, tools=tools)
+        except TemplateError as e:
+            raise bad_request(f"chat template rejected the conversation: {e}", param="messages") from e
+        ids = self._check_ids(ids, "messages")
+        sampling = self._sampling(body, len(ids), (top or 0) if lp else None)
+        return GenRequest(f"chatcmpl-{secrets.token_hex(12)}", "chat", model, ids, sampling, stream, include_usage,
+                          tenant, session, lp, body)
+
+    def completions(self, body: Any, tenant: str, session: str | None) -> list[GenRequest]:
+        """One GenRequest per prompt (a list of prompts becomes several choices)."""
+        model, stream, include_usage = self._common(body)
+        prompt = body.get("prompt")
+        prompts: list[list[int]]
+        if isinstance(prompt, str):
+            prompts = [self._tok().encode(prompt)]
+        elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+            prompts = [self._tok().encode(p) for p in prompt]
+        elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            prompts = [list(prompt)]
+        elif isinstance(prompt, list) and prompt and all(isinstance(p, list) for p in prompt):
+            prompts = [list(p) for p in prompt]
+        else:
+            raise bad_request("'prompt' must be a string, a list of strings, a list of token ids, or a list of "
+                              "token-id lists", param="prompt")
+        if len(prompts) > 64:
+            raise bad_request("at most 64 prompts per request", param="prompt")
+        lp = body.get("logprobs")
+        if lp is not None:
+            lp = _num(body, "logprobs", 0, 5, 0, integer=True)
+        rid = f"cmpl-{secrets.token_hex(12)}"
+        out = []
+        for i, ids in enumerate(prompts):
+            ids = self._check_ids(ids, "prompt")
+            out.append(GenRequest(rid, "completion", model, ids, self._sampling(body, len(ids), lp), stream,
+                                  include_usage, tenant, session, lp is not None, body, prompt_index=i))
+        return out

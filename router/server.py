@@ -1,0 +1,286 @@
+"""The aiohttp application: OpenAI routes, /health, /metrics, and background loops."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from engine.tokenizer import Tokenizer
+from router.admission import Admission
+from router.affinity import MemoryPinStore, RedisPinStore, SessionAffinity
+from router.balancer import make_policy
+from router.chunks import Chunk
+from router.config import RouterConfig
+from router.discovery import dns_discovery, redis_discovery
+from router.dispatcher import Dispatcher, timed
+from router.endpoints import EndpointRegistry
+from router.errors import APIError, bad_request
+from router.health import HealthChecker
+from router.metrics import RouterMetrics
+from router.openai_upstream import OpenAIUpstreamClient
+from router.prefix_index import PrefixIndex
+from router.protocol import GenRequest, RequestParser
+from router.sse import DONE, StreamWriter, error_event, full_response, usage_dict
+from router.tenants import Tenants
+from router.worker_client import WorkerClient
+
+log = logging.getLogger("splitfire.router")
+
+
+def load_model_info(cfg: RouterConfig) -> tuple[Tokenizer | None, str, int]:
+    """Tokenizer, served model name and context length. Upstream-only routers may run without a model."""
+    if cfg.model is None and cfg.openai_upstream and not (cfg.decode or cfg.colocated or cfg.prefill):
+        return None, cfg.served_model_name or "default", 1 << 30
+    from engine.model_store import resolve_model
+
+    model_dir = resolve_model(cfg.model)
+    max_len = json.loads((Path(model_dir) / "config.json").read_text()).get("max_position_embeddings", 4096)
+    return Tokenizer(model_dir), cfg.served_model_name or Path(model_dir).name, int(max_len)
+
+
+class Router:
+    def __init__(self, cfg: RouterConfig, tokenizer: Tokenizer | None, model_name: str, max_model_len: int):
+        self.cfg = cfg
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.registry = EndpointRegistry()
+        for role, addrs in (("prefill", cfg.prefill), ("decode", cfg.decode), ("colocated", cfg.colocated),
+                            ("openai", cfg.openai_upstream)):
+            for a in addrs:
+                self.registry.add(a, role)
+        self.metrics = RouterMetrics(self.registry)
+        self.tenants = Tenants.from_file(cfg.api_keys_file)
+        self.parser = RequestParser(tokenizer, {model_name}, max_model_len, model_name)
+        self.admission = Admission(cfg.max_concurrency, cfg.max_queue, cfg.queue_timeout_s, self.metrics)
+        self.workers = WorkerClient()
+        self.upstreams = OpenAIUpstreamClient()
+        self.redis = None
+        if cfg.redis_url:
+            import redis.asyncio as aioredis
+
+            self.redis = aioredis.from_url(cfg.redis_url)
+        store = RedisPinStore(self.redis) if self.redis is not None else MemoryPinStore()
+        self.affinity = SessionAffinity(store, cfg.affinity_ttl_s)
+        self.dispatcher = Dispatcher(cfg, self.registry, make_policy(cfg.policy), self.affinity,
+                                     PrefixIndex(cfg.prefix_index_blocks), self.workers, self.upstreams,
+                                     self.metrics, tokenizer)
+        self.health = HealthChecker(cfg, self.registry, self.workers, self.upstreams)
+        self._tasks: list[asyncio.Task] = []
+
+    # -- app ----------------------------------------------------------------------------
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=self.cfg.max_body_bytes, middlewares=[self._errors])
+        app.router.add_post("/v1/chat/completions", self.chat)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health_route)
+        app.router.add_get("/metrics", self.metrics_route)
+        app.on_startup.append(self._start)
+        app.on_cleanup.append(self._stop)
+        return app
+
+    async def _start(self, app: web.Application) -> None:
+        if self.redis is not None:
+            try:
+                await self.redis.ping()
+            except Exception as e:
+                raise OSError(f"cannot reach Redis at {self.cfg.redis_url}: {e}") from e
+        await self.health.check_all()
+        self._tasks.append(asyncio.create_task(self.health.run()))
+        if self.redis is not None:
+            self._tasks.append(asyncio.create_task(redis_discovery(self.redis, self.registry)))
+        if self.cfg.discover_dns:
+            self._tasks.append(asyncio.create_task(dns_discovery(self.cfg.discover_dns, self.registry)))
+
+    async def _stop(self, app: web.Application) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.workers.close()
+        await self.upstreams.close()
+        if self.redis is not None:
+            await self.redis.aclose()
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler) -> web.StreamResponse:
+        route = request.match_info.route.resource.canonical if request.match_info.route.resource else "unmatched"
+        try:
+            resp = await handler(request)
+        except APIError as e:
+            resp = e.response()
+        except web.HTTPRequestEntityTooLarge:
+            resp = APIError(413, f"request body exceeds {self.cfg.max_body_bytes} bytes", code="body_too_large").response()
+        except web.HTTPMethodNotAllowed:
+            resp = APIError(405, f"method {request.method} not allowed on {request.path}").response()
+        except web.HTTPNotFound:
+            resp = APIError(404, f"no route {request.method} {request.path}", code="not_found").response()
+        except web.HTTPException as e:
+            resp = APIError(e.status, e.reason or "error").response()
+        except asyncio.CancelledError:
+            self.metrics.requests.labels(route=route, status="499").inc()
+            raise
+        except Exception as e:  # a bug: log loudly with context, answer in OpenAI's shape
+            log.exception("event=internal_error path=%s", request.path)
+            resp = APIError(500, f"internal error: {type(e).__name__}", type_="server_error").response()
+        self.metrics.requests.labels(route=route, status=str(resp.status)).inc()
+        return resp
+
+    async def _body(self, request: web.Request) -> Any:
+        raw = await request.read()
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise bad_request(f"request body is not valid UTF-8 (byte {e.start})") from e
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError as e:
+            raise bad_request(f"request body is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from e
+
+    # -- routes -------------------------------------------------------------------------
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        tenant = self.tenants.tenant_of(request)
+        body = await self._body(request)
+        req = self.parser.chat(body, tenant, request.headers.get("x-session-affinity"))
+        return await self._serve(request, [req])
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        tenant = self.tenants.tenant_of(request)
+        body = await self._body(request)
+        reqs = self.parser.completions(body, tenant, request.headers.get("x-session-affinity"))
+        return await self._serve(request, reqs)
+
+    async def models(self, request: web.Request) -> web.Response:
+        self.tenants.tenant_of(request)
+        return web.json_response({"object": "list", "data": [
+            {"id": self.model_name, "object": "model", "created": 0, "owned_by": "splitfire"}]})
+
+    async def health_route(self, request: web.Request) -> web.Response:
+        eps = self.registry.all()
+        ready = any(e.healthy and e.role in ("decode", "colocated", "openai") for e in eps)
+        body = {"status": "ok" if ready else "no_healthy_workers",
+                "endpoints": [{"role": e.role, "address": e.address, "healthy": e.healthy, "load": e.load()}
+                              for e in eps]}
+        return web.json_response(body, status=200 if ready else 503)
+
+    async def metrics_route(self, request: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(self.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    # -- serving --------------------------------------------------------------------------
+
+    async def _serve(self, request: web.Request, reqs: list[GenRequest]) -> web.StreamResponse:
+        self.metrics.prompt_tokens.inc(sum(len(r.prompt_token_ids) for r in reqs))
+        async with self.admission.slot():
+            t0 = time.perf_counter()
+            try:
+                if reqs[0].stream:
+                    return await self._stream(request, reqs, t0)
+                return await self._complete(reqs, t0)
+            finally:
+                self.metrics.e2e.observe(time.perf_counter() - t0)
+
+    async def _complete(self, reqs: list[GenRequest], t0: float) -> web.Response:
+        async def one(req: GenRequest) -> dict[str, Any]:
+            r: dict[str, Any] = {"text": [], "logprobs": [], "finish_reason": "stop", "prompt": 0, "completion": 0, "cached": 0}
+            async for c in timed(self.dispatcher.run(req), self.metrics, t0):
+                r["text"].append(c.text)
+                r["logprobs"] += c.logprobs
+                if c.finish_reason:
+                    r["finish_reason"] = c.finish_reason
+                    r["prompt"], r["completion"], r["cached"] = c.prompt_tokens, c.completion_tokens, c.cached_tokens
+            r["text"] = "".join(r["text"])
+            return r
+
+        results = await asyncio.gather(*(one(r) for r in reqs))
+        self._count_usage(results)
+        return web.json_response(full_response(reqs, self.model_name, results, self.tokenizer),
+                                 dumps=lambda o: json.dumps(o, ensure_ascii=False))
+
+    def _count_usage(self, results: list[dict[str, Any]]) -> None:
+        self.metrics.completion_tokens.inc(sum(r["completion"] for r in results))
+        self.metrics.cached_tokens.inc(sum(r["cached"] for r in results))
+
+    async def _stream(self, request: web.Request, reqs: list[GenRequest], t0: float) -> web.StreamResponse:
+        writers = [StreamWriter(r, self.model_name, self.tokenizer) for r in reqs]
+        if len(reqs) == 1:
+            source = _tagged(0, timed(self.dispatcher.run(reqs[0]), self.metrics, t0))
+        else:
+            source = _merge([timed(self.dispatcher.run(r), self.metrics, t0) for r in reqs])
+        # Wait for the first chunk before answering, so that failures before any token
+        # (bad input found by a worker, no capacity, no workers) get a proper HTTP status.
+        first = await anext(source, None)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                           "X-Request-Id": reqs[0].id})
+        await resp.prepare(request)
+        usage = {"prompt": 0, "completion": 0, "cached": 0}
+        try:
+            if reqs[0].kind == "chat":
+                for w in writers:
+                    await resp.write(w.role())
+            item = first
+            while item is not None:
+                i, c = item
+                w = writers[i]
+                if c.text or c.logprobs:
+                    await resp.write(w.text(c.text, c.logprobs))
+                if c.finish_reason:
+                    await resp.write(w.finish(c.finish_reason))
+                    usage["prompt"] += c.prompt_tokens
+                    usage["completion"] += c.completion_tokens
+                    usage["cached"] += c.cached_tokens
+                item = await anext(source, None)
+            if reqs[0].include_usage:
+                await resp.write(writers[0].usage(usage_dict(usage["prompt"], usage["completion"], usage["cached"])))
+            self._count_usage([usage])
+        except APIError as e:  # failed after the stream started: a final error event, never a hang
+            log.warning("event=stream_failed rid=%s status=%d error=%r", reqs[0].id, e.status, e.message)
+            await resp.write(error_event(e.message, e.type, e.code or "worker_failed"))
+        await resp.write(DONE)
+        await resp.write_eof()
+        return resp
+
+
+async def _tagged(i: int, it):
+    async for c in it:
+        yield i, c
+
+
+async def _merge(iters: list) -> Any:
+    """Interleave several choices' chunks into one stream (a list of prompts)."""
+    queue: asyncio.Queue = asyncio.Queue()
+    sentinel = object()
+
+    async def pump(i: int, it) -> None:
+        try:
+            async for c in it:
+                await queue.put((i, c))
+        except BaseException as e:
+            await queue.put(e)
+        finally:
+            await queue.put(sentinel)
+
+    tasks = [asyncio.create_task(pump(i, it)) for i, it in enumerate(iters)]
+    try:
+        done = 0
+        while done < len(tasks):
+            item = await queue.get()
+            if item is sentinel:
+                done += 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+__all__ = ["Chunk", "Router", "load_model_info"]

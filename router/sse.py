@@ -1,0 +1,113 @@
+"""Rewriting worker output into OpenAI responses: SSE chunks and whole JSON bodies.
+
+The per-chunk path is hot, so a stream's constant JSON is rendered once into byte
+prefixes and each chunk is `prefix + json-escaped text + suffix`: no dict building or
+full JSON serialisation per token.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from engine.tokenizer import Tokenizer
+from router.chunks import Logprob
+from router.protocol import GenRequest
+
+DONE = b"data: [DONE]\n\n"
+_dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
+
+
+class StreamWriter:
+    """Renders one choice's SSE chunks for one request."""
+
+    def __init__(self, req: GenRequest, model: str, tokenizer: Tokenizer | None):
+        self.req = req
+        self.tokenizer = tokenizer
+        head = {"id": req.id, "object": "chat.completion.chunk" if req.kind == "chat" else "text_completion",
+                "created": req.created, "model": model}
+        h = _dumps(head)[:-1]  # drop the closing brace
+        self.head = h
+        i = req.prompt_index
+        if req.kind == "chat":
+            self._pre = f'data: {h},"choices":[{{"index":{i},"delta":{{"content":'.encode()
+            self._post = b'},"logprobs":null,"finish_reason":null}]}\n\n'
+        else:
+            self._pre = f'data: {h},"choices":[{{"index":{i},"text":'.encode()
+            self._post = b',"logprobs":null,"finish_reason":null}]}\n\n'
+
+    def role(self) -> bytes:
+        return f'data: {self.head},"choices":[{{"index":{self.req.prompt_index},"delta":{{"role":"assistant","content":""}},"logprobs":null,"finish_reason":null}}]}}\n\n'.encode()
+
+    def text(self, text: str, logprobs: list[Logprob] | None = None) -> bytes:
+        if logprobs and self.req.want_logprobs:
+            return self._choice(text, None, logprobs)
+        return self._pre + _dumps(text).encode() + self._post
+
+    def _choice(self, text: str, finish: str | None, logprobs: list[Logprob] | None) -> bytes:
+        lp = render_logprobs(self.req, self.tokenizer, logprobs or [], 0) if (logprobs and self.req.want_logprobs) else None
+        i = self.req.prompt_index
+        if self.req.kind == "chat":
+            choice = {"index": i, "delta": {"content": text} if text else {}, "logprobs": lp, "finish_reason": finish}
+        else:
+            choice = {"index": i, "text": text, "logprobs": lp, "finish_reason": finish}
+        return f"data: {self.head},\"choices\":[{_dumps(choice)}]}}\n\n".encode()
+
+    def finish(self, reason: str) -> bytes:
+        return self._choice("", reason, None)
+
+    def usage(self, usage: dict[str, Any]) -> bytes:
+        return f'data: {self.head},"choices":[],"usage":{_dumps(usage)}}}\n\n'.encode()
+
+
+def error_event(message: str, type_: str = "upstream_error", code: str = "worker_failed") -> bytes:
+    return f"data: {_dumps({'error': {'message': message, 'type': type_, 'param': None, 'code': code}})}\n\n".encode()
+
+
+def usage_dict(prompt: int, completion: int, cached: int) -> dict[str, Any]:
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def _token_str(tokenizer: Tokenizer | None, tid: int) -> str:
+    return tokenizer.decode([tid], skip_special_tokens=False) if tokenizer else str(tid)
+
+
+def render_logprobs(req: GenRequest, tokenizer: Tokenizer | None, lps: list[Logprob], text_offset: int) -> dict[str, Any]:
+    if req.kind == "chat":
+        content = []
+        for lp in lps:
+            tok = _token_str(tokenizer, lp.token_id)
+            content.append({
+                "token": tok, "logprob": lp.logprob, "bytes": list(tok.encode()),
+                "top_logprobs": [{"token": (t := _token_str(tokenizer, tid)), "logprob": v, "bytes": list(t.encode())}
+                                 for tid, v in lp.top],
+            })
+        return {"content": content}
+    tokens, offsets = [], []
+    off = text_offset
+    for lp in lps:
+        tok = _token_str(tokenizer, lp.token_id)
+        tokens.append(tok)
+        offsets.append(off)
+        off += len(tok)
+    return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in lps],
+            "top_logprobs": [{_token_str(tokenizer, tid): v for tid, v in lp.top} for lp in lps], "text_offset": offsets}
+
+
+def full_response(reqs: list[GenRequest], model: str, results: list[dict[str, Any]], tokenizer: Tokenizer | None) -> dict[str, Any]:
+    """Non-streaming body: results[i] = {text, finish_reason, logprobs, prompt, completion, cached}."""
+    first = reqs[0]
+    choices = []
+    for req, r in zip(reqs, results, strict=True):
+        lp = render_logprobs(req, tokenizer, r["logprobs"], 0) if req.want_logprobs else None
+        if req.kind == "chat":
+            choices.append({"index": req.prompt_index, "message": {"role": "assistant", "content": r["text"]},
+                            "logprobs": lp, "finish_reason": r["finish_reason"]})
+        else:
+            choices.append({"index": req.prompt_index, "text": r["text"], "logprobs": lp,
+                            "finish_reason": r["finish_reason"]})
+    usage = usage_dict(sum(r["prompt"] for r in results), sum(r["completion"] for r in results),
+                       sum(r["cached"] for r in results))
+    return {"id": first.id, "object": "chat.completion" if first.kind == "chat" else "text_completion",
+            "created": first.created, "model": model, "choices": choices, "usage": usage}

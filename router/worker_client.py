@@ -1,0 +1,89 @@
+"""Streaming from splitfire workers over gRPC (one channel per endpoint, reused)."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import AsyncIterator
+
+import grpc
+
+from protos import splitfire_pb2 as pb
+from protos import splitfire_pb2_grpc as pbg
+from router.chunks import Chunk, Logprob, WorkerError
+from router.protocol import Sampling
+
+_PREFILL_FAILED = re.compile(r"prefill worker (\S+) failed")
+CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 * 2**20), ("grpc.keepalive_time_ms", 10_000),
+                   ("grpc.keepalive_timeout_ms", 5_000), ("grpc.keepalive_permit_without_calls", 1),
+                   ("grpc.http2.max_pings_without_data", 0)]
+# Worker status → (retry elsewhere?, HTTP status if surfaced to the client)
+_STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: (False, 400),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (True, 429),
+    grpc.StatusCode.UNAVAILABLE: (True, 503),
+    grpc.StatusCode.DEADLINE_EXCEEDED: (True, 504),
+    grpc.StatusCode.CANCELLED: (True, 503),
+    grpc.StatusCode.INTERNAL: (True, 502),
+    grpc.StatusCode.UNKNOWN: (True, 502),
+}
+
+
+def sampling_to_proto(s: Sampling, max_tokens: int) -> pb.SamplingParams:
+    m = pb.SamplingParams(max_tokens=max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+                          min_p=s.min_p, repetition_penalty=s.repetition_penalty,
+                          frequency_penalty=s.frequency_penalty, presence_penalty=s.presence_penalty, stop=s.stop,
+                          stop_token_ids=s.stop_token_ids, ignore_eos=s.ignore_eos)
+    if s.seed is not None:
+        m.seed = s.seed
+    if s.logprobs is not None:
+        m.logprobs = s.logprobs
+    return m
+
+
+class WorkerClient:
+    def __init__(self) -> None:
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    def channel(self, address: str) -> grpc.aio.Channel:
+        ch = self._channels.get(address)
+        if ch is None:
+            ch = self._channels[address] = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        return ch
+
+    async def close(self) -> None:
+        for ch in self._channels.values():
+            await ch.close()
+        self._channels.clear()
+
+    async def generate(self, decode: str, prefill: str, request_id: str, token_ids: list[int], sampling: Sampling,
+                       max_tokens: int, tenant: str, timeout_s: float) -> AsyncIterator[Chunk]:
+        req = pb.GenerateRequest(request_id=request_id, token_ids=token_ids,
+                                 sampling=sampling_to_proto(sampling, max_tokens), tenant=tenant,
+                                 prefill_endpoint=prefill)
+        call = pbg.DecodeStub(self.channel(decode)).Generate(req, timeout=timeout_s)
+        try:
+            async for ev in call:
+                c = Chunk(text=ev.text, token_ids=list(ev.token_ids), prefill_mode=ev.prefill_mode)
+                if ev.logprobs:
+                    c.logprobs = [Logprob(lp.token_id, lp.logprob, list(zip(lp.top_ids, lp.top_logprobs, strict=True)))
+                                  for lp in ev.logprobs]
+                if ev.finish_reason:
+                    c.finish_reason = ev.finish_reason
+                    u = ev.usage
+                    c.prompt_tokens, c.completion_tokens, c.cached_tokens = u.prompt_tokens, u.completion_tokens, u.cached_tokens
+                yield c
+        except grpc.aio.AioRpcError as e:
+            retryable, status = _STATUS.get(e.code(), (True, 502))
+            details = e.details() or e.code().name
+            m = _PREFILL_FAILED.search(details)
+            failed, role = (m.group(1), "prefill") if m else (decode, "decode")
+            raise WorkerError(f"{e.code().name}: {details}", retryable=retryable, status=status, failed=failed,
+                              failed_role=role) from e
+        finally:
+            call.cancel()
+
+    async def health(self, address: str, timeout_s: float) -> pb.HealthResponse:
+        return await pbg.WorkerStub(self.channel(address)).Health(pb.HealthRequest(), timeout=timeout_s)
+
+    async def stats(self, address: str, timeout_s: float) -> pb.StatsResponse:
+        return await pbg.WorkerStub(self.channel(address)).Stats(pb.StatsRequest(), timeout=timeout_s)
