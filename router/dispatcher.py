@@ -176,6 +176,7 @@ class Dispatcher:
         cached_tokens = 0
         while True:
             route = await self.place(req, hashes, exclude)
+            req.served_by = route.pin()
             max_tokens = req.sampling.max_tokens - len(generated)
             uncached_at = route.prefill or route.decode
             uncached = len(prompt) - min(self.index.matched_blocks(uncached_at.address, hashes),

@@ -47,6 +47,7 @@ class GenRequest:
     body: dict[str, Any]  # the original body, for OpenAI-compatible upstreams
     created: int = field(default_factory=lambda: int(time.time()))
     prompt_index: int = 0  # which prompt of a batched /v1/completions request
+    served_by: Any = None  # the (prefill, decode) pin of the latest attempt, for response headers
 
 
 def _num(body: dict, name: str, lo: float, hi: float, default: float, integer: bool = False) -> Any:

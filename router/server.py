@@ -202,7 +202,8 @@ class Router:
         results = await asyncio.gather(*(one(r) for r in reqs))
         self._count_usage(results)
         return web.json_response(full_response(reqs, self.model_name, results, self.tokenizer),
-                                 dumps=lambda o: json.dumps(o, ensure_ascii=False))
+                                 dumps=lambda o: json.dumps(o, ensure_ascii=False),
+                                 headers={"X-Request-Id": reqs[0].id, **_served_headers(reqs[0])})
 
     def _count_usage(self, results: list[dict[str, Any]]) -> None:
         self.metrics.completion_tokens.inc(sum(r["completion"] for r in results))
@@ -218,7 +219,7 @@ class Router:
         # (bad input found by a worker, no capacity, no workers) get a proper HTTP status.
         first = await anext(source, None)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                           "X-Request-Id": reqs[0].id})
+                                           "X-Request-Id": reqs[0].id, **_served_headers(reqs[0])})
         await resp.prepare(request)
         usage = {"prompt": 0, "completion": 0, "cached": 0}
         try:
@@ -246,6 +247,14 @@ class Router:
         await resp.write(DONE)
         await resp.write_eof()
         return resp
+
+
+def _served_headers(req: GenRequest) -> dict[str, str]:
+    """Where the request ran (the last attempt): for debugging and for tests."""
+    pin = req.served_by
+    if pin is None:
+        return {}
+    return {"X-Splitfire-Decode": pin.decode, "X-Splitfire-Prefill": pin.prefill or "-"}
 
 
 async def _tagged(i: int, it):

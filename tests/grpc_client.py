@@ -22,7 +22,8 @@ class Collected:
 
 
 def greedy(max_tokens: int, **kw) -> pb.SamplingParams:
-    return pb.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **kw)
+    kw.setdefault("ignore_eos", True)
+    return pb.SamplingParams(max_tokens=max_tokens, temperature=0.0, **kw)
 
 
 async def generate(address: str, ids: list[int], sampling: pb.SamplingParams, prefill: str = "", rid: str = "",

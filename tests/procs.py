@@ -85,3 +85,32 @@ def start_worker(role: str, model_dir: Path, log_dir: Path, *extra: str, name: s
 
 def address(p: Proc) -> str:
     return f"127.0.0.1:{p.ports['grpc']}"
+
+
+def start_redis(log_dir: Path) -> Proc:
+    import shutil
+
+    exe = shutil.which("redis-server")
+    if exe is None:
+        raise RuntimeError("redis-server is not installed (make setup installs Debian's redis-server)")
+    port = free_port()
+    log_path = log_dir / f"redis-{port}.log"
+    f = open(log_path, "w")
+    popen = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+                             stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+    p = Proc(f"redis-{port}", popen, log_path, {"port": port})
+    p.wait_for("Ready to accept connections", timeout=20)
+    return p
+
+
+def start_router(model_dir: Path, log_dir: Path, *extra: str, name: str | None = None) -> Proc:
+    port = free_port()
+    p = spawn(name or f"router-{port}", ["router", "--model", str(model_dir), "--host", "127.0.0.1",
+                                         "--port", str(port), "--health-interval", "0.5", *extra], log_dir)
+    p.ports = {"http": port}
+    p.wait_for("router ready")
+    return p
+
+
+def base_url(p: Proc) -> str:
+    return f"http://127.0.0.1:{p.ports['http']}"

@@ -1,0 +1,168 @@
+"""The router's OpenAI API against real workers: the official client, streaming format,
+and a table of bad inputs that must each get the right 4xx with an OpenAI error body."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import aiohttp
+import pytest
+from grpc_client import generate, greedy, wait_blocks_free
+from procs import address, base_url, start_router, start_worker
+
+MODEL = "tiny"
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_model_dir, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("router-logs")
+    prefill = start_worker("prefill", tiny_model_dir, logs)
+    decode = start_worker("decode", tiny_model_dir, logs, "--local-prefill-max-tokens", "0")
+    router = start_router(tiny_model_dir, logs, "--served-model-name", MODEL, "--prefill", address(prefill),
+                          "--decode", address(decode), "--max-body-bytes", "200000")
+    yield {"prefill": prefill, "decode": decode, "router": router}
+    for p in (router, prefill, decode):
+        p.stop()
+
+
+async def test_openai_client_streams_and_matches_direct_worker(stack, tiny_model_dir):
+    openai = pytest.importorskip("openai")
+    from engine.tokenizer import Tokenizer
+
+    client = openai.AsyncOpenAI(base_url=base_url(stack["router"]) + "/v1", api_key="unused")
+    tok = Tokenizer(tiny_model_dir)
+    messages = [{"role": "user", "content": "The quick brown fox"}]
+    direct = await generate(address(stack["decode"]), tok.encode_chat(messages),
+                            greedy(12, ignore_eos=False), prefill=address(stack["prefill"]))
+    direct_text = direct.text
+
+    r = await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0)
+    assert r.choices[0].message.content == direct_text
+    assert r.usage.completion_tokens == len(direct.token_ids)
+    assert r.object == "chat.completion" and r.id.startswith("chatcmpl-")
+
+    stream = await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0,
+                                                  stream=True, stream_options={"include_usage": True})
+    chunks = [c async for c in stream]
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == direct_text
+    finals = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert len(finals) == 1 and finals[0].choices[0].finish_reason in ("length", "stop")
+    assert chunks[-1].usage.prompt_tokens == len(tok.encode_chat(messages))
+    assert len({c.id for c in chunks}) == 1 and all(c.model == MODEL for c in chunks)
+
+    prompt = "Disaggregated serving"
+    direct = await generate(address(stack["decode"]), tok.encode(prompt), greedy(8, ignore_eos=False),
+                            prefill=address(stack["prefill"]))
+    c = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0)
+    assert c.choices[0].text == direct.text
+    s = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0, stream=True)
+    assert "".join([ch.choices[0].text async for ch in s]) == direct.text
+    ids = tok.encode(prompt)
+    c = await client.completions.create(model=MODEL, prompt=ids, max_tokens=8, temperature=0)
+    assert c.choices[0].text == direct.text
+    both = await client.completions.create(model=MODEL, prompt=[prompt, "Hello world"], max_tokens=4, temperature=0)
+    assert [ch.index for ch in both.choices] == [0, 1] and both.choices[0].text == direct.text[: len(both.choices[0].text)]
+    models = await client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+
+
+async def test_logprobs_in_chat_and_completions(stack):
+    async with aiohttp.ClientSession() as s:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "temperature": 0,
+                "logprobs": True, "top_logprobs": 2}
+        async with s.post(base_url(stack["router"]) + "/v1/chat/completions", json=body) as r:
+            data = await r.json()
+        content = data["choices"][0]["logprobs"]["content"]
+        assert len(content) == 3 and all(len(c["top_logprobs"]) == 2 and c["logprob"] <= 0 for c in content)
+        body = {"model": MODEL, "prompt": "Hello", "max_tokens": 3, "temperature": 0, "logprobs": 1}
+        async with s.post(base_url(stack["router"]) + "/v1/completions", json=body) as r:
+            lp = (await r.json())["choices"][0]["logprobs"]
+        assert len(lp["tokens"]) == len(lp["token_logprobs"]) == 3
+
+
+LONG = "word " * 3000
+BAD = [
+    ("malformed JSON", b'{"model": "tiny", "messages": [', 400),
+    ("not an object", b"[1, 2, 3]", 400),
+    ("invalid UTF-8", b'{"model": "tiny", "messages": [{"role": "user", "content": "\xff\xfe"}]}', 400),
+    ("empty body", b"", 400),
+    ("missing model", {"messages": [{"role": "user", "content": "hi"}]}, 400),
+    ("model not a string", {"model": 5, "messages": [{"role": "user", "content": "hi"}]}, 400),
+    ("unknown model", {"model": "gpt-9", "messages": [{"role": "user", "content": "hi"}]}, 404),
+    ("missing messages", {"model": MODEL}, 400),
+    ("empty messages", {"model": MODEL, "messages": []}, 400),
+    ("messages not a list", {"model": MODEL, "messages": "hi"}, 400),
+    ("message not an object", {"model": MODEL, "messages": ["hi"]}, 400),
+    ("bad role", {"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]}, 400),
+    ("content wrong type", {"model": MODEL, "messages": [{"role": "user", "content": 5}]}, 400),
+    ("image content part", {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400),
+    ("negative max_tokens", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": -5}, 400),
+    ("zero max_tokens", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, 400),
+    ("huge max_tokens", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 10**9}, 400),
+    ("max_tokens a string", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": "10"}, 400),
+    ("max_tokens a float", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1.5}, 400),
+    ("temperature too high", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "temperature": 5}, 400),
+    ("temperature a string", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}, 400),
+    ("top_p above 1", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "top_p": 1.5}, 400),
+    ("n = 2", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 2}, 400),
+    ("n = 0", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 0}, 400),
+    ("stop not strings", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stop": [1, 2]}, 400),
+    ("too many stops", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stop": ["a"] * 40}, 400),
+    ("seed a string", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "seed": "x"}, 400),
+    ("stream not bool", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": "yes"}, 400),
+    ("stream_options without stream", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream_options": {"include_usage": True}}, 400),
+    ("top_logprobs without logprobs", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, 400),
+    ("top_logprobs too many", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 50}, 400),
+    ("presence penalty out of range", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "presence_penalty": 3}, 400),
+    ("prompt longer than context", {"model": MODEL, "messages": [{"role": "user", "content": LONG}]}, 400),
+    ("oversized body", {"model": MODEL, "messages": [{"role": "user", "content": "x" * 300_000}]}, 413),
+    ("completions: missing prompt", {"model": MODEL}, 400, "/v1/completions"),
+    ("completions: prompt a number", {"model": MODEL, "prompt": 5}, 400, "/v1/completions"),
+    ("completions: empty prompt", {"model": MODEL, "prompt": ""}, 400, "/v1/completions"),
+    ("completions: token id out of vocab", {"model": MODEL, "prompt": [10**7]}, 400, "/v1/completions"),
+    ("completions: negative token id", {"model": MODEL, "prompt": [-1, 5]}, 400, "/v1/completions"),
+    ("completions: logprobs too many", {"model": MODEL, "prompt": "hi", "logprobs": 9}, 400, "/v1/completions"),
+    ("completions: echo", {"model": MODEL, "prompt": "hi", "echo": True}, 400, "/v1/completions"),
+    ("unknown route", {"model": MODEL}, 404, "/v1/embeddings"),
+]
+
+
+@pytest.mark.parametrize("case", BAD, ids=[c[0] for c in BAD])
+async def test_bad_input_gets_openai_error(stack, case):
+    _name, body, status = case[:3]
+    path = case[3] if len(case) > 3 else "/v1/chat/completions"
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    async with aiohttp.ClientSession() as s:
+        async with s.post(base_url(stack["router"]) + path, data=data,
+                          headers={"Content-Type": "application/json"}) as r:
+            assert r.status == status, await r.text()
+            err = (await r.json())["error"]
+    assert isinstance(err["message"], str) and err["message"]
+    assert err["type"]
+    assert set(err) == {"message", "type", "param", "code"}
+
+
+async def test_client_disconnect_frees_worker_blocks(stack):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me everything"}], "max_tokens": 800,
+            "temperature": 0, "stream": True, "ignore_eos": True}
+    async with aiohttp.ClientSession() as s:
+        async with s.post(base_url(stack["router"]) + "/v1/chat/completions", json=body) as r:
+            seen = 0
+            async for line in r.content:
+                if line.startswith(b"data:"):
+                    seen += 1
+                if seen >= 5:
+                    break
+            rid = r.headers["X-Request-Id"]
+            r.close()
+    await wait_blocks_free(address(stack["decode"]))
+    await wait_blocks_free(address(stack["prefill"]))
+    # Freed because the request was cancelled, not because it ran to the end.
+    for _ in range(50):
+        if f"event=generate_cancelled rid={rid}" in stack["decode"].log():
+            break
+        await asyncio.sleep(0.1)
+    assert f"event=generate_cancelled rid={rid}" in stack["decode"].log()
+    assert f"event=generate_done rid={rid}" not in stack["decode"].log()
