@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
+import tempfile
 import threading
+from contextlib import contextmanager
 
 from kvtransfer.config import TransferConfig
 from kvtransfer.errors import TransferError, TransferSetupError
@@ -19,6 +22,26 @@ from kvtransfer.errors import TransferError, TransferSetupError
 log = logging.getLogger("splitfire.kvtransfer")
 
 DONE, PENDING, FAILED, TIMED_OUT = 1, 0, -1, -2
+# Printed by every engine start even at MC_LOG_LEVEL=ERROR, and harmless (notes/mooncake.md, P1).
+_KNOWN_NOISE = ("Logging before InitGoogleLogging", "Local segment descriptor not found")
+
+
+@contextmanager
+def _filtered_stderr():
+    """Capture fd 2 around engine start-up and pass on everything but the known noise."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as tmp:
+        os.dup2(tmp.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            tmp.seek(0)
+            for line in tmp.read().decode(errors="replace").splitlines():
+                if not any(n in line for n in _KNOWN_NOISE):
+                    print(line, file=sys.stderr)
 
 
 class MooncakeEngine:
@@ -36,8 +59,9 @@ class MooncakeEngine:
                 "Mooncake is not installed: pip install mooncake-transfer-engine-non-cuda (CPU hosts, needs "
                 "Debian libibverbs1) or mooncake-transfer-engine (CUDA hosts)"
             ) from e
-        self._engine = TransferEngine()
-        rc = self._engine.initialize(config.hostname, config.metadata, config.protocol, config.device_name)
+        with _filtered_stderr():
+            self._engine = TransferEngine()
+            rc = self._engine.initialize(config.hostname, config.metadata, config.protocol, config.device_name)
         if rc != 0:
             raise TransferSetupError(
                 f"Mooncake initialize(host={config.hostname}, metadata={config.metadata}, "

@@ -1,0 +1,246 @@
+"""`splitfire up`: the whole system on one machine, in one command.
+
+Starts Redis (if `redis-server` is installed; otherwise the router keeps affinity state
+in process and says so), the prefill and decode workers (or one colocated worker), and
+the router; prefixes every child's log lines with its name; on Ctrl-C or SIGTERM stops
+the router first, then the workers, then Redis, so no child outlives it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import shutil
+import signal
+import socket
+import sys
+import time
+from dataclasses import dataclass, field
+
+STOP_TIMEOUT_S = 20.0
+
+
+@dataclass
+class Child:
+    name: str
+    argv: list[str]
+    ready_text: str
+    proc: asyncio.subprocess.Process | None = None
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
+    log_task: asyncio.Task | None = None
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("0.0.0.0", port))
+        except OSError:
+            return False
+    return True
+
+
+def _pick_port(preferred: int, taken: set[int]) -> int:
+    port = preferred
+    while port in taken or not _port_free(port) or not _port_free(port + 1000):
+        port += 1
+    taken.update({port, port + 1000})
+    return port
+
+
+def plan_cpus(spec: str, n_workers: int) -> list[str]:
+    """Core lists per worker, in start order: 'auto' splits the cores evenly, 'none' pins nothing,
+    or an explicit 'LIST;LIST;...' (e.g. '0;1' or '0-3;4-7')."""
+    if spec == "none":
+        return [""] * n_workers
+    if spec != "auto":
+        parts = [p.strip() for p in spec.split(";")]
+        if len(parts) != n_workers:
+            raise ValueError(f"--cpus names {len(parts)} core lists for {n_workers} workers")
+        return parts
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < n_workers:
+        return [""] * n_workers  # fewer cores than workers: let the OS share them
+    per = len(cores) // n_workers
+    return [",".join(str(c) for c in cores[i * per:(i + 1) * per]) for i in range(n_workers)]
+
+
+async def _pump(child: Child) -> None:
+    assert child.proc is not None and child.proc.stdout is not None
+    prefix = f"[{child.name}] ".encode()
+    async for line in child.proc.stdout:
+        if child.ready_text and child.ready_text.encode() in line:
+            child.ready.set()
+        sys.stdout.buffer.write(prefix + line)
+        sys.stdout.flush()
+
+
+async def _start(child: Child) -> None:
+    child.proc = await asyncio.create_subprocess_exec(
+        *child.argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
+    child.log_task = asyncio.create_task(_pump(child))
+
+
+async def _stop(child: Child) -> None:
+    p = child.proc
+    if p is None or p.returncode is not None:
+        return
+    p.send_signal(signal.SIGTERM)
+    try:
+        await asyncio.wait_for(p.wait(), STOP_TIMEOUT_S)
+    except TimeoutError:
+        p.kill()
+        await p.wait()
+
+
+async def _wait_ready(children: list[Child], timeout: float) -> None:
+    async def one(c: Child) -> None:
+        assert c.proc is not None
+        ready = asyncio.create_task(c.ready.wait())
+        died = asyncio.create_task(c.proc.wait())
+        done, _ = await asyncio.wait({ready, died}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        ready.cancel()
+        died.cancel()
+        if not c.ready.is_set():
+            raise RuntimeError(f"{c.name} {'exited' if died in done else 'did not become ready'}; see its log above")
+
+    await asyncio.gather(*(one(c) for c in children))
+
+
+async def up(args: argparse.Namespace) -> int:
+    from engine.model_store import resolve_model
+
+    model_dir = str(resolve_model(args.model))  # fetch once, before any child would race to
+    exe = [sys.executable, "-m", "splitfire_cli"]
+    taken: set[int] = set()
+    common = ["--model", model_dir, "--device", args.device, "--dtype", args.dtype, "--kv-cache-gb",
+              str(args.kv_cache_gb), "--host", "127.0.0.1"]
+    children: list[Child] = []
+    redis_url = os.environ.get("REDIS_URL", "")
+    if not redis_url and not args.no_redis and shutil.which("redis-server"):
+        rport = _pick_port(6379, taken)
+        children.append(Child("redis", ["redis-server", "--port", str(rport), "--bind", "127.0.0.1", "--save", "",
+                                        "--appendonly", "no"], "Ready to accept connections"))
+        redis_url = f"redis://127.0.0.1:{rport}/0"
+    elif not redis_url:
+        print("splitfire up: redis-server not found (or --no-redis): session affinity lives in the router's memory",
+              flush=True)
+    roles = ["both"] if args.colocated else ["prefill"] * args.prefill + ["decode"] * args.decode
+    cpus = plan_cpus(args.cpus, len(roles))
+    router_args = ["--served-model-name", args.served_model_name] if args.served_model_name else []
+    addrs: dict[str, list[str]] = {"prefill": [], "decode": [], "both": []}
+    workers = []
+    for i, (role, cores) in enumerate(zip(roles, cpus, strict=True)):
+        port = _pick_port({"prefill": 50061, "decode": 50051, "both": 50051}[role], taken)
+        name = {"both": "serve"}.get(role, role) + f"-{sum(1 for r in roles[:i] if r == role)}"
+        argv = [*exe, {"both": "serve"}.get(role, role), *common, "--grpc-port", str(port)]
+        if cores:
+            argv += ["--cpus", cores]
+        argv += args.worker_arg
+        workers.append(Child(name, argv, "worker ready"))
+        addrs[role].append(f"127.0.0.1:{port}")
+    children += workers
+    router = Child("router", [*exe, "router", "--model", model_dir, "--port", str(args.port), "--policy", args.policy,
+                              *router_args,
+                              *(["--prefill", *addrs["prefill"]] if addrs["prefill"] else []),
+                              *(["--decode", *addrs["decode"]] if addrs["decode"] else []),
+                              *(["--colocated", *addrs["both"]] if addrs["both"] else []),
+                              *(["--redis-url", redis_url] if redis_url else [])], "router ready")
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    started: list[Child] = []
+    code = 0
+    try:
+        t0 = time.monotonic()
+        for group in ([c for c in children if c.name == "redis"], workers, [router]):
+            for c in group:
+                await _start(c)
+                started.append(c)
+            waiter = asyncio.create_task(_wait_ready(group, args.start_timeout))
+            stopper = asyncio.create_task(stop.wait())
+            await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
+            stopper.cancel()
+            if stop.is_set():
+                waiter.cancel()
+                return 130
+            waiter.result()
+        name = (await _served_name(args.port)) or "MODEL"
+        print(_ready_banner(args.port, name, time.monotonic() - t0, addrs), flush=True)
+        died = [asyncio.create_task(c.proc.wait()) for c in started if c.proc is not None]
+        stopper = asyncio.create_task(stop.wait())
+        done, _ = await asyncio.wait({stopper, *died}, return_when=asyncio.FIRST_COMPLETED)
+        if stopper not in done:
+            dead = [c.name for c in started if c.proc is not None and c.proc.returncode is not None]
+            print(f"splitfire up: {', '.join(dead)} exited; stopping everything", flush=True)
+            code = 1
+        for t in (stopper, *died):
+            t.cancel()
+    except RuntimeError as e:
+        print(f"splitfire up: {e}", flush=True)
+        code = 1
+    finally:
+        print("splitfire up: stopping ...", flush=True)
+        for group in ([c for c in started if c.name == "router"], [c for c in started if c in workers],
+                      [c for c in started if c.name == "redis"]):
+            await asyncio.gather(*(_stop(c) for c in group))
+        for c in started:
+            if c.log_task is not None:
+                await asyncio.wait({c.log_task}, timeout=2)
+        print("splitfire up: stopped", flush=True)
+    return code
+
+
+async def _served_name(port: int) -> str | None:
+    import aiohttp
+
+    try:
+        async with aiohttp.ClientSession() as s, s.get(f"http://127.0.0.1:{port}/v1/models") as r:
+            return (await r.json())["data"][0]["id"]
+    except Exception:
+        return None
+
+
+def _ready_banner(port: int, model: str, took: float, addrs: dict[str, list[str]]) -> str:
+    layout = (f"{len(addrs['prefill'])} prefill + {len(addrs['decode'])} decode workers" if addrs["decode"]
+              else f"{len(addrs['both'])} colocated worker(s)")
+    return f"""
+================================================================================
+ splitfire is ready on http://127.0.0.1:{port}  ({layout}, model {model}, {took:.0f}s)
+
+ curl:
+   curl -N http://127.0.0.1:{port}/v1/chat/completions -H 'Content-Type: application/json' \\
+     -d '{{"model": "{model}", "stream": true, "messages": [{{"role": "user", "content": "What is the capital of France?"}}]}}'
+
+ openai client (pip install openai):
+   from openai import OpenAI
+   client = OpenAI(base_url="http://127.0.0.1:{port}/v1", api_key="unused")
+   for chunk in client.chat.completions.create(model="{model}", stream=True,
+           messages=[{{"role": "user", "content": "What is the capital of France?"}}]):
+       print(chunk.choices[0].delta.content or "", end="", flush=True)
+
+ Ctrl-C stops everything.
+================================================================================
+"""
+
+
+def add_subcommand(sub) -> None:
+    p = sub.add_parser("up", help="run the whole system locally: Redis, workers, router")
+    p.add_argument("--model", default=os.environ.get("SPLITFIRE_MODEL"), help="default: smollm2-135m-instruct")
+    p.add_argument("--port", type=int, default=8000, help="router port")
+    p.add_argument("--prefill", type=int, default=1, help="prefill workers")
+    p.add_argument("--decode", type=int, default=1, help="decode workers")
+    p.add_argument("--colocated", action="store_true", help="one colocated worker instead of prefill + decode")
+    p.add_argument("--cpus", default="auto", help="auto (split cores across workers), none, or 'LIST;LIST;...'")
+    p.add_argument("--policy", default="token", choices=["token", "round_robin", "random"])
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    p.add_argument("--kv-cache-gb", type=float, default=1.0)
+    p.add_argument("--served-model-name", default="", help="name clients send (default: the model directory's)")
+    p.add_argument("--no-redis", action="store_true", help="do not start Redis; keep affinity in the router")
+    p.add_argument("--start-timeout", type=float, default=300.0)
+    p.add_argument("--worker-arg", action="append", default=[], help="extra flag passed to every worker (repeatable)")
+    p.set_defaults(func=lambda a: asyncio.run(up(a)))

@@ -1,0 +1,42 @@
+"""`splitfire up`: one command brings the system up, serves, and stops without orphans."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+
+import pytest
+from procs import free_port, spawn
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+@pytest.mark.parametrize("layout", [["--prefill", "1", "--decode", "1"], ["--colocated"]])
+async def test_up_serves_a_streamed_chat_and_stops_cleanly(tiny_model_dir, tmp_path, layout):
+    openai = pytest.importorskip("openai")
+    port = free_port()
+    p = spawn("up", ["up", "--model", str(tiny_model_dir), "--port", str(port), "--kv-cache-gb", "0.01",
+                     "--served-model-name", "tiny", *layout], tmp_path)
+    try:
+        p.wait_for("splitfire is ready", timeout=120)
+        assert "curl -N http://127.0.0.1:" in p.log() and "from openai import OpenAI" in p.log()
+        client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused")
+        stream = await client.chat.completions.create(model="tiny", stream=True, max_tokens=5,
+                                                      messages=[{"role": "user", "content": "hi"}])
+        chunks = [c async for c in stream]
+        assert chunks[-1].choices[0].finish_reason in ("length", "stop")
+        children = subprocess.run(["pgrep", "-P", str(p.popen.pid)], capture_output=True, text=True)
+        pids = [int(x) for x in children.stdout.split()]
+        assert len(pids) >= (3 if "--colocated" in layout else 4)  # redis, worker(s), router
+    finally:
+        p.popen.send_signal(signal.SIGTERM)
+        assert p.popen.wait(60) == 0, p.log()[-3000:]
+    assert "splitfire up: stopped" in p.log()
+    for pid in pids:
+        assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"
+    assert not _listening(port)
