@@ -13,7 +13,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from engine.errors import ModelLoadError
-from engine.model import LlamaModel
+from engine.model import LlamaModel, interleave_rope_rows
 from engine.model_config import ModelConfig
 
 
@@ -90,11 +90,10 @@ def load_model(model_dir: str | Path, device: torch.device, dtype: torch.dtype) 
             p = f"model.layers.{i}."
             _copy(layer.attn_norm.weight, src.get(p + "input_layernorm.weight"), p + "input_layernorm.weight")
             _copy(layer.mlp_norm.weight, src.get(p + "post_attention_layernorm.weight"), p + "post_attention_layernorm.weight")
-            qkv = [src.get(f"{p}self_attn.{n}_proj.weight") for n in "qkv"]
-            _copy(layer.attn.qkv.weight, torch.cat(qkv), p + "self_attn.qkv")
-            if cfg.attention_bias:
-                bias = [src.get(f"{p}self_attn.{n}_proj.bias") for n in "qkv"]
-                _copy(layer.attn.qkv.bias, torch.cat(bias), p + "self_attn.qkv.bias")
+            for part in ("weight", "bias") if cfg.attention_bias else ("weight",):
+                q, k, v = (src.get(f"{p}self_attn.{n}_proj.{part}") for n in "qkv")
+                fused = torch.cat((interleave_rope_rows(q, cfg.num_heads), interleave_rope_rows(k, cfg.num_kv_heads), v))
+                _copy(getattr(layer.attn.qkv, part), fused, f"{p}self_attn.qkv.{part}")
             _copy(layer.attn.o.weight, src.get(p + "self_attn.o_proj.weight"), p + "self_attn.o_proj.weight")
             gate_up = [src.get(f"{p}mlp.{n}_proj.weight") for n in ("gate", "up")]
             _copy(layer.mlp.gate_up.weight, torch.cat(gate_up), p + "mlp.gate_up")

@@ -1,0 +1,1 @@
+"""Load tests and benchmarks: each prints ratios measured side by side in one run."""

@@ -1,0 +1,173 @@
+"""Engine speed on this machine, side by side with Hugging Face transformers on the same weights.
+
+Prints one table: prefill tokens/s (128/512/2048-token prompts), decode tokens/s at
+batch 1/8/16/32, and the batch-1 decode step split into time inside torch ops vs
+Python overhead. Medians over --rounds; every number comes from this one run.
+
+    python -m loadtest.bench_engine                     # SmolLM2, float32, 2 threads
+    python -m loadtest.bench_engine --dtypes float32,bfloat16
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+from tqdm import tqdm
+
+from engine.engine_config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.sampling_params import SamplingParams
+
+PREFILL_LENGTHS = (128, 512, 2048)
+BATCHES = (1, 8, 16, 32)
+DECODE_TOKENS = 48
+
+
+def prompt_ids(tokenizer, n: int, salt: int = 0) -> list[int]:
+    base = tokenizer.encode(" ".join(f"word{(i * 7 + salt) % 997}" for i in range(n)))
+    return (base * (n // len(base) + 1))[:n]
+
+
+def ours_prefill(engine: LLMEngine, n: int, salt: int) -> float:
+    ids = prompt_ids(engine.tokenizer, n, salt)
+    engine.add_request(f"p{n}-{salt}", ids, SamplingParams(max_tokens=1, temperature=0))
+    t0 = time.perf_counter()
+    while engine.has_work:
+        engine.step()
+    return n / (time.perf_counter() - t0)
+
+
+def ours_decode(engine: LLMEngine, batch: int, salt: int) -> float:
+    for i in range(batch):
+        engine.add_request(f"d{batch}-{salt}-{i}", prompt_ids(engine.tokenizer, 32, salt * 100 + i),
+                           SamplingParams(max_tokens=DECODE_TOKENS + 2, temperature=0, ignore_eos=True))
+    while any(s.num_remaining > 1 for s in engine.scheduler.running) or engine.scheduler.waiting:
+        engine.step()
+    engine.step()
+    t0, steps = time.perf_counter(), 0
+    while engine.has_work:
+        engine.step()
+        steps += 1
+    return batch * steps / (time.perf_counter() - t0)
+
+
+def ours_step_split(engine: LLMEngine) -> tuple[float, float]:
+    """Batch-1 decode step: (ms inside torch ops, ms of Python around them), from the profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    engine.add_request("split", prompt_ids(engine.tokenizer, 32), SamplingParams(max_tokens=40, temperature=0,
+                                                                                   ignore_eos=True))
+    for _ in range(5):
+        engine.step()
+    n = 20
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(n):
+            engine.step()
+        wall = (time.perf_counter() - t0) / n
+    while engine.has_work:
+        engine.step()
+    # Top-level ops only (an op's children are inside its time already).
+    ops = [e for e in prof.events() if e.cpu_parent is None and e.name.startswith(("aten::", "mkldnn::"))]
+    inside = sum(e.time_range.elapsed_us() for e in ops) / 1e3 / n
+    return inside, wall * 1e3 - inside
+
+
+def theirs(model_dir: str, dtype: torch.dtype, rounds: int) -> dict[str, float]:
+    import transformers
+
+    tok = transformers.AutoTokenizer.from_pretrained(model_dir)
+    tok.padding_side = "left"
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    out: dict[str, float] = {}
+
+    class _T:
+        def encode(self, s: str) -> list[int]:
+            return tok.encode(s, add_special_tokens=False)
+
+    with torch.inference_mode():
+        for n in PREFILL_LENGTHS:
+            ids = torch.tensor([prompt_ids(_T(), n)])
+            runs = []
+            for _ in range(rounds):
+                t0 = time.perf_counter()
+                model(ids)
+                runs.append(n / (time.perf_counter() - t0))
+            out[f"prefill_{n}"] = statistics.median(runs)
+        for b in BATCHES:
+            ids = torch.tensor([prompt_ids(_T(), 32, i) for i in range(b)])
+            mask = torch.ones_like(ids)
+            runs = []
+            for _ in range(rounds):
+                t0 = time.perf_counter()
+                model.generate(ids, attention_mask=mask, max_new_tokens=2, min_new_tokens=2, do_sample=False)
+                t1 = time.perf_counter()
+                model.generate(ids, attention_mask=mask, max_new_tokens=DECODE_TOKENS + 2,
+                               min_new_tokens=DECODE_TOKENS + 2, do_sample=False)
+                t2 = time.perf_counter()
+                runs.append(b * DECODE_TOKENS / ((t2 - t1) - (t1 - t0)))
+            out[f"decode_{b}"] = statistics.median(runs)
+    return out
+
+
+def bench_ours(args: argparse.Namespace, dt: str) -> tuple[str, dict[str, float]]:
+    engine = LLMEngine(EngineConfig(model=args.model, device="cpu", dtype=dt, threads=args.threads,
+                                    max_num_batched_tokens=2048, kv_cache_gb=1.0))
+    ours_decode(engine, 4, 999)  # warm-up: oneDNN primitives, allocator
+    work = [(f"prefill_{n}", lambda n=n, s=s: ours_prefill(engine, n, s)) for n in PREFILL_LENGTHS
+            for s in range(args.rounds)]
+    work += [(f"decode_{b}", lambda b=b, s=s: ours_decode(engine, b, s)) for b in BATCHES for s in range(args.rounds)]
+    samples: dict[str, list[float]] = {}
+    for key, fn in tqdm(work, desc=f"splitfire {dt}", file=sys.stderr):
+        samples.setdefault(key, []).append(fn())
+    r = {k: statistics.median(v) for k, v in samples.items()}
+    splits = [ours_step_split(engine) for _ in range(args.rounds)]
+    r["step_torch_ms"] = statistics.median(s[0] for s in splits)
+    r["step_python_ms"] = statistics.median(s[1] for s in splits)
+    return str(engine.model_dir), r
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="default: $SPLITFIRE_MODEL or smollm2-135m-instruct")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--dtypes", default="float32", help="our engine's dtypes, comma-separated")
+    p.add_argument("--no-transformers", action="store_true")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+
+    cols: dict[str, dict[str, float]] = {}
+    model_dir = ""
+    for dt in args.dtypes.split(","):
+        model_dir, cols[f"splitfire {dt}"] = bench_ours(args, dt)
+    if not args.no_transformers:
+        print("running transformers ...", file=sys.stderr, flush=True)
+        cols["transformers float32"] = theirs(model_dir, torch.float32, args.rounds)
+
+    names = list(cols)
+    base = cols.get("transformers float32")
+    print(f"\nCPU: {torch.get_num_threads()} threads, torch {torch.__version__}, model {model_dir}")
+    header = f"{'metric':<26}" + "".join(f"{n:>22}" for n in names) + ("" if base is None else f"{'ours/transformers':>20}")
+    print(header)
+    rows = [(f"prefill {n} tok/s", f"prefill_{n}") for n in PREFILL_LENGTHS]
+    rows += [(f"decode batch {b} tok/s", f"decode_{b}") for b in BATCHES]
+    for label, key in rows:
+        line = f"{label:<26}" + "".join(f"{cols[n].get(key, float('nan')):>22.1f}" for n in names)
+        if base is not None:
+            line += f"{cols[names[0]][key] / base[key]:>20.2f}"
+        print(line)
+    ours = cols[names[0]]
+    step = ours["step_torch_ms"] + ours["step_python_ms"]
+    print(f"{'batch-1 step: torch ops ms':<26}{ours['step_torch_ms']:>22.1f}")
+    print(f"{'batch-1 step: Python ms':<26}{ours['step_python_ms']:>22.1f}   ({ours['step_python_ms'] / step:.0%} of the step)")
+    print(f"{'batch 32 / batch 1':<26}{ours['decode_32'] / ours['decode_1']:>22.1f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,62 @@
+"""Bringing a whole splitfire deployment up for a benchmark (via `splitfire up`), and down again."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Stack:
+    def __init__(self, name: str, args: list[str], log_dir: Path):
+        self.name = name
+        self.port = free_port()
+        self.log_path = log_dir / f"{name}.log"
+        self._log = open(self.log_path, "w")
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "SPLITFIRE_LOG_LEVEL": os.environ.get("SPLITFIRE_LOG_LEVEL", "WARNING")}
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+        self.proc = subprocess.Popen([sys.executable, "-m", "splitfire_cli", "up", "--port", str(self.port), *args],
+                                     stdout=self._log, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
+                                     start_new_session=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def wait_ready(self, timeout: float = 300) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if "splitfire is ready" in self.log_path.read_text(errors="replace"):
+                return
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited:\n{self.log_path.read_text()[-3000:]}")
+            time.sleep(0.2)
+        raise TimeoutError(f"{self.name} not ready in {timeout}s")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+        self._log.close()
+
+    def __enter__(self) -> Stack:
+        self.wait_ready()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
