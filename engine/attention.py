@@ -1,7 +1,7 @@
 """Paged attention: the one seam where device-specific kernels plug in.
 
 The torch path below is the reference (and the CPU path): prefill segments run SDPA
-one sequence at a time, decode tokens run as one padded batch gathered page by page
+one sequence at a time, decode tokens run in padded batches (grouped by context length) gathered page by page
 from the block tables. A GPU kernel replaces `write_kv` / `paged_attention` with the
 same arguments.
 """
@@ -24,7 +24,7 @@ class PrefillSegment:
 
 @dataclass
 class DecodeBatch:
-    start: int  # first decode row; decode rows are contiguous and one per sequence
+    start: int  # first row of this group; a group's rows are contiguous, one per sequence
     blocks: torch.Tensor  # [B, max_blocks], padded with block 0
     mask: torch.Tensor  # [B, 1, 1, max_blocks * block_size], True where a key is valid
 
@@ -37,7 +37,7 @@ class AttentionMetadata:
     k_rows: torch.Tensor  # [T] row of each new token's K in the layer view flattened to [blocks*2*slots]
     v_rows: torch.Tensor  # [T] same for V
     prefills: list[PrefillSegment]
-    decode: DecodeBatch | None
+    decodes: list[DecodeBatch]  # decode rows grouped by context length, each group padded to its longest
 
 
 def write_kv(layer_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
@@ -60,9 +60,8 @@ def paged_attention(
     """q: [T, heads, dim] (roped). Returns [T, heads, dim]."""
     heads, kv_heads = q.shape[1], layer_cache.shape[-2]
     gqa = heads != kv_heads
-    d = meta.decode
-    if d is not None and not meta.prefills:  # the steady state: a pure decode batch, no copies
-        return _decode(q, layer_cache, d, scale, gqa)
+    if len(meta.decodes) == 1 and not meta.prefills:  # the steady state: one decode group, no copies
+        return _decode(q, layer_cache, meta.decodes[0], scale, gqa)
     out = torch.empty_like(q)
     for seg in meta.prefills:
         # 4-D [1, heads, L, dim] inputs: torch's CPU flash kernel takes them; 3-D ones fall back
@@ -80,8 +79,9 @@ def paged_attention(
             mask = torch.arange(seg.context_len, device=q.device)[None, :] <= q_pos[:, None]
             o = F.scaled_dot_product_attention(qs, k, v, attn_mask=mask[None, None], scale=scale, enable_gqa=gqa)
         out[seg.start : seg.start + seg.length] = o[0].transpose(0, 1)
-    if d is not None:
-        out[d.start :] = _decode(q[d.start :], layer_cache, d, scale, gqa)
+    for d in meta.decodes:
+        b = d.blocks.shape[0]
+        out[d.start : d.start + b] = _decode(q[d.start : d.start + b], layer_cache, d, scale, gqa)
     return out
 
 

@@ -12,6 +12,24 @@ from engine.scheduler import ScheduledSeq
 from engine.sequence import TokenLogprob
 
 
+def _length_groups(num_blocks: list[int]) -> list[range]:
+    """Split decodes (sorted by context) into groups padded to their own longest context.
+
+    One padded gather for the whole batch copies batch x longest-context pages per layer:
+    a single 1.5k-token sequence among short ones made every step 3x slower (measured).
+    A group closes when a context exceeds twice (and 8 blocks more than) its shortest.
+    """
+    groups: list[range] = []
+    start = 0
+    for i, nb in enumerate(num_blocks):
+        if nb > max(2 * num_blocks[start], num_blocks[start] + 8):
+            groups.append(range(start, i))
+            start = i
+    if num_blocks:
+        groups.append(range(start, len(num_blocks)))
+    return groups
+
+
 class ModelRunner:
     def __init__(self, model: LlamaModel, kv: KVCache, device: torch.device):
         self.model = model
@@ -23,7 +41,7 @@ class ModelRunner:
         """Flatten the batch: prompt chunks first (one attention segment each), then decodes."""
         bs = self.block_size
         prefills = [s for s in batch if not (s.num_tokens == 1 and s.samples)]
-        decodes = [s for s in batch if s.num_tokens == 1 and s.samples]
+        decodes = sorted((s for s in batch if s.num_tokens == 1 and s.samples), key=lambda s: s.seq.num_computed_tokens)
         ids: list[int] = []
         pos: list[int] = []
         k_rows: list[int] = []
@@ -43,16 +61,17 @@ class ModelRunner:
                 segments.append(PrefillSegment(row0, s.num_tokens, end, torch.tensor(table[:nb], device=dev)))
             if s.samples:
                 sample_rows.append(len(ids) - 1)
-        decode = None
-        if decodes:
-            start = len(ids) - len(decodes)
-            max_nb = max(len(s.seq.block_table) for s in decodes)
-            tables = [s.seq.block_table + [0] * (max_nb - len(s.seq.block_table)) for s in decodes]
-            ctx = torch.tensor([s.seq.num_computed_tokens + 1 for s in decodes], device=dev)
-            mask = (torch.arange(max_nb * bs, device=dev)[None, :] < ctx[:, None]).view(len(decodes), 1, 1, -1)
-            decode = DecodeBatch(start, torch.tensor(tables, device=dev), mask)
+        groups: list[DecodeBatch] = []
+        row = len(ids) - len(decodes)
+        for group in _length_groups([-(-(s.seq.num_computed_tokens + 1) // bs) for s in decodes]):
+            members = decodes[group.start : group.stop]
+            nb = max(-(-(s.seq.num_computed_tokens + 1) // bs) for s in members)
+            tables = [s.seq.block_table[:nb] + [0] * (nb - min(nb, len(s.seq.block_table))) for s in members]
+            ctx = torch.tensor([s.seq.num_computed_tokens + 1 for s in members], device=dev)
+            mask = (torch.arange(nb * bs, device=dev)[None, :] < ctx[:, None]).view(len(members), 1, 1, -1)
+            groups.append(DecodeBatch(row + group.start, torch.tensor(tables, device=dev), mask))
         k = torch.tensor(k_rows, dtype=torch.long, device=dev)
-        meta = AttentionMetadata(bs, k, k + bs, segments, decode)
+        meta = AttentionMetadata(bs, k, k + bs, segments, groups)
         order = prefills + decodes
         batch[:] = order  # callers read results in this order
         return (

@@ -54,8 +54,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=os.environ.get("SPLITFIRE_MODEL"))
     p.add_argument("--duration", type=float, default=60.0, help="seconds of load per configuration")
-    p.add_argument("--short-rate", type=float, default=1.5, help="short chats per second")
-    p.add_argument("--long-every", type=float, default=6.0, help="seconds between long prompts")
+    p.add_argument("--short-rate", type=float, default=0.5, help="short chats per second")
+    p.add_argument("--long-every", type=float, default=8.0, help="seconds between long prompts")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--kv-cache-gb", type=float, default=1.0)
     p.add_argument("--goodput", action="store_true", help="also sweep the load and report goodput")
@@ -77,7 +77,7 @@ def main() -> int:
     summ = {name: summarize(res[0][0]) for name, res in all_results.items()}
     c, d = summ["colocated"], summ["disaggregated"]
     n_long = sum(1 for j in phases[0] if j.kind == "long")
-    print(f"\nworkload: {args.duration:.0f}s, {args.short_rate}/s short chats (30-60 words in, 96 tokens out) + a "
+    print(f"\nworkload: {args.duration:.0f}s, {args.short_rate}/s short chats (30-60 words in, 64 tokens out) + a "
           f"long prompt (900-1400 words, 16 tokens out) every {args.long_every}s ({n_long} long, "
           f"{len(phases[0]) - n_long} short); seed {args.seed}")
     print(f"{'metric (ms)':<16}{'colocated':>12}{'disaggregated':>15}{'PD/colocated':>14}")

@@ -49,7 +49,7 @@ class Result:
 
 def mixed_workload(seed: int, duration_s: float, short_rate: float, long_every_s: float,
                    short_words: tuple[int, int] = (30, 60), long_words: tuple[int, int] = (900, 1400),
-                   short_max_tokens: int = 96, long_max_tokens: int = 16) -> list[Job]:
+                   short_max_tokens: int = 64, long_max_tokens: int = 16) -> list[Job]:
     """A steady Poisson stream of short-prompt, long-output chats plus a long prompt every `long_every_s`."""
     rng = random.Random(seed)
     jobs: list[Job] = []

@@ -84,3 +84,17 @@ def test_qkv_bias_architecture_equals_reference(tmp_path, arch):
     p = list(range(3, 40))
     engine.add_request("q", p, SamplingParams(max_tokens=8, **GREEDY))
     assert drain(engine)["q"].token_ids == ReferenceLlama(d).greedy(p, 8)
+
+
+def test_decode_groups_by_context_length_equal_reference(tiny_model_dir, ref):
+    # One long context among short ones: decodes run in separately padded groups.
+    from engine.model_runner import _length_groups
+
+    assert [list(g) for g in _length_groups([1, 1, 2, 19, 20])] == [[0, 1, 2], [3, 4]]
+    engine = make_engine(tiny_model_dir)
+    ps = [prompt for prompt in prompts(3)] + [[(5 * j) % 300 + 3 for j in range(300)]]
+    for i, p in enumerate(ps):
+        engine.add_request(f"g{i}", p, SamplingParams(max_tokens=6, **GREEDY))
+    out = drain(engine)
+    for i, p in enumerate(ps):
+        assert out[f"g{i}"].token_ids == ref.greedy(p, 6)
