@@ -32,8 +32,9 @@ def run_config(name: str, args: argparse.Namespace, jobs_by_phase: list, out_dir
     flags = [*CONFIGS[name], "--kv-cache-gb", str(args.kv_cache_gb), "--served-model-name", "bench"]
     if args.model:
         flags += ["--model", args.model]
-    for extra in args.worker_arg:
-        flags += ["--worker-arg", extra]
+    flags += [f"--worker-arg={a}" for a in args.worker_arg]
+    if name == "disaggregated":
+        flags += [f"--decode-arg={a}" for a in args.decode_arg]
     results = []
     with Stack(name, flags, out_dir) as stack:
         warm = mixed_workload(seed=99, duration_s=6, short_rate=1.0, long_every_s=5)
@@ -55,7 +56,7 @@ def main() -> int:
     p.add_argument("--model", default=os.environ.get("SPLITFIRE_MODEL"))
     p.add_argument("--duration", type=float, default=60.0, help="seconds of load per configuration")
     p.add_argument("--short-rate", type=float, default=0.5, help="short chats per second")
-    p.add_argument("--long-every", type=float, default=8.0, help="seconds between long prompts")
+    p.add_argument("--long-every", type=float, default=6.0, help="seconds between long prompts")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--kv-cache-gb", type=float, default=1.0)
     p.add_argument("--goodput", action="store_true", help="also sweep the load and report goodput")
@@ -63,7 +64,8 @@ def main() -> int:
     p.add_argument("--ttft-slo", type=float, default=2.0)
     p.add_argument("--itl-slo", type=float, default=0.15)
     p.add_argument("--out", default="loadtest/results")
-    p.add_argument("--worker-arg", action="append", default=[])
+    p.add_argument("--worker-arg", action="append", default=[], help="extra flag for every worker")
+    p.add_argument("--decode-arg", action="append", default=[], help="extra flag for the PD decode worker")
     args = p.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

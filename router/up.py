@@ -138,7 +138,7 @@ async def up(args: argparse.Namespace) -> int:
         argv = [*exe, {"both": "serve"}.get(role, role), *common, "--grpc-port", str(port)]
         if cores:
             argv += ["--cpus", cores]
-        argv += args.worker_arg
+        argv += args.worker_arg + (args.prefill_arg if role == "prefill" else args.decode_arg)
         workers.append(Child(name, argv, "worker ready"))
         addrs[role].append(f"127.0.0.1:{port}")
     children += workers
@@ -242,5 +242,9 @@ def add_subcommand(sub) -> None:
     p.add_argument("--served-model-name", default="", help="name clients send (default: the model directory's)")
     p.add_argument("--no-redis", action="store_true", help="do not start Redis; keep affinity in the router")
     p.add_argument("--start-timeout", type=float, default=300.0)
-    p.add_argument("--worker-arg", action="append", default=[], help="extra flag passed to every worker (repeatable)")
+    p.add_argument("--worker-arg", action="append", default=[], metavar="FLAG",
+                   help="extra flag for every worker, e.g. --worker-arg=--max-num-seqs=32 (repeatable)")
+    p.add_argument("--prefill-arg", action="append", default=[], metavar="FLAG", help="extra flag for prefill workers")
+    p.add_argument("--decode-arg", action="append", default=[], metavar="FLAG",
+                   help="extra flag for decode and colocated workers")
     p.set_defaults(func=lambda a: asyncio.run(up(a)))

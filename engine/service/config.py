@@ -27,7 +27,7 @@ class WorkerConfig:
     drain_timeout_s: float = 30.0
     # decode role: conditional disaggregation and remote-prefill safety
     local_prefill_max_tokens: int = 128
-    local_prefill_max_fraction: float = 0.5
+    local_prefill_max_fraction: float = 1.0
     prefill_timeout_s: float = 120.0
     kv_quarantine_s: float = 5.0  # hold blocks this long after a failed/aborted transfer (late writes)
     reserve_timeout_s: float = 30.0  # wait this long for free KV blocks before refusing a request
@@ -126,7 +126,7 @@ def add_worker_args(p: argparse.ArgumentParser, role: str) -> None:
         d = p.add_argument_group("decode")
         d.add_argument("--local-prefill-max-tokens", type=int, default=int(_env("local_prefill_max_tokens", 128)),
                        help="prefill here when the uncached prompt part is at most this many tokens ...")
-        d.add_argument("--local-prefill-max-fraction", type=float, default=float(_env("local_prefill_max_fraction", 0.5)),
+        d.add_argument("--local-prefill-max-fraction", type=float, default=float(_env("local_prefill_max_fraction", 1.0)),
                        help="... and at most this fraction of the prompt (0 disables local prefill)")
         d.add_argument("--prefill-timeout", type=float, default=float(_env("prefill_timeout", 120.0)))
         d.add_argument("--kv-quarantine", type=float, default=float(_env("kv_quarantine", 5.0)),
