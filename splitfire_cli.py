@@ -84,9 +84,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    import prometheus_client
+
     from engine.logs import setup_logging
 
     setup_logging(args.log_level)
+    prometheus_client.disable_created_metrics()  # *_created series only add noise to dashboards
     try:
         return args.func(args)
     except KeyboardInterrupt:
