@@ -168,7 +168,8 @@ class Dispatcher:
     async def run(self, req: GenRequest) -> AsyncIterator[Chunk]:
         """Yields the request's chunks; the last carries finish_reason and usage for the whole request."""
         prompt = req.prompt_token_ids
-        hashes = prompt_block_hashes(req.tenant, prompt, self.cfg.block_size) if self.cfg.prefix_aware else []
+        hashes = (prompt_block_hashes(req.tenant, prompt, self.cfg.block_size)
+                  if self.cfg.prefix_aware and self.tokenizer is not None else [])
         generated: list[int] = []
         sent_text = ""
         exclude: set[str] = set()

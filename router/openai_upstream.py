@@ -12,6 +12,17 @@ import aiohttp
 from router.chunks import Chunk, WorkerError
 
 
+def _merge_event(c: Chunk, obj: dict[str, Any]) -> None:
+    for ch in obj.get("choices") or []:
+        c.text += (ch.get("delta") or {}).get("content") or ch.get("text") or ""
+        c.finish_reason = ch.get("finish_reason") or c.finish_reason
+    usage = obj.get("usage")
+    if usage:
+        c.prompt_tokens = usage.get("prompt_tokens", 0)
+        c.completion_tokens = usage.get("completion_tokens", 0)
+        c.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+
+
 class OpenAIUpstreamClient:
     def __init__(self) -> None:
         self._session: aiohttp.ClientSession | None = None
@@ -37,24 +48,30 @@ class OpenAIUpstreamClient:
                     raise WorkerError(f"upstream {base_url} answered {resp.status}: {text}",
                                       retryable=resp.status >= 500 or resp.status == 429, status=resp.status,
                                       failed=base_url, failed_role="openai")
-                async for raw in resp.content:
-                    line = raw.strip()
-                    if not line.startswith(b"data:"):
+                # One Chunk per network read, not per SSE line: when the upstream is ahead of us,
+                # its lines arrive together and leave as one write (a syscall per token was the
+                # router's largest per-chunk cost).
+                buf = b""
+                async for data in resp.content.iter_any():
+                    buf += data
+                    if b"\n" not in data:
                         continue
-                    data = line[5:].strip()
-                    if data == b"[DONE]":
-                        return
-                    obj = json.loads(data)
+                    lines, buf = buf.rsplit(b"\n", 1)
                     c = Chunk()
-                    for ch in obj.get("choices") or []:
-                        c.text += (ch.get("delta") or {}).get("content") or ch.get("text") or ""
-                        c.finish_reason = ch.get("finish_reason") or c.finish_reason
-                    usage = obj.get("usage")
-                    if usage:
-                        c.prompt_tokens = usage.get("prompt_tokens", 0)
-                        c.completion_tokens = usage.get("completion_tokens", 0)
-                        c.cached_tokens = ((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
-                    yield c
+                    done = False
+                    for line in lines.split(b"\n"):
+                        line = line.strip()
+                        if not line.startswith(b"data:"):
+                            continue
+                        payload = line[5:].strip()
+                        if payload == b"[DONE]":
+                            done = True
+                            break
+                        _merge_event(c, json.loads(payload))
+                    if c.text or c.finish_reason or c.prompt_tokens or c.completion_tokens:
+                        yield c
+                    if done:
+                        return
         except (aiohttp.ClientError, TimeoutError, json.JSONDecodeError) as e:
             raise WorkerError(f"upstream {base_url}: {type(e).__name__}: {e}", retryable=True, status=502,
                               failed=base_url, failed_role="openai") from e

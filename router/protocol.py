@@ -9,7 +9,7 @@ from typing import Any
 
 from engine.chat_template import TemplateError
 from engine.tokenizer import Tokenizer
-from router.errors import APIError, bad_request, not_found
+from router.errors import bad_request, not_found
 
 ROLES = {"system", "user", "assistant", "tool", "developer", "function"}
 MAX_STOP = 16
@@ -200,10 +200,16 @@ class RequestParser:
             raise bad_request(f"token ids must be integers in [0, {vocab})", param=param)
         return ids
 
-    def _tok(self) -> Tokenizer:
+    @staticmethod
+    def _estimate(chars: int) -> list[int]:
+        """Without a tokenizer (a router in front of OpenAI-compatible upstreams only) the prompt is
+        passed through as JSON; its length is estimated (~4 characters a token) for load balancing."""
+        return [0] * max(1, chars // 4)
+
+    def _encode(self, text: str) -> list[int]:
         if self.tokenizer is None:
-            raise APIError(400, "this router has no tokenizer configured (start it with --model)")
-        return self.tokenizer
+            return self._estimate(len(text))
+        return self.tokenizer.encode(text)
 
     def chat(self, body: Any, tenant: str, session: str | None) -> GenRequest:
         model, stream, include_usage = self._common(body)
@@ -217,11 +223,14 @@ class RequestParser:
         tools = body.get("tools")
         if tools is not None and not isinstance(tools, list):
             raise bad_request("'tools' must be a list", param="tools")
-        try:
-            ids = self._tok().encode_chat(messages, add_generation_prompt=True, tools=tools)
-        except TemplateError as e:
-            raise bad_request(f"chat template rejected the conversation: {e}", param="messages") from e
-        ids = self._check_ids(ids, "messages")
+        if self.tokenizer is None:
+            ids = self._estimate(sum(len(m["content"]) for m in messages))
+        else:
+            try:
+                ids = self.tokenizer.encode_chat(messages, add_generation_prompt=True, tools=tools)
+            except TemplateError as e:
+                raise bad_request(f"chat template rejected the conversation: {e}", param="messages") from e
+            ids = self._check_ids(ids, "messages")
         sampling = self._sampling(body, len(ids), (top or 0) if lp else None)
         return GenRequest(f"chatcmpl-{secrets.token_hex(12)}", "chat", model, ids, sampling, stream, include_usage,
                           tenant, session, lp, body)
@@ -232,9 +241,9 @@ class RequestParser:
         prompt = body.get("prompt")
         prompts: list[list[int]]
         if isinstance(prompt, str):
-            prompts = [self._tok().encode(prompt)]
+            prompts = [self._encode(prompt)]
         elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
-            prompts = [self._tok().encode(p) for p in prompt]
+            prompts = [self._encode(p) for p in prompt]
         elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             prompts = [list(prompt)]
         elif isinstance(prompt, list) and prompt and all(isinstance(p, list) for p in prompt):

@@ -1,0 +1,60 @@
+"""An OpenAI-compatible server that streams a fixed number of tokens with no delay: the
+zero-cost upstream that isolates the router's own overhead in `bench_router.py`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+from aiohttp import web
+
+
+def make_app(tokens: int) -> web.Application:
+    async def chat(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        n = min(int(body.get("max_tokens") or tokens), tokens)
+        created = int(time.time())
+        if not body.get("stream"):
+            return web.json_response({"id": "chatcmpl-fake", "object": "chat.completion", "created": created,
+                                      "model": body.get("model"), "choices": [{"index": 0, "message": {
+                                          "role": "assistant", "content": "tok " * n}, "finish_reason": "length"}],
+                                      "usage": {"prompt_tokens": 8, "completion_tokens": n, "total_tokens": 8 + n}})
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        head = f'data: {{"id":"chatcmpl-fake","object":"chat.completion.chunk","created":{created},"model":"fake","choices":[{{"index":0,"delta":{{"content":"tok "}},"finish_reason":null}}]}}\n\n'.encode()
+        for _ in range(n):
+            await resp.write(head)
+        done = {"id": "chatcmpl-fake", "object": "chat.completion.chunk", "created": created, "model": "fake",
+                "choices": [{"index": 0, "delta": {}, "finish_reason": "length"}],
+                "usage": {"prompt_tokens": 8, "completion_tokens": n, "total_tokens": 8 + n}}
+        await resp.write(f"data: {json.dumps(done)}\n\n".encode() + b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+    async def health(_: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    app.router.add_get("/health", health)
+    return app
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--tokens", type=int, default=64)
+    a = p.parse_args()
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:
+        pass
+    print(f"fake upstream ready on {a.port}", flush=True)
+    web.run_app(make_app(a.tokens), host="127.0.0.1", port=a.port, print=None, access_log=None)
+
+
+if __name__ == "__main__":
+    main()
