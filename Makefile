@@ -26,10 +26,10 @@ $(STAMP): pyproject.toml | system-deps
 	@$(PY) -m pip install -q --upgrade pip
 ifeq ($(HAS_CUDA),1)
 	$(PY) -m pip install -q torch triton
-	$(PY) -m pip install -q -e '.[test,bench,mooncake-cuda]'
+	$(PY) -m pip install -q -e '.[test,bench,router,mooncake-cuda]'
 else
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[test,bench,mooncake]'
+	$(PY) -m pip install -q -e '.[test,bench,router,mooncake]'
 endif
 	@touch $(STAMP)
 

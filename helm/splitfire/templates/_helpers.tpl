@@ -1,0 +1,102 @@
+{{- define "splitfire.fullname" -}}
+{{- if contains .Chart.Name .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "splitfire.labels" -}}
+app.kubernetes.io/name: {{ .Chart.Name }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
+{{- end -}}
+
+{{/* Selector labels of one component: pass (dict "ctx" $ "component" "router") */}}
+{{- define "splitfire.selector" -}}
+app.kubernetes.io/name: {{ .ctx.Chart.Name }}
+app.kubernetes.io/instance: {{ .ctx.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end -}}
+
+{{- define "splitfire.tag" -}}
+{{- .Values.image.tag | default .Chart.AppVersion -}}
+{{- end -}}
+
+{{- define "splitfire.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- .Values.serviceAccount.name | default (include "splitfire.fullname" .) -}}
+{{- else -}}
+{{- .Values.serviceAccount.name | default "default" -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "splitfire.prefillPort" -}}{{ add .Values.workers.grpcPort 10 }}{{- end -}}
+{{- define "splitfire.prefillMetricsPort" -}}{{ add .Values.workers.metricsPort 10 }}{{- end -}}
+
+{{/* The model volume every pod mounts */}}
+{{- define "splitfire.modelVolume" -}}
+- name: models
+{{- if eq .Values.model.source "pvc" }}
+  persistentVolumeClaim:
+    claimName: {{ .Values.model.pvc.claimName | default (printf "%s-models" (include "splitfire.fullname" .)) }}
+    readOnly: {{ eq .Values.model.pvc.accessMode "ReadOnlyMany" }}
+{{- else if eq .Values.model.source "hostPath" }}
+  hostPath:
+    path: {{ .Values.model.hostPath.path }}
+    type: Directory
+{{- else }}
+  emptyDir: {}
+{{- end }}
+- name: tmp
+  emptyDir: {}
+{{- end -}}
+
+{{- define "splitfire.modelEnv" -}}
+- name: SPLITFIRE_MODEL
+  value: {{ .Values.model.name | quote }}
+- name: SPLITFIRE_HOME
+  value: {{ .Values.model.mountPath | quote }}
+- name: HOME
+  value: /tmp
+{{- if .Values.model.hfTokenSecret.name }}
+- name: HF_TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ .Values.model.hfTokenSecret.name }}
+      key: {{ .Values.model.hfTokenSecret.key }}
+{{- end }}
+{{- end -}}
+
+{{/* Init container that fetches the model when model.source=fetch; pass (dict "ctx" $ "image" <image>) */}}
+{{- define "splitfire.fetchInit" -}}
+{{- if eq .ctx.Values.model.source "fetch" }}
+initContainers:
+  - name: fetch-model
+    image: {{ .image }}
+    imagePullPolicy: {{ .ctx.Values.image.pullPolicy }}
+    command: ["splitfire", "model", "fetch"]
+    env:
+      {{- include "splitfire.modelEnv" .ctx | nindent 6 }}
+    volumeMounts:
+      - {name: models, mountPath: {{ .ctx.Values.model.mountPath }}}
+      - {name: tmp, mountPath: /tmp}
+    securityContext:
+      {{- toYaml .ctx.Values.workers.securityContext | nindent 6 }}
+{{- end }}
+{{- end -}}
+
+{{- define "splitfire.redisURLEnv" -}}
+{{- if .Values.redis.enabled }}
+- name: REDIS_URL
+  value: {{ printf "redis://%s-redis:6379/0" (include "splitfire.fullname" .) | quote }}
+{{- else if .Values.redis.external.secretName }}
+- name: REDIS_URL
+  valueFrom:
+    secretKeyRef:
+      name: {{ .Values.redis.external.secretName }}
+      key: {{ .Values.redis.external.key }}
+{{- end }}
+{{- end -}}

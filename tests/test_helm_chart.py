@@ -1,0 +1,98 @@
+"""The Helm chart: lint, render, and validate every object against the Kubernetes JSON schemas
+of two Kubernetes versions, for each values file in helm/ci/; invalid values must fail."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+CHART = ROOT / "helm" / "splitfire"
+VALUES = sorted((ROOT / "helm" / "ci").glob("*.yaml"))
+INVALID = sorted((ROOT / "helm" / "ci" / "invalid").glob("*.yaml"))
+K8S_VERSIONS = ("1.29.0", "1.33.0")
+# Capabilities a production cluster has: the Prometheus Operator and Gateway API CRDs.
+API_VERSIONS = ["monitoring.coreos.com/v1/ServiceMonitor", "gateway.networking.k8s.io/v1/HTTPRoute"]
+# CRD kinds have no schema in the Kubernetes OpenAPI; they get a structural check instead.
+CRDS = {("monitoring.coreos.com/v1", "ServiceMonitor"): ("endpoints", "selector"),
+        ("gateway.networking.k8s.io/v1", "HTTPRoute"): ("parentRefs", "rules")}
+
+
+@pytest.fixture(scope="module")
+def helm() -> str:
+    sys.path.insert(0, str(ROOT / "helm" / "tools"))
+    from install_helm import install
+
+    return str(install(ROOT / ".tools" / "helm"))
+
+
+def render(helm: str, values: Path, *extra: str) -> subprocess.CompletedProcess:
+    args = [helm, "template", "rel", str(CHART), "-f", str(values), "--namespace", "llm"]
+    for a in API_VERSIONS:
+        args += ["--api-versions", a]
+    return subprocess.run([*args, *extra], capture_output=True, text=True)
+
+
+@pytest.mark.parametrize("values", VALUES, ids=[v.stem for v in VALUES])
+def test_chart_lints_renders_and_validates(helm, values):
+    import kubernetes_validate
+
+    lint = subprocess.run([helm, "lint", "--strict", str(CHART), "-f", str(values)], capture_output=True, text=True)
+    assert lint.returncode == 0, lint.stdout + lint.stderr
+    out = render(helm, values)
+    assert out.returncode == 0, out.stderr
+    docs = [d for d in yaml.safe_load_all(out.stdout) if d]
+    kinds = {d["kind"] for d in docs}
+    assert {"Deployment", "Service", "ConfigMap"} <= kinds
+    sm = ((yaml.safe_load(values.read_text()) or {}).get("metrics", {}).get("serviceMonitor", {}))
+    assert ("ServiceMonitor" in kinds) == sm.get("enabled", True)  # the CRD is "installed" via --api-versions
+    for doc in docs:
+        key = (doc["apiVersion"], doc["kind"])
+        if key in CRDS:
+            assert all(f in doc["spec"] for f in CRDS[key]), doc
+            continue
+        for version in K8S_VERSIONS:
+            try:
+                kubernetes_validate.validate(doc, version, strict=True)
+            except kubernetes_validate.SchemaNotFoundError as e:  # the CLI only warns; we fail
+                pytest.fail(f"no schema for {key} in Kubernetes {version}: {e}")
+            except kubernetes_validate.ValidationError as e:
+                pytest.fail(f"{doc['kind']}/{doc['metadata']['name']} invalid for Kubernetes {version}: {e.message} "
+                            f"at {list(e.path)}")
+
+
+def test_workers_get_gpus_rdma_and_drain_time(helm):
+    docs = [d for d in yaml.safe_load_all(render(helm, ROOT / "helm/ci/gpu-8decode-4prefill-rdma-values.yaml").stdout) if d]
+    deps = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Deployment"}
+    decode, prefill = deps["rel-splitfire-decode"], deps["rel-splitfire-prefill"]
+    assert decode["spec"]["replicas"] == 8 and prefill["spec"]["replicas"] == 4
+    for dep in (decode, prefill):
+        pod = dep["spec"]["template"]["spec"]
+        c = pod["containers"][0]
+        assert c["resources"]["limits"]["nvidia.com/gpu"] == 1
+        assert c["resources"]["limits"]["rdma/rdma_shared_device_a"] == 1
+        assert "IPC_LOCK" in c["securityContext"]["capabilities"]["add"]
+        assert "--mooncake-protocol=rdma" in c["args"]
+        assert pod["terminationGracePeriodSeconds"] > 30
+    router = deps["rel-splitfire-router"]["spec"]["template"]["spec"]["containers"][0]
+    assert "prefill=rel-splitfire-prefill.llm.svc.cluster.local:50061" in router["args"]
+    assert any(e["name"] == "REDIS_URL" for e in router["env"])
+
+
+def test_cpu_values_request_no_gpus(helm):
+    docs = [d for d in yaml.safe_load_all(render(helm, ROOT / "helm/ci/cpu-tiny-values.yaml").stdout) if d]
+    for d in docs:
+        if d["kind"] == "Deployment":
+            for c in d["spec"]["template"]["spec"]["containers"]:
+                assert "nvidia.com/gpu" not in c["resources"].get("limits", {})
+
+
+@pytest.mark.parametrize("values", INVALID, ids=[v.stem for v in INVALID])
+def test_invalid_values_fail_at_template_time(helm, values):
+    out = render(helm, values)
+    assert out.returncode != 0
+    assert "schema" in out.stderr
