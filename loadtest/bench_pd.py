@@ -60,7 +60,7 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--kv-cache-gb", type=float, default=1.0)
     p.add_argument("--goodput", action="store_true", help="also sweep the load and report goodput")
-    p.add_argument("--rates", default="1.0,2.0,3.0", help="short-chat rates for the goodput sweep")
+    p.add_argument("--rates", default="0.5,1.0,1.5", help="short-chat rates for the goodput sweep")
     p.add_argument("--ttft-slo", type=float, default=2.0)
     p.add_argument("--itl-slo", type=float, default=0.15)
     p.add_argument("--out", default="loadtest/results")

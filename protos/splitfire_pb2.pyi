@@ -1,15 +1,13 @@
-from collections.abc import Iterable as _Iterable
-from collections.abc import Mapping as _Mapping
-from typing import ClassVar as _ClassVar
-
+from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from google.protobuf.internal import containers as _containers
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class SamplingParams(_message.Message):
-    __slots__ = ("frequency_penalty", "ignore_eos", "logprobs", "max_tokens", "min_p", "presence_penalty", "repetition_penalty", "seed", "stop", "stop_token_ids", "temperature", "top_k", "top_p")
+    __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty", "seed", "stop", "stop_token_ids", "ignore_eos", "logprobs")
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
@@ -36,10 +34,10 @@ class SamplingParams(_message.Message):
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
     ignore_eos: bool
     logprobs: int
-    def __init__(self, max_tokens: int | None = ..., temperature: float | None = ..., top_p: float | None = ..., top_k: int | None = ..., min_p: float | None = ..., repetition_penalty: float | None = ..., frequency_penalty: float | None = ..., presence_penalty: float | None = ..., seed: int | None = ..., stop: _Iterable[str] | None = ..., stop_token_ids: _Iterable[int] | None = ..., ignore_eos: bool | None = ..., logprobs: int | None = ...) -> None: ...
+    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
-    __slots__ = ("logprob", "token_id", "top_ids", "top_logprobs")
+    __slots__ = ("token_id", "logprob", "top_ids", "top_logprobs")
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     LOGPROB_FIELD_NUMBER: _ClassVar[int]
     TOP_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -48,20 +46,20 @@ class TokenLogprob(_message.Message):
     logprob: float
     top_ids: _containers.RepeatedScalarFieldContainer[int]
     top_logprobs: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, token_id: int | None = ..., logprob: float | None = ..., top_ids: _Iterable[int] | None = ..., top_logprobs: _Iterable[float] | None = ...) -> None: ...
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("cached_tokens", "completion_tokens", "prompt_tokens")
+    __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
-    def __init__(self, prompt_tokens: int | None = ..., completion_tokens: int | None = ..., cached_tokens: int | None = ...) -> None: ...
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prefill_endpoint", "request_id", "sampling", "tenant", "token_ids")
+    __slots__ = ("request_id", "token_ids", "sampling", "tenant", "prefill_endpoint")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -72,10 +70,10 @@ class GenerateRequest(_message.Message):
     sampling: SamplingParams
     tenant: str
     prefill_endpoint: str
-    def __init__(self, request_id: str | None = ..., token_ids: _Iterable[int] | None = ..., sampling: SamplingParams | _Mapping | None = ..., tenant: str | None = ..., prefill_endpoint: str | None = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., tenant: _Optional[str] = ..., prefill_endpoint: _Optional[str] = ...) -> None: ...
 
 class GenerateEvent(_message.Message):
-    __slots__ = ("finish_reason", "logprobs", "prefill_mode", "prefill_reason", "text", "token_ids", "usage")
+    __slots__ = ("token_ids", "text", "logprobs", "finish_reason", "usage", "prefill_mode", "prefill_reason")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -90,10 +88,10 @@ class GenerateEvent(_message.Message):
     usage: Usage
     prefill_mode: str
     prefill_reason: str
-    def __init__(self, token_ids: _Iterable[int] | None = ..., text: str | None = ..., logprobs: _Iterable[TokenLogprob | _Mapping] | None = ..., finish_reason: str | None = ..., usage: Usage | _Mapping | None = ..., prefill_mode: str | None = ..., prefill_reason: str | None = ...) -> None: ...
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., prefill_mode: _Optional[str] = ..., prefill_reason: _Optional[str] = ...) -> None: ...
 
 class KVDestination(_message.Message):
-    __slots__ = ("base_address", "block_ids", "first_block", "num_blocks", "num_layers", "page_bytes", "segment")
+    __slots__ = ("segment", "base_address", "num_blocks", "num_layers", "page_bytes", "first_block", "block_ids")
     SEGMENT_FIELD_NUMBER: _ClassVar[int]
     BASE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -108,10 +106,10 @@ class KVDestination(_message.Message):
     page_bytes: int
     first_block: int
     block_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, segment: str | None = ..., base_address: int | None = ..., num_blocks: int | None = ..., num_layers: int | None = ..., page_bytes: int | None = ..., first_block: int | None = ..., block_ids: _Iterable[int] | None = ...) -> None: ...
+    def __init__(self, segment: _Optional[str] = ..., base_address: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_layers: _Optional[int] = ..., page_bytes: _Optional[int] = ..., first_block: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("destination", "request_id", "sampling", "tenant", "token_ids")
+    __slots__ = ("request_id", "token_ids", "sampling", "tenant", "destination")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -122,10 +120,10 @@ class PrefillRequest(_message.Message):
     sampling: SamplingParams
     tenant: str
     destination: KVDestination
-    def __init__(self, request_id: str | None = ..., token_ids: _Iterable[int] | None = ..., sampling: SamplingParams | _Mapping | None = ..., tenant: str | None = ..., destination: KVDestination | _Mapping | None = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., tenant: _Optional[str] = ..., destination: _Optional[_Union[KVDestination, _Mapping]] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("cached_tokens", "compute_seconds", "computed_tokens", "first_token", "logprob", "queue_seconds", "transfer_bytes", "transfer_entries", "transfer_seconds")
+    __slots__ = ("first_token", "logprob", "cached_tokens", "computed_tokens", "transfer_bytes", "transfer_entries", "transfer_seconds", "compute_seconds", "queue_seconds")
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     LOGPROB_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -144,26 +142,26 @@ class PrefillResponse(_message.Message):
     transfer_seconds: float
     compute_seconds: float
     queue_seconds: float
-    def __init__(self, first_token: int | None = ..., logprob: TokenLogprob | _Mapping | None = ..., cached_tokens: int | None = ..., computed_tokens: int | None = ..., transfer_bytes: int | None = ..., transfer_entries: int | None = ..., transfer_seconds: float | None = ..., compute_seconds: float | None = ..., queue_seconds: float | None = ...) -> None: ...
+    def __init__(self, first_token: _Optional[int] = ..., logprob: _Optional[_Union[TokenLogprob, _Mapping]] = ..., cached_tokens: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., transfer_bytes: _Optional[int] = ..., transfer_entries: _Optional[int] = ..., transfer_seconds: _Optional[float] = ..., compute_seconds: _Optional[float] = ..., queue_seconds: _Optional[float] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     request_id: str
-    def __init__(self, request_id: str | None = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
 
 class AbortResponse(_message.Message):
     __slots__ = ("found",)
     FOUND_FIELD_NUMBER: _ClassVar[int]
     found: bool
-    def __init__(self, found: bool | None = ...) -> None: ...
+    def __init__(self, found: _Optional[bool] = ...) -> None: ...
 
 class HealthRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class HealthResponse(_message.Message):
-    __slots__ = ("block_size", "max_model_len", "model", "role", "status")
+    __slots__ = ("status", "role", "model", "block_size", "max_model_len")
     STATUS_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -174,14 +172,14 @@ class HealthResponse(_message.Message):
     model: str
     block_size: int
     max_model_len: int
-    def __init__(self, status: str | None = ..., role: str | None = ..., model: str | None = ..., block_size: int | None = ..., max_model_len: int | None = ...) -> None: ...
+    def __init__(self, status: _Optional[str] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("decode_tokens_remaining", "kv_blocks_cached", "kv_blocks_free", "kv_blocks_total", "kv_blocks_used", "kv_tokens_held", "prefix_hit_tokens", "prefix_query_tokens", "prompt_tokens_in_flight", "reserved", "running", "waiting")
+    __slots__ = ("prompt_tokens_in_flight", "running", "waiting", "kv_blocks_total", "kv_blocks_used", "kv_blocks_free", "kv_blocks_cached", "kv_tokens_held", "prefix_query_tokens", "prefix_hit_tokens", "decode_tokens_remaining", "reserved")
     PROMPT_TOKENS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
@@ -206,4 +204,4 @@ class StatsResponse(_message.Message):
     prefix_hit_tokens: int
     decode_tokens_remaining: int
     reserved: int
-    def __init__(self, prompt_tokens_in_flight: int | None = ..., running: int | None = ..., waiting: int | None = ..., kv_blocks_total: int | None = ..., kv_blocks_used: int | None = ..., kv_blocks_free: int | None = ..., kv_blocks_cached: int | None = ..., kv_tokens_held: int | None = ..., prefix_query_tokens: int | None = ..., prefix_hit_tokens: int | None = ..., decode_tokens_remaining: int | None = ..., reserved: int | None = ...) -> None: ...
+    def __init__(self, prompt_tokens_in_flight: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., kv_tokens_held: _Optional[int] = ..., prefix_query_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., decode_tokens_remaining: _Optional[int] = ..., reserved: _Optional[int] = ...) -> None: ...

@@ -166,3 +166,32 @@ async def test_client_disconnect_frees_worker_blocks(stack):
         await asyncio.sleep(0.1)
     assert f"event=generate_cancelled rid={rid}" in stack["decode"].log()
     assert f"event=generate_done rid={rid}" not in stack["decode"].log()
+
+
+async def test_router_in_front_of_openai_compatible_upstreams(stack, tiny_model_dir, tmp_path):
+    """A splitfire router is itself an OpenAI-compatible server: put a second router in front of
+    it (plus a dead upstream) and the stream still arrives, the same text, after a retry."""
+    from procs import free_port
+
+    dead = f"http://127.0.0.1:{free_port()}"
+    front = start_router(tiny_model_dir, tmp_path, "--served-model-name", MODEL, "--openai-upstream",
+                         base_url(stack["router"]), dead, "--health-interval", "30", name="front")
+    try:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "The quick brown fox"}], "max_tokens": 8,
+                "temperature": 0}
+        async with aiohttp.ClientSession() as s:
+            async with s.post(base_url(stack["router"]) + "/v1/chat/completions", json=body) as r:
+                direct = (await r.json())["choices"][0]["message"]["content"]
+            for _ in range(3):  # whichever upstream the policy picks first, every request succeeds
+                async with s.post(base_url(front) + "/v1/chat/completions", json={**body, "stream": True}) as r:
+                    assert r.status == 200
+                    text = ""
+                    async for line in r.content:
+                        if line.startswith(b"data: {"):
+                            obj = json.loads(line[6:])
+                            assert "error" not in obj
+                            if obj["choices"]:
+                                text += obj["choices"][0]["delta"].get("content") or ""
+                assert text == direct
+    finally:
+        front.stop()
