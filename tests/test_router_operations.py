@@ -1,0 +1,126 @@
+"""Operating the router: workers found through Redis self-registration, admission control
+(429 + Retry-After), API keys (401) that scope tenants, health-check ejection and re-admission."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import aiohttp
+from procs import address, base_url, start_redis, start_router, start_worker
+
+MODEL = "tiny"
+
+
+async def _chat(url: str, headers: dict | None = None, max_tokens: int = 4, stream: bool = False) -> aiohttp.ClientResponse:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": max_tokens,
+            "temperature": 0, "ignore_eos": True, "stream": stream}
+    async with aiohttp.ClientSession() as s, s.post(url + "/v1/chat/completions", json=body, headers=headers or {}) as r:
+        await r.read()
+        return r
+
+
+async def _wait_healthy(url: str, n: int, timeout: float = 30) -> dict:
+    deadline = time.monotonic() + timeout
+    async with aiohttp.ClientSession() as s:
+        while True:
+            async with s.get(url + "/health") as r:
+                body = await r.json()
+            if sum(e["healthy"] for e in body["endpoints"]) >= n:
+                return body
+            if time.monotonic() > deadline:
+                raise AssertionError(body)
+            await asyncio.sleep(0.2)
+
+
+async def test_workers_self_register_in_redis_and_leave_on_shutdown(tiny_model_dir, tmp_path):
+    redis = start_redis(tmp_path)
+    url = f"redis://127.0.0.1:{redis.ports['port']}/0"
+    router = start_router(tiny_model_dir, tmp_path, "--served-model-name", MODEL, "--redis-url", url)
+    workers = [start_worker("both", tiny_model_dir, tmp_path, "--redis-url", url, "--mooncake-host", "127.0.0.1",
+                            name=f"reg{i}") for i in range(2)]
+    try:
+        body = await _wait_healthy(base_url(router), 2)
+        assert {e["address"] for e in body["endpoints"]} == {address(w) for w in workers}
+        r = await _chat(base_url(router))
+        assert r.status == 200
+        workers[0].stop()
+        deadline = time.monotonic() + 15
+        while True:  # the worker removed itself from the registry; discovery drops it
+            async with aiohttp.ClientSession() as s, s.get(base_url(router) + "/health") as resp:
+                addrs = {e["address"] for e in (await resp.json())["endpoints"]}
+            if addrs == {address(workers[1])}:
+                break
+            assert time.monotonic() < deadline, addrs
+            await asyncio.sleep(0.2)
+    finally:
+        for p in (router, *workers, redis):
+            p.stop()
+
+
+async def test_admission_control_answers_429_with_retry_after(tiny_model_dir, tmp_path):
+    worker = start_worker("both", tiny_model_dir, tmp_path)
+    router = start_router(tiny_model_dir, tmp_path, "--served-model-name", MODEL, "--colocated", address(worker),
+                          "--max-concurrency", "1", "--max-queue", "0")
+    try:
+        results = await asyncio.gather(*(_chat(base_url(router), max_tokens=300) for _ in range(6)))
+        statuses = sorted(r.status for r in results)
+        assert statuses.count(200) >= 1 and statuses.count(429) >= 1, statuses
+        rejected = next(r for r in results if r.status == 429)
+        assert rejected.headers["Retry-After"] == "1"
+    finally:
+        router.stop()
+        worker.stop()
+
+
+async def test_api_keys_authenticate_and_scope_tenants(tiny_model_dir, tmp_path):
+    from grpc_client import stats
+
+    keys = tmp_path / "keys"
+    keys.write_text("# key tenant\nsk-alice alice\nsk-bob bob\n")
+    worker = start_worker("both", tiny_model_dir, tmp_path)
+    router = start_router(tiny_model_dir, tmp_path, "--served-model-name", MODEL, "--colocated", address(worker),
+                          "--api-keys", str(keys))
+    try:
+        assert (await _chat(base_url(router))).status == 401
+        assert (await _chat(base_url(router), {"Authorization": "Bearer sk-nope"})).status == 401
+        async with aiohttp.ClientSession() as s:
+            body = {"model": MODEL, "max_tokens": 2, "temperature": 0,
+                    "messages": [{"role": "system", "content": "shared system prompt " * 20},
+                                 {"role": "user", "content": "hi"}]}
+            hits = []
+            for key in ("sk-alice", "sk-alice", "sk-bob"):
+                before = (await stats(address(worker))).prefix_hit_tokens
+                async with s.post(base_url(router) + "/v1/chat/completions", json=body,
+                                  headers={"Authorization": f"Bearer {key}"}) as r:
+                    assert r.status == 200
+                hits.append((await stats(address(worker))).prefix_hit_tokens - before)
+        # Alice's second request reuses her cached prefix; Bob's identical prompt shares nothing.
+        assert hits[0] == 0 and hits[1] > 0 and hits[2] == 0, hits
+    finally:
+        router.stop()
+        worker.stop()
+
+
+async def test_unhealthy_endpoint_is_ejected_and_readmitted(tiny_model_dir, tmp_path):
+    w = start_worker("both", tiny_model_dir, tmp_path, name="flaky")
+    port = w.ports["grpc"]
+    router = start_router(tiny_model_dir, tmp_path, "--served-model-name", MODEL, "--colocated", address(w))
+    try:
+        await _wait_healthy(base_url(router), 1)
+        w.kill()
+        r = await _chat(base_url(router))
+        assert r.status in (502, 503)
+        deadline = time.monotonic() + 10
+        while (r := await _chat(base_url(router))).status != 503:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.2)
+        w2 = start_worker("both", tiny_model_dir, tmp_path, "--grpc-port", str(port), name="flaky-again")
+        try:
+            await _wait_healthy(base_url(router), 1)
+            assert (await _chat(base_url(router))).status == 200
+        finally:
+            w2.stop()
+    finally:
+        router.stop()
+        w.kill()
