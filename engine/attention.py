@@ -8,7 +8,9 @@ same arguments.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from functools import cache
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +29,7 @@ class DecodeBatch:
     start: int  # first row of this group; a group's rows are contiguous, one per sequence
     blocks: torch.Tensor  # [B, max_blocks], padded with block 0
     mask: torch.Tensor  # [B, 1, 1, max_blocks * block_size], True where a key is valid
+    context_lens: torch.Tensor | None = None  # [B], for kernels that walk the block table themselves
 
 
 @dataclass
@@ -40,7 +43,35 @@ class AttentionMetadata:
     decodes: list[DecodeBatch]  # decode rows grouped by context length, each group padded to its longest
 
 
+@cache
+def _triton_ops():
+    """The Triton kernels when they should run: on CUDA by default, anywhere (e.g. the CPU
+    interpreter) with SPLITFIRE_ATTENTION_BACKEND=triton; None for the torch path."""
+    choice = os.environ.get("SPLITFIRE_ATTENTION_BACKEND", "auto")
+    if choice == "torch":
+        return None
+    try:
+        from engine.kernels import triton_ops
+    except ImportError:
+        if choice == "triton":
+            raise
+        return None
+    return triton_ops
+
+
+def _use_triton(t: torch.Tensor):
+    ops = _triton_ops()
+    if ops is None or (not t.is_cuda and os.environ.get("SPLITFIRE_ATTENTION_BACKEND") != "triton"):
+        return None
+    return ops
+
+
 def write_kv(layer_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
+    ops = _use_triton(layer_cache)
+    if ops is not None and k.shape[-1] & (k.shape[-1] - 1) == 0:
+        two_bs = 2 * meta.block_size
+        ops.store_kv(layer_cache, k, v, meta.k_rows // two_bs, meta.k_rows % two_bs)
+        return
     flat = layer_cache.view(-1, layer_cache.shape[-2], layer_cache.shape[-1])
     flat.index_copy_(0, meta.k_rows, k)
     flat.index_copy_(0, meta.v_rows, v)
@@ -87,6 +118,9 @@ def paged_attention(
 
 def _decode(q: torch.Tensor, layer_cache: torch.Tensor, d: DecodeBatch, scale: float, gqa: bool) -> torch.Tensor:
     """One query per sequence, keys gathered page by page and padded to the longest context."""
+    ops = _use_triton(layer_cache)
+    if ops is not None and d.context_lens is not None and q.shape[-1] & (q.shape[-1] - 1) == 0:
+        return ops.paged_decode_attention(q, layer_cache, d.blocks, d.context_lens, scale)
     b, kv_heads = d.blocks.shape[0], layer_cache.shape[-2]
     k, v = _gather(layer_cache, d.blocks)  # [B*max_blocks, slots, kv_heads, dim]
     k = k.reshape(b, -1, kv_heads, k.shape[-1]).transpose(1, 2)

@@ -69,7 +69,7 @@ class ModelRunner:
             tables = [s.seq.block_table[:nb] + [0] * (nb - min(nb, len(s.seq.block_table))) for s in members]
             ctx = torch.tensor([s.seq.num_computed_tokens + 1 for s in members], device=dev)
             mask = (torch.arange(nb * bs, device=dev)[None, :] < ctx[:, None]).view(len(members), 1, 1, -1)
-            groups.append(DecodeBatch(row + group.start, torch.tensor(tables, device=dev), mask))
+            groups.append(DecodeBatch(row + group.start, torch.tensor(tables, device=dev), mask, ctx))
         k = torch.tensor(k_rows, dtype=torch.long, device=dev)
         meta = AttentionMetadata(bs, k, k + bs, segments, groups)
         order = prefills + decodes

@@ -1,0 +1,142 @@
+"""Paged decode attention, KV page store, fused residual RMSNorm, interleaved RoPE.
+
+Shapes follow the engine: the layer cache is `[num_blocks, 2, block_size, kv_heads, head_dim]`
+(K and V of a block side by side), tokens are flattened `[T, heads, head_dim]`.
+Kernels are specialised by Triton per head_dim, block size and GQA group (constexprs),
+i.e. per loaded model.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _decode_attention_kernel(
+    q_ptr, cache_ptr, tables_ptr, ctx_ptr, out_ptr, scale,
+    stride_qt, stride_qh, stride_cb, stride_ckv, stride_cs, stride_ch, stride_tb, stride_ot, stride_oh,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+):
+    """One program per (sequence, kv head): the GROUP query heads sharing that kv head read each
+    page once; online softmax over the sequence's pages, straight from its block table."""
+    seq = tl.program_id(0)
+    kvh = tl.program_id(1)
+    g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, HEAD_DIM)
+    s_off = tl.arange(0, BLOCK_SIZE)
+    gmask = g < GROUP
+    q = tl.load(q_ptr + seq * stride_qt + (kvh * GROUP + g)[:, None] * stride_qh + d[None, :],
+                mask=gmask[:, None], other=0.0).to(tl.float32)
+    ctx = tl.load(ctx_ptr + seq)
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+    for j in range(0, tl.cdiv(ctx, BLOCK_SIZE)):
+        blk = tl.load(tables_ptr + seq * stride_tb + j)
+        base = cache_ptr + blk * stride_cb + kvh * stride_ch
+        valid = j * BLOCK_SIZE + s_off < ctx
+        k = tl.load(base + s_off[:, None] * stride_cs + d[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+        v = tl.load(base + stride_ckv + s_off[:, None] * stride_cs + d[None, :], mask=valid[:, None],
+                    other=0.0).to(tl.float32)
+        s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [GROUP_PAD, BLOCK_SIZE]
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+        m_i = m_new
+    out = acc / l_i[:, None]
+    tl.store(out_ptr + seq * stride_ot + (kvh * GROUP + g)[:, None] * stride_oh + d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=gmask[:, None])
+
+
+def paged_decode_attention(q: torch.Tensor, layer_cache: torch.Tensor, block_tables: torch.Tensor,
+                           context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """q: [B, heads, dim]; block_tables: [B, max_blocks] int32/64; context_lens: [B]. Returns [B, heads, dim]."""
+    b, heads, dim = q.shape
+    kv_heads, block_size = layer_cache.shape[3], layer_cache.shape[2]
+    group = heads // kv_heads
+    out = torch.empty_like(q)
+    _decode_attention_kernel[(b, kv_heads)](
+        q, layer_cache, block_tables, context_lens, out, scale,
+        q.stride(0), q.stride(1), layer_cache.stride(0), layer_cache.stride(1), layer_cache.stride(2),
+        layer_cache.stride(3), block_tables.stride(0), out.stride(0), out.stride(1),
+        GROUP=group, GROUP_PAD=max(triton.next_power_of_2(group), 2), BLOCK_SIZE=block_size, HEAD_DIM=dim,
+    )
+    return out
+
+
+@triton.jit
+def _store_kv_kernel(k_ptr, v_ptr, cache_ptr, blocks_ptr, slots_ptr,
+                     stride_kt, stride_kh, stride_vt, stride_vh, stride_cb, stride_ckv, stride_cs, stride_ch,
+                     HEAD_DIM: tl.constexpr):
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    d = tl.arange(0, HEAD_DIM)
+    blk = tl.load(blocks_ptr + t)
+    slot = tl.load(slots_ptr + t)
+    dst = cache_ptr + blk * stride_cb + slot * stride_cs + h * stride_ch + d
+    tl.store(dst, tl.load(k_ptr + t * stride_kt + h * stride_kh + d))
+    tl.store(dst + stride_ckv, tl.load(v_ptr + t * stride_vt + h * stride_vh + d))
+
+
+def store_kv(layer_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: torch.Tensor,
+             slots: torch.Tensor) -> None:
+    """Write token t's K/V into page `blocks[t]`, slot `slots[t]`. k, v: [T, kv_heads, dim]."""
+    t, kv_heads, dim = k.shape
+    _store_kv_kernel[(t, kv_heads)](
+        k, v, layer_cache, blocks, slots, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        layer_cache.stride(0), layer_cache.stride(1), layer_cache.stride(2), layer_cache.stride(3), HEAD_DIM=dim,
+    )
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, n_cols, eps, stride_x, stride_r, stride_o,
+                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        x += tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(res_ptr + row * stride_r + cols, x.to(res_ptr.dtype.element_ty), mask=mask)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / n_cols + eps)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_o + cols, (x * rstd * w).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """RMSNorm of x (+ residual, which is updated in place to x + residual: one pass instead of two)."""
+    rows, cols = x.shape
+    out = torch.empty_like(x)
+    _rms_norm_kernel[(rows,)](
+        x, residual if residual is not None else x, weight, out, cols, eps, x.stride(0),
+        residual.stride(0) if residual is not None else 0, out.stride(0),
+        HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(cols),
+    )
+    return out
+
+
+@triton.jit
+def _rope_kernel(x_ptr, cos_ptr, sin_ptr, pos_ptr, stride_t, stride_h, stride_c, HALF: tl.constexpr):
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    i = tl.arange(0, HALF)
+    pos = tl.load(pos_ptr + t)
+    c = tl.load(cos_ptr + pos * stride_c + i)
+    s = tl.load(sin_ptr + pos * stride_c + i)
+    base = x_ptr + t * stride_t + h * stride_h
+    x0 = tl.load(base + 2 * i).to(tl.float32)
+    x1 = tl.load(base + 2 * i + 1).to(tl.float32)
+    tl.store(base + 2 * i, (x0 * c - x1 * s).to(x_ptr.dtype.element_ty))
+    tl.store(base + 2 * i + 1, (x1 * c + x0 * s).to(x_ptr.dtype.element_ty))
+
+
+def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Rotate interleaved pairs (2i, 2i+1) of x [T, heads, dim] in place; cos/sin: [max_pos, dim/2] fp32."""
+    t, heads, dim = x.shape
+    _rope_kernel[(t, heads)](x, cos, sin, positions, x.stride(0), x.stride(1), cos.stride(0), HALF=dim // 2)
+    return x
