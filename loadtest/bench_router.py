@@ -47,33 +47,44 @@ def spawn(args: list[str], ready: str, log: Path) -> subprocess.Popen:
     return p
 
 
-async def http_load(url: str, concurrency: int, duration: float, model: str, max_tokens: int) -> dict:
+async def _load(concurrency: int, duration: float, max_tokens: int, one_stream) -> dict:
+    """Closed loop: `concurrency` clients each run `one_stream()` back to back for `duration`.
+    `one_stream` yields once per streamed event that carries content."""
     ttfts: list[float] = []
-    chunks = 0
+    events = 0
+    stop = time.perf_counter() + duration
+
+    async def client() -> None:
+        nonlocal events
+        while time.perf_counter() < stop:
+            t0 = time.perf_counter()
+            first = True
+            async for _ in one_stream():
+                if first:
+                    ttfts.append(time.perf_counter() - t0)
+                    first = False
+                events += 1
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(client() for _ in range(concurrency)))
+    wall = time.perf_counter() - t0
+    # Upstream chunks = tokens (max_tokens per request); the router may merge them into fewer events.
+    return {"ttft_p50": statistics.median(ttfts), "requests": len(ttfts), "chunks": len(ttfts) * max_tokens,
+            "events": events, "rps": len(ttfts) / wall}
+
+
+async def http_load(url: str, concurrency: int, duration: float, model: str, max_tokens: int) -> dict:
     body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": max_tokens,
             "stream": True, "temperature": 0, "ignore_eos": True}
-    stop = time.perf_counter() + duration
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
-        async def worker() -> None:
-            nonlocal chunks
-            while time.perf_counter() < stop:
-                t0 = time.perf_counter()
-                first = True
-                async with s.post(url + "/v1/chat/completions", json=body) as r:
-                    assert r.status == 200, await r.text()
-                    async for line in r.content:
-                        if line.startswith(b"data: {") and b'"content":"' in line and b'"content":""' not in line:
-                            if first:
-                                ttfts.append(time.perf_counter() - t0)
-                                first = False
-                            chunks += 1
+        async def one_stream():
+            async with s.post(url + "/v1/chat/completions", json=body) as r:
+                assert r.status == 200, await r.text()
+                async for line in r.content:
+                    if line.startswith(b"data: {") and b'"content":"' in line and b'"content":""' not in line:
+                        yield
 
-        t0 = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-        wall = time.perf_counter() - t0
-    # Upstream chunks = tokens (64 per request); the router may merge them into fewer SSE events.
-    return {"ttft_p50": statistics.median(ttfts), "requests": len(ttfts), "chunks": len(ttfts) * max_tokens,
-            "events": chunks, "rps": len(ttfts) / wall}
+        return await _load(concurrency, duration, max_tokens, one_stream)
 
 
 async def grpc_load(address: str, concurrency: int, duration: float, max_tokens: int) -> dict:
@@ -82,30 +93,17 @@ async def grpc_load(address: str, concurrency: int, duration: float, max_tokens:
     from protos import splitfire_pb2 as pb
     from protos import splitfire_pb2_grpc as pbg
 
-    ttfts: list[float] = []
-    chunks = 0
-    stop = time.perf_counter() + duration
+    req = pb.GenerateRequest(token_ids=[5, 6, 7, 8], sampling=pb.SamplingParams(
+        max_tokens=max_tokens, temperature=0, ignore_eos=True))
     async with grpc.aio.insecure_channel(address) as ch:
         stub = pbg.DecodeStub(ch)
 
-        async def worker() -> None:
-            nonlocal chunks
-            while time.perf_counter() < stop:
-                t0 = time.perf_counter()
-                first = True
-                req = pb.GenerateRequest(token_ids=[5, 6, 7, 8], sampling=pb.SamplingParams(
-                    max_tokens=max_tokens, temperature=0, ignore_eos=True))
-                async for ev in stub.Generate(req):
-                    if ev.token_ids:
-                        if first:
-                            ttfts.append(time.perf_counter() - t0)
-                            first = False
-                        chunks += 1
+        async def one_stream():
+            async for ev in stub.Generate(req):
+                if ev.token_ids:
+                    yield
 
-        t0 = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-        wall = time.perf_counter() - t0
-    return {"ttft_p50": statistics.median(ttfts), "requests": len(ttfts), "chunks": chunks, "rps": len(ttfts) / wall}
+        return await _load(concurrency, duration, max_tokens, one_stream)
 
 
 def row(label: str, c: int, direct: dict, routed: dict, cpu: float) -> str:
