@@ -213,12 +213,12 @@ def _ready_banner(port: int, model: str, took: float, addrs: dict[str, list[str]
 
  curl:
    curl -N http://127.0.0.1:{port}/v1/chat/completions -H 'Content-Type: application/json' \\
-     -d '{{"model": "{model}", "stream": true, "messages": [{{"role": "user", "content": "What is the capital of France?"}}]}}'
+     -d '{{"model": "{model}", "stream": true, "temperature": 0, "messages": [{{"role": "user", "content": "What is the capital of France?"}}]}}'
 
  openai client (pip install openai):
    from openai import OpenAI
    client = OpenAI(base_url="http://127.0.0.1:{port}/v1", api_key="unused")
-   for chunk in client.chat.completions.create(model="{model}", stream=True,
+   for chunk in client.chat.completions.create(model="{model}", stream=True, temperature=0,
            messages=[{{"role": "user", "content": "What is the capital of France?"}}]):
        print(chunk.choices[0].delta.content or "", end="", flush=True)
 

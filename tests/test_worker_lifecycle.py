@@ -21,25 +21,28 @@ from protos import splitfire_pb2_grpc as pbg
 async def test_sigterm_drains_in_flight_requests_then_exits(tiny_model_dir, tmp_path):
     w = start_worker("both", tiny_model_dir, tmp_path, "--drain-timeout", "30", "--max-num-seqs", "4",
                      "--max-num-batched-tokens", "8")
-    health = f"http://127.0.0.1:{w.ports['metrics']}/health"
-    assert json.loads(urllib.request.urlopen(health, timeout=5).read())["status"] == "serving"
-    channel = grpc.aio.insecure_channel(address(w))
-    call = pbg.DecodeStub(channel).Generate(pb.GenerateRequest(token_ids=[3 + i % 390 for i in range(800)],
-                                                               sampling=greedy(200)))
-    tokens = list((await call.read()).token_ids)  # the first token: the request is in flight
-    w.popen.send_signal(signal.SIGTERM)
-    await asyncio.sleep(0.3)
-    with pytest.raises(urllib.error.HTTPError) as err:  # load balancers stop sending here
-        urllib.request.urlopen(health, timeout=5)
-    assert err.value.code == 503
-    with pytest.raises(grpc.aio.AioRpcError) as refused:
-        await generate(address(w), [5, 6, 7], greedy(2))
-    assert refused.value.code() == grpc.StatusCode.UNAVAILABLE and "draining" in refused.value.details()
-    finish = ""
-    while (ev := await call.read()) is not grpc.aio.EOF:  # the in-flight request runs to its end
-        tokens += ev.token_ids
-        finish = ev.finish_reason or finish
-    await channel.close()
-    assert len(tokens) == 200 and finish == "length"
-    assert await asyncio.to_thread(w.popen.wait, 20) == 0
-    assert "event=worker_stopped" in w.log()
+    try:
+        health = f"http://127.0.0.1:{w.ports['metrics']}/health"
+        assert json.loads(urllib.request.urlopen(health, timeout=5).read())["status"] == "serving"
+        channel = grpc.aio.insecure_channel(address(w))
+        call = pbg.DecodeStub(channel).Generate(pb.GenerateRequest(token_ids=[3 + i % 390 for i in range(800)],
+                                                                   sampling=greedy(200)))
+        tokens = list((await call.read()).token_ids)  # the first token: the request is in flight
+        w.popen.send_signal(signal.SIGTERM)
+        await asyncio.sleep(0.3)
+        with pytest.raises(urllib.error.HTTPError) as err:  # load balancers stop sending here
+            urllib.request.urlopen(health, timeout=5)
+        assert err.value.code == 503
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await generate(address(w), [5, 6, 7], greedy(2))
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE and "draining" in refused.value.details()
+        finish = ""
+        while (ev := await call.read()) is not grpc.aio.EOF:  # the in-flight request runs to its end
+            tokens += ev.token_ids
+            finish = ev.finish_reason or finish
+        await channel.close()
+        assert len(tokens) == 200 and finish == "length"
+        assert await asyncio.to_thread(w.popen.wait, 20) == 0
+        assert "event=worker_stopped" in w.log()
+    finally:
+        w.kill()
