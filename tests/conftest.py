@@ -29,3 +29,15 @@ def smollm2_dir() -> Path:
 @pytest.fixture(autouse=True, scope="session")
 def _quiet_env() -> None:
     os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _no_orphans():
+    """A failing test must not leave workers running: kill whatever is still alive at the end."""
+    yield
+    from procs import STARTED
+
+    for p in STARTED:
+        if p.poll() is None:
+            p.kill()
+            p.wait(10)

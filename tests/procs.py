@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+STARTED: list[subprocess.Popen] = []  # every process a test started; conftest kills leftovers at exit
 
 
 def free_port() -> int:
@@ -67,6 +68,7 @@ def spawn(name: str, args: list[str], log_dir: Path, env: dict[str, str] | None 
     f = open(log_path, "w")
     popen = subprocess.Popen([sys.executable, "-m", "splitfire_cli", *args], stdout=f, stderr=subprocess.STDOUT,
                              env=full_env, cwd=ROOT, start_new_session=True)
+    STARTED.append(popen)
     return Proc(name, popen, log_path)
 
 
@@ -98,6 +100,7 @@ def start_redis(log_dir: Path) -> Proc:
     f = open(log_path, "w")
     popen = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
                              stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+    STARTED.append(popen)
     p = Proc(f"redis-{port}", popen, log_path, {"port": port})
     p.wait_for("Ready to accept connections", timeout=20)
     return p
