@@ -59,11 +59,16 @@ def _triton_ops():
     return triton_ops
 
 
-def _use_triton(t: torch.Tensor):
+@cache
+def _kernels_for(device_type: str):
     ops = _triton_ops()
-    if ops is None or (not t.is_cuda and os.environ.get("SPLITFIRE_ATTENTION_BACKEND") != "triton"):
+    if ops is None or (device_type != "cuda" and os.environ.get("SPLITFIRE_ATTENTION_BACKEND") != "triton"):
         return None
     return ops
+
+
+def _use_triton(t: torch.Tensor):
+    return _kernels_for(t.device.type)
 
 
 def write_kv(layer_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:

@@ -58,10 +58,10 @@ def interleave_rope_rows(w: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, dim] with interleaved pairs; freqs: [T, dim/2] complex (cos + i sin)."""
+    """x: [T, heads, dim] with interleaved pairs; freqs: [T, 1, dim/2] complex (cos + i sin)."""
     t, h, d = x.shape
     xc = torch.view_as_complex(x.float().reshape(t, h, d // 2, 2))
-    return torch.view_as_real(xc * freqs.unsqueeze(1)).reshape(t, h, d).to(x.dtype)
+    return torch.view_as_real(xc * freqs).reshape(t, h, d).to(x.dtype)
 
 
 def _onednn_linear_available() -> bool:
@@ -100,8 +100,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Spelled out: measured 2x cheaper per call than F.rms_norm at decode sizes on CPU
-        # (torch 2.13), and it keeps the Hugging Face order: normalise in fp32, then scale.
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        # Lower precision: the Hugging Face order, normalise in fp32 and scale in the model dtype.
         xf = x.float()
         return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
 
@@ -182,7 +183,7 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:
         """Returns final-normed hidden states `[T, hidden]`; logits are taken only where needed."""
         assert self.rope_cache is not None, "build_rope_cache() first"
-        freqs = self.rope_cache[positions]
+        freqs = self.rope_cache[positions].unsqueeze(1)  # once per step, shared by every layer
         x = self.embed(input_ids)
         for i, layer in enumerate(self.layers):
             x = layer(x, freqs, kv.layer(i), meta)

@@ -87,7 +87,7 @@ def test_rope_matches_complex_reference():
     ang = torch.outer(torch.arange(64, dtype=torch.float32, device=DEV), inv)
     pos = torch.tensor([0, 1, 2, 15, 16, 17, 31, 32, 40, 63, 5], device=DEV)
     x = torch.randn(t, heads, dim, device=DEV, dtype=DTYPE)
-    expected = apply_rope(x.clone(), torch.polar(torch.ones_like(ang), ang)[pos])
+    expected = apply_rope(x.clone(), torch.polar(torch.ones_like(ang), ang)[pos].unsqueeze(1))
     ours = triton_ops.rope_(x.clone(), ang.cos().contiguous(), ang.sin().contiguous(), pos)
     torch.testing.assert_close(ours, expected, **TOL)
 
@@ -103,6 +103,7 @@ def test_engine_on_triton_kernels_equals_reference(tiny_model_dir, monkeypatch):
 
     monkeypatch.setenv("SPLITFIRE_ATTENTION_BACKEND", "triton")
     attention._triton_ops.cache_clear()
+    attention._kernels_for.cache_clear()
     try:
         engine = make_engine(tiny_model_dir)
         prompts = [list(range(3, 20)), list(range(30, 64)), [7, 8, 9]]
@@ -114,3 +115,4 @@ def test_engine_on_triton_kernels_equals_reference(tiny_model_dir, monkeypatch):
             assert out[f"t{i}"].token_ids == ref.greedy(p, 5)
     finally:
         attention._triton_ops.cache_clear()
+        attention._kernels_for.cache_clear()
