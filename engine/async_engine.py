@@ -149,15 +149,6 @@ class AsyncEngine:
         self._commands.put(lambda: hold(self.engine))
         self._wake.set()
 
-    def call_later(self, delay_s: float, fn: Callable[[LLMEngine], Any]) -> None:
-        """Run `fn(engine)` on the engine thread after `delay_s` (e.g. releasing quarantined blocks)."""
-
-        def schedule() -> None:
-            heapq.heappush(self._timers, (time.monotonic() + delay_s, next(self._seq), fn))
-
-        self._commands.put(schedule)
-        self._wake.set()
-
     def open_stream(self, request_id: str) -> RequestStream:
         stream = RequestStream(request_id)
         self._streams[request_id] = stream

@@ -92,9 +92,6 @@ class MooncakeEngine:
         """DONE, PENDING, FAILED or TIMED_OUT. Frees the id on DONE and FAILED (never check it again)."""
         return self._engine.transfer_check_status(batch_id)
 
-    def probe(self, target: str) -> bool:
-        return self._engine.send_probe(target) == 0
-
     def close(self) -> None:
         for addr in self._registered:
             self._engine.unregister_memory(addr)

@@ -26,7 +26,6 @@ class Pin:
 class PinStore(Protocol):
     async def get(self, key: str) -> str | None: ...
     async def set(self, key: str, value: str, ttl_s: float) -> None: ...
-    async def delete(self, key: str) -> None: ...
 
 
 class MemoryPinStore:
@@ -52,9 +51,6 @@ class MemoryPinStore:
                 self._data.pop(next(iter(self._data)))
         self._data[key] = (value, time.monotonic() + ttl_s)
 
-    async def delete(self, key: str) -> None:
-        self._data.pop(key, None)
-
 
 class RedisPinStore:
     def __init__(self, client):  # redis.asyncio.Redis
@@ -66,9 +62,6 @@ class RedisPinStore:
 
     async def set(self, key: str, value: str, ttl_s: float) -> None:
         await self.r.set(key, value, px=int(ttl_s * 1000))
-
-    async def delete(self, key: str) -> None:
-        await self.r.delete(key)
 
 
 class SessionAffinity:
@@ -86,6 +79,3 @@ class SessionAffinity:
 
     async def pin(self, tenant: str, session: str, pin: Pin) -> None:
         await self.store.set(self.key(tenant, session), pin.encode(), self.ttl_s)
-
-    async def unpin(self, tenant: str, session: str) -> None:
-        await self.store.delete(self.key(tenant, session))

@@ -48,6 +48,3 @@ class PrefixIndex:
                 m[h] = None
         while len(m) > self.capacity:
             m.popitem(last=False)
-
-    def forget(self, endpoint: str) -> None:
-        self._maps.pop(endpoint, None)

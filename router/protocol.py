@@ -119,11 +119,10 @@ def parse_messages(body: dict) -> list[dict[str, Any]]:
 
 
 class RequestParser:
-    def __init__(self, tokenizer: Tokenizer | None, model_names: set[str], max_model_len: int, default_model: str):
+    def __init__(self, tokenizer: Tokenizer | None, model_names: set[str], max_model_len: int):
         self.tokenizer = tokenizer
         self.model_names = model_names
         self.max_model_len = max_model_len
-        self.default_model = default_model
 
     def _common(self, body: dict) -> tuple[str, bool, bool]:
         if not isinstance(body, dict):

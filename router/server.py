@@ -57,7 +57,7 @@ class Router:
                 self.registry.add(a, role)
         self.metrics = RouterMetrics(self.registry)
         self.tenants = Tenants.from_file(cfg.api_keys_file)
-        self.parser = RequestParser(tokenizer, {model_name}, max_model_len, model_name)
+        self.parser = RequestParser(tokenizer, {model_name}, max_model_len)
         self.admission = Admission(cfg.max_concurrency, cfg.max_queue, cfg.queue_timeout_s, self.metrics)
         self.workers = WorkerClient()
         self.upstreams = OpenAIUpstreamClient()
