@@ -4,9 +4,12 @@ memory when no Redis is configured."""
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from typing import Protocol
+
+log = logging.getLogger("splitfire.router")
 
 
 @dataclass(frozen=True)
@@ -65,17 +68,33 @@ class RedisPinStore:
 
 
 class SessionAffinity:
+    """Pins are an optimisation: when the store fails (Redis down), requests are placed as if
+    unpinned and the failure is logged, never surfaced to the client."""
+
     def __init__(self, store: PinStore, ttl_s: float):
         self.store = store
         self.ttl_s = ttl_s
+        self.store_errors = 0
 
     @staticmethod
     def key(tenant: str, session: str) -> str:
         return f"splitfire:affinity:{tenant}:{session}"
 
+    def _failed(self, op: str, e: Exception) -> None:
+        self.store_errors += 1
+        if self.store_errors == 1 or self.store_errors % 1000 == 0:
+            log.warning("event=affinity_store_error op=%s errors=%d error=%r", op, self.store_errors, e)
+
     async def lookup(self, tenant: str, session: str) -> Pin | None:
-        raw = await self.store.get(self.key(tenant, session))
+        try:
+            raw = await self.store.get(self.key(tenant, session))
+        except Exception as e:
+            self._failed("get", e)
+            return None
         return Pin.decode_str(raw) if raw else None
 
     async def pin(self, tenant: str, session: str, pin: Pin) -> None:
-        await self.store.set(self.key(tenant, session), pin.encode(), self.ttl_s)
+        try:
+            await self.store.set(self.key(tenant, session), pin.encode(), self.ttl_s)
+        except Exception as e:
+            self._failed("set", e)

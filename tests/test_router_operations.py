@@ -124,3 +124,20 @@ async def test_unhealthy_endpoint_is_ejected_and_readmitted(tiny_model_dir, tmp_
     finally:
         router.stop()
         w.kill()
+
+
+async def test_redis_outage_degrades_affinity_not_requests(tiny_model_dir, tmp_path):
+    redis = start_redis(tmp_path)
+    worker = start_worker("both", tiny_model_dir, tmp_path)
+    router = start_router(tiny_model_dir, tmp_path, "--served-model-name", MODEL, "--colocated", address(worker),
+                          "--redis-url", f"redis://127.0.0.1:{redis.ports['port']}/0")
+    try:
+        assert (await _chat(base_url(router), {"x-session-affinity": "s1"})).status == 200
+        redis.kill()
+        r = await _chat(base_url(router), {"x-session-affinity": "s1"}, stream=True)
+        assert r.status == 200
+        assert "event=affinity_store_error" in router.log()
+    finally:
+        router.stop()
+        worker.stop()
+        redis.kill()
