@@ -41,6 +41,10 @@ class AttentionMetadata:
     v_rows: torch.Tensor  # [T] same for V
     prefills: list[PrefillSegment]
     decodes: list[DecodeBatch]  # decode rows grouped by context length, each group padded to its longest
+    # For kernels that take every prefill segment in one launch (built only when they are in use):
+    prefill_tables: torch.Tensor | None = None  # [S, max_blocks]
+    prefill_info: torch.Tensor | None = None  # [S, 3]: first row, new tokens, context length
+    max_prefill_len: int = 0
 
 
 @cache
@@ -71,6 +75,10 @@ def _use_triton(t: torch.Tensor):
     return _kernels_for(t.device.type)
 
 
+def kernels_enabled(device: torch.device) -> bool:
+    return _kernels_for(device.type) is not None
+
+
 def write_kv(layer_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
     ops = _use_triton(layer_cache)
     if ops is not None and k.shape[-1] & (k.shape[-1] - 1) == 0:
@@ -99,7 +107,15 @@ def paged_attention(
     if len(meta.decodes) == 1 and not meta.prefills:  # the steady state: one decode group, no copies
         return _decode(q, layer_cache, meta.decodes[0], scale, gqa)
     out = torch.empty_like(q)
-    for seg in meta.prefills:
+    ops = _use_triton(layer_cache)
+    if (ops is not None and meta.prefill_info is not None and layer_cache.shape[2] >= 16
+            and q.shape[-1] & (q.shape[-1] - 1) == 0):
+        ops.paged_prefill_attention(q, layer_cache, meta.prefill_tables, meta.prefill_info, scale, out,
+                                    meta.max_prefill_len)
+        prefills = []
+    else:
+        prefills = meta.prefills
+    for seg in prefills:
         # 4-D [1, heads, L, dim] inputs: torch's CPU flash kernel takes them; 3-D ones fall back
         # to the math path (measured 5x slower for a 2k-token prompt).
         qs = q[seg.start : seg.start + seg.length].transpose(0, 1).unsqueeze(0)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.attention import AttentionMetadata, DecodeBatch, PrefillSegment
+from engine.attention import AttentionMetadata, DecodeBatch, PrefillSegment, kernels_enabled
 from engine.kv_cache import KVCache
 from engine.model import LayerHook, LlamaModel
 from engine.sampler import sample
@@ -72,6 +72,12 @@ class ModelRunner:
             groups.append(DecodeBatch(row + group.start, torch.tensor(tables, device=dev), mask, ctx))
         k = torch.tensor(k_rows, dtype=torch.long, device=dev)
         meta = AttentionMetadata(bs, k, k + bs, segments, groups)
+        if segments and kernels_enabled(dev):
+            max_nb = max(len(seg.blocks) for seg in segments)
+            meta.prefill_tables = torch.stack([torch.nn.functional.pad(seg.blocks, (0, max_nb - len(seg.blocks)))
+                                               for seg in segments])
+            meta.prefill_info = torch.tensor([(seg.start, seg.length, seg.context_len) for seg in segments], device=dev)
+            meta.max_prefill_len = max(seg.length for seg in segments)
         order = prefills + decodes
         batch[:] = order  # callers read results in this order
         return (

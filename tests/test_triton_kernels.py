@@ -93,8 +93,9 @@ def test_rope_matches_complex_reference():
 
 
 def test_engine_on_triton_kernels_equals_reference(tiny_model_dir, monkeypatch):
-    """The whole engine with the Triton decode attention and KV store in the seam (interpreted
-    on CPU): greedy output equals the plain full-recompute reference."""
+    """The whole engine with the Triton kernels in the seam (interpreted on CPU): paged prefill
+    (chunked, after prefix hits), decode attention and KV store; greedy output equals the plain
+    full-recompute reference."""
     from engine_helpers import drain, make_engine
     from reference import ReferenceLlama
 
@@ -105,14 +106,47 @@ def test_engine_on_triton_kernels_equals_reference(tiny_model_dir, monkeypatch):
     attention._triton_ops.cache_clear()
     attention._kernels_for.cache_clear()
     try:
-        engine = make_engine(tiny_model_dir)
-        prompts = [list(range(3, 20)), list(range(30, 64)), [7, 8, 9]]
-        for i, p in enumerate(prompts):
-            engine.add_request(f"t{i}", p, SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
-        out = drain(engine)
+        engine = make_engine(tiny_model_dir, max_num_seqs=4, max_num_batched_tokens=24)
         ref = ReferenceLlama(tiny_model_dir)
-        for i, p in enumerate(prompts):
-            assert out[f"t{i}"].token_ids == ref.greedy(p, 5)
+        shared = list(range(100, 140))
+        rounds = [[list(range(3, 20)), shared + [5, 6], [7, 8, 9]], [shared + [9, 10, 11, 12], shared]]
+        for r, prompts in enumerate(rounds):  # the second round hits the first round's cached blocks
+            for i, p in enumerate(prompts):
+                engine.add_request(f"t{r}{i}", p, SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
+            out = drain(engine)
+            for i, p in enumerate(prompts):
+                assert out[f"t{r}{i}"].token_ids == ref.greedy(p, 5), (r, i)
+        assert engine.blocks.prefix_hit_tokens > 0
     finally:
         attention._triton_ops.cache_clear()
         attention._kernels_for.cache_clear()
+
+
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_paged_prefill_attention_matches_torch(group):
+    """Several segments in one launch: a fresh prompt, a prompt after a prefix-cache hit, and a later
+    chunk of a chunked prefill; lengths straddle block and tile boundaries."""
+    from engine.attention import PrefillSegment
+
+    torch.manual_seed(10 + group)
+    block_size, kv_heads = 16, 2
+    cache = _cache(64, block_size, kv_heads, HEAD_DIM)
+    specs = [(37, 37), (21, 16 + 21), (16, 3 * 16 + 5)]  # (new tokens, context)
+    tables, segs, metas, row = [], [], [], 0
+    pages = torch.randperm(64, device=DEV).tolist()
+    for new, ctx in specs:
+        nb = -(-ctx // block_size)
+        blocks = [pages.pop() for _ in range(nb)]
+        tables.append(blocks)
+        segs.append((row, new, ctx))
+        metas.append(PrefillSegment(row, new, ctx, torch.tensor(blocks, device=DEV)))
+        row += new
+    q = torch.randn(row, kv_heads * group, HEAD_DIM, device=DEV, dtype=DTYPE)
+    max_nb = max(len(t) for t in tables)
+    table = torch.tensor([t + [0] * (max_nb - len(t)) for t in tables], device=DEV)
+    scale = HEAD_DIM**-0.5
+    ours = triton_ops.paged_prefill_attention(q, cache, table, torch.tensor(segs, device=DEV), scale,
+                                              torch.empty_like(q), max_q_len=max(s[1] for s in specs), block_m=16)
+    meta = AttentionMetadata(block_size, torch.empty(0), torch.empty(0), metas, [])
+    ref = paged_attention(q, cache, meta, scale)
+    torch.testing.assert_close(ours, ref, **TOL)

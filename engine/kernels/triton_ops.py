@@ -140,3 +140,70 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torc
     t, heads, dim = x.shape
     _rope_kernel[(t, heads)](x, cos, sin, positions, x.stride(0), x.stride(1), cos.stride(0), HALF=dim // 2)
     return x
+
+
+@triton.jit
+def _prefill_attention_kernel(
+    q_ptr, cache_ptr, tables_ptr, seg_ptr, out_ptr, scale,
+    stride_qt, stride_qh, stride_cb, stride_ckv, stride_cs, stride_ch, stride_tb, stride_ot, stride_oh,
+    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+):
+    """Causal attention of one segment's new tokens over its whole context (cached prefix, earlier
+    chunks and the new tokens), read page by page from the block table. Program = (query tile,
+    head, segment); flash-style online softmax, fp32 accumulation."""
+    tile = tl.program_id(0)
+    h = tl.program_id(1)
+    seg = tl.program_id(2)
+    q_start = tl.load(seg_ptr + seg * 3)
+    q_len = tl.load(seg_ptr + seg * 3 + 1)
+    ctx = tl.load(seg_ptr + seg * 3 + 2)
+    if tile * BLOCK_M >= q_len:
+        return
+    m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    d = tl.arange(0, HEAD_DIM)
+    s_off = tl.arange(0, BLOCK_SIZE)
+    m_valid = m < q_len
+    q_pos = ctx - q_len + m
+    q = tl.load(q_ptr + (q_start + m)[:, None] * stride_qt + h * stride_qh + d[None, :], mask=m_valid[:, None],
+                other=0.0)
+    kvh = h // GROUP
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    last_pos = tl.minimum(ctx - q_len + (tile + 1) * BLOCK_M, ctx)  # keys past the tile's last query are masked
+    for j in range(0, tl.cdiv(last_pos, BLOCK_SIZE)):
+        blk = tl.load(tables_ptr + seg * stride_tb + j)
+        base = cache_ptr + blk * stride_cb + kvh * stride_ch
+        k_pos = j * BLOCK_SIZE + s_off
+        k_valid = k_pos < ctx
+        k = tl.load(base + s_off[:, None] * stride_cs + d[None, :], mask=k_valid[:, None], other=0.0)
+        v = tl.load(base + stride_ckv + s_off[:, None] * stride_cs + d[None, :], mask=k_valid[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
+        allowed = (k_pos[None, :] <= q_pos[:, None]) & k_valid[None, :]
+        s = tl.where(allowed, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+        m_i = m_new
+    out = acc / l_i[:, None]
+    tl.store(out_ptr + (q_start + m)[:, None] * stride_ot + h * stride_oh + d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=m_valid[:, None])
+
+
+def paged_prefill_attention(q: torch.Tensor, layer_cache: torch.Tensor, block_tables: torch.Tensor,
+                            segments: torch.Tensor, scale: float, out: torch.Tensor, max_q_len: int,
+                            block_m: int = 64) -> torch.Tensor:
+    """q: [T, heads, dim] (all tokens of the step); segments: [S, 3] int (first row, new tokens, context
+    length); block_tables: [S, max_blocks]. Writes each segment's rows of `out` and returns it."""
+    heads, dim = q.shape[1], q.shape[2]
+    kv_heads, block_size = layer_cache.shape[3], layer_cache.shape[2]
+    grid = (triton.cdiv(max_q_len, block_m), heads, segments.shape[0])
+    _prefill_attention_kernel[grid](
+        q, layer_cache, block_tables, segments, out, scale,
+        q.stride(0), q.stride(1), layer_cache.stride(0), layer_cache.stride(1), layer_cache.stride(2),
+        layer_cache.stride(3), block_tables.stride(0), out.stride(0), out.stride(1),
+        GROUP=heads // kv_heads, BLOCK_M=block_m, BLOCK_SIZE=block_size, HEAD_DIM=dim,
+    )
+    return out
