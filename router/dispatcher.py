@@ -50,6 +50,7 @@ class Ticket:
         self.held = prompt_tokens
         self.remaining = max_tokens
         self.prefilling = True
+        self.closed = False
         self.prefiller.prefill_tokens += uncached
         d = route.decode
         d.held_tokens += prompt_tokens
@@ -75,6 +76,10 @@ class Ticket:
         self.remaining -= n
 
     def close(self) -> None:
+        """Idempotent: runs on completion, on failure and when the client goes away."""
+        if self.closed:
+            return
+        self.closed = True
         if self.prefilling:
             self.on_tokens(0)
         d = self.route.decode
@@ -203,7 +208,6 @@ class Dispatcher:
                     c.finish_reason = None
                     if c.text or c.logprobs or c.token_ids:
                         yield c
-                ticket.close()
             except WorkerError as e:
                 ticket.close()
                 attempt += 1
@@ -229,6 +233,8 @@ class Dispatcher:
                         sent_text = full
                 await asyncio.sleep(self.cfg.retry_backoff_s * 2 ** (attempt - 1))
                 continue
+            finally:
+                ticket.close()  # also when the client disconnects mid-stream (GeneratorExit/CancelledError)
             if hashes and route.decode.role != "openai" and generated:
                 self.index.insert(route.decode.address,
                                   prompt_block_hashes(req.tenant, prompt + generated, self.cfg.block_size))

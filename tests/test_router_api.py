@@ -166,6 +166,10 @@ async def test_client_disconnect_frees_worker_blocks(stack):
         await asyncio.sleep(0.1)
     assert f"event=generate_cancelled rid={rid}" in stack["decode"].log()
     assert f"event=generate_done rid={rid}" not in stack["decode"].log()
+    # The router's in-flight token estimates let go of the cancelled request too.
+    async with aiohttp.ClientSession() as s, s.get(base_url(stack["router"]) + "/health") as r:
+        loads = [e["load"] for e in (await r.json())["endpoints"]]
+    assert loads == [0, 0], loads
 
 
 async def test_router_in_front_of_openai_compatible_upstreams(stack, tiny_model_dir, tmp_path):
