@@ -215,6 +215,15 @@ class Router:
             source = _tagged(0, timed(self.dispatcher.run(reqs[0]), self.metrics, t0))
         else:
             source = _merge([timed(self.dispatcher.run(r), self.metrics, t0) for r in reqs])
+        try:
+            return await self._write_stream(request, reqs, writers, source)
+        finally:
+            # Release the worker call and the load estimates now, not when the GC gets to it
+            # (the client may have gone away while we were writing).
+            await source.aclose()
+
+    async def _write_stream(self, request: web.Request, reqs: list[GenRequest], writers: list[StreamWriter],
+                            source) -> web.StreamResponse:
         # Wait for the first chunk before answering, so that failures before any token
         # (bad input found by a worker, no capacity, no workers) get a proper HTTP status.
         first = await anext(source, None)
