@@ -25,11 +25,12 @@ async def test_sigterm_drains_in_flight_requests_then_exits(tiny_model_dir, tmp_
         health = f"http://127.0.0.1:{w.ports['metrics']}/health"
         assert json.loads(urllib.request.urlopen(health, timeout=5).read())["status"] == "serving"
         channel = grpc.aio.insecure_channel(address(w))
-        call = pbg.DecodeStub(channel).Generate(pb.GenerateRequest(token_ids=[3 + i % 390 for i in range(800)],
-                                                                   sampling=greedy(200)))
+        # ~900 decode steps: seconds of work, so the drain is observed while it is in flight.
+        call = pbg.DecodeStub(channel).Generate(pb.GenerateRequest(token_ids=[3 + i % 390 for i in range(100)],
+                                                                   sampling=greedy(900)))
         tokens = list((await call.read()).token_ids)  # the first token: the request is in flight
         w.popen.send_signal(signal.SIGTERM)
-        await asyncio.sleep(0.3)
+        await asyncio.sleep(0.1)
         with pytest.raises(urllib.error.HTTPError) as err:  # load balancers stop sending here
             urllib.request.urlopen(health, timeout=5)
         assert err.value.code == 503
@@ -41,7 +42,7 @@ async def test_sigterm_drains_in_flight_requests_then_exits(tiny_model_dir, tmp_
             tokens += ev.token_ids
             finish = ev.finish_reason or finish
         await channel.close()
-        assert len(tokens) == 200 and finish == "length"
+        assert len(tokens) == 900 and finish == "length"
         assert await asyncio.to_thread(w.popen.wait, 20) == 0
         assert "event=worker_stopped" in w.log()
     finally:
