@@ -177,6 +177,7 @@ class Dispatcher:
                   if self.cfg.prefix_aware and self.tokenizer is not None else [])
         generated: list[int] = []
         sent_text = ""
+        skip_chars = skip_tokens = 0  # already delivered, being regenerated after a failover
         exclude: set[str] = set()
         attempt = 0
         cached_tokens = 0
@@ -199,6 +200,10 @@ class Dispatcher:
                     if c.token_ids or c.text:
                         ticket.on_tokens(len(c.token_ids) or 1)
                     generated += c.token_ids
+                    if skip_chars or skip_tokens:
+                        c.text, skip_chars = c.text[skip_chars:], max(0, skip_chars - len(c.text))
+                        dropped = min(skip_tokens, len(c.logprobs))
+                        c.logprobs, skip_tokens = c.logprobs[dropped:], skip_tokens - dropped
                     sent_text += c.text
                     if c.finish_reason:
                         finish = c.finish_reason
@@ -225,12 +230,10 @@ class Dispatcher:
                 self.metrics.retries.labels(kind=kind).inc()
                 log.warning("event=%s rid=%s attempt=%d failed=%s generated=%d error=%r", kind, req.id, attempt,
                             e.failed, len(generated), str(e))
-                if kind == "failover" and self.tokenizer is not None and not req.sampling.stop:
-                    # Text the dead worker held back (an unfinished UTF-8 character) would be lost.
-                    full = self.tokenizer.decode(generated)
-                    if full.startswith(sent_text) and len(full) > len(sent_text) and not full.endswith("\ufffd"):
-                        yield Chunk(text=full[len(sent_text):])
-                        sent_text = full
+                if kind == "failover" and self.tokenizer is not None:
+                    keep, skip_chars = resume_point(self.tokenizer, generated, sent_text)
+                    skip_tokens = len(generated) - keep
+                    generated = generated[:keep]
                 await asyncio.sleep(self.cfg.retry_backoff_s * 2 ** (attempt - 1))
                 continue
             finally:
@@ -243,6 +246,21 @@ class Dispatcher:
             yield Chunk(finish_reason=finish or "stop", prompt_tokens=prompt_tokens, completion_tokens=completion,
                         cached_tokens=cached_tokens)
             return
+
+
+def resume_point(tokenizer: Tokenizer, generated: list[int], sent_text: str) -> tuple[int, int]:
+    """Where a replacement worker should pick up: (tokens to keep, characters of its output to skip).
+
+    The client has `sent_text`; the dead worker may have generated tokens whose text it still held
+    back (an unfinished UTF-8 character, a possible stop string). Resume after the longest run of
+    tokens whose text the client already has in full, let the new worker regenerate the rest (for
+    greedy sampling, the same tokens), and drop the part of its text the client has already seen.
+    """
+    for keep in range(len(generated), -1, -1):
+        text = tokenizer.decode(generated[:keep])
+        if sent_text.startswith(text) and not text.endswith("\ufffd"):
+            return keep, len(sent_text) - len(text)
+    return 0, len(sent_text)
 
 
 async def timed(it: AsyncIterator[Chunk], metrics: RouterMetrics, t0: float) -> AsyncIterator[Chunk]:

@@ -138,19 +138,34 @@ async def test_decode_killed_mid_stream_client_text_equals_uninterrupted(tiny_mo
         reference, _ = await chat(router, messages, max_tokens=600)
         body = {"model": MODEL, "messages": messages, "max_tokens": 600, "temperature": 0, "stream": True,
                 "ignore_eos": True}
-        text, killed = "", False
-        async with aiohttp.ClientSession() as s, s.post(base_url(router) + "/v1/chat/completions", json=body) as r:
-            serving = r.headers["X-Splitfire-Decode"]
-            async for line in r.content:
-                if not line.startswith(b"data: {"):
-                    continue
-                obj = json.loads(line[6:])
-                assert "error" not in obj, obj
-                if obj["choices"]:
-                    text += obj["choices"][0]["delta"].get("content") or ""
-                if not killed and len(text) > 40:
-                    (d0 if address(d0) == serving else d1).kill()
-                    killed = True
+        serving: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+
+        async def read_stream() -> str:
+            text = ""
+            async with aiohttp.ClientSession() as s, s.post(base_url(router) + "/v1/chat/completions", json=body) as r:
+                serving.set_result(r.headers["X-Splitfire-Decode"])
+                async for line in r.content:
+                    if line.startswith(b"data: {"):
+                        obj = json.loads(line[6:])
+                        assert "error" not in obj, obj
+                        if obj["choices"]:
+                            text += obj["choices"][0]["delta"].get("content") or ""
+            return text
+
+        reader = asyncio.create_task(read_stream())
+        victim = d0 if address(d0) == await serving else d1
+        # Kill it while the request is demonstrably mid-decode on the worker (not just mid-read here).
+        from grpc_client import stats
+
+        killed = False
+        for _ in range(500):
+            st = await stats(address(victim))
+            if 0 < st.decode_tokens_remaining < 560:
+                victim.kill()
+                killed = True
+                break
+            await asyncio.sleep(0.005)
+        text = await reader
         assert killed
         assert text == reference
         metrics = await (await aiohttp.ClientSession().get(base_url(router) + "/metrics")).text()
@@ -158,3 +173,22 @@ async def test_decode_killed_mid_stream_client_text_equals_uninterrupted(tiny_mo
     finally:
         for p in (router, d0, d1):
             p.stop()
+
+
+def test_failover_resumes_after_the_text_the_client_already_has(tiny_model_dir):
+    from engine.tokenizer import Tokenizer
+    from router.dispatcher import resume_point
+
+    tok = Tokenizer(tiny_model_dir)
+    ids = tok.encode("lazy 🚀🔥 dog")
+    # The dead worker held back the bytes of an unfinished emoji: resume before that emoji's tokens.
+    partial = next(k for k in range(len(ids)) if tok.decode(ids[:k]).endswith("\ufffd"))
+    sent = tok.decode(ids[: partial - 1])
+    keep, skip = resume_point(tok, ids[: partial + 1], sent)
+    assert tok.decode(ids[:keep]) == sent and skip == 0
+    # Text held back in the middle of a token (a possible stop string): keep fewer tokens and skip
+    # the characters the client already has from the regenerated token.
+    full = tok.decode(ids)
+    keep, skip = resume_point(tok, ids, full[:-2])
+    kept = tok.decode(ids[:keep])
+    assert keep < len(ids) and full[:-2].startswith(kept) and skip == len(full) - 2 - len(kept)
