@@ -26,7 +26,7 @@ class RouterConfig:
     affinity_overload_factor: float = 2.0  # break a pin when its endpoint carries this many times the mean load ...
     affinity_overload_min_tokens: int = 4096  # ... and more than this many tokens in flight
     prefix_aware: bool = True
-    prefix_index_blocks: int = 200_000  # block hashes remembered per endpoint
+    prefix_index_blocks: int = 65_536  # block hashes remembered per endpoint (~1M tokens, ~6 MB)
     block_size: int = 16
     max_concurrency: int = 256  # requests being served
     max_queue: int = 512  # requests waiting for a slot; beyond it, 429
@@ -65,6 +65,8 @@ class RouterConfig:
                              "--discover-dns, or --redis-url (workers self-register)")
         if self.api_keys_file and not os.path.isfile(self.api_keys_file):
             raise ValueError(f"--api-keys file {self.api_keys_file!r} does not exist")
+        if self.prefix_index_blocks < 1:
+            raise ValueError("--prefix-index-blocks must be >= 1")
         if self.max_concurrency < 1 or self.max_queue < 0 or self.max_retries < 0:
             raise ValueError("--max-concurrency must be >= 1, --max-queue and --max-retries >= 0")
         return self
@@ -94,6 +96,8 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--redis-url", default=os.environ.get("REDIS_URL", ""), help="affinity pins and worker registry (env REDIS_URL)")
     p.add_argument("--policy", default=_env("policy", "token"), choices=POLICIES)
     p.add_argument("--no-prefix-aware", action="store_true", help="ignore prefix-cache locality when placing")
+    p.add_argument("--prefix-index-blocks", type=int, default=int(_env("prefix_index_blocks", "65536")),
+                   help="block hashes remembered per endpoint for prefix-aware placement")
     p.add_argument("--affinity-ttl", type=float, default=float(_env("affinity_ttl", "1800")), help="seconds a session pin lives")
     p.add_argument("--max-concurrency", type=int, default=int(_env("max_concurrency", "256")))
     p.add_argument("--max-queue", type=int, default=int(_env("max_queue", "512")))
@@ -108,7 +112,8 @@ def router_config_from(args: argparse.Namespace) -> RouterConfig:
         host=args.host, port=args.port, model=args.model, served_model_name=args.served_model_name,
         prefill=list(args.prefill), decode=list(args.decode), colocated=list(args.colocated),
         openai_upstream=list(args.openai_upstream), discover_dns=list(args.discover_dns), redis_url=args.redis_url,
-        policy=args.policy, prefix_aware=not args.no_prefix_aware, affinity_ttl_s=args.affinity_ttl,
+        policy=args.policy, prefix_aware=not args.no_prefix_aware, prefix_index_blocks=args.prefix_index_blocks,
+        affinity_ttl_s=args.affinity_ttl,
         max_concurrency=args.max_concurrency, max_queue=args.max_queue, max_retries=args.max_retries,
         max_body_bytes=args.max_body_bytes, api_keys_file=args.api_keys, health_interval_s=args.health_interval,
     ).validate()
