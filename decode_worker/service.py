@@ -165,7 +165,16 @@ class DecodeService(pb_grpc.DecodeServicer):
                 await context.abort(e.code, str(e))
             mode = "colocated" if decision.reason == "colocated" else ("remote" if decision.remote else "local")
             last = None
-            async for out in stream:
+            pending = None
+            interval = ctx.config.stream_interval
+            async for got in stream:
+                if pending is None:
+                    pending = got
+                else:
+                    pending.merge(got)
+                if last is not None and not pending.finished and len(pending.token_ids) < interval:
+                    continue
+                out, pending = pending, None
                 now = time.perf_counter()
                 if out.error is not None:
                     done = True

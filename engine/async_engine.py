@@ -35,17 +35,10 @@ class RequestStream:
         self.finished = False
 
     def push(self, out: RequestOutput) -> None:
-        p = self._pending
-        if p is None:
+        if self._pending is None:
             self._pending = out
         else:
-            p.token_ids += out.token_ids
-            p.text += out.text
-            p.logprobs += out.logprobs
-            p.finished, p.finish_reason, p.error = out.finished, out.finish_reason, out.error
-            p.num_output_tokens = out.num_output_tokens
-            p.num_prompt_tokens = out.num_prompt_tokens or p.num_prompt_tokens
-            p.num_cached_tokens = out.num_cached_tokens or p.num_cached_tokens
+            self._pending.merge(out)
         self._event.set()
 
     async def next(self) -> RequestOutput | None:

@@ -56,6 +56,16 @@ class RequestOutput:
     num_cached_tokens: int = 0
     num_output_tokens: int = 0
 
+    def merge(self, later: RequestOutput) -> None:
+        """Fold a later output of the same request into this one (a reader that fell behind)."""
+        self.token_ids += later.token_ids
+        self.text += later.text
+        self.logprobs += later.logprobs
+        self.finished, self.finish_reason, self.error = later.finished, later.finish_reason, later.error
+        self.num_output_tokens = later.num_output_tokens
+        self.num_prompt_tokens = later.num_prompt_tokens or self.num_prompt_tokens
+        self.num_cached_tokens = later.num_cached_tokens or self.num_cached_tokens
+
 
 @dataclass
 class EngineStats:

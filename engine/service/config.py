@@ -31,6 +31,7 @@ class WorkerConfig:
     prefill_timeout_s: float = 120.0
     kv_quarantine_s: float = 5.0  # hold blocks this long after a failed/aborted transfer (late writes)
     reserve_timeout_s: float = 30.0  # wait this long for free KV blocks before refusing a request
+    stream_interval: int = 1  # send a stream event every N new tokens (first token and the end: at once)
 
     def validate(self) -> WorkerConfig:
         if self.role not in ROLES:
@@ -43,6 +44,8 @@ class WorkerConfig:
             raise ValueError(f"--metrics-port must be in 1..65535 and differ from --grpc-port, got {self.metrics_port}")
         if self.local_prefill_max_tokens < 0 or not 0 <= self.local_prefill_max_fraction <= 1:
             raise ValueError("--local-prefill-max-tokens must be >= 0 and --local-prefill-max-fraction in [0, 1]")
+        if self.stream_interval < 1:
+            raise ValueError(f"--stream-interval must be >= 1, got {self.stream_interval}")
         for name in ("prefill_timeout_s", "kv_quarantine_s", "reserve_timeout_s", "drain_timeout_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
@@ -131,6 +134,9 @@ def add_worker_args(p: argparse.ArgumentParser, role: str) -> None:
         d.add_argument("--prefill-timeout", type=float, default=float(_env("prefill_timeout", 120.0)))
         d.add_argument("--kv-quarantine", type=float, default=float(_env("kv_quarantine", 5.0)),
                        help="seconds to hold blocks after a failed or aborted transfer")
+        d.add_argument("--stream-interval", type=int, default=int(_env("stream_interval", 1)),
+                       help="send a stream event every N tokens: fewer gRPC messages (router CPU) for "
+                            "coarser streaming; the first token and the end are always sent at once")
 
 
 def worker_config_from(args: argparse.Namespace, role: str) -> WorkerConfig:
@@ -154,4 +160,5 @@ def worker_config_from(args: argparse.Namespace, role: str) -> WorkerConfig:
         cfg.local_prefill_max_fraction = args.local_prefill_max_fraction
         cfg.prefill_timeout_s = args.prefill_timeout
         cfg.kv_quarantine_s = args.kv_quarantine
+        cfg.stream_interval = args.stream_interval
     return cfg.validate()
