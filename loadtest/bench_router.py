@@ -118,6 +118,7 @@ def main() -> int:
     p.add_argument("--duration", type=float, default=8.0, help="seconds per measurement")
     p.add_argument("--concurrency", default="1,16,64")
     p.add_argument("--pd", action="store_true", help="also measure gRPC mode against a real decode worker")
+    p.add_argument("--stream-interval", type=int, default=1, help="the worker's --stream-interval in gRPC mode")
     p.add_argument("--out", default="loadtest/results")
     args = p.parse_args()
     out = Path(args.out)
@@ -151,7 +152,8 @@ def main() -> int:
             w_port, r2_port = free_port(), free_port()
             procs.append(spawn(["-m", "splitfire_cli", "serve", "--model", str(model), "--host", "127.0.0.1",
                                 "--grpc-port", str(w_port), "--metrics-port", str(free_port()),
-                                "--kv-cache-gb", "0.05", "--max-num-seqs", "128", "--max-num-batched-tokens", "1024"],
+                                "--kv-cache-gb", "0.05", "--max-num-seqs", "128", "--max-num-batched-tokens", "1024",
+                                "--stream-interval", str(args.stream_interval)],
                                "worker ready", out / "worker.log"))
             router2 = spawn(["-m", "splitfire_cli", "router", "--host", "127.0.0.1", "--port", str(r2_port), "--model",
                              str(model), "--served-model-name", "tiny", "--colocated", f"127.0.0.1:{w_port}",
