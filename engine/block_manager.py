@@ -12,6 +12,7 @@ from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from engine.free_extents import FreeExtents
 from engine.sequence import Sequence
 
 
@@ -58,9 +59,7 @@ class BlockManager:
         self.ref_counts = [0] * num_blocks
         self.block_hash: list[bytes | None] = [None] * num_blocks
         self.hash_to_block: dict[bytes, int] = {}
-        # A stack popped from the end: freed runs come back in ascending order, so a new
-        # request tends to get consecutive blocks, which the transfer coalesces.
-        self.free: list[int] = list(range(num_blocks - 1, -1, -1))
+        self.free = FreeExtents(num_blocks)  # empty, unreferenced blocks, as runs of consecutive ids
         self.lru: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced; oldest first
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
@@ -87,17 +86,26 @@ class BlockManager:
 
     # -- allocation -------------------------------------------------------------------
 
-    def _take_new(self) -> int:
-        if self.free:
-            b = self.free.pop()
-        else:
-            b, _ = self.lru.popitem(last=False)
-            h = self.block_hash[b]
-            if h is not None and self.hash_to_block.get(h) == b:
-                del self.hash_to_block[h]
-            self.block_hash[b] = None
-        self.ref_counts[b] = 1
+    def _evict_lru(self) -> int:
+        b, _ = self.lru.popitem(last=False)
+        h = self.block_hash[b]
+        if h is not None and self.hash_to_block.get(h) == b:
+            del self.hash_to_block[h]
+        self.block_hash[b] = None
         return b
+
+    def _take_new(self, n: int, after: int | None = None) -> list[int]:
+        """n empty blocks: free runs first (longest first), then the least recently used cached ones.
+        With `after`, block `after + 1` is taken first when free, so a sequence stays contiguous."""
+        out: list[int] = []
+        if after is not None and n and self.free.take_after(after):
+            out.append(after + 1)
+        from_free = min(n - len(out), len(self.free))
+        out += self.free.take(from_free)
+        out += sorted(self._evict_lru() for _ in range(n - len(out)))
+        for b in out:
+            self.ref_counts[b] = 1
+        return out
 
     def _take_cached(self, b: int) -> None:
         if self.ref_counts[b] == 0:
@@ -135,7 +143,7 @@ class BlockManager:
             return False
         for b in hits:
             self._take_cached(b)
-        seq.block_table = hits + [self._take_new() for _ in range(max(needed, 0))]
+        seq.block_table = hits + self._take_new(max(needed, 0), after=hits[-1] if hits else None)
         seq.num_computed_tokens = seq.num_cached_tokens = len(hits) * self.block_size
         seq.num_registered_blocks = len(hits)
         self.prefix_query_tokens += len(tokens)
@@ -149,7 +157,7 @@ class BlockManager:
             return True
         if needed > self.num_available:
             return False
-        seq.block_table.extend(self._take_new() for _ in range(needed))
+        seq.block_table.extend(self._take_new(needed, after=seq.block_table[-1] if seq.block_table else None))
         return True
 
     def register_computed(self, seq: Sequence) -> None:
@@ -182,6 +190,6 @@ class BlockManager:
                 if self.block_hash[b] is not None:
                     self.lru[b] = None
                 else:
-                    self.free.append(b)
+                    self.free.add(b)
         seq.block_table = []
         seq.num_registered_blocks = 0

@@ -85,3 +85,38 @@ def test_page_addressing_matches_the_buffer():
         assert buf[layer, block].data_ptr() - base == layout.page_offset(layer, block)
     assert layout.page_bytes == buf[0, 0].numel() * 4
     assert layout.page_offset(1, 3) + 2 * layout.page_bytes == layout.page_offset(2, 0)
+
+
+def test_free_extents_hand_out_long_runs_and_merge_returns():
+    from engine.free_extents import FreeExtents
+
+    f = FreeExtents(10)
+    a = f.take(3)
+    b = f.take(4)
+    assert a == [0, 1, 2] and b == [3, 4, 5, 6] and len(f) == 3
+    for blk in (1, 5, 4, 0):  # returns merge with their neighbours: runs [0, 2) and [4, 6)
+        f.add(blk)
+    assert f.take(3) == [7, 8, 9]  # the longest run first
+    assert f.take_after(3) and not f.take_after(2)  # 4 was free and is now taken; 3 is in use
+    assert sorted(f.take(3)) == [0, 1, 5] and len(f) == 0
+
+
+def test_allocation_stays_contiguous_under_churn():
+    import random
+
+    from kvtransfer.descriptors import coalesce
+
+    rng = random.Random(0)
+    bm = BlockManager(num_blocks=2000, block_size=16)
+    live: list[Sequence] = []
+    runs = []
+    for i in range(1500):
+        n = rng.choice([40, 300, 1500])
+        s = _seq(f"s{i}", [i % 50] * n, "t")
+        while not bm.allocate(s, n):
+            bm.free_seq(live.pop(rng.randrange(len(live))))
+        live.append(s)
+        runs.append(len(coalesce(s.block_table, list(range(len(s.block_table))))))
+        if len(live) > 8:
+            bm.free_seq(live.pop(rng.randrange(len(live))))
+    assert sum(runs) / len(runs) < 1.5, sum(runs) / len(runs)
