@@ -86,23 +86,39 @@ class BlockManager:
 
     # -- allocation -------------------------------------------------------------------
 
-    def _evict_lru(self) -> int:
-        b, _ = self.lru.popitem(last=False)
+    def _evict(self, b: int) -> None:
+        """Drop cached block b's contents and make it free."""
+        del self.lru[b]
         h = self.block_hash[b]
         if h is not None and self.hash_to_block.get(h) == b:
             del self.hash_to_block[h]
         self.block_hash[b] = None
-        return b
+        self.free.add(b)
+
+    def _evict_runs(self, need: int) -> None:
+        """Free `need` cached blocks: the oldest first, each together with the cached blocks next to it
+        (usually the rest of the same finished request, freed at the same time), so the freed blocks
+        form runs and the allocation that needed them stays contiguous."""
+        while need > 0:
+            oldest = next(iter(self.lru))
+            self._evict(oldest)
+            need -= 1
+            for step in (1, -1):
+                b = oldest + step
+                while need > 0 and b in self.lru:
+                    self._evict(b)
+                    need -= 1
+                    b += step
 
     def _take_new(self, n: int, after: int | None = None) -> list[int]:
-        """n empty blocks: free runs first (longest first), then the least recently used cached ones.
-        With `after`, block `after + 1` is taken first when free, so a sequence stays contiguous."""
+        """n empty blocks, as few runs as possible: cached blocks are evicted in runs when the free ones
+        do not suffice, then the longest free runs are taken. With `after`, block `after + 1` goes
+        first when free, so a growing sequence stays contiguous."""
         out: list[int] = []
         if after is not None and n and self.free.take_after(after):
             out.append(after + 1)
-        from_free = min(n - len(out), len(self.free))
-        out += self.free.take(from_free)
-        out += sorted(self._evict_lru() for _ in range(n - len(out)))
+        self._evict_runs(n - len(out) - len(self.free))
+        out += self.free.take(n - len(out))
         for b in out:
             self.ref_counts[b] = 1
         return out

@@ -1,9 +1,9 @@
 """Free KV blocks kept as maximal runs of consecutive ids.
 
 The KV transfer sends one entry per run of consecutive blocks per layer, so an allocator that
-hands out long runs makes transfers few and large. Measured on a churned 2000-block pool: a
-stack allocator gave 1500-token requests 39 runs on average, sorting its picks 21, this one
-(largest runs first) 1.
+hands out long runs makes transfers few and large. Measured on a churned 2000-block pool with
+the prefix cache holding most blocks: a stack allocator with plain LRU eviction gave 1500-token
+requests ~46 runs on average; these runs plus run-aware eviction (`BlockManager._evict_runs`) ~2.
 """
 
 from __future__ import annotations

@@ -102,6 +102,8 @@ def test_free_extents_hand_out_long_runs_and_merge_returns():
 
 
 def test_allocation_stays_contiguous_under_churn():
+    """Requests come and go and their blocks stay in the prefix cache (so new requests mostly get
+    evicted cached blocks): a request's blocks should still come in very few runs."""
     import random
 
     from kvtransfer.descriptors import coalesce
@@ -110,13 +112,21 @@ def test_allocation_stays_contiguous_under_churn():
     bm = BlockManager(num_blocks=2000, block_size=16)
     live: list[Sequence] = []
     runs = []
+
+    def finish(s: Sequence) -> None:
+        s.num_computed_tokens = s.num_tokens
+        bm.register_computed(s)
+        bm.free_seq(s)
+
     for i in range(1500):
         n = rng.choice([40, 300, 1500])
-        s = _seq(f"s{i}", [i % 50] * n, "t")
+        s = _seq(f"s{i}", [rng.randrange(300) for _ in range(n)], "t")
         while not bm.allocate(s, n):
-            bm.free_seq(live.pop(rng.randrange(len(live))))
+            finish(live.pop(rng.randrange(len(live))))
         live.append(s)
-        runs.append(len(coalesce(s.block_table, list(range(len(s.block_table))))))
+        if n == 1500:
+            runs.append(len(coalesce(s.block_table, list(range(len(s.block_table))))))
         if len(live) > 8:
-            bm.free_seq(live.pop(rng.randrange(len(live))))
-    assert sum(runs) / len(runs) < 1.5, sum(runs) / len(runs)
+            finish(live.pop(rng.randrange(len(live))))
+    assert len(bm.lru) > 1000  # most free capacity is cached blocks, as in a long-running worker
+    assert sum(runs) / len(runs) < 4, sum(runs) / len(runs)  # a plain LRU/stack allocator: ~45
