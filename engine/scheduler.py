@@ -2,7 +2,8 @@
 
 Every step, running decodes go first (one token each), so inter-token latency stays
 steady; the rest of the token budget goes to prompts in chunks, so a long prompt
-delays running decodes by at most one budget's worth of compute. When a decode needs
+delays running decodes by at most one budget's worth of compute, and a prompt in
+progress leaves part of the budget to newly arrived ones. When a decode needs
 a block and none is free, the newest sequence is preempted: its blocks are freed (full
 ones stay in the prefix cache) and it is recomputed later.
 """
@@ -87,12 +88,15 @@ class Scheduler:
             if seq in self.running:
                 out.append(ScheduledSeq(seq, 1))
                 budget -= 1
-        # 2. Prompts already under way (their blocks were allocated at admission).
+        # 2. Prompts already under way (their blocks were allocated at admission). While others
+        #    wait, they leave up to half the budget to them: a short prompt arriving behind a long
+        #    one starts at the next step instead of after the whole long prefill.
+        reserve = min(budget // 2, sum(s.num_remaining for s in self.waiting)) if self.waiting else 0
         for seq in sorted(self.running, key=lambda s: s.arrival):
-            if budget <= 0:
+            if budget - reserve <= 0:
                 break
             if seq.num_remaining > 1:
-                n = min(seq.num_remaining, budget)
+                n = min(seq.num_remaining, budget - reserve)
                 out.append(ScheduledSeq(seq, n))
                 budget -= n
         # 3. New (or preempted) sequences, first come first served, while blocks last.

@@ -98,3 +98,21 @@ def test_decode_groups_by_context_length_equal_reference(tiny_model_dir, ref):
     out = drain(engine)
     for i, p in enumerate(ps):
         assert out[f"g{i}"].token_ids == ref.greedy(p, 6)
+
+
+def test_short_prompt_is_not_stuck_behind_a_long_prefill(tiny_model_dir, ref):
+    engine = make_engine(tiny_model_dir, max_num_seqs=4, max_num_batched_tokens=32)
+    long_prompt = [(3 * j) % 300 + 3 for j in range(600)]
+    engine.add_request("long", long_prompt, SamplingParams(max_tokens=3, **GREEDY))
+    engine.step()
+    engine.add_request("short", [5, 6, 7, 8], SamplingParams(max_tokens=3, **GREEDY))
+    first_token_step: dict[str, int] = {}
+    tokens: dict[str, list[int]] = {"long": [], "short": []}
+    for step in range(1, 100):
+        for o in engine.step():
+            first_token_step.setdefault(o.request_id, step)
+            tokens[o.request_id] += o.token_ids
+        if not engine.has_work:
+            break
+    assert first_token_step["short"] <= 2 < first_token_step["long"]  # ~19 steps of 32-token chunks
+    assert tokens["short"] == ref.greedy([5, 6, 7, 8], 3) and tokens["long"] == ref.greedy(long_prompt, 3)
