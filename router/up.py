@@ -26,6 +26,7 @@ class Child:
     name: str
     argv: list[str]
     ready_text: str
+    env: dict[str, str] = field(default_factory=dict)
     proc: asyncio.subprocess.Process | None = None
     ready: asyncio.Event = field(default_factory=asyncio.Event)
     log_task: asyncio.Task | None = None
@@ -66,6 +67,21 @@ def plan_cpus(spec: str, n_workers: int) -> list[str]:
     return [",".join(str(c) for c in cores[i * per:(i + 1) * per]) for i in range(n_workers)]
 
 
+def plan_gpus(spec: str, n_workers: int, device_count: int) -> list[str]:
+    """CUDA_VISIBLE_DEVICES per worker, in start order: 'auto' gives each worker its own GPU when
+    there are enough (else all share what there is), 'none' leaves it unset, or 'LIST;LIST;...'."""
+    if spec == "none" or device_count == 0:
+        return [""] * n_workers
+    if spec != "auto":
+        parts = [p.strip() for p in spec.split(";")]
+        if len(parts) != n_workers:
+            raise ValueError(f"--gpus names {len(parts)} device lists for {n_workers} workers")
+        return parts
+    if device_count >= n_workers:
+        return [str(i) for i in range(n_workers)]
+    return [""] * n_workers
+
+
 async def _pump(child: Child) -> None:
     assert child.proc is not None and child.proc.stdout is not None
     prefix = f"[{child.name}] ".encode()
@@ -79,7 +95,7 @@ async def _pump(child: Child) -> None:
 async def _start(child: Child) -> None:
     child.proc = await asyncio.create_subprocess_exec(
         *child.argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
+        env={**os.environ, "PYTHONUNBUFFERED": "1", **child.env}, start_new_session=True)
     child.log_task = asyncio.create_task(_pump(child))
 
 
@@ -129,17 +145,20 @@ async def up(args: argparse.Namespace) -> int:
               flush=True)
     roles = ["both"] if args.colocated else ["prefill"] * args.prefill + ["decode"] * args.decode
     cpus = plan_cpus(args.cpus, len(roles))
+    import torch
+
+    gpus = plan_gpus(args.gpus, len(roles), torch.cuda.device_count() if args.device != "cpu" else 0)
     router_args = ["--served-model-name", args.served_model_name] if args.served_model_name else []
     addrs: dict[str, list[str]] = {"prefill": [], "decode": [], "both": []}
     workers = []
-    for i, (role, cores) in enumerate(zip(roles, cpus, strict=True)):
+    for i, (role, cores, devices) in enumerate(zip(roles, cpus, gpus, strict=True)):
         port = _pick_port({"prefill": 50061, "decode": 50051, "both": 50051}[role], taken)
         name = {"both": "serve"}.get(role, role) + f"-{sum(1 for r in roles[:i] if r == role)}"
         argv = [*exe, {"both": "serve"}.get(role, role), *common, "--grpc-port", str(port)]
         if cores:
             argv += ["--cpus", cores]
         argv += args.worker_arg + (args.prefill_arg if role == "prefill" else args.decode_arg)
-        workers.append(Child(name, argv, "worker ready"))
+        workers.append(Child(name, argv, "worker ready", {"CUDA_VISIBLE_DEVICES": devices} if devices else {}))
         addrs[role].append(f"127.0.0.1:{port}")
     children += workers
     router = Child("router", [*exe, "router", "--model", model_dir, "--port", str(args.port), "--policy", args.policy,
@@ -235,6 +254,8 @@ def add_subcommand(sub) -> None:
     p.add_argument("--decode", type=int, default=1, help="decode workers")
     p.add_argument("--colocated", action="store_true", help="one colocated worker instead of prefill + decode")
     p.add_argument("--cpus", default="auto", help="auto (split cores across workers), none, or 'LIST;LIST;...'")
+    p.add_argument("--gpus", default="auto", help="auto (one GPU per worker when there are enough), none, or "
+                   "'LIST;LIST;...' of CUDA_VISIBLE_DEVICES values")
     p.add_argument("--policy", default="token", choices=["token", "round_robin", "random"])
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])

@@ -40,3 +40,16 @@ async def test_up_serves_a_streamed_chat_and_stops_cleanly(tiny_model_dir, tmp_p
     for pid in pids:
         assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"
     assert not _listening(port)
+
+
+def test_core_and_gpu_plans():
+    from router.up import plan_cpus, plan_gpus
+
+    assert plan_gpus("auto", 2, 8) == ["0", "1"]
+    assert plan_gpus("auto", 4, 2) == ["", "", "", ""]  # not enough GPUs: let them share
+    assert plan_gpus("auto", 2, 0) == ["", ""]
+    assert plan_gpus("0,1;2,3", 2, 4) == ["0,1", "2,3"]
+    assert plan_cpus("0;1", 2) == ["0", "1"]
+    assert plan_cpus("none", 3) == ["", "", ""]
+    with pytest.raises(ValueError):
+        plan_gpus("0;1;2", 2, 4)
