@@ -201,9 +201,19 @@ class Router:
 
         results = await asyncio.gather(*(one(r) for r in reqs))
         self._count_usage(results)
+        self._log_done(reqs[0], results, t0)
         return web.json_response(full_response(reqs, self.model_name, results, self.tokenizer),
                                  dumps=lambda o: json.dumps(o, ensure_ascii=False),
                                  headers={"X-Request-Id": reqs[0].id, **_served_headers(reqs[0])})
+
+    @staticmethod
+    def _log_done(req: GenRequest, results: list[dict[str, Any]], t0: float) -> None:
+        pin = req.served_by
+        log.info("event=request_done rid=%s kind=%s stream=%s tenant=%s prompt=%d completion=%d cached=%d "
+                 "decode=%s prefill=%s total_ms=%.1f", req.id, req.kind, req.stream, req.tenant,
+                 sum(r["prompt"] for r in results), sum(r["completion"] for r in results),
+                 sum(r["cached"] for r in results), pin.decode if pin else "-",
+                 (pin.prefill or "-") if pin else "-", (time.perf_counter() - t0) * 1000)
 
     def _count_usage(self, results: list[dict[str, Any]]) -> None:
         self.metrics.completion_tokens.inc(sum(r["completion"] for r in results))
@@ -216,14 +226,14 @@ class Router:
         else:
             source = _merge([timed(self.dispatcher.run(r), self.metrics, t0) for r in reqs])
         try:
-            return await self._write_stream(request, reqs, writers, source)
+            return await self._write_stream(request, reqs, writers, source, t0)
         finally:
             # Release the worker call and the load estimates now, not when the GC gets to it
             # (the client may have gone away while we were writing).
             await source.aclose()
 
     async def _write_stream(self, request: web.Request, reqs: list[GenRequest], writers: list[StreamWriter],
-                            source) -> web.StreamResponse:
+                            source, t0: float) -> web.StreamResponse:
         # Wait for the first chunk before answering, so that failures before any token
         # (bad input found by a worker, no capacity, no workers) get a proper HTTP status.
         first = await anext(source, None)
@@ -250,6 +260,7 @@ class Router:
             if reqs[0].include_usage:
                 await resp.write(writers[0].usage(usage_dict(usage["prompt"], usage["completion"], usage["cached"])))
             self._count_usage([usage])
+            self._log_done(reqs[0], [usage], t0)
         except APIError as e:  # failed after the stream started: a final error event, never a hang
             log.warning("event=stream_failed rid=%s status=%d error=%r", reqs[0].id, e.status, e.message)
             await resp.write(error_event(e.message, e.type, e.code or "worker_failed"))
