@@ -17,6 +17,9 @@ MAX_STOP = 16
 
 @dataclass
 class Sampling:
+    """The sampling settings as the router validated them. They mirror the engine's SamplingParams
+    on purpose: the router reaches workers only through the proto, never the engine's internals."""
+
     max_tokens: int
     temperature: float = 1.0
     top_p: float = 1.0

@@ -85,14 +85,19 @@ async def chat(router, messages, session: str | None = None, max_tokens: int = 8
         served = (r.headers["X-Splitfire-Prefill"], r.headers["X-Splitfire-Decode"])
         if not stream:
             return (await r.json())["choices"][0]["message"]["content"], served
-        text = ""
-        async for line in r.content:
-            if line.startswith(b"data: {"):
-                obj = json.loads(line[6:])
-                assert "error" not in obj, obj
-                if obj["choices"]:
-                    text += obj["choices"][0]["delta"].get("content") or ""
-        return text, served
+        return await sse_text(r), served
+
+
+async def sse_text(r: aiohttp.ClientResponse) -> str:
+    """The content of a chat completion stream; fails on an error event."""
+    text = ""
+    async for line in r.content:
+        if line.startswith(b"data: {"):
+            obj = json.loads(line[6:])
+            assert "error" not in obj, obj
+            if obj["choices"]:
+                text += obj["choices"][0]["delta"].get("content") or ""
+    return text
 
 
 async def test_ten_turn_session_stays_on_one_pair_across_two_routers(pd4):
@@ -141,16 +146,9 @@ async def test_decode_killed_mid_stream_client_text_equals_uninterrupted(tiny_mo
         serving: asyncio.Future[str] = asyncio.get_running_loop().create_future()
 
         async def read_stream() -> str:
-            text = ""
             async with aiohttp.ClientSession() as s, s.post(base_url(router) + "/v1/chat/completions", json=body) as r:
                 serving.set_result(r.headers["X-Splitfire-Decode"])
-                async for line in r.content:
-                    if line.startswith(b"data: {"):
-                        obj = json.loads(line[6:])
-                        assert "error" not in obj, obj
-                        if obj["choices"]:
-                            text += obj["choices"][0]["delta"].get("content") or ""
-            return text
+                return await sse_text(r)
 
         reader = asyncio.create_task(read_stream())
         victim = d0 if address(d0) == await serving else d1
