@@ -1,0 +1,183 @@
+"""GPU engine benchmark: decode step time vs the memory-bandwidth roofline, prefill MFU, and the
+Triton attention path vs torch SDPA, on random bf16 weights of real model shapes. Prints one table.
+
+    python -m loadtest.bench_gpu                          # Llama-3-8B and SmolLM2 shapes, CUDA
+    python -m loadtest.bench_gpu --device cpu --preset tiny --batches 1,4 --prefill-tokens 128   # smoke test
+
+Roofline: a decode step must read every weight once plus each sequence's K/V; bytes / measured
+copy bandwidth is the fastest the step could be. MFU: model FLOPs of a 2k-token prefill / time /
+the measured peak of a large bf16 matmul on this device (an achievable peak, not the spec sheet).
+CUDA graphs are not implemented yet, so there is no eager-vs-graph row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+from engine import attention
+from engine.block_manager import BlockManager
+from engine.kv_cache import KVCache, KVLayout
+from engine.model import LlamaModel
+from engine.model_config import ModelConfig
+from engine.model_runner import ModelRunner
+from engine.sampling_params import SamplingParams
+from engine.scheduler import ScheduledSeq
+from engine.sequence import Sequence
+
+PRESETS = {
+    "llama3-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                      num_attention_heads=32, num_key_value_heads=8, rope_theta=500000.0,
+                      max_position_embeddings=8192, tie_word_embeddings=False),
+    "smollm2-135m": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                         num_attention_heads=9, num_key_value_heads=3, rope_theta=100000.0,
+                         max_position_embeddings=8192, tie_word_embeddings=True),
+    "tiny": dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, rope_theta=10000.0, max_position_embeddings=4096,
+                 tie_word_embeddings=True),
+}
+
+
+def sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def bandwidth(dev: torch.device) -> float:
+    n = (2 << 30) if dev.type == "cuda" else (256 << 20)
+    a, b = torch.empty(n, dtype=torch.uint8, device=dev), torch.empty(n, dtype=torch.uint8, device=dev)
+    b.copy_(a)
+    sync(dev)
+    t0 = time.perf_counter()
+    for _ in range(5):
+        b.copy_(a)
+    sync(dev)
+    return 2 * n * 5 / (time.perf_counter() - t0)  # read + write
+
+
+def matmul_peak(dev: torch.device, dtype: torch.dtype) -> float:
+    n = 8192 if dev.type == "cuda" else 1024
+    a, b = torch.randn(n, n, device=dev, dtype=dtype), torch.randn(n, n, device=dev, dtype=dtype)
+    a @ b
+    sync(dev)
+    t0 = time.perf_counter()
+    for _ in range(10):
+        a @ b
+    sync(dev)
+    return 2 * n**3 * 10 / (time.perf_counter() - t0)
+
+
+def build(preset: str, dev: torch.device, dtype: torch.dtype, blocks: int, block_size: int):
+    cfg = ModelConfig.from_dict({"architectures": ["LlamaForCausalLM"], "rms_norm_eps": 1e-5, **PRESETS[preset]})
+    torch.manual_seed(0)
+    with torch.device(dev):
+        model = LlamaModel(cfg).to(dtype)
+    for p in model.parameters():
+        p.normal_(0.0, 0.02)
+    model.build_rope_cache(cfg.max_position_embeddings + 1, dev, dtype)
+    if dev.type == "cpu":
+        model.optimize_for_cpu()
+    kv = KVCache(KVLayout(cfg.num_layers, blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype), dev)
+    return cfg, model, kv
+
+
+def layer_params(cfg: ModelConfig) -> int:
+    """Matmul parameters of the transformer layers (what every token multiplies through)."""
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    return cfg.num_layers * (cfg.hidden_size * (q + 2 * kv) + q * cfg.hidden_size + 3 * cfg.hidden_size * cfg.intermediate_size)
+
+
+def decode_weight_bytes(cfg: ModelConfig, element_size: int) -> int:
+    """Bytes a decode step must read: every layer weight and the LM head (embedding: a few rows)."""
+    return (layer_params(cfg) + cfg.vocab_size * cfg.hidden_size) * element_size
+
+
+def decode_batch(bm: BlockManager, batch: int, ctx: int) -> list[ScheduledSeq]:
+    out = []
+    for i in range(batch):
+        s = Sequence(f"d{i}", [1] * ctx, SamplingParams(max_tokens=1))
+        assert bm.allocate(s, ctx + 1), "KV cache too small for this batch"
+        s.num_computed_tokens = ctx - 1
+        out.append(ScheduledSeq(s, 1))
+    return out
+
+
+def time_forward(runner: ModelRunner, batch: list[ScheduledSeq], dev: torch.device, iters: int) -> tuple[float, float]:
+    """Median wall seconds and CPU seconds of one forward (inputs prepared each time, as in serving)."""
+    walls, cpus = [], []
+    with torch.inference_mode():
+        for i in range(iters + 2):
+            c0, t0 = time.process_time(), time.perf_counter()
+            ids, pos, meta, _ = runner.prepare(list(batch))
+            runner.model(ids, pos, runner.kv, meta)
+            sync(dev)
+            if i >= 2:
+                walls.append(time.perf_counter() - t0)
+                cpus.append(time.process_time() - c0)
+    return statistics.median(walls), statistics.median(cpus)
+
+
+def set_backend(name: str) -> None:
+    os.environ["SPLITFIRE_ATTENTION_BACKEND"] = name
+    attention._triton_ops.cache_clear()
+    attention._kernels_for.cache_clear()
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--preset", default="llama3-8b,smollm2-135m")
+    p.add_argument("--batches", default="1,8,32,128")
+    p.add_argument("--context", type=int, default=1024, help="tokens of context per decoding sequence")
+    p.add_argument("--prefill-tokens", type=int, default=2048)
+    p.add_argument("--iters", type=int, default=10)
+    args = p.parse_args()
+    dev = torch.device(args.device)
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    bw, peak = bandwidth(dev), matmul_peak(dev, dtype)
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "CPU"
+    print(f"device {name}: copy bandwidth {bw / 1e9:.0f} GB/s, {dtype} matmul peak {peak / 1e12:.1f} TFLOP/s")
+    backends = ["torch", "triton"] if (dev.type == "cuda" or os.environ.get("TRITON_INTERPRET")) else ["torch"]
+    batches = [int(b) for b in args.batches.split(",")]
+    print(f"{'model':<14}{'path':<8}{'case':<18}{'ms':>9}{'CPU ms':>9}{'% roofline / MFU':>18}")
+    for preset in args.preset.split(","):
+        block_size = 16
+        need = max(batches) * (-(-(args.context + 1) // block_size)) + -(-args.prefill_tokens // block_size) + 8
+        cfg, model, kv = build(preset, dev, dtype, need, block_size)
+        runner = ModelRunner(model, kv, dev)
+        wbytes = decode_weight_bytes(cfg, torch.empty((), dtype=dtype).element_size())
+        page = kv.layout.page_bytes
+        for backend in backends:
+            set_backend(backend)
+            for b in batches:
+                bm = BlockManager(need, block_size, enable_prefix_cache=False)
+                wall, cpu = time_forward(runner, decode_batch(bm, b, args.context), dev, args.iters)
+                kv_bytes = b * cfg.num_layers * -(-args.context // block_size) * page
+                roof = (wbytes + kv_bytes) / bw
+                print(f"{preset:<14}{backend:<8}{f'decode b={b}':<18}{wall * 1e3:>9.2f}{cpu * 1e3:>9.2f}"
+                      f"{roof / wall:>17.0%}", flush=True)
+            bm = BlockManager(need, block_size, enable_prefix_cache=False)
+            n = args.prefill_tokens
+            s = Sequence("p", [1] * n, SamplingParams(max_tokens=1))
+            assert bm.allocate(s, n)
+            wall, cpu = time_forward(runner, [ScheduledSeq(s, n)], dev, max(2, args.iters // 3))
+            # Linear layers for every token, the LM head for the last one, causal QK^T + PV (half of n^2 each).
+            flops = (2 * layer_params(cfg) * n + 2 * cfg.vocab_size * cfg.hidden_size
+                     + 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * n * n)
+            print(f"{preset:<14}{backend:<8}{f'prefill {n}':<18}{wall * 1e3:>9.2f}{cpu * 1e3:>9.2f}"
+                  f"{flops / wall / peak:>17.0%}  ({n / wall:.0f} tok/s)", flush=True)
+        del model, kv, runner
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    print("targets (issue #7): 8B decode b=1 >= 80% of roofline; prefill MFU >= 50%; CUDA graphs -80% CPU/step "
+          "(not implemented yet)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

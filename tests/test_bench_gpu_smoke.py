@@ -1,0 +1,19 @@
+"""The GPU benchmark harness runs end to end (CPU, tiny shapes) so it is ready when a GPU is."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_bench_gpu_harness_runs_on_cpu():
+    out = subprocess.run([sys.executable, "-m", "loadtest.bench_gpu", "--device", "cpu", "--preset", "tiny",
+                          "--batches", "1,2", "--prefill-tokens", "48", "--context", "40", "--iters", "2"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [line for line in out.stdout.splitlines() if line.startswith("tiny")]
+    assert [r.split()[2:4] for r in rows] == [["decode", "b=1"], ["decode", "b=2"], ["prefill", "48"]]
+    assert all(float(r.split()[4]) > 0 for r in rows)
