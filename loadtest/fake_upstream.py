@@ -1,5 +1,6 @@
 """An OpenAI-compatible server that streams a fixed number of tokens with no delay: the
-zero-cost upstream that isolates the router's own overhead in `bench_router.py`."""
+zero-cost upstream that isolates the router's own overhead in `bench_router.py`. Events are
+compact JSON, as vLLM, SGLang and llama.cpp send them."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ def make_app(tokens: int) -> web.Application:
         done = {"id": "chatcmpl-fake", "object": "chat.completion.chunk", "created": created, "model": "fake",
                 "choices": [{"index": 0, "delta": {}, "finish_reason": "length"}],
                 "usage": {"prompt_tokens": 8, "completion_tokens": n, "total_tokens": 8 + n}}
-        await resp.write(f"data: {json.dumps(done)}\n\n".encode() + b"data: [DONE]\n\n")
+        await resp.write(f"data: {json.dumps(done, separators=(',', ':'))}\n\n".encode() + b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
 

@@ -195,6 +195,7 @@ class Dispatcher:
                         self.index.insert(ep.address, hashes)
             finish = None
             usage = (0, 0, 0)
+            last = Chunk()  # the output that came with the finish: it leaves with the final chunk
             try:
                 async for c in self._send(route, req, prompt + generated, max_tokens, attempt):
                     if c.token_ids or c.text:
@@ -205,15 +206,22 @@ class Dispatcher:
                         dropped = min(skip_tokens, len(c.logprobs))
                         c.logprobs, skip_tokens = c.logprobs[dropped:], skip_tokens - dropped
                     sent_text += c.text
-                    if c.finish_reason:
-                        finish = c.finish_reason
                     if c.prompt_tokens or c.completion_tokens:
                         usage = (c.prompt_tokens, c.completion_tokens, c.cached_tokens)
                         cached_tokens = c.cached_tokens
-                    c.finish_reason = None
-                    if c.text or c.logprobs or c.token_ids:
+                    if last.text or last.logprobs or last.token_ids:
+                        yield last  # more output after a finish (usage in its own event): send it on
+                        last = Chunk()
+                    if c.finish_reason:
+                        finish = c.finish_reason
+                        c.finish_reason = None
+                        last = c
+                    elif c.text or c.logprobs or c.token_ids:
                         yield c
             except WorkerError as e:
+                if finish is not None:  # everything arrived; only the stream's end went wrong
+                    log.warning("event=error_after_finish rid=%s error=%r", req.id, str(e))
+                    break
                 ticket.close()
                 attempt += 1
                 if e.failed:
@@ -238,14 +246,15 @@ class Dispatcher:
                 continue
             finally:
                 ticket.close()  # also when the client disconnects mid-stream (GeneratorExit/CancelledError)
-            if hashes and route.decode.role != "openai" and generated:
-                self.index.insert(route.decode.address,
-                                  prompt_block_hashes(req.tenant, prompt + generated, self.cfg.block_size))
-            prompt_tokens = len(prompt) if route.decode.role != "openai" else (usage[0] or len(prompt))
-            completion = len(generated) if route.decode.role != "openai" else usage[1]
-            yield Chunk(finish_reason=finish or "stop", prompt_tokens=prompt_tokens, completion_tokens=completion,
-                        cached_tokens=cached_tokens)
-            return
+            break
+        if hashes and route.decode.role != "openai" and generated:
+            self.index.insert(route.decode.address,
+                              prompt_block_hashes(req.tenant, prompt + generated, self.cfg.block_size))
+        last.finish_reason = finish or "stop"
+        last.prompt_tokens = len(prompt) if route.decode.role != "openai" else (usage[0] or len(prompt))
+        last.completion_tokens = len(generated) if route.decode.role != "openai" else usage[1]
+        last.cached_tokens = cached_tokens
+        yield last
 
 
 def resume_point(tokenizer: Tokenizer, generated: list[int], sent_text: str) -> tuple[int, int]:

@@ -34,3 +34,18 @@ def test_single_event_fast_path():
     assert _fast_text(_event({"content": 'x"y'})[6:]) == 'x"y'
     assert _fast_text(_event({"content": "x"}, finish="length")[6:]) is None
     assert _fast_text(_event({"reasoning_content": "think", "content": "say"})[6:]) == "say"
+
+
+def test_read_with_a_finish_parses_like_json_whatever_the_spacing():
+    from router.openai_upstream import parse_events
+
+    plain = [_event({"content": t}) for t in ("a", "b\u00e9", '"c"')]
+    finish = {"id": "x", "choices": [{"index": 0, "delta": {}, "finish_reason": "length"}],
+              "usage": {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}}
+    for sep in ((",", ":"), (", ", ": ")):
+        blob = b"\n\n".join([*plain, b"data: " + json.dumps(finish, separators=sep).encode(), b"data: [DONE]"])
+        c, done = parse_events(blob)
+        assert done and c.text == 'ab\u00e9"c"' and c.finish_reason == "length"
+        assert (c.prompt_tokens, c.completion_tokens) == (5, 3)
+    c, done = parse_events(b"\n\n".join(plain))
+    assert not done and c.text == 'ab\u00e9"c"' and c.finish_reason is None

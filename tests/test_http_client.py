@@ -1,0 +1,175 @@
+"""The router's lean HTTP/1.1 client: framing, keep-alive reuse, stale sockets, failures, flow control."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+from aiohttp import web
+
+from router.http_client import HTTPClient, HTTPClientError, Origin, Response
+
+
+def _feed(raw: bytes, cuts: list[int]) -> Response:
+    loop = asyncio.new_event_loop()
+    try:
+        r = Response(loop, Origin.parse("http://x"))
+        prev = 0
+        for c in [*cuts, len(raw)]:
+            r.data_received(raw[prev:c])
+            prev = c
+        return r
+    finally:
+        loop.close()
+
+
+CHUNKED = (b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+           b"5\r\nhello\r\n1;ext=1\r\n \r\n1a\r\nabcdefghijklmnopqrstuvwxyz\r\n0\r\nX-Trailer: t\r\n\r\n")
+
+
+def test_chunked_body_decodes_at_every_split_point():
+    for cut in range(1, len(CHUNKED)):
+        r = _feed(CHUNKED, [cut])
+        assert r.status == 200 and r.complete is False  # body not read yet
+        assert bytes(r._body) == b"hello abcdefghijklmnopqrstuvwxyz", cut
+        assert r._complete and r.keep_alive
+    rng = random.Random(0)
+    for _ in range(200):  # many small reads
+        cuts = sorted(rng.sample(range(1, len(CHUNKED)), 12))
+        assert bytes(_feed(CHUNKED, cuts)._body) == b"hello abcdefghijklmnopqrstuvwxyz"
+
+
+def test_content_length_close_delimited_and_interim_heads():
+    r = _feed(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 404 Not Found\r\nContent-Length: 4\r\n\r\nnope", [30])
+    assert (r.status, bytes(r._body), r._complete, r.keep_alive) == (404, b"nope", True, True)
+    r = _feed(b"HTTP/1.0 200 OK\r\n\r\nstreamed until close", [])
+    assert r.status == 200 and not r.keep_alive and not r._complete  # ends with connection_lost
+    r.connection_lost(None)
+    assert r._complete
+    r = _feed(b"HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: 0\r\n\r\n", [])
+    assert r._complete and not r.keep_alive
+
+
+def test_garbage_is_an_error_not_a_hang():
+    for raw in (b"SSH-2.0-OpenSSH\r\n\r\n", b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n"):
+        r = _feed(raw, [])
+        assert isinstance(r._exc, HTTPClientError)
+
+
+@pytest.fixture
+async def server():
+    state = {"requests": 0, "peers": set()}
+
+    async def stream(request: web.Request) -> web.StreamResponse:
+        state["requests"] += 1
+        state["peers"].add(request.transport.get_extra_info("peername"))
+        body = await request.json()
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        pad = "x" * body.get("pad", 0)
+        for i in range(body["n"]):
+            await resp.write(f"data: {i}{pad}\n\n".encode())
+        await resp.write_eof()
+        return resp
+
+    async def plain(request: web.Request) -> web.Response:
+        state["requests"] += 1
+        return web.Response(status=503, text="busy " + request.headers.get("x-test", ""))
+
+    async def die(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse()
+        await resp.prepare(request)
+        await resp.write(b"data: partial\n\n")
+        request.transport.close()
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/base/stream", stream)
+    app.router.add_get("/base/plain", plain)
+    app.router.add_post("/base/die", die)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    yield f"http://127.0.0.1:{port}/base", state
+    await runner.cleanup()
+
+
+async def _read(client: HTTPClient, url: str, n: int) -> bytes:
+    r = await client.request("POST", url, "/stream", f'{{"n": {n}}}'.encode(), {"Content-Type": "application/json"})
+    try:
+        assert r.status == 200
+        return await r.read_all()
+    finally:
+        client.release(r)
+
+
+async def test_streams_and_reuses_one_keep_alive_connection(server):
+    url, state = server
+    client = HTTPClient()
+    try:
+        for n in (1, 50, 3):
+            assert await _read(client, url, n) == b"".join(f"data: {i}\n\n".encode() for i in range(n))
+        assert state["requests"] == 3 and len(state["peers"]) == 1
+        r = await client.request("GET", url, "/plain", headers={"x-test": "hdr"})
+        assert (r.status, await r.read_all()) == (503, b"busy hdr")
+        client.release(r)
+        assert len(state["peers"]) == 1
+    finally:
+        await client.close()
+
+
+async def test_abandoned_response_is_not_reused(server):
+    url, state = server
+    client = HTTPClient()
+    try:
+        r = await client.request("POST", url, "/stream", b'{"n": 5000}')
+        assert await r.read_some()
+        client.release(r)  # not read to the end: must be closed, not pooled
+        assert await _read(client, url, 2) == b"data: 0\n\ndata: 1\n\n"
+        assert len(state["peers"]) == 2
+    finally:
+        await client.close()
+
+
+async def test_stale_idle_connection_is_retried_once_on_a_fresh_one(server):
+    url, state = server
+    client = HTTPClient()
+    try:
+        await _read(client, url, 1)
+        (conn,) = client._idle[Origin.parse(url)]
+        conn.transport.pause_reading()  # the close below stays unnoticed, as after a server's idle timeout
+        conn.transport.get_extra_info("socket").shutdown(2)
+        assert await _read(client, url, 2) == b"data: 0\n\ndata: 1\n\n"
+    finally:
+        await client.close()
+
+
+async def test_failures_raise_with_context(server):
+    url, _ = server
+    client = HTTPClient(connect_timeout_s=2)
+    try:
+        r = await client.request("POST", url, "/die", b"{}")
+        with pytest.raises(HTTPClientError, match="mid-response"):
+            await r.read_all()
+        client.release(r)
+        with pytest.raises(HTTPClientError, match="cannot connect"):
+            await client.request("GET", "http://127.0.0.1:1", "/x")
+    finally:
+        await client.close()
+
+
+async def test_slow_reader_pauses_the_socket(server):
+    url, _ = server
+    client = HTTPClient()
+    try:
+        r = await client.request("POST", url, "/stream", b'{"n": 8000, "pad": 1000}')
+        await asyncio.sleep(0.5)  # the server writes ~8 MB while nobody reads
+        assert r._paused and len(r._body) < 3 * 2**20
+        total = len(await r.read_all())
+        assert total == sum(len(f"data: {i}\n\n") + 1000 for i in range(8000))
+        client.release(r)
+    finally:
+        await client.close()
