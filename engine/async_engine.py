@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from engine.llm_engine import LLMEngine, RequestOutput, StepObserver
+from engine.llm_engine import EngineStats, LLMEngine, RequestOutput, StepObserver
 
 log = logging.getLogger("splitfire.engine")
 T = TypeVar("T")
@@ -75,6 +75,9 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.step_count = 0
+        # What the engine looked like after its last step or command: read by Stats without
+        # queueing behind a long step (a busy worker must still answer the router's checks).
+        self.stats: EngineStats = engine.stats()
         self.on_step: Callable[[list[RequestOutput], float, int], None] | None = None  # metrics hook (loop thread)
 
     def start(self) -> None:
@@ -163,24 +166,32 @@ class AsyncEngine:
 
     def _run_due_timers(self) -> float | None:
         now = time.monotonic()
+        ran = False
         while self._timers and self._timers[0][0] <= now:
             _, _, fn = heapq.heappop(self._timers)
+            ran = True
             try:
                 fn(self.engine)
             except Exception:
                 log.exception("event=timer_failed")
+        if ran:
+            self.stats = self.engine.stats()
         return self._timers[0][0] - now if self._timers else None
 
     def _run(self) -> None:
         assert self._loop is not None
         loop = self._loop
         while not self._stopping:
+            ran = False
             while True:
                 try:
                     cmd = self._commands.get_nowait()
                 except queue.Empty:
                     break
                 cmd()
+                ran = True
+            if ran:
+                self.stats = self.engine.stats()
             next_timer = self._run_due_timers()
             if not self.engine.has_work:
                 self._wake.wait(timeout=next_timer if next_timer is not None else 1.0)
@@ -193,6 +204,7 @@ class AsyncEngine:
                 log.exception("event=step_failed running=%d", len(self.engine.scheduler.running))
                 outputs = self._fail_all(f"engine step failed: {type(e).__name__}: {e}")
             self.step_count += 1
+            self.stats = self.engine.stats()
             if outputs or self.on_step is not None:
                 dt = time.perf_counter() - t0
                 loop.call_soon_threadsafe(self._after_step, outputs, dt)

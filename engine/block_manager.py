@@ -140,6 +140,23 @@ class BlockManager:
             hits.append(b)
         return hits
 
+    def _ensure_hashes(self, seq: Sequence) -> None:
+        tokens = seq.all_token_ids
+        if len(seq.block_hashes) < len(tokens) // self.block_size:
+            seq.block_hashes = block_hashes(seq.tenant, tokens, self.block_size)
+
+    def first_uncached(self, seq: Sequence) -> bytes | None:
+        """The hash of the first block of a waiting `seq` that the cache cannot serve (None: all
+        of its reusable prefix is cached)."""
+        if not self.enable_prefix_cache:
+            return None
+        self._ensure_hashes(seq)
+        hashes = seq.block_hashes[: (seq.num_tokens - 1) // self.block_size]
+        for h in hashes:
+            if h not in self.hash_to_block:
+                return h
+        return None
+
     def allocate(self, seq: Sequence, num_tokens: int) -> bool:
         """Give a block-less `seq` blocks for its first `num_tokens` tokens, reusing cached prefix blocks.
 
@@ -149,8 +166,7 @@ class BlockManager:
         """
         assert not seq.block_table, f"{seq.request_id} already holds blocks"
         tokens = seq.all_token_ids
-        if len(seq.block_hashes) < len(tokens) // self.block_size:
-            seq.block_hashes = block_hashes(seq.tenant, tokens, self.block_size)
+        self._ensure_hashes(seq)
         max_hits = (len(tokens) - 1) // self.block_size
         hits = self.match_prefix(seq.block_hashes[:max_hits])
         hits_in_lru = sum(1 for b in hits if self.ref_counts[b] == 0)

@@ -75,6 +75,8 @@ class EngineStats:
     reserved: int
     num_preemptions: int
     prompt_tokens_in_flight: int  # prompt tokens not yet computed, queued or running
+    kv_tokens_held: int = 0
+    decode_tokens_remaining: int = 0
 
 
 class LLMEngine:
@@ -286,4 +288,6 @@ class LLMEngine:
             reserved=sum(1 for s in self.seqs.values() if s.status == Status.RESERVED),
             num_preemptions=sched.num_preemptions,
             prompt_tokens_in_flight=pending,
+            kv_tokens_held=self.kv_tokens_held(),
+            decode_tokens_remaining=self.decode_tokens_remaining(),
         )

@@ -43,6 +43,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.num_prefix_waits = 0  # steps a waiting prompt sat out to reuse a prefix being computed
 
     def add(self, seq: Sequence) -> None:
         seq.status = Status.WAITING
@@ -99,9 +100,17 @@ class Scheduler:
                 n = min(seq.num_remaining, budget - reserve)
                 out.append(ScheduledSeq(seq, n))
                 budget -= n
-        # 3. New (or preempted) sequences, first come first served, while blocks last.
+        # 3. New (or preempted) sequences, first come first served, while blocks last. One whose
+        #    next uncached block another prompt is computing right now waits for it (a burst of
+        #    requests sharing a new system prompt computes it once, not once per request).
+        computing = self._prefix_in_progress() if self.waiting and self.blocks.enable_prefix_cache else set()
+        deferred: list[Sequence] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
+            if computing and self.blocks.first_uncached(seq) in computing:
+                deferred.append(self.waiting.popleft())
+                self.num_prefix_waits += 1
+                continue
             if not self.blocks.allocate(seq, seq.num_tokens):
                 break
             self.waiting.popleft()
@@ -110,4 +119,15 @@ class Scheduler:
             n = min(seq.num_remaining, budget)
             out.append(ScheduledSeq(seq, n))
             budget -= n
+            if self.blocks.enable_prefix_cache:
+                computing.update(seq.block_hashes[seq.num_registered_blocks :])
+        self.waiting.extendleft(reversed(deferred))
+        return out
+
+    def _prefix_in_progress(self) -> set[bytes]:
+        """Hashes of prompt blocks that running prefills will compute but have not yet."""
+        out: set[bytes] = set()
+        for seq in self.running:
+            if seq.num_remaining > 1:
+                out.update(seq.block_hashes[seq.num_registered_blocks :])
         return out

@@ -3,8 +3,14 @@ prompt, 10 turns per session, a context that grows every turn) against 4 workers
 the token policy + `x-session-affinity`, once with the random policy. Prints the workers'
 prefix-cache hit ratio (tokens served from cache / prompt tokens) for both, side by side.
 
-    python -m loadtest.bench_affinity              # tiny random model, ~1 minute
-    python -m loadtest.bench_affinity --model smollm2
+Each turn appends a tool output (new to every cache) and the agent's reply (already in the
+cache of the worker that generated it, if the next turn goes back there). The default model is
+SmolLM2: its replies re-tokenize to the tokens it generated, which a random model's do not
+(`--model tiny` is faster, but then no reply can ever be a cache hit). Each worker's KV cache
+is sized for about its own share of the sessions, as a production deployment is provisioned.
+
+    python -m loadtest.bench_affinity              # SmolLM2, ~6 minutes on 2 cores
+    python -m loadtest.bench_affinity --kv-cache-gb 1   # ample KV: random keeps more history
 """
 
 from __future__ import annotations
@@ -26,7 +32,8 @@ SYSTEM_UNIT = ("You are a coding agent with tools read_file(path), run_tests(), 
                "turn and report results concisely. ")
 
 
-async def run_sessions(url: str, sessions: int, turns: int, use_affinity: bool, seed: int, system: str) -> int:
+async def run_sessions(url: str, sessions: int, turns: int, use_affinity: bool, seed: int, system: str,
+                       max_tokens: int) -> int:
     rng = random.Random(seed)
     errors = 0
 
@@ -37,7 +44,7 @@ async def run_sessions(url: str, sessions: int, turns: int, use_affinity: bool, 
             for t in range(turns):
                 messages.append({"role": "user", "content": f"tool output {t}: " + text_of(rng, rng.randint(20, 50))})
                 headers = {"x-session-affinity": f"agent-{seed}-{i}"} if use_affinity else {}
-                body = {"model": "bench", "messages": messages, "max_tokens": 16, "temperature": 0}
+                body = {"model": "bench", "messages": messages, "max_tokens": max_tokens, "temperature": 0}
                 async with s.post(url + "/v1/chat/completions", json=body, headers=headers) as r:
                     if r.status != 200:
                         errors += 1
@@ -79,7 +86,7 @@ def run(policy: str, affinity: bool, model: str, args: argparse.Namespace, out: 
                             model, "--served-model-name", "bench", "--policy", policy, "--colocated", *addrs],
                            "router ready", out / f"aff-router-{policy}.log"))
         errors = asyncio.run(run_sessions(f"http://127.0.0.1:{rport}", args.sessions, args.turns, affinity, args.seed,
-                                          SYSTEM_UNIT * args.system_repeats))
+                                          SYSTEM_UNIT * args.system_repeats, args.max_tokens))
         hit, query = asyncio.run(hit_ratio(addrs))
         return hit / query, errors
     finally:
@@ -90,29 +97,37 @@ def run(policy: str, affinity: bool, model: str, args: argparse.Namespace, out: 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=None, help="default: a tiny random Llama made here")
+    p.add_argument("--model", default="smollm2", help="smollm2 (default), tiny (a random Llama made here), or a "
+                   "model directory")
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--sessions", type=int, default=12)
     p.add_argument("--turns", type=int, default=10)
     p.add_argument("--seed", type=int, default=3)
-    p.add_argument("--system-repeats", type=int, default=12, help="system prompt = 12 x a 25-word tool preamble "
-                   "(300 words, a small agent's tool definitions)")
-    p.add_argument("--kv-cache-gb", type=float, default=0.25)
+    p.add_argument("--system-repeats", type=int, default=8, help="system prompt = 8 x a 25-word tool preamble "
+                   "(200 words, a small agent's tool definitions)")
+    p.add_argument("--max-tokens", type=int, default=64, help="the agent's reply per turn (a tool call)")
+    p.add_argument("--kv-cache-gb", type=float, default=0.2, help="per worker; 0.2 GB holds ~4.5k SmolLM2 tokens "
+                   "(fp32), a bit more than a worker's share of the sessions' final contexts")
     p.add_argument("--out", default="loadtest/results")
     args = p.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     model = args.model
-    if model is None:
+    if model == "tiny":
         sys.path.insert(0, str(ROOT / "tests"))
         from tiny_model import make_tiny_llama
 
         model = str(make_tiny_llama(Path(tempfile.mkdtemp()) / "tiny", max_positions=16384))
+    else:
+        from engine.model_store import resolve_model
+
+        model = str(resolve_model(model))
     rows = [("token + x-session-affinity", *run("token", True, model, args, out)),
             ("token, no affinity header", *run("token", False, model, args, out)),
             ("random, no affinity header", *run("random", False, model, args, out))]
     print(f"\n{args.sessions} agent sessions x {args.turns} turns, shared system prompt ({args.system_repeats} x 25 "
-          f"words), 20-50 words of tool output and a 16-token reply per turn, {args.workers} workers")
+          f"words), 20-50 words of tool output and a reply of up to {args.max_tokens} tokens per turn, "
+          f"{args.workers} workers with {args.kv_cache_gb} GB of KV cache each, model {Path(model).name}")
     print(f"{'placement':<30}{'prefix-hit ratio':>18}{'errors':>8}")
     for name, ratio, errors in rows:
         print(f"{name:<30}{ratio:>18.1%}{errors:>8}")

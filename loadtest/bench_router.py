@@ -34,11 +34,29 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / TICK
 
 
+SERVER_CPUS: set[int] | None = None  # set by --pin-client: the cores the servers may use
+
+
+def pin_client() -> str:
+    """The load generator gets core 0 and the servers the rest, so the generator's own CPU use
+    does not count as router latency (in production the clients are on other machines).
+    Returns a line describing the layout."""
+    global SERVER_CPUS
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        return f"cores: {len(cpus)}, shared by load generator and servers"
+    SERVER_CPUS = set(cpus[1:])
+    os.sched_setaffinity(0, {cpus[0]})
+    return f"cores: load generator on {cpus[0]}, upstream/router/workers on {sorted(SERVER_CPUS)}"
+
+
 def spawn(args: list[str], ready: str, log: Path) -> subprocess.Popen:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "SPLITFIRE_LOG_LEVEL": "WARNING",
            "PYTHONPATH": str(ROOT), "MC_LOG_LEVEL": "ERROR"}
     f = open(log, "w")
-    p = subprocess.Popen([sys.executable, *args], stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+    cpus = SERVER_CPUS
+    p = subprocess.Popen([sys.executable, *args], stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
+                         preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
     deadline = time.monotonic() + 120
     while ready not in log.read_text(errors="replace"):
         if p.poll() is not None or time.monotonic() > deadline:
@@ -119,8 +137,11 @@ def main() -> int:
     p.add_argument("--concurrency", default="1,16,64")
     p.add_argument("--pd", action="store_true", help="also measure gRPC mode against a real decode worker")
     p.add_argument("--stream-interval", type=int, default=1, help="the worker's --stream-interval in gRPC mode")
+    p.add_argument("--shared-cores", action="store_true", help="let the load generator share cores with the "
+                   "servers (default: it gets a core of its own when there are at least 2)")
     p.add_argument("--out", default="loadtest/results")
     args = p.parse_args()
+    print(f"cores: {len(os.sched_getaffinity(0))}, all shared" if args.shared_cores else pin_client())
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     levels = [int(c) for c in args.concurrency.split(",")]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-from contextlib import asynccontextmanager
 
 from router.errors import overloaded
 from router.metrics import RouterMetrics
@@ -18,24 +17,39 @@ class Admission:
         self.running = 0
         self.metrics = metrics
 
-    @asynccontextmanager
-    async def slot(self):
-        if self._slots.locked() and self.waiting >= self.max_queue:
-            raise overloaded(f"server is at capacity ({self.running} running, {self.waiting} queued); retry shortly")
-        self.waiting += 1
-        self.metrics.queue.set(self.waiting)
-        try:
-            await asyncio.wait_for(self._slots.acquire(), self.queue_timeout_s)
-        except TimeoutError:
-            raise overloaded(f"no capacity within {self.queue_timeout_s:.0f}s; retry shortly") from None
-        finally:
-            self.waiting -= 1
-            self.metrics.queue.set(self.waiting)
-        self.running += 1
-        self.metrics.running.set(self.running)
-        try:
-            yield
-        finally:
-            self.running -= 1
-            self.metrics.running.set(self.running)
-            self._slots.release()
+    def slot(self) -> _Slot:
+        return _Slot(self)
+
+
+class _Slot:
+    """`async with admission.slot():` (a plain class: this runs once per request on the hot path)."""
+
+    __slots__ = ("adm",)
+
+    def __init__(self, adm: Admission):
+        self.adm = adm
+
+    async def __aenter__(self) -> None:
+        a = self.adm
+        if a._slots.locked():
+            if a.waiting >= a.max_queue:
+                raise overloaded(f"server is at capacity ({a.running} running, {a.waiting} queued); retry shortly")
+            a.waiting += 1
+            a.metrics.queue.set(a.waiting)
+            try:
+                await asyncio.wait_for(a._slots.acquire(), a.queue_timeout_s)
+            except TimeoutError:
+                raise overloaded(f"no capacity within {a.queue_timeout_s:.0f}s; retry shortly") from None
+            finally:
+                a.waiting -= 1
+                a.metrics.queue.set(a.waiting)
+        else:
+            await a._slots.acquire()  # a free slot: returns at once
+        a.running += 1
+        a.metrics.running.set(a.running)
+
+    async def __aexit__(self, *exc: object) -> None:
+        a = self.adm
+        a.running -= 1
+        a.metrics.running.set(a.running)
+        a._slots.release()

@@ -34,12 +34,16 @@ class HealthChecker:
                 h = await self.workers.health(ep.address, t)
                 ok = h.status == "serving"
                 ep.block_size, ep.max_model_len = h.block_size, h.max_model_len
-                if ok:
-                    st = await self.workers.stats(ep.address, t)
-                    ep.reconcile(st.prompt_tokens_in_flight, st.kv_tokens_held, st.decode_tokens_remaining)
         except Exception as e:  # any failure to answer is a failed check
             log.debug("event=health_check_failed address=%s error=%r", ep.address, e)
             ok = False
+        if ok and ep.role != "openai":
+            # Load reconciliation is best effort: a slow Stats answer is not a sick worker.
+            try:
+                st = await self.workers.stats(ep.address, t)
+                ep.reconcile(st.prompt_tokens_in_flight, st.kv_tokens_held, st.decode_tokens_remaining)
+            except Exception as e:
+                log.info("event=stats_failed address=%s error=%r", ep.address, e)
         if ok:
             if not ep.healthy:
                 log.info("event=endpoint_readmitted role=%s address=%s", ep.role, ep.address)

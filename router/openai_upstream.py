@@ -12,8 +12,8 @@ from typing import Any
 
 from router.chunks import Chunk, WorkerError
 from router.http_client import HTTPClient, HTTPClientError
+from router.sse import compact_json
 
-_dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
 _POST_HEADERS = {"Content-Type": "application/json", "Accept": "text/event-stream"}
 
 _CONTENT = re.compile(rb'"(?:content|text)":"((?:[^"\\]|\\.)*)"')
@@ -115,7 +115,7 @@ class OpenAIUpstreamClient:
         path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
         body = {**body, "stream": True, "stream_options": {"include_usage": True}, "max_tokens": max_tokens}
         body.pop("max_completion_tokens", None)
-        payload = _dumps(body).encode()
+        payload = compact_json(body).encode()
         resp = None
         try:
             resp = await self.http.request("POST", base_url, path, payload, _POST_HEADERS)

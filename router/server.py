@@ -222,7 +222,7 @@ class Router:
     async def _stream(self, request: web.Request, reqs: list[GenRequest], t0: float) -> web.StreamResponse:
         writers = [StreamWriter(r, self.model_name, self.tokenizer) for r in reqs]
         if len(reqs) == 1:
-            source = _tagged(0, timed(self.dispatcher.run(reqs[0]), self.metrics, t0))
+            source = timed(self.dispatcher.run(reqs[0]), self.metrics, t0)
         else:
             source = _merge([timed(self.dispatcher.run(r), self.metrics, t0) for r in reqs])
         try:
@@ -247,9 +247,10 @@ class Router:
         out: list[bytes] = [w.role() for w in writers] if reqs[0].kind == "chat" else []
         finished = 0
         try:
+            tagged = len(reqs) > 1  # several prompts: items are (choice index, chunk)
             item = first
             while item is not None:
-                i, c = item
+                i, c = item if tagged else (0, item)
                 w = writers[i]
                 if c.text or c.logprobs:
                     out.append(w.text(c.text, c.logprobs))
@@ -290,11 +291,6 @@ def _served_headers(req: GenRequest) -> dict[str, str]:
     if pin is None:
         return {}
     return {"X-Splitfire-Decode": pin.decode, "X-Splitfire-Prefill": pin.prefill or "-"}
-
-
-async def _tagged(i: int, it):
-    async for c in it:
-        yield i, c
 
 
 async def _merge(iters: list) -> Any:

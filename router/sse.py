@@ -15,7 +15,7 @@ from router.chunks import Logprob
 from router.protocol import GenRequest
 
 DONE = b"data: [DONE]\n\n"
-_dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
+compact_json = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode  # UTF-8 as is, no spaces
 
 
 class StreamWriter:
@@ -26,7 +26,7 @@ class StreamWriter:
         self.tokenizer = tokenizer
         head = {"id": req.id, "object": "chat.completion.chunk" if req.kind == "chat" else "text_completion",
                 "created": req.created, "model": model}
-        h = _dumps(head)[:-1]  # drop the closing brace
+        h = compact_json(head)[:-1]  # drop the closing brace
         self.head = h
         i = req.prompt_index
         if req.kind == "chat":
@@ -42,7 +42,7 @@ class StreamWriter:
     def text(self, text: str, logprobs: list[Logprob] | None = None) -> bytes:
         if logprobs and self.req.want_logprobs:
             return self._choice(text, None, logprobs)
-        return self._pre + _dumps(text).encode() + self._post
+        return self._pre + compact_json(text).encode() + self._post
 
     def _choice(self, text: str, finish: str | None, logprobs: list[Logprob] | None) -> bytes:
         lp = render_logprobs(self.req, self.tokenizer, logprobs or [], 0) if (logprobs and self.req.want_logprobs) else None
@@ -51,17 +51,17 @@ class StreamWriter:
             choice = {"index": i, "delta": {"content": text} if text else {}, "logprobs": lp, "finish_reason": finish}
         else:
             choice = {"index": i, "text": text, "logprobs": lp, "finish_reason": finish}
-        return f"data: {self.head},\"choices\":[{_dumps(choice)}]}}\n\n".encode()
+        return f"data: {self.head},\"choices\":[{compact_json(choice)}]}}\n\n".encode()
 
     def finish(self, reason: str) -> bytes:
         return self._choice("", reason, None)
 
     def usage(self, usage: dict[str, Any]) -> bytes:
-        return f'data: {self.head},"choices":[],"usage":{_dumps(usage)}}}\n\n'.encode()
+        return f'data: {self.head},"choices":[],"usage":{compact_json(usage)}}}\n\n'.encode()
 
 
 def error_event(message: str, type_: str = "upstream_error", code: str = "worker_failed") -> bytes:
-    return f"data: {_dumps({'error': {'message': message, 'type': type_, 'param': None, 'code': code}})}\n\n".encode()
+    return f"data: {compact_json({'error': {'message': message, 'type': type_, 'param': None, 'code': code}})}\n\n".encode()
 
 
 def usage_dict(prompt: int, completion: int, cached: int) -> dict[str, Any]:

@@ -116,3 +116,29 @@ def test_short_prompt_is_not_stuck_behind_a_long_prefill(tiny_model_dir, ref):
             break
     assert first_token_step["short"] <= 2 < first_token_step["long"]  # ~19 steps of 32-token chunks
     assert tokens["short"] == ref.greedy([5, 6, 7, 8], 3) and tokens["long"] == ref.greedy(long_prompt, 3)
+
+
+def test_burst_sharing_a_new_prefix_computes_it_once(tiny_model_dir, ref):
+    """Requests arriving together with the same uncached system prompt: the first computes it,
+    the others wait for it instead of computing it again, and all outputs stay exact."""
+    engine = make_engine(tiny_model_dir, max_num_seqs=8, max_num_batched_tokens=64)
+    system = [(5 * j) % 300 + 3 for j in range(160)]  # 10 blocks, 3 steps of 64-token chunks
+    prompts = {f"r{i}": system + [100 + i, 7, 9 + i] for i in range(4)}
+    for rid, p in prompts.items():
+        engine.add_request(rid, p, SamplingParams(max_tokens=4, **GREEDY))
+    hit0 = engine.blocks.prefix_hit_tokens
+    out = drain(engine)
+    for rid, p in prompts.items():
+        assert out[rid].token_ids == ref.greedy(p, 4), rid
+    assert [out[f"r{i}"].cached_tokens for i in range(4)] == [0, 160, 160, 160]
+    assert engine.blocks.prefix_hit_tokens - hit0 == 3 * 160
+    assert engine.scheduler.num_prefix_waits > 0
+    # While a new prefix is being computed, only requests that need it wait; others run.
+    other = [(7 * j) % 300 + 3 for j in range(40)]
+    engine.add_request("a", other + [1], SamplingParams(max_tokens=2, **GREEDY))
+    engine.add_request("b", other + [2], SamplingParams(max_tokens=2, **GREEDY))
+    engine.add_request("c", [9, 8, 7, 6, 5], SamplingParams(max_tokens=2, **GREEDY))
+    engine.step()
+    assert [s.request_id for s in engine.scheduler.waiting] == ["b"]
+    out = drain(engine)
+    assert out["b"].cached_tokens == 32 and out["b"].token_ids == ref.greedy(other + [2], 2)

@@ -143,6 +143,7 @@ async def test_stale_idle_connection_is_retried_once_on_a_fresh_one(server):
         conn.transport.pause_reading()  # the close below stays unnoticed, as after a server's idle timeout
         conn.transport.get_extra_info("socket").shutdown(2)
         assert await _read(client, url, 2) == b"data: 0\n\ndata: 1\n\n"
+        assert state["requests"] == 2 and len(state["peers"]) == 2  # the retry went out on a new socket
     finally:
         await client.close()
 

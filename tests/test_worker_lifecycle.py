@@ -47,3 +47,45 @@ async def test_sigterm_drains_in_flight_requests_then_exits(tiny_model_dir, tmp_
         assert "event=worker_stopped" in w.log()
     finally:
         w.kill()
+
+
+async def test_stats_answer_at_once_while_a_long_step_runs(tiny_model_dir):
+    """The router's checks read Stats; they must not queue behind the step in progress (a busy
+    worker was ejected as unhealthy when they did)."""
+    import threading
+
+    from engine_helpers import make_engine
+
+    from engine.async_engine import AsyncEngine
+    from engine.sampling_params import SamplingParams
+
+    in_step, release = threading.Event(), threading.Event()
+
+    class SlowStep:  # a StepObserver that holds the first forward pass until released
+        def before_forward(self, batch) -> None:
+            in_step.set()
+
+        def after_layer(self, layer: int) -> None:
+            pass
+
+        def after_forward(self) -> dict[str, str]:
+            release.wait(10)
+            return {}
+
+    aeng = AsyncEngine(make_engine(tiny_model_dir), observer=SlowStep())
+    aeng.start()
+    try:
+        stream = aeng.open_stream("r")
+        await aeng.call(lambda e: e.add_request("r", [5, 6, 7, 8, 9], SamplingParams(max_tokens=2, ignore_eos=True)))
+        assert await asyncio.to_thread(in_step.wait, 10)
+        st = aeng.stats  # read while the engine thread is stuck inside the step
+        assert st.waiting + st.running == 1 and st.prompt_tokens_in_flight == 5
+        release.set()
+        outs = [o async for o in stream]
+        assert outs[-1].finished
+        await asyncio.sleep(0.05)
+        st = aeng.stats
+        assert (st.running, st.waiting, st.kv_tokens_held, st.decode_tokens_remaining) == (0, 0, 0, 0)
+    finally:
+        release.set()
+        await aeng.stop()

@@ -54,14 +54,12 @@ class WorkerService(pb_grpc.WorkerServicer):
         )
 
     async def Stats(self, request: pb.StatsRequest, context) -> pb.StatsResponse:
-        def snapshot(e):
-            return e.stats(), e.kv_tokens_held(), e.decode_tokens_remaining()
-
-        st, held, remaining = await self.ctx.engine.call(snapshot)
+        st = self.ctx.engine.stats  # as of the last step: no waiting behind the one running now
         b = st.blocks
         return pb.StatsResponse(
             prompt_tokens_in_flight=st.prompt_tokens_in_flight, running=st.running, waiting=st.waiting,
             kv_blocks_total=b.total, kv_blocks_used=b.used, kv_blocks_free=b.free, kv_blocks_cached=b.cached,
-            kv_tokens_held=held, prefix_query_tokens=b.prefix_query_tokens, prefix_hit_tokens=b.prefix_hit_tokens,
-            decode_tokens_remaining=remaining, reserved=st.reserved,
+            kv_tokens_held=st.kv_tokens_held, prefix_query_tokens=b.prefix_query_tokens,
+            prefix_hit_tokens=b.prefix_hit_tokens, decode_tokens_remaining=st.decode_tokens_remaining,
+            reserved=st.reserved,
         )
