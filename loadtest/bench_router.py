@@ -51,7 +51,7 @@ def pin_client() -> str:
 
 
 def spawn(args: list[str], ready: str, log: Path) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "SPLITFIRE_LOG_LEVEL": "WARNING",
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "SPLITFIRE_LOG_LEVEL": os.environ.get("SPLITFIRE_BENCH_LOG_LEVEL", "WARNING"),
            "PYTHONPATH": str(ROOT), "MC_LOG_LEVEL": "ERROR"}
     f = open(log, "w")
     cpus = SERVER_CPUS
