@@ -19,6 +19,7 @@ class RouterConfig:
     decode: list[str] = field(default_factory=list)
     colocated: list[str] = field(default_factory=list)
     openai_upstream: list[str] = field(default_factory=list)
+    openai_upstream_api_key: str = ""  # sent as a Bearer token to every OpenAI-compatible upstream
     discover_dns: list[str] = field(default_factory=list)  # role=host:port (a headless Service)
     redis_url: str = ""  # affinity pins + worker self-registration; "" = in-process state
     policy: str = "token"
@@ -91,6 +92,9 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--colocated", nargs="*", default=_list_env("colocated"), metavar="HOST:PORT", help="colocated (serve) workers")
     p.add_argument("--openai-upstream", nargs="*", default=_list_env("openai_upstream"), metavar="URL",
                    help="OpenAI-compatible servers to balance across (vLLM, SGLang, llama.cpp)")
+    p.add_argument("--openai-upstream-api-key", default=_env("openai_upstream_api_key", ""), metavar="KEY",
+                   help="Bearer token for the upstreams (prefer env SPLITFIRE_ROUTER_OPENAI_UPSTREAM_API_KEY: "
+                   "flags show in ps)")
     p.add_argument("--discover-dns", nargs="*", default=_list_env("discover_dns"), metavar="ROLE=HOST:PORT",
                    help="resolve a headless Service's A records for workers of a role")
     p.add_argument("--redis-url", default=os.environ.get("REDIS_URL", ""), help="affinity pins and worker registry (env REDIS_URL)")
@@ -111,7 +115,8 @@ def router_config_from(args: argparse.Namespace) -> RouterConfig:
     return RouterConfig(
         host=args.host, port=args.port, model=args.model, served_model_name=args.served_model_name,
         prefill=list(args.prefill), decode=list(args.decode), colocated=list(args.colocated),
-        openai_upstream=list(args.openai_upstream), discover_dns=list(args.discover_dns), redis_url=args.redis_url,
+        openai_upstream=list(args.openai_upstream), openai_upstream_api_key=args.openai_upstream_api_key,
+        discover_dns=list(args.discover_dns), redis_url=args.redis_url,
         policy=args.policy, prefix_aware=not args.no_prefix_aware, prefix_index_blocks=args.prefix_index_blocks,
         affinity_ttl_s=args.affinity_ttl,
         max_concurrency=args.max_concurrency, max_queue=args.max_queue, max_retries=args.max_retries,

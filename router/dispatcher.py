@@ -181,8 +181,16 @@ class Dispatcher:
         exclude: set[str] = set()
         attempt = 0
         cached_tokens = 0
+        last_error: WorkerError | None = None
         while True:
-            route = await self.place(req, hashes, exclude)
+            try:
+                route = await self.place(req, hashes, exclude)
+            except APIError as e:
+                if last_error is None:
+                    raise
+                # Nothing left to retry on: the client learns what actually went wrong.
+                raise APIError(last_error.status, f"request failed after {attempt} attempt(s), no other endpoint "
+                               f"to try: {last_error}", type_="upstream_error", code="worker_failed") from e
             req.served_by = route.pin()
             max_tokens = req.sampling.max_tokens - len(generated)
             uncached_at = route.prefill or route.decode
@@ -222,6 +230,7 @@ class Dispatcher:
                 if finish is not None:  # everything arrived; only the stream's end went wrong
                     log.warning("event=error_after_finish rid=%s error=%r", req.id, str(e))
                     break
+                last_error = e
                 ticket.close()
                 attempt += 1
                 if e.failed:

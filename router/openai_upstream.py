@@ -105,8 +105,10 @@ def _merge_event(c: Chunk, obj: dict[str, Any]) -> None:
 
 
 class OpenAIUpstreamClient:
-    def __init__(self) -> None:
+    def __init__(self, api_key: str = "") -> None:
         self.http = HTTPClient()
+        self._auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._post_headers = {**_POST_HEADERS, **self._auth}
 
     async def close(self) -> None:
         await self.http.close()
@@ -118,12 +120,16 @@ class OpenAIUpstreamClient:
         payload = compact_json(body).encode()
         resp = None
         try:
-            resp = await self.http.request("POST", base_url, path, payload, _POST_HEADERS)
+            resp = await self.http.request("POST", base_url, path, payload, self._post_headers)
             if resp.status != 200:
                 text = (await resp.read_all())[:500].decode(errors="replace")
-                raise WorkerError(f"upstream {base_url} answered {resp.status}: {text}",
-                                  retryable=resp.status >= 500 or resp.status == 429, status=resp.status,
-                                  failed=base_url, failed_role="openai")
+                # Refused credentials are this router's misconfiguration, not the client's: 502,
+                # and another upstream may accept them.
+                auth = resp.status in (401, 403)
+                raise WorkerError(f"upstream {base_url} answered {resp.status}: {text}"
+                                  + (" (check --openai-upstream-api-key)" if auth else ""),
+                                  retryable=resp.status >= 500 or resp.status == 429 or auth,
+                                  status=502 if auth else resp.status, failed=base_url, failed_role="openai")
             # One Chunk per network read, not per SSE line: when the upstream is ahead of us,
             # its lines arrive together and leave as one write (a syscall per token was the
             # router's largest per-chunk cost).
@@ -155,7 +161,7 @@ class OpenAIUpstreamClient:
             resp = None
             try:
                 async with asyncio.timeout(timeout_s):
-                    resp = await self.http.request("GET", base_url, path)
+                    resp = await self.http.request("GET", base_url, path, headers=self._auth)
                     await resp.read_all()
                 if resp.status == 200:
                     return True

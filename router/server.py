@@ -60,7 +60,7 @@ class Router:
         self.parser = RequestParser(tokenizer, {model_name}, max_model_len)
         self.admission = Admission(cfg.max_concurrency, cfg.max_queue, cfg.queue_timeout_s, self.metrics)
         self.workers = WorkerClient()
-        self.upstreams = OpenAIUpstreamClient()
+        self.upstreams = OpenAIUpstreamClient(cfg.openai_upstream_api_key)
         self.redis = None
         if cfg.redis_url:
             import redis.asyncio as aioredis

@@ -97,6 +97,20 @@ async def test_api_keys_authenticate_and_scope_tenants(tiny_model_dir, tmp_path)
                 hits.append((await stats(address(worker))).prefix_hit_tokens - before)
         # Alice's second request reuses her cached prefix; Bob's identical prompt shares nothing.
         assert hits[0] == 0 and hits[1] > 0 and hits[2] == 0, hits
+        # A router in front of this one (an OpenAI-compatible upstream that wants a key) sends its
+        # key; without one, the client gets a 502 that names the problem, not the upstream's 401.
+        with_key = start_router(tiny_model_dir, tmp_path, "--served-model-name", MODEL, "--openai-upstream",
+                                base_url(router), "--openai-upstream-api-key", "sk-bob", name="front-key")
+        without = start_router(tiny_model_dir, tmp_path, "--served-model-name", MODEL, "--openai-upstream",
+                               base_url(router), name="front-nokey")
+        try:
+            assert (await _chat(base_url(with_key))).status == 200
+            r = await _chat(base_url(without))
+            assert r.status == 502
+            assert "401" in (await r.json())["error"]["message"]
+        finally:
+            with_key.stop()
+            without.stop()
     finally:
         router.stop()
         worker.stop()
