@@ -165,7 +165,7 @@ class Dispatcher:
     def _send(self, route: Route, req: GenRequest, ids: list[int], max_tokens: int, attempt: int) -> AsyncIterator[Chunk]:
         d = route.decode
         if d.role == "openai":
-            return self.upstreams.generate(d.address, req.kind, req.body, max_tokens)
+            return self.upstreams.generate(d.address, req.kind, req.body, max_tokens, self.cfg.request_timeout_s)
         return self.workers.generate(d.address, route.prefill.address if route.prefill else "",
                                      f"{req.id}-{req.prompt_index}-{attempt}", ids, req.sampling, max_tokens,
                                      req.tenant, self.cfg.request_timeout_s)

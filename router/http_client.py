@@ -61,6 +61,7 @@ class Response(asyncio.Protocol):
         self._exc: BaseException | None = None
         self._waiter: asyncio.Future[None] | None = None
         self._paused = False
+        self._deadline: asyncio.TimerHandle | None = None
 
     # -- protocol callbacks --------------------------------------------------------------
 
@@ -105,6 +106,27 @@ class Response(asyncio.Protocol):
             self._exc = HTTPClientError(f"connection to {self.origin.host}:{self.origin.port} closed "
                                         f"{'mid-response' if self.received_any else 'before a response'}"
                                         + (f": {exc}" if exc else ""))
+        self._wake()
+
+    def arm(self, timeout_s: float) -> None:
+        """Fail the response (and drop the connection) unless it completes within `timeout_s`:
+        one timer per request, the HTTP counterpart of a gRPC deadline."""
+        self._deadline = self.loop.call_later(timeout_s, self._expire, timeout_s)
+
+    def disarm(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+
+    def _expire(self, timeout_s: float) -> None:
+        self._deadline = None
+        if self._complete:
+            return
+        self._exc = HTTPClientError(f"no complete response from {self.origin.host}:{self.origin.port} "
+                                    f"within {timeout_s:g} s")
+        self.keep_alive = False
+        if self.transport is not None:
+            self.transport.close()
         self._wake()
 
     def _wake(self) -> None:
@@ -286,9 +308,10 @@ class HTTPClient:
         return None
 
     async def request(self, method: str, base_url: str, path: str, body: bytes = b"",
-                      headers: dict[str, str] | None = None) -> Response:
+                      headers: dict[str, str] | None = None, timeout_s: float | None = None) -> Response:
         """Sends the request and waits for the response head. Read the body with `read_some`,
-        then hand the connection back with `release` (always, also on errors)."""
+        then hand the connection back with `release` (always, also on errors). `timeout_s`
+        bounds the whole exchange, head and body."""
         origin = Origin.parse(base_url)
         extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
         host = origin.host if origin.port in (80, 443) else f"{origin.host}:{origin.port}"
@@ -300,11 +323,14 @@ class HTTPClient:
             if conn is None:
                 conn = await self._connect(origin)
             assert conn.transport is not None
+            if timeout_s is not None:
+                conn.arm(timeout_s)
             conn.transport.write(msg)
             try:
                 await conn.head()
                 return conn
             except HTTPClientError:
+                conn.disarm()
                 conn.transport.close()
                 # An idle keep-alive socket the server had closed: retry once on a fresh one.
                 if reused and not conn.received_any:
@@ -312,11 +338,13 @@ class HTTPClient:
                     continue
                 raise
             except BaseException:
+                conn.disarm()
                 conn.transport.close()
                 raise
 
     def release(self, conn: Response) -> None:
         """Pools the connection if its response was read to the end; closes it otherwise."""
+        conn.disarm()
         t = conn.transport
         if t is None:
             return

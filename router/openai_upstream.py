@@ -113,14 +113,15 @@ class OpenAIUpstreamClient:
     async def close(self) -> None:
         await self.http.close()
 
-    async def generate(self, base_url: str, kind: str, body: dict[str, Any], max_tokens: int) -> AsyncIterator[Chunk]:
+    async def generate(self, base_url: str, kind: str, body: dict[str, Any], max_tokens: int,
+                       timeout_s: float) -> AsyncIterator[Chunk]:
         path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
         body = {**body, "stream": True, "stream_options": {"include_usage": True}, "max_tokens": max_tokens}
         body.pop("max_completion_tokens", None)
         payload = compact_json(body).encode()
         resp = None
         try:
-            resp = await self.http.request("POST", base_url, path, payload, self._post_headers)
+            resp = await self.http.request("POST", base_url, path, payload, self._post_headers, timeout_s)
             if resp.status != 200:
                 text = (await resp.read_all())[:500].decode(errors="replace")
                 # Refused credentials are this router's misconfiguration, not the client's: 502,

@@ -174,3 +174,32 @@ async def test_slow_reader_pauses_the_socket(server):
         client.release(r)
     finally:
         await client.close()
+
+
+async def test_deadline_fails_a_silent_upstream():
+    done = asyncio.Event()
+
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read(1 << 16)
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n")
+        await writer.drain()
+        await done.wait()  # then nothing: a hung upstream
+        writer.close()
+
+    srv = await asyncio.start_server(silent, "127.0.0.1", 0)
+    port = srv.sockets[0].getsockname()[1]
+    client = HTTPClient()
+    try:
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        r = await client.request("POST", f"http://127.0.0.1:{port}", "/x", b"{}", timeout_s=0.5)
+        assert await r.read_some() == b"hello"
+        with pytest.raises(HTTPClientError, match=r"within 0\.5 s"):
+            await r.read_some()
+        assert 0.4 < loop.time() - t0 < 3
+        client.release(r)
+        assert not client._idle.get(Origin.parse(f"http://127.0.0.1:{port}"))
+    finally:
+        done.set()
+        await client.close()
+        srv.close()
