@@ -156,7 +156,10 @@ class Response(asyncio.Protocol):
                 self.headers[k.strip().lower()] = v.strip()
         conn = self.headers.get("connection", "").lower()
         self.keep_alive = "close" not in conn and (parts[0] == "HTTP/1.1" or "keep-alive" in conn)
-        if "chunked" in self.headers.get("transfer-encoding", "").lower():
+        if self.status in (204, 304):  # never a body
+            self._framing = "length"
+            self._complete = True
+        elif "chunked" in self.headers.get("transfer-encoding", "").lower():
             self._framing = "chunked"
         elif "content-length" in self.headers:
             self._framing = "length"

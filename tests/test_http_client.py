@@ -49,6 +49,8 @@ def test_content_length_close_delimited_and_interim_heads():
     assert r._complete
     r = _feed(b"HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: 0\r\n\r\n", [])
     assert r._complete and not r.keep_alive
+    r = _feed(b"HTTP/1.1 204 No Content\r\n\r\n", [])
+    assert r._complete and r.keep_alive
 
 
 def test_garbage_is_an_error_not_a_hang():
