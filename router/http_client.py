@@ -317,7 +317,9 @@ class HTTPClient:
         bounds the whole exchange, head and body."""
         origin = Origin.parse(base_url)
         extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
-        host = origin.host if origin.port in (80, 443) else f"{origin.host}:{origin.port}"
+        host = f"[{origin.host}]" if ":" in origin.host else origin.host  # IPv6 literal
+        if origin.port not in (80, 443):
+            host = f"{host}:{origin.port}"
         msg = (f"{method} {origin.prefix}{path} HTTP/1.1\r\nHost: {host}\r\nContent-Length: {len(body)}\r\n"
                f"{extra}\r\n").encode("latin-1") + body
         conn = self._take_idle(origin)

@@ -205,3 +205,28 @@ async def test_deadline_fails_a_silent_upstream():
         done.set()
         await client.close()
         srv.close()
+
+
+async def test_ipv6_literal_upstream():
+    async def handler(request: web.Request) -> web.Response:
+        return web.Response(text=request.headers["Host"])
+
+    app = web.Application()
+    app.router.add_get("/h", handler)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, "::1", 0)
+        await site.start()
+    except OSError:
+        await runner.cleanup()
+        pytest.skip("no IPv6 loopback here")
+    port = site._server.sockets[0].getsockname()[1]
+    client = HTTPClient()
+    try:
+        r = await client.request("GET", f"http://[::1]:{port}", "/h")
+        assert (r.status, await r.read_all()) == (200, f"[::1]:{port}".encode())
+        client.release(r)
+    finally:
+        await client.close()
+        await runner.cleanup()
