@@ -78,6 +78,7 @@ class AsyncEngine:
         # What the engine looked like after its last step or command: read by Stats without
         # queueing behind a long step (a busy worker must still answer the router's checks).
         self.stats: EngineStats = engine.stats()
+        self._stats_at = 0.0
         self.on_step: Callable[[list[RequestOutput], float, int], None] | None = None  # metrics hook (loop thread)
 
     def start(self) -> None:
@@ -204,7 +205,10 @@ class AsyncEngine:
                 log.exception("event=step_failed running=%d", len(self.engine.scheduler.running))
                 outputs = self._fail_all(f"engine step failed: {type(e).__name__}: {e}")
             self.step_count += 1
-            self.stats = self.engine.stats()
+            now = time.monotonic()
+            # O(sequences) to compute (~0.1 ms at 256 running): at most every 10 ms while busy.
+            if now - self._stats_at >= 0.01 or not self.engine.has_work:
+                self.stats, self._stats_at = self.engine.stats(), now
             if outputs or self.on_step is not None:
                 dt = time.perf_counter() - t0
                 loop.call_soon_threadsafe(self._after_step, outputs, dt)
