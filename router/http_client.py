@@ -39,6 +39,13 @@ class Origin:
         return Origin(u.scheme, u.hostname, u.port or (443 if u.scheme == "https" else 80), u.path.rstrip("/"))
 
 
+def _chunk_size(line: bytes) -> int:
+    try:
+        return int(line.split(b";", 1)[0], 16)
+    except ValueError:
+        raise HTTPClientError(f"bad chunk size {line[:40]!r}") from None
+
+
 class Response(asyncio.Protocol):
     """One connection; holds the response currently being read on it."""
 
@@ -177,46 +184,52 @@ class Response(asyncio.Protocol):
     def _parse_chunked(self) -> None:
         raw, out = self._raw, self._body
         pos, n = 0, len(raw)
-        while pos < n and not self._complete:
-            if self._left or self._skip:  # resuming a chunk split across reads
-                take = min(self._left, n - pos)
-                out += raw[pos : pos + take]
-                pos += take
-                self._left -= take
-                take = min(self._skip, n - pos) if not self._left else 0
-                pos += take
-                self._skip -= take
-                continue
+        if self._left or self._skip:  # resuming a chunk split across reads
+            take = min(self._left, n)
+            out += raw[:take]
+            self._left -= take
+            pos = take if self._left else take + min(self._skip, n - take)
+            self._skip -= (pos - take)
+        find = raw.find
+        while pos < n and not self._left and not self._skip:
             if self._trailer:
                 if raw.startswith(b"\r\n", pos):
                     pos += 2
-                    self._complete = True
-                    break
-                end = raw.find(b"\r\n\r\n", pos)
-                if end < 0:
-                    break
-                pos = end + 4
+                else:
+                    end = find(b"\r\n\r\n", pos)
+                    if end < 0:
+                        break
+                    pos = end + 4
                 self._complete = True
                 break
-            nl = raw.find(b"\r\n", pos)
+            nl = find(b"\r\n", pos)
             if nl < 0:
                 if n - pos > 1024:
                     raise HTTPClientError("chunk size line too long")
                 break
             try:
-                size = int(raw[pos:nl].split(b";", 1)[0], 16)
-            except ValueError:
-                raise HTTPClientError(f"bad chunk size {bytes(raw[pos:nl][:40])!r}") from None
+                size = int(raw[pos:nl], 16)
+            except ValueError:  # chunk extensions (";name=value"), or garbage
+                size = _chunk_size(bytes(raw[pos:nl]))
+            if size < 0:
+                raise HTTPClientError(f"bad chunk size {bytes(raw[pos:nl][:40])!r}")
             start = nl + 2
             if size == 0:
                 pos = start
                 self._trailer = True
-            elif start + size + 2 <= n:  # the whole chunk is here: the common case, one step
-                out += raw[start : start + size]
-                pos = start + size + 2
+                continue
+            end = start + size
+            if end + 2 <= n:  # the whole chunk is here: the common case, one step
+                out += raw[start:end]
+                pos = end + 2
             else:
-                pos = start
-                self._left, self._skip = size, 2
+                take = min(size, n - start)
+                out += raw[start : start + take]
+                pos = start + take
+                self._left = size - take
+                skip = min(2, n - pos) if not self._left else 0
+                pos += skip
+                self._skip = 2 - skip
         del raw[:pos]
 
     # -- reading -------------------------------------------------------------------------

@@ -54,7 +54,8 @@ def test_content_length_close_delimited_and_interim_heads():
 
 
 def test_garbage_is_an_error_not_a_hang():
-    for raw in (b"SSH-2.0-OpenSSH\r\n\r\n", b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n"):
+    bad_chunk = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+    for raw in (b"SSH-2.0-OpenSSH\r\n\r\n", bad_chunk + b"zz\r\n", bad_chunk + b"-5\r\nabc\r\n"):
         r = _feed(raw, [])
         assert isinstance(r._exc, HTTPClientError)
 
