@@ -71,6 +71,10 @@ class WorkerClient:
                     c.finish_reason = ev.finish_reason
                     u = ev.usage
                     c.prompt_tokens, c.completion_tokens, c.cached_tokens = u.prompt_tokens, u.completion_tokens, u.cached_tokens
+                    yield c
+                    # The final event carries everything; not waiting for the call's status saves
+                    # ~0.15 ms on the last token (the worker has already counted the request done).
+                    return
                 yield c
         except grpc.aio.AioRpcError as e:
             retryable, status = _STATUS.get(e.code(), (True, 502))
