@@ -157,7 +157,7 @@ class Dispatcher:
                 await self.affinity.pin(req.tenant, req.session, route.pin())
         for ep in (route.decode, route.prefill):
             if ep is not None:
-                self.metrics.decisions.labels(policy=self.policy.name, role=ep.role, endpoint=ep.address).inc()
+                self.metrics.child(self.metrics.decisions, self.policy.name, ep.role, ep.address).inc()
         return route
 
     # -- sending ----------------------------------------------------------------------

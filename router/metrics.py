@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
@@ -55,3 +56,13 @@ class RouterMetrics:
         self.cached_tokens = Counter("splitfire_router_cached_prompt_tokens", "Prompt tokens workers served from "
                                      "their prefix caches", registry=r)
         r.register(_EndpointCollector(self.endpoints))
+        self._children: dict[tuple, Any] = {}
+
+    def child(self, metric: Counter, *labels: str) -> Any:
+        """`metric.labels(*labels)`, memoized: labels() validates and locks on every call, and the
+        router asks for the same few children on every request."""
+        key = (metric, *labels)
+        c = self._children.get(key)
+        if c is None:
+            c = self._children[key] = metric.labels(*labels)
+        return c

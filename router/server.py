@@ -125,12 +125,12 @@ class Router:
         except web.HTTPException as e:
             resp = APIError(e.status, e.reason or "error").response()
         except asyncio.CancelledError:
-            self.metrics.requests.labels(route=route, status="499").inc()
+            self.metrics.child(self.metrics.requests, route, "499").inc()
             raise
         except Exception as e:  # a bug: log loudly with context, answer in OpenAI's shape
             log.exception("event=internal_error path=%s", request.path)
             resp = APIError(500, f"internal error: {type(e).__name__}", type_="server_error").response()
-        self.metrics.requests.labels(route=route, status=str(resp.status)).inc()
+        self.metrics.child(self.metrics.requests, route, str(resp.status)).inc()
         return resp
 
     async def _body(self, request: web.Request) -> Any:

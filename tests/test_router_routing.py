@@ -100,16 +100,34 @@ async def sse_text(r: aiohttp.ClientResponse) -> str:
     return text
 
 
+async def metric(router, name: str, **labels: str) -> float:
+    """One sample from the router's /metrics (0 when absent)."""
+    want = name + "{" + ",".join(f'{k}="{v}"' for k, v in sorted(labels.items())) + "}" if labels else name
+    async with aiohttp.ClientSession() as s, s.get(base_url(router) + "/metrics") as r:
+        text = await r.text()
+    for line in text.splitlines():
+        if line.startswith(want + " "):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
 async def test_ten_turn_session_stays_on_one_pair_across_two_routers(pd4):
     r1, r2 = pd4["routers"]
     messages = [{"role": "system", "content": "You are a tool-using agent. " * 8}]
     pairs = set()
+    ok_before = await metric(r1, "splitfire_router_requests_total", route="/v1/chat/completions", status="200")
     for turn in range(10):
         messages.append({"role": "user", "content": f"step {turn}: call the tool"})
         text, served = await chat(r1 if turn % 2 == 0 else r2, messages, session="agent-42")
         pairs.add(served)
         messages.append({"role": "assistant", "content": text})
     assert len(pairs) == 1, pairs
+    prefill, decode = next(iter(pairs))
+    assert await metric(r1, "splitfire_router_requests_total", route="/v1/chat/completions",
+                        status="200") == ok_before + 5
+    for role, ep in (("prefill", prefill), ("decode", decode)):
+        assert await metric(r1, "splitfire_router_routing_decisions_total", policy="token", role=role,
+                            endpoint=ep) >= 5
     # Another session is free to land elsewhere; a third router-independent check: the pin is in Redis.
     import redis
 
