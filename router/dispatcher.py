@@ -281,17 +281,26 @@ def resume_point(tokenizer: Tokenizer, generated: list[int], sent_text: str) -> 
     return 0, len(sent_text)
 
 
-async def timed(it: AsyncIterator[Chunk], metrics: RouterMetrics, t0: float) -> AsyncIterator[Chunk]:
-    """TTFT and inter-token latency as the client sees them."""
-    last = None
-    async for c in it:
-        if c.text or c.token_ids:
-            now = time.perf_counter()
-            if last is None:
-                metrics.ttft.observe(now - t0)
-            else:
-                n = max(len(c.token_ids), 1)
-                for _ in range(n):
-                    metrics.itl.observe((now - last) / n)
-            last = now
-        yield c
+class Latency:
+    """TTFT and inter-token latency of one choice as the client sees them, observed where the
+    chunks are written (a generator layer of its own cost a frame switch per chunk)."""
+
+    __slots__ = ("last", "metrics", "t0")
+
+    def __init__(self, metrics: RouterMetrics, t0: float):
+        self.metrics = metrics
+        self.t0 = t0
+        self.last: float | None = None
+
+    def observe(self, c: Chunk) -> None:
+        if not (c.text or c.token_ids):
+            return
+        now = time.perf_counter()
+        if self.last is None:
+            self.metrics.ttft.observe(now - self.t0)
+        else:
+            n = max(len(c.token_ids), 1)
+            per = (now - self.last) / n
+            for _ in range(n):
+                self.metrics.itl.observe(per)
+        self.last = now

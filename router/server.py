@@ -19,7 +19,7 @@ from router.balancer import make_policy
 from router.chunks import Chunk
 from router.config import RouterConfig
 from router.discovery import dns_discovery, redis_discovery
-from router.dispatcher import Dispatcher, timed
+from router.dispatcher import Dispatcher, Latency
 from router.endpoints import EndpointRegistry
 from router.errors import APIError, bad_request
 from router.health import HealthChecker
@@ -190,7 +190,9 @@ class Router:
     async def _complete(self, reqs: list[GenRequest], t0: float) -> web.Response:
         async def one(req: GenRequest) -> dict[str, Any]:
             r: dict[str, Any] = {"text": [], "logprobs": [], "finish_reason": "stop", "prompt": 0, "completion": 0, "cached": 0}
-            async for c in timed(self.dispatcher.run(req), self.metrics, t0):
+            latency = Latency(self.metrics, t0)
+            async for c in self.dispatcher.run(req):
+                latency.observe(c)
                 r["text"].append(c.text)
                 r["logprobs"] += c.logprobs
                 if c.finish_reason:
@@ -222,9 +224,9 @@ class Router:
     async def _stream(self, request: web.Request, reqs: list[GenRequest], t0: float) -> web.StreamResponse:
         writers = [StreamWriter(r, self.model_name, self.tokenizer) for r in reqs]
         if len(reqs) == 1:
-            source = timed(self.dispatcher.run(reqs[0]), self.metrics, t0)
+            source = self.dispatcher.run(reqs[0])
         else:
-            source = _merge([timed(self.dispatcher.run(r), self.metrics, t0) for r in reqs])
+            source = _merge([self.dispatcher.run(r) for r in reqs])
         try:
             return await self._write_stream(request, reqs, writers, source, t0)
         finally:
@@ -245,12 +247,14 @@ class Router:
         # together, and so do the last text, the finish, usage and [DONE] (a syscall each was
         # most of the router's per-request cost in front of a fast upstream).
         out: list[bytes] = [w.role() for w in writers] if reqs[0].kind == "chat" else []
+        latencies = [Latency(self.metrics, t0) for _ in reqs]
         finished = 0
         try:
             tagged = len(reqs) > 1  # several prompts: items are (choice index, chunk)
             item = first
             while item is not None:
                 i, c = item if tagged else (0, item)
+                latencies[i].observe(c)
                 w = writers[i]
                 if c.text or c.logprobs:
                     out.append(w.text(c.text, c.logprobs))

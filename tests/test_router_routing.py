@@ -116,6 +116,8 @@ async def test_ten_turn_session_stays_on_one_pair_across_two_routers(pd4):
     messages = [{"role": "system", "content": "You are a tool-using agent. " * 8}]
     pairs = set()
     ok_before = await metric(r1, "splitfire_router_requests_total", route="/v1/chat/completions", status="200")
+    ttft_before = await metric(r1, "splitfire_router_ttft_seconds_count")
+    itl_before = await metric(r1, "splitfire_router_inter_token_seconds_count")
     for turn in range(10):
         messages.append({"role": "user", "content": f"step {turn}: call the tool"})
         text, served = await chat(r1 if turn % 2 == 0 else r2, messages, session="agent-42")
@@ -125,9 +127,15 @@ async def test_ten_turn_session_stays_on_one_pair_across_two_routers(pd4):
     prefill, decode = next(iter(pairs))
     assert await metric(r1, "splitfire_router_requests_total", route="/v1/chat/completions",
                         status="200") == ok_before + 5
+    # TTFT once per request; an inter-token gap for each of the other 7 tokens (a chunk of n
+    # tokens counts n gaps; only a first chunk that already held 2 tokens would count fewer).
+    assert await metric(r1, "splitfire_router_ttft_seconds_count") == ttft_before + 5
+    assert 5 * 6 <= await metric(r1, "splitfire_router_inter_token_seconds_count") - itl_before <= 5 * 7
     for role, ep in (("prefill", prefill), ("decode", decode)):
         assert await metric(r1, "splitfire_router_routing_decisions_total", policy="token", role=role,
                             endpoint=ep) >= 5
+    await chat(r1, messages[:2], stream=True)  # the streaming path observes them too
+    assert await metric(r1, "splitfire_router_ttft_seconds_count") == ttft_before + 6
     # Another session is free to land elsewhere; a third router-independent check: the pin is in Redis.
     import redis
 
