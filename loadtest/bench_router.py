@@ -34,27 +34,21 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / TICK
 
 
-SERVER_CPUS: set[int] | None = None  # set by --pin-client: the cores the servers may use
-
-
-def pin_client() -> str:
+def pin_client() -> tuple[set[int] | None, str]:
     """The load generator gets core 0 and the servers the rest, so the generator's own CPU use
     does not count as router latency (in production the clients are on other machines).
-    Returns a line describing the layout."""
-    global SERVER_CPUS
+    Returns the servers' cores (None: no pinning) and a line describing the layout."""
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) < 2:
-        return f"cores: {len(cpus)}, shared by load generator and servers"
-    SERVER_CPUS = set(cpus[1:])
+        return None, f"cores: {len(cpus)}, shared by load generator and servers"
     os.sched_setaffinity(0, {cpus[0]})
-    return f"cores: load generator on {cpus[0]}, upstream/router/workers on {sorted(SERVER_CPUS)}"
+    return set(cpus[1:]), f"cores: load generator on {cpus[0]}, upstream/router/workers on {cpus[1:]}"
 
 
-def spawn(args: list[str], ready: str, log: Path) -> subprocess.Popen:
+def spawn(args: list[str], ready: str, log: Path, cpus: set[int] | None = None) -> subprocess.Popen:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "SPLITFIRE_LOG_LEVEL": os.environ.get("SPLITFIRE_BENCH_LOG_LEVEL", "WARNING"),
            "PYTHONPATH": str(ROOT), "MC_LOG_LEVEL": "ERROR"}
     f = open(log, "w")
-    cpus = SERVER_CPUS
     p = subprocess.Popen([sys.executable, *args], stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
                          preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
     deadline = time.monotonic() + 120
@@ -141,7 +135,11 @@ def main() -> int:
                    "servers (default: it gets a core of its own when there are at least 2)")
     p.add_argument("--out", default="loadtest/results")
     args = p.parse_args()
-    print(f"cores: {len(os.sched_getaffinity(0))}, all shared" if args.shared_cores else pin_client())
+    if args.shared_cores:
+        cpus, layout = None, f"cores: {len(os.sched_getaffinity(0))}, all shared"
+    else:
+        cpus, layout = pin_client()
+    print(layout)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     levels = [int(c) for c in args.concurrency.split(",")]
@@ -151,10 +149,10 @@ def main() -> int:
     try:
         up_port, r_port = free_port(), free_port()
         procs.append(spawn(["-m", "loadtest.fake_upstream", "--port", str(up_port)], "fake upstream ready",
-                           out / "fake_upstream.log"))
+                           out / "fake_upstream.log", cpus))
         router = spawn(["-m", "splitfire_cli", "router", "--host", "127.0.0.1", "--port", str(r_port),
                         "--served-model-name", "fake", "--openai-upstream", f"http://127.0.0.1:{up_port}",
-                        "--max-concurrency", "1024"], "router ready", out / "router_http.log")
+                        "--max-concurrency", "1024"], "router ready", out / "router_http.log", cpus)
         procs.append(router)
         up_url, r_url = f"http://127.0.0.1:{up_port}", f"http://127.0.0.1:{r_port}"
         asyncio.run(http_load(r_url, 4, 1.0, "fake", 64))  # warm-up
@@ -175,10 +173,10 @@ def main() -> int:
                                 "--grpc-port", str(w_port), "--metrics-port", str(free_port()),
                                 "--kv-cache-gb", "0.05", "--max-num-seqs", "128", "--max-num-batched-tokens", "1024",
                                 "--stream-interval", str(args.stream_interval)],
-                               "worker ready", out / "worker.log"))
+                               "worker ready", out / "worker.log", cpus))
             router2 = spawn(["-m", "splitfire_cli", "router", "--host", "127.0.0.1", "--port", str(r2_port), "--model",
                              str(model), "--served-model-name", "tiny", "--colocated", f"127.0.0.1:{w_port}",
-                             "--max-concurrency", "1024"], "router ready", out / "router_grpc.log")
+                             "--max-concurrency", "1024"], "router ready", out / "router_grpc.log", cpus)
             procs.append(router2)
             asyncio.run(http_load(f"http://127.0.0.1:{r2_port}", 4, 1.0, "tiny", 64))
             for c in levels:

@@ -11,10 +11,13 @@ read, with flow control so a slow client pauses the upstream instead of bufferin
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
 import ssl
 from dataclasses import dataclass
 from urllib.parse import urlsplit
+
+log = logging.getLogger("splitfire.router")
 
 _MAX_HEAD = 64 * 1024  # a response head larger than this is not an OpenAI server's
 _HIGH_WATER = 1 << 20  # decoded body bytes buffered before the socket stops being read
@@ -30,13 +33,18 @@ class Origin:
     host: str
     port: int
     prefix: str  # path prefix of the base URL, e.g. "" or "/proxy"
+    host_header: str  # the Host header's value
 
     @staticmethod
     def parse(base_url: str) -> Origin:
         u = urlsplit(base_url)
         if u.scheme not in ("http", "https") or not u.hostname:
             raise ValueError(f"not an http(s) URL: {base_url!r}")
-        return Origin(u.scheme, u.hostname, u.port or (443 if u.scheme == "https" else 80), u.path.rstrip("/"))
+        port = u.port or (443 if u.scheme == "https" else 80)
+        host = f"[{u.hostname}]" if ":" in u.hostname else u.hostname  # IPv6 literal
+        if port not in (80, 443):
+            host = f"{host}:{port}"
+        return Origin(u.scheme, u.hostname, port, u.path.rstrip("/"), host)
 
 
 def _chunk_size(line: bytes) -> int:
@@ -297,6 +305,7 @@ class HTTPClient:
         self.max_idle_per_origin = max_idle_per_origin
         self._idle: dict[Origin, list[Response]] = {}
         self._ssl: ssl.SSLContext | None = None
+        self._origins: dict[str, Origin] = {}
         self._draining: set[asyncio.Task[None]] = set()
 
     async def _connect(self, origin: Origin) -> Response:
@@ -328,12 +337,12 @@ class HTTPClient:
         """Sends the request and waits for the response head. Read the body with `read_some`,
         then hand the connection back with `release` (always, also on errors). `timeout_s`
         bounds the whole exchange, head and body."""
-        origin = Origin.parse(base_url)
+        origin = self._origins.get(base_url)
+        if origin is None:  # a handful of upstreams, parsed once each
+            origin = self._origins[base_url] = Origin.parse(base_url)
         extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
-        host = f"[{origin.host}]" if ":" in origin.host else origin.host  # IPv6 literal
-        if origin.port not in (80, 443):
-            host = f"{host}:{origin.port}"
-        msg = (f"{method} {origin.prefix}{path} HTTP/1.1\r\nHost: {host}\r\nContent-Length: {len(body)}\r\n"
+        msg = (f"{method} {origin.prefix}{path} HTTP/1.1\r\nHost: {origin.host_header}\r\n"
+               f"Content-Length: {len(body)}\r\n"
                f"{extra}\r\n").encode("latin-1") + body
         conn = self._take_idle(origin)
         reused = conn is not None
@@ -386,8 +395,8 @@ class HTTPClient:
             try:
                 async with asyncio.timeout(timeout_s):
                     await conn.read_all(limit=1 << 16)
-            except (HTTPClientError, TimeoutError):
-                pass  # not reusable: release() closes it
+            except (HTTPClientError, TimeoutError) as e:  # not reusable: release() closes it
+                log.debug("event=upstream_drain_failed host=%s error=%r", conn.origin.host_header, e)
             finally:
                 self.release(conn)
                 self._draining.discard(task)

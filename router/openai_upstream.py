@@ -34,13 +34,8 @@ def _stream_end(lines: bytes) -> int:
 
 def _batch_text(lines: bytes) -> str | None:
     """The text of a whole read's worth of plain content-delta events in one regex pass and one
-    string decode (the common case while streaming); None when any event needs a closer look."""
-    if _stream_end(lines) != -1:
-        return None
-    return _plain_text(lines)
-
-
-def _plain_text(lines: bytes) -> str | None:
+    string decode (the common case while streaming); None when any event is something else.
+    For lines before `_stream_end`: it does not look for a finish inside a content event."""
     parts = _CONTENT.findall(lines)
     if len(parts) != lines.count(b"data:"):
         return None
@@ -73,7 +68,7 @@ def parse_events(lines: bytes) -> tuple[Chunk, bool]:
     else:
         head, rest = lines, b""
     if head:
-        text = _plain_text(head)
+        text = _batch_text(head)
         if text is None:
             rest = lines
         else:

@@ -50,16 +50,21 @@ def _pick_port(preferred: int, taken: set[int]) -> int:
     return port
 
 
+def _explicit(spec: str, n_workers: int, flag: str, what: str) -> list[str]:
+    """A 'LIST;LIST;...' spec: one entry per worker, in start order."""
+    parts = [p.strip() for p in spec.split(";")]
+    if len(parts) != n_workers:
+        raise ValueError(f"{flag} names {len(parts)} {what} lists for {n_workers} workers")
+    return parts
+
+
 def plan_cpus(spec: str, n_workers: int) -> list[str]:
     """Core lists per worker, in start order: 'auto' splits the cores evenly, 'none' pins nothing,
     or an explicit 'LIST;LIST;...' (e.g. '0;1' or '0-3;4-7')."""
     if spec == "none":
         return [""] * n_workers
     if spec != "auto":
-        parts = [p.strip() for p in spec.split(";")]
-        if len(parts) != n_workers:
-            raise ValueError(f"--cpus names {len(parts)} core lists for {n_workers} workers")
-        return parts
+        return _explicit(spec, n_workers, "--cpus", "core")
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) < n_workers:
         return [""] * n_workers  # fewer cores than workers: let the OS share them
@@ -73,10 +78,7 @@ def plan_gpus(spec: str, n_workers: int, device_count: int) -> list[str]:
     if spec == "none" or device_count == 0:
         return [""] * n_workers
     if spec != "auto":
-        parts = [p.strip() for p in spec.split(";")]
-        if len(parts) != n_workers:
-            raise ValueError(f"--gpus names {len(parts)} device lists for {n_workers} workers")
-        return parts
+        return _explicit(spec, n_workers, "--gpus", "device")
     if device_count >= n_workers:
         return [str(i) for i in range(n_workers)]
     return [""] * n_workers

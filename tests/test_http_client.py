@@ -100,6 +100,13 @@ async def server():
     await runner.cleanup()
 
 
+@pytest.fixture
+async def client():
+    c = HTTPClient()
+    yield c
+    await c.close()
+
+
 async def _read(client: HTTPClient, url: str, n: int) -> bytes:
     r = await client.request("POST", url, "/stream", f'{{"n": {n}}}'.encode(), {"Content-Type": "application/json"})
     try:
@@ -109,77 +116,57 @@ async def _read(client: HTTPClient, url: str, n: int) -> bytes:
         client.release(r)
 
 
-async def test_streams_and_reuses_one_keep_alive_connection(server):
+async def test_streams_and_reuses_one_keep_alive_connection(server, client):
     url, state = server
-    client = HTTPClient()
-    try:
-        for n in (1, 50, 3):
-            assert await _read(client, url, n) == b"".join(f"data: {i}\n\n".encode() for i in range(n))
-        assert state["requests"] == 3 and len(state["peers"]) == 1
-        r = await client.request("GET", url, "/plain", headers={"x-test": "hdr"})
-        assert (r.status, await r.read_all()) == (503, b"busy hdr")
-        client.release(r)
-        assert len(state["peers"]) == 1
-    finally:
-        await client.close()
+    for n in (1, 50, 3):
+        assert await _read(client, url, n) == b"".join(f"data: {i}\n\n".encode() for i in range(n))
+    assert state["requests"] == 3 and len(state["peers"]) == 1
+    r = await client.request("GET", url, "/plain", headers={"x-test": "hdr"})
+    assert (r.status, await r.read_all()) == (503, b"busy hdr")
+    client.release(r)
+    assert len(state["peers"]) == 1
 
 
-async def test_abandoned_response_is_not_reused(server):
+async def test_abandoned_response_is_not_reused(server, client):
     url, state = server
-    client = HTTPClient()
-    try:
-        r = await client.request("POST", url, "/stream", b'{"n": 5000}')
-        assert await r.read_some()
-        client.release(r)  # not read to the end: must be closed, not pooled
-        assert await _read(client, url, 2) == b"data: 0\n\ndata: 1\n\n"
-        assert len(state["peers"]) == 2
-    finally:
-        await client.close()
+    r = await client.request("POST", url, "/stream", b'{"n": 5000}')
+    assert await r.read_some()
+    client.release(r)  # not read to the end: must be closed, not pooled
+    assert await _read(client, url, 2) == b"data: 0\n\ndata: 1\n\n"
+    assert len(state["peers"]) == 2
 
 
-async def test_stale_idle_connection_is_retried_once_on_a_fresh_one(server):
+async def test_stale_idle_connection_is_retried_once_on_a_fresh_one(server, client):
     url, state = server
-    client = HTTPClient()
-    try:
-        await _read(client, url, 1)
-        (conn,) = client._idle[Origin.parse(url)]
-        conn.transport.pause_reading()  # the close below stays unnoticed, as after a server's idle timeout
-        conn.transport.get_extra_info("socket").shutdown(2)
-        assert await _read(client, url, 2) == b"data: 0\n\ndata: 1\n\n"
-        assert state["requests"] == 2 and len(state["peers"]) == 2  # the retry went out on a new socket
-    finally:
-        await client.close()
+    await _read(client, url, 1)
+    (conn,) = client._idle[Origin.parse(url)]
+    conn.transport.pause_reading()  # the close below stays unnoticed, as after a server's idle timeout
+    conn.transport.get_extra_info("socket").shutdown(2)
+    assert await _read(client, url, 2) == b"data: 0\n\ndata: 1\n\n"
+    assert state["requests"] == 2 and len(state["peers"]) == 2  # the retry went out on a new socket
 
 
-async def test_failures_raise_with_context(server):
+async def test_failures_raise_with_context(server, client):
     url, _ = server
-    client = HTTPClient(connect_timeout_s=2)
-    try:
-        r = await client.request("POST", url, "/die", b"{}")
-        with pytest.raises(HTTPClientError, match="mid-response"):
-            await r.read_all()
-        client.release(r)
-        with pytest.raises(HTTPClientError, match="cannot connect"):
-            await client.request("GET", "http://127.0.0.1:1", "/x")
-    finally:
-        await client.close()
+    r = await client.request("POST", url, "/die", b"{}")
+    with pytest.raises(HTTPClientError, match="mid-response"):
+        await r.read_all()
+    client.release(r)
+    with pytest.raises(HTTPClientError, match="cannot connect"):
+        await client.request("GET", "http://127.0.0.1:1", "/x")
 
 
-async def test_slow_reader_pauses_the_socket(server):
+async def test_slow_reader_pauses_the_socket(server, client):
     url, _ = server
-    client = HTTPClient()
-    try:
-        r = await client.request("POST", url, "/stream", b'{"n": 8000, "pad": 1000}')
-        await asyncio.sleep(0.5)  # the server writes ~8 MB while nobody reads
-        assert r._paused and len(r._body) < 3 * 2**20
-        total = len(await r.read_all())
-        assert total == sum(len(f"data: {i}\n\n") + 1000 for i in range(8000))
-        client.release(r)
-    finally:
-        await client.close()
+    r = await client.request("POST", url, "/stream", b'{"n": 8000, "pad": 1000}')
+    await asyncio.sleep(0.5)  # the server writes ~8 MB while nobody reads
+    assert r._paused and len(r._body) < 3 * 2**20
+    total = len(await r.read_all())
+    assert total == sum(len(f"data: {i}\n\n") + 1000 for i in range(8000))
+    client.release(r)
 
 
-async def test_deadline_fails_a_silent_upstream():
+async def test_deadline_fails_a_silent_upstream(client):
     done = asyncio.Event()
 
     async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -191,7 +178,6 @@ async def test_deadline_fails_a_silent_upstream():
 
     srv = await asyncio.start_server(silent, "127.0.0.1", 0)
     port = srv.sockets[0].getsockname()[1]
-    client = HTTPClient()
     try:
         loop = asyncio.get_running_loop()
         t0 = loop.time()
@@ -204,11 +190,10 @@ async def test_deadline_fails_a_silent_upstream():
         assert not client._idle.get(Origin.parse(f"http://127.0.0.1:{port}"))
     finally:
         done.set()
-        await client.close()
         srv.close()
 
 
-async def test_ipv6_literal_upstream():
+async def test_ipv6_literal_upstream(client):
     async def handler(request: web.Request) -> web.Response:
         return web.Response(text=request.headers["Host"])
 
@@ -223,11 +208,9 @@ async def test_ipv6_literal_upstream():
         await runner.cleanup()
         pytest.skip("no IPv6 loopback here")
     port = site._server.sockets[0].getsockname()[1]
-    client = HTTPClient()
     try:
         r = await client.request("GET", f"http://[::1]:{port}", "/h")
         assert (r.status, await r.read_all()) == (200, f"[::1]:{port}".encode())
         client.release(r)
     finally:
-        await client.close()
         await runner.cleanup()
