@@ -32,6 +32,12 @@ SYSTEM_UNIT = ("You are a coding agent with tools read_file(path), run_tests(), 
                "turn and report results concisely. ")
 
 
+# name: (router policy, send x-session-affinity, row label)
+PLACEMENTS = {"affinity": ("token", True, "token + x-session-affinity"),
+              "token": ("token", False, "token, no affinity header"),
+              "random": ("random", False, "random, no affinity header")}
+
+
 async def run_sessions(url: str, sessions: int, turns: int, use_affinity: bool, seed: int, system: str,
                        max_tokens: int) -> int:
     rng = random.Random(seed)
@@ -71,7 +77,7 @@ async def hit_ratio(workers: list[str]) -> tuple[int, int]:
     return hit, query
 
 
-def run(policy: str, affinity: bool, model: str, args: argparse.Namespace, out: Path) -> tuple[float, int]:
+def run(policy: str, affinity: bool, model: str, kv_gb: float, args: argparse.Namespace, out: Path) -> tuple[float, int]:
     procs = []
     try:
         addrs = []
@@ -79,7 +85,7 @@ def run(policy: str, affinity: bool, model: str, args: argparse.Namespace, out: 
             port = free_port()
             procs.append(spawn(["-m", "splitfire_cli", "serve", "--model", model, "--host", "127.0.0.1",
                                 "--grpc-port", str(port), "--metrics-port", str(free_port()), "--kv-cache-gb",
-                                str(args.kv_cache_gb), "--threads", "1"], "worker ready", out / f"aff-w{i}.log"))
+                                str(kv_gb), "--threads", "1"], "worker ready", out / f"aff-w{i}.log"))
             addrs.append(f"127.0.0.1:{port}")
         rport = free_port()
         procs.append(spawn(["-m", "splitfire_cli", "router", "--host", "127.0.0.1", "--port", str(rport), "--model",
@@ -106,8 +112,9 @@ def main() -> int:
     p.add_argument("--system-repeats", type=int, default=8, help="system prompt = 8 x a 25-word tool preamble "
                    "(200 words, a small agent's tool definitions)")
     p.add_argument("--max-tokens", type=int, default=64, help="the agent's reply per turn (a tool call)")
-    p.add_argument("--kv-cache-gb", type=float, default=0.2, help="per worker; 0.2 GB holds ~4.5k SmolLM2 tokens "
-                   "(fp32), a bit more than a worker's share of the sessions' final contexts")
+    p.add_argument("--kv-cache-gb", default="0.2", help="per worker, or a comma-separated sweep; 0.2 GB holds ~4.5k "
+                   "SmolLM2 tokens (fp32), a bit more than a worker's share of the sessions' final contexts")
+    p.add_argument("--placements", default=",".join(PLACEMENTS), help="which of " + ", ".join(PLACEMENTS))
     p.add_argument("--out", default="loadtest/results")
     args = p.parse_args()
     out = Path(args.out)
@@ -122,16 +129,23 @@ def main() -> int:
         from engine.model_store import resolve_model
 
         model = str(resolve_model(model))
-    rows = [("token + x-session-affinity", *run("token", True, model, args, out)),
-            ("token, no affinity header", *run("token", False, model, args, out)),
-            ("random, no affinity header", *run("random", False, model, args, out))]
-    print(f"\n{args.sessions} agent sessions x {args.turns} turns, shared system prompt ({args.system_repeats} x 25 "
+    placements = args.placements.split(",")
+    if unknown := set(placements) - set(PLACEMENTS):
+        p.error(f"unknown placements {sorted(unknown)}; choose from {', '.join(PLACEMENTS)}")
+    sizes = [float(x) for x in args.kv_cache_gb.split(",")]
+    print(f"{args.sessions} agent sessions x {args.turns} turns, shared system prompt ({args.system_repeats} x 25 "
           f"words), 20-50 words of tool output and a reply of up to {args.max_tokens} tokens per turn, "
-          f"{args.workers} workers with {args.kv_cache_gb} GB of KV cache each, model {Path(model).name}")
-    print(f"{'placement':<30}{'prefix-hit ratio':>18}{'errors':>8}")
-    for name, ratio, errors in rows:
-        print(f"{name:<30}{ratio:>18.1%}{errors:>8}")
-    print(f"affinity / random = {rows[0][1] / rows[2][1]:.2f}   (targets: affinity >= 90%, >= 2x random)")
+          f"{args.workers} workers, model {Path(model).name}")
+    print(f"{'KV GB/worker':<14}{'placement':<30}{'prefix-hit ratio':>18}{'errors':>8}", flush=True)
+    for kv_gb in sizes:
+        ratios = {}
+        for name in placements:
+            policy, affinity, label = PLACEMENTS[name]
+            ratios[name], errors = run(policy, affinity, model, kv_gb, args, out)
+            print(f"{kv_gb:<14}{label:<30}{ratios[name]:>18.1%}{errors:>8}", flush=True)
+        if "affinity" in ratios and "random" in ratios:
+            print(f"{kv_gb:<14}affinity / random = {ratios['affinity'] / ratios['random']:.2f}   "
+                  "(targets: affinity >= 90%, >= 2x random)", flush=True)
     return 0
 
 

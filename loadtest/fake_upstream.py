@@ -1,17 +1,19 @@
 """An OpenAI-compatible server that streams a fixed number of tokens with no delay: the
 zero-cost upstream that isolates the router's own overhead in `bench_router.py`. Events are
-compact JSON, as vLLM, SGLang and llama.cpp send them."""
+compact JSON, as vLLM, SGLang and llama.cpp send them. With `--token-interval-ms` it paces
+tokens like a real decode step, so each token reaches the router in a read of its own."""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import time
 
 from aiohttp import web
 
 
-def make_app(tokens: int) -> web.Application:
+def make_app(tokens: int, interval_s: float = 0.0) -> web.Application:
     async def chat(request: web.Request) -> web.StreamResponse:
         body = await request.json()
         n = min(int(body.get("max_tokens") or tokens), tokens)
@@ -26,6 +28,8 @@ def make_app(tokens: int) -> web.Application:
         head = f'data: {{"id":"chatcmpl-fake","object":"chat.completion.chunk","created":{created},"model":"fake","choices":[{{"index":0,"delta":{{"content":"tok "}},"finish_reason":null}}]}}\n\n'.encode()
         for _ in range(n):
             await resp.write(head)
+            if interval_s:
+                await asyncio.sleep(interval_s)
         done = {"id": "chatcmpl-fake", "object": "chat.completion.chunk", "created": created, "model": "fake",
                 "choices": [{"index": 0, "delta": {}, "finish_reason": "length"}],
                 "usage": {"prompt_tokens": 8, "completion_tokens": n, "total_tokens": 8 + n}}
@@ -46,6 +50,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--token-interval-ms", type=float, default=0.0, help="pause after each token (0: none)")
     a = p.parse_args()
     try:
         import uvloop
@@ -54,7 +59,7 @@ def main() -> None:
     except ImportError:
         pass
     print(f"fake upstream ready on {a.port}", flush=True)
-    web.run_app(make_app(a.tokens), host="127.0.0.1", port=a.port, print=None, access_log=None)
+    web.run_app(make_app(a.tokens, a.token_interval_ms / 1000), host="127.0.0.1", port=a.port, print=None, access_log=None)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ import logging
 import socket
 import ssl
 from dataclasses import dataclass
+from itertools import repeat
 from urllib.parse import urlsplit
 
 log = logging.getLogger("splitfire.router")
@@ -189,7 +190,35 @@ class Response(asyncio.Protocol):
         self._head_done = True
         return True
 
+    def _whole_chunks(self) -> None:
+        """The common case at C speed: a read holding whole chunks, one SSE event each (how vLLM,
+        SGLang and aiohttp servers frame a stream). Splitting at CRLF gives size, data, size, data...
+        as long as no data holds a CRLF itself; every declared size must equal its data's length,
+        which also proves that. Anything else (a CRLF in the data, extensions, trailers, a chunk cut
+        by the read) is left to the byte-by-byte loop: 64 events cost ~40 us there, ~10 us here."""
+        raw = self._raw
+        parts = raw.split(b"\r\n")
+        pairs = (len(parts) - 1) // 2  # a pair is whole when its data is followed by CRLF
+        if not pairs:
+            return
+        datas = parts[1 : 2 * pairs : 2]
+        try:
+            sizes = list(map(int, parts[0 : 2 * pairs : 2], repeat(16)))
+        except ValueError:
+            return
+        if sizes != list(map(len, datas)):
+            return
+        if 0 in sizes:  # the last chunk: its empty data is the end of an empty trailer section
+            pairs = sizes.index(0) + 1
+            self._complete = True
+        self._body += b"".join(datas[:pairs])
+        del raw[: sum(map(len, parts[: 2 * pairs])) + 4 * pairs]
+
     def _parse_chunked(self) -> None:
+        if not (self._left or self._skip or self._trailer):
+            self._whole_chunks()
+            if self._complete:
+                return
         raw, out = self._raw, self._body
         pos, n = 0, len(raw)
         if self._left or self._skip:  # resuming a chunk split across reads

@@ -6,8 +6,9 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from json.decoder import scanstring
+from operator import itemgetter
 from typing import Any
 
 from router.chunks import Chunk, WorkerError
@@ -56,10 +57,10 @@ def _fast_text(payload: bytes) -> str | None:
     return None
 
 
-def parse_events(lines: bytes) -> tuple[Chunk, bool]:
+def parse_events(lines: bytes, batch_text: Callable[[bytes], str | None] = _batch_text) -> tuple[Chunk, bool]:
     """One network read's complete SSE lines as one Chunk, and whether `[DONE]` was among them.
     Plain content deltas before the first event that ends the stream (finish, usage, [DONE]) go
-    through the batch path; only the events from there on are parsed one by one."""
+    through `batch_text`; only the events from there on are parsed one by one."""
     c = Chunk()
     end = _stream_end(lines)
     if end != -1:
@@ -68,7 +69,7 @@ def parse_events(lines: bytes) -> tuple[Chunk, bool]:
     else:
         head, rest = lines, b""
     if head:
-        text = _batch_text(head)
+        text = batch_text(head)
         if text is None:
             rest = lines
         else:
@@ -86,6 +87,96 @@ def parse_events(lines: bytes) -> tuple[Chunk, bool]:
         else:
             _merge_event(c, json.loads(event))
     return c, False
+
+
+def _closing_quote(line: bytes, start: int) -> int:
+    """Index of the quote that ends the JSON string starting at `start` (-1 if it does not end)."""
+    j = line.find(b'"', start)
+    while j != -1:
+        k = j
+        while k > start and line[k - 1] == 0x5C:  # backslash
+            k -= 1
+        if (j - k) % 2 == 0:
+            return j
+        j = line.find(b'"', j + 1)
+    return -1
+
+
+class EventParser:
+    """One upstream stream's SSE. vLLM and SGLang send every plain delta of a stream with the same
+    bytes around its text (same id, created, model, index); once one such event has been seen,
+    a whole read of them is one `split` on that frame and one string decode (~15 us for 64
+    events, against ~60 us for the regex pass). A read that does not fit the frame exactly is
+    parsed by `parse_events`, which never depends on it."""
+
+    def __init__(self) -> None:
+        self._pre = b""  # an event's bytes up to its text's opening quote ("" until learned)
+        self._post = b""  # and from its closing quote on
+        self._sep = b""  # what lies between two texts in a read of framed events
+        self._text_at = itemgetter(slice(0, 0))  # an event's text, by position
+        self._buf = b""  # an incomplete line
+
+    def feed(self, data: bytes) -> tuple[Chunk | None, bool]:
+        """One network read: the Chunk of the complete lines so far (None when there are none),
+        and whether `[DONE]` was among them."""
+        self._buf += data
+        if b"\n" not in data:
+            return None, False
+        lines, self._buf = self._buf.rsplit(b"\n", 1)
+        return self.parse(lines)
+
+    def parse(self, lines: bytes) -> tuple[Chunk, bool]:
+        if not self._pre:
+            c, done = parse_events(lines)
+        else:
+            text = self._framed_text(lines)
+            if text is not None:
+                return Chunk(text=text), False
+            # Most likely the read that ends the stream: the deltas before its end still fit.
+            c, done = parse_events(lines, self._batch_text)
+        if not done:
+            self._learn(lines)
+        return c, done
+
+    def _batch_text(self, lines: bytes) -> str | None:
+        text = self._framed_text(lines)
+        return _batch_text(lines) if text is None else text
+
+    def _framed_text(self, lines: bytes) -> str | None:
+        lines = lines.strip(b"\n")
+        pre, post = self._pre, self._post
+        if not (lines.startswith(pre) and lines.endswith(post)):
+            return None
+        parts = lines.split(b"\n")  # one byte: memchr speed; a longer separator scans ~3x slower
+        events = parts[::2]
+        if any(parts[1::2]):  # events are not separated by exactly one blank line
+            return None
+        texts = list(map(self._text_at, events))
+        # Every event is the frame around its text exactly when they join back into the read.
+        # A JSON string holds no unescaped quote, so one left over means the frame was ambiguous
+        # (a text with an escaped quote): parse in full.
+        if self._sep.join(texts) != lines[len(pre) : len(lines) - len(post)]:
+            return None
+        body = b"".join(texts)
+        if b'"' in body:
+            return None
+        return json.loads(b'"' + body + b'"')
+
+    def _learn(self, lines: bytes) -> None:
+        """Takes the frame from the read's last event if it is a plain delta."""
+        line = lines[lines.rfind(b"data:") :].strip()
+        if _fast_text(line[5:].strip()) is None:
+            return
+        for key in (b'"content":"', b'"text":"'):
+            i = line.find(key)
+            if i != -1:
+                start = i + len(key)
+                end = _closing_quote(line, start)
+                if end != -1:
+                    self._pre, self._post = line[:start], line[end:]
+                    self._sep = self._post + b"\n\n" + self._pre
+                    self._text_at = itemgetter(slice(start, end - len(line)))
+                return
 
 
 def _merge_event(c: Chunk, obj: dict[str, Any]) -> None:
@@ -129,13 +220,11 @@ class OpenAIUpstreamClient:
             # One Chunk per network read, not per SSE line: when the upstream is ahead of us,
             # its lines arrive together and leave as one write (a syscall per token was the
             # router's largest per-chunk cost).
-            buf = b""
+            events = EventParser()
             while data := await resp.read_some():
-                buf += data
-                if b"\n" not in data:
+                c, done = events.feed(data)
+                if c is None:
                     continue
-                lines, buf = buf.rsplit(b"\n", 1)
-                c, done = parse_events(lines)
                 if done:
                     # Everything is here; the body's last bytes may still be in flight: pool the
                     # connection when they arrive instead of waiting for them.

@@ -40,6 +40,23 @@ def test_chunked_body_decodes_at_every_split_point():
         assert bytes(_feed(CHUNKED, cuts)._body) == b"hello abcdefghijklmnopqrstuvwxyz"
 
 
+def test_whole_chunks_fast_path_agrees_with_the_byte_loop():
+    """Reads of whole SSE-event chunks take the split fast path; a CRLF inside a chunk's data, a
+    chunk cut by the read, and the last chunk must all come out the same."""
+    events = [b"data: {\"a\":%d}\n\n" % i for i in range(40)] + [b"odd\r\ndata\r\n", b"x" * 300]
+    body = b"".join(events)
+    raw = (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+           + b"".join(b"%x\r\n%s\r\n" % (len(e), e) for e in events) + b"0\r\n\r\n")
+    head = raw.index(b"\r\n\r\n") + 4
+    for cut in range(head, len(raw)):
+        r = _feed(raw, [head, cut])
+        assert bytes(r._body) == body and r._complete and not r._raw, cut
+    rng = random.Random(1)
+    for _ in range(200):
+        r = _feed(raw, sorted(rng.sample(range(1, len(raw)), 30)))
+        assert bytes(r._body) == body and r._complete
+
+
 def test_content_length_close_delimited_and_interim_heads():
     r = _feed(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 404 Not Found\r\nContent-Length: 4\r\n\r\nnope", [30])
     assert (r.status, bytes(r._body), r._complete, r.keep_alive) == (404, b"nope", True, True)

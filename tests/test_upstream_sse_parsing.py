@@ -49,3 +49,75 @@ def test_read_with_a_finish_parses_like_json_whatever_the_spacing():
         assert (c.prompt_tokens, c.completion_tokens) == (5, 3)
     c, done = parse_events(b"\n\n".join(plain))
     assert not done and c.text == 'ab\u00e9"c"' and c.finish_reason is None
+
+
+def _stream(rng, texts: list[str], spaced: bool = False) -> bytes:
+    """An upstream's SSE body: role event, one event per text (the odd reasoning delta and
+    keep-alive comment among them), finish, usage, [DONE]."""
+    sep = (", ", ": ") if spaced else (",", ":")
+
+    def ev(obj: dict) -> bytes:
+        return b"data: " + json.dumps(obj, ensure_ascii=rng.random() < 0.5, separators=sep).encode() + b"\n\n"
+
+    base = {"id": "chatcmpl-7", "object": "chat.completion.chunk", "created": 1, "model": "m"}
+    out = [ev({**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                    "finish_reason": None}]})]
+    for t in texts:
+        if rng.random() < 0.05:
+            out.append(ev({**base, "choices": [{"index": 0, "delta": {"reasoning_content": "hm"},
+                                                "logprobs": None, "finish_reason": None}]}))
+        if rng.random() < 0.05:
+            out.append(b": keep-alive\n\n")
+        out.append(ev({**base, "choices": [{"index": 0, "delta": {"content": t}, "logprobs": None,
+                                            "finish_reason": None}]}))
+    out.append(ev({**base, "choices": [{"index": 0, "delta": {}, "logprobs": None, "finish_reason": "length"}]}))
+    out.append(ev({**base, "choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": len(texts),
+                                                    "total_tokens": 9 + len(texts)}}))
+    return b"".join(out) + b"data: [DONE]\n\n"
+
+
+def test_framed_fast_path_gives_the_text_full_parsing_gives(monkeypatch):
+    """Random texts (quotes, backslashes, escapes, non-ASCII, empty), random read boundaries:
+    the learned-frame path and full parsing must agree, and the frame must carry most reads."""
+    import random
+
+    from router import openai_upstream as ou
+
+    full_parses = 0
+    real = ou.parse_events
+
+    def counting(*args):
+        nonlocal full_parses
+        full_parses += 1
+        return real(*args)
+
+    monkeypatch.setattr(ou, "parse_events", counting)
+    rng = random.Random(7)
+    alphabet = ["a", "b ", "é", "日本", "🚀", '"', "\\", "\n", "\t", "\\n", "data: ", '"}', "\u2028", ""]
+    for trial in range(300):
+        texts = ["".join(rng.choice(alphabet) for _ in range(rng.randint(0, 4))) for _ in range(rng.randint(1, 60))]
+        body = _stream(rng, texts, spaced=trial % 10 == 9)
+        cuts = sorted(rng.sample(range(1, len(body)), min(len(body) - 1, rng.randint(1, 40))))
+        p = ou.EventParser()
+        text, finish, usage, done = "", None, None, False
+        for a, b in zip([0, *cuts], [*cuts, len(body)], strict=True):
+            c, d = p.feed(body[a:b])
+            if c is not None:
+                text += c.text
+                finish = c.finish_reason or finish
+                usage = (c.prompt_tokens, c.completion_tokens) if c.completion_tokens else usage
+            if d:
+                done = True
+                break
+        assert done and text == "".join(texts) and finish == "length", trial
+        assert usage == (9, len(texts)), trial
+    # A plain stream read event by event (68 reads): only the role event, the first delta (where
+    # the frame is learned) and finish, usage and [DONE] need full parsing.
+    plain = _stream(random.Random(1), ["tok "] * 64).replace(b": keep-alive\n\n", b"")
+    plain = b"".join(e + b"\n\n" for e in plain.split(b"\n\n") if b"reasoning" not in e and e)
+    full_parses = 0
+    p = ou.EventParser()
+    reads = plain.split(b"\n\n")[:-1]
+    for e in reads:
+        p.feed(e + b"\n\n")
+    assert len(reads) == 68 and full_parses == 5
