@@ -5,6 +5,9 @@ Part 1 (HTTP): an OpenAI-compatible upstream that streams 64 tokens with no dela
 the TTFT the router adds, throughput, and the router's CPU seconds per 1000 streamed chunks
 (from /proc, so the load generator's own CPU is not counted).
 
+With `--paced-ms` (default 2): the same upstream pacing its tokens like a decode step, so each
+token reaches the router in a read of its own — the per-token cost a production router pays.
+
 Part 2 (PD over gRPC, --pd): a decode worker running the tiny test model, called directly
 over gRPC vs through the router over HTTP; same figures.
 
@@ -121,7 +124,7 @@ async def grpc_load(address: str, concurrency: int, duration: float, max_tokens:
 def row(label: str, c: int, direct: dict, routed: dict, cpu: float) -> str:
     added = (routed["ttft_p50"] - direct["ttft_p50"]) * 1000
     per_k = cpu / routed["chunks"] * 1000 if routed["chunks"] else float("nan")
-    return (f"{label:<10}{c:>5}{direct['ttft_p50'] * 1000:>12.2f}{routed['ttft_p50'] * 1000:>12.2f}{added:>10.2f}"
+    return (f"{label:<11}{c:>4}{direct['ttft_p50'] * 1000:>12.2f}{routed['ttft_p50'] * 1000:>12.2f}{added:>10.2f}"
             f"{direct['rps']:>11.1f}{routed['rps']:>11.1f}{per_k:>14.4f}")
 
 
@@ -133,6 +136,9 @@ def main() -> int:
     p.add_argument("--stream-interval", type=int, default=1, help="the worker's --stream-interval in gRPC mode")
     p.add_argument("--shared-cores", action="store_true", help="let the load generator share cores with the "
                    "servers (default: it gets a core of its own when there are at least 2)")
+    p.add_argument("--paced-ms", type=float, default=2.0, help="also measure an upstream that paces its tokens this "
+                   "far apart (each token its own read, as in production); 0: skip")
+    p.add_argument("--paced-concurrency", type=int, default=16)
     p.add_argument("--out", default="loadtest/results")
     args = p.parse_args()
     if args.shared_cores:
@@ -144,7 +150,7 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     levels = [int(c) for c in args.concurrency.split(",")]
     procs: list[subprocess.Popen] = []
-    print(f"{'mode':<10}{'conc':>5}{'TTFT direct':>12}{'TTFT router':>12}{'added ms':>10}{'req/s dir':>11}"
+    print(f"{'mode':<11}{'conc':>4}{'TTFT direct':>12}{'TTFT router':>12}{'added ms':>10}{'req/s dir':>11}"
           f"{'req/s rtr':>11}{'CPU s/1k chk':>14}")
     try:
         up_port, r_port = free_port(), free_port()
@@ -161,6 +167,24 @@ def main() -> int:
             cpu0 = cpu_seconds(router.pid)
             routed = asyncio.run(http_load(r_url, c, args.duration, "fake", 64))
             print(row("http", c, direct, routed, cpu_seconds(router.pid) - cpu0), flush=True)
+        if args.paced_ms > 0:
+            # Production-shaped: a real upstream's tokens arrive one decode step apart, so every
+            # token is a network read and a client write of its own; no batching of reads.
+            pu_port, pr_port = free_port(), free_port()
+            procs.append(spawn(["-m", "loadtest.fake_upstream", "--port", str(pu_port), "--token-interval-ms",
+                                str(args.paced_ms)], "fake upstream ready", out / "fake_upstream_paced.log", cpus))
+            paced = spawn(["-m", "splitfire_cli", "router", "--host", "127.0.0.1", "--port", str(pr_port),
+                           "--served-model-name", "fake", "--openai-upstream", f"http://127.0.0.1:{pu_port}",
+                           "--max-concurrency", "1024"], "router ready", out / "router_paced.log", cpus)
+            procs.append(paced)
+            asyncio.run(http_load(f"http://127.0.0.1:{pr_port}", 4, 1.0, "fake", 64))
+            direct = asyncio.run(http_load(f"http://127.0.0.1:{pu_port}", args.paced_concurrency, args.duration,
+                                           "fake", 64))
+            cpu0 = cpu_seconds(paced.pid)
+            routed = asyncio.run(http_load(f"http://127.0.0.1:{pr_port}", args.paced_concurrency, args.duration,
+                                           "fake", 64))
+            print(row(f"http {args.paced_ms:g}ms", args.paced_concurrency, direct, routed,
+                      cpu_seconds(paced.pid) - cpu0), flush=True)
         if args.pd:
             import tempfile
 
