@@ -42,22 +42,21 @@ def _fetch(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from decode_worker import server as decode
-    from engine.service.config import add_engine_args
-    from prefill_worker import server as prefill
+    # Flags only: the worker modules (and torch) are imported by the command that runs one.
+    from engine.service.config import add_engine_args, add_worker_args
 
     p = argparse.ArgumentParser(prog="splitfire", description=__doc__)
     p.add_argument("--log-level", default=None, help="DEBUG, INFO (default), WARNING (env SPLITFIRE_LOG_LEVEL)")
     sub = p.add_subparsers(dest="command", required=True)
 
     sp = sub.add_parser("prefill", help="run a prefill worker")
-    prefill.add_args(sp)
+    add_worker_args(sp, "prefill")
     sp.set_defaults(func=lambda a: _worker(a, "prefill"))
     sp = sub.add_parser("decode", help="run a decode worker")
-    decode.add_args(sp, "decode")
+    add_worker_args(sp, "decode")
     sp.set_defaults(func=lambda a: _worker(a, "decode"))
     sp = sub.add_parser("serve", help="run a colocated worker (prefill and decode in one process)")
-    decode.add_args(sp, "both")
+    add_worker_args(sp, "both")
     sp.set_defaults(func=lambda a: _worker(a, "both"))
 
     sp = sub.add_parser("generate", help="offline batch generation: JSONL in, JSONL out")

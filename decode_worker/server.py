@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from decode_worker.service import DecodeService
-from engine.service.config import WorkerConfig, add_worker_args, worker_config_from
+from engine.service.config import WorkerConfig, worker_config_from
 from engine.service.lifecycle import load_context, new_server, serve
 from engine.service.worker_service import WorkerService
 from protos import splitfire_pb2_grpc as pb_grpc
@@ -31,10 +31,6 @@ async def run(cfg: WorkerConfig) -> None:
     finally:
         if mooncake is not None:
             mooncake.close()
-
-
-def add_args(p: argparse.ArgumentParser, role: str) -> None:
-    add_worker_args(p, role)
 
 
 def config_from(args: argparse.Namespace, role: str) -> WorkerConfig:

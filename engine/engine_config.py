@@ -1,10 +1,14 @@
-"""Runtime settings shared by every process that loads a model."""
+"""Runtime settings shared by every process that loads a model. torch is imported only where
+a device or dtype is resolved: the CLI builds every subcommand's flags from here, and the
+router (which never loads a model) should not pay ~1 s and ~200 MB for it."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -26,7 +30,7 @@ class EngineConfig:
             raise ValueError(f"--device must be auto, cpu or cuda, got {self.device!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"--dtype must be auto, float32 or bfloat16, got {self.dtype!r}")
-        if self.device == "cuda" and not torch.cuda.is_available():
+        if self.device == "cuda" and not _torch().cuda.is_available():
             raise ValueError("--device cuda asked for, but torch sees no CUDA device")
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128, 256):
             raise ValueError(f"--block-size must be a power of two up to 256, got {self.block_size}")
@@ -45,12 +49,20 @@ class EngineConfig:
 
     @property
     def torch_device(self) -> torch.device:
+        torch = _torch()
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
 
     @property
     def torch_dtype(self) -> torch.dtype:
+        torch = _torch()
         if self.dtype == "auto":
             return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
         return getattr(torch, self.dtype)
+
+
+def _torch():
+    import torch
+
+    return torch

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from engine.service.config import WorkerConfig, add_worker_args, worker_config_from
+from engine.service.config import WorkerConfig, worker_config_from
 from engine.service.lifecycle import load_context, new_server, serve
 from engine.service.worker_service import WorkerService
 from kvtransfer.descriptors import KVRegion
@@ -43,10 +43,6 @@ async def run(cfg: WorkerConfig) -> None:
         await serve(ctx, server)
     finally:
         mooncake.close()
-
-
-def add_args(p: argparse.ArgumentParser) -> None:
-    add_worker_args(p, "prefill")
 
 
 def config_from(args: argparse.Namespace) -> WorkerConfig:

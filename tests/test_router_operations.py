@@ -7,7 +7,7 @@ import asyncio
 import time
 
 import aiohttp
-from procs import address, base_url, start_redis, start_router, start_worker
+from procs import ROOT, address, base_url, start_redis, start_router, start_worker
 
 MODEL = "tiny"
 
@@ -155,3 +155,15 @@ async def test_redis_outage_degrades_affinity_not_requests(tiny_model_dir, tmp_p
         router.stop()
         worker.stop()
         redis.kill()
+
+
+def test_router_process_does_not_import_torch():
+    """The router never loads a model: building the CLI and the router app must not pull in torch
+    (~1.5 s of start-up and ~200 MB per router replica)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, splitfire_cli, router.server; splitfire_cli.build_parser(); "
+            "print(sorted(m for m in ('torch', 'numpy', 'safetensors') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
