@@ -14,6 +14,7 @@ import asyncio
 import logging
 import socket
 import ssl
+from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import repeat
 from urllib.parse import urlsplit
@@ -78,6 +79,7 @@ class Response(asyncio.Protocol):
         self._waiter: asyncio.Future[None] | None = None
         self._paused = False
         self._deadline: asyncio.TimerHandle | None = None
+        self._on_end: Callable[[], None] | None = None  # nobody reads any more: call when the body ends
 
     # -- protocol callbacks --------------------------------------------------------------
 
@@ -146,6 +148,12 @@ class Response(asyncio.Protocol):
         self._wake()
 
     def _wake(self) -> None:
+        if self._on_end is not None:  # abandoned after its content: discard the rest, wait for the end
+            self._body.clear()
+            if self._complete or self._exc is not None or not self.keep_alive:
+                end, self._on_end = self._on_end, None
+                end()
+            return
         w = self._waiter
         if w is not None and not w.done():
             w.set_result(None)
@@ -324,6 +332,7 @@ class Response(asyncio.Protocol):
         self._framing = ""
         self._left = self._skip = 0
         self._exc = None
+        self._on_end = None
 
 
 class HTTPClient:
@@ -335,7 +344,7 @@ class HTTPClient:
         self._idle: dict[Origin, list[Response]] = {}
         self._ssl: ssl.SSLContext | None = None
         self._origins: dict[str, Origin] = {}
-        self._draining: set[asyncio.Task[None]] = set()
+        self._ending: set[Response] = set()  # abandoned after their content, waiting for the body to end
 
     async def _connect(self, origin: Origin) -> Response:
         loop = asyncio.get_running_loop()
@@ -414,29 +423,34 @@ class HTTPClient:
 
     def release_after_end(self, conn: Response, timeout_s: float = 5.0) -> None:
         """For a response whose content has all arrived but whose body framing may still be in
-        flight (an SSE stream after `[DONE]`): pool the connection once the body ends, without
-        making the caller wait for it."""
-        if conn.complete or conn.transport is None or conn.transport.is_closing():
+        flight (an SSE stream after `[DONE]`): pool the connection when the body ends, closing it
+        if that takes over `timeout_s`, without making the caller wait. A callback on the
+        connection, not a task: this happens once per streamed request."""
+        t = conn.transport
+        if conn._complete or t is None or t.is_closing():
+            conn._body.clear()
             self.release(conn)
             return
+        conn.disarm()
+        conn.arm(timeout_s)
+        conn._body.clear()
+        self._ending.add(conn)
 
-        async def drain() -> None:
-            try:
-                async with asyncio.timeout(timeout_s):
-                    await conn.read_all(limit=1 << 16)
-            except (HTTPClientError, TimeoutError) as e:  # not reusable: release() closes it
-                log.debug("event=upstream_drain_failed host=%s error=%r", conn.origin.host_header, e)
-            finally:
-                self.release(conn)
-                self._draining.discard(task)
+        def end() -> None:
+            self._ending.discard(conn)
+            if conn._exc is not None:
+                log.debug("event=upstream_drain_failed host=%s error=%r", conn.origin.host_header, conn._exc)
+            self.release(conn)
 
-        task = asyncio.get_running_loop().create_task(drain())
-        self._draining.add(task)
+        conn._on_end = end
 
     async def close(self) -> None:
-        for task in list(self._draining):
-            task.cancel()
-        await asyncio.gather(*self._draining, return_exceptions=True)
+        for conn in list(self._ending):
+            conn._on_end = None
+            conn.disarm()
+            if conn.transport is not None:
+                conn.transport.close()
+        self._ending.clear()
         for pool in self._idle.values():
             for conn in pool:
                 if conn.transport is not None:

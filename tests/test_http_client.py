@@ -231,3 +231,42 @@ async def test_ipv6_literal_upstream(client):
         client.release(r)
     finally:
         await runner.cleanup()
+
+
+async def test_connection_released_after_its_content_is_pooled_when_the_body_ends(client):
+    """An SSE stream is done at [DONE], but the chunked body's end may come later: the connection
+    goes back to the pool when it does, and is closed when it never does."""
+    ends = {"delay": 0.05}
+
+    async def late_end(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(b"data: [DONE]\n\n")
+        await asyncio.sleep(ends["delay"])
+        await resp.write_eof()
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/s", late_end)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+    origin = Origin.parse(url)
+    try:
+        r = await client.request("POST", url, "/s", b"{}")
+        assert await r.read_some() == b"data: [DONE]\n\n"
+        client.release_after_end(r)
+        assert not client._idle.get(origin) and r in client._ending
+        await asyncio.sleep(0.3)
+        assert client._idle[origin] == [r] and not client._ending  # pooled once the end arrived
+        ends["delay"] = 1.0
+        r2 = await client.request("POST", url, "/s", b"{}")
+        assert r2 is r  # and reused
+        await r2.read_some()
+        client.release_after_end(r2, timeout_s=0.2)
+        await asyncio.sleep(0.5)
+        assert not client._idle[origin] and not client._ending and r2.transport.is_closing()
+    finally:
+        await runner.cleanup()
