@@ -223,8 +223,8 @@ class Response(asyncio.Protocol):
         del raw[: sum(map(len, parts[: 2 * pairs])) + 4 * pairs]
 
     def _parse_chunked(self) -> None:
-        if not (self._left or self._skip or self._trailer):
-            self._whole_chunks()
+        if len(self._raw) >= 1024 and not (self._left or self._skip or self._trailer):
+            self._whole_chunks()  # a read of several chunks (below this the loop is cheaper)
             if self._complete:
                 return
         raw, out = self._raw, self._body

@@ -33,6 +33,12 @@ def _stream_end(lines: bytes) -> int:
     return min(found) if found else -1
 
 
+def _json_string(inner: bytes) -> str:
+    """The string a JSON string literal's escaped contents stand for (the C scanner directly:
+    json.loads on bytes adds encoding detection and two regex matches, ~2 us per read)."""
+    return scanstring(inner.decode() + '"', 0)[0]
+
+
 def _batch_text(lines: bytes) -> str | None:
     """The text of a whole read's worth of plain content-delta events in one regex pass and one
     string decode (the common case while streaming); None when any event is something else.
@@ -40,7 +46,7 @@ def _batch_text(lines: bytes) -> str | None:
     parts = _CONTENT.findall(lines)
     if len(parts) != lines.count(b"data:"):
         return None
-    return json.loads(b'"' + b"".join(parts) + b'"')
+    return _json_string(b"".join(parts))
 
 
 def _fast_text(payload: bytes) -> str | None:
@@ -160,7 +166,7 @@ class EventParser:
         body = b"".join(texts)
         if b'"' in body:
             return None
-        return json.loads(b'"' + body + b'"')
+        return _json_string(body)
 
     def _learn(self, lines: bytes) -> None:
         """Takes the frame from the read's last event if it is a plain delta."""

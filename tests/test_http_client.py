@@ -43,11 +43,16 @@ def test_chunked_body_decodes_at_every_split_point():
 def test_whole_chunks_fast_path_agrees_with_the_byte_loop():
     """Reads of whole SSE-event chunks take the split fast path; a CRLF inside a chunk's data, a
     chunk cut by the read, and the last chunk must all come out the same."""
-    events = [b"data: {\"a\":%d}\n\n" % i for i in range(40)] + [b"odd\r\ndata\r\n", b"x" * 300]
+    events = [b"data: {\"a\":%d,\"pad\":\"%s\"}\n\n" % (i, b"p" * 40) for i in range(40)]
+    events += [b"odd\r\ndata\r\n", b"x" * 300]
     body = b"".join(events)
-    raw = (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
-           + b"".join(b"%x\r\n%s\r\n" % (len(e), e) for e in events) + b"0\r\n\r\n")
+    framed = b"".join(b"%x\r\n%s\r\n" % (len(e), e) for e in events) + b"0\r\n\r\n"
+    raw = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + framed
     head = raw.index(b"\r\n\r\n") + 4
+    whole = Response(asyncio.new_event_loop(), Origin.parse("http://x"))
+    whole._raw += b"".join(b"%x\r\n%s\r\n" % (len(e), e) for e in events[:40])  # C speed, one step
+    whole._whole_chunks()
+    assert bytes(whole._body) == b"".join(events[:40]) and not whole._raw
     for cut in range(head, len(raw)):
         r = _feed(raw, [head, cut])
         assert bytes(r._body) == body and r._complete and not r._raw, cut
