@@ -3,7 +3,9 @@
 Part 1 (HTTP): an OpenAI-compatible upstream that streams 64 tokens with no delay
 (`fake_upstream.py`), at concurrency 1, 16 and 64. Reports p50 TTFT direct vs routed,
 the TTFT the router adds, throughput, and the router's CPU seconds per 1000 streamed chunks
-(from /proc, so the load generator's own CPU is not counted).
+(from /proc, so the load generator's own CPU is not counted), beside the CPU of a minimal
+aiohttp proxy (`min_proxy.py`: the same HTTP client, no validation, placement or metrics) under
+the same load — the floor for a Python router on this machine.
 
 With `--paced-ms` (default 2): the same upstream pacing its tokens like a decode step, so each
 token reaches the router in a read of its own — the per-token cost a production router pays.
@@ -121,11 +123,37 @@ async def grpc_load(address: str, concurrency: int, duration: float, max_tokens:
         return await _load(concurrency, duration, max_tokens, one_stream)
 
 
-def row(label: str, c: int, direct: dict, routed: dict, cpu: float) -> str:
+def row(label: str, c: int, direct: dict, routed: dict, cpu: float, floor: tuple[dict, float] | None = None) -> str:
     added = (routed["ttft_p50"] - direct["ttft_p50"]) * 1000
     per_k = cpu / routed["chunks"] * 1000 if routed["chunks"] else float("nan")
+    floor_k = f"{floor[1] / floor[0]['chunks'] * 1000:>12.4f}" if floor and floor[0]["chunks"] else f"{'-':>12}"
     return (f"{label:<11}{c:>4}{direct['ttft_p50'] * 1000:>12.2f}{routed['ttft_p50'] * 1000:>12.2f}{added:>10.2f}"
-            f"{direct['rps']:>11.1f}{routed['rps']:>11.1f}{per_k:>14.4f}")
+            f"{direct['rps']:>11.1f}{routed['rps']:>11.1f}{per_k:>14.4f}{floor_k}")
+
+
+def measure(url: str, proc: subprocess.Popen, c: int, duration: float, model: str) -> tuple[dict, float]:
+    """One closed-loop run against `url`: the load figures and `proc`'s CPU seconds during it."""
+    cpu0 = cpu_seconds(proc.pid)
+    result = asyncio.run(http_load(url, c, duration, model, 64))
+    return result, cpu_seconds(proc.pid) - cpu0
+
+
+def http_servers(upstream_args: list[str], tag: str, out: Path, cpus: set[int] | None,
+                 procs: list[subprocess.Popen]) -> tuple[str, tuple[str, subprocess.Popen], tuple[str, subprocess.Popen]]:
+    """A fake upstream, the router in front of it, and the minimal proxy in front of it (warmed up)."""
+    up, rp, mp = free_port(), free_port(), free_port()
+    procs.append(spawn(["-m", "loadtest.fake_upstream", "--port", str(up), *upstream_args], "fake upstream ready",
+                       out / f"fake_upstream{tag}.log", cpus))
+    router = spawn(["-m", "splitfire_cli", "router", "--host", "127.0.0.1", "--port", str(rp), "--served-model-name",
+                    "fake", "--openai-upstream", f"http://127.0.0.1:{up}", "--max-concurrency", "1024"],
+                   "router ready", out / f"router_http{tag}.log", cpus)
+    procs.append(router)
+    proxy = spawn(["-m", "loadtest.min_proxy", "--port", str(mp), "--upstream", f"http://127.0.0.1:{up}"],
+                  "min proxy ready", out / f"min_proxy{tag}.log", cpus)
+    procs.append(proxy)
+    for port in (rp, mp):
+        asyncio.run(http_load(f"http://127.0.0.1:{port}", 4, 1.0, "fake", 64))
+    return f"http://127.0.0.1:{up}", (f"http://127.0.0.1:{rp}", router), (f"http://127.0.0.1:{mp}", proxy)
 
 
 def main() -> int:
@@ -151,40 +179,24 @@ def main() -> int:
     levels = [int(c) for c in args.concurrency.split(",")]
     procs: list[subprocess.Popen] = []
     print(f"{'mode':<11}{'conc':>4}{'TTFT direct':>12}{'TTFT router':>12}{'added ms':>10}{'req/s dir':>11}"
-          f"{'req/s rtr':>11}{'CPU s/1k chk':>14}")
+          f"{'req/s rtr':>11}{'CPU s/1k chk':>14}{'floor s/1k':>12}")
     try:
-        up_port, r_port = free_port(), free_port()
-        procs.append(spawn(["-m", "loadtest.fake_upstream", "--port", str(up_port)], "fake upstream ready",
-                           out / "fake_upstream.log", cpus))
-        router = spawn(["-m", "splitfire_cli", "router", "--host", "127.0.0.1", "--port", str(r_port),
-                        "--served-model-name", "fake", "--openai-upstream", f"http://127.0.0.1:{up_port}",
-                        "--max-concurrency", "1024"], "router ready", out / "router_http.log", cpus)
-        procs.append(router)
-        up_url, r_url = f"http://127.0.0.1:{up_port}", f"http://127.0.0.1:{r_port}"
-        asyncio.run(http_load(r_url, 4, 1.0, "fake", 64))  # warm-up
+        up_url, (r_url, router), (m_url, proxy) = http_servers([], "", out, cpus, procs)
         for c in levels:
             direct = asyncio.run(http_load(up_url, c, args.duration, "fake", 64))
-            cpu0 = cpu_seconds(router.pid)
-            routed = asyncio.run(http_load(r_url, c, args.duration, "fake", 64))
-            print(row("http", c, direct, routed, cpu_seconds(router.pid) - cpu0), flush=True)
+            routed, cpu = measure(r_url, router, c, args.duration, "fake")
+            floor = measure(m_url, proxy, c, args.duration, "fake")
+            print(row("http", c, direct, routed, cpu, floor), flush=True)
         if args.paced_ms > 0:
             # Production-shaped: a real upstream's tokens arrive one decode step apart, so every
             # token is a network read and a client write of its own; no batching of reads.
-            pu_port, pr_port = free_port(), free_port()
-            procs.append(spawn(["-m", "loadtest.fake_upstream", "--port", str(pu_port), "--token-interval-ms",
-                                str(args.paced_ms)], "fake upstream ready", out / "fake_upstream_paced.log", cpus))
-            paced = spawn(["-m", "splitfire_cli", "router", "--host", "127.0.0.1", "--port", str(pr_port),
-                           "--served-model-name", "fake", "--openai-upstream", f"http://127.0.0.1:{pu_port}",
-                           "--max-concurrency", "1024"], "router ready", out / "router_paced.log", cpus)
-            procs.append(paced)
-            asyncio.run(http_load(f"http://127.0.0.1:{pr_port}", 4, 1.0, "fake", 64))
-            direct = asyncio.run(http_load(f"http://127.0.0.1:{pu_port}", args.paced_concurrency, args.duration,
-                                           "fake", 64))
-            cpu0 = cpu_seconds(paced.pid)
-            routed = asyncio.run(http_load(f"http://127.0.0.1:{pr_port}", args.paced_concurrency, args.duration,
-                                           "fake", 64))
-            print(row(f"http {args.paced_ms:g}ms", args.paced_concurrency, direct, routed,
-                      cpu_seconds(paced.pid) - cpu0), flush=True)
+            c = args.paced_concurrency
+            up_url, (r_url, router), (m_url, proxy) = http_servers(
+                ["--token-interval-ms", str(args.paced_ms)], "_paced", out, cpus, procs)
+            direct = asyncio.run(http_load(up_url, c, args.duration, "fake", 64))
+            routed, cpu = measure(r_url, router, c, args.duration, "fake")
+            floor = measure(m_url, proxy, c, args.duration, "fake")
+            print(row(f"http {args.paced_ms:g}ms", c, direct, routed, cpu, floor), flush=True)
         if args.pd:
             import tempfile
 
@@ -205,14 +217,14 @@ def main() -> int:
             asyncio.run(http_load(f"http://127.0.0.1:{r2_port}", 4, 1.0, "tiny", 64))
             for c in levels:
                 direct = asyncio.run(grpc_load(f"127.0.0.1:{w_port}", c, args.duration, 64))
-                cpu0 = cpu_seconds(router2.pid)
-                routed = asyncio.run(http_load(f"http://127.0.0.1:{r2_port}", c, args.duration, "tiny", 64))
-                print(row("grpc", c, direct, routed, cpu_seconds(router2.pid) - cpu0), flush=True)
+                routed, cpu = measure(f"http://127.0.0.1:{r2_port}", router2, c, args.duration, "tiny")
+                print(row("grpc", c, direct, routed, cpu), flush=True)
     finally:
         for pr in procs:
             pr.terminate()
             pr.wait(20)
     print("\ntargets: added p50 TTFT <= 0.5 ms at concurrency 1; router CPU <= 0.0075 s per 1000 chunks")
+    print("floor: the same load through loadtest/min_proxy.py (aiohttp + the router's HTTP client, nothing else)")
     return 0
 
 
