@@ -300,7 +300,5 @@ class Latency:
             self.metrics.ttft.observe(now - self.t0)
         else:
             n = max(len(c.token_ids), 1)
-            per = (now - self.last) / n
-            for _ in range(n):
-                self.metrics.itl.observe(per)
+            self.metrics.itl.observe((now - self.last) / n, n)
         self.last = now

@@ -2,16 +2,44 @@
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from dataclasses import dataclass, field
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.utils import floatToGoString
 
 from router.endpoints import EndpointRegistry
 
 LATENCY = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 1.5, 2, 3, 5, 10, 30, 60)
 ITL = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2)
+
+
+class LoopHistogram:
+    """A Prometheus histogram for code on the event loop only (the router's one thread):
+    `observe` is a bisect and two additions (~0.3 us), where prometheus_client's Histogram takes
+    a lock for the bucket and another for the sum (~3 us) — paid per streamed token for the
+    inter-token latency. Scraped through `collect` with the same series names."""
+
+    def __init__(self, name: str, documentation: str, buckets: tuple[float, ...]):
+        self.name = name
+        self.documentation = documentation
+        self.bounds = list(buckets)
+        self.counts = [0] * (len(buckets) + 1)  # the last is +Inf
+        self.sum = 0.0
+
+    def observe(self, value: float, n: int = 1) -> None:
+        """`n` observations of `value` (tokens that arrived together share the gap)."""
+        self.counts[bisect_left(self.bounds, value)] += n  # bucket le=b counts values <= b
+        self.sum += value * n
+
+    def collect(self):
+        cumulative, out = 0, []
+        for bound, count in zip([*self.bounds, float("inf")], self.counts, strict=True):
+            cumulative += count
+            out.append((floatToGoString(bound), cumulative))
+        yield HistogramMetricFamily(self.name, self.documentation, buckets=out, sum_value=self.sum)
 
 
 class _EndpointCollector:
@@ -40,9 +68,11 @@ class RouterMetrics:
     def __post_init__(self) -> None:
         r = self.registry
         self.requests = Counter("splitfire_router_requests", "HTTP requests by route and status", ["route", "status"], registry=r)
-        self.ttft = Histogram("splitfire_router_ttft_seconds", "Time to first token at the router", buckets=LATENCY, registry=r)
-        self.itl = Histogram("splitfire_router_inter_token_seconds", "Time between streamed tokens", buckets=ITL, registry=r)
-        self.e2e = Histogram("splitfire_router_request_seconds", "Whole request time", buckets=LATENCY, registry=r)
+        self.ttft = LoopHistogram("splitfire_router_ttft_seconds", "Time to first token at the router", LATENCY)
+        self.itl = LoopHistogram("splitfire_router_inter_token_seconds", "Time between streamed tokens", ITL)
+        self.e2e = LoopHistogram("splitfire_router_request_seconds", "Whole request time", LATENCY)
+        for h in (self.ttft, self.itl, self.e2e):
+            r.register(h)
         self.decisions = Counter("splitfire_router_routing_decisions", "Placements by policy, role and endpoint",
                                  ["policy", "role", "endpoint"], registry=r)
         self.affinity = Counter("splitfire_router_affinity", "Session-affinity lookups: hit, miss, break",
