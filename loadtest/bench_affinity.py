@@ -20,6 +20,7 @@ import asyncio
 import random
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
@@ -28,6 +29,7 @@ from loadtest.bench_router import spawn
 from loadtest.stack import ROOT, free_port
 from loadtest.workload import text_of
 
+BLOCK_SIZE = 16  # the workers' default --block-size
 SYSTEM_UNIT = ("You are a coding agent with tools read_file(path), run_tests(), search(query). Call one tool per "
                "turn and report results concisely. ")
 
@@ -39,12 +41,14 @@ PLACEMENTS = {"affinity": ("token", True, "token + x-session-affinity"),
 
 
 async def run_sessions(url: str, sessions: int, turns: int, use_affinity: bool, seed: int, system: str,
-                       max_tokens: int) -> int:
+                       max_tokens: int) -> tuple[int, int]:
+    """Runs every session; returns (failed requests, tokens of all sessions' final contexts)."""
     rng = random.Random(seed)
     errors = 0
+    final_context = 0
 
     async def session(i: int) -> None:
-        nonlocal errors
+        nonlocal errors, final_context
         messages = [{"role": "system", "content": system}]
         async with aiohttp.ClientSession() as s:
             for t in range(turns):
@@ -55,26 +59,31 @@ async def run_sessions(url: str, sessions: int, turns: int, use_affinity: bool, 
                     if r.status != 200:
                         errors += 1
                         return
-                    reply = (await r.json())["choices"][0]["message"]["content"]
+                    answer = await r.json()
+                reply = answer["choices"][0]["message"]["content"]
                 messages.append({"role": "assistant", "content": reply})
+            final_context += answer["usage"]["total_tokens"]
 
     await asyncio.gather(*(session(i) for i in range(sessions)))
-    return errors
+    return errors, final_context
 
 
-async def hit_ratio(workers: list[str]) -> tuple[int, int]:
+async def worker_stats(workers: list[str]) -> tuple[int, int, int]:
+    """Summed over the workers: prefix-hit tokens, prefix-query tokens, and one worker's KV capacity in
+    tokens."""
     import grpc
 
     from protos import splitfire_pb2 as pb
     from protos import splitfire_pb2_grpc as pbg
 
-    hit = query = 0
+    hit = query = capacity = 0
     for w in workers:
         async with grpc.aio.insecure_channel(w) as ch:
             st = await pbg.WorkerStub(ch).Stats(pb.StatsRequest())
         hit += st.prefix_hit_tokens
         query += st.prefix_query_tokens
-    return hit, query
+        capacity = st.kv_blocks_total * BLOCK_SIZE
+    return hit, query, capacity
 
 
 def affinity_bound(workers: int, turns: int) -> float:
@@ -87,7 +96,15 @@ def affinity_bound(workers: int, turns: int) -> float:
     return sum(range(turns)) / found
 
 
-def run(policy: str, affinity: bool, model: str, kv_gb: float, args: argparse.Namespace, out: Path) -> tuple[float, int]:
+@dataclass
+class Cell:
+    ratio: float  # prefix-hit tokens / prompt tokens, all workers
+    errors: int
+    capacity: int  # KV tokens one worker holds
+    share: float  # the sessions' final contexts / workers: what one worker holds with perfect affinity
+
+
+def run(policy: str, affinity: bool, model: str, kv_gb: float, args: argparse.Namespace, out: Path) -> Cell:
     procs = []
     try:
         addrs = []
@@ -101,10 +118,11 @@ def run(policy: str, affinity: bool, model: str, kv_gb: float, args: argparse.Na
         procs.append(spawn(["-m", "splitfire_cli", "router", "--host", "127.0.0.1", "--port", str(rport), "--model",
                             model, "--served-model-name", "bench", "--policy", policy, "--colocated", *addrs],
                            "router ready", out / f"aff-router-{policy}.log"))
-        errors = asyncio.run(run_sessions(f"http://127.0.0.1:{rport}", args.sessions, args.turns, affinity, args.seed,
-                                          SYSTEM_UNIT * args.system_repeats, args.max_tokens))
-        hit, query = asyncio.run(hit_ratio(addrs))
-        return hit / query, errors
+        errors, final_context = asyncio.run(run_sessions(f"http://127.0.0.1:{rport}", args.sessions, args.turns,
+                                                         affinity, args.seed, SYSTEM_UNIT * args.system_repeats,
+                                                         args.max_tokens))
+        hit, query, capacity = asyncio.run(worker_stats(addrs))
+        return Cell(hit / query, errors, capacity, final_context / args.workers)
     finally:
         for p in procs:
             p.terminate()
@@ -146,16 +164,21 @@ def main() -> int:
     print(f"{args.sessions} agent sessions x {args.turns} turns, shared system prompt ({args.system_repeats} x 25 "
           f"words), 20-50 words of tool output and a reply of up to {args.max_tokens} tokens per turn, "
           f"{args.workers} workers, model {Path(model).name}")
-    print(f"{'KV GB/worker':<14}{'placement':<30}{'prefix-hit ratio':>18}{'errors':>8}", flush=True)
+    print(f"{'KV GB/worker':<14}{'placement':<30}{'prefix-hit ratio':>18}{'errors':>8}{'KV tokens/worker':>18}"
+          f"{'share':>8}", flush=True)
     for kv_gb in sizes:
         ratios = {}
         for name in placements:
             policy, affinity, label = PLACEMENTS[name]
-            ratios[name], errors = run(policy, affinity, model, kv_gb, args, out)
-            print(f"{kv_gb:<14}{label:<30}{ratios[name]:>18.1%}{errors:>8}", flush=True)
+            cell = run(policy, affinity, model, kv_gb, args, out)
+            ratios[name] = cell.ratio
+            print(f"{kv_gb:<14}{label:<30}{cell.ratio:>18.1%}{cell.errors:>8}{cell.capacity:>18}{cell.share:>8.0f}",
+                  flush=True)
         if "affinity" in ratios and "random" in ratios:
             print(f"{kv_gb:<14}affinity / random = {ratios['affinity'] / ratios['random']:.2f}   "
                   "(targets: affinity >= 90%, >= 2x random)", flush=True)
+    print("share: the sessions' final contexts (tokens) / workers — what each worker holds with perfect affinity "
+          "(the shared system prompt counted once per session)")
     print(f"without eviction affinity / random cannot exceed {affinity_bound(args.workers, args.turns):.2f} for "
           f"{args.turns} turns on {args.workers} workers; beyond that it comes from memory pressure")
     return 0
