@@ -140,8 +140,8 @@ def main() -> int:
     p.add_argument("--system-repeats", type=int, default=8, help="system prompt = 8 x a 25-word tool preamble "
                    "(200 words, a small agent's tool definitions)")
     p.add_argument("--max-tokens", type=int, default=64, help="the agent's reply per turn (a tool call)")
-    p.add_argument("--kv-cache-gb", default="0.2", help="per worker, or a comma-separated sweep; 0.2 GB holds ~4.5k "
-                   "SmolLM2 tokens (fp32), a bit more than a worker's share of the sessions' final contexts")
+    p.add_argument("--kv-cache-gb", default="0.2", help="per worker, or a comma-separated sweep; 0.2 GB holds 4,656 "
+                   "SmolLM2 tokens (fp32), 1.1x a worker's share of the sessions' final contexts (printed)")
     p.add_argument("--placements", default=",".join(PLACEMENTS), help="which of " + ", ".join(PLACEMENTS))
     p.add_argument("--out", default="loadtest/results")
     args = p.parse_args()
