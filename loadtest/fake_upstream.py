@@ -12,6 +12,8 @@ import time
 
 from aiohttp import web
 
+from loadtest.stack import serve_app
+
 
 def make_app(tokens: int, interval_s: float = 0.0) -> web.Application:
     async def chat(request: web.Request) -> web.StreamResponse:
@@ -52,14 +54,7 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--token-interval-ms", type=float, default=0.0, help="pause after each token (0: none)")
     a = p.parse_args()
-    try:
-        import uvloop
-
-        uvloop.install()
-    except ImportError:
-        pass
-    print(f"fake upstream ready on {a.port}", flush=True)
-    web.run_app(make_app(a.tokens, a.token_interval_ms / 1000), host="127.0.0.1", port=a.port, print=None, access_log=None)
+    serve_app(make_app(a.tokens, a.token_interval_ms / 1000), a.port, f"fake upstream ready on {a.port}")
 
 
 if __name__ == "__main__":

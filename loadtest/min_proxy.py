@@ -11,6 +11,7 @@ import json
 
 from aiohttp import web
 
+from loadtest.stack import serve_app
 from router.http_client import HTTPClient
 from router.openai_upstream import EventParser
 
@@ -59,14 +60,7 @@ def main() -> None:
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--upstream", required=True)
     a = p.parse_args()
-    try:
-        import uvloop
-
-        uvloop.install()
-    except ImportError:
-        pass
-    print(f"min proxy ready on {a.port}", flush=True)
-    web.run_app(make_app(a.upstream), host="127.0.0.1", port=a.port, print=None, access_log=None)
+    serve_app(make_app(a.upstream), a.port, f"min proxy ready on {a.port}")
 
 
 if __name__ == "__main__":

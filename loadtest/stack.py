@@ -9,8 +9,27 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from aiohttp import web
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def serve_app(app: web.Application, port: int, banner: str) -> None:
+    """Runs a benchmark's helper server (fake upstream, minimal proxy) on uvloop when installed,
+    after printing the banner the harness waits for."""
+    from aiohttp import web
+
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:
+        pass
+    print(banner, flush=True)
+    web.run_app(app, host="127.0.0.1", port=port, print=None, access_log=None)
 
 
 def free_port() -> int:
