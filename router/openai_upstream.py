@@ -111,9 +111,10 @@ def _closing_quote(line: bytes, start: int) -> int:
 class EventParser:
     """One upstream stream's SSE. vLLM and SGLang send every plain delta of a stream with the same
     bytes around its text (same id, created, model, index); once one such event has been seen,
-    a whole read of them is one `split` on that frame and one string decode (~15 us for 64
-    events, against ~60 us for the regex pass). A read that does not fit the frame exactly is
-    parsed by `parse_events`, which never depends on it."""
+    a whole read of them is one split into events, one join back through the frame to prove they
+    all fit it, and one string decode (~15 us for 64 events, against ~60 us for the regex pass).
+    A read that does not fit the frame exactly is parsed by `parse_events`, which never depends
+    on it."""
 
     def __init__(self) -> None:
         self._pre = b""  # an event's bytes up to its text's opening quote ("" until learned)
