@@ -165,7 +165,8 @@ class AsyncEngine:
 
     # -- engine thread ----------------------------------------------------------------
 
-    def _run_due_timers(self) -> float | None:
+    def _run_due_timers(self) -> tuple[float | None, bool]:
+        """(seconds to the next timer or None, whether any ran)."""
         now = time.monotonic()
         ran = False
         while self._timers and self._timers[0][0] <= now:
@@ -175,9 +176,10 @@ class AsyncEngine:
                 fn(self.engine)
             except Exception:
                 log.exception("event=timer_failed")
-        if ran:
-            self.stats = self.engine.stats()
-        return self._timers[0][0] - now if self._timers else None
+        return (self._timers[0][0] - now if self._timers else None), ran
+
+    def _refresh_stats(self) -> None:
+        self.stats, self._stats_at = self.engine.stats(), time.monotonic()
 
     def _run(self) -> None:
         assert self._loop is not None
@@ -191,9 +193,9 @@ class AsyncEngine:
                     break
                 cmd()
                 ran = True
-            if ran:
-                self.stats = self.engine.stats()
-            next_timer = self._run_due_timers()
+            next_timer, timers_ran = self._run_due_timers()
+            if ran or timers_ran:
+                self._refresh_stats()
             if not self.engine.has_work:
                 self._wake.wait(timeout=next_timer if next_timer is not None else 1.0)
                 self._wake.clear()
@@ -205,10 +207,9 @@ class AsyncEngine:
                 log.exception("event=step_failed running=%d", len(self.engine.scheduler.running))
                 outputs = self._fail_all(f"engine step failed: {type(e).__name__}: {e}")
             self.step_count += 1
-            now = time.monotonic()
             # O(sequences) to compute (~0.1 ms at 256 running): at most every 10 ms while busy.
-            if now - self._stats_at >= 0.01 or not self.engine.has_work:
-                self.stats, self._stats_at = self.engine.stats(), now
+            if time.monotonic() - self._stats_at >= 0.01 or not self.engine.has_work:
+                self._refresh_stats()
             if outputs or self.on_step is not None:
                 dt = time.perf_counter() - t0
                 loop.call_soon_threadsafe(self._after_step, outputs, dt)

@@ -5,6 +5,7 @@ router (which never loads a model) should not pay ~1 s and ~200 MB for it."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import ModuleType
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -62,7 +63,7 @@ class EngineConfig:
         return getattr(torch, self.dtype)
 
 
-def _torch():
+def _torch() -> ModuleType:
     import torch
 
     return torch

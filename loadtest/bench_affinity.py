@@ -25,11 +25,11 @@ from pathlib import Path
 
 import aiohttp
 
+from engine.engine_config import EngineConfig
 from loadtest.bench_router import spawn
 from loadtest.stack import ROOT, free_port
 from loadtest.workload import text_of
 
-BLOCK_SIZE = 16  # the workers' default --block-size
 SYSTEM_UNIT = ("You are a coding agent with tools read_file(path), run_tests(), search(query). Call one tool per "
                "turn and report results concisely. ")
 
@@ -82,7 +82,7 @@ async def worker_stats(workers: list[str]) -> tuple[int, int, int]:
             st = await pbg.WorkerStub(ch).Stats(pb.StatsRequest())
         hit += st.prefix_hit_tokens
         query += st.prefix_query_tokens
-        capacity = st.kv_blocks_total * BLOCK_SIZE
+        capacity = st.kv_blocks_total * EngineConfig.block_size  # workers run the default
     return hit, query, capacity
 
 

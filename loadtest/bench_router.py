@@ -156,6 +156,14 @@ def http_servers(upstream_args: list[str], tag: str, out: Path, cpus: set[int] |
     return f"http://127.0.0.1:{up}", (f"http://127.0.0.1:{rp}", router), (f"http://127.0.0.1:{mp}", proxy)
 
 
+def http_row(label: str, c: int, servers: tuple, duration: float) -> str:
+    """The same load direct, through the router and through the minimal proxy, as one table row."""
+    up_url, (r_url, router), (m_url, proxy) = servers
+    direct = asyncio.run(http_load(up_url, c, duration, "fake", 64))
+    routed, cpu = measure(r_url, router, c, duration, "fake")
+    return row(label, c, direct, routed, cpu, measure(m_url, proxy, c, duration, "fake"))
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--duration", type=float, default=8.0, help="seconds per measurement")
@@ -181,22 +189,14 @@ def main() -> int:
     print(f"{'mode':<11}{'conc':>4}{'TTFT direct':>12}{'TTFT router':>12}{'added ms':>10}{'req/s dir':>11}"
           f"{'req/s rtr':>11}{'CPU s/1k chk':>14}{'floor s/1k':>12}")
     try:
-        up_url, (r_url, router), (m_url, proxy) = http_servers([], "", out, cpus, procs)
+        servers = http_servers([], "", out, cpus, procs)
         for c in levels:
-            direct = asyncio.run(http_load(up_url, c, args.duration, "fake", 64))
-            routed, cpu = measure(r_url, router, c, args.duration, "fake")
-            floor = measure(m_url, proxy, c, args.duration, "fake")
-            print(row("http", c, direct, routed, cpu, floor), flush=True)
+            print(http_row("http", c, servers, args.duration), flush=True)
         if args.paced_ms > 0:
             # Production-shaped: a real upstream's tokens arrive one decode step apart, so every
             # token is a network read and a client write of its own; no batching of reads.
-            c = args.paced_concurrency
-            up_url, (r_url, router), (m_url, proxy) = http_servers(
-                ["--token-interval-ms", str(args.paced_ms)], "_paced", out, cpus, procs)
-            direct = asyncio.run(http_load(up_url, c, args.duration, "fake", 64))
-            routed, cpu = measure(r_url, router, c, args.duration, "fake")
-            floor = measure(m_url, proxy, c, args.duration, "fake")
-            print(row(f"http {args.paced_ms:g}ms", c, direct, routed, cpu, floor), flush=True)
+            paced = http_servers(["--token-interval-ms", str(args.paced_ms)], "_paced", out, cpus, procs)
+            print(http_row(f"http {args.paced_ms:g}ms", args.paced_concurrency, paced, args.duration), flush=True)
         if args.pd:
             import tempfile
 

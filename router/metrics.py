@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from bisect import bisect_left
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,7 +35,7 @@ class LoopHistogram:
         self.counts[bisect_left(self.bounds, value)] += n  # bucket le=b counts values <= b
         self.sum += value * n
 
-    def collect(self):
+    def collect(self) -> Iterator[HistogramMetricFamily]:
         cumulative, out = 0, []
         for bound, count in zip([*self.bounds, float("inf")], self.counts, strict=True):
             cumulative += count
