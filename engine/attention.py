@@ -9,7 +9,7 @@ same arguments.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cache
 
 import torch
@@ -22,6 +22,23 @@ class PrefillSegment:
     length: int  # new tokens computed this step
     context_len: int  # tokens in the cache once this step's K/V are written
     blocks: torch.Tensor  # block ids covering `context_len`
+    _masks: dict[int | None, torch.Tensor | None] = field(default_factory=dict)
+
+    def mask(self, window: int | None) -> torch.Tensor | None:
+        """[length, context_len] True where a query may see a key; None for plain causal (SDPA's own).
+        Built on first use and shared by every layer with the same window."""
+        if window not in self._masks:
+            if window is None and self.context_len == self.length:
+                self._masks[window] = None
+            else:
+                dev = self.blocks.device
+                q_pos = torch.arange(self.context_len - self.length, self.context_len, device=dev)[:, None]
+                k_pos = torch.arange(self.context_len, device=dev)[None, :]
+                allowed = k_pos <= q_pos
+                if window is not None:
+                    allowed &= k_pos > q_pos - window
+                self._masks[window] = allowed
+        return self._masks[window]
 
 
 @dataclass
@@ -30,6 +47,18 @@ class DecodeBatch:
     blocks: torch.Tensor  # [B, max_blocks], padded with block 0
     mask: torch.Tensor  # [B, 1, 1, max_blocks * block_size], True where a key is valid
     context_lens: torch.Tensor | None = None  # [B], for kernels that walk the block table themselves
+    _window_masks: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def mask_for(self, window: int | None) -> torch.Tensor:
+        """`mask` narrowed to the last `window` keys of each sequence (sliding-window layers)."""
+        if window is None:
+            return self.mask
+        if window not in self._window_masks:
+            valid = self.mask.view(self.mask.shape[0], -1)
+            ctx = valid.sum(-1, keepdim=True)
+            k_pos = torch.arange(valid.shape[1], device=valid.device)[None, :]
+            self._window_masks[window] = (valid & (k_pos >= ctx - window)).view(self.mask.shape)
+        return self._window_masks[window]
 
 
 @dataclass
@@ -99,19 +128,20 @@ def _gather(layer_cache: torch.Tensor, blocks: torch.Tensor) -> tuple[torch.Tens
 
 
 def paged_attention(
-    q: torch.Tensor, layer_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    q: torch.Tensor, layer_cache: torch.Tensor, meta: AttentionMetadata, scale: float, window: int | None = None
 ) -> torch.Tensor:
-    """q: [T, heads, dim] (roped). Returns [T, heads, dim]."""
+    """q: [T, heads, dim] (roped). Returns [T, heads, dim]. With `window`, a query at position p sees
+    keys p - window + 1 .. p only (sliding-window layers; the cache still holds every key)."""
     heads, kv_heads = q.shape[1], layer_cache.shape[-2]
     gqa = heads != kv_heads
     if len(meta.decodes) == 1 and not meta.prefills:  # the steady state: one decode group, no copies
-        return _decode(q, layer_cache, meta.decodes[0], scale, gqa)
+        return _decode(q, layer_cache, meta.decodes[0], scale, gqa, window)
     out = torch.empty_like(q)
     ops = _use_triton(layer_cache)
     if (ops is not None and meta.prefill_info is not None and layer_cache.shape[2] >= 16
             and q.shape[-1] & (q.shape[-1] - 1) == 0):
         ops.paged_prefill_attention(q, layer_cache, meta.prefill_tables, meta.prefill_info, scale, out,
-                                    meta.max_prefill_len)
+                                    meta.max_prefill_len, window=window or 0)
         prefills = []
     else:
         prefills = meta.prefills
@@ -122,29 +152,29 @@ def paged_attention(
         k, v = _gather(layer_cache, seg.blocks)
         k = k.reshape(-1, kv_heads, k.shape[-1])[: seg.context_len].transpose(0, 1).unsqueeze(0)
         v = v.reshape(-1, kv_heads, v.shape[-1])[: seg.context_len].transpose(0, 1).unsqueeze(0)
-        if seg.context_len == seg.length:
+        mask = seg.mask(window)
+        if mask is None:
             o = F.scaled_dot_product_attention(qs, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
         else:
-            # Cached prefix or an earlier chunk sits before the new tokens: causal with an offset.
-            offset = seg.context_len - seg.length
-            q_pos = torch.arange(offset, seg.context_len, device=q.device)
-            mask = torch.arange(seg.context_len, device=q.device)[None, :] <= q_pos[:, None]
+            # A cached prefix or an earlier chunk before the new tokens (causal with an offset), or a window.
             o = F.scaled_dot_product_attention(qs, k, v, attn_mask=mask[None, None], scale=scale, enable_gqa=gqa)
         out[seg.start : seg.start + seg.length] = o[0].transpose(0, 1)
     for d in meta.decodes:
         b = d.blocks.shape[0]
-        out[d.start : d.start + b] = _decode(q[d.start : d.start + b], layer_cache, d, scale, gqa)
+        out[d.start : d.start + b] = _decode(q[d.start : d.start + b], layer_cache, d, scale, gqa, window)
     return out
 
 
-def _decode(q: torch.Tensor, layer_cache: torch.Tensor, d: DecodeBatch, scale: float, gqa: bool) -> torch.Tensor:
+def _decode(q: torch.Tensor, layer_cache: torch.Tensor, d: DecodeBatch, scale: float, gqa: bool,
+            window: int | None) -> torch.Tensor:
     """One query per sequence, keys gathered page by page and padded to the longest context."""
     ops = _use_triton(layer_cache)
     if ops is not None and d.context_lens is not None and q.shape[-1] & (q.shape[-1] - 1) == 0:
-        return ops.paged_decode_attention(q, layer_cache, d.blocks, d.context_lens, scale)
+        return ops.paged_decode_attention(q, layer_cache, d.blocks, d.context_lens, scale, window=window or 0)
     b, kv_heads = d.blocks.shape[0], layer_cache.shape[-2]
     k, v = _gather(layer_cache, d.blocks)  # [B*max_blocks, slots, kv_heads, dim]
     k = k.reshape(b, -1, kv_heads, k.shape[-1]).transpose(1, 2)
     v = v.reshape(b, -1, kv_heads, v.shape[-1]).transpose(1, 2)
-    o = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=d.mask, scale=scale, enable_gqa=gqa)
+    o = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=d.mask_for(window), scale=scale,
+                                       enable_gqa=gqa)
     return o.squeeze(2)

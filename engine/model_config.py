@@ -1,21 +1,113 @@
-"""The architecture facts the runtime needs, read from a Hugging Face `config.json`."""
+"""The architecture facts the runtime needs, read from a Hugging Face `config.json`.
+
+A field is either honoured, refused with an error naming it, or (when it cannot change the
+math: `initializer_range`, `use_cache`, ...) ignored. A field absent from the file takes the
+value `transformers`' own config class gives it, per family (`DEFAULTS`; a test holds the two
+equal), so a hand-trimmed config means what it means to `transformers`. Fields this module
+has never heard of are named in one warning at load.
+"""
 
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from engine.errors import ModelLoadError
+from engine.rope import RopeSpec, read_rope
 
-# Architectures that share the Llama block layout (pre-norm, RoPE, GQA, SwiGLU MLP).
-# Qwen2 adds a bias on the q/k/v projections; everything else is identical.
+log = logging.getLogger("splitfire.engine")
+
+# Architecture → family (the `model_type` of its text model).
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "MixtralForCausalLM": "mixtral",
+    "Gemma3ForCausalLM": "gemma3_text",
 }
+
+# transformers' config class defaults for every field read here (tests/test_model_config.py
+# compares them with the classes themselves).
+_COMMON = {"rms_norm_eps": 1e-6, "tie_word_embeddings": False, "hidden_act": "silu", "rope_theta": 10000.0,
+           "head_dim": None, "num_key_value_heads": None}
+_QWEN_SLIDING = {"use_sliding_window": False, "sliding_window": 4096, "max_window_layers": 28, "layer_types": None}
+DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": {**_COMMON, "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
+              "num_attention_heads": 32, "max_position_embeddings": 2048, "attention_bias": False, "mlp_bias": False,
+              "bos_token_id": 1, "eos_token_id": 2},
+    "mistral": {**_COMMON, "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336,
+                "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+                "max_position_embeddings": 131072, "sliding_window": 4096, "bos_token_id": 1, "eos_token_id": 2},
+    "qwen2": {**_COMMON, **_QWEN_SLIDING, "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 22016,
+              "num_hidden_layers": 32, "num_attention_heads": 32, "max_position_embeddings": 32768,
+              "bos_token_id": None, "eos_token_id": None},
+    "qwen3": {**_COMMON, **_QWEN_SLIDING, "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 22016,
+              "num_hidden_layers": 32, "num_attention_heads": 32, "max_position_embeddings": 32768,
+              "attention_bias": False, "head_dim": 128, "bos_token_id": None, "eos_token_id": None},
+    "qwen2_moe": {**_COMMON, **_QWEN_SLIDING, "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 5632,
+                  "num_hidden_layers": 24, "num_attention_heads": 16, "num_key_value_heads": 16,
+                  "max_position_embeddings": 32768, "num_experts": 60, "num_experts_per_tok": 4,
+                  "moe_intermediate_size": 1408, "shared_expert_intermediate_size": 5632, "norm_topk_prob": False,
+                  "decoder_sparse_step": 1, "mlp_only_layers": [], "qkv_bias": True,
+                  "bos_token_id": None, "eos_token_id": None},
+    "qwen3_moe": {**_COMMON, "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144,
+                  "num_hidden_layers": 24, "num_attention_heads": 32, "num_key_value_heads": 4,
+                  "max_position_embeddings": 32768, "attention_bias": False, "use_sliding_window": False,
+                  "sliding_window": 4096, "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768,
+                  "norm_topk_prob": False, "decoder_sparse_step": 1, "mlp_only_layers": [],
+                  "bos_token_id": None, "eos_token_id": None},
+    "mixtral": {**_COMMON, "rms_norm_eps": 1e-5, "rope_theta": 1e6, "vocab_size": 32000, "hidden_size": 4096,
+                "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+                "num_key_value_heads": 8, "max_position_embeddings": 131072, "sliding_window": None,
+                "num_experts": 8, "num_experts_per_tok": 2, "bos_token_id": 1, "eos_token_id": 2},
+    "gemma3_text": {**_COMMON, "tie_word_embeddings": True, "rope_theta": 1e6, "rope_local_base_freq": 10000.0,
+                    "hidden_activation": "gelu_pytorch_tanh", "vocab_size": 262208, "hidden_size": 2304,
+                    "intermediate_size": 9216, "num_hidden_layers": 26, "num_attention_heads": 8,
+                    "num_key_value_heads": 4, "head_dim": 256, "max_position_embeddings": 131072,
+                    "attention_bias": False, "query_pre_attn_scalar": 256, "sliding_window": 4096,
+                    "sliding_window_pattern": 6, "layer_types": None, "final_logit_softcapping": None,
+                    "attn_logit_softcapping": None, "use_bidirectional_attention": False,
+                    "bos_token_id": 2, "eos_token_id": 1},
+}
+
+ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh",
+               "gelu_new": "gelu_tanh"}
+ATTENTION_KINDS = ("full_attention", "sliding_attention")
+
+# Fields that never change a forward pass (training, generation defaults, bookkeeping).
+_INERT = {
+    "architectures", "model_type", "transformers_version", "torch_dtype", "dtype", "initializer_range", "use_cache",
+    "attention_dropout", "pad_token_id", "pretraining_tp", "router_aux_loss_coef", "output_router_logits",
+    "router_jitter_noise", "_name_or_path", "auto_map", "bos_token", "eos_token", "tokenizer_class",
+    "output_attentions", "output_hidden_states", "return_dict", "is_encoder_decoder", "chunk_size_feed_forward",
+    "id2label", "label2id", "problem_type", "tf_legacy_loss", "use_return_dict", "_attn_implementation",
+    "_attn_implementation_autoset", "max_length", "num_beams", "temperature", "top_p", "top_k", "do_sample",
+    "_sliding_window_pattern", "hidden_dropout", "embd_pdrop", "resid_pdrop", "cache_implementation",
+}
+
+
+@dataclass(frozen=True)
+class LayerConfig:
+    attention: str  # full_attention | sliding_attention
+    window: int | None  # keys a query sees, itself included (transformers: kv_idx > q_idx - window); None = all
+    rope: RopeSpec
+    moe: bool  # routed experts instead of the dense MLP
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    renormalize: bool  # top-k weights rescaled to sum to 1
+    shared_intermediate_size: int = 0  # an always-on expert beside the routed ones, behind a sigmoid gate
+    weights_in_model_dtype: bool = True  # Qwen casts routing weights to the activations' dtype; Mixtral keeps fp32
 
 
 @dataclass(frozen=True)
@@ -29,17 +121,39 @@ class ModelConfig:
     num_kv_heads: int
     head_dim: int
     rms_norm_eps: float
-    rope_theta: float
     max_position_embeddings: int
     tie_word_embeddings: bool
-    attention_bias: bool
-    rope_scaling: dict[str, Any] | None = None
+    layers: tuple[LayerConfig, ...]
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False  # per-head RMSNorm of q and k before RoPE (Qwen3, Gemma 3)
+    gemma_norm: bool = False  # RMSNorm scales by (1 + w), computed in float32
+    sandwich_norm: bool = False  # extra norms on the attention and MLP outputs (Gemma 3)
+    activation: str = "silu"  # silu | gelu | gelu_tanh
+    embed_scale: float | None = None  # embeddings multiplied by this (Gemma: sqrt(hidden))
+    attn_scale: float = 0.0  # q·k multiplier; 0 = head_dim ** -0.5
+    final_logit_softcap: float | None = None
+    moe: MoEConfig | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
 
     @property
     def family(self) -> str:
         return SUPPORTED_ARCHITECTURES[self.architecture]
+
+    @property
+    def scale(self) -> float:
+        return self.attn_scale or self.head_dim**-0.5
+
+    @property
+    def windows(self) -> tuple[int, ...]:
+        """The distinct sliding windows of the layers (attention metadata is built once per window)."""
+        return tuple(sorted({layer.window for layer in self.layers if layer.window is not None}))
+
+    @property
+    def ropes(self) -> tuple[RopeSpec, ...]:
+        return tuple(dict.fromkeys(layer.rope for layer in self.layers))
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any], source: str = "config.json") -> ModelConfig:
@@ -50,36 +164,18 @@ class ModelConfig:
                 f"{source}: unsupported architecture {archs or cfg.get('model_type')!r}; "
                 f"splitfire runs {sorted(SUPPORTED_ARCHITECTURES)}"
             )
-        try:
-            num_heads = int(cfg["num_attention_heads"])
-            hidden = int(cfg["hidden_size"])
-            eos = cfg.get("eos_token_id")
-            eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
-            rope_scaling = cfg.get("rope_scaling")
-            if rope_scaling is not None:
-                kind = rope_scaling.get("rope_type", rope_scaling.get("type"))
-                if kind not in ("llama3", "linear", "default"):
-                    raise ModelLoadError(f"{source}: unsupported rope_scaling type {kind!r}")
-            return cls(
-                architecture=arch,
-                vocab_size=int(cfg["vocab_size"]),
-                hidden_size=hidden,
-                intermediate_size=int(cfg["intermediate_size"]),
-                num_layers=int(cfg["num_hidden_layers"]),
-                num_heads=num_heads,
-                num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
-                head_dim=int(cfg.get("head_dim") or hidden // num_heads),
-                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-                rope_theta=float(cfg.get("rope_theta", 10000.0)),
-                max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
-                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-                attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
-                rope_scaling=rope_scaling,
-                bos_token_id=cfg.get("bos_token_id"),
-                eos_token_ids=eos_ids,
-            )
-        except KeyError as e:
-            raise ModelLoadError(f"{source}: missing required field {e.args[0]!r}") from e
+        family = SUPPORTED_ARCHITECTURES[arch]
+        model_type = cfg.get("model_type")
+        if model_type is not None and model_type != family:
+            raise ModelLoadError(f"{source}: model_type {model_type!r} does not match architecture {arch} "
+                                 f"(expected {family!r})")
+        r = _Fields(cfg, DEFAULTS[family], source)
+        cfg_out = _read(r, arch, family)
+        unknown = sorted(set(cfg) - r.read - _INERT)
+        if unknown:
+            log.warning("config fields not read (they do not change %s's forward pass in transformers, or "
+                        "splitfire does not know them): %s source=%s", arch, unknown, source)
+        return cfg_out
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelConfig:
@@ -90,4 +186,187 @@ class ModelConfig:
             cfg = json.loads(path.read_text())
         except json.JSONDecodeError as e:
             raise ModelLoadError(f"{path}: corrupt JSON: {e}") from e
+        if not isinstance(cfg, dict):
+            raise ModelLoadError(f"{path}: expected a JSON object")
+        if "quantization_config" in cfg:
+            method = (cfg["quantization_config"] or {}).get("quant_method")
+            raise ModelLoadError(f"{path}: quantization_config ({method!r}) is not supported: splitfire reads "
+                                 "unquantized safetensors (or GGUF); pass an unquantized checkpoint")
         return cls.from_dict(cfg, source=str(path))
+
+
+class _Fields:
+    """Reads config fields with the family's defaults, remembering which were read."""
+
+    def __init__(self, cfg: dict[str, Any], defaults: dict[str, Any], source: str):
+        self.cfg, self.defaults, self.source = cfg, defaults, source
+        self.read: set[str] = set()
+
+    def get(self, name: str) -> Any:
+        self.read.add(name)
+        value = self.cfg.get(name)
+        return self.defaults.get(name) if value is None and name not in self.cfg else value
+
+    def int(self, name: str, minimum: int = 1) -> int:
+        value = self.get(name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+            raise ModelLoadError(f"{self.source}: {name} must be an integer >= {minimum}, got {value!r}")
+        return value
+
+    def refuse_unless(self, name: str, allowed: Any, why: str) -> None:
+        value = self.get(name)
+        if value != allowed:
+            raise ModelLoadError(f"{self.source}: {name}={value!r} is not supported ({why})")
+
+    def fail(self, message: str) -> ModelLoadError:
+        return ModelLoadError(f"{self.source}: {message}")
+
+
+def _read(r: _Fields, arch: str, family: str) -> ModelConfig:
+    hidden = r.int("hidden_size")
+    num_heads = r.int("num_attention_heads")
+    num_kv = r.get("num_key_value_heads") or num_heads
+    head_dim = r.get("head_dim") or hidden // num_heads
+    if num_heads % num_kv:
+        raise r.fail(f"num_attention_heads ({num_heads}) is not a multiple of num_key_value_heads ({num_kv})")
+    num_layers = r.int("num_hidden_layers")
+    max_pos = r.int("max_position_embeddings")
+    act_key = "hidden_activation" if family == "gemma3_text" else "hidden_act"
+    act = r.get(act_key)
+    if act not in ACTIVATIONS:
+        raise r.fail(f"{act_key}={act!r} is not supported (supported: {sorted(ACTIVATIONS)})")
+    kinds = _layer_kinds(r, family, num_layers)
+    ropes = _ropes(r, family, max_pos)
+    window = r.get("sliding_window")
+    if "sliding_attention" in kinds and (not isinstance(window, int) or window < 1):
+        raise r.fail(f"sliding_window={window!r}: layers are sliding_attention but the window is not a positive integer")
+    moe, moe_layers = _moe(r, family, num_layers)
+    layers = tuple(
+        LayerConfig(kind, window if kind == "sliding_attention" else None, ropes[kind], i in moe_layers)
+        for i, kind in enumerate(kinds)
+    )
+    eos = r.get("eos_token_id")
+    eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+
+    extra: dict[str, Any] = {}
+    if family in ("llama",):
+        extra["qkv_bias"] = extra["o_bias"] = bool(r.get("attention_bias"))
+        extra["mlp_bias"] = bool(r.get("mlp_bias"))
+    elif family in ("qwen2",):
+        extra["qkv_bias"] = True
+    elif family == "qwen2_moe":
+        extra["qkv_bias"] = bool(r.get("qkv_bias"))
+    elif family in ("qwen3", "qwen3_moe", "gemma3_text"):
+        extra["qkv_bias"] = extra["o_bias"] = bool(r.get("attention_bias"))
+        extra["qk_norm"] = True
+    if family == "gemma3_text":
+        r.refuse_unless("attn_logit_softcapping", None, "attention logit soft-capping is not implemented")
+        r.refuse_unless("use_bidirectional_attention", False, "only causal attention is implemented")
+        cap = r.get("final_logit_softcapping")
+        extra.update(gemma_norm=True, sandwich_norm=True, embed_scale=hidden**0.5,
+                     attn_scale=float(r.get("query_pre_attn_scalar")) ** -0.5,
+                     final_logit_softcap=float(cap) if cap is not None else None)
+    return ModelConfig(
+        architecture=arch,
+        vocab_size=r.int("vocab_size"),
+        hidden_size=hidden,
+        intermediate_size=r.int("intermediate_size"),
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=int(num_kv),
+        head_dim=int(head_dim),
+        rms_norm_eps=float(r.get("rms_norm_eps")),
+        max_position_embeddings=max_pos,
+        tie_word_embeddings=bool(r.get("tie_word_embeddings")),
+        layers=layers,
+        activation=ACTIVATIONS[act],
+        moe=moe,
+        bos_token_id=r.get("bos_token_id"),
+        eos_token_ids=eos_ids,
+        **extra,
+    )
+
+
+def _layer_kinds(r: _Fields, family: str, num_layers: int) -> list[str]:
+    """Each layer's attention kind, by the rule the family's transformers config applies."""
+    if family in ("llama",):
+        return ["full_attention"] * num_layers
+    if family in ("mistral", "mixtral"):
+        sliding = r.get("sliding_window") is not None
+        return ["sliding_attention" if sliding else "full_attention"] * num_layers
+    if family == "qwen3_moe":
+        sliding = bool(r.get("use_sliding_window")) and r.get("sliding_window") is not None
+        return ["sliding_attention" if sliding else "full_attention"] * num_layers
+    kinds = r.get("layer_types")
+    if kinds is None:
+        if family == "gemma3_text":
+            pattern = r.int("sliding_window_pattern")
+            kinds = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)]
+        else:
+            use, window, first = r.get("use_sliding_window"), r.get("sliding_window"), r.get("max_window_layers")
+            if family == "qwen2_moe":
+                kinds = ["sliding_attention" if (i + 1) % 2 and i < first and use and window else "full_attention"
+                         for i in range(num_layers)]
+            else:
+                kinds = ["sliding_attention" if use and window is not None and i >= first else "full_attention"
+                         for i in range(num_layers)]
+    elif family == "qwen2_moe" or family in ("qwen2", "qwen3"):
+        if not r.get("use_sliding_window"):
+            # transformers sets sliding_window to None without use_sliding_window: the layers see everything.
+            kinds = ["full_attention"] * len(kinds)
+    if len(kinds) != num_layers:
+        raise r.fail(f"layer_types has {len(kinds)} entries for {num_layers} layers")
+    bad = sorted({k for k in kinds if k not in ATTENTION_KINDS})
+    if bad:
+        raise r.fail(f"layer_types {bad} are not supported (supported: {list(ATTENTION_KINDS)})")
+    return list(kinds)
+
+
+def _ropes(r: _Fields, family: str, max_pos: int) -> dict[str, RopeSpec]:
+    """RopeSpec per attention kind, from `rope_parameters` (flat or nested per kind) or the legacy
+    `rope_theta` + `rope_scaling` (which, as in transformers, wins over a flat `rope_parameters`)."""
+    params, legacy, partial = r.get("rope_parameters"), r.get("rope_scaling"), r.get("partial_rotary_factor")
+    for name, value in (("rope_parameters", params), ("rope_scaling", legacy)):
+        if value is not None and not isinstance(value, dict):
+            raise r.fail(f"{name} must be an object, got {value!r}")
+    nested = params is not None and any(k in params for k in ATTENTION_KINDS)
+    gemma = family == "gemma3_text"
+    out: dict[str, RopeSpec] = {}
+    for kind in ATTENTION_KINDS:
+        local = gemma and kind == "sliding_attention"
+        theta = r.get("rope_local_base_freq") if local else r.get("rope_theta")
+        if nested:
+            p, where = dict(params.get(kind) or {}), f"rope_parameters.{kind}"
+            if gemma and not local and legacy:
+                p.update(legacy)
+        elif local:
+            p, where = {}, "rope_local_base_freq"  # Gemma 3's legacy layout: rope_scaling is for global layers
+        else:
+            p = dict(legacy or params or {})
+            where = "rope_scaling" if legacy else "rope_parameters"
+        p.setdefault("rope_theta", theta)
+        if partial is not None:
+            p.setdefault("partial_rotary_factor", partial)
+        out[kind] = read_rope(p, max_pos, r.source, where)
+    return out
+
+
+def _moe(r: _Fields, family: str, num_layers: int) -> tuple[MoEConfig | None, set[int]]:
+    if family not in ("qwen2_moe", "qwen3_moe", "mixtral"):
+        return None, set()
+    num_experts = r.get("num_local_experts") if "num_local_experts" in r.cfg else r.get("num_experts")
+    r.read.update(("num_experts", "num_local_experts"))
+    if not isinstance(num_experts, int) or num_experts < 1:
+        raise r.fail(f"num_experts must be a positive integer, got {num_experts!r}")
+    top_k = r.int("num_experts_per_tok")
+    if top_k > num_experts:
+        raise r.fail(f"num_experts_per_tok ({top_k}) exceeds the number of experts ({num_experts})")
+    if family == "mixtral":
+        return MoEConfig(num_experts, top_k, r.int("intermediate_size"), renormalize=True,
+                         weights_in_model_dtype=False), set(range(num_layers))
+    step = r.int("decoder_sparse_step")
+    dense_only = set(r.get("mlp_only_layers") or [])
+    layers = {i for i in range(num_layers) if i not in dense_only and (i + 1) % step == 0}
+    shared = r.int("shared_expert_intermediate_size", minimum=0) if family == "qwen2_moe" else 0
+    return MoEConfig(num_experts, top_k, r.int("moe_intermediate_size"), renormalize=bool(r.get("norm_topk_prob")),
+                     shared_intermediate_size=shared), layers

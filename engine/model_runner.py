@@ -6,7 +6,7 @@ import torch
 
 from engine.attention import AttentionMetadata, DecodeBatch, PrefillSegment, kernels_enabled
 from engine.kv_cache import KVCache
-from engine.model import LayerHook, LlamaModel
+from engine.model import DecoderModel, LayerHook
 from engine.sampler import sample
 from engine.scheduler import ScheduledSeq
 from engine.sequence import TokenLogprob
@@ -31,7 +31,7 @@ def _length_groups(num_blocks: list[int]) -> list[range]:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, kv: KVCache, device: torch.device):
+    def __init__(self, model: DecoderModel, kv: KVCache, device: torch.device):
         self.model = model
         self.kv = kv
         self.device = device

@@ -23,7 +23,7 @@ import torch
 from engine import attention
 from engine.block_manager import BlockManager
 from engine.kv_cache import KVCache, KVLayout
-from engine.model import LlamaModel
+from engine.model import DecoderModel
 from engine.model_config import ModelConfig
 from engine.model_runner import ModelRunner
 from engine.sampling_params import SamplingParams
@@ -76,7 +76,7 @@ def build(preset: str, dev: torch.device, dtype: torch.dtype, blocks: int, block
     cfg = ModelConfig.from_dict({"architectures": ["LlamaForCausalLM"], "rms_norm_eps": 1e-5, **PRESETS[preset]})
     torch.manual_seed(0)
     with torch.device(dev):
-        model = LlamaModel(cfg).to(dtype)
+        model = DecoderModel(cfg).to(dtype)
     for p in model.parameters():
         p.normal_(0.0, 0.02)
     model.build_rope_cache(cfg.max_position_embeddings + 1, dev, dtype)

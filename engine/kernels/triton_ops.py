@@ -18,9 +18,11 @@ def _decode_attention_kernel(
     q_ptr, cache_ptr, tables_ptr, ctx_ptr, out_ptr, scale,
     stride_qt, stride_qh, stride_cb, stride_ckv, stride_cs, stride_ch, stride_tb, stride_ot, stride_oh,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+    WINDOW: tl.constexpr,
 ):
     """One program per (sequence, kv head): the GROUP query heads sharing that kv head read each
-    page once; online softmax over the sequence's pages, straight from its block table."""
+    page once; online softmax over the sequence's pages, straight from its block table. With a
+    WINDOW (> 0), only the last WINDOW keys count and pages before them are not read."""
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
     g = tl.arange(0, GROUP_PAD)
@@ -33,10 +35,13 @@ def _decode_attention_kernel(
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
-    for j in range(0, tl.cdiv(ctx, BLOCK_SIZE)):
+    first_key = 0
+    if WINDOW > 0:
+        first_key = tl.maximum(ctx - WINDOW, 0)
+    for j in range(first_key // BLOCK_SIZE, tl.cdiv(ctx, BLOCK_SIZE)):
         blk = tl.load(tables_ptr + seq * stride_tb + j)
         base = cache_ptr + blk * stride_cb + kvh * stride_ch
-        valid = j * BLOCK_SIZE + s_off < ctx
+        valid = (j * BLOCK_SIZE + s_off < ctx) & (j * BLOCK_SIZE + s_off >= first_key)
         k = tl.load(base + s_off[:, None] * stride_cs + d[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
         v = tl.load(base + stride_ckv + s_off[:, None] * stride_cs + d[None, :], mask=valid[:, None],
                     other=0.0).to(tl.float32)
@@ -54,8 +59,9 @@ def _decode_attention_kernel(
 
 
 def paged_decode_attention(q: torch.Tensor, layer_cache: torch.Tensor, block_tables: torch.Tensor,
-                           context_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """q: [B, heads, dim]; block_tables: [B, max_blocks] int32/64; context_lens: [B]. Returns [B, heads, dim]."""
+                           context_lens: torch.Tensor, scale: float, window: int = 0) -> torch.Tensor:
+    """q: [B, heads, dim]; block_tables: [B, max_blocks] int32/64; context_lens: [B]; window: sliding
+    window in tokens (0 = none). Returns [B, heads, dim]."""
     b, heads, dim = q.shape
     kv_heads, block_size = layer_cache.shape[3], layer_cache.shape[2]
     group = heads // kv_heads
@@ -65,6 +71,7 @@ def paged_decode_attention(q: torch.Tensor, layer_cache: torch.Tensor, block_tab
         q.stride(0), q.stride(1), layer_cache.stride(0), layer_cache.stride(1), layer_cache.stride(2),
         layer_cache.stride(3), block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, GROUP_PAD=max(triton.next_power_of_2(group), 2), BLOCK_SIZE=block_size, HEAD_DIM=dim,
+        WINDOW=window,
     )
     return out
 
@@ -147,10 +154,12 @@ def _prefill_attention_kernel(
     q_ptr, cache_ptr, tables_ptr, seg_ptr, out_ptr, scale,
     stride_qt, stride_qh, stride_cb, stride_ckv, stride_cs, stride_ch, stride_tb, stride_ot, stride_oh,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+    WINDOW: tl.constexpr,
 ):
     """Causal attention of one segment's new tokens over its whole context (cached prefix, earlier
     chunks and the new tokens), read page by page from the block table. Program = (query tile,
-    head, segment); flash-style online softmax, fp32 accumulation."""
+    head, segment); flash-style online softmax, fp32 accumulation. With a WINDOW (> 0) a query at
+    position p sees keys p - WINDOW + 1 .. p, and pages before the tile's first visible key are skipped."""
     tile = tl.program_id(0)
     h = tl.program_id(1)
     seg = tl.program_id(2)
@@ -171,7 +180,10 @@ def _prefill_attention_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     last_pos = tl.minimum(ctx - q_len + (tile + 1) * BLOCK_M, ctx)  # keys past the tile's last query are masked
-    for j in range(0, tl.cdiv(last_pos, BLOCK_SIZE)):
+    first_key = 0
+    if WINDOW > 0:
+        first_key = tl.maximum(ctx - q_len + tile * BLOCK_M - WINDOW + 1, 0)
+    for j in range(first_key // BLOCK_SIZE, tl.cdiv(last_pos, BLOCK_SIZE)):
         blk = tl.load(tables_ptr + seg * stride_tb + j)
         base = cache_ptr + blk * stride_cb + kvh * stride_ch
         k_pos = j * BLOCK_SIZE + s_off
@@ -180,10 +192,14 @@ def _prefill_attention_kernel(
         v = tl.load(base + stride_ckv + s_off[:, None] * stride_cs + d[None, :], mask=k_valid[:, None], other=0.0)
         s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
         allowed = (k_pos[None, :] <= q_pos[:, None]) & k_valid[None, :]
+        if WINDOW > 0:
+            allowed = allowed & (k_pos[None, :] > q_pos[:, None] - WINDOW)
         s = tl.where(allowed, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        p = tl.exp(s - m_new[:, None])
-        alpha = tl.exp(m_i - m_new)
+        # A windowed row can see no key of this page yet: subtract 0, not -inf (exp(-inf + inf) is nan).
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
         m_i = m_new
@@ -194,7 +210,7 @@ def _prefill_attention_kernel(
 
 def paged_prefill_attention(q: torch.Tensor, layer_cache: torch.Tensor, block_tables: torch.Tensor,
                             segments: torch.Tensor, scale: float, out: torch.Tensor, max_q_len: int,
-                            block_m: int = 64) -> torch.Tensor:
+                            block_m: int = 64, window: int = 0) -> torch.Tensor:
     """q: [T, heads, dim] (all tokens of the step); segments: [S, 3] int (first row, new tokens, context
     length); block_tables: [S, max_blocks]. Writes each segment's rows of `out` and returns it."""
     heads, dim = q.shape[1], q.shape[2]
@@ -204,6 +220,6 @@ def paged_prefill_attention(q: torch.Tensor, layer_cache: torch.Tensor, block_ta
         q, layer_cache, block_tables, segments, out, scale,
         q.stride(0), q.stride(1), layer_cache.stride(0), layer_cache.stride(1), layer_cache.stride(2),
         layer_cache.stride(3), block_tables.stride(0), out.stride(0), out.stride(1),
-        GROUP=heads // kv_heads, BLOCK_M=block_m, BLOCK_SIZE=block_size, HEAD_DIM=dim,
+        GROUP=heads // kv_heads, BLOCK_M=block_m, BLOCK_SIZE=block_size, HEAD_DIM=dim, WINDOW=window,
     )
     return out

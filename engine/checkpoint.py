@@ -1,0 +1,142 @@
+"""Reading tensors out of a directory of safetensors files, one tensor at a time.
+
+The `safetensors` library maps each file into memory; every page it touches stays in the
+process's RSS until the file is closed, so loading through it peaks at about twice the model
+(the filled parameters plus the mapped file). The format is a little-endian u64 header
+length, a JSON header (name -> dtype, shape, byte range) and the raw bytes, so here each
+tensor is read with one `readinto` into a fresh buffer that is copied into its parameter and
+dropped: peak RSS is the model plus its largest tensor. Names not read by the end are
+reported, so a checkpoint holding weights the config does not account for is caught.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine.errors import ModelLoadError
+
+DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}
+_MAX_HEADER = 100 * 2**20
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    path: Path
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int  # absolute byte offset in the file
+    nbytes: int
+
+
+def read_header(path: Path) -> dict[str, TensorInfo]:
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(8)
+            if len(raw) != 8:
+                raise ModelLoadError(f"{path}: corrupt safetensors file (shorter than its header length)")
+            (n,) = struct.unpack("<Q", raw)
+            if n > _MAX_HEADER:
+                raise ModelLoadError(f"{path}: corrupt safetensors file (header of {n} bytes)")
+            header = json.loads(f.read(n))
+            size = os.fstat(f.fileno()).st_size
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ModelLoadError(f"{path}: corrupt safetensors file (header is not JSON: {e})") from e
+    except OSError as e:
+        raise ModelLoadError(f"{path}: cannot read: {e}") from e
+    if not isinstance(header, dict):
+        raise ModelLoadError(f"{path}: corrupt safetensors file (header is not an object)")
+    out: dict[str, TensorInfo] = {}
+    for name, meta in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype = DTYPES[meta["dtype"]]
+            shape = tuple(int(d) for d in meta["shape"])
+            begin, end = (int(x) for x in meta["data_offsets"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise ModelLoadError(f"{path}: corrupt safetensors entry for {name!r}: {meta!r}") from e
+        numel = 1
+        for d in shape:
+            numel *= d
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        if end - begin != nbytes or 8 + n + end > size or begin < 0:
+            raise ModelLoadError(f"{path}: tensor {name!r} has a byte range that does not match its shape "
+                                 f"{shape} ({meta['dtype']}) or lies past the end of the file (truncated?)")
+        out[name] = TensorInfo(path, dtype, shape, 8 + n + begin, nbytes)
+    return out
+
+
+class Checkpoint:
+    """Every tensor of a model directory, by name, read on demand."""
+
+    def __init__(self, model_dir: Path):
+        self.model_dir = model_dir
+        self.tensors = self._index(model_dir)
+        self.unread = set(self.tensors)
+
+    @staticmethod
+    def _index(model_dir: Path) -> dict[str, TensorInfo]:
+        index = model_dir / "model.safetensors.index.json"
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise ModelLoadError(f"{index}: corrupt shard index: {e}") from e
+            files = sorted({model_dir / shard for shard in weight_map.values()})
+            for f in files:
+                if not f.is_file():
+                    raise ModelLoadError(f"{model_dir}: shard {f.name} listed in {index.name} is missing")
+        else:
+            weight_map = None
+            files = sorted(model_dir.glob("*.safetensors"))
+            if not files:
+                raise ModelLoadError(f"{model_dir}: no *.safetensors weights")
+        out: dict[str, TensorInfo] = {}
+        for f in files:
+            out.update(read_header(f))
+        if weight_map is not None:
+            missing = sorted(set(weight_map) - set(out))
+            if missing:
+                raise ModelLoadError(f"{index}: lists tensors no shard holds: {missing[:5]}")
+        return out
+
+    def has(self, name: str) -> bool:
+        return name in self.tensors
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.info(name).shape
+
+    def info(self, name: str) -> TensorInfo:
+        t = self.tensors.get(name)
+        if t is None:
+            raise ModelLoadError(f"{self.model_dir}: missing tensor {name!r}")
+        return t
+
+    def get(self, name: str) -> torch.Tensor:
+        t = self.info(name)
+        out = torch.empty(t.shape, dtype=t.dtype)
+        buf = memoryview(out.reshape(-1).view(torch.uint8).numpy()) if t.nbytes else memoryview(bytearray())
+        try:
+            with open(t.path, "rb") as f:
+                f.seek(t.offset)
+                got = f.readinto(buf)
+        except OSError as e:
+            raise ModelLoadError(f"{t.path}: cannot read tensor {name!r}: {e}") from e
+        if got != t.nbytes:
+            raise ModelLoadError(f"{t.path}: tensor {name!r} is truncated ({got} of {t.nbytes} bytes)")
+        self.unread.discard(name)
+        return out
+
+    def skip(self, name: str) -> None:
+        """Mark a tensor as deliberately not used (e.g. an lm_head that is tied to the embedding)."""
+        self.unread.discard(name)

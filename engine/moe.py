@@ -1,0 +1,119 @@
+"""Mixture-of-experts MLP: a router picks each token's top-k experts; each expert is a gated MLP.
+
+Expert compute is grouped so a step costs what its *active* experts cost: the step's
+(token, expert) pairs are sorted by expert, and every expert some token chose runs one matmul
+over all of its tokens, in expert order (the order `transformers` adds them in). Experts no
+token chose are never touched. On CUDA a Triton grouped-GEMM kernel (`kernels/moe_triton.py`)
+does the same behind this seam; `grouped_experts_reference` is what both are held equal to.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.layers import MLP, Linear, activation, cpu_linear, pack_weight
+from engine.model_config import ModelConfig
+
+
+def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax over all experts in float32, keep the top k, optionally rescale them to sum to 1.
+    Returns (weights [T, k] float32, expert ids [T, k])."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def sort_by_expert(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, list[int]]:
+    """Order of the flattened (token, choice) pairs grouped by expert, and each expert's count."""
+    flat = ids.flatten()
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_experts).tolist()  # the step's one host sync
+    return order, counts
+
+
+ExpertFn = Callable[[int, torch.Tensor], torch.Tensor]
+
+
+def grouped_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, num_experts: int,
+                    gate_up: ExpertFn, down: ExpertFn, act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) for every token t, one matmul pair per active expert.
+
+    `gate_up(e, rows)` / `down(e, rows)` apply expert e's projections (plain or pre-packed weights).
+    """
+    k = ids.shape[1]
+    order, counts = sort_by_expert(ids, num_experts)
+    token_of = order // k
+    rows = x.index_select(0, token_of)
+    out_rows = torch.empty_like(rows)
+    start = 0
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        gate, up = gate_up(e, rows[start : start + n]).chunk(2, dim=-1)
+        out_rows[start : start + n] = down(e, act(gate) * up)
+        start += n
+    w = weights.flatten().index_select(0, order).unsqueeze(1)
+    scaled = out_rows * w if w.dtype == out_rows.dtype else (out_rows.float() * w).to(out_rows.dtype)
+    return torch.zeros_like(x).index_add_(0, token_of, scaled)
+
+
+def grouped_experts_reference(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gate_up: torch.Tensor,
+                              w_down: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """The readable path: stacked weights [E, 2I, H] and [E, H, I], plain matmuls."""
+    return grouped_experts(x, ids, weights, w_gate_up.shape[0], lambda e, r: F.linear(r, w_gate_up[e]),
+                           lambda e, r: F.linear(r, w_down[e]), act)
+
+
+class Experts(nn.Module):
+    """Every expert's weights stacked: gate and up fused [E, 2I, H], down [E, H, I]."""
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, act: str):
+        super().__init__()
+        self.num_experts = num_experts
+        self.gate_up = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden), requires_grad=False)
+        self.down = nn.Parameter(torch.empty(num_experts, hidden, intermediate), requires_grad=False)
+        self.act = activation(act)
+        self.packed: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
+
+    def pack_for_cpu(self) -> None:
+        """oneDNN-packed copy of each expert (see `layers.Linear`); the stacked weights are dropped."""
+        self.packed = ([pack_weight(w) for w in self.gate_up], [pack_weight(w) for w in self.down])
+        self.gate_up = self.down = None  # type: ignore[assignment]
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            gu, dn = self.packed
+            return grouped_experts(x, ids, weights, self.num_experts, lambda e, r: cpu_linear(r, gu[e]),
+                                   lambda e, r: cpu_linear(r, dn[e]), self.act)
+        if x.is_cuda:
+            from engine.kernels import moe_triton
+
+            return moe_triton.fused_experts(x, ids, weights, self.gate_up, self.down, self.act)
+        return grouped_experts_reference(x, ids, weights, self.gate_up, self.down, self.act)
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        m = cfg.moe
+        assert m is not None
+        self.top_k, self.renormalize, self.weights_in_model_dtype = m.top_k, m.renormalize, m.weights_in_model_dtype
+        self.router = Linear(cfg.hidden_size, m.num_experts)
+        self.experts = Experts(m.num_experts, cfg.hidden_size, m.intermediate_size, cfg.activation)
+        self.shared = MLP(cfg.hidden_size, m.shared_intermediate_size, cfg.activation) if m.shared_intermediate_size else None
+        self.shared_gate = Linear(cfg.hidden_size, 1) if m.shared_intermediate_size else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = route(self.router(x), self.top_k, self.renormalize)
+        if self.weights_in_model_dtype:
+            weights = weights.to(x.dtype)
+        out = self.experts(x, ids, weights)
+        if self.shared is not None and self.shared_gate is not None:
+            out = out + torch.sigmoid(self.shared_gate(x)) * self.shared(x)
+        return out
