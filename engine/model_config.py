@@ -298,6 +298,7 @@ def _layer_kinds(r: _Fields, family: str, num_layers: int) -> list[str]:
         sliding = bool(r.get("use_sliding_window")) and r.get("sliding_window") is not None
         return ["sliding_attention" if sliding else "full_attention"] * num_layers
     kinds = r.get("layer_types")
+    r.read.add("max_window_layers")  # what it means is spelled out by layer_types when present
     if kinds is None:
         if family == "gemma3_text":
             pattern = r.int("sliding_window_pattern")

@@ -61,6 +61,21 @@ class Proc:
         return self.popen.returncode
 
 
+def stop_all(*procs: Proc, timeout: float = 15.0) -> list[int]:
+    """SIGTERM every process first, then wait: their shutdowns overlap (a Mooncake engine alone
+    takes ~1 s to tear down)."""
+    for p in procs:
+        if p.alive:
+            p.popen.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        try:
+            p.popen.wait(max(deadline - time.monotonic(), 0.1))
+        except subprocess.TimeoutExpired:
+            p.kill()
+    return [p.popen.returncode for p in procs]
+
+
 def spawn(name: str, args: list[str], log_dir: Path, env: dict[str, str] | None = None) -> Proc:
     log_path = log_dir / f"{name}.log"
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "MC_LOG_LEVEL": "ERROR", **(env or {})}

@@ -1,0 +1,115 @@
+"""Tiny random models of every supported family, built by Hugging Face `transformers` itself.
+
+Each is made with the family's own `*Config` and `*ForCausalLM`, given larger-than-default
+random weights (so greedy choices are decisive, not near-ties), saved with `save_pretrained`
+beside the tiny BPE tokenizer, and kept in memory as the reference: the oracle is their code,
+not ours, so a misreading of a config that we share with our own reference cannot hide.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from tiny_model import make_tokenizer
+
+COMMON = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16, max_position_embeddings=1024, rms_norm_eps=1e-5,
+              tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64, "rope_theta": 50000.0}
+
+# name -> (config class, model class, config overrides)
+FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "llama3": ("LlamaConfig", "LlamaForCausalLM", dict(rope_parameters=LLAMA3_ROPE)),
+    # The same model with config.json rewritten the way transformers 4 wrote it.
+    "llama3-legacy": ("LlamaConfig", "LlamaForCausalLM", dict(rope_parameters=LLAMA3_ROPE)),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=12)),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=True, head_dim=None)),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=32)),  # explicit head_dim != hidden / heads
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
+                       mlp_only_layers=[1])),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
+                  dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32,
+                       shared_expert_intermediate_size=48, head_dim=None)),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2)),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM",
+               dict(sliding_window=12, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                    query_pre_attn_scalar=24, final_logit_softcapping=30.0, tie_word_embeddings=True,
+                    rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 100000.0},
+                                     "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})),
+}
+
+
+@dataclass
+class HFModel:
+    name: str
+    path: Path
+    model: Any  # the transformers model, float32, eval mode
+    config: dict[str, Any]
+
+    @torch.no_grad()
+    def logits(self, ids: list[int]) -> torch.Tensor:
+        """Last-position logits, float32."""
+        return self.model(torch.tensor([ids])).logits[0, -1].float()
+
+    @torch.no_grad()
+    def greedy(self, ids: list[int], n: int) -> list[int]:
+        """Greedy continuation by full recompute each step (no cache: the plainest use of their forward)."""
+        ids, out = list(ids), []
+        for _ in range(n):
+            tok = int(self.logits(ids).argmax())
+            out.append(tok)
+            ids.append(tok)
+        return out
+
+
+def _randomize(model: torch.nn.Module, seed: int, gemma: bool) -> None:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters()):
+            noise = torch.randn(p.shape, generator=g)
+            if "norm" in name:
+                p.copy_((0.0 if gemma else 1.0) + 0.1 * noise)
+            elif "embed" in name:
+                p.copy_((0.04 if gemma else 0.3) * noise)  # Gemma multiplies embeddings by sqrt(hidden)
+            elif name.endswith("gate.weight") or "router" in name:
+                p.copy_(0.5 * noise)  # decisive routing: no near-ties between experts
+            else:
+                p.copy_(0.15 * noise)
+
+
+def make_hf_model(name: str, out: Path, seed: int = 0, **overrides: Any) -> HFModel:
+    import transformers
+
+    config_cls, model_cls, extra = FAMILIES[name]
+    out.mkdir(parents=True, exist_ok=True)
+    vocab = make_tokenizer(out)
+    kw = {k: v for k, v in {**COMMON, **extra, **overrides, "vocab_size": vocab}.items() if v is not None}
+    config = getattr(transformers, config_cls)(**kw)
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_cls)(config).float().eval()
+    _randomize(model, seed, gemma=name.startswith("gemma"))
+    if config.tie_word_embeddings:
+        model.tie_weights()
+    model.save_pretrained(out)
+    cfg = json.loads((out / "config.json").read_text())
+    if name.endswith("-legacy"):
+        cfg = to_legacy_layout(cfg)
+        (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    return HFModel(name, out, model, cfg)
+
+
+def to_legacy_layout(cfg: dict[str, Any]) -> dict[str, Any]:
+    """config.json as transformers 4 wrote it: rope_theta beside rope_scaling, no rope_parameters."""
+    cfg = dict(cfg)
+    rope = dict(cfg.pop("rope_parameters"))
+    cfg["rope_theta"] = rope.pop("rope_theta")
+    if rope.get("rope_type", "default") != "default":
+        cfg["rope_scaling"] = rope
+    return cfg
