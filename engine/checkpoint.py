@@ -123,8 +123,21 @@ class Checkpoint:
         return t
 
     def get(self, name: str) -> torch.Tensor:
+        out = torch.empty(self.info(name).shape, dtype=self.info(name).dtype)
+        self._read(name, out)
+        return out
+
+    def read_into(self, name: str, dst: torch.Tensor) -> None:
+        """Fill `dst` (same shape) with the tensor: straight from the file when dtype and device match
+        and `dst` is contiguous, else through one temporary (a dtype conversion or a device copy)."""
         t = self.info(name)
-        out = torch.empty(t.shape, dtype=t.dtype)
+        if dst.dtype == t.dtype and dst.device.type == "cpu" and dst.is_contiguous():
+            self._read(name, dst)
+        else:
+            dst.copy_(self.get(name))
+
+    def _read(self, name: str, out: torch.Tensor) -> None:
+        t = self.info(name)
         buf = memoryview(out.reshape(-1).view(torch.uint8).numpy()) if t.nbytes else memoryview(bytearray())
         try:
             with open(t.path, "rb") as f:
@@ -135,7 +148,6 @@ class Checkpoint:
         if got != t.nbytes:
             raise ModelLoadError(f"{t.path}: tensor {name!r} is truncated ({got} of {t.nbytes} bytes)")
         self.unread.discard(name)
-        return out
 
     def skip(self, name: str) -> None:
         """Mark a tensor as deliberately not used (e.g. an lm_head that is tied to the embedding)."""
