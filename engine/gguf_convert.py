@@ -1,14 +1,21 @@
 """Converting a GGUF file into a Hugging Face model directory, once.
 
-GGUF tensors are dequantized (numpy, via the `gguf` package) to float32, so the
-converted model computes exactly what the quantized weights mean. llama.cpp stores
-Q and K rows permuted for its interleaved RoPE; they are permuted back to the
-Hugging Face half-split layout that `model.py` uses.
+The converted directory is then loaded by the same code as any safetensors checkpoint.
+Tensors are dequantized (numpy, via the `gguf` package) to float32, so the model computes
+exactly what the quantized weights mean, and written in ~1 GiB shards with an index, so
+conversion holds one shard in memory, not the model. What differs from the Hugging Face
+layout is undone: llama.cpp permutes Q and K rows of `llama`-architecture models for its
+interleaved RoPE (permuted back here), stacks each layer's experts into one tensor (split
+back per expert), and stores Llama 3.1 RoPE scaling as a `rope_freqs` factor tensor
+(recognised as the `llama3` rope type it was computed from, or refused).
+
+Architectures: llama (dense, or with experts: Mixtral), qwen2, qwen3, qwen2moe, qwen3moe.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -16,20 +23,50 @@ import numpy as np
 from tqdm import tqdm
 
 from engine.errors import ModelLoadError
+from engine.rope import RopeSpec
 
 _END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>")
+_TOKEN_CONTROL, _TOKEN_USER_DEFINED = 3, 4
+_SHARD_BYTES = 1 << 30
+
+# GGUF architecture -> (HF architecture when dense, when it has experts)
+ARCHITECTURES = {
+    "llama": ("LlamaForCausalLM", "MixtralForCausalLM"),
+    "qwen2": ("Qwen2ForCausalLM", None),
+    "qwen3": ("Qwen3ForCausalLM", None),
+    "qwen2moe": (None, "Qwen2MoeForCausalLM"),
+    "qwen3moe": (None, "Qwen3MoeForCausalLM"),
+}
+_MODEL_TYPES = {"LlamaForCausalLM": "llama", "MixtralForCausalLM": "mixtral", "Qwen2ForCausalLM": "qwen2",
+                "Qwen3ForCausalLM": "qwen3", "Qwen2MoeForCausalLM": "qwen2_moe", "Qwen3MoeForCausalLM": "qwen3_moe"}
+# Pre-tokenizer regexes of the byte-level BPE vocabularies llama.cpp names in `tokenizer.ggml.pre`
+# (the same patterns the models' own tokenizer.json files carry).
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+_PRE_SPLITS = {"llama-bpe": _LLAMA3_SPLIT, "llama3": _LLAMA3_SPLIT,
+               "qwen2": _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")}
+
+# Per-layer GGUF tensor name -> Hugging Face name (after "model.layers.{i}.").
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
     "ffn_norm": "post_attention_layernorm",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
-_TOKEN_CONTROL, _TOKEN_USER_DEFINED = 3, 4
+_EXPERTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
+_MIXTRAL_EXPERTS = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
 
 
 def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -44,21 +81,8 @@ def _field(reader: Any, key: str, default: Any = None) -> Any:
     return f.contents()
 
 
-def _hf_name(gguf_name: str) -> str | None:
-    if gguf_name == "token_embd.weight":
-        return "model.embed_tokens.weight"
-    if gguf_name == "output_norm.weight":
-        return "model.norm.weight"
-    if gguf_name == "output.weight":
-        return "lm_head.weight"
-    parts = gguf_name.split(".")
-    if parts[0] == "blk" and len(parts) == 4 and parts[2] in _LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{parts[3]}"
-    return None
-
-
-def _build_tokenizer(reader: Any, out_dir: Path) -> dict[str, Any]:
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+def _build_tokenizer(reader: Any, out_dir: Path, context_length: int) -> dict[str, Any]:
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
     kind = _field(reader, "tokenizer.ggml.model")
     if kind != "gpt2":
@@ -70,12 +94,22 @@ def _build_tokenizer(reader: Any, out_dir: Path) -> dict[str, Any]:
     types: list[int] = _field(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
     merges = [tuple(m.split(" ", 1)) for m in _field(reader, "tokenizer.ggml.merges")]
     tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False))
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    if _field(reader, "tokenizer.ggml.pre") in ("smollm", "starcoder", "refact", "qwen2"):
+    pre = _field(reader, "tokenizer.ggml.pre")
+    if pre in _PRE_SPLITS:
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(_PRE_SPLITS[pre]), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ])
+    elif pre in ("smollm", "starcoder", "refact"):
         # These split every digit on its own before the GPT-2 regex (llama.cpp does the same).
-        tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+        tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                                     pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    elif pre in (None, "default", "gpt-2", "gpt2"):
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     else:
-        tok.pre_tokenizer = byte_level
+        raise ModelLoadError(f"GGUF pre-tokenizer {pre!r} is not supported (supported: "
+                             f"{sorted([*_PRE_SPLITS, 'smollm', 'starcoder', 'refact', 'gpt-2'])}); "
+                             "use the model's Hugging Face directory instead")
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
     special = [t for t, ty in zip(tokens, types, strict=True) if ty in (_TOKEN_CONTROL, _TOKEN_USER_DEFINED)]
@@ -92,9 +126,9 @@ def _build_tokenizer(reader: Any, out_dir: Path) -> dict[str, Any]:
     eos_ids = list(dict.fromkeys(eos_ids))
     cfg: dict[str, Any] = {
         "tokenizer_class": "PreTrainedTokenizerFast",
-        "add_bos_token": False,
+        "add_bos_token": bool(_field(reader, "tokenizer.ggml.add_bos_token", False)),
         "clean_up_tokenization_spaces": False,
-        "model_max_length": int(_field(reader, "llama.context_length", 2048)),
+        "model_max_length": context_length,
     }
     if bos is not None:
         cfg["bos_token"] = tokens[bos]
@@ -110,59 +144,182 @@ def _build_tokenizer(reader: Any, out_dir: Path) -> dict[str, Any]:
     return {"bos_token_id": bos, "eos_token_id": eos_ids[0] if len(eos_ids) == 1 else eos_ids, "vocab": len(tokens)}
 
 
+def llama3_rope_from_factors(factors: np.ndarray, theta: float, head_dim: int) -> dict[str, Any]:
+    """The `llama3` rope_scaling that llama.cpp's `rope_freqs` tensor was computed from (Llama 3.1:
+    factor 8, Llama 3.2: factor 32; low/high frequency factors 1/4 over an 8192-token original
+    context), or a ModelLoadError: other factor tensors have no Hugging Face rope type."""
+    base = RopeSpec("default", theta).inv_freq(head_dim).numpy()
+    for factor in (8.0, 16.0, 32.0, 4.0, 2.0):
+        params = {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_max_position_embeddings": 8192}
+        spec = RopeSpec("llama3", theta, factor=factor, original_max_position_embeddings=8192)
+        expected = base / spec.inv_freq(head_dim).numpy()
+        if factors.shape == expected.shape and np.allclose(factors, expected, rtol=1e-4):
+            return params
+    raise ModelLoadError("rope_freqs.weight does not match Llama 3 rope scaling with any standard factor; "
+                         "use the model's Hugging Face directory instead")
+
+
+class _ShardWriter:
+    """Writes tensors into model-0000i.safetensors files of about `_SHARD_BYTES`, then the index."""
+
+    def __init__(self, out_dir: Path, source: str):
+        self.out_dir, self.source = out_dir, source
+        self.pending: dict[str, np.ndarray] = {}
+        self.pending_bytes = 0
+        self.shards: list[list[str]] = []
+
+    def add(self, name: str, array: np.ndarray) -> None:
+        self.pending[name] = np.ascontiguousarray(array)
+        self.pending_bytes += array.nbytes
+        if self.pending_bytes >= _SHARD_BYTES:
+            self._flush()
+
+    def _flush(self) -> None:
+        from safetensors.numpy import save_file
+
+        if not self.pending:
+            return
+        self.shards.append(list(self.pending))
+        save_file(self.pending, str(self.out_dir / f"shard-{len(self.shards):05d}.safetensors"),
+                  metadata={"format": "pt", "source": self.source})
+        self.pending, self.pending_bytes = {}, 0
+
+    def close(self) -> None:
+        self._flush()
+        n = len(self.shards)
+        weight_map: dict[str, str] = {}
+        for i, names in enumerate(self.shards, 1):
+            final = f"model-{i:05d}-of-{n:05d}.safetensors"
+            (self.out_dir / f"shard-{i:05d}.safetensors").rename(self.out_dir / final)
+            weight_map.update(dict.fromkeys(names, final))
+        (self.out_dir / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {"source": self.source}, "weight_map": weight_map}, indent=1))
+
+
+def _config(reader: Any, arch: str, names: set[str], tok_info: dict[str, Any], source: Path) -> dict[str, Any]:
+    def k(key: str, default: Any = None) -> Any:
+        return _field(reader, f"{arch}.{key}", default)
+
+    n_experts = int(k("expert_count", 0) or 0)
+    dense, moe = ARCHITECTURES[arch]
+    hf_arch = moe if n_experts else dense
+    if hf_arch is None:
+        raise ModelLoadError(f"{source}: GGUF architecture {arch!r} {'with' if n_experts else 'without'} experts "
+                             "is not supported")
+    n_heads = int(k("attention.head_count"))
+    n_kv = int(k("attention.head_count_kv", n_heads))
+    hidden = int(k("embedding_length"))
+    head_dim = int(k("attention.key_length", hidden // n_heads))
+    context = int(k("context_length", 2048))
+    theta = float(k("rope.freq_base", 10000.0))
+    config: dict[str, Any] = {
+        "architectures": [hf_arch],
+        "model_type": _MODEL_TYPES[hf_arch],
+        "vocab_size": tok_info["vocab"],
+        "hidden_size": hidden,
+        "intermediate_size": int(k("feed_forward_length", 0) or k("expert_feed_forward_length", 0)),
+        "num_hidden_layers": int(k("block_count")),
+        "num_attention_heads": n_heads,
+        "num_key_value_heads": n_kv,
+        "head_dim": head_dim,
+        "rms_norm_eps": float(k("attention.layer_norm_rms_epsilon", 1e-5)),
+        "rope_theta": theta,
+        "max_position_embeddings": context,
+        "tie_word_embeddings": "output.weight" not in names,
+        "hidden_act": "silu",
+        "torch_dtype": "float32",
+        "bos_token_id": tok_info["bos_token_id"],
+        "eos_token_id": tok_info["eos_token_id"],
+    }
+    if hf_arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
+        config["use_sliding_window"] = False
+    if arch in ("qwen3", "qwen3moe"):
+        config["attention_bias"] = "blk.0.attn_q.bias" in names
+    if arch == "qwen2moe":
+        config["qkv_bias"] = "blk.0.attn_q.bias" in names
+    if n_experts:
+        config["num_local_experts" if hf_arch == "MixtralForCausalLM" else "num_experts"] = n_experts
+        config["num_experts_per_tok"] = int(k("expert_used_count"))
+        if hf_arch != "MixtralForCausalLM":
+            config["moe_intermediate_size"] = int(k("expert_feed_forward_length"))
+            config["norm_topk_prob"] = bool(k("expert_weights_norm", arch == "qwen3moe"))
+            config["decoder_sparse_step"] = 1
+            # Layers without a router are dense (Qwen's mlp_only_layers).
+            config["mlp_only_layers"] = [i for i in range(config["num_hidden_layers"])
+                                         if f"blk.{i}.ffn_gate_inp.weight" not in names]
+        if arch == "qwen2moe":
+            config["shared_expert_intermediate_size"] = int(k("expert_shared_feed_forward_length"))
+    scaling = k("rope.scaling.type")
+    if scaling in ("linear", "yarn"):
+        config["rope_scaling"] = {"rope_type": scaling, "factor": float(k("rope.scaling.factor"))}
+        if scaling == "yarn":
+            config["rope_scaling"]["original_max_position_embeddings"] = int(k("rope.scaling.original_context_length"))
+    elif scaling not in (None, "none"):
+        raise ModelLoadError(f"{source}: GGUF rope scaling {scaling!r} is not supported")
+    if k("attention.sliding_window") is not None:
+        raise ModelLoadError(f"{source}: GGUF {arch}.attention.sliding_window is not supported")
+    return config
+
+
 def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
-    """Write config.json, model.safetensors and the tokenizer files for `gguf_path` into `out_dir`."""
+    """Write config.json, sharded safetensors and the tokenizer files for `gguf_path` into `out_dir`."""
     import gguf
-    from safetensors.numpy import save_file
 
     try:
         reader = gguf.GGUFReader(str(gguf_path))
     except Exception as e:
         raise ModelLoadError(f"{gguf_path}: not a readable GGUF file: {e}") from e
     arch = _field(reader, "general.architecture")
-    if arch != "llama":
-        raise ModelLoadError(f"{gguf_path}: unsupported GGUF architecture {arch!r} (supported: 'llama')")
+    if arch not in ARCHITECTURES:
+        raise ModelLoadError(f"{gguf_path}: unsupported GGUF architecture {arch!r} (supported: {sorted(ARCHITECTURES)})")
     names = {t.name for t in reader.tensors}
-    if "rope_freqs.weight" in names:
-        raise ModelLoadError(f"{gguf_path}: Llama 3.1 rope_freqs in GGUF is not supported; use the HF directory")
-    n_heads = int(_field(reader, "llama.attention.head_count"))
-    n_kv = int(_field(reader, "llama.attention.head_count_kv", n_heads))
-    tok_info = _build_tokenizer(reader, out_dir)
-    hidden = int(_field(reader, "llama.embedding_length"))
-    config = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "vocab_size": tok_info["vocab"],
-        "hidden_size": hidden,
-        "intermediate_size": int(_field(reader, "llama.feed_forward_length")),
-        "num_hidden_layers": int(_field(reader, "llama.block_count")),
-        "num_attention_heads": n_heads,
-        "num_key_value_heads": n_kv,
-        "head_dim": int(_field(reader, "llama.rope.dimension_count", hidden // n_heads)),
-        "rms_norm_eps": float(_field(reader, "llama.attention.layer_norm_rms_epsilon", 1e-5)),
-        "rope_theta": float(_field(reader, "llama.rope.freq_base", 10000.0)),
-        "max_position_embeddings": int(_field(reader, "llama.context_length", 2048)),
-        "tie_word_embeddings": "output.weight" not in names,
-        "hidden_act": "silu",
-        "attention_bias": False,
-        "mlp_bias": False,
-        "torch_dtype": "float32",
-        "bos_token_id": tok_info["bos_token_id"],
-        "eos_token_id": tok_info["eos_token_id"],
-    }
-    tensors: dict[str, np.ndarray] = {}
-    for t in tqdm(reader.tensors, desc=f"dequantizing {gguf_path.name}", unit="tensor"):
-        hf = _hf_name(t.name)
-        if hf is None:
-            raise ModelLoadError(f"{gguf_path}: unexpected tensor {t.name!r}")
+    tok_info = _build_tokenizer(reader, out_dir, int(_field(reader, f"{arch}.context_length", 2048)))
+    config = _config(reader, arch, names, tok_info, gguf_path)
+    mixtral = config["architectures"][0] == "MixtralForCausalLM"
+    n_heads, n_kv = config["num_attention_heads"], config["num_key_value_heads"]
+    writer = _ShardWriter(out_dir, gguf_path.name)
+    for t in tqdm(reader.tensors, desc=f"converting {gguf_path.name}", unit="tensor", disable=None):
         w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
         w = w.reshape(tuple(int(d) for d in reversed(t.shape)))
-        if hf.endswith("q_proj.weight"):
-            w = _unpermute(w, n_heads)
-        elif hf.endswith("k_proj.weight"):
-            w = _unpermute(w, n_kv)
-        tensors[hf] = np.ascontiguousarray(w)
-    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt", "source": gguf_path.name})
+        if t.name == "rope_freqs.weight":
+            config["rope_scaling"] = llama3_rope_from_factors(w, config["rope_theta"], config["head_dim"])
+            continue
+        for hf, array in _hf_tensors(t.name, w, arch, mixtral, n_heads, n_kv, gguf_path):
+            writer.add(hf, array)
+    writer.close()
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
     gen = {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]}
     (out_dir / "generation_config.json").write_text(json.dumps(gen, indent=2))
+
+
+def _hf_tensors(name: str, w: np.ndarray, arch: str, mixtral: bool, n_heads: int, n_kv: int,
+                source: Path) -> list[tuple[str, np.ndarray]]:
+    """The Hugging Face tensors that GGUF tensor `name` holds (experts: one per expert)."""
+    top = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+           "output.weight": "lm_head.weight"}
+    if name in top:
+        return [(top[name], w)]
+    parts = name.split(".")
+    if parts[0] != "blk" or len(parts) != 4:
+        raise ModelLoadError(f"{source}: unexpected tensor {name!r}")
+    layer, base, kind = parts[1], parts[2], parts[3]
+    prefix = f"model.layers.{layer}."
+    if base in _EXPERTS:
+        proj = _EXPERTS[base]
+        if mixtral:
+            return [(f"{prefix}block_sparse_moe.experts.{e}.{_MIXTRAL_EXPERTS[proj]}.{kind}", w[e])
+                    for e in range(w.shape[0])]
+        return [(f"{prefix}mlp.experts.{e}.{proj}.{kind}", w[e]) for e in range(w.shape[0])]
+    if base not in _LAYER_NAMES:
+        raise ModelLoadError(f"{source}: unexpected tensor {name!r}")
+    hf = _LAYER_NAMES[base]
+    if mixtral and base == "ffn_gate_inp":
+        hf = "block_sparse_moe.gate"
+    if arch == "llama" and kind == "weight" and base in ("attn_q", "attn_k"):
+        w = _unpermute(w, n_heads if base == "attn_q" else n_kv)
+    if base == "ffn_gate_inp_shexp" and w.ndim == 1:
+        w = w[None, :]  # llama.cpp stores the shared-expert gate as a vector
+    if math.prod(w.shape) == 0:
+        raise ModelLoadError(f"{source}: tensor {name!r} is empty")
+    return [(f"{prefix}{hf}.{kind}", w)]

@@ -55,75 +55,76 @@ def test_unknown_model_name_lists_choices():
         resolve_model("no-such-model")
 
 
-def test_gguf_file_converts_and_runs(tiny_model_dir, tmp_path, monkeypatch):
-    """Write the tiny model as a GGUF (llama.cpp layout: permuted Q/K, gpt2 tokenizer) and load it."""
-    gguf = pytest.importorskip("gguf")
-    import numpy as np
-    from reference import ReferenceLlama
-    from safetensors.torch import load_file
+GGUF_CASES = {
+    # Llama 3.1-style RoPE scaling travels as llama.cpp's rope_freqs tensor.
+    "llama3": dict(rope_parameters={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 8192,
+                                    "rope_theta": 500000.0}),
+    "mixtral": {}, "qwen2": {}, "qwen3": {}, "qwen3_moe": {}, "qwen2_moe": {},
+}
+
+
+@pytest.mark.parametrize("name", sorted(GGUF_CASES))
+def test_gguf_converts_and_equals_transformers(name, tmp_path, monkeypatch):
+    """A GGUF written as llama.cpp writes it (permuted Q/K for llama, stacked experts, gpt2 tokenizer)
+    converts to a directory that means the same model: same config, same greedy tokens."""
+    pytest.importorskip("gguf")
+    from gguf_writer import write_gguf
     from tokenizers import Tokenizer as HFTok
 
-    from engine.gguf_convert import _unpermute
-
     monkeypatch.setenv("SPLITFIRE_HOME", str(tmp_path / "home"))
-    cfg = json.loads((tiny_model_dir / "config.json").read_text())
-    w = load_file(str(tiny_model_dir / "model.safetensors"))
-    path = tmp_path / "tiny.gguf"
-    wr = gguf.GGUFWriter(str(path), "llama")
-    wr.add_block_count(cfg["num_hidden_layers"])
-    wr.add_context_length(cfg["max_position_embeddings"])
-    wr.add_embedding_length(cfg["hidden_size"])
-    wr.add_feed_forward_length(cfg["intermediate_size"])
-    wr.add_head_count(cfg["num_attention_heads"])
-    wr.add_head_count_kv(cfg["num_key_value_heads"])
-    wr.add_rope_freq_base(cfg["rope_theta"])
-    wr.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    tj = json.loads((tiny_model_dir / "tokenizer.json").read_text())
-    vocab = HFTok.from_file(str(tiny_model_dir / "tokenizer.json")).get_vocab(with_added_tokens=True)
-    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
-    special = {a["content"] for a in tj["added_tokens"]}
-    wr.add_tokenizer_model("gpt2")
-    wr.add_tokenizer_pre("gpt-2")
-    wr.add_token_list(tokens)
-    wr.add_token_types([3 if t in special else 1 for t in tokens])
-    merges = tj["model"]["merges"]
-    wr.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
-    wr.add_bos_token_id(1)
-    wr.add_eos_token_id(2)
-    wr.add_chat_template(json.loads((tiny_model_dir / "tokenizer_config.json").read_text())["chat_template"])
-
-    def permute(x, n):  # llama.cpp's convert_hf_to_gguf permutation (inverse of _unpermute)
-        return x.reshape(n, 2, x.shape[0] // n // 2, *x.shape[1:]).swapaxes(1, 2).reshape(x.shape)
-
-    names = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
-             "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
-             "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-             "mlp.down_proj": "ffn_down"}
-    wr.add_tensor("token_embd.weight", w["model.embed_tokens.weight"].numpy())
-    wr.add_tensor("output_norm.weight", w["model.norm.weight"].numpy())
-    for i in range(cfg["num_hidden_layers"]):
-        for hf, gg in names.items():
-            x = w[f"model.layers.{i}.{hf}.weight"].numpy()
-            if gg == "attn_q":
-                x = permute(x, cfg["num_attention_heads"])
-            elif gg == "attn_k":
-                x = permute(x, cfg["num_key_value_heads"])
-            assert np.array_equal(_unpermute(x, cfg["num_attention_heads"] if gg == "attn_q" else cfg["num_key_value_heads"]),
-                                  w[f"model.layers.{i}.{hf}.weight"].numpy()) or gg not in ("attn_q", "attn_k")
-            wr.add_tensor(f"blk.{i}.{gg}.weight", x)
-    wr.write_header_to_file()
-    wr.write_kv_data_to_file()
-    wr.write_tensors_to_file()
-    wr.close()
-
+    hf = _hf(name, tmp_path / "hf", **GGUF_CASES[name])
+    path = tmp_path / f"{name}.gguf"
+    write_gguf(hf.path, path)
     model_dir = resolve_model(str(path))
     assert resolve_model(str(path)) == model_dir  # converted once, then reused
+    ours, theirs = ModelConfig.from_dir(model_dir), ModelConfig.from_dir(hf.path)
+    assert (ours.architecture, ours.layers, ours.moe, ours.qkv_bias, ours.qk_norm) == (
+        theirs.architecture, theirs.layers, theirs.moe, theirs.qkv_bias, theirs.qk_norm)
     engine = make_engine(model_dir)
-    prompt = list(range(3, 30))
+    prompt = list(range(3, 70))
     engine.add_request("g", prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
-    assert drain(engine)["g"].token_ids == ReferenceLlama(tiny_model_dir).greedy(prompt, 8)
+    assert drain(engine)["g"].token_ids == hf.greedy(prompt, 8)
     text = "Hello world! 0123"
-    assert engine.tokenizer.encode(text) == HFTok.from_file(str(tiny_model_dir / "tokenizer.json")).encode(text).ids
+    assert engine.tokenizer.encode(text) == HFTok.from_file(str(hf.path / "tokenizer.json")).encode(text).ids
+
+
+def test_quantized_gguf_converts_to_a_directory_transformers_reads_the_same(tmp_path, monkeypatch):
+    """Q8_0 weights are dequantized once; the converted directory is a valid transformers checkpoint
+    whose greedy output equals ours."""
+    pytest.importorskip("gguf")
+    import torch
+    import transformers
+    from gguf_writer import write_gguf
+    from hf_models import HFModel
+
+    monkeypatch.setenv("SPLITFIRE_HOME", str(tmp_path / "home"))
+    hf = _hf("qwen3_moe", tmp_path / "hf")
+    path = tmp_path / "q8.gguf"
+    write_gguf(hf.path, path, quantize="Q8_0")
+    model_dir = resolve_model(str(path))
+    assert (model_dir / "model.safetensors.index.json").is_file()
+    theirs = HFModel("q8", model_dir, transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval(), {})
+    engine = make_engine(model_dir)
+    prompt = list(range(3, 50))
+    engine.add_request("q", prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    assert drain(engine)["q"].token_ids == theirs.greedy(prompt, 8)
+    # Quantization changed the weights (this is not the float32 model in disguise).
+    assert not torch.equal(theirs.model.model.layers[0].self_attn.q_proj.weight, hf.model.model.layers[0].self_attn.q_proj.weight)
+
+
+def test_llama3_rope_freqs_are_recognised_or_refused():
+    import numpy as np
+    from gguf_writer import llama3_rope_factors
+
+    from engine.gguf_convert import llama3_rope_from_factors
+
+    rope = {"rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192}
+    got = llama3_rope_from_factors(llama3_rope_factors(rope, 64), 500000.0, 64)
+    assert got == {"rope_type": "llama3", **{k: v for k, v in rope.items() if k != "rope_theta"}}
+    with pytest.raises(ModelLoadError, match="rope_freqs"):
+        llama3_rope_from_factors(np.linspace(1, 3, 32, dtype=np.float32), 500000.0, 64)
 
 
 def _hf(name: str, path, **kw):
