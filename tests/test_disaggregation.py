@@ -12,7 +12,7 @@ import grpc
 import pytest
 from grpc_client import generate, greedy, stats, wait_blocks_free
 from procs import address, start_worker
-from reference import ReferenceLlama
+from reference import Reference
 
 from protos import splitfire_pb2 as pb
 from protos import splitfire_pb2_grpc as pbg
@@ -53,7 +53,7 @@ def metric(p, name: str) -> float:
 
 
 async def test_disaggregated_output_equals_colocated_and_reference(cluster, tiny_model_dir):
-    ref = ReferenceLlama(tiny_model_dir)
+    ref = Reference(tiny_model_dir)
     prompts = [prompt(i, n) for i, n in enumerate([5, 17, 40, 96, 150, 33])]
     pre = address(cluster["prefill"])
     disagg = await asyncio.gather(*(generate(address(cluster["decode"]), p, greedy(10), prefill=pre) for p in prompts))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 from engine_helpers import drain, make_engine
-from reference import ReferenceLlama
+from reference import Reference
 
 from engine.sampling_params import SamplingParams
 
@@ -13,7 +13,7 @@ GREEDY = dict(temperature=0.0, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def ref(tiny_model_dir):
-    return ReferenceLlama(tiny_model_dir)
+    return Reference(tiny_model_dir)
 
 
 def prompts(n: int, base: int = 7) -> list[list[int]]:
@@ -83,7 +83,7 @@ def test_qkv_bias_architecture_equals_reference(tmp_path, arch):
     engine = make_engine(d)
     p = list(range(3, 40))
     engine.add_request("q", p, SamplingParams(max_tokens=8, **GREEDY))
-    assert drain(engine)["q"].token_ids == ReferenceLlama(d).greedy(p, 8)
+    assert drain(engine)["q"].token_ids == Reference(d).greedy(p, 8)
 
 
 def test_decode_groups_by_context_length_equal_reference(tiny_model_dir, ref):

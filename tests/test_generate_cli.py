@@ -7,13 +7,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-from reference import ReferenceLlama
+from reference import Reference
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_generate_jsonl_round_trip(tiny_model_dir, tmp_path):
-    ref = ReferenceLlama(tiny_model_dir)
+    ref = Reference(tiny_model_dir)
     lines = [
         {"prompt_token_ids": list(range(3, 30)), "max_tokens": 6, "temperature": 0, "ignore_eos": True},
         {"prompt": "The quick brown fox", "max_tokens": 4, "temperature": 0, "ignore_eos": True, "logprobs": 2},

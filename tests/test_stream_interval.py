@@ -6,7 +6,7 @@ from __future__ import annotations
 import grpc
 from grpc_client import greedy
 from procs import address, start_worker
-from reference import ReferenceLlama
+from reference import Reference
 
 from protos import splitfire_pb2 as pb
 from protos import splitfire_pb2_grpc as pbg
@@ -22,7 +22,7 @@ async def test_stream_interval_coalesces_events_without_changing_tokens(tiny_mod
         sizes = [len(ev.token_ids) for ev in events]
         assert sizes[0] == 1 and all(n >= 4 for n in sizes[1:-1]) and sum(sizes) == 21, sizes
         assert len(events) <= 1 + 20 // 4 + 1
-        assert [t for ev in events for t in ev.token_ids] == ReferenceLlama(tiny_model_dir).greedy(prompt, 21)
+        assert [t for ev in events for t in ev.token_ids] == Reference(tiny_model_dir).greedy(prompt, 21)
         assert events[-1].finish_reason == "length"
     finally:
         w.stop()

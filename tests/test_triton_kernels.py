@@ -97,7 +97,7 @@ def test_engine_on_triton_kernels_equals_reference(tiny_model_dir, monkeypatch):
     (chunked, after prefix hits), decode attention and KV store; greedy output equals the plain
     full-recompute reference."""
     from engine_helpers import drain, make_engine
-    from reference import ReferenceLlama
+    from reference import Reference
 
     from engine import attention
     from engine.sampling_params import SamplingParams
@@ -107,7 +107,7 @@ def test_engine_on_triton_kernels_equals_reference(tiny_model_dir, monkeypatch):
     attention._kernels_for.cache_clear()
     try:
         engine = make_engine(tiny_model_dir, max_num_seqs=4, max_num_batched_tokens=24)
-        ref = ReferenceLlama(tiny_model_dir)
+        ref = Reference(tiny_model_dir)
         shared = list(range(100, 140))
         rounds = [[list(range(3, 20)), shared + [5, 6], [7, 8, 9]], [shared + [9, 10, 11, 12], shared]]
         for r, prompts in enumerate(rounds):  # the second round hits the first round's cached blocks
