@@ -117,7 +117,7 @@ def write_gguf(model_dir: Path, path: Path, quantize: str | None = None) -> None
         base, kind = rest.rsplit(".", 1)
         x = w[name]
         if ".experts." in base:
-            owner, _, e, proj = base.rsplit(".", 3)
+            e, proj = base.rsplit(".", 2)[1:]
             stacks.setdefault(f"blk.{layer}.{EXPERT[proj]}.{kind}", {})[int(e)] = x
             continue
         if arch == "llama" and base in ("self_attn.q_proj", "self_attn.k_proj") and kind == "weight":
