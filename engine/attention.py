@@ -8,12 +8,12 @@ same arguments.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
-from functools import cache
 
 import torch
 import torch.nn.functional as F
+
+from engine.kernels import kernels
 
 
 @dataclass
@@ -76,36 +76,12 @@ class AttentionMetadata:
     max_prefill_len: int = 0
 
 
-@cache
-def _triton_ops():
-    """The Triton kernels when they should run: on CUDA by default, anywhere (e.g. the CPU
-    interpreter) with SPLITFIRE_ATTENTION_BACKEND=triton; None for the torch path."""
-    choice = os.environ.get("SPLITFIRE_ATTENTION_BACKEND", "auto")
-    if choice == "torch":
-        return None
-    try:
-        from engine.kernels import triton_ops
-    except ImportError:
-        if choice == "triton":
-            raise
-        return None
-    return triton_ops
-
-
-@cache
-def _kernels_for(device_type: str):
-    ops = _triton_ops()
-    if ops is None or (device_type != "cuda" and os.environ.get("SPLITFIRE_ATTENTION_BACKEND") != "triton"):
-        return None
-    return ops
-
-
 def _use_triton(t: torch.Tensor):
-    return _kernels_for(t.device.type)
+    return kernels("triton_ops", t.device.type)
 
 
 def kernels_enabled(device: torch.device) -> bool:
-    return _kernels_for(device.type) is not None
+    return kernels("triton_ops", device.type) is not None
 
 
 def write_kv(layer_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.kernels import kernels
 from engine.layers import MLP, Linear, activation, cpu_linear, pack_weight
 from engine.model_config import ModelConfig
 
@@ -82,7 +83,10 @@ class Experts(nn.Module):
         self.packed: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
 
     def pack_for_cpu(self) -> None:
-        """oneDNN-packed copy of each expert (see `layers.Linear`); the stacked weights are dropped."""
+        """oneDNN-packed copy of each expert (see `layers.Linear`); the stacked weights are dropped
+        (unless the Triton kernel, which reads them, is forced on the CPU)."""
+        if kernels("moe_triton", "cpu") is not None:
+            return
         self.packed = ([pack_weight(w) for w in self.gate_up], [pack_weight(w) for w in self.down])
         self.gate_up = self.down = None  # type: ignore[assignment]
 
@@ -91,10 +95,9 @@ class Experts(nn.Module):
             gu, dn = self.packed
             return grouped_experts(x, ids, weights, self.num_experts, lambda e, r: cpu_linear(r, gu[e]),
                                    lambda e, r: cpu_linear(r, dn[e]), self.act)
-        if x.is_cuda:
-            from engine.kernels import moe_triton
-
-            return moe_triton.fused_experts(x, ids, weights, self.gate_up, self.down, self.act)
+        fused = kernels("moe_triton", x.device.type)
+        if fused is not None:
+            return fused.fused_experts(x, ids, weights, self.gate_up, self.down, self.act)
         return grouped_experts_reference(x, ids, weights, self.gate_up, self.down, self.act)
 
 

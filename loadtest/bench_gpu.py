@@ -20,8 +20,8 @@ import time
 
 import torch
 
-from engine import attention
 from engine.block_manager import BlockManager
+from engine.kernels import kernels
 from engine.kv_cache import KVCache, KVLayout
 from engine.model import DecoderModel
 from engine.model_config import ModelConfig
@@ -123,9 +123,8 @@ def time_forward(runner: ModelRunner, batch: list[ScheduledSeq], dev: torch.devi
 
 
 def set_backend(name: str) -> None:
-    os.environ["SPLITFIRE_ATTENTION_BACKEND"] = name
-    attention._triton_ops.cache_clear()
-    attention._kernels_for.cache_clear()
+    os.environ["SPLITFIRE_KERNELS"] = name
+    kernels.cache_clear()
 
 
 def main() -> int:

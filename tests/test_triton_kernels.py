@@ -28,9 +28,10 @@ def _cache(num_blocks: int, block_size: int, kv_heads: int, dim: int) -> torch.T
     return torch.randn(num_blocks, 2, block_size, kv_heads, dim, device=DEV, dtype=DTYPE)
 
 
+@pytest.mark.parametrize("window", [0, 5, 20])  # 0: full attention; else a sliding window of that many keys
 @pytest.mark.parametrize("group", [1, 4, 8])
 @pytest.mark.parametrize("block_size", [16, 8])
-def test_paged_decode_attention_matches_torch(group, block_size):
+def test_paged_decode_attention_matches_torch(group, block_size, window):
     torch.manual_seed(group * 100 + block_size)
     kv_heads = 2
     # Ragged contexts, on and around block boundaries, as after prefix-cache hits of any length.
@@ -42,10 +43,10 @@ def test_paged_decode_attention_matches_torch(group, block_size):
     perm = torch.randperm(64, device=DEV)[: b * nb].view(b, nb)  # scattered, not consecutive, pages
     q = torch.randn(b, kv_heads * group, HEAD_DIM, device=DEV, dtype=DTYPE)
     scale = HEAD_DIM**-0.5
-    ours = triton_ops.paged_decode_attention(q, cache, perm, ctx, scale)
+    ours = triton_ops.paged_decode_attention(q, cache, perm, ctx, scale, window=window)
     mask = (torch.arange(nb * block_size, device=DEV)[None, :] < ctx[:, None]).view(b, 1, 1, -1)
     meta = AttentionMetadata(block_size, torch.empty(0), torch.empty(0), [], [DecodeBatch(0, perm, mask)])
-    ref = paged_attention(q, cache, meta, scale)
+    ref = paged_attention(q, cache, meta, scale, window or None)
     torch.testing.assert_close(ours, ref, **TOL)
 
 
@@ -99,12 +100,11 @@ def test_engine_on_triton_kernels_equals_reference(tiny_model_dir, monkeypatch):
     from engine_helpers import drain, make_engine
     from reference import Reference
 
-    from engine import attention
+    from engine.kernels import kernels
     from engine.sampling_params import SamplingParams
 
-    monkeypatch.setenv("SPLITFIRE_ATTENTION_BACKEND", "triton")
-    attention._triton_ops.cache_clear()
-    attention._kernels_for.cache_clear()
+    monkeypatch.setenv("SPLITFIRE_KERNELS", "triton")
+    kernels.cache_clear()
     try:
         engine = make_engine(tiny_model_dir, max_num_seqs=4, max_num_batched_tokens=24)
         ref = Reference(tiny_model_dir)
@@ -118,12 +118,12 @@ def test_engine_on_triton_kernels_equals_reference(tiny_model_dir, monkeypatch):
                 assert out[f"t{r}{i}"].token_ids == ref.greedy(p, 5), (r, i)
         assert engine.blocks.prefix_hit_tokens > 0
     finally:
-        attention._triton_ops.cache_clear()
-        attention._kernels_for.cache_clear()
+        kernels.cache_clear()
 
 
+@pytest.mark.parametrize("window", [0, 7, 24])
 @pytest.mark.parametrize("group", [1, 4, 8])
-def test_paged_prefill_attention_matches_torch(group):
+def test_paged_prefill_attention_matches_torch(group, window):
     """Several segments in one launch: a fresh prompt, a prompt after a prefix-cache hit, and a later
     chunk of a chunked prefill; lengths straddle block and tile boundaries."""
     from engine.attention import PrefillSegment
@@ -146,7 +146,78 @@ def test_paged_prefill_attention_matches_torch(group):
     table = torch.tensor([t + [0] * (max_nb - len(t)) for t in tables], device=DEV)
     scale = HEAD_DIM**-0.5
     ours = triton_ops.paged_prefill_attention(q, cache, table, torch.tensor(segs, device=DEV), scale,
-                                              torch.empty_like(q), max_q_len=max(s[1] for s in specs), block_m=16)
+                                              torch.empty_like(q), max_q_len=max(s[1] for s in specs), block_m=16,
+                                              window=window)
     meta = AttentionMetadata(block_size, torch.empty(0), torch.empty(0), metas, [])
-    ref = paged_attention(q, cache, meta, scale)
+    ref = paged_attention(q, cache, meta, scale, window or None)
     torch.testing.assert_close(ours, ref, **TOL)
+
+
+@pytest.mark.parametrize("tokens, top_k, experts", [(1, 2, 8), (7, 2, 5), (33, 4, 16)])
+def test_fused_experts_match_torch(tokens, top_k, experts):
+    """The grouped-GEMM MoE kernel equals the per-expert torch loop: any routing, padding tiles,
+    experts nobody chose."""
+    import torch.nn.functional as F
+
+    from engine.kernels import moe_triton
+    from engine.moe import grouped_experts_reference, route
+
+    torch.manual_seed(tokens)
+    hidden, inter = (1024, 512) if CUDA else (64, 32)
+    x = torch.randn(tokens, hidden, device=DEV, dtype=DTYPE)
+    weights, ids = route(torch.randn(tokens, experts, device=DEV), top_k, renormalize=True)
+    w_gate_up = torch.randn(experts, 2 * inter, hidden, device=DEV, dtype=DTYPE) * 0.05
+    w_down = torch.randn(experts, hidden, inter, device=DEV, dtype=DTYPE) * 0.05
+    blocks = {} if CUDA else dict(block_m=16, block_n=32, block_k=32)
+    ours = moe_triton.fused_experts(x, ids, weights.to(DTYPE), w_gate_up, w_down, F.silu, **blocks)
+    ref = grouped_experts_reference(x, ids, weights.to(DTYPE), w_gate_up, w_down, F.silu)
+    torch.testing.assert_close(ours, ref, **TOL)
+
+
+def test_expert_alignment_gives_every_pair_one_slot_and_every_tile_one_expert():
+    from engine.kernels.moe_triton import align_to_experts
+
+    ids = torch.tensor([[3, 0], [3, 1], [0, 3], [3, 2], [1, 0]], device=DEV)
+    slot_of, tile_expert, dest = align_to_experts(ids, num_experts=6, block_m=4)
+    flat = ids.flatten()
+    assert sorted(slot_of[slot_of >= 0].tolist()) == list(range(flat.numel()))
+    assert torch.equal(slot_of[dest], torch.arange(flat.numel(), device=DEV))
+    for tile, e in enumerate(tile_expert.tolist()):
+        members = slot_of[tile * 4 : (tile + 1) * 4]
+        members = members[members >= 0]
+        if e < 0:
+            assert members.numel() == 0
+        else:
+            assert (flat[members] == e).all()
+    assert tile_expert.tolist()[:4] == [0, 1, 2, 3]  # one 4-slot tile each (expert 3 fills its own)
+    assert (tile_expert >= 0).sum() == 4  # experts 4 and 5: chosen by nobody, no tile
+
+
+def test_moe_engine_on_triton_kernels_equals_transformers(tmp_path, monkeypatch):
+    """A Qwen3-MoE model through the whole engine with every Triton kernel in its seam (interpreted
+    on CPU) gives transformers' greedy tokens."""
+    from engine_helpers import drain, make_engine
+    from hf_models import make_hf_model
+
+    from engine.kernels import kernels
+    from engine.sampling_params import SamplingParams
+
+    hf = make_hf_model("qwen3_moe", tmp_path / "m")
+    monkeypatch.setenv("SPLITFIRE_KERNELS", "triton")
+    kernels.cache_clear()
+    try:
+        from engine.kernels import moe_triton
+
+        calls = []
+        kernel = moe_triton.fused_experts
+        monkeypatch.setattr(moe_triton, "fused_experts", lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
+        engine = make_engine(hf.path, max_num_batched_tokens=32, max_num_seqs=4)
+        ps = [list(range(3, 40)), [5, 6, 7]]
+        for i, p in enumerate(ps):
+            engine.add_request(f"m{i}", p, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+        out = drain(engine)
+        for i, p in enumerate(ps):
+            assert out[f"m{i}"].token_ids == hf.greedy(p, 4)
+        assert len(calls) >= 2 * 5  # two MoE layers, every step
+    finally:
+        kernels.cache_clear()

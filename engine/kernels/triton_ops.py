@@ -203,7 +203,7 @@ def _prefill_attention_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
         m_i = m_new
-    out = acc / l_i[:, None]
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # padding rows past the segment can see no key
     tl.store(out_ptr + (q_start + m)[:, None] * stride_ot + h * stride_oh + d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=m_valid[:, None])
 
