@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +31,14 @@ SUPPORTED_ARCHITECTURES = {
     "MixtralForCausalLM": "mixtral",
     "Gemma3ForCausalLM": "gemma3_text",
 }
+
+# Multimodal checkpoints whose text model is served (images are refused at the router):
+# architecture -> (key of the nested text config, the text model's architecture, tensor prefix).
+TEXT_ONLY = {
+    "Gemma3ForConditionalGeneration": ("text_config", "Gemma3ForCausalLM", "language_model."),
+}
+# Their tensors that belong to the image side and are not loaded.
+VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
 
 # transformers' config class defaults for every field read here (tests/test_model_config.py
 # compares them with the classes themselves).
@@ -137,6 +145,7 @@ class ModelConfig:
     moe: MoEConfig | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    checkpoint_prefix: str = ""  # where the text model's tensors live ("language_model." in multimodal ones)
 
     @property
     def family(self) -> str:
@@ -158,11 +167,21 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, cfg: dict[str, Any], source: str = "config.json") -> ModelConfig:
         archs = cfg.get("architectures") or []
+        multimodal = next((a for a in archs if a in TEXT_ONLY), None)
+        if multimodal is not None:
+            key, text_arch, prefix = TEXT_ONLY[multimodal]
+            text = cfg.get(key)
+            if not isinstance(text, dict):
+                raise ModelLoadError(f"{source}: {multimodal} without a {key} object")
+            inherited = {k: cfg[k] for k in ("bos_token_id", "eos_token_id") if k in cfg and k not in text}
+            log.info("serving the text model of %s (images are not supported) source=%s", multimodal, source)
+            out = cls.from_dict({**inherited, **text, "architectures": [text_arch]}, f"{source}: {key}")
+            return replace(out, checkpoint_prefix=prefix)
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
             raise ModelLoadError(
                 f"{source}: unsupported architecture {archs or cfg.get('model_type')!r}; "
-                f"splitfire runs {sorted(SUPPORTED_ARCHITECTURES)}"
+                f"splitfire runs {sorted(SUPPORTED_ARCHITECTURES)} and the text model of {sorted(TEXT_ONLY)}"
             )
         family = SUPPORTED_ARCHITECTURES[arch]
         model_type = cfg.get("model_type")

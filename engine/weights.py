@@ -19,7 +19,7 @@ from engine.checkpoint import Checkpoint
 from engine.errors import ModelLoadError
 from engine.layers import MLP, RMSNorm
 from engine.model import Block, DecoderModel, interleave_rope_rows
-from engine.model_config import ModelConfig
+from engine.model_config import VISION_PREFIXES, ModelConfig
 from engine.moe import MoE
 
 # Tensors some checkpoints carry that hold nothing a forward pass reads.
@@ -77,16 +77,18 @@ def load_model(model_dir: str | Path, device: torch.device, dtype: torch.dtype) 
     ckpt = Checkpoint(model_dir)
     model = _allocate(cfg, device, dtype)
     load = _Loader(ckpt)
+    root, head = _text_model_prefixes(ckpt, cfg)
     with torch.no_grad():
-        load.copy(model.embed.weight, "model.embed_tokens.weight")
-        load.norm(model.norm, "model.norm.weight")
+        load.copy(model.embed.weight, root + "embed_tokens.weight")
+        load.norm(model.norm, root + "norm.weight")
         if cfg.tie_word_embeddings:
-            ckpt.skip("lm_head.weight")  # some tied checkpoints store a copy; the embedding is what runs
+            ckpt.skip(head)  # some tied checkpoints store a copy; the embedding is what runs
         else:
-            load.copy(model.lm_head.weight, "lm_head.weight" if ckpt.has("lm_head.weight") else "model.embed_tokens.weight")
+            load.copy(model.lm_head.weight, head if ckpt.has(head) else root + "embed_tokens.weight")
         for i, layer in enumerate(tqdm(model.layers, desc=f"loading {model_dir.name}", unit="layer", disable=None)):
-            _load_block(load, cfg, layer, f"model.layers.{i}.")
-    unread = sorted(n for n in ckpt.unread if not n.endswith(_INERT_SUFFIXES))
+            _load_block(load, cfg, layer, f"{root}layers.{i}.")
+    unread = sorted(n for n in ckpt.unread if not n.endswith(_INERT_SUFFIXES)
+                    and not (cfg.checkpoint_prefix and n.startswith(VISION_PREFIXES)))
     if unread:
         raise ModelLoadError(f"{model_dir}: {len(unread)} checkpoint tensor(s) the config does not account for, "
                              f"e.g. {unread[:4]} (a config field splitfire did not read, or the wrong config.json?)")
@@ -105,6 +107,17 @@ def _return_freed_heap() -> None:
     except OSError:
         return  # not glibc: nothing to trim
     libc.malloc_trim(0)
+
+
+def _text_model_prefixes(ckpt: Checkpoint, cfg: ModelConfig) -> tuple[str, str]:
+    """(prefix of the decoder's tensors, name of the LM head). Multimodal checkpoints nest the text
+    model as `language_model.model.*` (transformers 4 layout) or `model.language_model.*` (5)."""
+    p = cfg.checkpoint_prefix
+    if not p:
+        return "model.", "lm_head.weight"
+    if ckpt.has(f"model.{p}embed_tokens.weight"):
+        return f"model.{p}", "lm_head.weight"
+    return f"{p}model.", f"{p}lm_head.weight"
 
 
 def _allocate(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> DecoderModel:

@@ -1,16 +1,22 @@
-"""Engine speed on this machine, side by side with Hugging Face transformers on the same weights.
+"""Engine speed on this machine: against Hugging Face transformers on the same weights, and every
+model family side by side on same-size random weights.
 
-Prints one table: prefill tokens/s (128/512/2048-token prompts), decode tokens/s at
-batch 1/8/16/32, and the batch-1 decode step split into time inside torch ops vs
-Python overhead. Medians over --rounds; every number comes from this one run.
+Default mode prints one table: prefill tokens/s (128/512/2048-token prompts), decode tokens/s
+at batch 1/8/16/32, and the batch-1 decode step split into time inside torch ops vs Python
+overhead. `--families` prints prefill-512 and decode batch 1/16 for every family (random
+models built by transformers, loadtest/random_models.py) and each mixture-of-experts model's
+step time against the dense model with its active parameter count. Medians over --rounds;
+every number comes from this one run.
 
     python -m loadtest.bench_engine                     # SmolLM2, float32, 2 threads
     python -m loadtest.bench_engine --dtypes float32,bfloat16
+    python -m loadtest.bench_engine --families          # all families, float32
 """
 
 from __future__ import annotations
 
 import argparse
+import random
 import statistics
 import sys
 import time
@@ -32,18 +38,24 @@ def prompt_ids(tokenizer, n: int, salt: int = 0) -> list[int]:
     return (base * (n // len(base) + 1))[:n]
 
 
-def ours_prefill(engine: LLMEngine, n: int, salt: int) -> float:
-    ids = prompt_ids(engine.tokenizer, n, salt)
-    engine.add_request(f"p{n}-{salt}", ids, SamplingParams(max_tokens=1, temperature=0))
+def random_ids(vocab: int, n: int, salt: int) -> list[int]:
+    """Distinct prompts without a tokenizer (no two share a prefix block, so no prefix-cache hits)."""
+    rng = random.Random(salt)
+    return [rng.randrange(3, vocab) for _ in range(n)]
+
+
+def ours_prefill(engine: LLMEngine, ids: list[int], salt: int) -> float:
+    engine.add_request(f"p{len(ids)}-{salt}", ids, SamplingParams(max_tokens=1, temperature=0))
     t0 = time.perf_counter()
     while engine.has_work:
         engine.step()
-    return n / (time.perf_counter() - t0)
+    return len(ids) / (time.perf_counter() - t0)
 
 
-def ours_decode(engine: LLMEngine, batch: int, salt: int) -> float:
-    for i in range(batch):
-        engine.add_request(f"d{batch}-{salt}-{i}", prompt_ids(engine.tokenizer, 32, salt * 100 + i),
+def ours_decode(engine: LLMEngine, prompts: list[list[int]], salt: int) -> float:
+    batch = len(prompts)
+    for i, ids in enumerate(prompts):
+        engine.add_request(f"d{batch}-{salt}-{i}", ids,
                            SamplingParams(max_tokens=DECODE_TOKENS + 2, temperature=0, ignore_eos=True))
     while any(s.num_remaining > 1 for s in engine.scheduler.running) or engine.scheduler.waiting:
         engine.step()
@@ -117,10 +129,16 @@ def theirs(model_dir: str, dtype: torch.dtype, rounds: int) -> dict[str, float]:
 def bench_ours(args: argparse.Namespace, dt: str) -> tuple[str, dict[str, float]]:
     engine = LLMEngine(EngineConfig(model=args.model, device="cpu", dtype=dt, threads=args.threads,
                                     max_num_batched_tokens=2048, kv_cache_gb=1.0))
-    ours_decode(engine, 4, 999)  # warm-up: oneDNN primitives, allocator
-    work = [(f"prefill_{n}", lambda n=n, s=s: ours_prefill(engine, n, s)) for n in PREFILL_LENGTHS
+    tok = engine.tokenizer
+
+    def decode_prompts(b: int, salt: int) -> list[list[int]]:
+        return [prompt_ids(tok, 32, salt * 100 + i) for i in range(b)]
+
+    ours_decode(engine, decode_prompts(4, 999), 999)  # warm-up: oneDNN primitives, allocator
+    work = [(f"prefill_{n}", lambda n=n, s=s: ours_prefill(engine, prompt_ids(tok, n, s), s)) for n in PREFILL_LENGTHS
             for s in range(args.rounds)]
-    work += [(f"decode_{b}", lambda b=b, s=s: ours_decode(engine, b, s)) for b in BATCHES for s in range(args.rounds)]
+    work += [(f"decode_{b}", lambda b=b, s=s: ours_decode(engine, decode_prompts(b, s), s)) for b in BATCHES
+             for s in range(args.rounds)]
     samples: dict[str, list[float]] = {}
     for key, fn in tqdm(work, desc=f"splitfire {dt}", file=sys.stderr):
         samples.setdefault(key, []).append(fn())
@@ -131,6 +149,44 @@ def bench_ours(args: argparse.Namespace, dt: str) -> tuple[str, dict[str, float]
     return str(engine.model_dir), r
 
 
+FAMILY_BATCHES = (1, 16)
+
+
+def bench_family(family: str, args: argparse.Namespace) -> dict[str, float]:
+    from loadtest.random_models import model_dir
+
+    engine = LLMEngine(EngineConfig(model=str(model_dir(family)), device="cpu", dtype=args.dtypes.split(",")[0],
+                                    threads=args.threads, max_num_batched_tokens=512, kv_cache_gb=0.5))
+    vocab = engine.model_config.vocab_size
+    ours_decode(engine, [random_ids(vocab, 32, 999 + i) for i in range(4)], 999)  # warm-up
+    samples: dict[str, list[float]] = {}
+    for s in range(args.rounds):
+        samples.setdefault("prefill_512", []).append(ours_prefill(engine, random_ids(vocab, 512, s), s))
+        for b in FAMILY_BATCHES:
+            prompts = [random_ids(vocab, 32, 1000 * s + 10 * b + i) for i in range(b)]
+            samples.setdefault(f"decode_{b}", []).append(ours_decode(engine, prompts, s))
+    return {k: statistics.median(v) for k, v in samples.items()}
+
+
+def main_families(args: argparse.Namespace) -> int:
+    from loadtest.random_models import FAMILIES, MOE_BASELINES, SHAPE
+
+    families = args.family_list.split(",") if args.family_list else list(FAMILIES)
+    rows = {f: bench_family(f, args) for f in tqdm(families, desc="families", file=sys.stderr)}
+    keys = ["prefill_512"] + [f"decode_{b}" for b in FAMILY_BATCHES]
+    print(f"\nCPU: {torch.get_num_threads()} threads, torch {torch.__version__}, {args.dtypes.split(',')[0]}, "
+          f"random weights, shape {SHAPE['num_hidden_layers']} layers x {SHAPE['hidden_size']} hidden")
+    print(f"{'family':<12}" + "".join(f"{k.replace('_', ' ') + ' tok/s':>22}" for k in keys))
+    for f, r in rows.items():
+        print(f"{f:<12}" + "".join(f"{r[k]:>22.1f}" for k in keys))
+    for moe, dense in MOE_BASELINES.items():
+        if moe in rows and dense in rows:
+            # tok/s ratio dense/moe = step time ratio moe/dense
+            ratio = "".join(f"{rows[dense][k] / rows[moe][k]:>22.2f}" for k in keys)
+            print(f"{moe + ' / ' + dense + ' step':<12}{ratio}")
+    return 0
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="default: $SPLITFIRE_MODEL or smollm2-135m-instruct")
@@ -138,8 +194,12 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--dtypes", default="float32", help="our engine's dtypes, comma-separated")
     p.add_argument("--no-transformers", action="store_true")
+    p.add_argument("--families", action="store_true", help="every family on same-size random weights")
+    p.add_argument("--family-list", default="", help="with --families: a comma-separated subset")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
+    if args.families:
+        return main_families(args)
 
     cols: dict[str, dict[str, float]] = {}
     model_dir = ""

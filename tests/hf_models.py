@@ -113,3 +113,24 @@ def to_legacy_layout(cfg: dict[str, Any]) -> dict[str, Any]:
     if rope.get("rope_type", "default") != "default":
         cfg["rope_scaling"] = rope
     return cfg
+
+
+def make_gemma3_multimodal(out: Path, seed: int = 0) -> HFModel:
+    """Gemma3ForConditionalGeneration (a vision tower beside the text model), as gemma-3-4b-it ships."""
+    import transformers
+
+    out.mkdir(parents=True, exist_ok=True)
+    vocab = make_tokenizer(out)
+    _, _, text = FAMILIES["gemma3"]
+    text_config = {k: v for k, v in {**COMMON, **text, "vocab_size": vocab}.items() if v is not None}
+    config = transformers.Gemma3Config(
+        text_config=text_config, mm_tokens_per_image=4,
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                           image_size=28, patch_size=14))
+    config.text_config._attn_implementation = config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = transformers.Gemma3ForConditionalGeneration(config).float().eval()
+    _randomize(model, seed, gemma=True)
+    model.tie_weights()
+    model.save_pretrained(out)
+    return HFModel("gemma3-multimodal", out, model, json.loads((out / "config.json").read_text()))

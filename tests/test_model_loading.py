@@ -226,3 +226,16 @@ def test_loading_peak_rss_is_about_the_model_size(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, check=True)
     peak = int(out.stdout.split()[-1])
     assert peak < 1.5 * size, f"loading a {size / 2**20:.0f} MiB model raised peak RSS by {peak / 2**20:.0f} MiB"
+
+
+def test_multimodal_gemma3_checkpoint_serves_its_text_model(tmp_path):
+    """gemma-3-*-it checkpoints are Gemma3ForConditionalGeneration: the nested text model is served
+    (vision tensors are left unread, images are refused at the router), equal to transformers."""
+    from hf_models import make_gemma3_multimodal
+
+    hf = make_gemma3_multimodal(tmp_path / "mm")
+    assert ModelConfig.from_dir(hf.path).checkpoint_prefix == "language_model."
+    engine = make_engine(hf.path)
+    prompt = list(range(3, 60))
+    engine.add_request("m", prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    assert drain(engine)["m"].token_ids == hf.greedy(prompt, 8)
