@@ -115,7 +115,6 @@ class MoEConfig:
     intermediate_size: int
     renormalize: bool  # top-k weights rescaled to sum to 1
     shared_intermediate_size: int = 0  # an always-on expert beside the routed ones, behind a sigmoid gate
-    weights_in_model_dtype: bool = True  # Qwen casts routing weights to the activations' dtype; Mixtral keeps fp32
 
 
 @dataclass(frozen=True)
@@ -382,8 +381,7 @@ def _moe(r: _Fields, family: str, num_layers: int) -> tuple[MoEConfig | None, se
     if top_k > num_experts:
         raise r.fail(f"num_experts_per_tok ({top_k}) exceeds the number of experts ({num_experts})")
     if family == "mixtral":
-        return MoEConfig(num_experts, top_k, r.int("intermediate_size"), renormalize=True,
-                         weights_in_model_dtype=False), set(range(num_layers))
+        return MoEConfig(num_experts, top_k, r.int("intermediate_size"), renormalize=True), set(range(num_layers))
     step = r.int("decoder_sparse_step")
     dense_only = set(r.get("mlp_only_layers") or [])
     layers = {i for i in range(num_layers) if i not in dense_only and (i + 1) % step == 0}

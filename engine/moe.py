@@ -51,17 +51,19 @@ def grouped_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, n
     order, counts = sort_by_expert(ids, num_experts)
     token_of = order // k
     rows = x.index_select(0, token_of)
+    w = weights.flatten().index_select(0, order).unsqueeze(1).to(x.dtype)
     out_rows = torch.empty_like(rows)
     start = 0
     for e, n in enumerate(counts):
         if n == 0:
             continue
         gate, up = gate_up(e, rows[start : start + n]).chunk(2, dim=-1)
-        out_rows[start : start + n] = down(e, act(gate) * up)
+        # down is linear: scaling its input by the routing weight is the same as scaling its
+        # output, on intermediate-size rows (4x fewer than hidden-size ones in Qwen3-MoE).
+        h = act(gate).mul_(up).mul_(w[start : start + n])
+        out_rows[start : start + n] = down(e, h)
         start += n
-    w = weights.flatten().index_select(0, order).unsqueeze(1)
-    scaled = out_rows * w if w.dtype == out_rows.dtype else (out_rows.float() * w).to(out_rows.dtype)
-    return torch.zeros_like(x).index_add_(0, token_of, scaled)
+    return torch.zeros_like(x).index_add_(0, token_of, out_rows)
 
 
 def grouped_experts_reference(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gate_up: torch.Tensor,
@@ -106,17 +108,17 @@ class MoE(nn.Module):
         super().__init__()
         m = cfg.moe
         assert m is not None
-        self.top_k, self.renormalize, self.weights_in_model_dtype = m.top_k, m.renormalize, m.weights_in_model_dtype
+        self.top_k, self.renormalize = m.top_k, m.renormalize
         self.router = Linear(cfg.hidden_size, m.num_experts)
         self.experts = Experts(m.num_experts, cfg.hidden_size, m.intermediate_size, cfg.activation)
         self.shared = MLP(cfg.hidden_size, m.shared_intermediate_size, cfg.activation) if m.shared_intermediate_size else None
         self.shared_gate = Linear(cfg.hidden_size, 1) if m.shared_intermediate_size else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Routing weights are applied in the activations' dtype (Qwen's order; Mixtral's transformers
+        # code multiplies in float32: the difference is within bfloat16's own rounding).
         weights, ids = route(self.router(x), self.top_k, self.renormalize)
-        if self.weights_in_model_dtype:
-            weights = weights.to(x.dtype)
-        out = self.experts(x, ids, weights)
+        out = self.experts(x, ids, weights.to(x.dtype))
         if self.shared is not None and self.shared_gate is not None:
             out = out + torch.sigmoid(self.shared_gate(x)) * self.shared(x)
         return out
