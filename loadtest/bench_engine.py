@@ -152,27 +152,36 @@ def bench_ours(args: argparse.Namespace, dt: str) -> tuple[str, dict[str, float]
 FAMILY_BATCHES = (1, 16)
 
 
-def bench_family(family: str, args: argparse.Namespace) -> dict[str, float]:
+def family_engine(family: str, args: argparse.Namespace) -> LLMEngine:
     from loadtest.random_models import model_dir
 
     engine = LLMEngine(EngineConfig(model=str(model_dir(family)), device="cpu", dtype=args.dtypes.split(",")[0],
                                     threads=args.threads, max_num_batched_tokens=512, kv_cache_gb=0.5))
     vocab = engine.model_config.vocab_size
     ours_decode(engine, [random_ids(vocab, 32, 999 + i) for i in range(4)], 999)  # warm-up
-    samples: dict[str, list[float]] = {}
-    for s in range(args.rounds):
-        samples.setdefault("prefill_512", []).append(ours_prefill(engine, random_ids(vocab, 512, s), s))
-        for b in FAMILY_BATCHES:
-            prompts = [random_ids(vocab, 32, 1000 * s + 10 * b + i) for i in range(b)]
-            samples.setdefault(f"decode_{b}", []).append(ours_decode(engine, prompts, s))
-    return {k: statistics.median(v) for k, v in samples.items()}
+    return engine
+
+
+def family_round(engine: LLMEngine, s: int) -> dict[str, float]:
+    vocab = engine.model_config.vocab_size
+    out = {"prefill_512": ours_prefill(engine, random_ids(vocab, 512, s), s)}
+    for b in FAMILY_BATCHES:
+        out[f"decode_{b}"] = ours_decode(engine, [random_ids(vocab, 32, 1000 * s + 10 * b + i) for i in range(b)], s)
+    return out
 
 
 def main_families(args: argparse.Namespace) -> int:
     from loadtest.random_models import FAMILIES, MOE_BASELINES, SHAPE
 
     families = args.family_list.split(",") if args.family_list else list(FAMILIES)
-    rows = {f: bench_family(f, args) for f in tqdm(families, desc="families", file=sys.stderr)}
+    engines = {f: family_engine(f, args) for f in tqdm(families, desc="loading", file=sys.stderr)}
+    # Rounds interleave the families, so drift on a shared machine lands on all of them alike.
+    samples: dict[str, dict[str, list[float]]] = {f: {} for f in families}
+    for s in tqdm(range(args.rounds), desc="rounds", file=sys.stderr):
+        for f, engine in engines.items():
+            for k, v in family_round(engine, s).items():
+                samples[f].setdefault(k, []).append(v)
+    rows = {f: {k: statistics.median(v) for k, v in kv.items()} for f, kv in samples.items()}
     keys = ["prefill_512"] + [f"decode_{b}" for b in FAMILY_BATCHES]
     print(f"\nCPU: {torch.get_num_threads()} threads, torch {torch.__version__}, {args.dtypes.split(',')[0]}, "
           f"random weights, shape {SHAPE['num_hidden_layers']} layers x {SHAPE['hidden_size']} hidden")
