@@ -15,6 +15,7 @@ from typing import Protocol
 import torch
 
 from engine.block_manager import BlockManager, BlockStats
+from engine.constrained import GrammarEngine
 from engine.detokenizer import IncrementalDetokenizer
 from engine.engine_config import EngineConfig
 from engine.errors import RequestError
@@ -97,8 +98,10 @@ class LLMEngine:
         self.kv = KVCache(self._kv_layout(), self.device)
         self.blocks = BlockManager(self.kv.layout.num_blocks, config.block_size, config.enable_prefix_cache)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.blocks)
-        self.runner = ModelRunner(self.model, self.kv, self.device)
         self.eos_token_ids = self.tokenizer.eos_token_ids or frozenset(self.model_config.eos_token_ids)
+        self.grammar = GrammarEngine(self.model_dir / "tokenizer.json", self.model_config.vocab_size,
+                                     sorted(self.eos_token_ids), config.threads)
+        self.runner = ModelRunner(self.model, self.kv, self.device, self.grammar)
         self.seqs: dict[str, Sequence] = {}
         self._arrival = itertools.count()
         log.info(
@@ -136,9 +139,13 @@ class LLMEngine:
                 f"prompt + max_tokens = {total} tokens needs {self.blocks.blocks_for(total)} KV blocks; "
                 f"this worker has {self.blocks.num_blocks} in all"
             )
+        if sampling.resumed_tokens >= len(prompt):
+            raise RequestError(f"resumed_tokens ({sampling.resumed_tokens}) must leave at least one prompt token "
+                               f"(prompt: {len(prompt)})")
         seq = Sequence(request_id, list(prompt), sampling, tenant=tenant, mode=mode, arrival=next(self._arrival))
-        if sampling.seed is not None:
-            seq.generator = torch.Generator(self.device).manual_seed(sampling.seed)
+        if sampling.grammar is not None:
+            seq.matcher = self.grammar.matcher(sampling.grammar)
+            self.grammar.advance(seq.matcher, seq.generated_token_ids)
         if mode == Mode.FULL:
             seq.detok = IncrementalDetokenizer(self.tokenizer, prompt, sampling.stop)
         return seq
@@ -246,6 +253,11 @@ class LLMEngine:
             seq.logprobs.append(logprob)
             out.logprobs.append(logprob)
         out.num_output_tokens = len(seq.output_token_ids)
+        if seq.matcher is not None and not seq.matcher.consume_token(token):
+            # Tokens are chosen under the mask, so this is a received token (a prefill worker's
+            # first token) that the grammar does not allow: a bug somewhere, not a user error.
+            self._finish(seq, "error", out, f"token {token} violates the request's grammar: {seq.matcher.get_error()}")
+            return
         if seq.mode == Mode.PREFILL_ONLY:
             self._finish(seq, "prefill", out)
             return
@@ -255,7 +267,8 @@ class LLMEngine:
         assert seq.detok is not None
         text, hit_stop = seq.detok.push(token)
         out.text += text
-        if hit_stop:
+        if hit_stop or (seq.matcher is not None and seq.matcher.is_stopped()):
+            # A completed grammar admits nothing but EOS: end now rather than spend a step on it.
             self._finish(seq, "stop", out)
         elif len(seq.output_token_ids) >= sp.max_tokens or seq.num_tokens >= self.max_model_len:
             self._finish(seq, "length", out)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from engine.attention import AttentionMetadata, DecodeBatch, PrefillSegment, kernels_enabled
+from engine.constrained import GrammarEngine
 from engine.kv_cache import KVCache
 from engine.model import DecoderModel, LayerHook
 from engine.sampler import sample
@@ -31,8 +32,9 @@ def _length_groups(num_blocks: list[int]) -> list[range]:
 
 
 class ModelRunner:
-    def __init__(self, model: DecoderModel, kv: KVCache, device: torch.device):
+    def __init__(self, model: DecoderModel, kv: KVCache, device: torch.device, grammar: GrammarEngine | None = None):
         self.model = model
+        self.grammar = grammar
         self.kv = kv
         self.device = device
         self.block_size = kv.layout.block_size
@@ -96,4 +98,4 @@ class ModelRunner:
             return []
         rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
         logits = self.model.logits(hidden.index_select(0, rows))
-        return sample(logits, [s.seq for s in batch if s.samples])
+        return sample(logits, [s.seq for s in batch if s.samples], self.grammar)

@@ -1,14 +1,19 @@
 """Turning a step's logits into tokens, one row per sequence.
 
 Pure functions of (logits, settings, generator) so tests call them directly. A seeded
-request draws its noise from its own generator, one row at a time, so its tokens do
-not depend on what else shares the batch.
+request draws the noise for its n-th generated token from a generator seeded by (seed, n)
+alone, so its tokens depend neither on what else shares the batch nor on which worker draws
+them: the prefill worker's first token, the decode worker's next ones and a failover's
+continuation are the tokens one process would have drawn. Grammar masks (constrained
+decoding) are applied to the whole batch's logits before anything is chosen; logprobs are
+the model's own (before the mask, as vLLM reports them by default).
 """
 
 from __future__ import annotations
 
 import torch
 
+from engine.constrained import GrammarEngine
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence, TokenLogprob
 
@@ -45,6 +50,11 @@ def filtered_probs(logits: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
     return probs
 
 
+def seeded_generator(seed: int, index: int, device: torch.device) -> torch.Generator:
+    """The generator for a seeded request's `index`-th generated token."""
+    return torch.Generator(device).manual_seed((seed * 0x9E3779B97F4A7C15 + index) % 2**63)
+
+
 def draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     """Sample from (unnormalised) probs by the exponential race: argmax(p / E), E ~ Exp(1)."""
     noise = torch.empty_like(probs).exponential_(generator=generator)
@@ -59,16 +69,22 @@ def top_logprobs(logprobs: torch.Tensor, token: int, n: int) -> TokenLogprob:
     return TokenLogprob(token_id=token, logprob=float(logprobs[token]), top=top)
 
 
-def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[tuple[int, TokenLogprob | None]]:
-    """logits: [len(seqs), vocab] float32. Returns (token, logprob info or None) per sequence."""
+def sample(logits: torch.Tensor, seqs: list[Sequence], grammar: GrammarEngine | None = None
+           ) -> list[tuple[int, TokenLogprob | None]]:
+    """logits: [len(seqs), vocab] float32 (masked in place for constrained rows). Returns (token,
+    logprob info or None) per sequence."""
     out: list[tuple[int, TokenLogprob | None]] = []
+    want_lp = [s.sampling.logprobs is not None for s in seqs]
+    raw_lp = torch.log_softmax(logits, dim=-1) if any(want_lp) else None
+    constrained = [(i, s.matcher) for i, s in enumerate(seqs) if s.matcher is not None]
+    if constrained:
+        assert grammar is not None, "constrained sequences need the engine's GrammarEngine"
+        grammar.mask_logits(logits, constrained)
     plain_greedy = [i for i, s in enumerate(seqs) if s.sampling.greedy and not s.sampling.penalized]
     greedy_tokens = {}
     if plain_greedy:
         idx = torch.tensor(plain_greedy, dtype=torch.long, device=logits.device)
         greedy_tokens = dict(zip(plain_greedy, logits.index_select(0, idx).argmax(-1).tolist(), strict=True))
-    want_lp = [s.sampling.logprobs is not None for s in seqs]
-    raw_lp = torch.log_softmax(logits, dim=-1) if any(want_lp) else None
     for i, seq in enumerate(seqs):
         sp = seq.sampling
         if i in greedy_tokens:
@@ -76,8 +92,12 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[tuple[int, TokenL
         else:
             row = logits[i]
             if sp.penalized:
-                row = apply_penalties(row, sp, seq.prompt_token_ids, seq.output_token_ids)
-            token = int(row.argmax()) if sp.greedy else draw(filtered_probs(row, sp), seq.generator)
+                row = apply_penalties(row, sp, seq.prompt_token_ids, seq.generated_token_ids)
+            if sp.greedy:
+                token = int(row.argmax())
+            else:
+                gen = seeded_generator(sp.seed, seq.num_generated, row.device) if sp.seed is not None else None
+                token = draw(filtered_probs(row, sp), gen)
         info = top_logprobs(raw_lp[i], token, sp.logprobs) if raw_lp is not None and want_lp[i] else None
         out.append((token, info))
     return out

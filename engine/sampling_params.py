@@ -24,6 +24,10 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # None = off; n = the chosen token plus n alternatives
+    grammar: str | None = None  # llguidance grammar text (engine/grammar.py builds it); None = unconstrained
+    # The prompt's last `resumed_tokens` tokens are this request's own earlier output (a failover
+    # resuming elsewhere): the grammar, the seeded noise and the penalties continue from them.
+    resumed_tokens: int = 0
 
     @property
     def greedy(self) -> bool:
@@ -47,6 +51,7 @@ class SamplingParams:
             (all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings"),
             (len(self.stop) <= 16, "at most 16 stop strings"),
             (self.seed is None or 0 <= self.seed < 2**63, f"seed must be in [0, 2^63), got {self.seed}"),
+            (self.resumed_tokens >= 0, f"resumed_tokens must be >= 0, got {self.resumed_tokens}"),
         ]
         for ok, msg in checks:
             if not ok:

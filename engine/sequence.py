@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-
-import torch
+from typing import Any
 
 from engine.detokenizer import IncrementalDetokenizer
 from engine.sampling_params import SamplingParams
@@ -48,7 +47,7 @@ class Sequence:
     status: Status = Status.WAITING
     finish_reason: str | None = None
     error: str | None = None
-    generator: torch.Generator | None = None
+    matcher: Any = None  # llguidance matcher when the request is constrained by a grammar
     detok: IncrementalDetokenizer | None = None
     num_preemptions: int = 0
 
@@ -59,6 +58,17 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def generated_token_ids(self) -> list[int]:
+        """This request's output so far, including what a failed earlier attempt produced (which
+        arrives as the end of the prompt): what penalties count and seeded noise is indexed by."""
+        k = self.sampling.resumed_tokens
+        return (self.prompt_token_ids[-k:] if k else []) + self.output_token_ids
+
+    @property
+    def num_generated(self) -> int:
+        return self.sampling.resumed_tokens + len(self.output_token_ids)
 
     @property
     def num_prompt_tokens(self) -> int:

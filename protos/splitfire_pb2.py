@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16protos/splitfire.proto\x12\x0csplitfire.v1\"\xf1\x02\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x02H\x02\x88\x01\x01\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x08 \x01(\x02\x12\x11\n\x04seed\x18\t \x01(\x04H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\r\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x15\n\x08logprobs\x18\r \x01(\rH\x04\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x15\n\x13_repetition_penaltyB\x07\n\x05_seedB\x0b\n\t_logprobs\"X\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0f\n\x07top_ids\x18\x03 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\x92\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.splitfire.v1.SamplingParams\x12\x0e\n\x06tenant\x18\x04 \x01(\t\x12\x18\n\x10prefill_endpoint\x18\x05 \x01(\t\"\xc7\x01\n\rGenerateEvent\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12,\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1a.splitfire.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\"\n\x05usage\x18\x05 \x01(\x0b\x32\x13.splitfire.v1.Usage\x12\x14\n\x0cprefill_mode\x18\x06 \x01(\t\x12\x16\n\x0eprefill_reason\x18\x07 \x01(\t\"\x9a\x01\n\rKVDestination\x12\x0f\n\x07segment\x18\x01 \x01(\t\x12\x14\n\x0c\x62\x61se_address\x18\x02 \x01(\x04\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\x12\x12\n\nnum_layers\x18\x04 \x01(\r\x12\x12\n\npage_bytes\x18\x05 \x01(\x04\x12\x13\n\x0b\x66irst_block\x18\x06 \x01(\r\x12\x11\n\tblock_ids\x18\x07 \x03(\r\"\xa9\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.splitfire.v1.SamplingParams\x12\x0e\n\x06tenant\x18\x04 \x01(\t\x12\x30\n\x0b\x64\x65stination\x18\x05 \x01(\x0b\x32\x1b.splitfire.v1.KVDestination\"\xff\x01\n\x0fPrefillResponse\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\r\x12+\n\x07logprob\x18\x02 \x01(\x0b\x32\x1a.splitfire.v1.TokenLogprob\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\x12\x17\n\x0f\x63omputed_tokens\x18\x04 \x01(\r\x12\x16\n\x0etransfer_bytes\x18\x05 \x01(\x04\x12\x18\n\x10transfer_entries\x18\x06 \x01(\r\x12\x18\n\x10transfer_seconds\x18\x07 \x01(\x01\x12\x17\n\x0f\x63ompute_seconds\x18\x08 \x01(\x01\x12\x15\n\rqueue_seconds\x18\t \x01(\x01\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x0f\n\rHealthRequest\"h\n\x0eHealthResponse\x12\x0e\n\x06status\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x15\n\rmax_model_len\x18\x05 \x01(\r\"\x0e\n\x0cStatsRequest\"\xb8\x02\n\rStatsResponse\x12\x1f\n\x17prompt_tokens_in_flight\x18\x01 \x01(\x04\x12\x0f\n\x07running\x18\x02 \x01(\r\x12\x0f\n\x07waiting\x18\x03 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x04 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x05 \x01(\r\x12\x16\n\x0ekv_blocks_free\x18\x06 \x01(\r\x12\x18\n\x10kv_blocks_cached\x18\x07 \x01(\r\x12\x16\n\x0ekv_tokens_held\x18\x08 \x01(\x04\x12\x1b\n\x13prefix_query_tokens\x18\t \x01(\x04\x12\x19\n\x11prefix_hit_tokens\x18\n \x01(\x04\x12\x1f\n\x17\x64\x65\x63ode_tokens_remaining\x18\x0b \x01(\x04\x12\x10\n\x08reserved\x18\x0c \x01(\r2R\n\x06\x44\x65\x63ode\x12H\n\x08Generate\x12\x1d.splitfire.v1.GenerateRequest\x1a\x1b.splitfire.v1.GenerateEvent0\x01\x32Q\n\x07Prefill\x12\x46\n\x07Prefill\x12\x1c.splitfire.v1.PrefillRequest\x1a\x1d.splitfire.v1.PrefillResponse2\xd1\x01\n\x06Worker\x12@\n\x05\x41\x62ort\x12\x1a.splitfire.v1.AbortRequest\x1a\x1b.splitfire.v1.AbortResponse\x12\x43\n\x06Health\x12\x1b.splitfire.v1.HealthRequest\x1a\x1c.splitfire.v1.HealthResponse\x12@\n\x05Stats\x12\x1a.splitfire.v1.StatsRequest\x1a\x1b.splitfire.v1.StatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16protos/splitfire.proto\x12\x0csplitfire.v1\"\x9a\x03\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x02H\x02\x88\x01\x01\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x08 \x01(\x02\x12\x11\n\x04seed\x18\t \x01(\x04H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\r\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x15\n\x08logprobs\x18\r \x01(\rH\x04\x88\x01\x01\x12\x0f\n\x07grammar\x18\x0e \x01(\t\x12\x16\n\x0eresumed_tokens\x18\x0f \x01(\rB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x15\n\x13_repetition_penaltyB\x07\n\x05_seedB\x0b\n\t_logprobs\"X\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0f\n\x07top_ids\x18\x03 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\x92\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.splitfire.v1.SamplingParams\x12\x0e\n\x06tenant\x18\x04 \x01(\t\x12\x18\n\x10prefill_endpoint\x18\x05 \x01(\t\"\xc7\x01\n\rGenerateEvent\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12,\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1a.splitfire.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\"\n\x05usage\x18\x05 \x01(\x0b\x32\x13.splitfire.v1.Usage\x12\x14\n\x0cprefill_mode\x18\x06 \x01(\t\x12\x16\n\x0eprefill_reason\x18\x07 \x01(\t\"\x9a\x01\n\rKVDestination\x12\x0f\n\x07segment\x18\x01 \x01(\t\x12\x14\n\x0c\x62\x61se_address\x18\x02 \x01(\x04\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\x12\x12\n\nnum_layers\x18\x04 \x01(\r\x12\x12\n\npage_bytes\x18\x05 \x01(\x04\x12\x13\n\x0b\x66irst_block\x18\x06 \x01(\r\x12\x11\n\tblock_ids\x18\x07 \x03(\r\"\xa9\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.splitfire.v1.SamplingParams\x12\x0e\n\x06tenant\x18\x04 \x01(\t\x12\x30\n\x0b\x64\x65stination\x18\x05 \x01(\x0b\x32\x1b.splitfire.v1.KVDestination\"\xff\x01\n\x0fPrefillResponse\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\r\x12+\n\x07logprob\x18\x02 \x01(\x0b\x32\x1a.splitfire.v1.TokenLogprob\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\x12\x17\n\x0f\x63omputed_tokens\x18\x04 \x01(\r\x12\x16\n\x0etransfer_bytes\x18\x05 \x01(\x04\x12\x18\n\x10transfer_entries\x18\x06 \x01(\r\x12\x18\n\x10transfer_seconds\x18\x07 \x01(\x01\x12\x17\n\x0f\x63ompute_seconds\x18\x08 \x01(\x01\x12\x15\n\rqueue_seconds\x18\t \x01(\x01\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x0f\n\rHealthRequest\"h\n\x0eHealthResponse\x12\x0e\n\x06status\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x15\n\rmax_model_len\x18\x05 \x01(\r\"\x0e\n\x0cStatsRequest\"\xb8\x02\n\rStatsResponse\x12\x1f\n\x17prompt_tokens_in_flight\x18\x01 \x01(\x04\x12\x0f\n\x07running\x18\x02 \x01(\r\x12\x0f\n\x07waiting\x18\x03 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x04 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x05 \x01(\r\x12\x16\n\x0ekv_blocks_free\x18\x06 \x01(\r\x12\x18\n\x10kv_blocks_cached\x18\x07 \x01(\r\x12\x16\n\x0ekv_tokens_held\x18\x08 \x01(\x04\x12\x1b\n\x13prefix_query_tokens\x18\t \x01(\x04\x12\x19\n\x11prefix_hit_tokens\x18\n \x01(\x04\x12\x1f\n\x17\x64\x65\x63ode_tokens_remaining\x18\x0b \x01(\x04\x12\x10\n\x08reserved\x18\x0c \x01(\r2R\n\x06\x44\x65\x63ode\x12H\n\x08Generate\x12\x1d.splitfire.v1.GenerateRequest\x1a\x1b.splitfire.v1.GenerateEvent0\x01\x32Q\n\x07Prefill\x12\x46\n\x07Prefill\x12\x1c.splitfire.v1.PrefillRequest\x1a\x1d.splitfire.v1.PrefillResponse2\xd1\x01\n\x06Worker\x12@\n\x05\x41\x62ort\x12\x1a.splitfire.v1.AbortRequest\x1a\x1b.splitfire.v1.AbortResponse\x12\x43\n\x06Health\x12\x1b.splitfire.v1.HealthRequest\x1a\x1c.splitfire.v1.HealthResponse\x12@\n\x05Stats\x12\x1a.splitfire.v1.StatsRequest\x1a\x1b.splitfire.v1.StatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,37 +32,37 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.splitfire_pb2', _glo
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS']._serialized_start=41
-  _globals['_SAMPLINGPARAMS']._serialized_end=410
-  _globals['_TOKENLOGPROB']._serialized_start=412
-  _globals['_TOKENLOGPROB']._serialized_end=500
-  _globals['_USAGE']._serialized_start=502
-  _globals['_USAGE']._serialized_end=582
-  _globals['_GENERATEREQUEST']._serialized_start=585
-  _globals['_GENERATEREQUEST']._serialized_end=731
-  _globals['_GENERATEEVENT']._serialized_start=734
-  _globals['_GENERATEEVENT']._serialized_end=933
-  _globals['_KVDESTINATION']._serialized_start=936
-  _globals['_KVDESTINATION']._serialized_end=1090
-  _globals['_PREFILLREQUEST']._serialized_start=1093
-  _globals['_PREFILLREQUEST']._serialized_end=1262
-  _globals['_PREFILLRESPONSE']._serialized_start=1265
-  _globals['_PREFILLRESPONSE']._serialized_end=1520
-  _globals['_ABORTREQUEST']._serialized_start=1522
-  _globals['_ABORTREQUEST']._serialized_end=1556
-  _globals['_ABORTRESPONSE']._serialized_start=1558
-  _globals['_ABORTRESPONSE']._serialized_end=1588
-  _globals['_HEALTHREQUEST']._serialized_start=1590
-  _globals['_HEALTHREQUEST']._serialized_end=1605
-  _globals['_HEALTHRESPONSE']._serialized_start=1607
-  _globals['_HEALTHRESPONSE']._serialized_end=1711
-  _globals['_STATSREQUEST']._serialized_start=1713
-  _globals['_STATSREQUEST']._serialized_end=1727
-  _globals['_STATSRESPONSE']._serialized_start=1730
-  _globals['_STATSRESPONSE']._serialized_end=2042
-  _globals['_DECODE']._serialized_start=2044
-  _globals['_DECODE']._serialized_end=2126
-  _globals['_PREFILL']._serialized_start=2128
-  _globals['_PREFILL']._serialized_end=2209
-  _globals['_WORKER']._serialized_start=2212
-  _globals['_WORKER']._serialized_end=2421
+  _globals['_SAMPLINGPARAMS']._serialized_end=451
+  _globals['_TOKENLOGPROB']._serialized_start=453
+  _globals['_TOKENLOGPROB']._serialized_end=541
+  _globals['_USAGE']._serialized_start=543
+  _globals['_USAGE']._serialized_end=623
+  _globals['_GENERATEREQUEST']._serialized_start=626
+  _globals['_GENERATEREQUEST']._serialized_end=772
+  _globals['_GENERATEEVENT']._serialized_start=775
+  _globals['_GENERATEEVENT']._serialized_end=974
+  _globals['_KVDESTINATION']._serialized_start=977
+  _globals['_KVDESTINATION']._serialized_end=1131
+  _globals['_PREFILLREQUEST']._serialized_start=1134
+  _globals['_PREFILLREQUEST']._serialized_end=1303
+  _globals['_PREFILLRESPONSE']._serialized_start=1306
+  _globals['_PREFILLRESPONSE']._serialized_end=1561
+  _globals['_ABORTREQUEST']._serialized_start=1563
+  _globals['_ABORTREQUEST']._serialized_end=1597
+  _globals['_ABORTRESPONSE']._serialized_start=1599
+  _globals['_ABORTRESPONSE']._serialized_end=1629
+  _globals['_HEALTHREQUEST']._serialized_start=1631
+  _globals['_HEALTHREQUEST']._serialized_end=1646
+  _globals['_HEALTHRESPONSE']._serialized_start=1648
+  _globals['_HEALTHRESPONSE']._serialized_end=1752
+  _globals['_STATSREQUEST']._serialized_start=1754
+  _globals['_STATSREQUEST']._serialized_end=1768
+  _globals['_STATSRESPONSE']._serialized_start=1771
+  _globals['_STATSRESPONSE']._serialized_end=2083
+  _globals['_DECODE']._serialized_start=2085
+  _globals['_DECODE']._serialized_end=2167
+  _globals['_PREFILL']._serialized_start=2169
+  _globals['_PREFILL']._serialized_end=2250
+  _globals['_WORKER']._serialized_start=2253
+  _globals['_WORKER']._serialized_end=2462
 # @@protoc_insertion_point(module_scope)

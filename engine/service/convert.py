@@ -24,6 +24,8 @@ def sampling_from_proto(m: pb.SamplingParams) -> SamplingParams:
         stop_token_ids=list(m.stop_token_ids),
         ignore_eos=m.ignore_eos,
         logprobs=m.logprobs if m.HasField("logprobs") else None,
+        grammar=m.grammar or None,
+        resumed_tokens=m.resumed_tokens,
     )
     return sp.validate()
 
@@ -33,6 +35,7 @@ def sampling_to_proto(sp: SamplingParams) -> pb.SamplingParams:
         max_tokens=sp.max_tokens, temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k, min_p=sp.min_p,
         repetition_penalty=sp.repetition_penalty, frequency_penalty=sp.frequency_penalty,
         presence_penalty=sp.presence_penalty, stop=sp.stop, stop_token_ids=sp.stop_token_ids, ignore_eos=sp.ignore_eos,
+        grammar=sp.grammar or "", resumed_tokens=sp.resumed_tokens,
     )
     if sp.seed is not None:
         m.seed = sp.seed
