@@ -162,13 +162,15 @@ class Dispatcher:
 
     # -- sending ----------------------------------------------------------------------
 
-    def _send(self, route: Route, req: GenRequest, ids: list[int], max_tokens: int, attempt: int) -> AsyncIterator[Chunk]:
+    def _send(self, route: Route, req: GenRequest, generated: list[int], max_tokens: int, attempt: int
+              ) -> AsyncIterator[Chunk]:
         d = route.decode
         if d.role == "openai":
             return self.upstreams.generate(d.address, req.kind, req.body, max_tokens, self.cfg.request_timeout_s)
         return self.workers.generate(d.address, route.prefill.address if route.prefill else "",
-                                     f"{req.id}-{req.prompt_index}-{attempt}", ids, req.sampling, max_tokens,
-                                     req.tenant, self.cfg.request_timeout_s)
+                                     f"{req.id}-{req.prompt_index}-{attempt}", req.prompt_token_ids + generated,
+                                     req.sampling, max_tokens, req.tenant, self.cfg.request_timeout_s,
+                                     resumed_tokens=len(generated))
 
     async def run(self, req: GenRequest) -> AsyncIterator[Chunk]:
         """Yields the request's chunks; the last carries finish_reason and usage for the whole request."""
@@ -205,7 +207,7 @@ class Dispatcher:
             usage = (0, 0, 0)
             last = Chunk()  # the output that came with the finish: it leaves with the final chunk
             try:
-                async for c in self._send(route, req, prompt + generated, max_tokens, attempt):
+                async for c in self._send(route, req, generated, max_tokens, attempt):
                     if c.token_ids or c.text:
                         ticket.on_tokens(len(c.token_ids) or 1)
                     generated += c.token_ids

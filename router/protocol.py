@@ -2,14 +2,25 @@
 
 from __future__ import annotations
 
+import json
 import secrets
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine import grammar
 from engine.chat_template import TemplateError
 from engine.tokenizer import Tokenizer
 from router.errors import bad_request, not_found
+from router.reasoning import template_reasons
+from router.reply import ReplyPlan
+from router.tool_calls import (
+    JSON_ARRAY,
+    detect_format,
+    parse_tool_choice,
+    parse_tools,
+    template_supports_tools,
+)
 
 ROLES = {"system", "user", "assistant", "tool", "developer", "function"}
 MAX_STOP = 16
@@ -33,6 +44,7 @@ class Sampling:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    grammar: str | None = None  # llguidance grammar the output must match (engine/grammar.py)
 
 
 @dataclass
@@ -51,6 +63,7 @@ class GenRequest:
     created: int = field(default_factory=lambda: int(time.time()))
     prompt_index: int = 0  # which prompt of a batched /v1/completions request
     served_by: Any = None  # the (prefill, decode) pin of the latest attempt, for response headers
+    reply: ReplyPlan | None = None  # reasoning / tool calls to read out of the reply; None = plain text
 
 
 def _num(body: dict, name: str, lo: float, hi: float, default: float, integer: bool = False) -> Any:
@@ -102,6 +115,30 @@ def _content_text(content: Any, i: int) -> str:
     raise bad_request(f"messages[{i}].content must be a string or a list of text parts", param=f"messages[{i}].content")
 
 
+def _tool_calls(m: dict[str, Any], i: int) -> list[dict[str, Any]]:
+    """An assistant message's earlier tool calls, with arguments as objects (what chat templates
+    render with `tojson`; OpenAI sends them as JSON text)."""
+    raw = m.get("tool_calls")
+    where = f"messages[{i}].tool_calls"
+    if not isinstance(raw, list):
+        raise bad_request(f"'{where}' must be a list", param=where)
+    out = []
+    for j, tc in enumerate(raw):
+        fn = tc.get("function") if isinstance(tc, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not isinstance(tc.get("id", ""), str):
+            raise bad_request(f"'{where}[{j}]' must be {{'id': str, 'type': 'function', 'function': {{'name': str, "
+                              "'arguments': str}}}}", param=f"{where}[{j}]")
+        args = fn.get("arguments", "{}")
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except json.JSONDecodeError as e:
+                raise bad_request(f"'{where}[{j}].function.arguments' is not valid JSON: {e.msg}",
+                                  param=f"{where}[{j}].function.arguments") from e
+        out.append({"id": tc.get("id", ""), "type": "function", "function": {"name": fn["name"], "arguments": args}})
+    return out
+
+
 def parse_messages(body: dict) -> list[dict[str, Any]]:
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
@@ -111,13 +148,40 @@ def parse_messages(body: dict) -> list[dict[str, Any]]:
         if not isinstance(m, dict):
             raise bad_request(f"messages[{i}] must be an object", param=f"messages[{i}]")
         role = m.get("role")
-        if role not in ROLES:
+        if not isinstance(role, str) or role not in ROLES:
             raise bad_request(f"messages[{i}].role must be one of {sorted(ROLES)}", param=f"messages[{i}].role")
         msg = dict(m)
         msg["content"] = _content_text(m.get("content"), i)
         if role == "developer":
             msg["role"] = "system"
+        if role == "assistant" and m.get("tool_calls") is not None:
+            msg["tool_calls"] = _tool_calls(m, i)
+        if role == "tool" and not isinstance(m.get("tool_call_id"), str):
+            raise bad_request(f"messages[{i}].tool_call_id is required for a tool message",
+                              param=f"messages[{i}].tool_call_id")
         out.append(msg)
+    return out
+
+
+def tools_as_text(messages: list[dict[str, Any]], tools: list[dict[str, Any]], with_system: bool) -> list[dict[str, Any]]:
+    """For a chat template with no tool support: the tools are described in a system message and
+    earlier calls and results become ordinary turns, in the JSON shape the grammar produces."""
+    out = []
+    for m in messages:
+        if m["role"] == "assistant" and m.get("tool_calls"):
+            calls = [{"name": c["function"]["name"], "arguments": c["function"]["arguments"]} for c in m["tool_calls"]]
+            m = {"role": "assistant", "content": (m["content"] + "\n" if m["content"] else "") + json.dumps(calls)}
+        elif m["role"] == "tool":
+            m = {"role": "user", "content": f"Result of tool call {m['tool_call_id']}: {m['content']}"}
+        out.append(m)
+    if with_system:
+        specs = json.dumps([t["function"] for t in tools], ensure_ascii=False)
+        note = ("You can call these functions. To call functions, reply with only a JSON list of calls, "
+                '[{"name": <function name>, "arguments": <arguments object>}, ...].\n\nFunctions: ' + specs)
+        if out and out[0]["role"] == "system":
+            out[0] = {**out[0], "content": out[0]["content"] + "\n\n" + note}
+        else:
+            out.insert(0, {"role": "system", "content": note})
     return out
 
 
@@ -126,6 +190,10 @@ class RequestParser:
         self.tokenizer = tokenizer
         self.model_names = model_names
         self.max_model_len = max_model_len
+        template = tokenizer.chat_template if tokenizer else None
+        self.tool_format = detect_format(template, tokenizer.hf.token_to_id if tokenizer else lambda _: None)
+        self.template_has_tools = template_supports_tools(template)
+        self.reasoning = template_reasons(template)
 
     def _common(self, body: dict) -> tuple[str, bool, bool]:
         if not isinstance(body, dict):
@@ -222,20 +290,45 @@ class RequestParser:
             if not lp:
                 raise bad_request("'top_logprobs' requires logprobs=true", param="top_logprobs")
             top = _num(body, "top_logprobs", 0, 20, 0, integer=True)
-        tools = body.get("tools")
-        if tools is not None and not isinstance(tools, list):
-            raise bad_request("'tools' must be a list", param="tools")
+        tools = parse_tools(body)
+        choice = parse_tool_choice(body, tools)
+        constraint = _response_format(body)
+        fmt = None
+        if choice.mode != "none":
+            fmt = self.tool_format
+            if fmt is None and choice.mode == "auto":
+                raise bad_request("tool_choice 'auto' needs the model's own tool-call format, and this model's chat "
+                                  "template has none; use tool_choice 'required' or a named function (the call is "
+                                  "then produced under a grammar), or 'none'", param="tool_choice")
+            fmt = fmt or JSON_ARRAY
+            if choice.mode in ("required", "named"):
+                if constraint is not None:
+                    raise bad_request("'response_format' and a required or named 'tool_choice' both constrain the "
+                                      "reply; send one of them", param="response_format")
+                constraint = fmt.grammar(choice)
         if self.tokenizer is None:
             ids = self._estimate(sum(len(m["content"]) for m in messages))
         else:
+            raw_tools = body.get("tools") if choice.mode != "none" else None
+            if self.template_has_tools:
+                rendered = messages
+            else:
+                rendered = tools_as_text(messages, raw_tools or [], with_system=bool(raw_tools))
+                raw_tools = None
             try:
-                ids = self.tokenizer.encode_chat(messages, add_generation_prompt=True, tools=tools)
+                ids = self.tokenizer.encode_chat(rendered, add_generation_prompt=True, tools=raw_tools)
             except TemplateError as e:
                 raise bad_request(f"chat template rejected the conversation: {e}", param="messages") from e
             ids = self._check_ids(ids, "messages")
         sampling = self._sampling(body, len(ids), (top or 0) if lp else None)
+        sampling.grammar = constraint
+        plan = None
+        if fmt is not None or self.reasoning:
+            opened = self.reasoning and self.tokenizer is not None and self.tokenizer.decode(
+                ids[-4:], skip_special_tokens=False).rstrip().endswith("<think>")
+            plan = ReplyPlan(fmt, self.reasoning, opened)
         return GenRequest(f"chatcmpl-{secrets.token_hex(12)}", "chat", model, ids, sampling, stream, include_usage,
-                          tenant, session, lp, body)
+                          tenant, session, lp, body, reply=plan)
 
     def completions(self, body: Any, tenant: str, session: str | None) -> list[GenRequest]:
         """One GenRequest per prompt (a list of prompts becomes several choices)."""
@@ -258,10 +351,20 @@ class RequestParser:
         lp = body.get("logprobs")
         if lp is not None:
             lp = _num(body, "logprobs", 0, 5, 0, integer=True)
+        constraint = _response_format(body)
         rid = f"cmpl-{secrets.token_hex(12)}"
         out = []
         for i, ids in enumerate(prompts):
             ids = self._check_ids(ids, "prompt")
-            out.append(GenRequest(rid, "completion", model, ids, self._sampling(body, len(ids), lp), stream,
+            sampling = self._sampling(body, len(ids), lp)
+            sampling.grammar = constraint
+            out.append(GenRequest(rid, "completion", model, ids, sampling, stream,
                                   include_usage, tenant, session, lp is not None, body, prompt_index=i))
         return out
+
+
+def _response_format(body: dict) -> str | None:
+    try:
+        return grammar.response_format(body.get("response_format"))
+    except grammar.GrammarError as e:
+        raise bad_request(str(e), param=e.param) from e

@@ -189,12 +189,15 @@ class Router:
 
     async def _complete(self, reqs: list[GenRequest], t0: float) -> web.Response:
         async def one(req: GenRequest) -> dict[str, Any]:
-            r: dict[str, Any] = {"text": [], "logprobs": [], "finish_reason": "stop", "prompt": 0, "completion": 0, "cached": 0}
+            r: dict[str, Any] = {"text": [], "logprobs": [], "finish_reason": "stop", "prompt": 0, "completion": 0,
+                                 "cached": 0, "token_ids": []}
             latency = Latency(self.metrics, t0)
             async for c in self.dispatcher.run(req):
                 latency.observe(c)
                 r["text"].append(c.text)
                 r["logprobs"] += c.logprobs
+                if req.reply is not None:
+                    r["token_ids"] += c.token_ids
                 if c.finish_reason:
                     r["finish_reason"] = c.finish_reason
                     r["prompt"], r["completion"], r["cached"] = c.prompt_tokens, c.completion_tokens, c.cached_tokens
@@ -248,6 +251,8 @@ class Router:
         # most of the router's per-request cost in front of a fast upstream).
         out: list[bytes] = [w.role() for w in writers] if reqs[0].kind == "chat" else []
         latencies = [Latency(self.metrics, t0) for _ in reqs]
+        # Replies with reasoning or tool calls are parsed as they stream (chat: one request).
+        parser = reqs[0].reply.parser() if reqs[0].reply is not None else None
         finished = 0
         try:
             tagged = len(reqs) > 1  # several prompts: items are (choice index, chunk)
@@ -256,10 +261,19 @@ class Router:
                 i, c = item if tagged else (0, item)
                 latencies[i].observe(c)
                 w = writers[i]
-                if c.text or c.logprobs:
+                if parser is not None:
+                    events = parser.feed(c.text, c.token_ids)
+                    if c.finish_reason:
+                        events += parser.close()
+                    if events or c.logprobs:
+                        out.append(w.events(events, c.logprobs))
+                elif c.text or c.logprobs:
                     out.append(w.text(c.text, c.logprobs))
                 if c.finish_reason:
-                    out.append(w.finish(c.finish_reason))
+                    reason = c.finish_reason
+                    if parser is not None and parser.calls and reason == "stop":
+                        reason = "tool_calls"
+                    out.append(w.finish(reason))
                     usage["prompt"] += c.prompt_tokens
                     usage["completion"] += c.completion_tokens
                     usage["cached"] += c.cached_tokens

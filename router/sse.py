@@ -13,6 +13,8 @@ from typing import Any
 from engine.tokenizer import Tokenizer
 from router.chunks import Logprob
 from router.protocol import GenRequest
+from router.reply import Reasoning, ReplyEvent
+from router.tool_calls import CallStart, Content
 
 DONE = b"data: [DONE]\n\n"
 compact_json = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode  # UTF-8 as is, no spaces
@@ -56,6 +58,31 @@ class StreamWriter:
     def finish(self, reason: str) -> bytes:
         return self._choice("", reason, None)
 
+    def events(self, events: list[ReplyEvent], logprobs: list[Logprob] | None = None) -> bytes:
+        """A parsed reply's deltas (reasoning, content, tool-call starts and argument fragments), one
+        chunk each in OpenAI's shapes; logprobs ride on the first."""
+        lp = render_logprobs(self.req, self.tokenizer, logprobs, 0) if (logprobs and self.req.want_logprobs) else None
+        parts = []
+        for e in events:
+            if isinstance(e, Content):
+                delta: dict[str, Any] = {"content": e.text}
+            elif isinstance(e, Reasoning):
+                delta = {"reasoning_content": e.text}
+            elif isinstance(e, CallStart):
+                delta = {"tool_calls": [{"index": e.index, "id": e.id, "type": "function",
+                                         "function": {"name": e.name, "arguments": ""}}]}
+            else:
+                delta = {"tool_calls": [{"index": e.index, "function": {"arguments": e.fragment}}]}
+            parts.append(self._delta(delta, lp))
+            lp = None
+        if lp is not None:
+            parts.append(self._delta({}, lp))
+        return b"".join(parts)
+
+    def _delta(self, delta: dict[str, Any], lp: dict[str, Any] | None) -> bytes:
+        choice = {"index": self.req.prompt_index, "delta": delta, "logprobs": lp, "finish_reason": None}
+        return f"data: {self.head},\"choices\":[{compact_json(choice)}]}}\n\n".encode()
+
     def usage(self, usage: dict[str, Any]) -> bytes:
         return f'data: {self.head},"choices":[],"usage":{compact_json(usage)}}}\n\n'.encode()
 
@@ -95,6 +122,25 @@ def render_logprobs(req: GenRequest, tokenizer: Tokenizer | None, lps: list[Logp
             "top_logprobs": [{_token_str(tokenizer, tid): v for tid, v in lp.top} for lp in lps], "text_offset": offsets}
 
 
+def reply_message(req: GenRequest, text: str, token_ids: list[int] | None, finish: str) -> tuple[dict[str, Any], str]:
+    """The assistant message of a whole reply, and its finish reason (`tool_calls` when it called)."""
+    if req.reply is None:
+        return {"role": "assistant", "content": text}, finish
+    parser = req.reply.parser()
+    events = parser.feed(text, token_ids) + parser.close()
+    content = "".join(e.text for e in events if isinstance(e, Content))
+    reasoning = "".join(e.text for e in events if isinstance(e, Reasoning))
+    message: dict[str, Any] = {"role": "assistant", "content": content or (None if parser.calls else "")}
+    if reasoning:
+        message["reasoning_content"] = reasoning
+    if parser.calls:
+        message["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                                 for c in parser.calls]
+        if finish == "stop":
+            finish = "tool_calls"
+    return message, finish
+
+
 def full_response(reqs: list[GenRequest], model: str, results: list[dict[str, Any]], tokenizer: Tokenizer | None) -> dict[str, Any]:
     """Non-streaming body: results[i] = {text, finish_reason, logprobs, prompt, completion, cached}."""
     first = reqs[0]
@@ -102,8 +148,8 @@ def full_response(reqs: list[GenRequest], model: str, results: list[dict[str, An
     for req, r in zip(reqs, results, strict=True):
         lp = render_logprobs(req, tokenizer, r["logprobs"], 0) if req.want_logprobs else None
         if req.kind == "chat":
-            choices.append({"index": req.prompt_index, "message": {"role": "assistant", "content": r["text"]},
-                            "logprobs": lp, "finish_reason": r["finish_reason"]})
+            message, finish = reply_message(req, r["text"], r.get("token_ids"), r["finish_reason"])
+            choices.append({"index": req.prompt_index, "message": message, "logprobs": lp, "finish_reason": finish})
         else:
             choices.append({"index": req.prompt_index, "text": r["text"], "logprobs": lp,
                             "finish_reason": r["finish_reason"]})

@@ -28,11 +28,12 @@ _STATUS = {
 }
 
 
-def sampling_to_proto(s: Sampling, max_tokens: int) -> pb.SamplingParams:
+def sampling_to_proto(s: Sampling, max_tokens: int, resumed_tokens: int = 0) -> pb.SamplingParams:
     m = pb.SamplingParams(max_tokens=max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
                           min_p=s.min_p, repetition_penalty=s.repetition_penalty,
                           frequency_penalty=s.frequency_penalty, presence_penalty=s.presence_penalty, stop=s.stop,
-                          stop_token_ids=s.stop_token_ids, ignore_eos=s.ignore_eos)
+                          stop_token_ids=s.stop_token_ids, ignore_eos=s.ignore_eos, grammar=s.grammar or "",
+                          resumed_tokens=resumed_tokens)
     if s.seed is not None:
         m.seed = s.seed
     if s.logprobs is not None:
@@ -56,9 +57,10 @@ class WorkerClient:
         self._channels.clear()
 
     async def generate(self, decode: str, prefill: str, request_id: str, token_ids: list[int], sampling: Sampling,
-                       max_tokens: int, tenant: str, timeout_s: float) -> AsyncIterator[Chunk]:
+                       max_tokens: int, tenant: str, timeout_s: float, resumed_tokens: int = 0) -> AsyncIterator[Chunk]:
+        """`resumed_tokens`: the last ones of `token_ids` are this request's output from a failed attempt."""
         req = pb.GenerateRequest(request_id=request_id, token_ids=token_ids,
-                                 sampling=sampling_to_proto(sampling, max_tokens), tenant=tenant,
+                                 sampling=sampling_to_proto(sampling, max_tokens, resumed_tokens), tenant=tenant,
                                  prefill_endpoint=prefill)
         call = pbg.DecodeStub(self.channel(decode)).Generate(req, timeout=timeout_s)
         try:

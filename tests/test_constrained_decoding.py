@@ -125,7 +125,7 @@ def test_invalid_or_unsupported_schemas_are_named():
             "name": "x", "schema": {"type": "object", "dependentSchemas": {"a": {}}}}})
     with pytest.raises(grammar.GrammarError, match="name"):
         grammar.response_format({"type": "json_schema", "json_schema": {"schema": {}}})
-    with pytest.raises(grammar.GrammarError, match="response_format.type"):
+    with pytest.raises(grammar.GrammarError, match=r"response_format\.type"):
         grammar.response_format({"type": "xml"})
     assert grammar.response_format({"type": "text"}) is None
 
