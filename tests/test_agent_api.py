@@ -1,0 +1,280 @@
+"""Tool calls and structured output through the router with the official `openai` client:
+grammars survive disaggregation and failover, replies validate, bad schemas are 400s."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import aiohttp
+import jsonschema
+import pytest
+from hf_models import make_hf_model
+from procs import address, base_url, start_router, start_worker, stop_all
+
+openai = pytest.importorskip("openai")
+
+MODEL = "tiny-qwen"
+# A Qwen2.5-style template: tools in the system turn, calls as <tool_call> blocks, results as
+# <tool_response> in a user turn.
+QWEN_TOOLS_TEMPLATE = """{%- if tools %}<|im_start|>system
+{% if messages[0].role == 'system' %}{{ messages[0].content }}
+
+{% endif %}# Tools
+
+You may call one or more functions to assist with the user query.
+<tools>
+{% for tool in tools %}{{ tool | tojson }}
+{% endfor %}</tools>
+
+For each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:
+<tool_call>
+{"name": <function-name>, "arguments": <args-json-object>}
+</tool_call><|im_end|>
+{% elif messages[0].role == 'system' %}<|im_start|>system
+{{ messages[0].content }}<|im_end|>
+{% endif %}
+{% for message in messages %}
+{% if message.role == 'system' %}
+{% elif message.role == 'tool' %}<|im_start|>user
+<tool_response>
+{{ message.content }}
+</tool_response><|im_end|>
+{% elif message.role == 'assistant' and message.tool_calls %}<|im_start|>assistant
+{% if message.content %}{{ message.content }}
+{% endif %}{% for tc in message.tool_calls %}<tool_call>
+{"name": "{{ tc.function.name }}", "arguments": {{ tc.function.arguments | tojson }}}
+</tool_call>
+{% endfor %}<|im_end|>
+{% else %}<|im_start|>{{ message.role }}
+{{ message.content }}<|im_end|>
+{% endif %}
+{% endfor %}
+{% if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10},
+                                             "unit": {"enum": ["celsius", "fahrenheit"]}},
+           "required": ["city", "unit"], "additionalProperties": False}
+TIME = {"type": "object", "properties": {"zone": {"type": "string", "maxLength": 6}}, "required": ["zone"],
+        "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city", "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "get_time", "description": "Time in a zone", "parameters": TIME}}]
+PARAMS = {"get_weather": WEATHER, "get_time": TIME}
+ANSWER = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 12},
+                                            "score": {"type": "integer", "minimum": 0, "maximum": 9},
+                                            "ok": {"type": "boolean"}},
+          "required": ["answer", "score", "ok"], "additionalProperties": False}
+JSON_SCHEMA = {"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER, "strict": True}}
+
+
+@pytest.fixture(scope="module")
+def qwen_dir(tmp_path_factory):
+    hf = make_hf_model("qwen3", tmp_path_factory.mktemp("agent") / "m")
+    cfg = json.loads((hf.path / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = QWEN_TOOLS_TEMPLATE
+    (hf.path / "tokenizer_config.json").write_text(json.dumps(cfg))
+    return hf.path
+
+
+@pytest.fixture(scope="module")
+def stack(qwen_dir, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("agent-logs")
+    pre = start_worker("prefill", qwen_dir, logs, wait=False)
+    dec = start_worker("decode", qwen_dir, logs, "--local-prefill-max-tokens", "0", wait=False)
+    both = start_worker("both", qwen_dir, logs, wait=False)
+    for w in (pre, dec, both):
+        w.wait_for("worker ready")
+    pd = start_router(qwen_dir, logs, "--served-model-name", MODEL, "--prefill", address(pre), "--decode", address(dec))
+    co = start_router(qwen_dir, logs, "--served-model-name", MODEL, "--colocated", address(both), name="router-co")
+    yield {"pd": pd, "co": co}
+    stop_all(pd, co, pre, dec, both)
+
+
+def client(router) -> openai.OpenAI:
+    return openai.OpenAI(base_url=base_url(router) + "/v1", api_key="unused", max_retries=0)
+
+
+def ask(i: int) -> list[dict]:
+    return [{"role": "user", "content": f"Question {i}: what is the weather and time in city {i}?"}]
+
+
+def streamed(stream) -> tuple[str, dict[int, dict], str | None]:
+    """What the openai SDK's chunks add up to: content, tool calls by index, finish reason."""
+    content, calls, finish = "", {}, None
+    for ch in stream:
+        if not ch.choices:
+            continue
+        d = ch.choices[0].delta
+        content += d.content or ""
+        for tc in d.tool_calls or []:
+            c = calls.setdefault(tc.index, {"id": "", "name": "", "arguments": ""})
+            c["id"] += tc.id or ""
+            if tc.function is not None:
+                c["name"] += tc.function.name or ""
+                c["arguments"] += tc.function.arguments or ""
+        finish = ch.choices[0].finish_reason or finish
+    return content, calls, finish
+
+
+@pytest.mark.parametrize("sampling", [dict(temperature=0), dict(temperature=1.0, seed=3), dict(temperature=0.8, top_p=0.9, seed=8)])
+def test_json_schema_replies_validate_streamed_and_not(stack, sampling):
+    c = client(stack["pd"])
+    for i in range(3):
+        r = c.chat.completions.create(model=MODEL, messages=ask(i), response_format=JSON_SCHEMA, max_tokens=60, **sampling)
+        assert r.choices[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(r.choices[0].message.content), ANSWER)
+        content, _, finish = streamed(c.chat.completions.create(
+            model=MODEL, messages=ask(i), response_format=JSON_SCHEMA, max_tokens=60, stream=True, **sampling))
+        assert finish == "stop" and content == r.choices[0].message.content
+
+
+def test_json_object_parses(stack):
+    r = client(stack["pd"]).chat.completions.create(model=MODEL, messages=ask(5), max_tokens=80, temperature=0,
+                                                    response_format={"type": "json_object"})
+    if r.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(r.choices[0].message.content), dict)
+    else:  # cut off by max_tokens: still a valid JSON prefix starting an object
+        assert r.choices[0].message.content.startswith("{")
+
+
+@pytest.mark.parametrize("rf, named", [
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objx"}}}, "Invalid type"),
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"dependentSchemas": {"a": {}}}}}, "dependentSchemas"),
+    ({"type": "json_schema", "json_schema": {"schema": {"type": "object"}}}, "name"),
+    ({"type": "yaml"}, "response_format.type"),
+])
+def test_invalid_or_unsupported_schema_is_a_400_naming_it(stack, rf, named):
+    with pytest.raises(openai.BadRequestError) as e:
+        client(stack["pd"]).chat.completions.create(model=MODEL, messages=ask(0), response_format=rf, max_tokens=5)
+    assert named in e.value.message and e.value.body["param"].startswith("response_format")
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_time"}}])
+@pytest.mark.parametrize("parallel", [True, False])
+def test_required_and_named_tool_calls_validate_streamed_and_not(stack, choice, parallel):
+    c = client(stack["pd"])
+    for i in range(2):
+        kw = dict(model=MODEL, messages=ask(i), tools=TOOLS, tool_choice=choice, parallel_tool_calls=parallel,
+                  max_tokens=120, temperature=1.0, seed=i)
+        r = c.chat.completions.create(**kw)
+        msg = r.choices[0].message
+        single = not parallel or isinstance(choice, dict)
+        # One call completes the grammar; with parallel calls a random model may go on calling until
+        # max_tokens, and then only its last call can be cut short.
+        assert r.choices[0].finish_reason == "tool_calls" or (not single and r.choices[0].finish_reason == "length")
+        assert msg.tool_calls and msg.content is None
+        complete = msg.tool_calls if r.choices[0].finish_reason == "tool_calls" else msg.tool_calls[:-1]
+        for tc in complete:
+            assert tc.id.startswith("call_") and tc.type == "function"
+            jsonschema.validate(json.loads(tc.function.arguments), PARAMS[tc.function.name])
+        if isinstance(choice, dict):
+            assert [tc.function.name for tc in msg.tool_calls] == ["get_time"]
+        if single:
+            assert len(msg.tool_calls) == 1
+        content, calls, finish = streamed(c.chat.completions.create(stream=True, **kw))
+        assert finish == r.choices[0].finish_reason and content == ""
+        assert [(x["name"], x["arguments"]) for x in calls.values()] == [
+            (tc.function.name, tc.function.arguments) for tc in msg.tool_calls]
+        assert all(x["id"].startswith("call_") for x in calls.values())
+
+
+def test_a_tool_result_turn_renders_and_answers(stack, qwen_dir):
+    from engine.tokenizer import Tokenizer
+
+    c = client(stack["pd"])
+    first = c.chat.completions.create(model=MODEL, messages=ask(1), tools=TOOLS, tool_choice="required",
+                                      parallel_tool_calls=False, max_tokens=120, temperature=0)
+    call = first.choices[0].message.tool_calls[0]
+    history = ask(1) + [first.choices[0].message.model_dump(exclude_none=True),
+                        {"role": "tool", "tool_call_id": call.id, "content": '{"temp": 21}'}]
+    r = c.chat.completions.create(model=MODEL, messages=history, tools=TOOLS, max_tokens=8, temperature=0)
+    assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    # The template saw the call (arguments as an object) and the result.
+    from router.protocol import parse_messages
+
+    text = Tokenizer(qwen_dir).render_chat(parse_messages({"messages": history}), tools=TOOLS)
+    assert f'"name": "{call.function.name}", "arguments": {call.function.arguments}' in text
+    assert '<tool_response>\n{"temp": 21}\n</tool_response>' in text
+    assert r.usage.prompt_tokens == len(Tokenizer(qwen_dir).encode(text, add_special_tokens=False))
+
+
+def test_auto_tool_choice_reads_the_models_format(stack):
+    r = client(stack["pd"]).chat.completions.create(model=MODEL, messages=ask(2), tools=TOOLS, max_tokens=10,
+                                                    temperature=0)
+    # A random model writes no <tool_call>: the reply is content, parsed and passed through.
+    assert r.choices[0].finish_reason in ("stop", "length") and r.choices[0].message.tool_calls is None
+
+
+def test_auto_tool_choice_without_a_format_is_a_400(tiny_model_dir, tmp_path):
+    router = start_router(tiny_model_dir, tmp_path, "--served-model-name", "tiny", "--colocated", "127.0.0.1:1")
+    try:
+        with pytest.raises(openai.BadRequestError) as e:
+            openai.OpenAI(base_url=base_url(router) + "/v1", api_key="x", max_retries=0).chat.completions.create(
+                model="tiny", messages=ask(0), tools=TOOLS, max_tokens=5)
+        assert "tool_choice 'auto'" in e.value.message and e.value.body["param"] == "tool_choice"
+    finally:
+        router.stop()
+
+
+@pytest.mark.parametrize("kw", [dict(response_format=JSON_SCHEMA, max_tokens=60),
+                                dict(tools=TOOLS, tool_choice="required", parallel_tool_calls=False, max_tokens=120)])
+def test_disaggregated_and_colocated_give_identical_constrained_output(stack, kw):
+    outs = []
+    for router in ("pd", "co"):
+        r = client(stack[router]).chat.completions.create(model=MODEL, messages=ask(7), temperature=1.0, seed=21, **kw)
+        m = r.choices[0].message
+        outs.append((m.content, [(tc.function.name, tc.function.arguments) for tc in m.tool_calls or []]))
+    assert outs[0] == outs[1]
+
+
+LONG = {"type": "object", "properties": {"items": {"type": "array", "items": {"type": "string", "maxLength": 3},
+                                                   "minItems": 60, "maxItems": 60}},
+        "required": ["items"], "additionalProperties": False}
+
+
+async def test_decode_killed_mid_json_fails_over_and_the_json_validates(qwen_dir, tmp_path):
+    from grpc_client import stats
+
+    d0 = start_worker("both", qwen_dir, tmp_path, name="c0", wait=False)
+    d1 = start_worker("both", qwen_dir, tmp_path, name="c1", wait=False)
+    for w in (d0, d1):
+        w.wait_for("worker ready")
+    router = start_router(qwen_dir, tmp_path, "--served-model-name", MODEL, "--colocated", address(d0), address(d1))
+    try:
+        body = {"model": MODEL, "messages": ask(3), "max_tokens": 600, "temperature": 1.0, "seed": 5,
+                "response_format": {"type": "json_schema", "json_schema": {"name": "long", "schema": LONG}}}
+        async with aiohttp.ClientSession() as s:
+            async with s.post(base_url(router) + "/v1/chat/completions", json=body) as r:
+                reference = (await r.json())["choices"][0]["message"]["content"]
+            jsonschema.validate(json.loads(reference), LONG)
+            serving: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+
+            async def read() -> str:
+                async with s.post(base_url(router) + "/v1/chat/completions", json={**body, "stream": True}) as r:
+                    serving.set_result(r.headers["X-Splitfire-Decode"])
+                    text = ""
+                    async for line in r.content:
+                        if line.startswith(b"data: {"):
+                            ev = json.loads(line[6:])
+                            assert "error" not in ev, ev
+                            text += ev["choices"][0]["delta"].get("content") or "" if ev["choices"] else ""
+                    return text
+
+            reader = asyncio.create_task(read())
+            victim = d0 if address(d0) == await serving else d1
+            killed = False
+            for _ in range(1000):
+                st = await stats(address(victim))
+                if 0 < st.decode_tokens_remaining < 560:
+                    victim.kill()
+                    killed = True
+                    break
+                await asyncio.sleep(0.003)
+            text = await reader
+        assert killed
+        # The replacement worker resumed the grammar (and the seed) where the dead one stopped.
+        assert text == reference
+        jsonschema.validate(json.loads(text), LONG)
+    finally:
+        stop_all(router, d0, d1)
