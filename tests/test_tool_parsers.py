@@ -1,0 +1,129 @@
+"""Reading tool calls and reasoning out of replies in each model family's format: recorded
+outputs, whole and streamed in pieces split at every character, give the same calls and text."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from router.reply import Reasoning, ReplyPlan
+from router.tool_calls import (
+    HERMES,
+    JSON_ARRAY,
+    LLAMA3_JSON,
+    CallArgs,
+    CallStart,
+    Content,
+    detect_format,
+    mistral_format,
+    parse_reply,
+)
+
+TOOL_CALLS_TOKEN = 9
+
+# (format, reply text, first token ids, expected content, expected [(name, arguments object)])
+RECORDED = [
+    ("hermes-qwen2.5", HERMES,
+     '<tool_call>\n{"name": "get_current_temperature", "arguments": {"location": "San Francisco, CA, USA"}}\n</tool_call>',
+     None, None, [("get_current_temperature", {"location": "San Francisco, CA, USA"})]),
+    ("hermes-parallel-with-preamble", HERMES,
+     'Let me check both.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": [1, 2]}}\n'
+     '</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET", "note": "a } in a string \\" ok"}}\n'
+     '</tool_call>',
+     None, "Let me check both.",
+     [("get_weather", {"city": "Paris", "days": [1, 2]}), ("get_time", {"zone": "CET", "note": 'a } in a string " ok'})]),
+    ("hermes-plain-answer", HERMES, "The capital of France is Paris. I used <b>no</b> tools.", None,
+     "The capital of France is Paris. I used <b>no</b> tools.", []),
+    ("hermes-keys-reversed", HERMES, '<tool_call>\n{"arguments": {"q": "x"}, "name": "search"}\n</tool_call>', None,
+     None, [("search", {"q": "x"})]),
+    ("llama3.1-json", LLAMA3_JSON, '{"name": "get_weather", "parameters": {"city": "Tokyo", "unit": "celsius"}}', None,
+     None, [("get_weather", {"city": "Tokyo", "unit": "celsius"})]),
+    ("llama3.1-plain", LLAMA3_JSON, "Sure: {braces} are fine in text.", None, "Sure: {braces} are fine in text.", []),
+    ("mistral-v3", mistral_format(TOOL_CALLS_TOKEN),
+     '[{"name": "get_weather", "arguments": {"city": "Berlin"}}, {"name": "get_time", "arguments": {"zone": "CET"}}]',
+     [TOOL_CALLS_TOKEN, 100], None, [("get_weather", {"city": "Berlin"}), ("get_time", {"zone": "CET"})]),
+    ("mistral-plain", mistral_format(TOOL_CALLS_TOKEN), "[1, 2] is a list.", [100], "[1, 2] is a list.", []),
+    ("json-array", JSON_ARRAY, '[{"name": "get_time", "arguments": {"zone": "UTC"}}]', None, None,
+     [("get_time", {"zone": "UTC"})]),
+]
+
+
+def run(fmt, text: str, ids, pieces: list[str]):
+    ex = fmt.extractor()
+    events = []
+    for k, piece in enumerate(pieces):
+        events += ex.feed(piece, ids if k == 0 else None)
+    events += ex.close()
+    return events, ex.calls
+
+
+def splits(text: str):
+    yield [text]
+    yield list(text)
+    for i in range(1, len(text)):
+        yield [text[:i], text[i:]]
+
+
+@pytest.mark.parametrize("name, fmt, text, ids, content, calls", RECORDED, ids=[r[0] for r in RECORDED])
+def test_recorded_replies_parse_whole_and_split_anywhere(name, fmt, text, ids, content, calls):
+    whole = parse_reply(fmt, text, ids)
+    assert whole.content == content
+    assert [(c.name, json.loads(c.arguments)) for c in whole.tool_calls] == calls
+    for pieces in splits(text):
+        events, got = run(fmt, text, ids, pieces)
+        assert [(c.name, json.loads(c.arguments)) for c in got] == calls, pieces
+        streamed_content = "".join(e.text for e in events if isinstance(e, Content))
+        assert (streamed_content or None if calls else streamed_content) == content, pieces
+        # The stream names each call once, before its arguments, which add up to the final text.
+        for i, call in enumerate(got):
+            starts = [e for e in events if isinstance(e, CallStart) and e.index == i]
+            assert [(s.id, s.name) for s in starts] == [(call.id, call.name)]
+            first_arg = next(k for k, e in enumerate(events) if isinstance(e, CallArgs) and e.index == i)
+            assert events.index(starts[0]) < first_arg
+            assert "".join(e.fragment for e in events if isinstance(e, CallArgs) and e.index == i) == call.arguments
+
+
+def test_a_call_cut_off_by_max_tokens_stays_a_call_with_partial_arguments():
+    r = parse_reply(HERMES, '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par')
+    assert [(c.name, c.arguments) for c in r.tool_calls] == [("get_weather", '{"city": "Par')]
+
+
+def test_ids_follow_each_format():
+    assert parse_reply(HERMES, RECORDED[0][2]).tool_calls[0].id.startswith("call_")
+    mid = parse_reply(mistral_format(TOOL_CALLS_TOKEN), RECORDED[6][2], [TOOL_CALLS_TOKEN]).tool_calls[0].id
+    assert len(mid) == 9 and mid.isalnum()  # Mistral's template refuses any other tool_call_id
+
+
+def test_formats_are_read_off_chat_templates():
+    ids = {"[TOOL_CALLS]": 5}.get
+    assert detect_format("{% if tools %}<tool_call>{% endif %}", ids) is HERMES
+    assert detect_format("{{ '[TOOL_CALLS]' }}", ids).open_token == 5
+    assert detect_format("<|python_tag|>{{ x }}", ids) is LLAMA3_JSON
+    assert detect_format("<|im_start|>{{ m.content }}", ids) is None
+    assert detect_format(None, ids) is None
+
+
+THINKING = "<think>\nThe user wants the weather; call the tool.\n</think>\n\n<tool_call>\n" \
+           '{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+
+
+@pytest.mark.parametrize("opened", [False, True])
+def test_reasoning_then_a_call_splits_into_reasoning_and_tool_call(opened):
+    text = THINKING.removeprefix("<think>") if opened else THINKING
+    plan = ReplyPlan(HERMES, reasoning=True, reasoning_open=opened)
+    for pieces in splits(text):
+        p = plan.parser()
+        events = []
+        for piece in pieces:
+            events += p.feed(piece)
+        events += p.close()
+        assert "".join(e.text for e in events if isinstance(e, Reasoning)) == "The user wants the weather; call the tool."
+        assert not [e for e in events if isinstance(e, Content)]
+        assert [(c.name, c.arguments) for c in p.calls] == [("get_weather", '{"city": "Oslo"}')]
+
+
+def test_a_reply_without_thinking_is_all_content():
+    p = ReplyPlan(None, reasoning=True).parser()
+    events = p.feed("Plain answer, no <think> here.") + p.close()
+    assert events == [Content("Plain answer, no <think> here.")]
