@@ -179,6 +179,7 @@ class Dispatcher:
                   if self.cfg.prefix_aware and self.tokenizer is not None else [])
         generated: list[int] = []
         sent_text = ""
+        sent_other = False  # an upstream sent tool-call / reasoning deltas (no text to resume after)
         skip_chars = skip_tokens = 0  # already delivered, being regenerated after a failover
         exclude: set[str] = set()
         attempt = 0
@@ -208,8 +209,9 @@ class Dispatcher:
             last = Chunk()  # the output that came with the finish: it leaves with the final chunk
             try:
                 async for c in self._send(route, req, generated, max_tokens, attempt):
-                    if c.token_ids or c.text:
+                    if c.has_output:
                         ticket.on_tokens(len(c.token_ids) or 1)
+                        sent_other = sent_other or bool(c.extra or c.raw_logprobs)
                     generated += c.token_ids
                     if skip_chars or skip_tokens:
                         c.text, skip_chars = c.text[skip_chars:], max(0, skip_chars - len(c.text))
@@ -219,14 +221,14 @@ class Dispatcher:
                     if c.prompt_tokens or c.completion_tokens:
                         usage = (c.prompt_tokens, c.completion_tokens, c.cached_tokens)
                         cached_tokens = c.cached_tokens
-                    if last.text or last.logprobs or last.token_ids:
+                    if last.has_output:
                         yield last  # more output after a finish (usage in its own event): send it on
                         last = Chunk()
                     if c.finish_reason:
                         finish = c.finish_reason
                         c.finish_reason = None
                         last = c
-                    elif c.text or c.logprobs or c.token_ids:
+                    elif c.has_output:
                         yield c
             except WorkerError as e:
                 if finish is not None:  # everything arrived; only the stream's end went wrong
@@ -241,7 +243,7 @@ class Dispatcher:
                     exclude.add(e.failed)
                 if not e.retryable:
                     raise APIError(e.status, str(e), type_="invalid_request_error" if e.status == 400 else "upstream_error") from e
-                can_failover = route.decode.role != "openai" or not (generated or sent_text)
+                can_failover = route.decode.role != "openai" or not (generated or sent_text or sent_other)
                 if attempt > self.cfg.max_retries or not can_failover:
                     raise APIError(e.status, f"request failed after {attempt} attempt(s): {e}", type_="upstream_error",
                                    code="worker_failed") from e

@@ -11,7 +11,7 @@ from json.decoder import scanstring
 from operator import itemgetter
 from typing import Any
 
-from router.chunks import Chunk, WorkerError
+from router.chunks import Chunk, WorkerError, merge_delta_extra, merge_logprobs
 from router.http_client import HTTPClient, HTTPClientError
 from router.sse import compact_json
 
@@ -21,6 +21,13 @@ _CONTENT = re.compile(rb'"(?:content|text)":"((?:[^"\\]|\\.)*)"')
 
 
 _ENDS = (b'"finish_reason":"', b'"usage":{', b"[DONE]")  # events that end a stream (compact JSON)
+# Delta fields beyond the text that must reach the client: a read containing any of them is
+# parsed in full (a few `bytes.find`s per read).
+_EXTRAS = (b'"tool_calls"', b'"reasoning', b'"logprobs":{', b'"logprobs": {', b'"function_call"')
+
+
+def _has_extras(data: bytes) -> bool:
+    return any(m in data for m in _EXTRAS)
 
 
 def _stream_end(lines: bytes) -> int:
@@ -43,6 +50,8 @@ def _batch_text(lines: bytes) -> str | None:
     """The text of a whole read's worth of plain content-delta events in one regex pass and one
     string decode (the common case while streaming); None when any event is something else.
     For lines before `_stream_end`: it does not look for a finish inside a content event."""
+    if _has_extras(lines):
+        return None
     parts = _CONTENT.findall(lines)
     if len(parts) != lines.count(b"data:"):
         return None
@@ -52,7 +61,7 @@ def _batch_text(lines: bytes) -> str | None:
 def _fast_text(payload: bytes) -> str | None:
     """The text of a plain content-delta event without parsing the whole JSON object (the common
     case, ~7 us saved per token); None when the event carries anything else worth reading."""
-    if b'"finish_reason":null' not in payload or _stream_end(payload) != -1:
+    if b'"finish_reason":null' not in payload or _stream_end(payload) != -1 or _has_extras(payload):
         return None
     for key in (b'"content":"', b'"text":"'):
         i = payload.find(key)
@@ -152,7 +161,7 @@ class EventParser:
     def _framed_text(self, lines: bytes) -> str | None:
         lines = lines.strip(b"\n")
         pre, post = self._pre, self._post
-        if not (lines.startswith(pre) and lines.endswith(post)):
+        if not (lines.startswith(pre) and lines.endswith(post)) or _has_extras(lines):
             return None
         parts = lines.split(b"\n")  # one byte: memchr speed; a longer separator scans ~3x slower
         events = parts[::2]
@@ -188,7 +197,14 @@ class EventParser:
 
 def _merge_event(c: Chunk, obj: dict[str, Any]) -> None:
     for ch in obj.get("choices") or []:
-        c.text += (ch.get("delta") or {}).get("content") or ch.get("text") or ""
+        delta = ch.get("delta") or {}
+        c.text += delta.get("content") or ch.get("text") or ""
+        if len(delta) > 1 or (delta and "content" not in delta):
+            extra = c.extra if c.extra is not None else {}
+            merge_delta_extra(extra, delta)
+            c.extra = extra or c.extra
+        if ch.get("logprobs"):
+            c.raw_logprobs = merge_logprobs(c.raw_logprobs, ch["logprobs"])
         c.finish_reason = ch.get("finish_reason") or c.finish_reason
     usage = obj.get("usage")
     if usage:
@@ -237,7 +253,7 @@ class OpenAIUpstreamClient:
                     # connection when they arrive instead of waiting for them.
                     self.http.release_after_end(resp)
                     resp = None
-                if c.text or c.finish_reason or c.prompt_tokens or c.completion_tokens:
+                if c.has_output or c.finish_reason or c.prompt_tokens or c.completion_tokens:
                     yield c
                 if done:
                     return

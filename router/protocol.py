@@ -16,6 +16,7 @@ from router.reasoning import template_reasons
 from router.reply import ReplyPlan
 from router.tool_calls import (
     JSON_ARRAY,
+    ToolChoice,
     detect_format,
     parse_tool_choice,
     parse_tools,
@@ -186,10 +187,14 @@ def tools_as_text(messages: list[dict[str, Any]], tools: list[dict[str, Any]], w
 
 
 class RequestParser:
-    def __init__(self, tokenizer: Tokenizer | None, model_names: set[str], max_model_len: int):
+    def __init__(self, tokenizer: Tokenizer | None, model_names: set[str], max_model_len: int,
+                 upstream_only: bool = False):
         self.tokenizer = tokenizer
         self.model_names = model_names
         self.max_model_len = max_model_len
+        # In front of OpenAI-compatible servers only: they enforce response_format and tools and
+        # parse their own replies; here those fields are validated and passed through.
+        self.upstream_only = upstream_only
         template = tokenizer.chat_template if tokenizer else None
         self.tool_format = detect_format(template, tokenizer.hf.token_to_id if tokenizer else lambda _: None)
         self.template_has_tools = template_supports_tools(template)
@@ -294,6 +299,9 @@ class RequestParser:
         choice = parse_tool_choice(body, tools)
         constraint = _response_format(body)
         fmt = None
+        if self.upstream_only:
+            choice = ToolChoice("none", (), choice.parallel)  # the upstream's own tool handling applies
+            constraint = None
         if choice.mode != "none":
             fmt = self.tool_format
             if fmt is None and choice.mode == "auto":
@@ -309,7 +317,7 @@ class RequestParser:
         if self.tokenizer is None:
             ids = self._estimate(sum(len(m["content"]) for m in messages))
         else:
-            raw_tools = body.get("tools") if choice.mode != "none" else None
+            raw_tools = body.get("tools") if choice.mode != "none" or self.upstream_only else None
             if self.template_has_tools:
                 rendered = messages
             else:
@@ -323,7 +331,7 @@ class RequestParser:
         sampling = self._sampling(body, len(ids), (top or 0) if lp else None)
         sampling.grammar = constraint
         plan = None
-        if fmt is not None or self.reasoning:
+        if fmt is not None or (self.reasoning and not self.upstream_only):
             opened = self.reasoning and self.tokenizer is not None and self.tokenizer.decode(
                 ids[-4:], skip_special_tokens=False).rstrip().endswith("<think>")
             plan = ReplyPlan(fmt, self.reasoning, opened)
@@ -351,7 +359,9 @@ class RequestParser:
         lp = body.get("logprobs")
         if lp is not None:
             lp = _num(body, "logprobs", 0, 5, 0, integer=True)
-        constraint = _response_format(body)
+        constraint = None if self.upstream_only else _response_format(body)
+        if self.upstream_only:
+            _response_format(body)  # validated here, enforced by the upstream
         rid = f"cmpl-{secrets.token_hex(12)}"
         out = []
         for i, ids in enumerate(prompts):

@@ -16,7 +16,7 @@ from engine.tokenizer import Tokenizer
 from router.admission import Admission
 from router.affinity import MemoryPinStore, RedisPinStore, SessionAffinity
 from router.balancer import make_policy
-from router.chunks import Chunk
+from router.chunks import Chunk, merge_delta_extra, merge_logprobs
 from router.config import RouterConfig
 from router.discovery import dns_discovery, redis_discovery
 from router.dispatcher import Dispatcher, Latency
@@ -57,7 +57,8 @@ class Router:
                 self.registry.add(a, role)
         self.metrics = RouterMetrics(self.registry)
         self.tenants = Tenants.from_file(cfg.api_keys_file)
-        self.parser = RequestParser(tokenizer, {model_name}, max_model_len)
+        upstream_only = bool(cfg.openai_upstream) and not (cfg.decode or cfg.colocated or cfg.prefill)
+        self.parser = RequestParser(tokenizer, {model_name}, max_model_len, upstream_only)
         self.admission = Admission(cfg.max_concurrency, cfg.max_queue, cfg.queue_timeout_s, self.metrics)
         self.workers = WorkerClient()
         self.upstreams = OpenAIUpstreamClient(cfg.openai_upstream_api_key)
@@ -198,6 +199,10 @@ class Router:
                 r["logprobs"] += c.logprobs
                 if req.reply is not None:
                     r["token_ids"] += c.token_ids
+                if c.extra:
+                    merge_delta_extra(r.setdefault("extra", {}), c.extra)
+                if c.raw_logprobs:
+                    r["raw_logprobs"] = merge_logprobs(r.get("raw_logprobs"), c.raw_logprobs)
                 if c.finish_reason:
                     r["finish_reason"] = c.finish_reason
                     r["prompt"], r["completion"], r["cached"] = c.prompt_tokens, c.completion_tokens, c.cached_tokens
@@ -261,7 +266,9 @@ class Router:
                 i, c = item if tagged else (0, item)
                 latencies[i].observe(c)
                 w = writers[i]
-                if parser is not None:
+                if c.extra is not None or c.raw_logprobs is not None:
+                    out.append(w.passthrough(c.text, c.extra, c.raw_logprobs))
+                elif parser is not None:
                     events = parser.feed(c.text, c.token_ids)
                     if c.finish_reason:
                         events += parser.close()

@@ -79,6 +79,15 @@ class StreamWriter:
             parts.append(self._delta({}, lp))
         return b"".join(parts)
 
+    def passthrough(self, text: str, extra: dict[str, Any] | None, logprobs: dict[str, Any] | None) -> bytes:
+        """An OpenAI-compatible upstream's delta fields and logprobs as it sent them, under our ids."""
+        lp = logprobs if self.req.want_logprobs else None
+        if self.req.kind != "chat":
+            choice = {"index": self.req.prompt_index, "text": text, "logprobs": lp, "finish_reason": None}
+            return f"data: {self.head},\"choices\":[{compact_json(choice)}]}}\n\n".encode()
+        delta = {"content": text} if text else {}
+        return self._delta({**delta, **(extra or {})}, lp)
+
     def _delta(self, delta: dict[str, Any], lp: dict[str, Any] | None) -> bytes:
         choice = {"index": self.req.prompt_index, "delta": delta, "logprobs": lp, "finish_reason": None}
         return f"data: {self.head},\"choices\":[{compact_json(choice)}]}}\n\n".encode()
@@ -122,8 +131,15 @@ def render_logprobs(req: GenRequest, tokenizer: Tokenizer | None, lps: list[Logp
             "top_logprobs": [{_token_str(tokenizer, tid): v for tid, v in lp.top} for lp in lps], "text_offset": offsets}
 
 
-def reply_message(req: GenRequest, text: str, token_ids: list[int] | None, finish: str) -> tuple[dict[str, Any], str]:
-    """The assistant message of a whole reply, and its finish reason (`tool_calls` when it called)."""
+def reply_message(req: GenRequest, text: str, token_ids: list[int] | None, finish: str,
+                  extra: dict[str, Any] | None = None) -> tuple[dict[str, Any], str]:
+    """The assistant message of a whole reply, and its finish reason (`tool_calls` when it called).
+    `extra`: an upstream's own tool calls / reasoning, merged over the reply."""
+    if extra:
+        message = {"role": "assistant", "content": text or None, **extra}
+        for tc in message.get("tool_calls", []):
+            tc.pop("index", None)
+        return message, finish
     if req.reply is None:
         return {"role": "assistant", "content": text}, finish
     parser = req.reply.parser()
@@ -147,8 +163,10 @@ def full_response(reqs: list[GenRequest], model: str, results: list[dict[str, An
     choices = []
     for req, r in zip(reqs, results, strict=True):
         lp = render_logprobs(req, tokenizer, r["logprobs"], 0) if req.want_logprobs else None
+        if r.get("raw_logprobs") is not None and req.want_logprobs:
+            lp = r["raw_logprobs"]
         if req.kind == "chat":
-            message, finish = reply_message(req, r["text"], r.get("token_ids"), r["finish_reason"])
+            message, finish = reply_message(req, r["text"], r.get("token_ids"), r["finish_reason"], r.get("extra"))
             choices.append({"index": req.prompt_index, "message": message, "logprobs": lp, "finish_reason": finish})
         else:
             choices.append({"index": req.prompt_index, "text": r["text"], "logprobs": lp,
