@@ -33,7 +33,13 @@ def test_events_that_need_a_closer_look_are_left_to_full_parsing():
 def test_single_event_fast_path():
     assert _fast_text(_event({"content": 'x"y'})[6:]) == 'x"y'
     assert _fast_text(_event({"content": "x"}, finish="length")[6:]) is None
-    assert _fast_text(_event({"reasoning_content": "think", "content": "say"})[6:]) == "say"
+    # Reasoning (and tool calls, logprobs) must reach the client: such events take the full parse.
+    reasoning = _event({"reasoning_content": "think", "content": "say"})
+    assert _fast_text(reasoning[6:]) is None
+    from router.openai_upstream import parse_events
+
+    c, _ = parse_events(reasoning)
+    assert c.text == "say" and c.extra == {"reasoning_content": "think"}
 
 
 def test_read_with_a_finish_parses_like_json_whatever_the_spacing():
