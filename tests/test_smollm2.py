@@ -30,3 +30,49 @@ def test_greedy_chat_continuation_equals_transformers(smollm2_dir):
         theirs = out[0, len(p):].tolist()
         assert ours[f"c{i}"].token_ids == theirs, f"prompt {i}"
     assert "Paris" in ours["c0"].text
+
+
+def test_agent_api_on_smollm2_through_splitfire_up(smollm2_dir, tmp_path):
+    """SmolLM2 has no tool-call format of its own: required and named tool choices still produce
+    valid calls (under a grammar built from the tools' schemas), and json_schema replies validate."""
+    import json
+    import signal
+
+    import jsonschema
+    from procs import free_port, spawn
+
+    openai = pytest.importorskip("openai")
+    port = free_port()
+    p = spawn("up", ["up", "--model", str(smollm2_dir), "--port", str(port), "--kv-cache-gb", "0.2",
+                     "--served-model-name", "smol", "--no-redis"], tmp_path)
+    try:
+        p.wait_for("splitfire is ready", timeout=180)
+        c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+        weather = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30},
+                                                     "unit": {"enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}
+        tools = [{"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",
+                                                   "parameters": weather}}]
+        ask = [{"role": "user", "content": "What's the weather in Paris?"}]
+        r = c.chat.completions.create(model="smol", messages=ask, tools=tools, tool_choice="required", max_tokens=80,
+                                      temperature=0)
+        call = r.choices[0].message.tool_calls[0]
+        assert r.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
+        args = json.loads(call.function.arguments)
+        jsonschema.validate(args, weather)
+        assert args["city"] == "Paris"
+        stream = c.chat.completions.create(model="smol", messages=ask, tools=tools, stream=True, max_tokens=80,
+                                           temperature=0, tool_choice={"type": "function", "function": {"name": "get_weather"}})
+        argtext = "".join(tc.function.arguments or "" for ch in stream if ch.choices
+                          for tc in ch.choices[0].delta.tool_calls or [])
+        assert json.loads(argtext) == args
+        person = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
+                                                    "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+                  "required": ["name", "age"], "additionalProperties": False}
+        r = c.chat.completions.create(model="smol", messages=[{"role": "user", "content": "Invent a person as JSON."}],
+                                      response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": person}},
+                                      max_tokens=60, temperature=0.7, seed=1)
+        jsonschema.validate(json.loads(r.choices[0].message.content), person)
+    finally:
+        p.popen.send_signal(signal.SIGTERM)
+        assert p.popen.wait(60) == 0, p.log()[-3000:]
