@@ -11,6 +11,7 @@ every number comes from this one run.
     python -m loadtest.bench_engine                     # SmolLM2, float32, 2 threads
     python -m loadtest.bench_engine --dtypes float32,bfloat16
     python -m loadtest.bench_engine --families          # all families, float32
+    python -m loadtest.bench_engine --grammar           # constrained decoding cost
 """
 
 from __future__ import annotations
@@ -196,6 +197,70 @@ def main_families(args: argparse.Namespace) -> int:
     return 0
 
 
+def grammar_schema(props: int = 20) -> dict:
+    """A 20-property object of the kinds agents ask for: bounded strings, integers, enums, arrays."""
+    kinds = [{"type": "string", "maxLength": 16}, {"type": "integer", "minimum": 0, "maximum": 100000},
+             {"enum": ["low", "medium", "high"]}, {"type": "array", "items": {"type": "number"}, "maxItems": 4},
+             {"type": "boolean"}]
+    return {"type": "object", "properties": {f"field_{i}": kinds[i % len(kinds)] for i in range(props)},
+            "required": [f"field_{i}" for i in range(props)], "additionalProperties": False}
+
+
+def decode_rate(engine: LLMEngine, prompts: list[list[int]], sp: SamplingParams, tag: str) -> float:
+    """Output tokens per second of the batch once every prompt is decoding (its prefill excluded)."""
+    for i, ids in enumerate(prompts):
+        engine.add_request(f"{tag}-{i}", ids, SamplingParams(**{**sp.__dict__}))
+    while engine.scheduler.waiting or any(s.num_remaining > 1 for s in engine.scheduler.running):
+        engine.step()
+    engine.step()
+    t0, tokens = time.perf_counter(), 0
+    while engine.has_work:
+        tokens += sum(len(o.token_ids) for o in engine.step())
+    return tokens / (time.perf_counter() - t0)
+
+
+def main_grammar(args: argparse.Namespace) -> int:
+    """Constrained (json_schema) vs unconstrained decode, interleaved rounds, and grammar compile time."""
+    import json
+
+    from engine import grammar
+
+    engine = LLMEngine(EngineConfig(model=args.model, device="cpu", threads=args.threads,
+                                    max_num_batched_tokens=512, kv_cache_gb=1.0))
+    t0 = time.perf_counter()
+    engine.grammar._llg()  # the tokenizer llguidance matches against, built once per engine
+    tokenizer_ms = (time.perf_counter() - t0) * 1e3
+    schema = grammar_schema()
+    t0 = time.perf_counter()
+    text = grammar.json_schema(schema, "bench")
+    build_ms = (time.perf_counter() - t0) * 1e3
+    t0 = time.perf_counter()
+    engine.grammar.matcher(text)
+    compile_ms = (time.perf_counter() - t0) * 1e3
+    t0 = time.perf_counter()
+    engine.grammar.matcher(text)
+    cached_ms = (time.perf_counter() - t0) * 1e3
+    ask = engine.tokenizer.encode_chat([{"role": "user", "content": "Fill in this record as JSON: " + json.dumps(schema)}])
+    n = DECODE_TOKENS
+    free = SamplingParams(max_tokens=n, temperature=0.8, seed=1, ignore_eos=True)
+    bound = SamplingParams(max_tokens=n, temperature=0.8, seed=1, ignore_eos=True, grammar=text)
+    decode_rate(engine, [ask] * 2, bound, "warm")
+    rates: dict[str, list[float]] = {}
+    for r in tqdm(range(args.rounds), desc="rounds", file=sys.stderr):
+        for b in (1, 16):
+            rates.setdefault(f"free_{b}", []).append(decode_rate(engine, [ask] * b, free, f"f{r}{b}"))
+            rates.setdefault(f"json_{b}", []).append(decode_rate(engine, [ask] * b, bound, f"j{r}{b}"))
+    med = {k: statistics.median(v) for k, v in rates.items()}
+    print(f"\nCPU: {torch.get_num_threads()} threads, torch {torch.__version__}, model {engine.model_dir}")
+    print(f"llguidance tokenizer: {tokenizer_ms:.0f} ms once per engine; 20-property schema: grammar built and "
+          f"validated {build_ms:.1f} ms, compiled {compile_ms:.1f} ms, cached {cached_ms:.3f} ms")
+    print(f"{'decode tok/s':<22}{'unconstrained':>16}{'json_schema':>16}{'slowdown':>12}")
+    for b in (1, 16):
+        print(f"{'batch ' + str(b):<22}{med[f'free_{b}']:>16.1f}{med[f'json_{b}']:>16.1f}"
+              f"{1 - med[f'json_{b}'] / med[f'free_{b}']:>12.1%}")
+    return 0
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="default: $SPLITFIRE_MODEL or smollm2-135m-instruct")
@@ -205,10 +270,13 @@ def main() -> int:
     p.add_argument("--no-transformers", action="store_true")
     p.add_argument("--families", action="store_true", help="every family on same-size random weights")
     p.add_argument("--family-list", default="", help="with --families: a comma-separated subset")
+    p.add_argument("--grammar", action="store_true", help="json_schema-constrained vs free decode, compile time")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     if args.families:
         return main_families(args)
+    if args.grammar:
+        return main_grammar(args)
 
     cols: dict[str, dict[str, float]] = {}
     model_dir = ""
