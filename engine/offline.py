@@ -10,6 +10,7 @@ from typing import Any, TextIO
 
 from tqdm import tqdm
 
+from engine import grammar
 from engine.errors import EngineError, RequestError
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
@@ -43,7 +44,12 @@ def parse_line(engine: LLMEngine, index: int, obj: Any) -> OfflineRequest:
         ids = obj["prompt_token_ids"]
         if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
             raise RequestError("prompt_token_ids must be a list of integers")
+    unknown = sorted(set(obj) - {"prompt", "messages", "prompt_token_ids", "response_format", *SAMPLING_KEYS})
+    if unknown:
+        raise RequestError(f"unsupported field(s) {unknown}; a line takes prompt | messages | prompt_token_ids, "
+                           f"response_format and {list(SAMPLING_KEYS)}")
     kw = {k: obj[k] for k in SAMPLING_KEYS if k in obj and obj[k] is not None}
+    kw["grammar"] = grammar.response_format(obj.get("response_format"))
     if isinstance(kw.get("stop"), str):
         kw["stop"] = [kw["stop"]]
     if kw.get("logprobs") is True:
