@@ -59,3 +59,18 @@ async def wait_blocks_free(address: str, timeout: float = 10.0) -> pb.StatsRespo
         if time.monotonic() > deadline:
             raise AssertionError(f"blocks still held after {timeout}s: {st}")
         await asyncio.sleep(0.05)
+
+
+async def kill_while_decoding(proc, remaining_below: int, attempts: int = 1000) -> bool:
+    """Kill a worker process once its engine is demonstrably mid-decode (fewer than
+    `remaining_below` tokens left to generate, more than none). False if that never happened."""
+    import asyncio
+
+    addr = f"127.0.0.1:{proc.ports['grpc']}"
+    for _ in range(attempts):
+        st = await stats(addr)
+        if 0 < st.decode_tokens_remaining < remaining_below:
+            proc.kill()
+            return True
+        await asyncio.sleep(0.003)
+    return False

@@ -234,7 +234,7 @@ LONG = {"type": "object", "properties": {"items": {"type": "array", "items": {"t
 
 
 async def test_decode_killed_mid_json_fails_over_and_the_json_validates(qwen_dir, tmp_path):
-    from grpc_client import stats
+    from grpc_client import kill_while_decoding
 
     d0 = start_worker("both", qwen_dir, tmp_path, name="c0", wait=False)
     d1 = start_worker("both", qwen_dir, tmp_path, name="c1", wait=False)
@@ -263,14 +263,7 @@ async def test_decode_killed_mid_json_fails_over_and_the_json_validates(qwen_dir
 
             reader = asyncio.create_task(read())
             victim = d0 if address(d0) == await serving else d1
-            killed = False
-            for _ in range(1000):
-                st = await stats(address(victim))
-                if 0 < st.decode_tokens_remaining < 560:
-                    victim.kill()
-                    killed = True
-                    break
-                await asyncio.sleep(0.003)
+            killed = await kill_while_decoding(victim, 560)
             text = await reader
         assert killed
         # The replacement worker resumed the grammar (and the seed) where the dead one stopped.

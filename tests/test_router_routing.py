@@ -179,16 +179,9 @@ async def test_decode_killed_mid_stream_client_text_equals_uninterrupted(tiny_mo
         reader = asyncio.create_task(read_stream())
         victim = d0 if address(d0) == await serving else d1
         # Kill it while the request is demonstrably mid-decode on the worker (not just mid-read here).
-        from grpc_client import stats
+        from grpc_client import kill_while_decoding
 
-        killed = False
-        for _ in range(500):
-            st = await stats(address(victim))
-            if 0 < st.decode_tokens_remaining < 560:
-                victim.kill()
-                killed = True
-                break
-            await asyncio.sleep(0.005)
+        killed = await kill_while_decoding(victim, 560)
         text = await reader
         assert killed
         assert text == reference
