@@ -22,7 +22,7 @@ def _worker(args: argparse.Namespace, role: str) -> int:
 def _generate(args: argparse.Namespace) -> int:
     from engine.llm_engine import LLMEngine
     from engine.offline import generate
-    from engine.service.config import engine_config_from
+    from worker.config import engine_config_from
 
     engine = LLMEngine(engine_config_from(args))
     src = open(args.input, encoding="utf-8") if args.input != "-" else sys.stdin
@@ -43,7 +43,7 @@ def _fetch(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     # Flags only: the worker modules (and torch) are imported by the command that runs one.
-    from engine.service.config import add_engine_args, add_worker_args
+    from worker.config import add_engine_args, add_worker_args
 
     p = argparse.ArgumentParser(prog="splitfire", description=__doc__)
     p.add_argument("--log-level", default=None, help="DEBUG, INFO (default), WARNING (env SPLITFIRE_LOG_LEVEL)")

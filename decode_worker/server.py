@@ -5,10 +5,10 @@ from __future__ import annotations
 import argparse
 
 from decode_worker.service import DecodeService
-from engine.service.config import WorkerConfig, worker_config_from
-from engine.service.lifecycle import load_context, new_server, serve
-from engine.service.worker_service import WorkerService
 from protos import splitfire_pb2_grpc as pb_grpc
+from worker.config import WorkerConfig, worker_config_from
+from worker.lifecycle import load_context, new_server, serve
+from worker.worker_service import WorkerService
 
 
 async def run(cfg: WorkerConfig) -> None:

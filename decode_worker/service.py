@@ -14,17 +14,17 @@ import grpc
 from decode_worker.prefill_policy import PrefillDecision, decide_prefill
 from engine.errors import RequestError
 from engine.sampling_params import SamplingParams
-from engine.service.convert import (
+from kvtransfer.descriptors import KVRegion
+from protos import splitfire_pb2 as pb
+from protos import splitfire_pb2_grpc as pb_grpc
+from worker.convert import (
     event_from_output,
     logprob_from_proto,
     sampling_from_proto,
     token_ids_from_proto,
 )
-from engine.service.lifecycle import GRPC_OPTIONS
-from engine.service.worker_service import WorkerContext
-from kvtransfer.descriptors import KVRegion
-from protos import splitfire_pb2 as pb
-from protos import splitfire_pb2_grpc as pb_grpc
+from worker.lifecycle import GRPC_OPTIONS
+from worker.worker_service import WorkerContext
 
 log = logging.getLogger("splitfire.decode")
 

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import argparse
 
-from engine.service.config import WorkerConfig, worker_config_from
-from engine.service.lifecycle import load_context, new_server, serve
-from engine.service.worker_service import WorkerService
 from kvtransfer.descriptors import KVRegion
 from kvtransfer.mooncake_engine import MooncakeEngine
 from kvtransfer.writer import KVWriter
 from prefill_worker.kv_sender import LayerwiseKVSender
 from prefill_worker.service import PrefillService
 from protos import splitfire_pb2_grpc as pb_grpc
+from worker.config import WorkerConfig, worker_config_from
+from worker.lifecycle import load_context, new_server, serve
+from worker.worker_service import WorkerService
 
 
 def kv_region(engine) -> KVRegion:

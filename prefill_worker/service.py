@@ -12,12 +12,12 @@ import grpc
 
 from engine.errors import RequestError
 from engine.sequence import Mode
-from engine.service.convert import logprob_to_proto, sampling_from_proto, token_ids_from_proto
-from engine.service.worker_service import WorkerContext
 from kvtransfer.descriptors import KVRegion
 from prefill_worker.kv_sender import LayerwiseKVSender, TransferPlan
 from protos import splitfire_pb2 as pb
 from protos import splitfire_pb2_grpc as pb_grpc
+from worker.convert import logprob_to_proto, sampling_from_proto, token_ids_from_proto
+from worker.worker_service import WorkerContext
 
 log = logging.getLogger("splitfire.prefill")
 

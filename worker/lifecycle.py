@@ -15,9 +15,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from engine.async_engine import AsyncEngine
 from engine.llm_engine import LLMEngine, RequestOutput, StepObserver
-from engine.service.config import WorkerConfig
-from engine.service.metrics import WorkerMetrics
-from engine.service.worker_service import WorkerContext
+from worker.config import WorkerConfig
+from worker.metrics import WorkerMetrics
+from worker.worker_service import WorkerContext
 
 log = logging.getLogger("splitfire.worker")
 
@@ -101,7 +101,7 @@ async def serve(ctx: WorkerContext, server: grpc.aio.Server) -> None:
     metrics_runner = await _metrics_app(ctx)
     heartbeat = None
     if cfg.redis_url:
-        from engine.service.registration import heartbeat_loop
+        from worker.registration import heartbeat_loop
 
         heartbeat = asyncio.create_task(heartbeat_loop(ctx))
     stop = asyncio.Event()

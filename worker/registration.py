@@ -6,7 +6,7 @@ import asyncio
 import logging
 import time
 
-from engine.service.worker_service import WorkerContext
+from worker.worker_service import WorkerContext
 
 log = logging.getLogger("splitfire.worker")
 

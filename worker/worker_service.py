@@ -8,10 +8,10 @@ from dataclasses import dataclass, field
 import grpc
 
 from engine.async_engine import AsyncEngine
-from engine.service.config import WorkerConfig
-from engine.service.metrics import WorkerMetrics
 from protos import splitfire_pb2 as pb
 from protos import splitfire_pb2_grpc as pb_grpc
+from worker.config import WorkerConfig
+from worker.metrics import WorkerMetrics
 
 log = logging.getLogger("splitfire.worker")
 
