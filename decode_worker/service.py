@@ -116,17 +116,27 @@ class DecodeService(pb_grpc.DecodeServicer):
         lp = logprob_from_proto(resp.logprob) if resp.HasField("logprob") else None
         log.info("event=kv_received rid=%s prefill=%s bytes=%d entries=%d transfer_s=%.4f prefill_cached=%d",
                  rid, endpoint, resp.transfer_bytes, resp.transfer_entries, resp.transfer_seconds, resp.cached_tokens)
-        await self.ctx.engine.call_and_deliver(lambda e: [e.activate(rid, resp.first_token, lp)])
+        # Prompt tokens nobody computed: this worker's hits and the prefill worker's own.
+        cached_total = len(request.token_ids) - resp.computed_tokens
+        await self.ctx.engine.call_and_deliver(lambda e: [e.activate(rid, resp.first_token, lp, cached_total)])
 
     async def _start(self, rid: str, request: pb.GenerateRequest, ids: list[int], sampling: SamplingParams) -> PrefillDecision:
-        aeng, cfg = self.ctx.engine, self.ctx.config
+        aeng, cfg, tier = self.ctx.engine, self.ctx.config, self.ctx.kv_tier
         if cfg.role == "both" or self.region is None:
+            if tier is not None and await tier.held(request.tenant, ids) > 0:
+                # The cluster-wide KV store holds part of the prompt: reserve, fetch, compute the rest.
+                await self._reserve(rid, ids, sampling, request.tenant)
+                await tier.fill(rid)
+                await aeng.call(lambda e: e.start_local_prefill(rid))
+                return PrefillDecision(False, "colocated")
             try:
                 await aeng.call(lambda e: e.add_request(rid, ids, sampling, request.tenant))
             except RequestError as e:
                 raise GenerateError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from e
             return PrefillDecision(False, "colocated")
         cached, blocks = await self._reserve(rid, ids, sampling, request.tenant)
+        if tier is not None:  # consult the cluster-wide KV store before asking a prefill worker
+            cached = await tier.fill(rid)
         decision = decide_prefill(len(ids), cached, bool(request.prefill_endpoint),
                                   cfg.local_prefill_max_tokens, cfg.local_prefill_max_fraction)
         self.ctx.metrics.prefill_mode.labels(role=cfg.role, mode="remote" if decision.remote else "local",

@@ -80,6 +80,8 @@ class AsyncEngine:
         self.stats: EngineStats = engine.stats()
         self._stats_at = 0.0
         self.on_step: Callable[[list[RequestOutput], float, int], None] | None = None  # metrics hook (loop thread)
+        # Blocks the engine pinned for the cluster-wide KV tier (loop thread; see worker/kv_tier.py).
+        self.on_publish: Callable[[list[tuple[list[bytes], list[int]]]], None] | None = None
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -196,6 +198,7 @@ class AsyncEngine:
             next_timer, timers_ran = self._run_due_timers()
             if ran or timers_ran:
                 self._refresh_stats()
+                self._hand_out_published()
             if not self.engine.has_work:
                 self._wake.wait(timeout=next_timer if next_timer is not None else 1.0)
                 self._wake.clear()
@@ -207,12 +210,17 @@ class AsyncEngine:
                 log.exception("event=step_failed running=%d", len(self.engine.scheduler.running))
                 outputs = self._fail_all(f"engine step failed: {type(e).__name__}: {e}")
             self.step_count += 1
+            self._hand_out_published()
             # O(sequences) to compute (~0.1 ms at 256 running): at most every 10 ms while busy.
             if time.monotonic() - self._stats_at >= 0.01 or not self.engine.has_work:
                 self._refresh_stats()
             if outputs or self.on_step is not None:
                 dt = time.perf_counter() - t0
                 loop.call_soon_threadsafe(self._after_step, outputs, dt)
+
+    def _hand_out_published(self) -> None:
+        if self.engine.to_publish and self.on_publish is not None and self._loop is not None:
+            self._loop.call_soon_threadsafe(self.on_publish, self.engine.take_published())
 
     def _after_step(self, outputs: list[RequestOutput], step_s: float) -> None:
         self.deliver(outputs)

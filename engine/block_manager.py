@@ -212,6 +212,22 @@ class BlockManager:
                 self.hash_to_block[h] = b
         seq.num_registered_blocks = full
 
+    def pin(self, blocks: list[int]) -> None:
+        """Take an extra reference (a copy of the blocks is being read out, e.g. published to the
+        cluster-wide KV store): they cannot be reused until `unpin`."""
+        for b in blocks:
+            self._take_cached(b)
+
+    def unpin(self, blocks: list[int]) -> None:
+        for b in blocks:
+            self.ref_counts[b] -= 1
+            assert self.ref_counts[b] >= 0, f"block {b} unpinned twice"
+            if self.ref_counts[b] == 0:
+                if self.block_hash[b] is not None:
+                    self.lru[b] = None
+                else:
+                    self.free.add(b)
+
     def free_seq(self, seq: Sequence) -> None:
         # Tail blocks go into the LRU first (older), so eviction takes a prompt's end
         # before its shared beginning.

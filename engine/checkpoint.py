@@ -152,3 +152,21 @@ class Checkpoint:
     def skip(self, name: str) -> None:
         """Mark a tensor as deliberately not used (e.g. an lm_head that is tied to the embedding)."""
         self.unread.discard(name)
+
+
+def model_fingerprint(model_dir: Path) -> str:
+    """An identity for the weights, for keys of KV shared across processes: config.json and, per
+    safetensors file, its size and its first and last MiB (two fine-tunes of one architecture
+    differ there; reading the whole model would cost a full pass over it)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    h.update((model_dir / "config.json").read_bytes())
+    for f in sorted(model_dir.glob("*.safetensors")):
+        size = f.stat().st_size
+        h.update(f"{f.name}:{size}".encode())
+        with open(f, "rb") as fh:
+            h.update(fh.read(1 << 20))
+            fh.seek(max(size - (1 << 20), 0))
+            h.update(fh.read(1 << 20))
+    return h.hexdigest()[:16]

@@ -104,6 +104,11 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.kv, self.device, self.grammar)
         self.seqs: dict[str, Sequence] = {}
         self._arrival = itertools.count()
+        # Cluster-wide KV tier (set by a worker that has one): full blocks this engine computed are
+        # pinned and handed out for publishing, released by `unpin_published` once copied out.
+        self.kv_tier = False
+        self.to_publish: list[tuple[list[bytes], list[int]]] = []
+        self.store_hit_tokens = 0
         log.info(
             "engine ready model=%s device=%s dtype=%s kv_blocks=%d block_size=%d kv_mib=%.0f load_s=%.2f",
             self.model_dir, self.device, self.dtype, self.kv.layout.num_blocks, config.block_size,
@@ -182,28 +187,77 @@ class LLMEngine:
 
     # -- disaggregated decode: KV filled by another process --------------------------
 
-    def reserve(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, tenant: str = "") -> Sequence | None:
-        """Take blocks for a prompt whose K/V another process will write. None = no blocks now.
+    def reserve(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, tenant: str = "",
+                mode: Mode = Mode.FULL) -> Sequence | None:
+        """Take blocks for a prompt whose K/V another process will write (a prefill worker, or the
+        cluster-wide KV store). None = no blocks now.
 
         Reuses this worker's own cached prefix: `seq.num_cached_tokens` tokens need no transfer.
         """
-        seq = self._new_seq(request_id, prompt_token_ids, sampling, tenant, Mode.FULL)
+        seq = self._new_seq(request_id, prompt_token_ids, sampling, tenant, mode)
         if not self.blocks.allocate(seq, seq.num_tokens):
             return None
         seq.status = Status.RESERVED
         self.seqs[request_id] = seq
         return seq
 
-    def activate(self, request_id: str, first_token: int, logprob: TokenLogprob | None = None) -> RequestOutput:
-        """The prompt's K/V have landed: start decoding from `first_token`."""
+    def activate(self, request_id: str, first_token: int, logprob: TokenLogprob | None = None,
+                 cached_tokens: int = 0) -> RequestOutput:
+        """The prompt's K/V have landed: start decoding from `first_token`. `cached_tokens`: prompt
+        tokens nobody had to compute for this request (the prefill worker's cache hits too)."""
         seq = self.seqs[request_id]
         assert seq.status == Status.RESERVED, f"{request_id} is {seq.status}, not reserved"
         seq.num_computed_tokens = seq.num_prompt_tokens
+        seq.num_cached_tokens = max(seq.num_cached_tokens, min(cached_tokens, seq.num_prompt_tokens))
+        seq.num_published_blocks = seq.num_prompt_tokens // self.config.block_size  # the prefill side publishes those
         self.blocks.register_computed(seq)
         self.scheduler.add_running(seq)
         out = RequestOutput(request_id, num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=seq.num_cached_tokens)
         self._append_token(seq, first_token, logprob, out)
         return out
+
+    # -- the cluster-wide KV tier ------------------------------------------------------
+
+    def fill_plan(self, request_id: str) -> tuple[list[bytes], list[int]]:
+        """Block hashes and block ids of a reserved prompt's reusable blocks past its local cache hit:
+        what the KV store may fill (at least one token is always left to compute)."""
+        seq = self.seqs[request_id]
+        bs = self.config.block_size
+        first, last = seq.num_computed_tokens // bs, (seq.num_prompt_tokens - 1) // bs
+        return seq.block_hashes[first:last], seq.block_table[first:last]
+
+    def mark_filled(self, request_id: str, num_blocks: int) -> int:
+        """The next `num_blocks` of a reserved prompt were read from the KV store: they count as
+        computed and cached. Returns the prompt tokens now cached."""
+        seq = self.seqs[request_id]
+        n = num_blocks * self.config.block_size
+        seq.num_computed_tokens += n
+        seq.num_cached_tokens += n
+        seq.num_published_blocks = seq.num_computed_tokens // self.config.block_size
+        self.store_hit_tokens += n
+        self.blocks.register_computed(seq)
+        return seq.num_cached_tokens
+
+    def _publish(self, seq: Sequence, upto_tokens: int) -> None:
+        """Pin the full blocks of `seq` computed here and not yet handed out, for the KV tier."""
+        full = min(upto_tokens, seq.num_computed_tokens) // self.config.block_size
+        lo = seq.num_published_blocks
+        if not self.kv_tier or full <= lo:
+            return
+        self.blocks.register_computed(seq)
+        if len(seq.block_hashes) < full:
+            return  # prefix caching is off: no content hashes to publish under
+        blocks = seq.block_table[lo:full]
+        self.blocks.pin(blocks)
+        self.to_publish.append((seq.block_hashes[lo:full], blocks))
+        seq.num_published_blocks = full
+
+    def take_published(self) -> list[tuple[list[bytes], list[int]]]:
+        out, self.to_publish = self.to_publish, []
+        return out
+
+    def unpin_published(self, blocks: list[int]) -> None:
+        self.blocks.unpin(blocks)
 
     def start_local_prefill(self, request_id: str) -> None:
         """A reserved request will be prefilled here after all (short uncached suffix)."""
@@ -239,6 +293,8 @@ class LLMEngine:
             self.blocks.register_computed(seq)
             if sampled is None:
                 continue
+            if seq.num_computed_tokens == seq.num_prompt_tokens:  # this step finished the prompt
+                self._publish(seq, seq.num_prompt_tokens)
             out = RequestOutput(seq.request_id, num_prompt_tokens=seq.num_prompt_tokens,
                                 num_cached_tokens=seq.num_cached_tokens)
             self._append_token(seq, sampled[0], sampled[1], out)
@@ -276,6 +332,8 @@ class LLMEngine:
     def _finish(self, seq: Sequence, reason: str, out: RequestOutput, error: str | None = None) -> RequestOutput:
         if seq.detok is not None and error is None:
             out.text += seq.detok.flush()
+        if error is None:
+            self._publish(seq, seq.num_computed_tokens)  # the output's blocks too: the next turn's prompt
         seq.status, seq.finish_reason, seq.error = Status.FINISHED, reason, error
         out.finished, out.finish_reason, out.error = True, reason, error
         self.scheduler.remove(seq)

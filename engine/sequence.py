@@ -43,6 +43,7 @@ class Sequence:
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     num_cached_tokens: int = 0  # of those, how many came from the prefix cache at admission
     num_registered_blocks: int = 0  # leading full blocks already entered in the prefix cache
+    num_published_blocks: int = 0  # leading full blocks handed to the cluster-wide KV tier (or taken from it)
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of the full blocks so far
     status: Status = Status.WAITING
     finish_reason: str | None = None

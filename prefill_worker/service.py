@@ -62,19 +62,29 @@ class PrefillService(pb_grpc.PrefillServicer):
         ctx.inflight.add(rid)
         added = False
         try:
-            def admit(engine):
+            tier = ctx.kv_tier
+            from_store = tier is not None and await tier.held(request.tenant, ids) > 0
+
+            def admit(engine) -> bool:
+                """Queue the prompt; with blocks in the KV store, reserve its blocks instead (True)."""
                 self.sender.add_plan(plan)
                 try:
+                    if from_store and engine.reserve(rid, ids, sampling, request.tenant, Mode.PREFILL_ONLY):
+                        return True
                     engine.add_request(rid, ids, sampling, request.tenant, Mode.PREFILL_ONLY)
+                    return False
                 except BaseException:
                     self.sender.remove_plan(rid)
                     raise
 
             try:
-                await aeng.call(admit)
+                reserved = await aeng.call(admit)
             except RequestError as e:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
             added = True
+            if reserved:
+                await tier.fill(rid)
+                await aeng.call(lambda e: e.start_local_prefill(rid))
             out = await stream.next()
             assert out is not None and out.finished
             if out.error is not None:

@@ -1,8 +1,8 @@
 """`splitfire up`: the whole system on one machine, in one command.
 
 Starts Redis (if `redis-server` is installed; otherwise the router keeps affinity state
-in process and says so), the prefill and decode workers (or one colocated worker), and
-the router; prefixes every child's log lines with its name; on Ctrl-C or SIGTERM stops
+in process and says so), a `mooncake_master` for the KV cache the workers share (unless
+`--no-kv-store`), the prefill and decode workers (or one colocated worker), and the router; prefixes every child's log lines with its name; on Ctrl-C or SIGTERM stops
 the router first, then the workers, then Redis, so no child outlives it.
 """
 
@@ -25,8 +25,9 @@ STOP_TIMEOUT_S = 20.0
 class Child:
     name: str
     argv: list[str]
-    ready_text: str
+    ready_text: str  # a line that says it is ready ("" with ready_port)
     env: dict[str, str] = field(default_factory=dict)
+    ready_port: int = 0  # or: ready once this port accepts connections (mooncake_master prints nothing)
     proc: asyncio.subprocess.Process | None = None
     ready: asyncio.Event = field(default_factory=asyncio.Event)
     log_task: asyncio.Task | None = None
@@ -116,15 +117,25 @@ async def _stop(child: Child) -> None:
 async def _wait_ready(children: list[Child], timeout: float) -> None:
     async def one(c: Child) -> None:
         assert c.proc is not None
+        probe = asyncio.create_task(_probe(c)) if c.ready_port else None
         ready = asyncio.create_task(c.ready.wait())
         died = asyncio.create_task(c.proc.wait())
         done, _ = await asyncio.wait({ready, died}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-        ready.cancel()
-        died.cancel()
+        for t in (ready, died, probe):
+            if t is not None:
+                t.cancel()
         if not c.ready.is_set():
             raise RuntimeError(f"{c.name} {'exited' if died in done else 'did not become ready'}; see its log above")
 
     await asyncio.gather(*(one(c) for c in children))
+
+
+async def _probe(c: Child) -> None:
+    while c.proc is not None and c.proc.returncode is None:
+        if not _port_free(c.ready_port):
+            c.ready.set()
+            return
+        await asyncio.sleep(0.05)
 
 
 async def up(args: argparse.Namespace) -> int:
@@ -145,6 +156,13 @@ async def up(args: argparse.Namespace) -> int:
     elif not redis_url:
         print("splitfire up: redis-server not found (or --no-redis): session affinity lives in the router's memory",
               flush=True)
+    kv_store = []
+    if not args.no_kv_store:
+        from kvtransfer.store import master_command
+
+        mport, metrics = _pick_port(50055, taken), _pick_port(9003, taken)
+        children.append(Child("kv-store", master_command(mport, metrics), "", ready_port=mport))
+        kv_store = ["--kv-store", f"127.0.0.1:{mport}", "--kv-store-gb", str(args.kv_store_gb)]
     roles = ["both"] if args.colocated else ["prefill"] * args.prefill + ["decode"] * args.decode
     cpus = plan_cpus(args.cpus, len(roles))
     import torch
@@ -156,7 +174,7 @@ async def up(args: argparse.Namespace) -> int:
     for i, (role, cores, devices) in enumerate(zip(roles, cpus, gpus, strict=True)):
         port = _pick_port({"prefill": 50061, "decode": 50051, "both": 50051}[role], taken)
         name = {"both": "serve"}.get(role, role) + f"-{sum(1 for r in roles[:i] if r == role)}"
-        argv = [*exe, {"both": "serve"}.get(role, role), *common, "--grpc-port", str(port)]
+        argv = [*exe, {"both": "serve"}.get(role, role), *common, *kv_store, "--grpc-port", str(port)]
         if cores:
             argv += ["--cpus", cores]
         argv += args.worker_arg + (args.prefill_arg if role == "prefill" else args.decode_arg)
@@ -177,7 +195,7 @@ async def up(args: argparse.Namespace) -> int:
     code = 0
     try:
         t0 = time.monotonic()
-        for group in ([c for c in children if c.name == "redis"], workers, [router]):
+        for group in ([c for c in children if c.name in ("redis", "kv-store")], workers, [router]):
             for c in group:
                 await _start(c)
                 started.append(c)
@@ -206,7 +224,7 @@ async def up(args: argparse.Namespace) -> int:
     finally:
         print("splitfire up: stopping ...", flush=True)
         for group in ([c for c in started if c.name == "router"], [c for c in started if c in workers],
-                      [c for c in started if c.name == "redis"]):
+                      [c for c in started if c.name in ("redis", "kv-store")]):
             await asyncio.gather(*(_stop(c) for c in group))
         for c in started:
             if c.log_task is not None:
@@ -264,6 +282,9 @@ def add_subcommand(sub) -> None:
     p.add_argument("--kv-cache-gb", type=float, default=1.0)
     p.add_argument("--served-model-name", default="", help="name clients send (default: the model directory's)")
     p.add_argument("--no-redis", action="store_true", help="do not start Redis; keep affinity in the router")
+    p.add_argument("--no-kv-store", action="store_true",
+                   help="do not start mooncake_master: no KV cache shared between workers")
+    p.add_argument("--kv-store-gb", type=float, default=1.0, help="memory each worker lends to the shared KV store")
     p.add_argument("--start-timeout", type=float, default=300.0)
     p.add_argument("--worker-arg", action="append", default=[], metavar="FLAG",
                    help="extra flag for every worker, e.g. --worker-arg=--max-num-seqs=32 (repeatable)")

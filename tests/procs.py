@@ -132,3 +132,25 @@ def start_router(model_dir: Path, log_dir: Path, *extra: str, name: str | None =
 
 def base_url(p: Proc) -> str:
     return f"http://127.0.0.1:{p.ports['http']}"
+
+
+def start_kv_master(log_dir: Path, port: int | None = None) -> Proc:
+    """A real mooncake_master (the cluster-wide KV store's control plane), ready to accept clients."""
+    from kvtransfer.store import master_command
+
+    port = port or free_port()
+    log_path = log_dir / f"kv-master-{port}.log"
+    f = open(log_path, "w")
+    popen = subprocess.Popen(master_command(port, free_port()), stdout=f, stderr=subprocess.STDOUT,
+                             start_new_session=True)
+    STARTED.append(popen)
+    p = Proc(f"kv-master-{port}", popen, log_path, {"rpc": port})
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        if popen.poll() is not None:
+            raise RuntimeError(f"mooncake_master exited with {popen.returncode}:\n{p.log()[-2000:]}")
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return p
+        time.sleep(0.05)
+    raise TimeoutError(f"mooncake_master not listening on {port}:\n{p.log()[-2000:]}")

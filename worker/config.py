@@ -32,6 +32,8 @@ class WorkerConfig:
     kv_quarantine_s: float = 5.0  # hold blocks this long after a failed/aborted transfer (late writes)
     reserve_timeout_s: float = 30.0  # wait this long for free KV blocks before refusing a request
     stream_interval: int = 1  # send a stream event every N new tokens (first token and the end: at once)
+    kv_store: str = ""  # host:port of mooncake_master: the cluster-wide KV tier ("" = none)
+    kv_store_gb: float = 0.0  # memory this worker lends to that tier
 
     def validate(self) -> WorkerConfig:
         if self.role not in ROLES:
@@ -51,6 +53,12 @@ class WorkerConfig:
                 raise ValueError(f"{name} must be >= 0")
         if self.cpus and any(c < 0 or c >= (os.cpu_count() or 1) for c in self.cpus):
             raise ValueError(f"--cpus {self.cpus} names a core this machine does not have ({os.cpu_count()} cores)")
+        if self.kv_store_gb < 0:
+            raise ValueError(f"--kv-store-gb must be >= 0, got {self.kv_store_gb}")
+        if self.kv_store:
+            from kvtransfer.store import StoreConfig
+
+            StoreConfig(self.kv_store).validate()
         if not self.advertise:
             self.advertise = f"{self.transfer.hostname}:{self.grpc_port}"
         self.engine.validate()
@@ -125,6 +133,10 @@ def add_worker_args(p: argparse.ArgumentParser, role: str) -> None:
     m.add_argument("--mooncake-host", default=_env("mooncake_host", "127.0.0.1"), help="address peers reach this worker at")
     m.add_argument("--mooncake-device", default=_env("mooncake_device", ""), help="RDMA NICs, e.g. mlx5_0,mlx5_1")
     m.add_argument("--mooncake-timeout", type=int, default=int(_env("mooncake_timeout", 30)), help="seconds (>= 5)")
+    m.add_argument("--kv-store", default=_env("kv_store", ""),
+                   help="host:port of mooncake_master: share full KV blocks with every worker (Mooncake Store)")
+    m.add_argument("--kv-store-gb", type=float, default=float(_env("kv_store_gb", 0.0)),
+                   help="memory this worker lends to the shared KV store (0: use it, hold none of it)")
     if role in ("decode", "both"):
         d = p.add_argument_group("decode")
         d.add_argument("--local-prefill-max-tokens", type=int, default=int(_env("local_prefill_max_tokens", 128)),
@@ -154,6 +166,8 @@ def worker_config_from(args: argparse.Namespace, role: str) -> WorkerConfig:
         redis_url=args.redis_url,
         cpus=parse_cpus(args.cpus) if args.cpus else [],
         drain_timeout_s=args.drain_timeout,
+        kv_store=args.kv_store,
+        kv_store_gb=args.kv_store_gb,
     )
     if role in ("decode", "both"):
         cfg.local_prefill_max_tokens = args.local_prefill_max_tokens

@@ -45,6 +45,14 @@ def load_context(cfg: WorkerConfig, observer: StepObserver | None = None,
     metrics = WorkerMetrics(cfg.role)
     ctx = WorkerContext(cfg, AsyncEngine(engine, observer), metrics, model_name=engine.model_dir.name)
     metrics.kv_total.labels(**metrics.labels).set(engine.blocks.num_blocks)
+    if cfg.kv_store:
+        from kvtransfer.store import KVStore, StoreConfig
+        from worker.kv_tier import KVTier
+
+        store = KVStore(StoreConfig(cfg.kv_store, cfg.transfer.hostname, int(cfg.kv_store_gb * 2**30),
+                                    cfg.transfer.protocol, cfg.transfer.device_name))
+        ctx.kv_tier = KVTier(store, ctx.engine, metrics)
+        store.ready()  # connect now if the master answers; otherwise serve without it and retry later
     return ctx
 
 
@@ -66,6 +74,8 @@ def _on_step(ctx: WorkerContext):
         m.kv_cached.labels(**lbl).set(len(b.lru))
         if b.prefix_query_tokens:
             m.prefix_hit.labels(**lbl).set(b.prefix_hit_tokens / b.prefix_query_tokens)
+        m.prefix_hit_tokens.labels(role=m.role, tier="local").set(b.prefix_hit_tokens)
+        m.prefix_hit_tokens.labels(role=m.role, tier="store").set(eng.store_hit_tokens)
         m.preemptions.labels(**lbl).set(eng.scheduler.num_preemptions)
 
     return update
@@ -99,6 +109,8 @@ async def serve(ctx: WorkerContext, server: grpc.aio.Server) -> None:
         raise OSError(f"cannot bind gRPC port {address}")
     await server.start()
     metrics_runner = await _metrics_app(ctx)
+    if ctx.kv_tier is not None:
+        ctx.kv_tier.start()
     heartbeat = None
     if cfg.redis_url:
         from worker.registration import heartbeat_loop
@@ -123,6 +135,8 @@ async def serve(ctx: WorkerContext, server: grpc.aio.Server) -> None:
         heartbeat.cancel()
     await server.stop(grace=1.0)
     await metrics_runner.cleanup()
+    if ctx.kv_tier is not None:
+        await ctx.kv_tier.stop()
     await ctx.engine.stop()
     log.info("event=worker_stopped role=%s", cfg.role)
 

@@ -39,4 +39,9 @@ class WorkerMetrics:
         self.prefill_mode = Counter("splitfire_worker_prefill_mode", "Where a decode worker's prompts were prefilled",
                                     ["role", "mode", "reason"], registry=r)
         self.preemptions = Gauge("splitfire_worker_preemptions", "Sequences preempted so far", labels, registry=r)
+        self.prefix_hit_tokens = Gauge("splitfire_worker_prefix_hit_tokens", "Prompt tokens not computed because a "
+                                       "cache held them, so far, by tier (local prefix cache, cluster-wide KV store)",
+                                       ["role", "tier"], registry=r)
+        self.kv_store_blocks = Counter("splitfire_worker_kv_store_blocks", "KV blocks published to, fetched from or "
+                                       "dropped before the cluster-wide KV store", ["role", "op"], registry=r)
         self.labels = {"role": self.role}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 
@@ -24,6 +25,7 @@ class WorkerContext:
     model_name: str
     draining: bool = False
     inflight: set[str] = field(default_factory=set)  # request ids with an open RPC
+    kv_tier: Any = None  # worker.kv_tier.KVTier when a cluster-wide KV store is configured
 
     async def refuse_if_draining(self, context: grpc.aio.ServicerContext) -> None:
         if self.draining:
