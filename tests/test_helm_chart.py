@@ -96,3 +96,21 @@ def test_invalid_values_fail_at_template_time(helm, values):
     out = render(helm, values)
     assert out.returncode != 0
     assert "schema" in out.stderr
+
+
+def test_workers_share_one_kv_store_master(helm):
+    docs = [d for d in yaml.safe_load_all(render(helm, ROOT / "helm/ci/default-values.yaml").stdout) if d]
+    deps = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Deployment"}
+    master = deps["rel-splitfire-kv-store"]["spec"]["template"]["spec"]["containers"][0]
+    assert master["command"] == ["mooncake_master"] and "-rpc_port=50055" in master["args"]
+    assert master["readinessProbe"]["tcpSocket"]["port"] == "rpc"
+    services = {d["metadata"]["name"] for d in docs if d["kind"] == "Service"}
+    assert "rel-splitfire-kv-store" in services
+    for role in ("decode", "prefill"):
+        args = deps[f"rel-splitfire-{role}"]["spec"]["template"]["spec"]["containers"][0]["args"]
+        assert "--kv-store=rel-splitfire-kv-store:50055" in args and "--kv-store-gb=4" in args
+    off = [d for d in yaml.safe_load_all(render(helm, ROOT / "helm/ci/default-values.yaml",
+                                                "--set", "kvStore.enabled=false").stdout) if d]
+    assert not any(d["metadata"]["name"].endswith("kv-store") for d in off)
+    assert not any(a.startswith("--kv-store") for d in off if d["kind"] == "Deployment"
+                   for a in d["spec"]["template"]["spec"]["containers"][0].get("args", []))
