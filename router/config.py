@@ -28,6 +28,7 @@ class RouterConfig:
     affinity_overload_min_tokens: int = 4096  # ... and more than this many tokens in flight
     prefix_aware: bool = True
     prefix_index_blocks: int = 65_536  # block hashes remembered per endpoint (~1M tokens, ~6 MB)
+    shared_kv_store: bool = False  # workers share a KV store: a block cached anywhere is cheap everywhere
     block_size: int = 16
     max_concurrency: int = 256  # requests being served
     max_queue: int = 512  # requests waiting for a slot; beyond it, 429
@@ -102,6 +103,9 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-prefix-aware", action="store_true", help="ignore prefix-cache locality when placing")
     p.add_argument("--prefix-index-blocks", type=int, default=int(_env("prefix_index_blocks", "65536")),
                    help="block hashes remembered per endpoint for prefix-aware placement")
+    p.add_argument("--shared-kv-store", action="store_true", default=_env("shared_kv_store", "") == "1",
+                   help="the workers share a KV store (their --kv-store): a prefix cached on any worker costs a "
+                        "fetch, not a recompute, on the others (env SPLITFIRE_ROUTER_SHARED_KV_STORE=1)")
     p.add_argument("--affinity-ttl", type=float, default=float(_env("affinity_ttl", "1800")), help="seconds a session pin lives")
     p.add_argument("--max-concurrency", type=int, default=int(_env("max_concurrency", "256")))
     p.add_argument("--max-queue", type=int, default=int(_env("max_queue", "512")))
@@ -118,7 +122,7 @@ def router_config_from(args: argparse.Namespace) -> RouterConfig:
         openai_upstream=list(args.openai_upstream), openai_upstream_api_key=args.openai_upstream_api_key,
         discover_dns=list(args.discover_dns), redis_url=args.redis_url,
         policy=args.policy, prefix_aware=not args.no_prefix_aware, prefix_index_blocks=args.prefix_index_blocks,
-        affinity_ttl_s=args.affinity_ttl,
+        shared_kv_store=args.shared_kv_store, affinity_ttl_s=args.affinity_ttl,
         max_concurrency=args.max_concurrency, max_queue=args.max_queue, max_retries=args.max_retries,
         max_body_bytes=args.max_body_bytes, api_keys_file=args.api_keys, health_interval_s=args.health_interval,
     ).validate()

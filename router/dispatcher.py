@@ -145,7 +145,7 @@ class Dispatcher:
         max_blocks = (n - 1) // bs
 
         def cached(ep: Endpoint) -> int:
-            return min(self.index.matched_blocks(ep.address, hashes), max_blocks) * bs
+            return self.index.cached_tokens(ep.address, hashes, max_blocks, bs)
 
         route = await self._pinned(req, decodes, prefills) if req.session else None
         if route is None:
@@ -197,8 +197,8 @@ class Dispatcher:
             req.served_by = route.pin()
             max_tokens = req.sampling.max_tokens - len(generated)
             uncached_at = route.prefill or route.decode
-            uncached = len(prompt) - min(self.index.matched_blocks(uncached_at.address, hashes),
-                                          (len(prompt) - 1) // self.cfg.block_size) * self.cfg.block_size
+            uncached = len(prompt) - self.index.cached_tokens(uncached_at.address, hashes,
+                                                              (len(prompt) - 1) // self.cfg.block_size, self.cfg.block_size)
             ticket = Ticket(route, len(prompt) + len(generated), uncached, max_tokens)
             if hashes:
                 for ep in (route.prefill, route.decode):

@@ -70,7 +70,7 @@ class Router:
         store = RedisPinStore(self.redis) if self.redis is not None else MemoryPinStore()
         self.affinity = SessionAffinity(store, cfg.affinity_ttl_s)
         self.dispatcher = Dispatcher(cfg, self.registry, make_policy(cfg.policy), self.affinity,
-                                     PrefixIndex(cfg.prefix_index_blocks), self.workers, self.upstreams,
+                                     PrefixIndex(cfg.prefix_index_blocks, cfg.shared_kv_store), self.workers, self.upstreams,
                                      self.metrics, tokenizer)
         self.health = HealthChecker(cfg, self.registry, self.workers, self.upstreams)
         self._tasks: list[asyncio.Task] = []

@@ -186,7 +186,8 @@ async def up(args: argparse.Namespace) -> int:
                               *(["--prefill", *addrs["prefill"]] if addrs["prefill"] else []),
                               *(["--decode", *addrs["decode"]] if addrs["decode"] else []),
                               *(["--colocated", *addrs["both"]] if addrs["both"] else []),
-                              *(["--redis-url", redis_url] if redis_url else [])], "router ready")
+                              *(["--redis-url", redis_url] if redis_url else []),
+                              *(["--shared-kv-store"] if kv_store else [])], "router ready")
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

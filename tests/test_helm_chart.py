@@ -106,6 +106,7 @@ def test_workers_share_one_kv_store_master(helm):
     assert master["readinessProbe"]["tcpSocket"]["port"] == "rpc"
     services = {d["metadata"]["name"] for d in docs if d["kind"] == "Service"}
     assert "rel-splitfire-kv-store" in services
+    assert "--shared-kv-store" in deps["rel-splitfire-router"]["spec"]["template"]["spec"]["containers"][0]["args"]
     for role in ("decode", "prefill"):
         args = deps[f"rel-splitfire-{role}"]["spec"]["template"]["spec"]["containers"][0]["args"]
         assert "--kv-store=rel-splitfire-kv-store:50055" in args and "--kv-store-gb=4" in args

@@ -209,3 +209,19 @@ def test_failover_resumes_after_the_text_the_client_already_has(tiny_model_dir):
     keep, skip = resume_point(tok, ids, full[:-2])
     kept = tok.decode(ids[:keep])
     assert keep < len(ids) and full[:-2].startswith(kept) and skip == len(full) - 2 - len(kept)
+
+
+def test_a_prefix_cached_elsewhere_costs_a_fetch_with_a_shared_kv_store():
+    """Placement: a local hit is cheapest, a block only the fleet has seen (the shared KV store) is
+    cheaper than computing, and without a shared store it counts for nothing."""
+    from router.prefix_index import STORE_HIT_COST, PrefixIndex, prompt_block_hashes
+
+    hashes = prompt_block_hashes("", list(range(160)), 16)  # 10 blocks
+    for shared in (False, True):
+        idx = PrefixIndex(1000, shared_store=shared)
+        idx.insert("a", hashes[:8])
+        idx.insert("b", hashes[:3])
+        assert idx.cached_tokens("a", hashes, 9, 16) == 8 * 16
+        expected_b = 3 * 16 + (int(5 * 16 * (1 - STORE_HIT_COST)) if shared else 0)
+        assert idx.cached_tokens("b", hashes, 9, 16) == expected_b
+        assert idx.cached_tokens("c", hashes, 9, 16) == (int(8 * 16 * (1 - STORE_HIT_COST)) if shared else 0)
