@@ -37,19 +37,23 @@ SYSTEM_UNIT = ("You are a coding agent with tools read_file(path), run_tests(), 
 # name: (router policy, send x-session-affinity, row label)
 PLACEMENTS = {"affinity": ("token", True, "token + x-session-affinity"),
               "token": ("token", False, "token, no affinity header"),
-              "random": ("random", False, "random, no affinity header")}
+              "random": ("random", False, "random, no affinity header"),
+              "random_store": ("random", False, "random + shared KV store")}
+STORE_GB = 0.25  # what each worker lends to the shared KV store in the *_store rows
 
 
 async def run_sessions(url: str, sessions: int, turns: int, use_affinity: bool, seed: int, system: str,
-                       max_tokens: int) -> tuple[int, int]:
-    """Runs every session; returns (failed requests, tokens of all sessions' final contexts)."""
+                       max_tokens: int, history: list[list[dict]] | None = None) -> tuple[int, int, list[list[dict]]]:
+    """Runs every session (continuing `history` if given); returns (failed requests, tokens of all
+    sessions' final contexts, the sessions' messages)."""
     rng = random.Random(seed)
     errors = 0
     final_context = 0
+    histories = history or [[{"role": "system", "content": system}] for _ in range(sessions)]
 
     async def session(i: int) -> None:
         nonlocal errors, final_context
-        messages = [{"role": "system", "content": system}]
+        messages = histories[i]
         async with aiohttp.ClientSession() as s:
             for t in range(turns):
                 messages.append({"role": "user", "content": f"tool output {t}: " + text_of(rng, rng.randint(20, 50))})
@@ -65,7 +69,7 @@ async def run_sessions(url: str, sessions: int, turns: int, use_affinity: bool, 
             final_context += answer["usage"]["total_tokens"]
 
     await asyncio.gather(*(session(i) for i in range(sessions)))
-    return errors, final_context
+    return errors, final_context, histories
 
 
 async def worker_stats(workers: list[str]) -> tuple[int, int, int]:
@@ -80,7 +84,7 @@ async def worker_stats(workers: list[str]) -> tuple[int, int, int]:
     for w in workers:
         async with grpc.aio.insecure_channel(w) as ch:
             st = await pbg.WorkerStub(ch).Stats(pb.StatsRequest())
-        hit += st.prefix_hit_tokens
+        hit += st.prefix_hit_tokens + st.store_hit_tokens
         query += st.prefix_query_tokens
         capacity = st.kv_blocks_total * EngineConfig.block_size  # workers run the default
     return hit, query, capacity
@@ -98,33 +102,55 @@ def affinity_bound(workers: int, turns: int) -> float:
 
 @dataclass
 class Cell:
-    ratio: float  # prefix-hit tokens / prompt tokens, all workers
+    ratio: float  # prefix-hit tokens (every tier) / prompt tokens, all workers
     errors: int
     capacity: int  # KV tokens one worker holds
     share: float  # the sessions' final contexts / workers: what one worker holds with perfect affinity
+    fresh: float | None = None  # with a shared store: a new worker's hit ratio on one more turn of every session
 
 
-def run(policy: str, affinity: bool, model: str, kv_gb: float, args: argparse.Namespace, out: Path) -> Cell:
+def run(name: str, model: str, kv_gb: float, args: argparse.Namespace, out: Path) -> Cell:
+    policy, affinity, _ = PLACEMENTS[name]
     procs = []
+    store: list[str] = []
     try:
-        addrs = []
-        for i in range(args.workers):
+        if name.endswith("_store"):
+            from kvtransfer.store import master_command
+
+            mport = free_port()
+            procs.append(spawn(master_command(mport, free_port()), "", out / "aff-kv-master.log", port=mport))
+            store = ["--kv-store", f"127.0.0.1:{mport}", "--kv-store-gb", str(STORE_GB)]
+
+        def worker(i: int) -> str:
             port = free_port()
             procs.append(spawn(["-m", "splitfire_cli", "serve", "--model", model, "--host", "127.0.0.1",
                                 "--grpc-port", str(port), "--metrics-port", str(free_port()), "--kv-cache-gb",
-                                str(kv_gb), "--threads", "1"], "worker ready", out / f"aff-w{i}.log"))
-            addrs.append(f"127.0.0.1:{port}")
-        rport = free_port()
-        procs.append(spawn(["-m", "splitfire_cli", "router", "--host", "127.0.0.1", "--port", str(rport), "--model",
-                            model, "--served-model-name", "bench", "--policy", policy, "--colocated", *addrs],
-                           "router ready", out / f"aff-router-{policy}.log"))
-        errors, final_context = asyncio.run(run_sessions(f"http://127.0.0.1:{rport}", args.sessions, args.turns,
-                                                         affinity, args.seed, SYSTEM_UNIT * args.system_repeats,
-                                                         args.max_tokens))
+                                str(kv_gb), "--threads", "1", *store], "worker ready", out / f"aff-w{i}.log"))
+            return f"127.0.0.1:{port}"
+
+        def router(addrs: list[str], tag: str) -> str:
+            rport = free_port()
+            procs.append(spawn(["-m", "splitfire_cli", "router", "--host", "127.0.0.1", "--port", str(rport), "--model",
+                                model, "--served-model-name", "bench", "--policy", policy, "--colocated", *addrs,
+                                *(["--shared-kv-store"] if store else [])], "router ready",
+                               out / f"aff-router-{policy}{tag}.log"))
+            return f"http://127.0.0.1:{rport}"
+
+        addrs = [worker(i) for i in range(args.workers)]
+        errors, final_context, histories = asyncio.run(run_sessions(
+            router(addrs, ""), args.sessions, args.turns, affinity, args.seed, SYSTEM_UNIT * args.system_repeats,
+            args.max_tokens))
         hit, query, capacity = asyncio.run(worker_stats(addrs))
-        return Cell(hit / query, errors, capacity, final_context / args.workers)
+        cell = Cell(hit / query, errors, capacity, final_context / args.workers)
+        if store:  # scale-out: a worker started now serves one more turn of every (warm) session
+            fresh = worker(args.workers)
+            more, _, _ = asyncio.run(run_sessions(router([fresh], "-fresh"), args.sessions, 1, False, args.seed + 1,
+                                                  "", args.max_tokens, histories))
+            hit, query, _ = asyncio.run(worker_stats([fresh]))
+            cell.fresh, cell.errors = hit / query, cell.errors + more
+        return cell
     finally:
-        for p in procs:
+        for p in reversed(procs):  # workers before the master they unmount from
             p.terminate()
             p.wait(20)
 
@@ -169,11 +195,16 @@ def main() -> int:
     for kv_gb in sizes:
         ratios = {}
         for name in placements:
-            policy, affinity, label = PLACEMENTS[name]
-            cell = run(policy, affinity, model, kv_gb, args, out)
+            label = PLACEMENTS[name][2]
+            cell = run(name, model, kv_gb, args, out)
             ratios[name] = cell.ratio
             print(f"{kv_gb:<14}{label:<30}{cell.ratio:>18.1%}{cell.errors:>8}{cell.capacity:>18}{cell.share:>8.0f}",
                   flush=True)
+            if cell.fresh is not None:
+                print(f"{kv_gb:<14}{'  a worker started after them':<30}{cell.fresh:>18.1%}   (one more turn of "
+                      f"every session; target >= 80%)", flush=True)
+        if "random_store" in ratios:
+            print(f"{kv_gb:<14}random + store: {ratios['random_store']:.1%} (target >= 85%)", flush=True)
         if "affinity" in ratios and "random" in ratios:
             print(f"{kv_gb:<14}affinity / random = {ratios['affinity'] / ratios['random']:.2f}   "
                   "(targets: affinity >= 90%, >= 2x random)", flush=True)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import socket
 import statistics
 import subprocess
 import sys
@@ -50,14 +51,24 @@ def pin_client() -> tuple[set[int] | None, str]:
     return set(cpus[1:]), f"cores: load generator on {cpus[0]}, upstream/router/workers on {cpus[1:]}"
 
 
-def spawn(args: list[str], ready: str, log: Path, cpus: set[int] | None = None) -> subprocess.Popen:
+def spawn(args: list[str], ready: str, log: Path, cpus: set[int] | None = None, port: int = 0) -> subprocess.Popen:
+    """Start `python *args` (or a binary, when args[0] is not a python flag), ready once `ready`
+    appears in its log or, with `port`, once that port accepts connections."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "SPLITFIRE_LOG_LEVEL": os.environ.get("SPLITFIRE_BENCH_LOG_LEVEL", "WARNING"),
            "PYTHONPATH": str(ROOT), "MC_LOG_LEVEL": "ERROR"}
     f = open(log, "w")
-    p = subprocess.Popen([sys.executable, *args], stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
+    argv = [sys.executable, *args] if args[0].startswith("-") else args
+    p = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
                          preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
     deadline = time.monotonic() + 120
-    while ready not in log.read_text(errors="replace"):
+
+    def is_ready() -> bool:
+        if port:
+            with socket.socket() as s:
+                return s.connect_ex(("127.0.0.1", port)) == 0
+        return ready in log.read_text(errors="replace")
+
+    while not is_ready():
         if p.poll() is not None or time.monotonic() > deadline:
             raise RuntimeError(f"{args[:3]} failed to start:\n{log.read_text()[-2000:]}")
         time.sleep(0.1)

@@ -39,7 +39,11 @@ def free_port() -> int:
 
 
 class Stack:
-    def __init__(self, name: str, args: list[str], log_dir: Path):
+    def __init__(self, name: str, args: list[str], log_dir: Path, kv_store: bool = False):
+        """`kv_store`: with the workers' shared KV store (mooncake_master); off unless a benchmark
+        measures it, so every other row is what it names."""
+        if not kv_store:
+            args = [*args, "--no-kv-store"]
         self.name = name
         self.port = free_port()
         self.log_path = log_dir / f"{name}.log"

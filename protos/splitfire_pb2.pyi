@@ -183,7 +183,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("prompt_tokens_in_flight", "running", "waiting", "kv_blocks_total", "kv_blocks_used", "kv_blocks_free", "kv_blocks_cached", "kv_tokens_held", "prefix_query_tokens", "prefix_hit_tokens", "decode_tokens_remaining", "reserved")
+    __slots__ = ("prompt_tokens_in_flight", "running", "waiting", "kv_blocks_total", "kv_blocks_used", "kv_blocks_free", "kv_blocks_cached", "kv_tokens_held", "prefix_query_tokens", "prefix_hit_tokens", "decode_tokens_remaining", "reserved", "store_hit_tokens")
     PROMPT_TOKENS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
@@ -196,6 +196,7 @@ class StatsResponse(_message.Message):
     PREFIX_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DECODE_TOKENS_REMAINING_FIELD_NUMBER: _ClassVar[int]
     RESERVED_FIELD_NUMBER: _ClassVar[int]
+    STORE_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens_in_flight: int
     running: int
     waiting: int
@@ -208,4 +209,5 @@ class StatsResponse(_message.Message):
     prefix_hit_tokens: int
     decode_tokens_remaining: int
     reserved: int
-    def __init__(self, prompt_tokens_in_flight: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., kv_tokens_held: _Optional[int] = ..., prefix_query_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., decode_tokens_remaining: _Optional[int] = ..., reserved: _Optional[int] = ...) -> None: ...
+    store_hit_tokens: int
+    def __init__(self, prompt_tokens_in_flight: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., kv_tokens_held: _Optional[int] = ..., prefix_query_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., decode_tokens_remaining: _Optional[int] = ..., reserved: _Optional[int] = ..., store_hit_tokens: _Optional[int] = ...) -> None: ...
