@@ -9,8 +9,14 @@ Part 2 (--ttft): TTFT of a 2048-token prompt through the router, disaggregated (
 core 0, decode on core 1) vs colocated (one worker on core 0): same compute for the
 prompt, so the ratio is the price of the round trip and the transfer.
 
+Part 3 (--store): the cluster-wide KV tier. Worker A (core 0) computes a 2048-token prompt and
+publishes its blocks to Mooncake Store; worker B (core 1) gets the same prompt and fetches them
+instead of computing: TTFT of each, their ratio, and the fetch's GB/s against Mooncake Store's
+own best case for the same bytes (one contiguous object per layer, read by one batch call).
+
     python -m loadtest.bench_kvtransfer           # part 1, ~30 s
     python -m loadtest.bench_kvtransfer --ttft    # + part 2, ~3 minutes
+    python -m loadtest.bench_kvtransfer --store   # part 3 only, ~2 minutes
 """
 
 from __future__ import annotations
@@ -76,10 +82,14 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--ttft", action="store_true")
+    p.add_argument("--store", action="store_true", help="only part 3: fetch from the shared KV store vs compute")
     p.add_argument("--receiver", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.receiver:
         receiver()
+        return 0
+    if args.store:
+        store_compare()
         return 0
     os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
     from kvtransfer.config import TransferConfig
@@ -204,3 +214,92 @@ def ttft_compare(n_prompts: int = 5) -> None:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def store_compare(rounds: int = 3) -> None:
+    """Part 3: a 2048-token prefix computed on one core (worker A) vs fetched from the store (worker B)."""
+    import asyncio
+
+    import grpc
+
+    from engine.model_store import resolve_model
+    from kvtransfer.store import KVStore, StoreConfig, master_command
+    from loadtest.bench_router import spawn
+    from loadtest.stack import free_port
+    from protos import splitfire_pb2 as pb
+    from protos import splitfire_pb2_grpc as pbg
+
+    out = Path("loadtest/results")
+    out.mkdir(parents=True, exist_ok=True)
+    model = str(resolve_model(None))
+    mport = free_port()
+    procs = [spawn(master_command(mport, free_port()), "", out / "store-master.log", port=mport)]
+    store_flags = ["--kv-store", f"127.0.0.1:{mport}", "--kv-store-gb", "0.5"]
+    ports = {}
+    for name, core in (("A", 0), ("B", 1)):
+        ports[name] = free_port()
+        metrics = free_port()
+        ports[name + "-metrics"] = metrics
+        procs.append(spawn(["-m", "splitfire_cli", "serve", "--model", model, "--host", "127.0.0.1", "--grpc-port",
+                            str(ports[name]), "--metrics-port", str(metrics), "--cpus", str(core), "--kv-cache-gb",
+                            "1", "--max-num-batched-tokens", "2048", *store_flags], "worker ready",
+                           out / f"store-{name}.log"))
+
+    async def ttft(port: int, ids: list[int]) -> float:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+            t0 = time.perf_counter()
+            req = pb.GenerateRequest(token_ids=ids, sampling=pb.SamplingParams(max_tokens=1, temperature=0))
+            async for ev in pbg.DecodeStub(ch).Generate(req):
+                if ev.token_ids:
+                    return time.perf_counter() - t0
+        raise RuntimeError("no token")
+
+    def published(port: int) -> float:
+        import urllib.request
+
+        body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+        return sum(float(line.rsplit(" ", 1)[1]) for line in body.splitlines()
+                   if line.startswith("splitfire_worker_kv_store_blocks_total") and 'op="published"' in line)
+
+    rng = random.Random(11)
+    compute, fetch = [], []
+    try:
+        asyncio.run(ttft(ports["A"], [rng.randrange(300, 40000) for _ in range(64)]))  # warm-up
+        asyncio.run(ttft(ports["B"], [rng.randrange(300, 40000) for _ in range(64)]))
+        for _ in range(rounds):
+            ids = [rng.randrange(300, 40000) for _ in range(2048)]  # fresh: nothing cached anywhere
+            before = published(ports["A-metrics"])
+            compute.append(asyncio.run(ttft(ports["A"], ids)))
+            deadline = time.monotonic() + 60
+            while published(ports["A-metrics"]) < before + PROMPT_BLOCKS and time.monotonic() < deadline:
+                time.sleep(0.05)
+            fetch.append(asyncio.run(ttft(ports["B"], ids)))
+        # Mooncake Store's best case for the same bytes, from this process (it lends nothing):
+        # one contiguous object per layer, one batch read.
+        total = LAYERS * (PROMPT_BLOCKS - 1) * PAGE
+        buf = np.random.randint(0, 255, 2 * total, dtype=np.uint8)
+        st = KVStore(StoreConfig(f"127.0.0.1:{mport}"))
+        st.register(buf.ctypes.data, buf.nbytes)
+        assert st.ready()
+        size = total // LAYERS
+        keys = [f"bench/best/{i}" for i in range(LAYERS)]
+        assert st.put(keys, [[buf.ctypes.data + i * size] for i in range(LAYERS)], [[size]] * LAYERS) == LAYERS
+        best = []
+        for _ in range(rounds + 2):
+            t0 = time.perf_counter()
+            got = st.get(keys, [[buf.ctypes.data + total + i * size] for i in range(LAYERS)], [[size]] * LAYERS)
+            best.append(time.perf_counter() - t0)
+            assert got == LAYERS
+        st.close()
+    finally:
+        for p in reversed(procs):
+            p.terminate()
+            p.wait(20)
+    c, f, b = statistics.median(compute), statistics.median(fetch), statistics.median(best)
+    moved = LAYERS * (PROMPT_BLOCKS - 1) * PAGE
+    print(f"\n2048-token prompt, SmolLM2 fp32 ({PROMPT_BLOCKS - 1} reusable blocks x {LAYERS} layers = "
+          f"{moved / 1e6:.1f} MB), one core per worker, median of {rounds}:")
+    print(f"  TTFT computing it (worker A)                      {c * 1e3:8.0f} ms")
+    print(f"  TTFT fetching it from the store (worker B)        {f * 1e3:8.0f} ms   {c / f:.1f}x faster (target >= 5x)")
+    print(f"  store fetch as B did it (whole TTFT)              {moved / f / 1e9:8.2f} GB/s")
+    print(f"  Mooncake Store best case (one object per layer)   {moved / b / 1e9:8.2f} GB/s ({b * 1e3:.0f} ms)")
