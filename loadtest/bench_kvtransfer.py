@@ -88,10 +88,10 @@ def main() -> int:
     if args.receiver:
         receiver()
         return 0
+    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
     if args.store:
         store_compare()
         return 0
-    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
     from kvtransfer.config import TransferConfig
     from kvtransfer.descriptors import KVRegion
     from kvtransfer.mooncake_engine import MooncakeEngine
@@ -212,9 +212,6 @@ def ttft_compare(n_prompts: int = 5) -> None:
     print(f"  disaggregated / colocated = {d / c:.2f}  (target <= 1.1)")
 
 
-if __name__ == "__main__":
-    sys.exit(main())
-
 
 def store_compare(rounds: int = 3) -> None:
     """Part 3: a 2048-token prefix computed on one core (worker A) vs fetched from the store (worker B)."""
@@ -303,3 +300,7 @@ def store_compare(rounds: int = 3) -> None:
     print(f"  TTFT fetching it from the store (worker B)        {f * 1e3:8.0f} ms   {c / f:.1f}x faster (target >= 5x)")
     print(f"  store fetch as B did it (whole TTFT)              {moved / f / 1e9:8.2f} GB/s")
     print(f"  Mooncake Store best case (one object per layer)   {moved / b / 1e9:8.2f} GB/s ({b * 1e3:.0f} ms)")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

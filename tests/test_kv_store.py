@@ -128,27 +128,32 @@ async def test_master_outage_costs_only_cache_hits_and_sharing_resumes_after_res
     store = f"127.0.0.1:{port}"
     a = start_worker("both", tiny_model_dir, tmp_path, "--kv-store", store, "--kv-store-gb", GB, name="A2", wait=False)
     b = start_worker("both", tiny_model_dir, tmp_path, "--kv-store", store, "--kv-store-gb", GB, name="B2", wait=False)
+    c = None
     try:
         for w in (a, b):
             w.wait_for("worker ready")
         ref = Reference(tiny_model_dir)
         master.kill()
+        # A worker that starts while the master is down serves too, and joins the store later.
+        c = start_worker("both", tiny_model_dir, tmp_path, "--kv-store", store, "--kv-store-gb", GB, name="C2")
         # Mid-traffic without a master: every request is served (computed), none fails.
         for i in range(3):
             p = prompt(20 + i)
-            for w in (a, b):
+            for w in (a, b, c):
                 got = await generate(address(w), p, greedy(4))
                 assert got.token_ids == ref.greedy(p, 4)
         master = start_kv_master(tmp_path, port=port)
         await asyncio.sleep(4)  # the breaker re-probes the master every few seconds
-        p = prompt(30)
-        before = published_count(a)
-        await generate(address(a), p, greedy(4))
-        await published(a, before + len(p) // 16)
-        got = await generate(address(b), p, greedy(4))
-        assert got.usage.cached_tokens == full_blocks(p) and got.token_ids == ref.greedy(p, 4)
+        for k, (source, reader) in enumerate(((a, b), (b, c), (c, a))):
+            p = prompt(30 + k)
+            before = published_count(source)
+            await generate(address(source), p, greedy(4))
+            await published(source, before + len(p) // 16)
+            got = await generate(address(reader), p, greedy(4))
+            assert got.usage.cached_tokens == full_blocks(p) and got.token_ids == ref.greedy(p, 4)
     finally:
-        assert stop_all(a, b) == [0, 0]
+        running = [w for w in (a, b, c) if w is not None]
+        assert stop_all(*running) == [0] * len(running)
         master.stop()
 
 
