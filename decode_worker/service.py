@@ -123,24 +123,13 @@ class DecodeService(pb_grpc.DecodeServicer):
     async def _start(self, rid: str, request: pb.GenerateRequest, ids: list[int], sampling: SamplingParams) -> PrefillDecision:
         aeng, cfg, tier = self.ctx.engine, self.ctx.config, self.ctx.kv_tier
         if cfg.role == "both" or self.region is None:
-            from_store = tier is not None and await tier.held(request.tenant, ids) > 0
-
-            def admit(engine) -> bool:
-                """With blocks in the cluster-wide KV store, take the prompt's blocks now to fetch into
-                (True); without them, or with no free blocks this instant, queue it as usual: a cache
-                must never make a request wait or fail."""
-                if from_store and engine.reserve(rid, ids, sampling, request.tenant):
-                    return True
-                engine.add_request(rid, ids, sampling, request.tenant)
-                return False
-
+            # With blocks in the cluster-wide KV store, the prompt is filled from it when the
+            # scheduler admits it (its turn in the queue, like any other) and computes the rest.
+            fetch = tier is not None and await tier.held(request.tenant, ids) > 0
             try:
-                reserved = await aeng.call(admit)
+                await aeng.call(lambda e: e.add_request(rid, ids, sampling, request.tenant, fetch=fetch))
             except RequestError as e:
                 raise GenerateError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from e
-            if reserved:
-                await tier.fill(rid)
-                await aeng.call(lambda e: e.start_local_prefill(rid))
             return PrefillDecision(False, "colocated")
         cached, blocks = await self._reserve(rid, ids, sampling, request.tenant)
         if tier is not None:  # consult the cluster-wide KV store before asking a prefill worker

@@ -82,6 +82,8 @@ class AsyncEngine:
         self.on_step: Callable[[list[RequestOutput], float, int], None] | None = None  # metrics hook (loop thread)
         # Blocks the engine pinned for the cluster-wide KV tier (loop thread; see worker/kv_tier.py).
         self.on_publish: Callable[[list[tuple[list[bytes], list[int]]]], None] | None = None
+        # Requests admitted to be filled from the KV tier before computing (loop thread).
+        self.on_fetch: Callable[[list[str]], None] | None = None
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -221,6 +223,8 @@ class AsyncEngine:
     def _hand_out_published(self) -> None:
         if self.engine.to_publish and self.on_publish is not None and self._loop is not None:
             self._loop.call_soon_threadsafe(self.on_publish, self.engine.take_published())
+        if self.engine.scheduler.admitted_for_fetch and self.on_fetch is not None and self._loop is not None:
+            self._loop.call_soon_threadsafe(self.on_fetch, self.engine.take_fetches())
 
     def _after_step(self, outputs: list[RequestOutput], step_s: float) -> None:
         self.deliver(outputs)

@@ -78,6 +78,7 @@ class EngineStats:
     prompt_tokens_in_flight: int  # prompt tokens not yet computed, queued or running
     kv_tokens_held: int = 0
     decode_tokens_remaining: int = 0
+    store_hit_tokens: int = 0  # prompt tokens filled from the cluster-wide KV tier so far
 
 
 class LLMEngine:
@@ -157,9 +158,12 @@ class LLMEngine:
 
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
-        tenant: str = "", mode: Mode = Mode.FULL,
+        tenant: str = "", mode: Mode = Mode.FULL, fetch: bool = False,
     ) -> Sequence:
+        """Queue a prompt. `fetch`: the KV tier holds part of it; when the scheduler admits it, it is
+        handed out (`take_fetches`) to be filled, and computes the rest after `resume_after_fill`."""
         seq = self._new_seq(request_id, prompt_token_ids, sampling, tenant, mode)
+        seq.fetch = fetch and self.kv_tier
         self.seqs[request_id] = seq
         self.scheduler.add(seq)
         return seq
@@ -252,6 +256,18 @@ class LLMEngine:
         self.to_publish.append((seq.block_hashes[lo:full], blocks))
         seq.num_published_blocks = full
 
+    def take_fetches(self) -> list[str]:
+        """Requests the scheduler admitted for filling from the KV tier since the last call."""
+        out = [s.request_id for s in self.scheduler.admitted_for_fetch]
+        self.scheduler.admitted_for_fetch = []
+        return out
+
+    def resume_after_fill(self, request_id: str) -> None:
+        """The KV tier filled what it could: compute the rest (unless the request is gone)."""
+        seq = self.seqs.get(request_id)
+        if seq is not None and seq.status == Status.RESERVED:
+            self.scheduler.add_running(seq)
+
     def take_published(self) -> list[tuple[list[bytes], list[int]]]:
         out, self.to_publish = self.to_publish, []
         return out
@@ -273,7 +289,7 @@ class LLMEngine:
 
     def step(self, observer: StepObserver | None = None) -> list[RequestOutput]:
         batch = self.scheduler.schedule()
-        if not batch:
+        if not batch:  # (admissions for fetching from the KV tier compute nothing yet)
             return []
         hook = None
         if observer is not None:
@@ -361,4 +377,5 @@ class LLMEngine:
             prompt_tokens_in_flight=pending,
             kv_tokens_held=self.kv_tokens_held(),
             decode_tokens_remaining=self.decode_tokens_remaining(),
+            store_hit_tokens=self.store_hit_tokens,
         )

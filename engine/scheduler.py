@@ -44,6 +44,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self.num_prefix_waits = 0  # steps a waiting prompt sat out to reuse a prefix being computed
+        self.admitted_for_fetch: list[Sequence] = []  # admitted with blocks, to be filled from the KV tier
 
     def add(self, seq: Sequence) -> None:
         seq.status = Status.WAITING
@@ -114,6 +115,11 @@ class Scheduler:
             if not self.blocks.allocate(seq, seq.num_tokens):
                 break
             self.waiting.popleft()
+            if seq.fetch:  # its turn came: blocks now, filled from the KV tier before it computes
+                seq.fetch = False
+                seq.status = Status.RESERVED
+                self.admitted_for_fetch.append(seq)
+                continue
             seq.status = Status.RUNNING
             self.running.append(seq)
             n = min(seq.num_remaining, budget)

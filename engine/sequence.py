@@ -44,6 +44,7 @@ class Sequence:
     num_cached_tokens: int = 0  # of those, how many came from the prefix cache at admission
     num_registered_blocks: int = 0  # leading full blocks already entered in the prefix cache
     num_published_blocks: int = 0  # leading full blocks handed to the cluster-wide KV tier (or taken from it)
+    fetch: bool = False  # once admitted, wait for the KV tier to fill blocks past the local hit before computing
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of the full blocks so far
     status: Status = Status.WAITING
     finish_reason: str | None = None

@@ -62,29 +62,23 @@ class PrefillService(pb_grpc.PrefillServicer):
         ctx.inflight.add(rid)
         added = False
         try:
-            tier = ctx.kv_tier
-            from_store = tier is not None and await tier.held(request.tenant, ids) > 0
+            # With blocks in the cluster-wide KV store past this worker's own hit, the prompt is
+            # filled from it when admitted, and only the rest is computed (and sent on).
+            fetch = ctx.kv_tier is not None and await ctx.kv_tier.held(request.tenant, ids) > 0
 
-            def admit(engine) -> bool:
-                """Queue the prompt; with blocks in the KV store, reserve its blocks instead (True)."""
+            def admit(engine) -> None:
                 self.sender.add_plan(plan)
                 try:
-                    if from_store and engine.reserve(rid, ids, sampling, request.tenant, Mode.PREFILL_ONLY):
-                        return True
-                    engine.add_request(rid, ids, sampling, request.tenant, Mode.PREFILL_ONLY)
-                    return False
+                    engine.add_request(rid, ids, sampling, request.tenant, Mode.PREFILL_ONLY, fetch=fetch)
                 except BaseException:
                     self.sender.remove_plan(rid)
                     raise
 
             try:
-                reserved = await aeng.call(admit)
+                await aeng.call(admit)
             except RequestError as e:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
             added = True
-            if reserved:
-                await tier.fill(rid)
-                await aeng.call(lambda e: e.start_local_prefill(rid))
             out = await stream.next()
             assert out is not None and out.finished
             if out.error is not None:

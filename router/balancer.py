@@ -35,12 +35,29 @@ class Policy(Protocol):
 
     def pick(self, candidates: list[Endpoint], placement: Placement) -> Endpoint: ...
 
+    def pick_route(self, decodes: list[Endpoint], prefills: list[Endpoint],
+                   placement: Placement) -> tuple[Endpoint, Endpoint | None]:
+        """The decode (or colocated) endpoint, and a prefill endpoint when it is a decode worker."""
+        ...
+
+
+class _Independent:
+    """Decode and prefill endpoints chosen one after the other by the same rule."""
+
+    def pick(self, candidates: list[Endpoint], placement: Placement) -> Endpoint:
+        raise NotImplementedError
+
+    def pick_route(self, decodes: list[Endpoint], prefills: list[Endpoint],
+                   placement: Placement) -> tuple[Endpoint, Endpoint | None]:
+        d = self.pick(decodes, placement)
+        return d, (self.pick(prefills, placement) if prefills and d.role == "decode" else None)
+
 
 def token_cost(ep: Endpoint, placement: Placement) -> int:
     return ep.load() + placement.prompt_tokens - placement.cached_tokens(ep)
 
 
-class TokenPolicy:
+class TokenPolicy(_Independent):
     name = "token"
 
     def pick(self, candidates: list[Endpoint], placement: Placement) -> Endpoint:
@@ -48,6 +65,10 @@ class TokenPolicy:
 
 
 class RoundRobinPolicy:
+    """Every endpoint in turn; in disaggregated mode every (prefill, decode) pair in turn: the
+    prefill endpoint advances each time the decode endpoints have all had one (two counters
+    moving together would pin each decode worker to one prefill worker)."""
+
     name = "round_robin"
 
     def __init__(self) -> None:
@@ -57,8 +78,18 @@ class RoundRobinPolicy:
         ordered = sorted(candidates, key=lambda e: e.address)
         return ordered[next(self._counter) % len(ordered)]
 
+    def pick_route(self, decodes: list[Endpoint], prefills: list[Endpoint],
+                   placement: Placement) -> tuple[Endpoint, Endpoint | None]:
+        ds = sorted(decodes, key=lambda e: e.address)
+        i = next(self._counter)
+        d = ds[i % len(ds)]
+        if not prefills or d.role != "decode":
+            return d, None
+        ps = sorted(prefills, key=lambda e: e.address)
+        return d, ps[(i // len(ds)) % len(ps)]
 
-class RandomPolicy:
+
+class RandomPolicy(_Independent):
     name = "random"
 
     def __init__(self, seed: int | None = None) -> None:

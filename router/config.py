@@ -88,15 +88,15 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=int(_env("port", "8000")))
     p.add_argument("--model", default=os.environ.get("SPLITFIRE_MODEL"), help="model whose tokenizer and chat template to use (env SPLITFIRE_MODEL)")
     p.add_argument("--served-model-name", default=_env("served_model_name", ""), help="model name clients send (default: the model's)")
-    p.add_argument("--prefill", nargs="*", default=_list_env("prefill"), metavar="HOST:PORT", help="prefill workers")
-    p.add_argument("--decode", nargs="*", default=_list_env("decode"), metavar="HOST:PORT", help="decode workers")
-    p.add_argument("--colocated", nargs="*", default=_list_env("colocated"), metavar="HOST:PORT", help="colocated (serve) workers")
-    p.add_argument("--openai-upstream", nargs="*", default=_list_env("openai_upstream"), metavar="URL",
+    p.add_argument("--prefill", nargs="*", action="extend", default=_list_env("prefill"), metavar="HOST:PORT", help="prefill workers")
+    p.add_argument("--decode", nargs="*", action="extend", default=_list_env("decode"), metavar="HOST:PORT", help="decode workers")
+    p.add_argument("--colocated", nargs="*", action="extend", default=_list_env("colocated"), metavar="HOST:PORT", help="colocated (serve) workers")
+    p.add_argument("--openai-upstream", nargs="*", action="extend", default=_list_env("openai_upstream"), metavar="URL",
                    help="OpenAI-compatible servers to balance across (vLLM, SGLang, llama.cpp)")
     p.add_argument("--openai-upstream-api-key", default=_env("openai_upstream_api_key", ""), metavar="KEY",
                    help="Bearer token for the upstreams (prefer env SPLITFIRE_ROUTER_OPENAI_UPSTREAM_API_KEY: "
                    "flags show in ps)")
-    p.add_argument("--discover-dns", nargs="*", default=_list_env("discover_dns"), metavar="ROLE=HOST:PORT",
+    p.add_argument("--discover-dns", nargs="*", action="extend", default=_list_env("discover_dns"), metavar="ROLE=HOST:PORT",
                    help="resolve a headless Service's A records for workers of a role")
     p.add_argument("--redis-url", default=os.environ.get("REDIS_URL", ""), help="affinity pins and worker registry (env REDIS_URL)")
     p.add_argument("--policy", default=_env("policy", "token"), choices=POLICIES)

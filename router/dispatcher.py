@@ -15,6 +15,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+from engine.block_hash import block_hashes
 from engine.tokenizer import Tokenizer
 from router.affinity import Pin, SessionAffinity
 from router.balancer import Placement, Policy
@@ -24,7 +25,7 @@ from router.endpoints import Endpoint, EndpointRegistry
 from router.errors import APIError, unavailable
 from router.metrics import RouterMetrics
 from router.openai_upstream import OpenAIUpstreamClient
-from router.prefix_index import PrefixIndex, prompt_block_hashes
+from router.prefix_index import PrefixIndex
 from router.protocol import GenRequest
 from router.worker_client import WorkerClient
 
@@ -141,7 +142,7 @@ class Dispatcher:
             prefills = []
         if not decodes:
             raise unavailable("no healthy workers to serve this request; retry shortly")
-        n, bs = len(req.prompt_token_ids), self.cfg.block_size
+        n, bs = len(req.prompt_token_ids), self.registry.block_size
         max_blocks = (n - 1) // bs
 
         def cached(ep: Endpoint) -> int:
@@ -150,8 +151,7 @@ class Dispatcher:
         route = await self._pinned(req, decodes, prefills) if req.session else None
         if route is None:
             placement = Placement(n, cached)
-            d = self.policy.pick(decodes, placement)
-            p = self.policy.pick(prefills, placement) if (prefills and d.role == "decode") else None
+            d, p = self.policy.pick_route(decodes, prefills, placement)
             route = Route(d, p)
             if req.session:
                 await self.affinity.pin(req.tenant, req.session, route.pin())
@@ -175,7 +175,8 @@ class Dispatcher:
     async def run(self, req: GenRequest) -> AsyncIterator[Chunk]:
         """Yields the request's chunks; the last carries finish_reason and usage for the whole request."""
         prompt = req.prompt_token_ids
-        hashes = (prompt_block_hashes(req.tenant, prompt, self.cfg.block_size)
+        bs = self.registry.block_size
+        hashes = (block_hashes(req.tenant, prompt, bs)
                   if self.cfg.prefix_aware and self.tokenizer is not None else [])
         generated: list[int] = []
         sent_text = ""
@@ -197,18 +198,17 @@ class Dispatcher:
             req.served_by = route.pin()
             max_tokens = req.sampling.max_tokens - len(generated)
             uncached_at = route.prefill or route.decode
-            uncached = len(prompt) - self.index.cached_tokens(uncached_at.address, hashes,
-                                                              (len(prompt) - 1) // self.cfg.block_size, self.cfg.block_size)
+            uncached = len(prompt) - self.index.cached_tokens(uncached_at.address, hashes, (len(prompt) - 1) // bs, bs)
             ticket = Ticket(route, len(prompt) + len(generated), uncached, max_tokens)
-            if hashes:
-                for ep in (route.prefill, route.decode):
-                    if ep is not None:
-                        self.index.insert(ep.address, hashes)
+            if hashes:  # the decode side holds the prompt's blocks either way; the prefill side only
+                self.index.insert(route.decode.address, hashes)  # if the decode worker sends it the prompt
             finish = None
             usage = (0, 0, 0)
             last = Chunk()  # the output that came with the finish: it leaves with the final chunk
             try:
                 async for c in self._send(route, req, generated, max_tokens, attempt):
+                    if c.prefill_mode == "remote" and route.prefill is not None and hashes:
+                        self.index.insert(route.prefill.address, hashes)
                     if c.has_output:
                         ticket.on_tokens(len(c.token_ids) or 1)
                         sent_other = sent_other or bool(c.extra or c.raw_logprobs)
@@ -262,7 +262,7 @@ class Dispatcher:
             break
         if hashes and route.decode.role != "openai" and generated:
             self.index.insert(route.decode.address,
-                              prompt_block_hashes(req.tenant, prompt + generated, self.cfg.block_size))
+                              block_hashes(req.tenant, prompt + generated, bs))
         last.finish_reason = finish or "stop"
         last.prompt_tokens = len(prompt) if route.decode.role != "openai" else (usage[0] or len(prompt))
         last.completion_tokens = len(generated) if route.decode.role != "openai" else usage[1]

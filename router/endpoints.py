@@ -65,8 +65,24 @@ class Endpoint:
 
 
 class EndpointRegistry:
-    def __init__(self) -> None:
+    def __init__(self, block_size: int = 16) -> None:
         self.by_address: dict[tuple[str, str], Endpoint] = {}
+        # The fleet's KV block size, as its workers report it (prompt block hashes must match the
+        # workers' own); until one reports, the router's default.
+        self.block_size = block_size
+        self.block_size_learned = False
+
+    def admit_block_size(self, ep: Endpoint, block_size: int) -> bool:
+        """A worker's reported block size: the first sets the fleet's; one that differs is refused
+        (mixing them would make every prefix-aware placement guess wrong)."""
+        if not self.block_size_learned:
+            self.block_size, self.block_size_learned = block_size, True
+            return True
+        if block_size != self.block_size:
+            log.error("event=endpoint_refused role=%s address=%s reason=block_size reported=%d fleet=%d",
+                      ep.role, ep.address, block_size, self.block_size)
+            return False
+        return True
 
     def add(self, address: str, role: str, source: str = "static") -> Endpoint:
         key = (role, address)

@@ -32,7 +32,7 @@ class HealthChecker:
                 ok = await self.upstreams.health(ep.address, t)
             else:
                 h = await self.workers.health(ep.address, t)
-                ok = h.status == "serving"
+                ok = h.status == "serving" and self.registry.admit_block_size(ep, h.block_size)
                 ep.block_size, ep.max_model_len = h.block_size, h.max_model_len
         except Exception as e:  # any failure to answer is a failed check
             log.debug("event=health_check_failed address=%s error=%r", ep.address, e)

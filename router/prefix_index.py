@@ -1,4 +1,5 @@
-"""An approximate map of which prompt blocks each endpoint has cached.
+"""An approximate map of which prompt blocks each endpoint has cached (by `engine.block_hash`,
+the hashes the workers' own prefix caches use).
 
 The router remembers the tenant-scoped, chained block hashes it sent to each endpoint
 (bounded LRU per endpoint). It never asks the workers: a miss costs only a slightly
@@ -7,21 +8,7 @@ worse placement, never a wrong answer.
 
 from __future__ import annotations
 
-import hashlib
-from array import array
 from collections import OrderedDict
-
-
-def prompt_block_hashes(tenant: str, token_ids: list[int], block_size: int) -> list[bytes]:
-    h = hashlib.blake2b(b"splitfire/tenant:" + tenant.encode(), digest_size=16).digest()
-    out = []
-    for i in range(len(token_ids) // block_size):
-        d = hashlib.blake2b(h, digest_size=16)
-        d.update(array("q", token_ids[i * block_size : (i + 1) * block_size]).tobytes())
-        h = d.digest()
-        out.append(h)
-    return out
-
 
 # Fetching a block from the workers' shared KV store costs about this fraction of computing it
 # (bench_kvtransfer's store row: a 2,048-token prefix fetched >= 5x faster than recomputed).

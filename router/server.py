@@ -144,6 +144,8 @@ class Router:
             return json.loads(text)
         except json.JSONDecodeError as e:
             raise bad_request(f"request body is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from e
+        except RecursionError as e:
+            raise bad_request("request body nests JSON too deeply") from e
 
     # -- routes -------------------------------------------------------------------------
 

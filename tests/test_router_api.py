@@ -126,6 +126,19 @@ BAD = [
     ("completions: logprobs too many", {"model": MODEL, "prompt": "hi", "logprobs": 9}, 400, "/v1/completions"),
     ("completions: echo", {"model": MODEL, "prompt": "hi", "echo": True}, 400, "/v1/completions"),
     ("unknown route", {"model": MODEL}, 404, "/v1/embeddings"),
+    ("JSON nested 90,000 deep", b'{"model": "tiny", "messages": ' + b"[" * 90_000 + b"]" * 90_000 + b"}", 400),
+    ("tools not a list", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "tools": {}}, 400),
+    ("tool name with spaces", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                               "tools": [{"type": "function", "function": {"name": "get weather"}}]}, 400),
+    ("tool_choice names no tool", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                                   "tools": [{"type": "function", "function": {"name": "f"}}],
+                                   "tool_choice": {"type": "function", "function": {"name": "g"}}}, 400),
+    ("tool_choice without tools", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                                   "tool_choice": "required"}, 400),
+    ("tool message without its call id", {"model": MODEL, "messages": [{"role": "tool", "content": "42"}]}, 400),
+    ("response_format json_schema invalid", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                                             "response_format": {"type": "json_schema",
+                                                                 "json_schema": {"name": "x", "schema": {"type": 5}}}}, 400),
 ]
 
 

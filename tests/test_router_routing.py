@@ -214,9 +214,10 @@ def test_failover_resumes_after_the_text_the_client_already_has(tiny_model_dir):
 def test_a_prefix_cached_elsewhere_costs_a_fetch_with_a_shared_kv_store():
     """Placement: a local hit is cheapest, a block only the fleet has seen (the shared KV store) is
     cheaper than computing, and without a shared store it counts for nothing."""
-    from router.prefix_index import STORE_HIT_COST, PrefixIndex, prompt_block_hashes
+    from engine.block_hash import block_hashes
+    from router.prefix_index import STORE_HIT_COST, PrefixIndex
 
-    hashes = prompt_block_hashes("", list(range(160)), 16)  # 10 blocks
+    hashes = block_hashes("", list(range(160)), 16)  # 10 blocks
     for shared in (False, True):
         idx = PrefixIndex(1000, shared_store=shared)
         idx.insert("a", hashes[:8])
@@ -225,3 +226,64 @@ def test_a_prefix_cached_elsewhere_costs_a_fetch_with_a_shared_kv_store():
         expected_b = 3 * 16 + (int(5 * 16 * (1 - STORE_HIT_COST)) if shared else 0)
         assert idx.cached_tokens("b", hashes, 9, 16) == expected_b
         assert idx.cached_tokens("c", hashes, 9, 16) == (int(8 * 16 * (1 - STORE_HIT_COST)) if shared else 0)
+
+
+def test_round_robin_visits_every_prefill_decode_pair():
+    """With 2 + 2 workers, consecutive requests cover all four (prefill, decode) pairs (one counter for
+    both roles sent request k to pair k % 2: two of the four, forever)."""
+    cfg = RouterConfig(prefill=["p0:1", "p1:1"], decode=["d0:1", "d1:1"], policy="round_robin", prefix_aware=False)
+    reg = EndpointRegistry()
+    for a in cfg.prefill:
+        reg.add(a, "prefill")
+    for a in cfg.decode:
+        reg.add(a, "decode")
+    d = Dispatcher(cfg, reg, make_policy("round_robin"), SessionAffinity(MemoryPinStore(), 60), PrefixIndex(10),
+                   None, None, RouterMetrics(reg), None)
+    req = GenRequest("r", "chat", MODEL, [1] * 20, Sampling(max_tokens=4), False, False, "t", None, False, {})
+
+    async def pairs() -> set[tuple[str, str]]:
+        out = set()
+        for _ in range(8):
+            route = await d.place(req, [], set())
+            out.add((route.prefill.address, route.decode.address))
+        return out
+
+    assert asyncio.run(pairs()) == {(p, q) for p in cfg.prefill for q in cfg.decode}
+
+
+def test_the_fleet_block_size_is_what_workers_report_and_a_mismatch_is_refused():
+    reg = EndpointRegistry()
+    a, b = reg.add("w0:1", "colocated"), reg.add("w1:1", "colocated")
+    assert reg.block_size == 16 and not reg.block_size_learned  # the default until a worker reports
+    assert reg.admit_block_size(a, 32) and reg.block_size == 32
+    assert not reg.admit_block_size(b, 16) and reg.block_size == 32
+
+
+def test_router_and_engine_hash_blocks_identically():
+    from engine.block_hash import block_hashes
+    from engine.block_manager import BlockManager
+    from engine.sampling_params import SamplingParams
+    from engine.sequence import Sequence
+
+    rng = random.Random(1)
+    for tenant in ("", "acme", "t\u00e9n\u00e4nt"):
+        ids = [rng.randrange(0, 1 << 20) for _ in range(rng.randrange(32, 300))]
+        seq = Sequence("s", ids, SamplingParams(max_tokens=1), tenant=tenant)
+        bm = BlockManager(64, 16)
+        assert bm.allocate(seq, len(ids))
+        seq.num_computed_tokens = len(ids)
+        bm.register_computed(seq)
+        assert seq.block_hashes == block_hashes(tenant, ids, 16)  # what the router indexes
+
+
+def test_list_flags_accept_repeats_and_lists():
+    import argparse
+
+    from router.config import add_router_args
+
+    parser = argparse.ArgumentParser()
+    add_router_args(parser)
+    args = parser.parse_args(["--openai-upstream", "http://a:1", "--openai-upstream", "http://b:1",
+                                      "http://c:1", "--colocated", "x:1", "--colocated", "y:1"])
+    assert args.openai_upstream == ["http://a:1", "http://b:1", "http://c:1"]
+    assert args.colocated == ["x:1", "y:1"]

@@ -21,7 +21,7 @@ import logging
 from concurrent.futures import ThreadPoolExecutor
 
 from engine.async_engine import AsyncEngine
-from engine.block_manager import block_hashes
+from engine.block_hash import block_hashes
 from engine.checkpoint import model_fingerprint
 from kvtransfer.store import KVStore
 from worker.metrics import WorkerMetrics
@@ -55,9 +55,11 @@ class KVTier:
         self._fetcher = ThreadPoolExecutor(1, thread_name_prefix="kv-fetch")
         self._publisher = ThreadPoolExecutor(1, thread_name_prefix="kv-publish")
         self._task: asyncio.Task | None = None
+        self._fills: set[asyncio.Task] = set()
         store.register(engine.kv.base_address, engine.kv.nbytes)
         engine.kv_tier = True
         aengine.on_publish = self.on_publish
+        aengine.on_fetch = self.on_fetch
 
     def keys(self, hashes: list[bytes]) -> list[str]:
         return [self.prefix + h.hex() for h in hashes]
@@ -91,6 +93,23 @@ class KVTier:
             n = await asyncio.get_running_loop().run_in_executor(self._fetcher, self._fetch, self.keys(hashes), blocks)
         self.metrics.kv_store_blocks.labels(role=self.metrics.role, op="fetched").inc(n)
         return await aeng.call(lambda e: e.mark_filled(request_id, n))
+
+    def on_fetch(self, request_ids: list[str]) -> None:
+        """Prompts the scheduler admitted (in their turn, with their blocks) to be filled from the
+        store: fill each, then let it compute the rest (event-loop thread)."""
+        for rid in request_ids:
+            task = asyncio.create_task(self._fill_and_resume(rid))
+            self._fills.add(task)
+            task.add_done_callback(self._fills.discard)
+
+    async def _fill_and_resume(self, request_id: str) -> None:
+        try:
+            await self.fill(request_id)
+        except KeyError:
+            return  # aborted while it waited
+        except Exception:
+            log.exception("event=kv_fill_failed rid=%s", request_id)
+        await self.aengine.call(lambda e: e.resume_after_fill(request_id))
 
     def _fetch(self, keys: list[str], blocks: list[int]) -> int:
         try:

@@ -74,8 +74,7 @@ def _on_step(ctx: WorkerContext):
         m.kv_cached.labels(**lbl).set(len(b.lru))
         if b.prefix_query_tokens:
             m.prefix_hit.labels(**lbl).set(b.prefix_hit_tokens / b.prefix_query_tokens)
-        m.prefix_hit_tokens.labels(role=m.role, tier="local").set(b.prefix_hit_tokens)
-        m.prefix_hit_tokens.labels(role=m.role, tier="store").set(eng.store_hit_tokens)
+
         m.preemptions.labels(**lbl).set(eng.scheduler.num_preemptions)
 
     return update
@@ -83,6 +82,9 @@ def _on_step(ctx: WorkerContext):
 
 async def _metrics_app(ctx: WorkerContext) -> web.AppRunner:
     async def metrics(_: web.Request) -> web.Response:
+        st, m = ctx.engine.stats, ctx.metrics  # the engine's snapshot: at most one step old
+        m.prefix_hit_tokens.labels(role=m.role, tier="local").set(st.blocks.prefix_hit_tokens)
+        m.prefix_hit_tokens.labels(role=m.role, tier="store").set(st.store_hit_tokens)
         return web.Response(body=generate_latest(ctx.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def health(_: web.Request) -> web.Response:

@@ -63,5 +63,5 @@ class WorkerService(pb_grpc.WorkerServicer):
             kv_blocks_total=b.total, kv_blocks_used=b.used, kv_blocks_free=b.free, kv_blocks_cached=b.cached,
             kv_tokens_held=st.kv_tokens_held, prefix_query_tokens=b.prefix_query_tokens,
             prefix_hit_tokens=b.prefix_hit_tokens, decode_tokens_remaining=st.decode_tokens_remaining,
-            reserved=st.reserved, store_hit_tokens=self.ctx.engine.engine.store_hit_tokens,
+            reserved=st.reserved, store_hit_tokens=st.store_hit_tokens,
         )

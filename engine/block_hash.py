@@ -1,0 +1,31 @@
+"""Block identities shared across processes: a full block's hash is chained from its parent's
+(so it commits to every token before it) and rooted at the tenant (so two tenants never share a
+block). The engine's prefix cache, the KV store's keys and the router's prefix-aware placement
+all use this one function; torch-free, so the router can import it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+
+
+def tenant_root(tenant: str) -> bytes:
+    return hashlib.blake2b(b"splitfire/tenant:" + tenant.encode(), digest_size=16).digest()
+
+
+def chain_hash(parent: bytes, tokens: list[int]) -> bytes:
+    h = hashlib.blake2b(parent, digest_size=16)
+    h.update(array("q", tokens).tobytes())
+    return h.digest()
+
+
+def block_hashes(tenant: str, token_ids: list[int], block_size: int, start: int = 0,
+                 parent: bytes | None = None) -> list[bytes]:
+    """Chained hashes of the full blocks of `token_ids`, from block `start` (whose parent is given)."""
+    out: list[bytes] = []
+    h = parent if parent is not None else tenant_root(tenant)
+    for i in range(start, len(token_ids) // block_size):
+        h = chain_hash(h, token_ids[i * block_size : (i + 1) * block_size])
+        out.append(h)
+    return out
