@@ -17,6 +17,7 @@ from engine.sampling_params import SamplingParams
 from kvtransfer.descriptors import KVRegion
 from protos import splitfire_pb2 as pb
 from protos import splitfire_pb2_grpc as pb_grpc
+from protos import trailers
 from worker.convert import (
     event_from_output,
     logprob_from_proto,
@@ -32,9 +33,15 @@ RESERVE_RETRY_S = 0.01
 
 
 class GenerateError(Exception):
-    def __init__(self, code: grpc.StatusCode, message: str):
+    def __init__(self, code: grpc.StatusCode, message: str, failed_prefill: str = ""):
         super().__init__(message)
         self.code = code
+        self.failed_prefill = failed_prefill  # the prefill worker that failed, if it was one
+
+    def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
+        if not self.failed_prefill:
+            return ()
+        return ((trailers.FAILED_ENDPOINT, self.failed_prefill), (trailers.FAILED_ROLE, "prefill"))
 
 
 class DecodeService(pb_grpc.DecodeServicer):
@@ -110,7 +117,8 @@ class DecodeService(pb_grpc.DecodeServicer):
             if code not in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.DEADLINE_EXCEEDED,
                             grpc.StatusCode.RESOURCE_EXHAUSTED):
                 code = grpc.StatusCode.UNAVAILABLE
-            raise GenerateError(code, f"prefill worker {endpoint} failed: {e.code().name}: {e.details()}") from e
+            raise GenerateError(code, f"prefill worker {endpoint} failed: {e.code().name}: {e.details()}",
+                                failed_prefill=endpoint) from e
         finally:
             self._remote_calls.pop(rid, None)
         lp = logprob_from_proto(resp.logprob) if resp.HasField("logprob") else None
@@ -120,7 +128,10 @@ class DecodeService(pb_grpc.DecodeServicer):
         cached_total = len(request.token_ids) - resp.computed_tokens
         await self.ctx.engine.call_and_deliver(lambda e: [e.activate(rid, resp.first_token, lp, cached_total)])
 
-    async def _start(self, rid: str, request: pb.GenerateRequest, ids: list[int], sampling: SamplingParams) -> PrefillDecision:
+    async def _decide(self, rid: str, request: pb.GenerateRequest, ids: list[int], sampling: SamplingParams
+                      ) -> tuple[PrefillDecision, int, list[int]]:
+        """Reserve the prompt's blocks and decide where it is prefilled: (decision, cached, blocks).
+        The colocated role queues the request here and prefills in the batch."""
         aeng, cfg, tier = self.ctx.engine, self.ctx.config, self.ctx.kv_tier
         if cfg.role == "both" or self.region is None:
             # With blocks in the cluster-wide KV store, the prompt is filled from it when the
@@ -130,7 +141,7 @@ class DecodeService(pb_grpc.DecodeServicer):
                 await aeng.call(lambda e: e.add_request(rid, ids, sampling, request.tenant, fetch=fetch))
             except RequestError as e:
                 raise GenerateError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from e
-            return PrefillDecision(False, "colocated")
+            return PrefillDecision(False, "colocated"), 0, []
         cached, blocks = await self._reserve(rid, ids, sampling, request.tenant)
         if tier is not None:  # consult the cluster-wide KV store before asking a prefill worker
             cached = await tier.fill(rid)
@@ -140,11 +151,16 @@ class DecodeService(pb_grpc.DecodeServicer):
                                              reason=decision.reason).inc()
         log.info("event=prefill_decision rid=%s remote=%s reason=%s prompt=%d cached=%d",
                  rid, decision.remote, decision.reason, len(ids), cached)
+        return decision, cached, blocks
+
+    async def _prefill(self, rid: str, request: pb.GenerateRequest, decision: PrefillDecision, cached: int,
+                       blocks: list[int]) -> None:
+        if decision.reason == "colocated":
+            return
         if decision.remote:
             await self._remote_prefill(rid, request, cached, blocks)
         else:
-            await aeng.call(lambda e: e.start_local_prefill(rid))
-        return decision
+            await self.ctx.engine.call(lambda e: e.start_local_prefill(rid))
 
     # -- the RPC ----------------------------------------------------------------------
 
@@ -164,13 +180,18 @@ class DecodeService(pb_grpc.DecodeServicer):
         m, lbl = ctx.metrics, ctx.metrics.labels
         try:
             try:
-                decision = await self._start(rid, request, ids, sampling)
+                decision, cached, blocks = await self._decide(rid, request, ids, sampling)
+                mode = "colocated" if decision.reason == "colocated" else ("remote" if decision.remote else "local")
+                if request.prefill_endpoint:
+                    # Say where the prompt is prefilled before doing it: the router moves its
+                    # prefill load estimate to this worker when it is prefilled here.
+                    yield pb.GenerateEvent(prefill_mode=mode, prefill_reason=decision.reason)
+                await self._prefill(rid, request, decision, cached, blocks)
             except GenerateError as e:
                 done = True
                 m.requests.labels(role=ctx.config.role, outcome="error").inc()
                 log.warning("event=generate_failed rid=%s code=%s error=%r", rid, e.code.name, str(e))
-                await context.abort(e.code, str(e))
-            mode = "colocated" if decision.reason == "colocated" else ("remote" if decision.remote else "local")
+                await context.abort(e.code, str(e), trailing_metadata=e.trailing_metadata())
             last = None
             pending = None
             interval = ctx.config.stream_interval

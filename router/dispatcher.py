@@ -1,106 +1,45 @@
 """The request path: pick, send, retry, stream.
 
-Failures before the first token are retried elsewhere with backoff. A decode worker
-that dies after tokens were streamed is replaced mid-stream: the prompt plus the tokens
-generated so far go to another worker, which continues the same client stream (with
-greedy sampling the client sees exactly the text of an uninterrupted run).
+`place` picks a route (session pin, else the policy); an `Attempt` carries the route's load
+and index bookkeeping; the backend streams; `Retry` decides what a failure becomes; `Progress`
+tracks what the client has, so a stream cut off mid-way resumes on another endpoint.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import statistics
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 
 from engine.block_hash import block_hashes
 from engine.tokenizer import Tokenizer
-from router.affinity import Pin, SessionAffinity
+from router.affinity import SessionAffinity
+from router.attempt import Attempt, Route
+from router.backend import Backends
 from router.balancer import Placement, Policy
 from router.chunks import Chunk, WorkerError
 from router.config import RouterConfig
 from router.endpoints import Endpoint, EndpointRegistry
 from router.errors import APIError, unavailable
 from router.metrics import RouterMetrics
-from router.openai_upstream import OpenAIUpstreamClient
 from router.prefix_index import PrefixIndex
 from router.protocol import GenRequest
-from router.worker_client import WorkerClient
+from router.resume import Progress
+from router.retry import Retry, counts_against_endpoint
 
 log = logging.getLogger("splitfire.router")
 
 
-@dataclass
-class Route:
-    decode: Endpoint  # decode, colocated or OpenAI upstream: where the stream comes from
-    prefill: Endpoint | None  # None: the decode endpoint prefills itself
-
-    def pin(self) -> Pin:
-        return Pin(self.prefill.address if self.prefill else "", self.decode.address)
-
-
-class Ticket:
-    """One attempt's contribution to the endpoints' in-flight token estimates."""
-
-    def __init__(self, route: Route, prompt_tokens: int, uncached: int, max_tokens: int):
-        self.route = route
-        self.prefiller = route.prefill or route.decode
-        self.uncached = uncached
-        self.held = prompt_tokens
-        self.remaining = max_tokens
-        self.prefilling = True
-        self.closed = False
-        self.prefiller.prefill_tokens += uncached
-        d = route.decode
-        d.held_tokens += prompt_tokens
-        d.remaining_tokens += max_tokens
-        d.active += 1
-        if route.prefill is not None:
-            route.prefill.active += 1
-        for ep in (route.decode, route.prefill):
-            if ep is not None:
-                ep.note_peak()
-
-    def on_tokens(self, n: int) -> None:
-        if self.prefilling:
-            self.prefilling = False
-            self.prefiller.prefill_tokens -= self.uncached
-            if self.route.prefill is not None:
-                self.route.prefill.active -= 1
-        n = min(n, self.remaining)
-        d = self.route.decode
-        d.held_tokens += n
-        d.remaining_tokens -= n
-        self.held += n
-        self.remaining -= n
-
-    def close(self) -> None:
-        """Idempotent: runs on completion, on failure and when the client goes away."""
-        if self.closed:
-            return
-        self.closed = True
-        if self.prefilling:
-            self.on_tokens(0)
-        d = self.route.decode
-        d.held_tokens -= self.held
-        d.remaining_tokens -= self.remaining
-        d.active -= 1
-        self.held = self.remaining = 0
-
-
 class Dispatcher:
     def __init__(self, cfg: RouterConfig, registry: EndpointRegistry, policy: Policy, affinity: SessionAffinity,
-                 index: PrefixIndex, workers: WorkerClient, upstreams: OpenAIUpstreamClient, metrics: RouterMetrics,
-                 tokenizer: Tokenizer | None):
+                 index: PrefixIndex, backends: Backends | None, metrics: RouterMetrics, tokenizer: Tokenizer | None):
         self.cfg = cfg
         self.registry = registry
         self.policy = policy
         self.affinity = affinity
         self.index = index
-        self.workers = workers
-        self.upstreams = upstreams
+        self.backends = backends
         self.metrics = metrics
         self.tokenizer = tokenizer
 
@@ -137,8 +76,9 @@ class Dispatcher:
         decodes = [e for e in self.registry.healthy("decode") + self.registry.healthy("colocated")
                    if e.address not in exclude]
         prefills = [e for e in self.registry.healthy("prefill") if e.address not in exclude]
-        if not decodes:
-            decodes = [e for e in self.registry.healthy("openai") if e.address not in exclude]
+        if not decodes:  # upstreams that list their models serve only those
+            decodes = [e for e in self.registry.healthy("openai")
+                       if e.address not in exclude and (not e.models or req.model in e.models)]
             prefills = []
         if not decodes:
             raise unavailable("no healthy workers to serve this request; retry shortly")
@@ -160,129 +100,79 @@ class Dispatcher:
                 self.metrics.child(self.metrics.decisions, self.policy.name, ep.role, ep.address).inc()
         return route
 
-    # -- sending ----------------------------------------------------------------------
-
-    def _send(self, route: Route, req: GenRequest, generated: list[int], max_tokens: int, attempt: int
-              ) -> AsyncIterator[Chunk]:
-        d = route.decode
-        if d.role == "openai":
-            return self.upstreams.generate(d.address, req.kind, req.body, max_tokens, self.cfg.request_timeout_s)
-        return self.workers.generate(d.address, route.prefill.address if route.prefill else "",
-                                     f"{req.id}-{req.prompt_index}-{attempt}", req.prompt_token_ids + generated,
-                                     req.sampling, max_tokens, req.tenant, self.cfg.request_timeout_s,
-                                     resumed_tokens=len(generated))
+    # -- the request ------------------------------------------------------------------
 
     async def run(self, req: GenRequest) -> AsyncIterator[Chunk]:
         """Yields the request's chunks; the last carries finish_reason and usage for the whole request."""
-        prompt = req.prompt_token_ids
-        bs = self.registry.block_size
-        hashes = (block_hashes(req.tenant, prompt, bs)
+        hashes = (block_hashes(req.tenant, req.prompt_token_ids, self.registry.block_size)
                   if self.cfg.prefix_aware and self.tokenizer is not None else [])
-        generated: list[int] = []
-        sent_text = ""
-        sent_other = False  # an upstream sent tool-call / reasoning deltas (no text to resume after)
-        skip_chars = skip_tokens = 0  # already delivered, being regenerated after a failover
-        exclude: set[str] = set()
-        attempt = 0
-        cached_tokens = 0
-        last_error: WorkerError | None = None
+        progress, retry = Progress(), Retry(self.cfg, self.metrics, req.id)
         while True:
+            attempt = await self._attempt(req, hashes, progress, retry)
             try:
-                route = await self.place(req, hashes, exclude)
-            except APIError as e:
-                if last_error is None:
-                    raise
-                # Nothing left to retry on: the client learns what actually went wrong.
-                raise APIError(last_error.status, f"request failed after {attempt} attempt(s), no other endpoint "
-                               f"to try: {last_error}", type_="upstream_error", code="worker_failed") from e
-            req.served_by = route.pin()
-            max_tokens = req.sampling.max_tokens - len(generated)
-            uncached_at = route.prefill or route.decode
-            uncached = len(prompt) - self.index.cached_tokens(uncached_at.address, hashes, (len(prompt) - 1) // bs, bs)
-            ticket = Ticket(route, len(prompt) + len(generated), uncached, max_tokens)
-            if hashes:  # the decode side holds the prompt's blocks either way; the prefill side only
-                self.index.insert(route.decode.address, hashes)  # if the decode worker sends it the prompt
-            finish = None
-            usage = (0, 0, 0)
-            last = Chunk()  # the output that came with the finish: it leaves with the final chunk
-            try:
-                async for c in self._send(route, req, generated, max_tokens, attempt):
-                    if c.prefill_mode == "remote" and route.prefill is not None and hashes:
-                        self.index.insert(route.prefill.address, hashes)
-                    if c.has_output:
-                        ticket.on_tokens(len(c.token_ids) or 1)
-                        sent_other = sent_other or bool(c.extra or c.raw_logprobs)
-                    generated += c.token_ids
-                    if skip_chars or skip_tokens:
-                        c.text, skip_chars = c.text[skip_chars:], max(0, skip_chars - len(c.text))
-                        dropped = min(skip_tokens, len(c.logprobs))
-                        c.logprobs, skip_tokens = c.logprobs[dropped:], skip_tokens - dropped
-                    sent_text += c.text
-                    if c.prompt_tokens or c.completion_tokens:
-                        usage = (c.prompt_tokens, c.completion_tokens, c.cached_tokens)
-                        cached_tokens = c.cached_tokens
-                    if last.has_output:
-                        yield last  # more output after a finish (usage in its own event): send it on
-                        last = Chunk()
-                    if c.finish_reason:
-                        finish = c.finish_reason
-                        c.finish_reason = None
-                        last = c
-                    elif c.has_output:
-                        yield c
+                async for c in self._relay(req, attempt, progress):
+                    yield c
+                break
             except WorkerError as e:
-                if finish is not None:  # everything arrived; only the stream's end went wrong
+                if progress.finish is not None:  # everything arrived; only the stream's end went wrong
                     log.warning("event=error_after_finish rid=%s error=%r", req.id, str(e))
                     break
-                last_error = e
-                ticket.close()
-                attempt += 1
-                if e.failed:
-                    ep = self.registry.get(e.failed_role or route.decode.role, e.failed) or route.decode
-                    self.registry.mark_failed(ep, str(e))
-                    exclude.add(e.failed)
-                if not e.retryable:
-                    raise APIError(e.status, str(e), type_="invalid_request_error" if e.status == 400 else "upstream_error") from e
-                can_failover = route.decode.role != "openai" or not (generated or sent_text or sent_other)
-                if attempt > self.cfg.max_retries or not can_failover:
-                    raise APIError(e.status, f"request failed after {attempt} attempt(s): {e}", type_="upstream_error",
-                                   code="worker_failed") from e
-                kind = "failover" if (generated or sent_text) else "retry"
-                self.metrics.retries.labels(kind=kind).inc()
-                log.warning("event=%s rid=%s attempt=%d failed=%s generated=%d error=%r", kind, req.id, attempt,
-                            e.failed, len(generated), str(e))
-                if kind == "failover" and self.tokenizer is not None:
-                    keep, skip_chars = resume_point(self.tokenizer, generated, sent_text)
-                    skip_tokens = len(generated) - keep
-                    generated = generated[:keep]
-                await asyncio.sleep(self.cfg.retry_backoff_s * 2 ** (attempt - 1))
-                continue
+                self._blame(attempt, e)
+                attempt.close()
+                await retry.after(e, attempt.backend.token_level, progress, self.tokenizer)
             finally:
-                ticket.close()  # also when the client disconnects mid-stream (GeneratorExit/CancelledError)
-            break
-        if hashes and route.decode.role != "openai" and generated:
-            self.index.insert(route.decode.address,
-                              block_hashes(req.tenant, prompt + generated, bs))
-        last.finish_reason = finish or "stop"
-        last.prompt_tokens = len(prompt) if route.decode.role != "openai" else (usage[0] or len(prompt))
-        last.completion_tokens = len(generated) if route.decode.role != "openai" else usage[1]
-        last.cached_tokens = cached_tokens
-        yield last
+                attempt.close()  # also when the client disconnects mid-stream (GeneratorExit/CancelledError)
+        yield self._final(req, attempt, progress, hashes)
 
+    async def _attempt(self, req: GenRequest, hashes: list[bytes], progress: Progress, retry: Retry) -> Attempt:
+        try:
+            route = await self.place(req, hashes, retry.exclude)
+        except APIError as e:
+            raise retry.nowhere_left(e) from e
+        assert self.backends is not None
+        req.served_by = route.pin()
+        return Attempt(retry.attempts, route, self.backends.of(route.decode), self.registry, self.index, hashes,
+                       len(req.prompt_token_ids), len(progress.generated),
+                       req.sampling.max_tokens - len(progress.generated))
 
-def resume_point(tokenizer: Tokenizer, generated: list[int], sent_text: str) -> tuple[int, int]:
-    """Where a replacement worker should pick up: (tokens to keep, characters of its output to skip).
+    async def _relay(self, req: GenRequest, attempt: Attempt, progress: Progress) -> AsyncIterator[Chunk]:
+        """One attempt's stream to the client; the chunk that brings the finish is held back (it
+        leaves as the final chunk, with the whole request's usage)."""
+        stream = attempt.backend.generate(attempt.route, req, progress.generated, attempt.max_tokens,
+                                          attempt.number, self.cfg.request_timeout_s)
+        async for c in stream:
+            if c.prefill_mode:
+                attempt.on_prefill_mode(c.prefill_mode)
+            if c.has_output:
+                attempt.on_output(len(c.token_ids) or 1)
+            progress.take(c)
+            if progress.held.has_output:
+                yield progress.held  # more output after a finish (usage in its own event): send it on
+                progress.held = Chunk()
+            if c.finish_reason:
+                progress.finish, c.finish_reason, progress.held = c.finish_reason, None, c
+            elif c.has_output:
+                yield c
 
-    The client has `sent_text`; the dead worker may have generated tokens whose text it still held
-    back (an unfinished UTF-8 character, a possible stop string). Resume after the longest run of
-    tokens whose text the client already has in full, let the new worker regenerate the rest (for
-    greedy sampling, the same tokens), and drop the part of its text the client has already seen.
-    """
-    for keep in range(len(generated), -1, -1):
-        text = tokenizer.decode(generated[:keep])
-        if sent_text.startswith(text) and not text.endswith("\ufffd"):
-            return keep, len(sent_text) - len(text)
-    return 0, len(sent_text)
+    def _blame(self, attempt: Attempt, e: WorkerError) -> None:
+        if not counts_against_endpoint(e):
+            return
+        route = attempt.route
+        ep = (self.registry.get(e.failed_role or route.decode.role, e.failed) if e.failed else None) or route.decode
+        attempt.blame(ep, str(e))
+
+    def _final(self, req: GenRequest, attempt: Attempt, progress: Progress, hashes: list[bytes]) -> Chunk:
+        prompt, last = req.prompt_token_ids, progress.held
+        if attempt.backend.token_level:  # the router counted the tokens itself
+            if hashes and progress.generated:  # the output is the next turn's prompt prefix
+                self.index.insert(attempt.route.decode.address,
+                                  block_hashes(req.tenant, prompt + progress.generated, self.registry.block_size))
+            last.prompt_tokens, last.completion_tokens = len(prompt), len(progress.generated)
+        else:
+            last.prompt_tokens, last.completion_tokens = progress.usage[0] or len(prompt), progress.usage[1]
+        last.finish_reason = progress.finish or "stop"
+        last.cached_tokens = progress.usage[2]
+        return last
 
 
 class Latency:

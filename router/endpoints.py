@@ -12,6 +12,8 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+from router.breaker import OPEN, BreakerConfig, CircuitBreaker
+
 log = logging.getLogger("splitfire.router")
 
 ROLES = ("prefill", "decode", "colocated", "openai")
@@ -22,11 +24,11 @@ class Endpoint:
     address: str  # host:port for workers, base URL for OpenAI-compatible upstreams
     role: str
     source: str = "static"  # static | redis | dns
-    healthy: bool = True  # optimistic until a check fails
-    consecutive_failures: int = 0
+    breaker: CircuitBreaker = field(default_factory=CircuitBreaker)  # optimistic (closed) until it fails
     last_seen: float = field(default_factory=time.monotonic)
     block_size: int = 16
     max_model_len: int = 0
+    models: set[str] = field(default_factory=set)  # OpenAI upstreams: what their /v1/models lists
     # local estimates
     prefill_tokens: int = 0  # uncached prompt tokens sent here and not yet prefilled
     held_tokens: int = 0  # KV tokens our running requests hold here (decode / colocated)
@@ -38,6 +40,21 @@ class Endpoint:
     reported_decode: int = 0
     local_prefill_at_report: int = 0
     local_decode_at_report: int = 0
+
+    @property
+    def healthy(self) -> bool:
+        return self.breaker.state != OPEN
+
+    # -- the local estimates change only here -------------------------------------------
+
+    def charge(self, prefill_tokens: int, held_tokens: int, remaining_tokens: int, active: int) -> None:
+        """Add (or with negative numbers, take back) a request's share of this endpoint's load."""
+        self.prefill_tokens += prefill_tokens
+        self.held_tokens += held_tokens
+        self.remaining_tokens += remaining_tokens
+        self.active += active
+        if prefill_tokens > 0 or held_tokens > 0 or remaining_tokens > 0:
+            self.peak_load = max(self.peak_load, self.load())
 
     def prefill_load(self) -> int:
         local = self.prefill_tokens
@@ -54,9 +71,6 @@ class Endpoint:
             return self.decode_load()
         return self.prefill_load() + self.decode_load()
 
-    def note_peak(self) -> None:
-        self.peak_load = max(self.peak_load, self.load())
-
     def reconcile(self, prompt_tokens_in_flight: int, kv_tokens_held: int, decode_tokens_remaining: int) -> None:
         self.reported_prefill = prompt_tokens_in_flight
         self.reported_decode = kv_tokens_held + decode_tokens_remaining
@@ -65,8 +79,9 @@ class Endpoint:
 
 
 class EndpointRegistry:
-    def __init__(self, block_size: int = 16) -> None:
+    def __init__(self, block_size: int = 16, breaker: BreakerConfig | None = None) -> None:
         self.by_address: dict[tuple[str, str], Endpoint] = {}
+        self.breaker = breaker or BreakerConfig()
         # The fleet's KV block size, as its workers report it (prompt block hashes must match the
         # workers' own); until one reports, the router's default.
         self.block_size = block_size
@@ -88,7 +103,7 @@ class EndpointRegistry:
         key = (role, address)
         ep = self.by_address.get(key)
         if ep is None:
-            ep = self.by_address[key] = Endpoint(address, role, source)
+            ep = self.by_address[key] = Endpoint(address, role, source, CircuitBreaker(self.breaker))
             log.info("event=endpoint_added role=%s address=%s source=%s", role, address, source)
         ep.last_seen = time.monotonic()
         return ep
@@ -109,11 +124,30 @@ class EndpointRegistry:
         return self.by_address.get((role, address))
 
     def healthy(self, role: str) -> list[Endpoint]:
-        return [e for e in self.by_address.values() if e.role == role and e.healthy]
+        """The endpoints of `role` a new request may go to (closed breakers, and half-open ones
+        with no probe in flight); when every one is probing, those: the fleet is what it is."""
+        eps = [e for e in self.by_address.values() if e.role == role]
+        now = time.monotonic()
+        ok = [e for e in eps if e.breaker.available(now)]
+        return ok or [e for e in eps if e.healthy]
 
-    def mark_failed(self, ep: Endpoint, why: str) -> None:
-        """Passive circuit breaker: a failed request ejects the endpoint until a health check passes."""
-        if ep.healthy:
-            log.warning("event=endpoint_ejected role=%s address=%s reason=%r", ep.role, ep.address, why)
-        ep.healthy = False
-        ep.consecutive_failures += 1
+    def on_attempt(self, ep: Endpoint) -> None:
+        ep.breaker.on_attempt()
+
+    def on_success(self, ep: Endpoint) -> None:
+        if ep.breaker.on_success():
+            log.info("event=endpoint_readmitted role=%s address=%s via=probe_request", ep.role, ep.address)
+
+    def on_failure(self, ep: Endpoint, why: str) -> None:
+        if ep.breaker.on_failure():
+            b = ep.breaker
+            log.warning("event=endpoint_ejected role=%s address=%s reason=requests open_s=%.1f "
+                        "recent_errors=%d/%d error=%r", ep.role, ep.address, b.open_for, sum(b.outcomes),
+                        len(b.outcomes), why)
+
+    def on_check(self, ep: Endpoint, ok: bool) -> None:
+        changed = ep.breaker.on_check(ok)
+        if changed == "opened":
+            log.warning("event=endpoint_ejected role=%s address=%s reason=health_check", ep.role, ep.address)
+        elif changed == "half_open":
+            log.info("event=endpoint_half_open role=%s address=%s via=health_check", ep.role, ep.address)

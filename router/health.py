@@ -1,59 +1,52 @@
-"""Active health checks with a circuit breaker, and load reconciliation from workers' Stats.
-
-An endpoint that fails `unhealthy_after` checks in a row (or a request, see
-`EndpointRegistry.mark_failed`) leaves rotation; the first passing check brings it back.
-"""
+"""Active health checks feeding the endpoints' circuit breakers, load reconciliation from the
+workers' Stats, and what the fleet reports about itself (KV block size, served model names)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 
+from router.backend import Backends, Probe
 from router.config import RouterConfig
 from router.endpoints import Endpoint, EndpointRegistry
-from router.openai_upstream import OpenAIUpstreamClient
-from router.worker_client import WorkerClient
 
 log = logging.getLogger("splitfire.router")
 
 
 class HealthChecker:
-    def __init__(self, cfg: RouterConfig, registry: EndpointRegistry, workers: WorkerClient,
-                 upstreams: OpenAIUpstreamClient):
+    def __init__(self, cfg: RouterConfig, registry: EndpointRegistry, backends: Backends,
+                 learned_models: set[str] | None = None):
         self.cfg = cfg
         self.registry = registry
-        self.workers = workers
-        self.upstreams = upstreams
+        self.backends = backends
+        # Served model names learned from upstreams' /v1/models (None: the names are configured).
+        self.learned_models = learned_models
 
     async def check(self, ep: Endpoint) -> bool:
-        t = self.cfg.health_timeout_s
         try:
-            if ep.role == "openai":
-                ok = await self.upstreams.health(ep.address, t)
-            else:
-                h = await self.workers.health(ep.address, t)
-                ok = h.status == "serving" and self.registry.admit_block_size(ep, h.block_size)
-                ep.block_size, ep.max_model_len = h.block_size, h.max_model_len
+            probe = await self.backends.of(ep).probe(ep, self.cfg.health_timeout_s)
         except Exception as e:  # any failure to answer is a failed check
             log.debug("event=health_check_failed address=%s error=%r", ep.address, e)
-            ok = False
-        if ok and ep.role != "openai":
-            # Load reconciliation is best effort: a slow Stats answer is not a sick worker.
-            try:
-                st = await self.workers.stats(ep.address, t)
-                ep.reconcile(st.prompt_tokens_in_flight, st.kv_tokens_held, st.decode_tokens_remaining)
-            except Exception as e:
-                log.info("event=stats_failed address=%s error=%r", ep.address, e)
-        if ok:
-            if not ep.healthy:
-                log.info("event=endpoint_readmitted role=%s address=%s", ep.role, ep.address)
-            ep.healthy, ep.consecutive_failures = True, 0
-        else:
-            ep.consecutive_failures += 1
-            if ep.healthy and ep.consecutive_failures >= self.cfg.unhealthy_after:
-                ep.healthy = False
-                log.warning("event=endpoint_ejected role=%s address=%s reason=health_check", ep.role, ep.address)
+            probe = Probe(False)
+        ok = probe.ok
+        if ok and probe.block_size:
+            ok = self.registry.admit_block_size(ep, probe.block_size)
+            ep.block_size, ep.max_model_len = probe.block_size, probe.max_model_len
+        if ok and probe.load is not None:
+            ep.reconcile(*probe.load)
+        if ok and probe.models:
+            self._learn_models(ep, probe.models)
+        self.registry.on_check(ep, ok)
         return ok
+
+    def _learn_models(self, ep: Endpoint, models: list[str]) -> None:
+        if set(models) != ep.models:
+            log.info("event=endpoint_models address=%s models=%s", ep.address, ",".join(models))
+            ep.models = set(models)
+        if self.learned_models is not None:  # the union of what the upstreams list now
+            now = set().union(*(e.models for e in self.registry.all() if e.models))
+            self.learned_models.intersection_update(now)
+            self.learned_models.update(now)
 
     async def check_all(self) -> None:
         await asyncio.gather(*(self.check(ep) for ep in self.registry.all()))

@@ -5,15 +5,24 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import re
 from collections.abc import AsyncIterator, Callable
 from json.decoder import scanstring
 from operator import itemgetter
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from router.backend import Probe
 from router.chunks import Chunk, WorkerError, merge_delta_extra, merge_logprobs
+from router.endpoints import Endpoint
 from router.http_client import HTTPClient, HTTPClientError
 from router.sse import compact_json
+
+if TYPE_CHECKING:
+    from router.attempt import Route
+    from router.protocol import GenRequest
+
+log = logging.getLogger("splitfire.router")
 
 _POST_HEADERS = {"Content-Type": "application/json", "Accept": "text/event-stream"}
 
@@ -214,6 +223,10 @@ def _merge_event(c: Chunk, obj: dict[str, Any]) -> None:
 
 
 class OpenAIUpstreamClient:
+    """The backend for OpenAI-compatible servers (vLLM, SGLang, ...): text-level streams."""
+
+    token_level = False
+
     def __init__(self, api_key: str = "") -> None:
         self.http = HTTPClient()
         self._auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -222,10 +235,11 @@ class OpenAIUpstreamClient:
     async def close(self) -> None:
         await self.http.close()
 
-    async def generate(self, base_url: str, kind: str, body: dict[str, Any], max_tokens: int,
+    async def generate(self, route: Route, req: GenRequest, generated: list[int], max_tokens: int, attempt: int,
                        timeout_s: float) -> AsyncIterator[Chunk]:
-        path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
-        body = {**body, "stream": True, "stream_options": {"include_usage": True}, "max_tokens": max_tokens}
+        base_url = route.decode.address
+        path = "/v1/chat/completions" if req.kind == "chat" else "/v1/completions"
+        body = {**req.body, "stream": True, "stream_options": {"include_usage": True}, "max_tokens": max_tokens}
         body.pop("max_completion_tokens", None)
         payload = compact_json(body).encode()
         resp = None
@@ -264,18 +278,34 @@ class OpenAIUpstreamClient:
             if resp is not None:
                 self.http.release(resp)
 
-    async def health(self, base_url: str, timeout_s: float) -> bool:
-        for path in ("/health", "/v1/models"):
-            resp = None
-            try:
-                async with asyncio.timeout(timeout_s):
-                    resp = await self.http.request("GET", base_url, path, headers=self._auth)
-                    await resp.read_all()
-                if resp.status == 200:
-                    return True
-            except (HTTPClientError, TimeoutError):
-                continue
-            finally:
-                if resp is not None:
-                    self.http.release(resp)
-        return False
+    async def probe(self, ep: Endpoint, timeout_s: float) -> Probe:
+        """Healthy when `/v1/models` (which also names the models served) or `/health` answers 200."""
+        status, body = await self._get(ep.address, "/v1/models", timeout_s)
+        if status == 200:
+            return Probe(True, models=model_ids(body, ep.address))
+        status, _ = await self._get(ep.address, "/health", timeout_s)
+        return Probe(status == 200)
+
+    async def _get(self, base_url: str, path: str, timeout_s: float) -> tuple[int, bytes]:
+        """(status, body); status 0 when the upstream did not answer in time."""
+        resp = None
+        try:
+            async with asyncio.timeout(timeout_s):
+                resp = await self.http.request("GET", base_url, path, headers=self._auth)
+                return resp.status, await resp.read_all()
+        except (HTTPClientError, TimeoutError) as e:
+            log.debug("event=upstream_probe_failed address=%s path=%s error=%r", base_url, path, e)
+            return 0, b""
+        finally:
+            if resp is not None:
+                self.http.release(resp)
+
+
+def model_ids(body: bytes, source: str) -> list[str]:
+    """The model ids of an OpenAI `/v1/models` answer (an unreadable one names none, and says so)."""
+    try:
+        data = json.loads(body).get("data")
+        return [m["id"] for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)]
+    except (ValueError, AttributeError, TypeError) as e:
+        log.warning("event=upstream_models_unreadable address=%s error=%r body=%r", source, e, body[:200])
+        return []

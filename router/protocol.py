@@ -11,7 +11,7 @@ from typing import Any
 from engine import grammar
 from engine.chat_template import TemplateError
 from engine.tokenizer import Tokenizer
-from router.errors import bad_request, not_found
+from router.errors import bad_request, not_found, unavailable
 from router.reasoning import template_reasons
 from router.reply import ReplyPlan
 from router.tool_calls import (
@@ -208,6 +208,8 @@ class RequestParser:
             raise bad_request("'model' is required", param="model")
         if not isinstance(model, str):
             raise bad_request("'model' must be a string", param="model")
+        if not self.model_names:
+            raise unavailable("the upstreams have not listed their models yet (GET /v1/models); retry shortly")
         if model not in self.model_names:
             raise not_found(f"model '{model}' does not exist; available: {sorted(self.model_names)}", code="model_not_found")
         n = body.get("n", 1)

@@ -15,6 +15,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from engine.tokenizer import Tokenizer
 from router.admission import Admission
 from router.affinity import MemoryPinStore, RedisPinStore, SessionAffinity
+from router.backend import Backends
 from router.balancer import make_policy
 from router.chunks import Chunk, merge_delta_extra, merge_logprobs
 from router.config import RouterConfig
@@ -35,9 +36,10 @@ log = logging.getLogger("splitfire.router")
 
 
 def load_model_info(cfg: RouterConfig) -> tuple[Tokenizer | None, str, int]:
-    """Tokenizer, served model name and context length. Upstream-only routers may run without a model."""
+    """Tokenizer, served model name and context length. Upstream-only routers may run without a
+    model; without --served-model-name they serve what the upstreams' /v1/models list ("")."""
     if cfg.model is None and cfg.openai_upstream and not (cfg.decode or cfg.colocated or cfg.prefill):
-        return None, cfg.served_model_name or "default", 1 << 30
+        return None, cfg.served_model_name, 1 << 30
     from engine.model_store import resolve_model
 
     model_dir = resolve_model(cfg.model)
@@ -49,8 +51,9 @@ class Router:
     def __init__(self, cfg: RouterConfig, tokenizer: Tokenizer | None, model_name: str, max_model_len: int):
         self.cfg = cfg
         self.tokenizer = tokenizer
-        self.model_name = model_name
-        self.registry = EndpointRegistry()
+        # The names clients may ask for; learned from the upstreams when none is configured.
+        self.model_names: set[str] = {model_name} if model_name else set()
+        self.registry = EndpointRegistry(cfg.block_size, cfg.breaker())
         for role, addrs in (("prefill", cfg.prefill), ("decode", cfg.decode), ("colocated", cfg.colocated),
                             ("openai", cfg.openai_upstream)):
             for a in addrs:
@@ -58,10 +61,9 @@ class Router:
         self.metrics = RouterMetrics(self.registry)
         self.tenants = Tenants.from_file(cfg.api_keys_file)
         upstream_only = bool(cfg.openai_upstream) and not (cfg.decode or cfg.colocated or cfg.prefill)
-        self.parser = RequestParser(tokenizer, {model_name}, max_model_len, upstream_only)
+        self.parser = RequestParser(tokenizer, self.model_names, max_model_len, upstream_only)
         self.admission = Admission(cfg.max_concurrency, cfg.max_queue, cfg.queue_timeout_s, self.metrics)
-        self.workers = WorkerClient()
-        self.upstreams = OpenAIUpstreamClient(cfg.openai_upstream_api_key)
+        self.backends = Backends(WorkerClient(), OpenAIUpstreamClient(cfg.openai_upstream_api_key))
         self.redis = None
         if cfg.redis_url:
             import redis.asyncio as aioredis
@@ -70,9 +72,9 @@ class Router:
         store = RedisPinStore(self.redis) if self.redis is not None else MemoryPinStore()
         self.affinity = SessionAffinity(store, cfg.affinity_ttl_s)
         self.dispatcher = Dispatcher(cfg, self.registry, make_policy(cfg.policy), self.affinity,
-                                     PrefixIndex(cfg.prefix_index_blocks, cfg.shared_kv_store), self.workers, self.upstreams,
+                                     PrefixIndex(cfg.prefix_index_blocks, cfg.shared_kv_store), self.backends,
                                      self.metrics, tokenizer)
-        self.health = HealthChecker(cfg, self.registry, self.workers, self.upstreams)
+        self.health = HealthChecker(cfg, self.registry, self.backends, None if model_name else self.model_names)
         self._tasks: list[asyncio.Task] = []
 
     # -- app ----------------------------------------------------------------------------
@@ -105,8 +107,7 @@ class Router:
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        await self.workers.close()
-        await self.upstreams.close()
+        await self.backends.close()
         if self.redis is not None:
             await self.redis.aclose()
 
@@ -164,7 +165,7 @@ class Router:
     async def models(self, request: web.Request) -> web.Response:
         self.tenants.tenant_of(request)
         return web.json_response({"object": "list", "data": [
-            {"id": self.model_name, "object": "model", "created": 0, "owned_by": "splitfire"}]})
+            {"id": name, "object": "model", "created": 0, "owned_by": "splitfire"} for name in sorted(self.model_names)]})
 
     async def health_route(self, request: web.Request) -> web.Response:
         eps = self.registry.all()
@@ -214,7 +215,7 @@ class Router:
         results = await asyncio.gather(*(one(r) for r in reqs))
         self._count_usage(results)
         self._log_done(reqs[0], results, t0)
-        return web.json_response(full_response(reqs, self.model_name, results, self.tokenizer),
+        return web.json_response(full_response(reqs, reqs[0].model, results, self.tokenizer),
                                  dumps=lambda o: json.dumps(o, ensure_ascii=False),
                                  headers={"X-Request-Id": reqs[0].id, **_served_headers(reqs[0])})
 
@@ -232,7 +233,7 @@ class Router:
         self.metrics.cached_tokens.inc(sum(r["cached"] for r in results))
 
     async def _stream(self, request: web.Request, reqs: list[GenRequest], t0: float) -> web.StreamResponse:
-        writers = [StreamWriter(r, self.model_name, self.tokenizer) for r in reqs]
+        writers = [StreamWriter(r, r.model, self.tokenizer) for r in reqs]
         if len(reqs) == 1:
             source = self.dispatcher.run(reqs[0])
         else:

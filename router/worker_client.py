@@ -1,18 +1,28 @@
-"""Streaming from splitfire workers over gRPC (one channel per endpoint, reused)."""
+"""The backend for splitfire workers: streaming over gRPC (one channel per endpoint, reused)."""
 
 from __future__ import annotations
 
-import re
+import asyncio
+import logging
 from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
 
 import grpc
 
 from protos import splitfire_pb2 as pb
 from protos import splitfire_pb2_grpc as pbg
+from protos import trailers
+from router.backend import Probe
 from router.chunks import Chunk, Logprob, WorkerError
+from router.endpoints import Endpoint
 from router.protocol import Sampling
 
-_PREFILL_FAILED = re.compile(r"prefill worker (\S+) failed")
+if TYPE_CHECKING:
+    from router.attempt import Route
+    from router.protocol import GenRequest
+
+log = logging.getLogger("splitfire.router")
+
 CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 * 2**20), ("grpc.keepalive_time_ms", 10_000),
                    ("grpc.keepalive_timeout_ms", 5_000), ("grpc.keepalive_permit_without_calls", 1),
                    ("grpc.http2.max_pings_without_data", 0)]
@@ -41,7 +51,19 @@ def sampling_to_proto(s: Sampling, max_tokens: int, resumed_tokens: int = 0) -> 
     return m
 
 
+def blamed_endpoint(e: grpc.aio.AioRpcError, called: str) -> tuple[str, str]:
+    """(address, role) of the endpoint a failed call blames: the one the worker names in its
+    trailing metadata (its prefill worker), else the worker called."""
+    meta = dict(e.trailing_metadata() or ())
+    failed = meta.get(trailers.FAILED_ENDPOINT)
+    if isinstance(failed, str) and failed:
+        return failed, str(meta.get(trailers.FAILED_ROLE) or "prefill")
+    return called, "decode"
+
+
 class WorkerClient:
+    token_level = True
+
     def __init__(self) -> None:
         self._channels: dict[str, grpc.aio.Channel] = {}
 
@@ -56,13 +78,15 @@ class WorkerClient:
             await ch.close()
         self._channels.clear()
 
-    async def generate(self, decode: str, prefill: str, request_id: str, token_ids: list[int], sampling: Sampling,
-                       max_tokens: int, tenant: str, timeout_s: float, resumed_tokens: int = 0) -> AsyncIterator[Chunk]:
-        """`resumed_tokens`: the last ones of `token_ids` are this request's output from a failed attempt."""
-        req = pb.GenerateRequest(request_id=request_id, token_ids=token_ids,
-                                 sampling=sampling_to_proto(sampling, max_tokens, resumed_tokens), tenant=tenant,
-                                 prefill_endpoint=prefill)
-        call = pbg.DecodeStub(self.channel(decode)).Generate(req, timeout=timeout_s)
+    async def generate(self, route: Route, req: GenRequest, generated: list[int], max_tokens: int, attempt: int,
+                       timeout_s: float) -> AsyncIterator[Chunk]:
+        """`generated`: this request's output from failed attempts (the worker continues after it)."""
+        decode = route.decode.address
+        msg = pb.GenerateRequest(request_id=f"{req.id}-{req.prompt_index}-{attempt}",
+                                 token_ids=req.prompt_token_ids + generated,
+                                 sampling=sampling_to_proto(req.sampling, max_tokens, len(generated)),
+                                 tenant=req.tenant, prefill_endpoint=route.prefill.address if route.prefill else "")
+        call = pbg.DecodeStub(self.channel(decode)).Generate(msg, timeout=timeout_s)
         try:
             async for ev in call:
                 c = Chunk(text=ev.text, token_ids=list(ev.token_ids), prefill_mode=ev.prefill_mode)
@@ -81,15 +105,21 @@ class WorkerClient:
         except grpc.aio.AioRpcError as e:
             retryable, status = _STATUS.get(e.code(), (True, 502))
             details = e.details() or e.code().name
-            m = _PREFILL_FAILED.search(details)
-            failed, role = (m.group(1), "prefill") if m else (decode, "decode")
+            failed, role = blamed_endpoint(e, decode)
             raise WorkerError(f"{e.code().name}: {details}", retryable=retryable, status=status, failed=failed,
                               failed_role=role) from e
         finally:
             call.cancel()
 
-    async def health(self, address: str, timeout_s: float) -> pb.HealthResponse:
-        return await pbg.WorkerStub(self.channel(address)).Health(pb.HealthRequest(), timeout=timeout_s)
-
-    async def stats(self, address: str, timeout_s: float) -> pb.StatsResponse:
-        return await pbg.WorkerStub(self.channel(address)).Stats(pb.StatsRequest(), timeout=timeout_s)
+    async def probe(self, ep: Endpoint, timeout_s: float) -> Probe:
+        stub = pbg.WorkerStub(self.channel(ep.address))
+        h = await stub.Health(pb.HealthRequest(), timeout=timeout_s)
+        probe = Probe(h.status == "serving", h.block_size, h.max_model_len)
+        if probe.ok:
+            # Load reconciliation is best effort: a slow Stats answer is not a sick worker.
+            try:
+                st = await stub.Stats(pb.StatsRequest(), timeout=timeout_s)
+                probe.load = (st.prompt_tokens_in_flight, st.kv_tokens_held, st.decode_tokens_remaining)
+            except (grpc.aio.AioRpcError, asyncio.TimeoutError) as e:
+                log.info("event=stats_failed address=%s error=%r", ep.address, e)
+        return probe

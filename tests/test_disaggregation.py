@@ -16,6 +16,7 @@ from reference import Reference
 
 from protos import splitfire_pb2 as pb
 from protos import splitfire_pb2_grpc as pbg
+from protos import trailers
 
 
 @pytest.fixture(scope="module")
@@ -117,6 +118,9 @@ async def test_prefill_worker_killed_mid_request(cluster, tiny_model_dir):
     assert time.monotonic() - t0 < 10
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
     assert "prefill worker" in err.value.details()
+    # The router learns whom to blame from trailing metadata, not from the text.
+    meta = dict(err.value.trailing_metadata() or ())
+    assert (meta[trailers.FAILED_ENDPOINT], meta[trailers.FAILED_ROLE]) == (address(victim), "prefill")
     # The decode worker keeps serving, and the failed request's blocks come back after quarantine.
     ok = await generate(address(dec), prompt(91, 30), greedy(4), prefill=address(cluster["prefill"]))
     assert len(ok.token_ids) == 4

@@ -12,9 +12,10 @@ import pytest
 from procs import address, base_url, start_redis, start_router, start_worker
 
 from router.affinity import MemoryPinStore, SessionAffinity
+from router.attempt import Ticket
 from router.balancer import make_policy
 from router.config import RouterConfig
-from router.dispatcher import Dispatcher, Ticket
+from router.dispatcher import Dispatcher
 from router.endpoints import EndpointRegistry
 from router.metrics import RouterMetrics
 from router.prefix_index import PrefixIndex
@@ -30,7 +31,7 @@ def _peak_load(policy: str) -> int:
     for a in cfg.colocated:
         reg.add(a, "colocated")
     d = Dispatcher(cfg, reg, make_policy(policy), SessionAffinity(MemoryPinStore(), 60), PrefixIndex(10), None,
-                   None, RouterMetrics(reg), None)
+                   RouterMetrics(reg), None)
     rng = random.Random(7)
     live: list[tuple[int, Ticket]] = []
 
@@ -194,7 +195,7 @@ async def test_decode_killed_mid_stream_client_text_equals_uninterrupted(tiny_mo
 
 def test_failover_resumes_after_the_text_the_client_already_has(tiny_model_dir):
     from engine.tokenizer import Tokenizer
-    from router.dispatcher import resume_point
+    from router.resume import resume_point
 
     tok = Tokenizer(tiny_model_dir)
     ids = tok.encode("lazy 🚀🔥 dog")
@@ -238,7 +239,7 @@ def test_round_robin_visits_every_prefill_decode_pair():
     for a in cfg.decode:
         reg.add(a, "decode")
     d = Dispatcher(cfg, reg, make_policy("round_robin"), SessionAffinity(MemoryPinStore(), 60), PrefixIndex(10),
-                   None, None, RouterMetrics(reg), None)
+                   None, RouterMetrics(reg), None)
     req = GenRequest("r", "chat", MODEL, [1] * 20, Sampling(max_tokens=4), False, False, "t", None, False, {})
 
     async def pairs() -> set[tuple[str, str]]:

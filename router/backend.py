@@ -1,0 +1,56 @@
+"""What the router sends to: one protocol, two implementations (splitfire workers over gRPC,
+OpenAI-compatible servers over HTTP). Dispatch and health checks speak only this."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+from router.chunks import Chunk
+from router.endpoints import Endpoint
+
+if TYPE_CHECKING:
+    from router.attempt import Route
+    from router.protocol import GenRequest
+
+
+@dataclass
+class Probe:
+    """A health check's answer."""
+
+    ok: bool
+    block_size: int = 0  # workers: their KV block size (0: not reported)
+    max_model_len: int = 0
+    # workers: (prompt tokens in flight, KV tokens held, decode tokens remaining), for reconciliation
+    load: tuple[int, int, int] | None = None
+    models: list[str] = field(default_factory=list)  # upstreams: what /v1/models lists
+
+
+class Backend(Protocol):
+    # The stream carries token ids: the router counts the output itself, and a stream cut off
+    # mid-way can be resumed on another endpoint (prompt + tokens so far). Otherwise only a
+    # request that produced nothing yet can move.
+    token_level: bool
+
+    def generate(self, route: Route, req: GenRequest, generated: list[int], max_tokens: int, attempt: int,
+                 timeout_s: float) -> AsyncIterator[Chunk]: ...
+
+    async def probe(self, ep: Endpoint, timeout_s: float) -> Probe: ...
+
+    async def close(self) -> None: ...
+
+
+class Backends:
+    """The backend that speaks to an endpoint, by the endpoint's kind."""
+
+    def __init__(self, workers: Backend, upstreams: Backend):
+        self.workers = workers
+        self.upstreams = upstreams
+
+    def of(self, ep: Endpoint) -> Backend:
+        return self.upstreams if ep.role == "openai" else self.workers
+
+    async def close(self) -> None:
+        await self.workers.close()
+        await self.upstreams.close()
