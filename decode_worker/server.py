@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from decode_worker.http_stream import add_routes
 from decode_worker.service import DecodeService
 from protos import splitfire_pb2_grpc as pb_grpc
 from worker.config import WorkerConfig, worker_config_from
@@ -27,7 +28,7 @@ async def run(cfg: WorkerConfig) -> None:
     pb_grpc.add_DecodeServicer_to_server(decode, server)
     pb_grpc.add_WorkerServicer_to_server(WorkerService(ctx, extra_abort=decode.cancel_remote), server)
     try:
-        await serve(ctx, server)
+        await serve(ctx, server, lambda app: add_routes(app, decode))
     finally:
         if mooncake is not None:
             mooncake.close()

@@ -10,8 +10,9 @@ the same load — the floor for a Python router on this machine.
 With `--paced-ms` (default 2): the same upstream pacing its tokens like a decode step, so each
 token reaches the router in a read of its own — the per-token cost a production router pays.
 
-Part 2 (PD over gRPC, --pd): a decode worker running the tiny test model, called directly
-over gRPC vs through the router over HTTP; same figures.
+Part 2 (--pd): a worker running the tiny test model, called directly over gRPC vs through the
+router, which reads the worker's token stream over gRPC (`--worker-stream grpc`) or over the
+worker's HTTP port (`http`, length-prefixed frames: the default); same figures.
 
     python -m loadtest.bench_router            # ~1 minute
 """
@@ -215,21 +216,29 @@ def main() -> int:
             from tiny_model import make_tiny_llama
 
             model = make_tiny_llama(Path(tempfile.mkdtemp()) / "tiny")
-            w_port, r2_port = free_port(), free_port()
+            w_port = free_port()
             procs.append(spawn(["-m", "splitfire_cli", "serve", "--model", str(model), "--host", "127.0.0.1",
                                 "--grpc-port", str(w_port), "--metrics-port", str(free_port()),
                                 "--kv-cache-gb", "0.05", "--max-num-seqs", "128", "--max-num-batched-tokens", "1024",
                                 "--stream-interval", str(args.stream_interval)],
                                "worker ready", out / "worker.log", cpus))
-            router2 = spawn(["-m", "splitfire_cli", "router", "--host", "127.0.0.1", "--port", str(r2_port), "--model",
-                             str(model), "--served-model-name", "tiny", "--colocated", f"127.0.0.1:{w_port}",
-                             "--max-concurrency", "1024"], "router ready", out / "router_grpc.log", cpus)
-            procs.append(router2)
-            asyncio.run(http_load(f"http://127.0.0.1:{r2_port}", 4, 1.0, "tiny", 64))
+            # The same worker behind two routers: token streams read over gRPC, and over the
+            # worker's HTTP port (length-prefixed frames, the default).
+            routers = {}
+            for transport in ("grpc", "http"):
+                r_port = free_port()
+                r = spawn(["-m", "splitfire_cli", "router", "--host", "127.0.0.1", "--port", str(r_port), "--model",
+                           str(model), "--served-model-name", "tiny", "--colocated", f"127.0.0.1:{w_port}",
+                           "--max-concurrency", "1024", "--worker-stream", transport], "router ready",
+                          out / f"router_{transport}.log", cpus)
+                procs.append(r)
+                routers[transport] = (f"http://127.0.0.1:{r_port}", r)
+                asyncio.run(http_load(f"http://127.0.0.1:{r_port}", 4, 1.0, "tiny", 64))
             for c in levels:
                 direct = asyncio.run(grpc_load(f"127.0.0.1:{w_port}", c, args.duration, 64))
-                routed, cpu = measure(f"http://127.0.0.1:{r2_port}", router2, c, args.duration, "tiny")
-                print(row("grpc", c, direct, routed, cpu), flush=True)
+                for transport, (url, r) in routers.items():
+                    routed, cpu = measure(url, r, c, args.duration, "tiny")
+                    print(row(f"pd {transport}", c, direct, routed, cpu), flush=True)
     finally:
         for pr in procs:
             pr.terminate()

@@ -22,6 +22,7 @@ class Probe:
     ok: bool
     block_size: int = 0  # workers: their KV block size (0: not reported)
     max_model_len: int = 0
+    stream_port: int = 0  # workers: the HTTP port serving their token stream (0: gRPC only)
     # workers: (prompt tokens in flight, KV tokens held, decode tokens remaining), for reconciliation
     load: tuple[int, int, int] | None = None
     models: list[str] = field(default_factory=list)  # upstreams: what /v1/models lists

@@ -41,6 +41,7 @@ class RouterConfig:
     health_interval_s: float = 2.0
     health_timeout_s: float = 1.0
     unhealthy_after: int = 2  # consecutive failed checks
+    worker_stream: str = "http"  # token streams from workers: "http" (their HTTP port, when served) or "grpc"
     breaker_error_rate: float = 0.5  # eject an endpoint when this share of its recent requests failed
     breaker_open_s: float = 2.0  # how long an ejected endpoint waits before a probe request (doubles per failed probe)
     stats_interval_s: float = 1.0
@@ -77,6 +78,8 @@ class RouterConfig:
             raise ValueError(f"--api-keys file {self.api_keys_file!r} does not exist")
         if self.prefix_index_blocks < 1:
             raise ValueError("--prefix-index-blocks must be >= 1")
+        if self.worker_stream not in ("http", "grpc"):
+            raise ValueError(f"--worker-stream must be http or grpc, got {self.worker_stream!r}")
         if not 0 < self.breaker_error_rate <= 1 or self.breaker_open_s <= 0:
             raise ValueError("--breaker-error-rate must be in (0, 1] and --breaker-open-s > 0")
         if self.max_concurrency < 1 or self.max_queue < 0 or self.max_retries < 0:
@@ -123,6 +126,9 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-body-bytes", type=int, default=int(_env("max_body_bytes", str(4 * 2**20))))
     p.add_argument("--api-keys", default=_env("api_keys", ""), help="file of 'key tenant' lines; enables auth")
     p.add_argument("--health-interval", type=float, default=float(_env("health_interval", "2.0")))
+    p.add_argument("--worker-stream", default=_env("worker_stream", "http"), choices=("http", "grpc"),
+                   help="read workers' token streams over their HTTP port (length-prefixed frames; less router CPU "
+                        "per token) or over gRPC")
     p.add_argument("--breaker-error-rate", type=float, default=float(_env("breaker_error_rate", "0.5")),
                    help="eject an endpoint when this share of its last 20 requests failed (or 3 in a row)")
     p.add_argument("--breaker-open-s", type=float, default=float(_env("breaker_open_s", "2.0")),
@@ -139,5 +145,5 @@ def router_config_from(args: argparse.Namespace) -> RouterConfig:
         shared_kv_store=args.shared_kv_store, affinity_ttl_s=args.affinity_ttl,
         max_concurrency=args.max_concurrency, max_queue=args.max_queue, max_retries=args.max_retries,
         max_body_bytes=args.max_body_bytes, api_keys_file=args.api_keys, health_interval_s=args.health_interval,
-        breaker_error_rate=args.breaker_error_rate, breaker_open_s=args.breaker_open_s,
+        worker_stream=args.worker_stream, breaker_error_rate=args.breaker_error_rate, breaker_open_s=args.breaker_open_s,
     ).validate()

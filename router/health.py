@@ -31,7 +31,9 @@ class HealthChecker:
         ok = probe.ok
         if ok and probe.block_size:
             ok = self.registry.admit_block_size(ep, probe.block_size)
-            ep.block_size, ep.max_model_len = probe.block_size, probe.max_model_len
+            if probe.stream_port != ep.stream_port:
+                log.info("event=endpoint_stream role=%s address=%s http_port=%d", ep.role, ep.address, probe.stream_port)
+            ep.block_size, ep.max_model_len, ep.stream_port = probe.block_size, probe.max_model_len, probe.stream_port
         if ok and probe.load is not None:
             ep.reconcile(*probe.load)
         if ok and probe.models:

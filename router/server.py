@@ -63,7 +63,7 @@ class Router:
         upstream_only = bool(cfg.openai_upstream) and not (cfg.decode or cfg.colocated or cfg.prefill)
         self.parser = RequestParser(tokenizer, self.model_names, max_model_len, upstream_only)
         self.admission = Admission(cfg.max_concurrency, cfg.max_queue, cfg.queue_timeout_s, self.metrics)
-        self.backends = Backends(WorkerClient(), OpenAIUpstreamClient(cfg.openai_upstream_api_key))
+        self.backends = Backends(WorkerClient(cfg.worker_stream), OpenAIUpstreamClient(cfg.openai_upstream_api_key))
         self.redis = None
         if cfg.redis_url:
             import redis.asyncio as aioredis

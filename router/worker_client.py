@@ -3,18 +3,20 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
 import grpc
 
+from protos import frames, trailers
 from protos import splitfire_pb2 as pb
 from protos import splitfire_pb2_grpc as pbg
-from protos import trailers
 from router.backend import Probe
 from router.chunks import Chunk, Logprob, WorkerError
 from router.endpoints import Endpoint
+from router.http_client import HTTPClient, HTTPClientError
 from router.protocol import Sampling
 
 if TYPE_CHECKING:
@@ -23,6 +25,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("splitfire.router")
 
+_FRAME_HEADERS = {"Content-Type": "application/x-protobuf", "Accept": frames.CONTENT_TYPE}
 CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 * 2**20), ("grpc.keepalive_time_ms", 10_000),
                    ("grpc.keepalive_timeout_ms", 5_000), ("grpc.keepalive_permit_without_calls", 1),
                    ("grpc.http2.max_pings_without_data", 0)]
@@ -61,11 +64,44 @@ def blamed_endpoint(e: grpc.aio.AioRpcError, called: str) -> tuple[str, str]:
     return called, "decode"
 
 
+def add_event(c: Chunk | None, ev: pb.GenerateEvent) -> Chunk:
+    """A worker's event as a Chunk, or folded into the Chunk of the same read."""
+    if c is None:
+        c = Chunk(text=ev.text, token_ids=list(ev.token_ids), prefill_mode=ev.prefill_mode)
+    else:
+        c.text += ev.text
+        c.token_ids += ev.token_ids
+        c.prefill_mode = c.prefill_mode or ev.prefill_mode
+    if ev.logprobs:
+        c.logprobs += [Logprob(lp.token_id, lp.logprob, list(zip(lp.top_ids, lp.top_logprobs, strict=True)))
+                       for lp in ev.logprobs]
+    if ev.finish_reason:
+        c.finish_reason = ev.finish_reason
+        u = ev.usage
+        c.prompt_tokens, c.completion_tokens, c.cached_tokens = u.prompt_tokens, u.completion_tokens, u.cached_tokens
+    return c
+
+
+def frame_error(payload: bytes, called: str) -> WorkerError:
+    """An ERROR frame as the WorkerError the gRPC status would have given."""
+    err = json.loads(payload)
+    code = getattr(grpc.StatusCode, err.get("code", ""), grpc.StatusCode.UNKNOWN)
+    retryable, status = _STATUS.get(code, (True, 502))
+    failed = err.get("failed_endpoint") or called
+    role = (err.get("failed_role") or "prefill") if err.get("failed_endpoint") else "decode"
+    return WorkerError(f"{code.name}: {err.get('details') or code.name}", retryable=retryable, status=status,
+                       failed=failed, failed_role=role)
+
+
 class WorkerClient:
     token_level = True
 
-    def __init__(self) -> None:
+    def __init__(self, stream: str = "http") -> None:
         self._channels: dict[str, grpc.aio.Channel] = {}
+        # "http": token streams over the workers' HTTP port when they serve one; "grpc": always gRPC.
+        self.stream = stream
+        self.http = HTTPClient()
+        self._stream_urls: dict[str, str] = {}
 
     def channel(self, address: str) -> grpc.aio.Channel:
         ch = self._channels.get(address)
@@ -77,31 +113,29 @@ class WorkerClient:
         for ch in self._channels.values():
             await ch.close()
         self._channels.clear()
+        await self.http.close()
 
-    async def generate(self, route: Route, req: GenRequest, generated: list[int], max_tokens: int, attempt: int,
-                       timeout_s: float) -> AsyncIterator[Chunk]:
+    def generate(self, route: Route, req: GenRequest, generated: list[int], max_tokens: int, attempt: int,
+                 timeout_s: float) -> AsyncIterator[Chunk]:
         """`generated`: this request's output from failed attempts (the worker continues after it)."""
-        decode = route.decode.address
         msg = pb.GenerateRequest(request_id=f"{req.id}-{req.prompt_index}-{attempt}",
                                  token_ids=req.prompt_token_ids + generated,
                                  sampling=sampling_to_proto(req.sampling, max_tokens, len(generated)),
                                  tenant=req.tenant, prefill_endpoint=route.prefill.address if route.prefill else "")
+        if self.stream == "http" and route.decode.stream_port:
+            return self._generate_http(route.decode, msg, timeout_s)
+        return self._generate_grpc(route.decode.address, msg, timeout_s)
+
+    async def _generate_grpc(self, decode: str, msg: pb.GenerateRequest, timeout_s: float) -> AsyncIterator[Chunk]:
         call = pbg.DecodeStub(self.channel(decode)).Generate(msg, timeout=timeout_s)
         try:
             async for ev in call:
-                c = Chunk(text=ev.text, token_ids=list(ev.token_ids), prefill_mode=ev.prefill_mode)
-                if ev.logprobs:
-                    c.logprobs = [Logprob(lp.token_id, lp.logprob, list(zip(lp.top_ids, lp.top_logprobs, strict=True)))
-                                  for lp in ev.logprobs]
+                c = add_event(None, ev)
+                yield c
                 if ev.finish_reason:
-                    c.finish_reason = ev.finish_reason
-                    u = ev.usage
-                    c.prompt_tokens, c.completion_tokens, c.cached_tokens = u.prompt_tokens, u.completion_tokens, u.cached_tokens
-                    yield c
                     # The final event carries everything; not waiting for the call's status saves
                     # ~0.15 ms on the last token (the worker has already counted the request done).
                     return
-                yield c
         except grpc.aio.AioRpcError as e:
             retryable, status = _STATUS.get(e.code(), (True, 502))
             details = e.details() or e.code().name
@@ -111,10 +145,46 @@ class WorkerClient:
         finally:
             call.cancel()
 
+    async def _generate_http(self, ep: Endpoint, msg: pb.GenerateRequest, timeout_s: float) -> AsyncIterator[Chunk]:
+        """The same stream as frames over HTTP/1.1 (`protos/frames.py`): one Chunk per read."""
+        base = self._stream_urls.get(ep.address)
+        if base is None or not base.endswith(f":{ep.stream_port}"):
+            base = self._stream_urls[ep.address] = f"http://{ep.address.rpartition(':')[0]}:{ep.stream_port}"
+        resp = None
+        try:
+            resp = await self.http.request("POST", base, frames.PATH, msg.SerializeToString(), _FRAME_HEADERS, timeout_s)
+            if resp.status != 200:
+                body = (await resp.read_all())[:300].decode(errors="replace")
+                raise WorkerError(f"decode worker {ep.address} answered {resp.status}: {body}", retryable=resp.status >= 500,
+                                  status=502 if resp.status >= 500 else resp.status, failed=ep.address, failed_role="decode")
+            reader = frames.FrameReader()
+            while data := await resp.read_some():
+                c = None
+                for kind, payload in reader.feed(data):
+                    if kind == frames.ERROR:
+                        raise frame_error(payload, ep.address)
+                    ev = pb.GenerateEvent.FromString(payload)
+                    c = add_event(c, ev)
+                    if ev.finish_reason:
+                        self.http.release_after_end(resp)  # the chunked body's end may still be in flight
+                        resp = None
+                        yield c
+                        return
+                if c is not None:
+                    yield c
+            raise WorkerError(f"decode worker {ep.address}: stream ended without a finish", retryable=True,
+                              status=502, failed=ep.address, failed_role="decode")
+        except HTTPClientError as e:
+            raise WorkerError(f"UNAVAILABLE: decode worker {ep.address}: {e}", retryable=True, status=503,
+                              failed=ep.address, failed_role="decode") from e
+        finally:
+            if resp is not None:
+                self.http.release(resp)  # closes it unless the stream ended: the worker cancels the request
+
     async def probe(self, ep: Endpoint, timeout_s: float) -> Probe:
         stub = pbg.WorkerStub(self.channel(ep.address))
         h = await stub.Health(pb.HealthRequest(), timeout=timeout_s)
-        probe = Probe(h.status == "serving", h.block_size, h.max_model_len)
+        probe = Probe(h.status == "serving", h.block_size, h.max_model_len, stream_port=h.stream_port)
         if probe.ok:
             # Load reconciliation is best effort: a slow Stats answer is not a sick worker.
             try:

@@ -4,14 +4,16 @@ move, aborts and crashes leave nothing behind, bad input is refused."""
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import time
 import urllib.request
 
+import aiohttp
 import grpc
 import pytest
 from grpc_client import generate, greedy, stats, wait_blocks_free
-from procs import address, start_worker
+from procs import address, free_port, start_worker
 from reference import Reference
 
 from protos import splitfire_pb2 as pb
@@ -179,3 +181,36 @@ async def test_conditional_disaggregation_prefills_short_suffix_locally(tiny_mod
     finally:
         pre.stop()
         dec.stop()
+
+
+async def _frames(worker, req: pb.GenerateRequest) -> list[tuple[int, bytes]]:
+    """Decode.Generate over the worker's HTTP port, as the router reads it."""
+    from protos import frames
+
+    url = f"http://127.0.0.1:{worker.ports['metrics']}{frames.PATH}"
+    async with aiohttp.ClientSession() as s, s.post(url, data=req.SerializeToString()) as r:
+        assert r.status == 200 and r.headers["Content-Type"] == frames.CONTENT_TYPE
+        return frames.FrameReader().feed(await r.read())
+
+
+async def test_the_http_token_stream_equals_the_grpc_one(cluster):
+    """The same Generate handler behind both transports: same tokens, same usage, the prefill
+    decision first; a failed prefill worker is named in the ERROR frame, as in gRPC trailers."""
+    from protos import frames
+
+    dec, pre = cluster["decode"], address(cluster["prefill"])
+    ids = prompt(92, 40)
+    via_grpc = await generate(address(dec), ids, greedy(6), prefill=pre)
+    got = await _frames(dec, pb.GenerateRequest(token_ids=ids, sampling=greedy(6), prefill_endpoint=pre))
+    assert all(kind == frames.EVENT for kind, _ in got)
+    events = [pb.GenerateEvent.FromString(p) for _, p in got]
+    assert (events[0].prefill_mode, list(events[0].token_ids)) == ("remote", [])  # said before prefilling
+    assert [t for ev in events for t in ev.token_ids] == via_grpc.token_ids
+    assert events[-1].finish_reason == "length" and events[-1].usage.completion_tokens == 6
+    dead = f"127.0.0.1:{free_port()}"
+    got = await _frames(dec, pb.GenerateRequest(token_ids=prompt(93, 40), sampling=greedy(4), prefill_endpoint=dead))
+    kind, payload = got[-1]
+    err = json.loads(payload)
+    assert kind == frames.ERROR and err["code"] == "UNAVAILABLE"
+    assert (err["failed_endpoint"], err["failed_role"]) == (dead, "prefill")
+    await wait_blocks_free(address(dec))

@@ -212,3 +212,37 @@ async def test_router_in_front_of_openai_compatible_upstreams(stack, tiny_model_
                 assert text == direct
     finally:
         front.stop()
+
+
+async def test_token_streams_over_http_and_grpc_are_the_same(stack, tiny_model_dir, tmp_path):
+    """By default the router reads decode workers' tokens over their HTTP port (length-prefixed
+    frames); `--worker-stream grpc` reads the gRPC stream. The client sees the same thing."""
+    dec = stack["decode"]
+    assert f"event=endpoint_stream role=decode address={address(dec)} http_port={dec.ports['metrics']}" \
+        in stack["router"].log()
+    via_grpc = start_router(tiny_model_dir, tmp_path, "--served-model-name", MODEL, "--prefill",
+                            address(stack["prefill"]), "--decode", address(dec), "--worker-stream", "grpc",
+                            name="grpc-stream")
+    try:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "Count with me"}], "max_tokens": 24,
+                "temperature": 0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
+                "logprobs": True, "top_logprobs": 2}
+
+        async def run(url: str) -> tuple[str, list, dict]:
+            text, lps, usage = "", [], {}
+            async with aiohttp.ClientSession() as s, s.post(url + "/v1/chat/completions", json=body) as r:
+                assert r.status == 200
+                async for line in r.content:
+                    if line.startswith(b"data: {"):
+                        obj = json.loads(line[6:])
+                        usage = obj.get("usage") or usage
+                        for ch in obj["choices"]:
+                            text += ch["delta"].get("content") or ""
+                            lps += [(t["token"], round(t["logprob"], 4)) for t in (ch.get("logprobs") or {}).get("content") or []]
+            return text, lps, usage
+
+        http_side, grpc_side = await run(base_url(stack["router"])), await run(base_url(via_grpc))
+        assert http_side[:2] == grpc_side[:2] and len(http_side[1]) == 24  # (the second run hits the prefix cache)
+        assert http_side[2]["completion_tokens"] == grpc_side[2]["completion_tokens"] == 24
+    finally:
+        via_grpc.stop()

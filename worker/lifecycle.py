@@ -7,6 +7,7 @@ import logging
 import os
 import signal
 import time
+from collections.abc import Callable
 
 import grpc
 import torch
@@ -80,7 +81,7 @@ def _on_step(ctx: WorkerContext):
     return update
 
 
-async def _metrics_app(ctx: WorkerContext) -> web.AppRunner:
+async def _metrics_app(ctx: WorkerContext, add_routes: Callable[[web.Application], None] | None) -> web.AppRunner:
     async def metrics(_: web.Request) -> web.Response:
         st, m = ctx.engine.stats, ctx.metrics  # the engine's snapshot: at most one step old
         m.prefix_hit_tokens.labels(role=m.role, tier="local").set(st.blocks.prefix_hit_tokens)
@@ -95,14 +96,19 @@ async def _metrics_app(ctx: WorkerContext) -> web.AppRunner:
     app = web.Application()
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/health", health)
-    runner = web.AppRunner(app, access_log=None)
+    if add_routes is not None:
+        add_routes(app)
+    # A client that goes away cancels its handler (a token stream's request is aborted at once).
+    runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
     await runner.setup()
     await web.TCPSite(runner, ctx.config.host, ctx.config.metrics_port).start()
     return runner
 
 
-async def serve(ctx: WorkerContext, server: grpc.aio.Server) -> None:
-    """Runs until SIGTERM/SIGINT, then drains: refuse new work, finish in-flight requests, exit."""
+async def serve(ctx: WorkerContext, server: grpc.aio.Server,
+                http_routes: Callable[[web.Application], None] | None = None) -> None:
+    """Runs until SIGTERM/SIGINT, then drains: refuse new work, finish in-flight requests, exit.
+    `http_routes` adds routes to the worker's HTTP (metrics) port: the decode roles' token stream."""
     cfg = ctx.config
     ctx.engine.on_step = _on_step(ctx)
     ctx.engine.start()
@@ -110,7 +116,8 @@ async def serve(ctx: WorkerContext, server: grpc.aio.Server) -> None:
     if server.add_insecure_port(address) == 0:
         raise OSError(f"cannot bind gRPC port {address}")
     await server.start()
-    metrics_runner = await _metrics_app(ctx)
+    metrics_runner = await _metrics_app(ctx, http_routes)
+    ctx.stream_port = cfg.metrics_port if http_routes is not None else 0
     if ctx.kv_tier is not None:
         ctx.kv_tier.start()
     heartbeat = None

@@ -26,6 +26,7 @@ class WorkerContext:
     draining: bool = False
     inflight: set[str] = field(default_factory=set)  # request ids with an open RPC
     kv_tier: Any = None  # worker.kv_tier.KVTier when a cluster-wide KV store is configured
+    stream_port: int = 0  # the HTTP port serving Decode.Generate as frames (0: gRPC only)
 
     async def refuse_if_draining(self, context: grpc.aio.ServicerContext) -> None:
         if self.draining:
@@ -53,6 +54,7 @@ class WorkerService(pb_grpc.WorkerServicer):
             model=self.ctx.model_name,
             block_size=eng.config.block_size,
             max_model_len=eng.max_model_len,
+            stream_port=self.ctx.stream_port,
         )
 
     async def Stats(self, request: pb.StatsRequest, context) -> pb.StatsResponse:
