@@ -115,3 +115,18 @@ def test_workers_share_one_kv_store_master(helm):
     assert not any(d["metadata"]["name"].endswith("kv-store") for d in off)
     assert not any(a.startswith("--kv-store") for d in off if d["kind"] == "Deployment"
                    for a in d["spec"]["template"]["spec"]["containers"][0].get("args", []))
+
+
+def test_routers_may_reach_the_decode_workers_token_stream_port(helm):
+    """The router reads decode workers' tokens over their HTTP (metrics) port: the workers'
+    NetworkPolicy must let routers in there, not only the monitoring namespaces."""
+    docs = [d for d in yaml.safe_load_all(render(helm, ROOT / "helm/ci/default-values.yaml",
+                                                 "--set", "networkPolicy.enabled=true").stdout) if d]
+    policy = next(d for d in docs if d["kind"] == "NetworkPolicy" and d["metadata"]["name"].endswith("-workers"))
+    deps = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Deployment"}
+    decode_args = deps["rel-splitfire-decode"]["spec"]["template"]["spec"]["containers"][0]["args"]
+    port = int(next(a for a in decode_args if a.startswith("--metrics-port=")).split("=")[1])
+    from_router = [rule for rule in policy["spec"]["ingress"]
+                   if any(p.get("podSelector", {}).get("matchLabels", {}).get("splitfire.io/router") == "true"
+                          for p in rule["from"])]
+    assert any(p["port"] == port for rule in from_router for p in rule["ports"]), from_router
