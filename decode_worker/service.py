@@ -73,13 +73,9 @@ class DecodeService(pb_grpc.DecodeServicer):
         aeng = self.ctx.engine
         deadline = time.monotonic() + self.ctx.config.reserve_timeout_s
 
-        def reserve(engine):
-            seq = engine.reserve(rid, ids, sampling, tenant)
-            return None if seq is None else (seq.num_cached_tokens, list(seq.block_table))
-
         while True:
             try:
-                got = await aeng.call(reserve)
+                got = await aeng.reserve(rid, ids, sampling, tenant)
             except RequestError as e:
                 raise GenerateError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from e
             if got is not None:
@@ -91,7 +87,7 @@ class DecodeService(pb_grpc.DecodeServicer):
 
     async def _remote_prefill(self, rid: str, request: pb.GenerateRequest, cached: int, blocks: list[int]) -> None:
         assert self.region is not None and self.segment is not None
-        bs = self.ctx.engine.engine.config.block_size
+        bs = self.ctx.engine.block_size
         first = cached // bs
         dest = pb.KVDestination(
             segment=self.segment, base_address=self.region.base_address, num_blocks=self.region.num_blocks,
@@ -126,7 +122,7 @@ class DecodeService(pb_grpc.DecodeServicer):
                  rid, endpoint, resp.transfer_bytes, resp.transfer_entries, resp.transfer_seconds, resp.cached_tokens)
         # Prompt tokens nobody computed: this worker's hits and the prefill worker's own.
         cached_total = len(request.token_ids) - resp.computed_tokens
-        await self.ctx.engine.call_and_deliver(lambda e: [e.activate(rid, resp.first_token, lp, cached_total)])
+        await self.ctx.engine.activate(rid, resp.first_token, lp, cached_total)
 
     async def _decide(self, rid: str, request: pb.GenerateRequest, ids: list[int], sampling: SamplingParams
                       ) -> tuple[PrefillDecision, int, list[int]]:
@@ -138,7 +134,7 @@ class DecodeService(pb_grpc.DecodeServicer):
             # scheduler admits it (its turn in the queue, like any other) and computes the rest.
             fetch = tier is not None and await tier.held(request.tenant, ids) > 0
             try:
-                await aeng.call(lambda e: e.add_request(rid, ids, sampling, request.tenant, fetch=fetch))
+                await aeng.add_request(rid, ids, sampling, request.tenant, fetch=fetch)
             except RequestError as e:
                 raise GenerateError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from e
             return PrefillDecision(False, "colocated"), 0, []
@@ -160,7 +156,7 @@ class DecodeService(pb_grpc.DecodeServicer):
         if decision.remote:
             await self._remote_prefill(rid, request, cached, blocks)
         else:
-            await self.ctx.engine.call(lambda e: e.start_local_prefill(rid))
+            await self.ctx.engine.start_local_prefill(rid)
 
     # -- the RPC ----------------------------------------------------------------------
 

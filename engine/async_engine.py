@@ -20,6 +20,8 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from engine.llm_engine import EngineStats, LLMEngine, RequestOutput, StepObserver
+from engine.sampling_params import SamplingParams
+from engine.sequence import Mode, TokenLogprob
 
 log = logging.getLogger("splitfire.engine")
 T = TypeVar("T")
@@ -137,6 +139,57 @@ class AsyncEngine:
             return []
 
         return self.call_and_deliver(run)
+
+    # -- typed commands: what the serving shell asks of the engine ------------------------
+
+    @property
+    def block_size(self) -> int:
+        return self.engine.config.block_size
+
+    def add_request(self, request_id: str, ids: list[int], sampling: SamplingParams, tenant: str,
+                    mode: Mode = Mode.FULL, fetch: bool = False) -> asyncio.Future[None]:
+        """Queue a prompt (see `LLMEngine.add_request`). An `abort` sent after this call, even
+        before it completes, runs after it: a request cancelled while queued is never computed."""
+
+        def run(engine: LLMEngine) -> None:
+            engine.add_request(request_id, ids, sampling, tenant, mode, fetch=fetch)
+
+        return self.call(run)
+
+    def reserve(self, request_id: str, ids: list[int], sampling: SamplingParams, tenant: str
+                ) -> asyncio.Future[tuple[int, list[int]] | None]:
+        """Blocks for a prompt another process fills: (tokens already cached here, block ids), or
+        None when there are no free blocks now."""
+
+        def run(engine: LLMEngine) -> tuple[int, list[int]] | None:
+            seq = engine.reserve(request_id, ids, sampling, tenant)
+            return None if seq is None else (seq.num_cached_tokens, list(seq.block_table))
+
+        return self.call(run)
+
+    def activate(self, request_id: str, first_token: int, logprob: TokenLogprob | None,
+                 cached_tokens: int) -> asyncio.Future[None]:
+        """A reserved prompt's K/V have landed: decode from `first_token` (delivered in order)."""
+        return self.call_and_deliver(lambda e: [e.activate(request_id, first_token, logprob, cached_tokens)])
+
+    def start_local_prefill(self, request_id: str) -> asyncio.Future[None]:
+        return self.call(lambda e: e.start_local_prefill(request_id))
+
+    def cached_prefix_blocks(self, hashes: list[bytes]) -> asyncio.Future[int]:
+        """How many leading blocks of `hashes` this engine's prefix cache holds."""
+        return self.call(lambda e: len(e.blocks.match_prefix(hashes)))
+
+    def fill_plan(self, request_id: str) -> asyncio.Future[tuple[list[bytes], list[int]]]:
+        return self.call(lambda e: e.fill_plan(request_id))
+
+    def mark_filled(self, request_id: str, num_blocks: int) -> asyncio.Future[int]:
+        return self.call(lambda e: e.mark_filled(request_id, num_blocks))
+
+    def resume_after_fill(self, request_id: str) -> asyncio.Future[None]:
+        return self.call(lambda e: e.resume_after_fill(request_id))
+
+    def unpin_published(self, blocks: list[int]) -> asyncio.Future[None]:
+        return self.call(lambda e: e.unpin_published(blocks))
 
     def quarantine(self, request_id: str, delay_s: float) -> None:
         """Stop a request now but free its blocks only after `delay_s`: a failed or cancelled

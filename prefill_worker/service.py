@@ -55,7 +55,7 @@ class PrefillService(pb_grpc.PrefillServicer):
         try:
             ids = token_ids_from_proto(request.token_ids)
             sampling = sampling_from_proto(request.sampling)
-            plan = plan_from_request(request, rid, self.region, aeng.engine.config.block_size, len(ids))
+            plan = plan_from_request(request, rid, self.region, aeng.block_size, len(ids))
         except RequestError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         stream = aeng.open_stream(rid)
@@ -74,11 +74,14 @@ class PrefillService(pb_grpc.PrefillServicer):
                     self.sender.remove_plan(rid)
                     raise
 
+            # Counted as added from the moment the admit is queued: a cancel that arrives while it
+            # waits behind a running step queues its abort after it, so the prompt never runs.
+            added = True
             try:
                 await aeng.call(admit)
             except RequestError as e:
+                added = False
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-            added = True
             out = await stream.next()
             assert out is not None and out.finished
             if out.error is not None:

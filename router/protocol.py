@@ -151,6 +151,10 @@ def parse_messages(body: dict) -> list[dict[str, Any]]:
         role = m.get("role")
         if not isinstance(role, str) or role not in ROLES:
             raise bad_request(f"messages[{i}].role must be one of {sorted(ROLES)}", param=f"messages[{i}].role")
+        if m.get("content") is None and not (role == "assistant" and m.get("tool_calls")):
+            raise bad_request(f"messages[{i}].content is required for a {role} message", param=f"messages[{i}].content")
+        if m.get("name") is not None and not isinstance(m.get("name"), str):
+            raise bad_request(f"messages[{i}].name must be a string", param=f"messages[{i}].name")
         msg = dict(m)
         msg["content"] = _content_text(m.get("content"), i)
         if role == "developer":
@@ -250,7 +254,8 @@ class RequestParser:
         seed = body.get("seed")
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise bad_request("'seed' must be an integer", param="seed")
-        stop_ids = body.get("stop_token_ids") or []
+        stop_ids = body.get("stop_token_ids")
+        stop_ids = [] if stop_ids is None else stop_ids
         if not isinstance(stop_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in stop_ids):
             raise bad_request("'stop_token_ids' must be a list of non-negative integers", param="stop_token_ids")
         return Sampling(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,13 @@ from router.tenants import Tenants
 from router.worker_client import WorkerClient
 
 log = logging.getLogger("splitfire.router")
+
+
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
+def _no_constant(name: str) -> None:
+    raise json.JSONDecodeError(f"{name} is not JSON", name, 0)
 
 
 def load_model_info(cfg: RouterConfig) -> tuple[Tokenizer | None, str, int]:
@@ -142,11 +150,17 @@ class Router:
         except UnicodeDecodeError as e:
             raise bad_request(f"request body is not valid UTF-8 (byte {e.start})") from e
         try:
-            return json.loads(text)
+            body = json.loads(text, parse_constant=_no_constant)
         except json.JSONDecodeError as e:
             raise bad_request(f"request body is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from e
         except RecursionError as e:
             raise bad_request("request body nests JSON too deeply") from e
+        if _SURROGATE_ESCAPE.search(text):  # a \uD8xx escape: fine in a pair, not alone
+            try:
+                json.dumps(body, ensure_ascii=False).encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise bad_request("request body has a lone UTF-16 surrogate escape (\\ud800-\\udfff) in a string") from e
+        return body
 
     # -- routes -------------------------------------------------------------------------
 

@@ -214,3 +214,35 @@ async def test_the_http_token_stream_equals_the_grpc_one(cluster):
     assert kind == frames.ERROR and err["code"] == "UNAVAILABLE"
     assert (err["failed_endpoint"], err["failed_role"]) == (dead, "prefill")
     await wait_blocks_free(address(dec))
+
+
+async def test_a_storm_of_cancelled_prompts_stops_computing_at_once(cluster):
+    """Clients that go away while their prompts are queued or mid-prefill leave nothing running:
+    the prefill worker is idle within moments and computes at most about a step per request
+    after the cancel (an admit queued behind a running step once ran the whole prompt anyway)."""
+    dec, pre = cluster["decode"], cluster["prefill"]
+    # A long prompt keeps the engine stepping; the others are cancelled a few ms apart, so some
+    # cancels land while their admit waits behind a running step.
+    busy = asyncio.create_task(generate(address(dec), prompt(199, 900), greedy(4), prefill=address(pre)))
+    await until_prefill_under_way(address(pre))
+    calls = [busy]
+    for i in range(12):
+        calls.append(asyncio.create_task(generate(address(dec), prompt(200 + i, 600), greedy(4), prefill=address(pre))))
+        await asyncio.sleep(0.004)
+        calls[-1].cancel()
+    busy.cancel()
+    await asyncio.gather(*calls, return_exceptions=True)
+    steps_at_cancel = metric(pre, "splitfire_worker_step_seconds_count")
+    deadline = time.monotonic() + 5
+    while True:
+        st = await stats(address(pre))
+        if st.running == 0 and st.waiting == 0 and st.prompt_tokens_in_flight == 0:
+            break
+        assert time.monotonic() < deadline, f"the prefill worker still computes cancelled prompts: {st}"
+        await asyncio.sleep(0.02)
+    await asyncio.sleep(0.3)
+    wasted = metric(pre, "splitfire_worker_step_seconds_count") - steps_at_cancel
+    # One prompt run to the end would be 75 steps (600 tokens, 8 per step); allow about one per request.
+    assert wasted <= 13 + 2, wasted
+    await wait_blocks_free(address(pre))
+    await wait_blocks_free(address(dec))

@@ -136,6 +136,14 @@ BAD = [
     ("tool_choice without tools", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
                                    "tool_choice": "required"}, 400),
     ("tool message without its call id", {"model": MODEL, "messages": [{"role": "tool", "content": "42"}]}, 400),
+    ("role a list", {"model": MODEL, "messages": [{"role": ["user"], "content": "hi"}]}, 400),
+    ("role an object", {"model": MODEL, "messages": [{"role": {"a": 1}, "content": "hi"}]}, 400),
+    ("user message without content", {"model": MODEL, "messages": [{"role": "user"}]}, 400),
+    ("stop_token_ids a string", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                                 "stop_token_ids": ""}, 400),
+    ("name not a string", {"model": MODEL, "messages": [{"role": "user", "content": "hi", "name": True}]}, 400),
+    ("lone surrogate", b'{"model": "tiny", "messages": [{"role": "user", "content": "\\ud83d"}]}', 400),
+    ("NaN temperature", b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "temperature": NaN}', 400),
     ("response_format json_schema invalid", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
                                              "response_format": {"type": "json_schema",
                                                                  "json_schema": {"name": "x", "schema": {"type": 5}}}}, 400),
@@ -157,6 +165,16 @@ async def test_bad_input_gets_openai_error(stack, case):
     assert set(err) == {"message", "type", "param", "code"}
 
 
+async def test_fuzzed_bodies_never_get_a_server_error(stack):
+    """500 malformed bodies (wrong types everywhere, deep nesting, broken JSON and UTF-8, NaN,
+    lone surrogates): each gets a 4xx with an OpenAI error object or a normal answer."""
+    from loadtest import fuzz
+
+    res = await fuzz.run(base_url(stack["router"]), MODEL, 500, seed=7)
+    assert not res.server_errors and res.hangs == 0 and res.bad_error_bodies == 0, res
+    assert res.statuses[200] > 20 and res.statuses[400] > 200, res.statuses  # both kinds were exercised
+
+
 async def test_client_disconnect_frees_worker_blocks(stack):
     body = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me everything"}], "max_tokens": 800,
             "temperature": 0, "stream": True, "ignore_eos": True}
@@ -172,6 +190,14 @@ async def test_client_disconnect_frees_worker_blocks(stack):
             r.close()
     await wait_blocks_free(address(stack["decode"]))
     await wait_blocks_free(address(stack["prefill"]))
+    # /metrics agrees with Stats at once (its gauges once kept the last busy step's values).
+    async with aiohttp.ClientSession() as s:
+        async with s.get(f"http://127.0.0.1:{stack['decode'].ports['metrics']}/metrics") as r:
+            gauges = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in (await r.text()).splitlines()
+                      if line.startswith(("splitfire_worker_kv_blocks_used", "splitfire_worker_running_batch",
+                                          "splitfire_worker_queue_depth"))}
+    assert gauges == {"splitfire_worker_kv_blocks_used": 0, "splitfire_worker_running_batch": 0,
+                      "splitfire_worker_queue_depth": 0}, gauges
     # Freed because the request was cancelled, not because it ran to the end.
     for _ in range(50):
         if f"event=generate_cancelled rid={rid}" in stack["decode"].log():

@@ -77,7 +77,7 @@ class KVTier:
         cheap question (one hash pass, one lookup RPC) to ask before taking the fetch path."""
         last = (len(token_ids) - 1) // self.block_size
         hashes = block_hashes(tenant, token_ids[: last * self.block_size], self.block_size)
-        local = await self.aengine.call(lambda e: len(e.blocks.match_prefix(hashes)))
+        local = await self.aengine.cached_prefix_blocks(hashes)
         if local >= last:
             return 0
         return await asyncio.get_running_loop().run_in_executor(self._fetcher, self.store.present,
@@ -87,12 +87,12 @@ class KVTier:
         """Read the blocks of a reserved prompt past its local hit that the store holds, into the
         prompt's own blocks. Returns the prompt tokens cached now (local + store)."""
         aeng = self.aengine
-        hashes, blocks = await aeng.call(lambda e: e.fill_plan(request_id))
+        hashes, blocks = await aeng.fill_plan(request_id)
         n = 0
         if hashes:
             n = await asyncio.get_running_loop().run_in_executor(self._fetcher, self._fetch, self.keys(hashes), blocks)
         self.metrics.kv_store_blocks.labels(role=self.metrics.role, op="fetched").inc(n)
-        return await aeng.call(lambda e: e.mark_filled(request_id, n))
+        return await aeng.mark_filled(request_id, n)
 
     def on_fetch(self, request_ids: list[str]) -> None:
         """Prompts the scheduler admitted (in their turn, with their blocks) to be filled from the
@@ -109,7 +109,7 @@ class KVTier:
             return  # aborted while it waited
         except Exception:
             log.exception("event=kv_fill_failed rid=%s", request_id)
-        await self.aengine.call(lambda e: e.resume_after_fill(request_id))
+        await self.aengine.resume_after_fill(request_id)
 
     def _fetch(self, keys: list[str], blocks: list[int]) -> int:
         try:
@@ -130,7 +130,7 @@ class KVTier:
         for hashes, blocks in items:
             if self.pending + len(blocks) > self.max_pending:
                 self.metrics.kv_store_blocks.labels(role=self.metrics.role, op="dropped").inc(len(blocks))
-                self.aengine.call(lambda e, b=blocks: e.unpin_published(b))
+                self.aengine.unpin_published(blocks)
                 continue
             self.pending += len(blocks)
             self._queue.put_nowait((hashes, blocks))
@@ -150,7 +150,7 @@ class KVTier:
                 log.exception("event=kv_publish_failed blocks=%d", len(blocks))
             finally:
                 self.pending -= len(blocks)
-                await self.aengine.call(lambda e, b=blocks: e.unpin_published(b))
+                await self.aengine.unpin_published(blocks)
 
     async def stop(self) -> None:
         if self._task is not None:
@@ -158,7 +158,7 @@ class KVTier:
             await asyncio.gather(self._task, return_exceptions=True)
         while not self._queue.empty():  # never leave blocks pinned
             _, blocks = self._queue.get_nowait()
-            await self.aengine.call(lambda e, b=blocks: e.unpin_published(b))
+            await self.aengine.unpin_published(blocks)
         self._fetcher.shutdown(wait=True)
         self._publisher.shutdown(wait=True)
         await asyncio.to_thread(self.store.close)

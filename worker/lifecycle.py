@@ -59,33 +59,32 @@ def load_context(cfg: WorkerConfig, observer: StepObserver | None = None,
 
 def _on_step(ctx: WorkerContext):
     m, lbl = ctx.metrics, ctx.metrics.labels
-    eng = ctx.engine.engine
-    state = {"last": 0.0}
 
     def update(outputs: list[RequestOutput], step_s: float, running: int) -> None:
         m.step.labels(**lbl).observe(step_s)
-        now = time.monotonic()
-        if now - state["last"] < 0.25:  # gauges: 4 Hz is plenty, and keeps the loop thread cheap
-            return
-        state["last"] = now
-        m.batch.labels(**lbl).set(running)
-        m.queue.labels(**lbl).set(len(eng.scheduler.waiting))
-        b = eng.blocks
-        m.kv_used.labels(**lbl).set(b.num_blocks - len(b.free) - len(b.lru))
-        m.kv_cached.labels(**lbl).set(len(b.lru))
-        if b.prefix_query_tokens:
-            m.prefix_hit.labels(**lbl).set(b.prefix_hit_tokens / b.prefix_query_tokens)
-
-        m.preemptions.labels(**lbl).set(eng.scheduler.num_preemptions)
 
     return update
 
 
+def refresh_gauges(ctx: WorkerContext) -> None:
+    """Gauges from the engine's snapshot, taken after every step and every command (an abort
+    included) and when it goes idle: a scrape sees the engine as it is, never a stale busy state."""
+    st, m, lbl = ctx.engine.stats, ctx.metrics, ctx.metrics.labels
+    b = st.blocks
+    m.batch.labels(**lbl).set(st.running)
+    m.queue.labels(**lbl).set(st.waiting)
+    m.kv_used.labels(**lbl).set(b.used)
+    m.kv_cached.labels(**lbl).set(b.cached)
+    if b.prefix_query_tokens:
+        m.prefix_hit.labels(**lbl).set(b.prefix_hit_tokens / b.prefix_query_tokens)
+    m.preemptions.labels(**lbl).set(st.num_preemptions)
+    m.prefix_hit_tokens.labels(role=m.role, tier="local").set(b.prefix_hit_tokens)
+    m.prefix_hit_tokens.labels(role=m.role, tier="store").set(st.store_hit_tokens)
+
+
 async def _metrics_app(ctx: WorkerContext, add_routes: Callable[[web.Application], None] | None) -> web.AppRunner:
     async def metrics(_: web.Request) -> web.Response:
-        st, m = ctx.engine.stats, ctx.metrics  # the engine's snapshot: at most one step old
-        m.prefix_hit_tokens.labels(role=m.role, tier="local").set(st.blocks.prefix_hit_tokens)
-        m.prefix_hit_tokens.labels(role=m.role, tier="store").set(st.store_hit_tokens)
+        refresh_gauges(ctx)
         return web.Response(body=generate_latest(ctx.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def health(_: web.Request) -> web.Response:

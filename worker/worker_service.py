@@ -40,7 +40,7 @@ class WorkerService(pb_grpc.WorkerServicer):
 
     async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
         rid = request.request_id
-        found = await self.ctx.engine.call(lambda e: e.abort(rid))
+        found = await self.ctx.engine.call(lambda e: e.abort(rid))  # (the bool: whether it was known)
         if self.extra_abort is not None:
             found = await self.extra_abort(rid) or found
         log.info("event=abort rid=%s found=%s", rid, found)
