@@ -7,9 +7,9 @@ Requests and health checks both report here; nothing else changes an endpoint's 
   when `unhealthy_after` health checks fail in a row. One failure never ejects: a request
   that fails once is retried elsewhere, the endpoint stays.
 - open: out of rotation for `open_s`, doubled on each failed probe (up to `max_open_s`).
-  A passing health check ends the wait at once when health checks opened it (a restarted
-  worker comes back as soon as it answers), not when requests did (the process answers but
-  its requests fail).
+  A passing health check ends the wait at once when health checks failed while it was open (a
+  restarted worker comes back as soon as it answers), not when only requests failed (the
+  process answers but its requests fail).
 - half-open: in rotation for one probe request at a time; its success closes the breaker,
   its failure opens it again.
 """
@@ -88,9 +88,11 @@ class CircuitBreaker:
         """A health check's result; returns "opened" / "half_open" when it changed the state."""
         if not ok:
             self.failed_checks += 1
-            if self.state != OPEN and self.failed_checks >= self.cfg.unhealthy_after:
-                self._open("health")
-                return "opened"
+            if self.failed_checks >= self.cfg.unhealthy_after:
+                if self.state != OPEN:
+                    self._open("health")
+                    return "opened"
+                self.reason = "health"  # down, not just failing: its first passing check half-opens it
             return None
         self.failed_checks = 0
         if self.state == OPEN and self.reason == "health":

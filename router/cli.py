@@ -22,7 +22,10 @@ async def run(cfg: RouterConfig) -> None:
         import uvloop  # noqa: F401  (installed: the loop policy is set by main())
     except ImportError:
         pass
-    runner = web.AppRunner(router.app(), access_log=None, handler_cancellation=True)
+    # keepalive_timeout also bounds how long a new connection may take to send its first request's
+    # head (aiohttp closes a connection still waiting for one): slow-header clients are dropped.
+    runner = web.AppRunner(router.app(), access_log=None, handler_cancellation=True,
+                           keepalive_timeout=cfg.keepalive_timeout_s)
     await runner.setup()
     await web.TCPSite(runner, cfg.host, cfg.port, backlog=1024).start()
     log.info("event=router_ready port=%d model=%s policy=%s endpoints=%d redis=%s", cfg.port, name, cfg.policy,

@@ -47,6 +47,7 @@ class RouterConfig:
     stats_interval_s: float = 1.0
     api_keys_file: str = ""
     request_timeout_s: float = 600.0
+    keepalive_timeout_s: float = 15.0  # idle client connections, and the wait for a request's head
 
     def breaker(self) -> BreakerConfig:
         return BreakerConfig(error_rate=self.breaker_error_rate, open_s=self.breaker_open_s,
@@ -78,6 +79,8 @@ class RouterConfig:
             raise ValueError(f"--api-keys file {self.api_keys_file!r} does not exist")
         if self.prefix_index_blocks < 1:
             raise ValueError("--prefix-index-blocks must be >= 1")
+        if self.keepalive_timeout_s <= 0:
+            raise ValueError("--keepalive-timeout must be > 0")
         if self.worker_stream not in ("http", "grpc"):
             raise ValueError(f"--worker-stream must be http or grpc, got {self.worker_stream!r}")
         if not 0 < self.breaker_error_rate <= 1 or self.breaker_open_s <= 0:
@@ -126,6 +129,9 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-body-bytes", type=int, default=int(_env("max_body_bytes", str(4 * 2**20))))
     p.add_argument("--api-keys", default=_env("api_keys", ""), help="file of 'key tenant' lines; enables auth")
     p.add_argument("--health-interval", type=float, default=float(_env("health_interval", "2.0")))
+    p.add_argument("--keepalive-timeout", type=float, default=float(_env("keepalive_timeout", "15")),
+                   help="seconds an idle client connection is kept, and the most a new one may take to send its "
+                        "request head (slow-header clients are dropped)")
     p.add_argument("--worker-stream", default=_env("worker_stream", "http"), choices=("http", "grpc"),
                    help="read workers' token streams over their HTTP port (length-prefixed frames; less router CPU "
                         "per token) or over gRPC")
@@ -145,5 +151,5 @@ def router_config_from(args: argparse.Namespace) -> RouterConfig:
         shared_kv_store=args.shared_kv_store, affinity_ttl_s=args.affinity_ttl,
         max_concurrency=args.max_concurrency, max_queue=args.max_queue, max_retries=args.max_retries,
         max_body_bytes=args.max_body_bytes, api_keys_file=args.api_keys, health_interval_s=args.health_interval,
-        worker_stream=args.worker_stream, breaker_error_rate=args.breaker_error_rate, breaker_open_s=args.breaker_open_s,
+        keepalive_timeout_s=args.keepalive_timeout, worker_stream=args.worker_stream, breaker_error_rate=args.breaker_error_rate, breaker_open_s=args.breaker_open_s,
     ).validate()

@@ -26,7 +26,11 @@ if TYPE_CHECKING:
 log = logging.getLogger("splitfire.router")
 
 _FRAME_HEADERS = {"Content-Type": "application/x-protobuf", "Accept": frames.CONTENT_TYPE}
-CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 * 2**20), ("grpc.keepalive_time_ms", 10_000),
+# A restarted worker must be reachable again within a health interval: gRPC's reconnect backoff
+# otherwise grows to 120 s on a long-lived channel (a restarted worker was seen unused for 15-32 s).
+RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+                     ("grpc.max_reconnect_backoff_ms", 1000)]
+CHANNEL_OPTIONS = [*RECONNECT_OPTIONS, ("grpc.max_receive_message_length", 64 * 2**20), ("grpc.keepalive_time_ms", 10_000),
                    ("grpc.keepalive_timeout_ms", 5_000), ("grpc.keepalive_permit_without_calls", 1),
                    ("grpc.http2.max_pings_without_data", 0)]
 # Worker status → (retry elsewhere?, HTTP status if surfaced to the client)

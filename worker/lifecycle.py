@@ -24,6 +24,9 @@ log = logging.getLogger("splitfire.worker")
 
 GRPC_OPTIONS = [
     ("grpc.max_receive_message_length", 64 * 2**20),
+    # A decode worker's channel to a restarted prefill worker reconnects within a second.
+    ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
     ("grpc.max_send_message_length", 64 * 2**20),
     ("grpc.so_reuseport", 0),
 ]
