@@ -68,13 +68,15 @@ class RedisPinStore:
 
 
 class SessionAffinity:
-    """Pins are an optimisation: when the store fails (Redis down), requests are placed as if
-    unpinned and the failure is logged, never surfaced to the client."""
+    """Pins are an optimisation: when the store fails (Redis down), this router's own copy of the
+    pins it set or read answers instead, the failure is logged, and the client never sees it."""
 
-    def __init__(self, store: PinStore, ttl_s: float):
+    def __init__(self, store: PinStore, ttl_s: float, local: MemoryPinStore | None = None):
         self.store = store
         self.ttl_s = ttl_s
         self.store_errors = 0
+        # Write-through copy for a shared store; None when the store is already in-process.
+        self.local = None if isinstance(store, MemoryPinStore) else (local or MemoryPinStore())
 
     @staticmethod
     def key(tenant: str, session: str) -> str:
@@ -83,18 +85,25 @@ class SessionAffinity:
     def _failed(self, op: str, e: Exception) -> None:
         self.store_errors += 1
         if self.store_errors == 1 or self.store_errors % 1000 == 0:
-            log.warning("event=affinity_store_error op=%s errors=%d error=%r", op, self.store_errors, e)
+            log.warning("event=affinity_store_error op=%s errors=%d fallback=local error=%r", op, self.store_errors, e)
 
     async def lookup(self, tenant: str, session: str) -> Pin | None:
+        key = self.key(tenant, session)
         try:
-            raw = await self.store.get(self.key(tenant, session))
+            raw = await self.store.get(key)
         except Exception as e:
             self._failed("get", e)
-            return None
+            raw = await self.local.get(key) if self.local is not None else None
+        else:
+            if raw and self.local is not None:
+                await self.local.set(key, raw, self.ttl_s)
         return Pin.decode_str(raw) if raw else None
 
     async def pin(self, tenant: str, session: str, pin: Pin) -> None:
+        key, value = self.key(tenant, session), pin.encode()
+        if self.local is not None:
+            await self.local.set(key, value, self.ttl_s)
         try:
-            await self.store.set(self.key(tenant, session), pin.encode(), self.ttl_s)
+            await self.store.set(key, value, self.ttl_s)
         except Exception as e:
             self._failed("set", e)

@@ -36,6 +36,8 @@ class HealthChecker:
             ep.block_size, ep.max_model_len, ep.stream_port = probe.block_size, probe.max_model_len, probe.stream_port
         if ok and probe.load is not None:
             ep.reconcile(*probe.load)
+        elif not ok:
+            ep.reconcile(0, 0, 0)  # what it reported last is stale: only our own estimates stand
         if ok and probe.models:
             self._learn_models(ep, probe.models)
         self.registry.on_check(ep, ok)

@@ -55,9 +55,10 @@ class _EndpointCollector:
         healthy = GaugeMetricFamily("splitfire_router_endpoint_healthy", "1 if the endpoint is in rotation",
                                     labels=["role", "endpoint"])
         for ep in self.endpoints.all():
-            load.add_metric([ep.role, ep.address], ep.load())
-            active.add_metric([ep.role, ep.address], ep.active)
             healthy.add_metric([ep.role, ep.address], 1 if ep.healthy else 0)
+            if ep.healthy:  # an ejected endpoint's last load is not a load (its series goes away)
+                load.add_metric([ep.role, ep.address], ep.load())
+                active.add_metric([ep.role, ep.address], ep.active)
         yield from (load, active, healthy)
 
 

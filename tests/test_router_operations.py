@@ -144,19 +144,31 @@ async def test_unhealthy_endpoint_is_ejected_and_readmitted(tiny_model_dir, tmp_
 
 
 async def test_redis_outage_degrades_affinity_not_requests(tiny_model_dir, tmp_path):
+    """Redis down: requests still succeed, and sessions pinned through this router stay on their
+    worker (its own copy of the pins answers)."""
     redis = start_redis(tmp_path)
-    worker = start_worker("both", tiny_model_dir, tmp_path)
-    router = start_router(tiny_model_dir, tmp_path, "--served-model-name", MODEL, "--colocated", address(worker),
+    workers = [start_worker("both", tiny_model_dir, tmp_path, name=f"aff{i}") for i in range(2)]
+    router = start_router(tiny_model_dir, tmp_path, "--served-model-name", MODEL, "--colocated",
+                          *(address(w) for w in workers), "--policy", "round_robin",
                           "--redis-url", f"redis://127.0.0.1:{redis.ports['port']}/0")
     try:
-        assert (await _chat(base_url(router), {"x-session-affinity": "s1"})).status == 200
+        sessions = [f"s{i}" for i in range(6)]
+        before = {}
+        for s in sessions:
+            r = await _chat(base_url(router), {"x-session-affinity": s})
+            assert r.status == 200
+            before[s] = r.headers["X-Splitfire-Decode"]
+        assert len(set(before.values())) == 2  # the sessions are spread over both workers
         redis.kill()
-        r = await _chat(base_url(router), {"x-session-affinity": "s1"}, stream=True)
-        assert r.status == 200
-        assert "event=affinity_store_error" in router.log()
+        for s in reversed(sessions):  # (unpinned, round-robin would now send each to the other worker)
+            r = await _chat(base_url(router), {"x-session-affinity": s}, stream=True)
+            assert r.status == 200
+            assert r.headers["X-Splitfire-Decode"] == before[s], s
+        assert "event=affinity_store_error" in router.log() and "fallback=local" in router.log()
     finally:
         router.stop()
-        worker.stop()
+        for w in workers:
+            w.stop()
         redis.kill()
 
 
