@@ -102,7 +102,7 @@ class LLMEngine:
         self.eos_token_ids = self.tokenizer.eos_token_ids or frozenset(self.model_config.eos_token_ids)
         self.grammar = GrammarEngine(self.model_dir / "tokenizer.json", self.model_config.vocab_size,
                                      sorted(self.eos_token_ids), config.threads)
-        self.runner = ModelRunner(self.model, self.kv, self.device, self.grammar)
+        self.runner = ModelRunner(self.model, self.kv, self.device, self.grammar, frozenset(self.eos_token_ids))
         self.seqs: dict[str, Sequence] = {}
         self._arrival = itertools.count()
         # Cluster-wide KV tier (set by a worker that has one): full blocks this engine computed are

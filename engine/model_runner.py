@@ -32,9 +32,11 @@ def _length_groups(num_blocks: list[int]) -> list[range]:
 
 
 class ModelRunner:
-    def __init__(self, model: DecoderModel, kv: KVCache, device: torch.device, grammar: GrammarEngine | None = None):
+    def __init__(self, model: DecoderModel, kv: KVCache, device: torch.device, grammar: GrammarEngine | None = None,
+                 eos_token_ids: frozenset[int] = frozenset()):
         self.model = model
         self.grammar = grammar
+        self.eos_token_ids = eos_token_ids  # impossible before a request's min_tokens
         self.kv = kv
         self.device = device
         self.block_size = kv.layout.block_size
@@ -98,4 +100,4 @@ class ModelRunner:
             return []
         rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
         logits = self.model.logits(hidden.index_select(0, rows))
-        return sample(logits, [s.seq for s in batch if s.samples], self.grammar)
+        return sample(logits, [s.seq for s in batch if s.samples], self.grammar, self.eos_token_ids)

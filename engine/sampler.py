@@ -18,8 +18,10 @@ from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence, TokenLogprob
 
 
-def apply_penalties(logits: torch.Tensor, sp: SamplingParams, prompt: list[int], output: list[int]) -> torch.Tensor:
-    """Repetition penalty (HF semantics: over prompt and output) and OpenAI frequency/presence (output only)."""
+def apply_penalties(logits: torch.Tensor, sp: SamplingParams, prompt: list[int], output: list[int],
+                    banned: list[int] | None = None) -> torch.Tensor:
+    """Repetition penalty (HF semantics: over prompt and output), OpenAI frequency/presence (output
+    only), logit_bias, and `banned` tokens (EOS and stop ids before min_tokens) made impossible."""
     logits = logits.clone()
     if sp.repetition_penalty != 1.0:
         seen = torch.tensor(sorted(set(prompt) | set(output)), dtype=torch.long, device=logits.device)
@@ -29,6 +31,13 @@ def apply_penalties(logits: torch.Tensor, sp: SamplingParams, prompt: list[int],
         ids = torch.tensor(output, dtype=torch.long, device=logits.device)
         counts = torch.zeros_like(logits).index_add_(0, ids, torch.ones_like(ids, dtype=logits.dtype))
         logits -= sp.frequency_penalty * counts + sp.presence_penalty * (counts > 0).to(logits.dtype)
+    if sp.logit_bias:
+        ids = torch.tensor(list(sp.logit_bias), dtype=torch.long, device=logits.device)
+        inside = ids < logits.shape[-1]  # ids past the vocabulary have no logit to bias
+        bias = torch.tensor(list(sp.logit_bias.values()), dtype=logits.dtype, device=logits.device)
+        logits.index_add_(0, ids[inside], bias[inside])
+    if banned:
+        logits[torch.tensor(banned, dtype=torch.long, device=logits.device)] = float("-inf")
     return logits
 
 
@@ -69,8 +78,8 @@ def top_logprobs(logprobs: torch.Tensor, token: int, n: int) -> TokenLogprob:
     return TokenLogprob(token_id=token, logprob=float(logprobs[token]), top=top)
 
 
-def sample(logits: torch.Tensor, seqs: list[Sequence], grammar: GrammarEngine | None = None
-           ) -> list[tuple[int, TokenLogprob | None]]:
+def sample(logits: torch.Tensor, seqs: list[Sequence], grammar: GrammarEngine | None = None,
+           eos_token_ids: frozenset[int] = frozenset()) -> list[tuple[int, TokenLogprob | None]]:
     """logits: [len(seqs), vocab] float32 (masked in place for constrained rows). Returns (token,
     logprob info or None) per sequence."""
     out: list[tuple[int, TokenLogprob | None]] = []
@@ -92,7 +101,9 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], grammar: GrammarEngine | 
         else:
             row = logits[i]
             if sp.penalized:
-                row = apply_penalties(row, sp, seq.prompt_token_ids, seq.generated_token_ids)
+                banned = ([t for t in (*eos_token_ids, *sp.stop_token_ids) if t < row.shape[-1]]
+                          if seq.num_generated < sp.min_tokens else None)
+                row = apply_penalties(row, sp, seq.prompt_token_ids, seq.generated_token_ids, banned)
             if sp.greedy:
                 token = int(row.argmax())
             else:

@@ -28,6 +28,8 @@ class SamplingParams:
     # The prompt's last `resumed_tokens` tokens are this request's own earlier output (a failover
     # resuming elsewhere): the grammar, the seeded noise and the penalties continue from them.
     resumed_tokens: int = 0
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
+    min_tokens: int = 0  # no EOS / stop token ids before this many output tokens
 
     @property
     def greedy(self) -> bool:
@@ -35,7 +37,9 @@ class SamplingParams:
 
     @property
     def penalized(self) -> bool:
-        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+        """Logits change per row before sampling (penalties, biases, min_tokens)."""
+        return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+                or bool(self.logit_bias) or self.min_tokens > 0)
 
     def validate(self) -> SamplingParams:
         checks = [
@@ -52,6 +56,11 @@ class SamplingParams:
             (len(self.stop) <= 16, "at most 16 stop strings"),
             (self.seed is None or 0 <= self.seed < 2**63, f"seed must be in [0, 2^63), got {self.seed}"),
             (self.resumed_tokens >= 0, f"resumed_tokens must be >= 0, got {self.resumed_tokens}"),
+            (all(-100.0 <= b <= 100.0 and t >= 0 for t, b in self.logit_bias.items()),
+             "logit_bias maps token ids to values in [-100, 100]"),
+            # (min_tokens counts the whole output; after a failover max_tokens is what is left of it)
+            (0 <= self.min_tokens <= self.max_tokens + self.resumed_tokens,
+             f"min_tokens must be in [0, max_tokens], got {self.min_tokens}"),
         ]
         for ok, msg in checks:
             if not ok:

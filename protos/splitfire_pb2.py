@@ -24,45 +24,49 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16protos/splitfire.proto\x12\x0csplitfire.v1\"\x9a\x03\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x02H\x02\x88\x01\x01\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x08 \x01(\x02\x12\x11\n\x04seed\x18\t \x01(\x04H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\r\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x15\n\x08logprobs\x18\r \x01(\rH\x04\x88\x01\x01\x12\x0f\n\x07grammar\x18\x0e \x01(\t\x12\x16\n\x0eresumed_tokens\x18\x0f \x01(\rB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x15\n\x13_repetition_penaltyB\x07\n\x05_seedB\x0b\n\t_logprobs\"X\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0f\n\x07top_ids\x18\x03 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\x92\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.splitfire.v1.SamplingParams\x12\x0e\n\x06tenant\x18\x04 \x01(\t\x12\x18\n\x10prefill_endpoint\x18\x05 \x01(\t\"\xc7\x01\n\rGenerateEvent\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12,\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1a.splitfire.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\"\n\x05usage\x18\x05 \x01(\x0b\x32\x13.splitfire.v1.Usage\x12\x14\n\x0cprefill_mode\x18\x06 \x01(\t\x12\x16\n\x0eprefill_reason\x18\x07 \x01(\t\"\x9a\x01\n\rKVDestination\x12\x0f\n\x07segment\x18\x01 \x01(\t\x12\x14\n\x0c\x62\x61se_address\x18\x02 \x01(\x04\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\x12\x12\n\nnum_layers\x18\x04 \x01(\r\x12\x12\n\npage_bytes\x18\x05 \x01(\x04\x12\x13\n\x0b\x66irst_block\x18\x06 \x01(\r\x12\x11\n\tblock_ids\x18\x07 \x03(\r\"\xa9\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.splitfire.v1.SamplingParams\x12\x0e\n\x06tenant\x18\x04 \x01(\t\x12\x30\n\x0b\x64\x65stination\x18\x05 \x01(\x0b\x32\x1b.splitfire.v1.KVDestination\"\xff\x01\n\x0fPrefillResponse\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\r\x12+\n\x07logprob\x18\x02 \x01(\x0b\x32\x1a.splitfire.v1.TokenLogprob\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\x12\x17\n\x0f\x63omputed_tokens\x18\x04 \x01(\r\x12\x16\n\x0etransfer_bytes\x18\x05 \x01(\x04\x12\x18\n\x10transfer_entries\x18\x06 \x01(\r\x12\x18\n\x10transfer_seconds\x18\x07 \x01(\x01\x12\x17\n\x0f\x63ompute_seconds\x18\x08 \x01(\x01\x12\x15\n\rqueue_seconds\x18\t \x01(\x01\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x0f\n\rHealthRequest\"}\n\x0eHealthResponse\x12\x0e\n\x06status\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x15\n\rmax_model_len\x18\x05 \x01(\r\x12\x13\n\x0bstream_port\x18\x06 \x01(\r\"\x0e\n\x0cStatsRequest\"\xd2\x02\n\rStatsResponse\x12\x1f\n\x17prompt_tokens_in_flight\x18\x01 \x01(\x04\x12\x0f\n\x07running\x18\x02 \x01(\r\x12\x0f\n\x07waiting\x18\x03 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x04 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x05 \x01(\r\x12\x16\n\x0ekv_blocks_free\x18\x06 \x01(\r\x12\x18\n\x10kv_blocks_cached\x18\x07 \x01(\r\x12\x16\n\x0ekv_tokens_held\x18\x08 \x01(\x04\x12\x1b\n\x13prefix_query_tokens\x18\t \x01(\x04\x12\x19\n\x11prefix_hit_tokens\x18\n \x01(\x04\x12\x1f\n\x17\x64\x65\x63ode_tokens_remaining\x18\x0b \x01(\x04\x12\x10\n\x08reserved\x18\x0c \x01(\r\x12\x18\n\x10store_hit_tokens\x18\r \x01(\x04\x32R\n\x06\x44\x65\x63ode\x12H\n\x08Generate\x12\x1d.splitfire.v1.GenerateRequest\x1a\x1b.splitfire.v1.GenerateEvent0\x01\x32Q\n\x07Prefill\x12\x46\n\x07Prefill\x12\x1c.splitfire.v1.PrefillRequest\x1a\x1d.splitfire.v1.PrefillResponse2\xd1\x01\n\x06Worker\x12@\n\x05\x41\x62ort\x12\x1a.splitfire.v1.AbortRequest\x1a\x1b.splitfire.v1.AbortResponse\x12\x43\n\x06Health\x12\x1b.splitfire.v1.HealthRequest\x1a\x1c.splitfire.v1.HealthResponse\x12@\n\x05Stats\x12\x1a.splitfire.v1.StatsRequest\x1a\x1b.splitfire.v1.StatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16protos/splitfire.proto\x12\x0csplitfire.v1\"\xa1\x04\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x02H\x02\x88\x01\x01\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x08 \x01(\x02\x12\x11\n\x04seed\x18\t \x01(\x04H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\r\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x15\n\x08logprobs\x18\r \x01(\rH\x04\x88\x01\x01\x12\x0f\n\x07grammar\x18\x0e \x01(\t\x12\x16\n\x0eresumed_tokens\x18\x0f \x01(\r\x12?\n\nlogit_bias\x18\x10 \x03(\x0b\x32+.splitfire.v1.SamplingParams.LogitBiasEntry\x12\x12\n\nmin_tokens\x18\x11 \x01(\r\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x15\n\x13_repetition_penaltyB\x07\n\x05_seedB\x0b\n\t_logprobs\"X\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0f\n\x07top_ids\x18\x03 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\x92\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.splitfire.v1.SamplingParams\x12\x0e\n\x06tenant\x18\x04 \x01(\t\x12\x18\n\x10prefill_endpoint\x18\x05 \x01(\t\"\xc7\x01\n\rGenerateEvent\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12,\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1a.splitfire.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\"\n\x05usage\x18\x05 \x01(\x0b\x32\x13.splitfire.v1.Usage\x12\x14\n\x0cprefill_mode\x18\x06 \x01(\t\x12\x16\n\x0eprefill_reason\x18\x07 \x01(\t\"\x9a\x01\n\rKVDestination\x12\x0f\n\x07segment\x18\x01 \x01(\t\x12\x14\n\x0c\x62\x61se_address\x18\x02 \x01(\x04\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\x12\x12\n\nnum_layers\x18\x04 \x01(\r\x12\x12\n\npage_bytes\x18\x05 \x01(\x04\x12\x13\n\x0b\x66irst_block\x18\x06 \x01(\r\x12\x11\n\tblock_ids\x18\x07 \x03(\r\"\xa9\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.splitfire.v1.SamplingParams\x12\x0e\n\x06tenant\x18\x04 \x01(\t\x12\x30\n\x0b\x64\x65stination\x18\x05 \x01(\x0b\x32\x1b.splitfire.v1.KVDestination\"\xff\x01\n\x0fPrefillResponse\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\r\x12+\n\x07logprob\x18\x02 \x01(\x0b\x32\x1a.splitfire.v1.TokenLogprob\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\x12\x17\n\x0f\x63omputed_tokens\x18\x04 \x01(\r\x12\x16\n\x0etransfer_bytes\x18\x05 \x01(\x04\x12\x18\n\x10transfer_entries\x18\x06 \x01(\r\x12\x18\n\x10transfer_seconds\x18\x07 \x01(\x01\x12\x17\n\x0f\x63ompute_seconds\x18\x08 \x01(\x01\x12\x15\n\rqueue_seconds\x18\t \x01(\x01\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x0f\n\rHealthRequest\"}\n\x0eHealthResponse\x12\x0e\n\x06status\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x15\n\rmax_model_len\x18\x05 \x01(\r\x12\x13\n\x0bstream_port\x18\x06 \x01(\r\"\x0e\n\x0cStatsRequest\"\xd2\x02\n\rStatsResponse\x12\x1f\n\x17prompt_tokens_in_flight\x18\x01 \x01(\x04\x12\x0f\n\x07running\x18\x02 \x01(\r\x12\x0f\n\x07waiting\x18\x03 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x04 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x05 \x01(\r\x12\x16\n\x0ekv_blocks_free\x18\x06 \x01(\r\x12\x18\n\x10kv_blocks_cached\x18\x07 \x01(\r\x12\x16\n\x0ekv_tokens_held\x18\x08 \x01(\x04\x12\x1b\n\x13prefix_query_tokens\x18\t \x01(\x04\x12\x19\n\x11prefix_hit_tokens\x18\n \x01(\x04\x12\x1f\n\x17\x64\x65\x63ode_tokens_remaining\x18\x0b \x01(\x04\x12\x10\n\x08reserved\x18\x0c \x01(\r\x12\x18\n\x10store_hit_tokens\x18\r \x01(\x04\x32R\n\x06\x44\x65\x63ode\x12H\n\x08Generate\x12\x1d.splitfire.v1.GenerateRequest\x1a\x1b.splitfire.v1.GenerateEvent0\x01\x32Q\n\x07Prefill\x12\x46\n\x07Prefill\x12\x1c.splitfire.v1.PrefillRequest\x1a\x1d.splitfire.v1.PrefillResponse2\xd1\x01\n\x06Worker\x12@\n\x05\x41\x62ort\x12\x1a.splitfire.v1.AbortRequest\x1a\x1b.splitfire.v1.AbortResponse\x12\x43\n\x06Health\x12\x1b.splitfire.v1.HealthRequest\x1a\x1c.splitfire.v1.HealthResponse\x12@\n\x05Stats\x12\x1a.splitfire.v1.StatsRequest\x1a\x1b.splitfire.v1.StatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.splitfire_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_SAMPLINGPARAMS']._serialized_start=41
-  _globals['_SAMPLINGPARAMS']._serialized_end=451
-  _globals['_TOKENLOGPROB']._serialized_start=453
-  _globals['_TOKENLOGPROB']._serialized_end=541
-  _globals['_USAGE']._serialized_start=543
-  _globals['_USAGE']._serialized_end=623
-  _globals['_GENERATEREQUEST']._serialized_start=626
-  _globals['_GENERATEREQUEST']._serialized_end=772
-  _globals['_GENERATEEVENT']._serialized_start=775
-  _globals['_GENERATEEVENT']._serialized_end=974
-  _globals['_KVDESTINATION']._serialized_start=977
-  _globals['_KVDESTINATION']._serialized_end=1131
-  _globals['_PREFILLREQUEST']._serialized_start=1134
-  _globals['_PREFILLREQUEST']._serialized_end=1303
-  _globals['_PREFILLRESPONSE']._serialized_start=1306
-  _globals['_PREFILLRESPONSE']._serialized_end=1561
-  _globals['_ABORTREQUEST']._serialized_start=1563
-  _globals['_ABORTREQUEST']._serialized_end=1597
-  _globals['_ABORTRESPONSE']._serialized_start=1599
-  _globals['_ABORTRESPONSE']._serialized_end=1629
-  _globals['_HEALTHREQUEST']._serialized_start=1631
-  _globals['_HEALTHREQUEST']._serialized_end=1646
-  _globals['_HEALTHRESPONSE']._serialized_start=1648
-  _globals['_HEALTHRESPONSE']._serialized_end=1773
-  _globals['_STATSREQUEST']._serialized_start=1775
-  _globals['_STATSREQUEST']._serialized_end=1789
-  _globals['_STATSRESPONSE']._serialized_start=1792
-  _globals['_STATSRESPONSE']._serialized_end=2130
-  _globals['_DECODE']._serialized_start=2132
-  _globals['_DECODE']._serialized_end=2214
-  _globals['_PREFILL']._serialized_start=2216
-  _globals['_PREFILL']._serialized_end=2297
-  _globals['_WORKER']._serialized_start=2300
-  _globals['_WORKER']._serialized_end=2509
+  _globals['_SAMPLINGPARAMS']._serialized_end=586
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=467
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=515
+  _globals['_TOKENLOGPROB']._serialized_start=588
+  _globals['_TOKENLOGPROB']._serialized_end=676
+  _globals['_USAGE']._serialized_start=678
+  _globals['_USAGE']._serialized_end=758
+  _globals['_GENERATEREQUEST']._serialized_start=761
+  _globals['_GENERATEREQUEST']._serialized_end=907
+  _globals['_GENERATEEVENT']._serialized_start=910
+  _globals['_GENERATEEVENT']._serialized_end=1109
+  _globals['_KVDESTINATION']._serialized_start=1112
+  _globals['_KVDESTINATION']._serialized_end=1266
+  _globals['_PREFILLREQUEST']._serialized_start=1269
+  _globals['_PREFILLREQUEST']._serialized_end=1438
+  _globals['_PREFILLRESPONSE']._serialized_start=1441
+  _globals['_PREFILLRESPONSE']._serialized_end=1696
+  _globals['_ABORTREQUEST']._serialized_start=1698
+  _globals['_ABORTREQUEST']._serialized_end=1732
+  _globals['_ABORTRESPONSE']._serialized_start=1734
+  _globals['_ABORTRESPONSE']._serialized_end=1764
+  _globals['_HEALTHREQUEST']._serialized_start=1766
+  _globals['_HEALTHREQUEST']._serialized_end=1781
+  _globals['_HEALTHRESPONSE']._serialized_start=1783
+  _globals['_HEALTHRESPONSE']._serialized_end=1908
+  _globals['_STATSREQUEST']._serialized_start=1910
+  _globals['_STATSREQUEST']._serialized_end=1924
+  _globals['_STATSRESPONSE']._serialized_start=1927
+  _globals['_STATSRESPONSE']._serialized_end=2265
+  _globals['_DECODE']._serialized_start=2267
+  _globals['_DECODE']._serialized_end=2349
+  _globals['_PREFILL']._serialized_start=2351
+  _globals['_PREFILL']._serialized_end=2432
+  _globals['_WORKER']._serialized_start=2435
+  _globals['_WORKER']._serialized_end=2644
 # @@protoc_insertion_point(module_scope)

@@ -12,6 +12,7 @@ from engine import grammar
 from engine.chat_template import TemplateError
 from engine.tokenizer import Tokenizer
 from router.errors import bad_request, not_found, unavailable
+from router.fields import check_fields
 from router.reasoning import template_reasons
 from router.reply import ReplyPlan
 from router.tool_calls import (
@@ -46,6 +47,8 @@ class Sampling:
     ignore_eos: bool = False
     logprobs: int | None = None
     grammar: str | None = None  # llguidance grammar the output must match (engine/grammar.py)
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    min_tokens: int = 0
 
 
 @dataclass
@@ -65,6 +68,9 @@ class GenRequest:
     prompt_index: int = 0  # which prompt of a batched /v1/completions request
     served_by: Any = None  # the (prefill, decode) pin of the latest attempt, for response headers
     reply: ReplyPlan | None = None  # reasoning / tool calls to read out of the reply; None = plain text
+
+
+MAX_LOGIT_BIAS = 1024
 
 
 def _num(body: dict, name: str, lo: float, hi: float, default: float, integer: bool = False) -> Any:
@@ -234,9 +240,9 @@ class RequestParser:
             if not stream:
                 raise bad_request("'stream_options' is only allowed with stream=true", param="stream_options")
             include_usage = _bool(so, "include_usage")
-        user = body.get("user")
-        if user is not None and not isinstance(user, str):
-            raise bad_request("'user' must be a string", param="user")
+        for name in ("user", "safety_identifier", "prompt_cache_key"):
+            if body.get(name) is not None and not isinstance(body[name], str):
+                raise bad_request(f"'{name}' must be a string", param=name)
         return model, stream, include_usage
 
     def _sampling(self, body: dict, prompt_len: int, logprobs: int | None) -> Sampling:
@@ -258,8 +264,11 @@ class RequestParser:
         stop_ids = [] if stop_ids is None else stop_ids
         if not isinstance(stop_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in stop_ids):
             raise bad_request("'stop_token_ids' must be a list of non-negative integers", param="stop_token_ids")
+        min_tokens = _num(body, "min_tokens", 0, max_tokens, 0, integer=True)
         return Sampling(
             max_tokens=max_tokens,
+            logit_bias=self._logit_bias(body),
+            min_tokens=min_tokens,
             temperature=_num(body, "temperature", 0.0, 2.0, 1.0),
             top_p=_num(body, "top_p", 0.0, 1.0, 1.0) or 1e-9,
             top_k=_num(body, "top_k", -1, 1 << 20, 0, integer=True) if body.get("top_k") != -1 else 0,
@@ -273,6 +282,24 @@ class RequestParser:
             ignore_eos=_bool(body, "ignore_eos"),
             logprobs=logprobs,
         )
+
+    def _logit_bias(self, body: dict) -> dict[int, float]:
+        raw = body.get("logit_bias")
+        if raw is None:
+            return {}
+        if not isinstance(raw, dict) or len(raw) > MAX_LOGIT_BIAS:
+            raise bad_request(f"'logit_bias' must be an object of at most {MAX_LOGIT_BIAS} token ids (as strings) "
+                              "to numbers in [-100, 100]", param="logit_bias")
+        vocab = self.tokenizer.vocab_size if self.tokenizer else 2**31
+        out: dict[int, float] = {}
+        for key, value in raw.items():
+            if not (isinstance(key, str) and key.isdigit() and int(key) < vocab):
+                raise bad_request(f"'logit_bias' key {key!r} is not a token id in [0, {vocab})", param="logit_bias")
+            if isinstance(value, bool) or not isinstance(value, int | float) or not -100 <= value <= 100:
+                raise bad_request(f"'logit_bias' value for token {key} must be a number in [-100, 100]",
+                                  param="logit_bias")
+            out[int(key)] = float(value)
+        return out
 
     def _check_ids(self, ids: list[int], param: str) -> list[int]:
         if not ids:
@@ -293,8 +320,16 @@ class RequestParser:
             return self._estimate(len(text))
         return self.tokenizer.encode(text)
 
+    def _fields(self, body: dict, kind: str, session: str | None) -> str | None:
+        """The field audit (router/fields.py), and the session key: the x-session-affinity header,
+        else the body's prompt_cache_key. In front of upstreams, they judge their own fields."""
+        if not self.upstream_only:
+            check_fields(body, kind)
+        return session or body.get("prompt_cache_key") or None
+
     def chat(self, body: Any, tenant: str, session: str | None) -> GenRequest:
         model, stream, include_usage = self._common(body)
+        session = self._fields(body, "chat", session)
         messages = parse_messages(body)
         lp = _bool(body, "logprobs")
         top = body.get("top_logprobs")
@@ -348,6 +383,9 @@ class RequestParser:
     def completions(self, body: Any, tenant: str, session: str | None) -> list[GenRequest]:
         """One GenRequest per prompt (a list of prompts becomes several choices)."""
         model, stream, include_usage = self._common(body)
+        session = self._fields(body, "completion", session)
+        if body.get("suffix") not in (None, ""):
+            raise bad_request("'suffix' (fill-in-the-middle) is not supported", param="suffix")
         prompt = body.get("prompt")
         prompts: list[list[int]]
         if isinstance(prompt, str):

@@ -50,7 +50,7 @@ def sampling_to_proto(s: Sampling, max_tokens: int, resumed_tokens: int = 0) -> 
                           min_p=s.min_p, repetition_penalty=s.repetition_penalty,
                           frequency_penalty=s.frequency_penalty, presence_penalty=s.presence_penalty, stop=s.stop,
                           stop_token_ids=s.stop_token_ids, ignore_eos=s.ignore_eos, grammar=s.grammar or "",
-                          resumed_tokens=resumed_tokens)
+                          resumed_tokens=resumed_tokens, logit_bias=s.logit_bias, min_tokens=s.min_tokens)
     if s.seed is not None:
         m.seed = s.seed
     if s.logprobs is not None:

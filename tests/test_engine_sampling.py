@@ -96,3 +96,43 @@ def test_logprobs_are_normalised_and_ranked(tiny_model_dir):
 def test_invalid_sampling_is_rejected(kw):
     with pytest.raises(RequestError):
         SamplingParams(**kw).validate()
+
+
+def test_logit_bias_forbids_and_forces_tokens(tiny_model_dir):
+    prompt = list(range(5, 30))
+    greedy = dict(temperature=0.0, max_tokens=8, ignore_eos=True)
+    eng = make_engine(tiny_model_dir)
+    eng.add_request("plain", prompt, SamplingParams(**greedy))
+    plain = drain(eng)["plain"].token_ids
+    eng.add_request("forbid", prompt, SamplingParams(logit_bias={plain[0]: -100.0}, **greedy))
+    eng.add_request("force", prompt, SamplingParams(logit_bias={7: 100.0}, **greedy))
+    eng.add_request("sampled", prompt, SamplingParams(logit_bias={7: 100.0}, temperature=1.0, seed=3, max_tokens=8,
+                                                      ignore_eos=True))
+    out = drain(eng)
+    assert plain[0] not in out["forbid"].token_ids[:1]
+    assert out["force"].token_ids == [7] * 8 and out["sampled"].token_ids == [7] * 8
+
+
+def test_min_tokens_holds_back_eos_and_stop_ids(tiny_model_dir):
+    eng = make_engine(tiny_model_dir)
+    eos = min(eng.eos_token_ids)
+    prompt = list(range(5, 30))
+    # EOS pushed to the top: without min_tokens the first token ends the request.
+    eng.add_request("eager", prompt, SamplingParams(temperature=0.0, max_tokens=20, logit_bias={eos: 100.0}))
+    eng.add_request("held", prompt, SamplingParams(temperature=0.0, max_tokens=20, logit_bias={eos: 100.0},
+                                                   min_tokens=5))
+    eng.add_request("stop_id", prompt, SamplingParams(temperature=0.0, max_tokens=20, logit_bias={9: 100.0},
+                                                      stop_token_ids=[9], min_tokens=3, ignore_eos=True))
+    out = drain(eng)
+    assert len(out["eager"].token_ids) <= 1 and out["eager"].finish_reason == "stop"
+    held = out["held"].token_ids
+    assert out["held"].finish_reason == "stop" and 5 <= len(held) <= 6 and eos not in held[:5]
+    assert out["stop_id"].finish_reason == "stop" and 9 not in out["stop_id"].token_ids[:3]
+
+
+def test_logit_bias_and_min_tokens_are_validated():
+    with pytest.raises(RequestError):
+        SamplingParams(logit_bias={5: 101.0}).validate()
+    with pytest.raises(RequestError):
+        SamplingParams(max_tokens=4, min_tokens=5).validate()
+    SamplingParams(max_tokens=2, min_tokens=5, resumed_tokens=3).validate()  # after a failover: whole output

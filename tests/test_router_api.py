@@ -272,3 +272,67 @@ async def test_token_streams_over_http_and_grpc_are_the_same(stack, tiny_model_d
         assert http_side[2]["completion_tokens"] == grpc_side[2]["completion_tokens"] == 24
     finally:
         via_grpc.stop()
+
+
+# A value for each default-only field that asks for something this server does not do.
+NOT_DEFAULT = {"store": True, "metadata": {"k": "v"}, "service_tier": "flex", "modalities": ["text", "audio"],
+               "reasoning_effort": "high", "verbosity": "low", "audio": {"voice": "alloy", "format": "wav"},
+               "prediction": {"type": "content", "content": "x"}, "web_search_options": {},
+               "functions": [{"name": "f"}], "function_call": "auto", "moderation": {"model": "m"},
+               "prompt_cache_retention": "24h", "prompt_cache_options": {"mode": "x"}}
+
+
+async def test_every_openai_request_field_is_honoured_or_refused_by_name(stack):
+    """The openai SDK's own parameter lists: each field is one we honour or one refused (at a
+    value we cannot honour) with a 400 naming it; unknown fields are refused too."""
+    from openai.types import completion_create_params as completion_params
+    from openai.types.chat import completion_create_params as chat_params
+
+    from router.fields import DEFAULT_ONLY, HONOURED
+
+    sdk = {"chat": set(chat_params.CompletionCreateParamsBase.__annotations__),
+           "completion": set(completion_params.CompletionCreateParamsBase.__annotations__)}
+    for kind, names in sdk.items():
+        undecided = names - HONOURED[kind] - set(DEFAULT_ONLY)
+        assert not undecided, f"{kind}: no decision for {sorted(undecided)} (router/fields.py)"
+    assert set(NOT_DEFAULT) == set(DEFAULT_ONLY)
+    base = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    async with aiohttp.ClientSession() as s:
+        for name, value in [*NOT_DEFAULT.items(), ("frobnicate", 1), ("chat_template", "x")]:
+            async with s.post(base_url(stack["router"]) + "/v1/chat/completions", json={**base, name: value}) as r:
+                assert r.status == 400, (name, await r.text())
+                assert (await r.json())["error"]["param"] == name
+        for name, value in (("store", False), ("service_tier", "auto"), ("modalities", ["text"]), ("metadata", None),
+                            ("user", "u1"), ("safety_identifier", "s1"), ("prompt_cache_key", "k1")):
+            async with s.post(base_url(stack["router"]) + "/v1/chat/completions", json={**base, name: value}) as r:
+                assert r.status == 200, (name, await r.text())
+
+
+async def test_logit_bias_and_min_tokens_through_the_openai_client(stack, tiny_model_dir):
+    from engine.tokenizer import Tokenizer
+
+    openai = pytest.importorskip("openai")
+    tok = Tokenizer(tiny_model_dir)
+    eos = min(tok.eos_token_ids)
+    client = openai.AsyncOpenAI(base_url=base_url(stack["router"]) + "/v1", api_key="x")
+    prompt = list(range(5, 30))
+    direct = await generate(address(stack["decode"]), prompt, greedy(6), prefill=address(stack["prefill"]))
+
+    async def complete(**kw):
+        r = await client.completions.create(model=MODEL, prompt=prompt, temperature=0, **kw)
+        return r.choices[0], r.usage
+
+    plain, _ = await complete(max_tokens=6, extra_body={"ignore_eos": True})
+    assert plain.text == tok.decode(direct.token_ids)
+    banned, _ = await complete(max_tokens=6, logit_bias={str(direct.token_ids[0]): -100}, extra_body={"ignore_eos": True})
+    assert banned.text != plain.text
+    forced, _ = await complete(max_tokens=4, logit_bias={"42": 100}, extra_body={"ignore_eos": True})
+    assert forced.text == tok.decode([42] * 4)
+    eager, eager_usage = await complete(max_tokens=8, logit_bias={str(eos): 100})
+    held, held_usage = await complete(max_tokens=8, logit_bias={str(eos): 100}, extra_body={"min_tokens": 3})
+    assert eager.finish_reason == held.finish_reason == "stop"
+    assert eager_usage.completion_tokens <= 1 and 3 <= held_usage.completion_tokens <= 4
+    for bad in ({"logit_bias": {"x": 1}}, {"logit_bias": {"5": 101}}, {"extra_body": {"min_tokens": 9}}):
+        with pytest.raises(openai.BadRequestError):
+            await client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, **bad)
+    await client.close()

@@ -26,6 +26,8 @@ def sampling_from_proto(m: pb.SamplingParams) -> SamplingParams:
         logprobs=m.logprobs if m.HasField("logprobs") else None,
         grammar=m.grammar or None,
         resumed_tokens=m.resumed_tokens,
+        logit_bias=dict(m.logit_bias),
+        min_tokens=m.min_tokens,
     )
     return sp.validate()
 
@@ -35,7 +37,8 @@ def sampling_to_proto(sp: SamplingParams) -> pb.SamplingParams:
         max_tokens=sp.max_tokens, temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k, min_p=sp.min_p,
         repetition_penalty=sp.repetition_penalty, frequency_penalty=sp.frequency_penalty,
         presence_penalty=sp.presence_penalty, stop=sp.stop, stop_token_ids=sp.stop_token_ids, ignore_eos=sp.ignore_eos,
-        grammar=sp.grammar or "", resumed_tokens=sp.resumed_tokens,
+        grammar=sp.grammar or "", resumed_tokens=sp.resumed_tokens, logit_bias=sp.logit_bias,
+        min_tokens=sp.min_tokens,
     )
     if sp.seed is not None:
         m.seed = sp.seed
