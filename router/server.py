@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import json
 import logging
 import re
@@ -13,6 +14,7 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from engine.chat_template import TemplateError
 from engine.tokenizer import Tokenizer
 from router.admission import Admission
 from router.affinity import MemoryPinStore, RedisPinStore, SessionAffinity
@@ -23,12 +25,12 @@ from router.config import RouterConfig
 from router.discovery import dns_discovery, redis_discovery
 from router.dispatcher import Dispatcher, Latency
 from router.endpoints import EndpointRegistry
-from router.errors import APIError, bad_request
+from router.errors import APIError, bad_request, not_found
 from router.health import HealthChecker
 from router.metrics import RouterMetrics
 from router.openai_upstream import OpenAIUpstreamClient
 from router.prefix_index import PrefixIndex
-from router.protocol import GenRequest, RequestParser
+from router.protocol import GenRequest, RequestParser, parse_messages
 from router.sse import DONE, StreamWriter, error_event, full_response, usage_dict
 from router.tenants import Tenants
 from router.worker_client import WorkerClient
@@ -36,6 +38,10 @@ from router.worker_client import WorkerClient
 log = logging.getLogger("splitfire.router")
 
 
+try:
+    VERSION = importlib.metadata.version("splitfire")
+except importlib.metadata.PackageNotFoundError:  # running from a checkout that was never installed
+    VERSION = "0.1.0+checkout"
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 
 
@@ -59,6 +65,9 @@ class Router:
     def __init__(self, cfg: RouterConfig, tokenizer: Tokenizer | None, model_name: str, max_model_len: int):
         self.cfg = cfg
         self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.model_root = str(cfg.model or "")
+        self.started = int(time.time())
         # The names clients may ask for; learned from the upstreams when none is configured.
         self.model_names: set[str] = {model_name} if model_name else set()
         self.registry = EndpointRegistry(cfg.block_size, cfg.breaker())
@@ -92,6 +101,12 @@ class Router:
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/v1/models/{model_id:.+}", self.model)
+        app.router.add_post("/tokenize", self.tokenize)
+        app.router.add_post("/detokenize", self.detokenize)
+        app.router.add_get("/version", self.version)
+        app.router.add_get("/ping", self.ping)
+        app.router.add_post("/ping", self.ping)
         app.router.add_get("/health", self.health_route)
         app.router.add_get("/metrics", self.metrics_route)
         app.on_startup.append(self._start)
@@ -176,10 +191,74 @@ class Router:
         reqs = self.parser.completions(body, tenant, request.headers.get("x-session-affinity"))
         return await self._serve(request, reqs)
 
+    def _model_card(self, name: str) -> dict[str, Any]:
+        return {"id": name, "object": "model", "created": self.started, "owned_by": "splitfire",
+                "root": self.model_root or name, "parent": None, "max_model_len": self.max_model_len,
+                "permission": []}
+
     async def models(self, request: web.Request) -> web.Response:
         self.tenants.tenant_of(request)
-        return web.json_response({"object": "list", "data": [
-            {"id": name, "object": "model", "created": 0, "owned_by": "splitfire"} for name in sorted(self.model_names)]})
+        return web.json_response({"object": "list", "data": [self._model_card(n) for n in sorted(self.model_names)]})
+
+    async def model(self, request: web.Request) -> web.Response:
+        self.tenants.tenant_of(request)
+        name = request.match_info["model_id"]
+        if name not in self.model_names:
+            raise not_found(f"model '{name}' does not exist; available: {sorted(self.model_names)}",
+                            code="model_not_found")
+        return web.json_response(self._model_card(name))
+
+    def _tokenizer_for(self, body: Any) -> Tokenizer:
+        if not isinstance(body, dict):
+            raise bad_request("request body must be a JSON object")
+        model = body.get("model")
+        if model is not None and model not in self.model_names:
+            raise not_found(f"model '{model}' does not exist; available: {sorted(self.model_names)}",
+                            code="model_not_found")
+        if self.tokenizer is None:
+            raise bad_request("this router has no tokenizer (it fronts OpenAI-compatible upstreams without --model); "
+                              "ask the upstreams, or start the router with --model")
+        return self.tokenizer
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        """vLLM's /tokenize: {prompt} or {messages, add_generation_prompt}; add_special_tokens."""
+        self.tenants.tenant_of(request)
+        body = await self._body(request)
+        tok = self._tokenizer_for(body)
+        special = body.get("add_special_tokens", "messages" not in body)
+        if not isinstance(special, bool):
+            raise bad_request("'add_special_tokens' must be a boolean", param="add_special_tokens")
+        if "messages" in body:
+            gen = body.get("add_generation_prompt", True)
+            if not isinstance(gen, bool):
+                raise bad_request("'add_generation_prompt' must be a boolean", param="add_generation_prompt")
+            try:
+                ids = tok.encode_chat(parse_messages(body), add_generation_prompt=gen)
+            except TemplateError as e:
+                raise bad_request(f"chat template rejected the conversation: {e}", param="messages") from e
+        elif isinstance(body.get("prompt"), str):
+            ids = tok.encode(body["prompt"], add_special_tokens=special)
+        else:
+            raise bad_request("give 'prompt' (a string) or 'messages'", param="prompt")
+        return web.json_response({"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids,
+                                  "token_strs": None})
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        self.tenants.tenant_of(request)
+        body = await self._body(request)
+        tok = self._tokenizer_for(body)
+        ids = body.get("tokens")
+        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool)
+                                                and 0 <= t < tok.vocab_size for t in ids):
+            raise bad_request(f"'tokens' must be a list of token ids in [0, {tok.vocab_size})", param="tokens")
+        return web.json_response({"prompt": tok.decode(ids)})
+
+    async def version(self, request: web.Request) -> web.Response:
+        return web.json_response({"version": VERSION})
+
+    async def ping(self, request: web.Request) -> web.Response:
+        """Liveness of the router process itself (/health also says whether workers can serve)."""
+        return web.Response(status=200)
 
     async def health_route(self, request: web.Request) -> web.Response:
         eps = self.registry.all()

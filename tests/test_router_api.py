@@ -336,3 +336,33 @@ async def test_logit_bias_and_min_tokens_through_the_openai_client(stack, tiny_m
         with pytest.raises(openai.BadRequestError):
             await client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, **bad)
     await client.close()
+
+
+async def test_model_details_and_vllm_utility_routes(stack, tiny_model_dir):
+    from engine.tokenizer import Tokenizer
+
+    openai = pytest.importorskip("openai")
+    tok = Tokenizer(tiny_model_dir)
+    client = openai.AsyncOpenAI(base_url=base_url(stack["router"]) + "/v1", api_key="x")
+    card = await client.models.retrieve(MODEL)
+    assert card.id == MODEL and card.owned_by == "splitfire" and card.model_extra["max_model_len"] > 0
+    assert (await client.models.list()).data[0].model_extra["root"]
+    with pytest.raises(openai.NotFoundError):
+        await client.models.retrieve("no-such-model")
+    await client.close()
+    url = base_url(stack["router"])
+    async with aiohttp.ClientSession() as s:
+        async with s.post(url + "/tokenize", json={"model": MODEL, "prompt": "Hello world"}) as r:
+            got = await r.json()
+            assert r.status == 200 and got["tokens"] == tok.encode("Hello world") and got["count"] == len(got["tokens"])
+        async with s.post(url + "/tokenize", json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}) as r:
+            chat = await r.json()
+            assert chat["tokens"] == tok.encode_chat([{"role": "user", "content": "hi"}], add_generation_prompt=True)
+        async with s.post(url + "/detokenize", json={"model": MODEL, "tokens": got["tokens"]}) as r:
+            assert (await r.json())["prompt"] == tok.decode(got["tokens"])
+        async with s.post(url + "/detokenize", json={"model": MODEL, "tokens": [-1]}) as r:
+            assert r.status == 400 and (await r.json())["error"]["param"] == "tokens"
+        async with s.get(url + "/version") as r:
+            assert r.status == 200 and (await r.json())["version"]
+        async with s.get(url + "/ping") as r:
+            assert r.status == 200
