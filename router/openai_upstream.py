@@ -239,8 +239,12 @@ class OpenAIUpstreamClient:
                        timeout_s: float) -> AsyncIterator[Chunk]:
         base_url = route.decode.address
         path = "/v1/chat/completions" if req.kind == "chat" else "/v1/completions"
-        body = {**req.body, "stream": True, "stream_options": {"include_usage": True}, "max_tokens": max_tokens}
+        # One choice per call: the router fans n (and best_of) out itself, seed + j for the j-th.
+        body = {**req.body, "stream": True, "stream_options": {"include_usage": True}, "max_tokens": max_tokens, "n": 1}
         body.pop("max_completion_tokens", None)
+        body.pop("best_of", None)
+        if req.sampling.seed is not None:
+            body["seed"] = req.sampling.seed
         payload = compact_json(body).encode()
         resp = None
         try:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import secrets
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from engine import grammar
@@ -65,12 +65,16 @@ class GenRequest:
     want_logprobs: bool
     body: dict[str, Any]  # the original body, for OpenAI-compatible upstreams
     created: int = field(default_factory=lambda: int(time.time()))
-    prompt_index: int = 0  # which prompt of a batched /v1/completions request
+    prompt_index: int = 0  # the choice index: prompt p's j-th sample is choice p * n + j
+    sample_index: int = 0  # j: which of a prompt's samples (usage counts each prompt once)
+    n: int = 1  # choices per prompt
+    best_of: int = 0  # completions: one of best_of candidates (choice p * best_of + j until the best n are kept)
     served_by: Any = None  # the (prefill, decode) pin of the latest attempt, for response headers
     reply: ReplyPlan | None = None  # reasoning / tool calls to read out of the reply; None = plain text
 
 
 MAX_LOGIT_BIAS = 1024
+MAX_N = 64
 
 
 def _num(body: dict, name: str, lo: float, hi: float, default: float, integer: bool = False) -> Any:
@@ -222,13 +226,6 @@ class RequestParser:
             raise unavailable("the upstreams have not listed their models yet (GET /v1/models); retry shortly")
         if model not in self.model_names:
             raise not_found(f"model '{model}' does not exist; available: {sorted(self.model_names)}", code="model_not_found")
-        n = body.get("n", 1)
-        if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
-            raise bad_request("'n' must be a positive integer", param="n")
-        if n not in (None, 1):
-            raise bad_request("'n' > 1 is not supported; send n separate requests", param="n")
-        if body.get("best_of") not in (None, 1):
-            raise bad_request("'best_of' > 1 is not supported", param="best_of")
         if body.get("echo"):
             raise bad_request("'echo' is not supported", param="echo")
         stream = _bool(body, "stream")
@@ -283,6 +280,35 @@ class RequestParser:
             logprobs=logprobs,
         )
 
+    @staticmethod
+    def _n(body: dict, stream: bool, completions: bool) -> tuple[int, int]:
+        """(n, best_of): n choices per prompt, drawn from best_of candidates (completions only)."""
+        n = _num(body, "n", 1, MAX_N, 1, integer=True)
+        best_of = n
+        if completions and body.get("best_of") is not None:
+            best_of = _num(body, "best_of", 1, MAX_N, n, integer=True)
+            if best_of < n:
+                raise bad_request(f"'best_of' ({best_of}) must be >= 'n' ({n})", param="best_of")
+            if best_of > n and stream:
+                raise bad_request("'best_of' > 'n' cannot be streamed (the best are known only at the end)",
+                                  param="best_of")
+        return n, best_of
+
+    @staticmethod
+    def fan_out(req: GenRequest, n: int, best_of: int, prompt: int = 0) -> list[GenRequest]:
+        """A prompt's samples: choice prompt * n + j. A seeded request's j-th sample uses seed + j, so
+        the choices differ and each is reproducible; greedy ones are identical."""
+        out = []
+        for j in range(best_of):
+            sampling = req.sampling
+            if j and sampling.seed is not None:
+                sampling = replace(sampling, seed=(sampling.seed + j) % 2**63)
+            if best_of > n:  # candidates are ranked by their log probabilities
+                sampling = replace(sampling, logprobs=sampling.logprobs or 0)
+            out.append(replace(req, sampling=sampling, prompt_index=prompt * best_of + j, sample_index=j, n=n,
+                               best_of=best_of if best_of > n else 0))
+        return out
+
     def _logit_bias(self, body: dict) -> dict[int, float]:
         raw = body.get("logit_bias")
         if raw is None:
@@ -327,9 +353,11 @@ class RequestParser:
             check_fields(body, kind)
         return session or body.get("prompt_cache_key") or None
 
-    def chat(self, body: Any, tenant: str, session: str | None) -> GenRequest:
+    def chat(self, body: Any, tenant: str, session: str | None) -> list[GenRequest]:
+        """One GenRequest per choice (n)."""
         model, stream, include_usage = self._common(body)
         session = self._fields(body, "chat", session)
+        n, _ = self._n(body, stream, completions=False)
         messages = parse_messages(body)
         lp = _bool(body, "logprobs")
         top = body.get("top_logprobs")
@@ -377,8 +405,9 @@ class RequestParser:
             opened = self.reasoning and self.tokenizer is not None and self.tokenizer.decode(
                 ids[-4:], skip_special_tokens=False).rstrip().endswith("<think>")
             plan = ReplyPlan(fmt, self.reasoning, opened)
-        return GenRequest(f"chatcmpl-{secrets.token_hex(12)}", "chat", model, ids, sampling, stream, include_usage,
-                          tenant, session, lp, body, reply=plan)
+        req = GenRequest(f"chatcmpl-{secrets.token_hex(12)}", "chat", model, ids, sampling, stream, include_usage,
+                         tenant, session, lp, body, reply=plan)
+        return self.fan_out(req, n, n)
 
     def completions(self, body: Any, tenant: str, session: str | None) -> list[GenRequest]:
         """One GenRequest per prompt (a list of prompts becomes several choices)."""
@@ -407,14 +436,18 @@ class RequestParser:
         constraint = None if self.upstream_only else _response_format(body)
         if self.upstream_only:
             _response_format(body)  # validated here, enforced by the upstream
+        n, best_of = self._n(body, stream, completions=True)
+        if len(prompts) * best_of > MAX_N * 4:
+            raise bad_request(f"at most {MAX_N * 4} completions per request (prompts x best_of)", param="n")
         rid = f"cmpl-{secrets.token_hex(12)}"
         out = []
         for i, ids in enumerate(prompts):
             ids = self._check_ids(ids, "prompt")
             sampling = self._sampling(body, len(ids), lp)
             sampling.grammar = constraint
-            out.append(GenRequest(rid, "completion", model, ids, sampling, stream,
-                                  include_usage, tenant, session, lp is not None, body, prompt_index=i))
+            req = GenRequest(rid, "completion", model, ids, sampling, stream, include_usage, tenant, session,
+                             lp is not None, body)
+            out += self.fan_out(req, n, best_of, prompt=i)
         return out
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import importlib.metadata
 import json
 import logging
@@ -182,8 +183,8 @@ class Router:
     async def chat(self, request: web.Request) -> web.StreamResponse:
         tenant = self.tenants.tenant_of(request)
         body = await self._body(request)
-        req = self.parser.chat(body, tenant, request.headers.get("x-session-affinity"))
-        return await self._serve(request, [req])
+        reqs = self.parser.chat(body, tenant, request.headers.get("x-session-affinity"))
+        return await self._serve(request, reqs)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         tenant = self.tenants.tenant_of(request)
@@ -302,12 +303,16 @@ class Router:
                 if c.finish_reason:
                     r["finish_reason"] = c.finish_reason
                     r["prompt"], r["completion"], r["cached"] = c.prompt_tokens, c.completion_tokens, c.cached_tokens
+                    if req.sample_index:  # a prompt counts once, however many samples
+                        r["prompt"] = r["cached"] = 0
             r["text"] = "".join(r["text"])
             return r
 
         results = await asyncio.gather(*(one(r) for r in reqs))
         self._count_usage(results)
         self._log_done(reqs[0], results, t0)
+        if reqs[0].best_of:
+            reqs, results = best_of(reqs, results)
         return web.json_response(full_response(reqs, reqs[0].model, results, self.tokenizer),
                                  dumps=lambda o: json.dumps(o, ensure_ascii=False),
                                  headers={"X-Request-Id": reqs[0].id, **_served_headers(reqs[0])})
@@ -352,8 +357,8 @@ class Router:
         # most of the router's per-request cost in front of a fast upstream).
         out: list[bytes] = [w.role() for w in writers] if reqs[0].kind == "chat" else []
         latencies = [Latency(self.metrics, t0) for _ in reqs]
-        # Replies with reasoning or tool calls are parsed as they stream (chat: one request).
-        parser = reqs[0].reply.parser() if reqs[0].reply is not None else None
+        # Replies with reasoning or tool calls are parsed as they stream (one parser per choice).
+        parsers = [r.reply.parser() if r.reply is not None else None for r in reqs]
         finished = 0
         try:
             tagged = len(reqs) > 1  # several prompts: items are (choice index, chunk)
@@ -361,7 +366,7 @@ class Router:
             while item is not None:
                 i, c = item if tagged else (0, item)
                 latencies[i].observe(c)
-                w = writers[i]
+                w, parser = writers[i], parsers[i]
                 if c.extra is not None or c.raw_logprobs is not None:
                     out.append(w.passthrough(c.text, c.extra, c.raw_logprobs))
                 elif parser is not None:
@@ -377,9 +382,10 @@ class Router:
                     if parser is not None and parser.calls and reason == "stop":
                         reason = "tool_calls"
                     out.append(w.finish(reason))
-                    usage["prompt"] += c.prompt_tokens
+                    if reqs[i].sample_index == 0:  # a prompt counts once, however many samples
+                        usage["prompt"] += c.prompt_tokens
+                        usage["cached"] += c.cached_tokens
                     usage["completion"] += c.completion_tokens
-                    usage["cached"] += c.cached_tokens
                     finished += 1
                 if finished == len(writers):
                     break
@@ -412,6 +418,28 @@ def _served_headers(req: GenRequest) -> dict[str, str]:
     if pin is None:
         return {}
     return {"X-Splitfire-Decode": pin.decode, "X-Splitfire-Prefill": pin.prefill or "-"}
+
+
+def best_of(reqs: list[GenRequest], results: list[dict[str, Any]]) -> tuple[list[GenRequest], list[dict[str, Any]]]:
+    """Completions' best_of: of each prompt's candidates, the n with the highest log probability
+    per token (OpenAI's rule) become its choices. Usage counts every candidate's tokens (they were
+    all generated), the prompt once."""
+    by_prompt: dict[int, list[tuple[GenRequest, dict[str, Any]]]] = {}
+    for req, r in zip(reqs, results, strict=True):
+        by_prompt.setdefault(req.prompt_index // req.best_of, []).append((req, r))
+
+    def per_token(c: tuple[GenRequest, dict[str, Any]]) -> float:
+        lps = c[1]["logprobs"]
+        return sum(lp.logprob for lp in lps) / max(len(lps), 1)
+
+    kept_reqs, kept = [], []
+    for p, cands in sorted(by_prompt.items()):
+        n = cands[0][0].n
+        for j, (req, r) in enumerate(sorted(cands, key=per_token, reverse=True)[:n]):
+            kept_reqs.append(dataclasses.replace(req, prompt_index=p * n + j, sample_index=j))
+            kept.append({**r, "completion": 0})
+    kept[0]["completion"] = sum(r["completion"] for r in results)
+    return kept_reqs, kept
 
 
 async def _merge(iters: list) -> Any:

@@ -106,7 +106,6 @@ BAD = [
     ("temperature too high", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "temperature": 5}, 400),
     ("temperature a string", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}, 400),
     ("top_p above 1", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "top_p": 1.5}, 400),
-    ("n = 2", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 2}, 400),
     ("n = 0", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 0}, 400),
     ("stop not strings", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stop": [1, 2]}, 400),
     ("too many stops", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stop": ["a"] * 40}, 400),
@@ -366,3 +365,48 @@ async def test_model_details_and_vllm_utility_routes(stack, tiny_model_dir):
             assert r.status == 200 and (await r.json())["version"]
         async with s.get(url + "/ping") as r:
             assert r.status == 200
+
+
+async def test_n_choices_and_best_of(stack):
+    openai = pytest.importorskip("openai")
+    client = openai.AsyncOpenAI(base_url=base_url(stack["router"]) + "/v1", api_key="x")
+    msgs = [{"role": "user", "content": "Name three colours"}]
+    one = await client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=6, temperature=0,
+                                               extra_body={"ignore_eos": True})
+    three = await client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=6, temperature=0, n=3,
+                                                 extra_body={"ignore_eos": True})
+    assert [c.index for c in three.choices] == [0, 1, 2]
+    assert {c.message.content for c in three.choices} == {one.choices[0].message.content}  # greedy: identical
+    assert three.usage.prompt_tokens == one.usage.prompt_tokens  # the prompt counts once
+    assert three.usage.completion_tokens == 3 * 6
+    seeded = [await client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=8, temperature=1.0, n=3,
+                                                   seed=11, extra_body={"ignore_eos": True}) for _ in range(2)]
+    texts = [[c.message.content for c in r.choices] for r in seeded]
+    assert texts[0] == texts[1] and len(set(texts[0])) == 3  # reproducible, and the choices differ
+    stream = await client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=5, temperature=0, n=2,
+                                                  stream=True, stream_options={"include_usage": True},
+                                                  extra_body={"ignore_eos": True})
+    got: dict[int, str] = {0: "", 1: ""}
+    finished, usage = set(), None
+    async for chunk in stream:
+        usage = chunk.usage or usage
+        for c in chunk.choices:
+            got[c.index] += c.delta.content or ""
+            if c.finish_reason:
+                finished.add(c.index)
+    assert finished == {0, 1} and got[0] == got[1] and usage.completion_tokens == 10
+    assert usage.prompt_tokens == one.usage.prompt_tokens
+    # best_of: the candidate with the highest log probability per token, of the ones n=3 would draw.
+    prompt = "Once upon a time"
+    cands = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=1.0, n=3, seed=5,
+                                            logprobs=0, extra_body={"ignore_eos": True})
+    best_text = max(cands.choices, key=lambda c: sum(c.logprobs.token_logprobs) / len(c.logprobs.token_logprobs)).text
+    best = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=1.0, best_of=3,
+                                           seed=5, extra_body={"ignore_eos": True})
+    assert len(best.choices) == 1 and best.choices[0].text == best_text and best.choices[0].logprobs is None
+    assert best.usage.completion_tokens == 18
+    with pytest.raises(openai.BadRequestError):
+        await client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, best_of=3, stream=True)
+    with pytest.raises(openai.BadRequestError):
+        await client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, n=3, best_of=2)
+    await client.close()
