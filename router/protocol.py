@@ -237,6 +237,12 @@ class RequestParser:
             if not stream:
                 raise bad_request("'stream_options' is only allowed with stream=true", param="stream_options")
             include_usage = _bool(so, "include_usage")
+            _bool(so, "continuous_usage_stats")  # validated here; read by the stream writer
+            unknown = set(so) - {"include_usage", "continuous_usage_stats", "include_obfuscation"}
+            if unknown:
+                raise bad_request(f"unknown 'stream_options' field(s) {sorted(unknown)}", param="stream_options")
+            if so.get("include_obfuscation"):
+                raise bad_request("'stream_options.include_obfuscation' is not supported", param="stream_options")
         for name in ("user", "safety_identifier", "prompt_cache_key"):
             if body.get(name) is not None and not isinstance(body[name], str):
                 raise bad_request(f"'{name}' must be a string", param=name)

@@ -32,7 +32,7 @@ from router.metrics import RouterMetrics
 from router.openai_upstream import OpenAIUpstreamClient
 from router.prefix_index import PrefixIndex
 from router.protocol import GenRequest, RequestParser, parse_messages
-from router.sse import DONE, StreamWriter, error_event, full_response, usage_dict
+from router.sse import DONE, StreamWriter, error_event, full_response, usage_dict, with_usage
 from router.tenants import Tenants
 from router.worker_client import WorkerClient
 
@@ -360,12 +360,19 @@ class Router:
         # Replies with reasoning or tool calls are parsed as they stream (one parser per choice).
         parsers = [r.reply.parser() if r.reply is not None else None for r in reqs]
         finished = 0
+        so = reqs[0].body.get("stream_options") or {}
+        continuous = bool(so.get("continuous_usage_stats"))  # usage so far on every chunk
+        produced = [0] * len(reqs)
+        prompt_once = sum(len(r.prompt_token_ids) for r in reqs if r.sample_index == 0)
         try:
             tagged = len(reqs) > 1  # several prompts: items are (choice index, chunk)
             item = first
             while item is not None:
                 i, c = item if tagged else (0, item)
                 latencies[i].observe(c)
+                if continuous:
+                    produced[i] = c.completion_tokens or produced[i] + len(c.token_ids)
+                    mark = len(out)
                 w, parser = writers[i], parsers[i]
                 if c.extra is not None or c.raw_logprobs is not None:
                     out.append(w.passthrough(c.text, c.extra, c.raw_logprobs))
@@ -387,6 +394,8 @@ class Router:
                         usage["cached"] += c.cached_tokens
                     usage["completion"] += c.completion_tokens
                     finished += 1
+                if continuous and len(out) > mark:
+                    out[mark:] = [with_usage(b"".join(out[mark:]), usage_dict(prompt_once, sum(produced), 0))]
                 if finished == len(writers):
                     break
                 if out:

@@ -96,6 +96,12 @@ class StreamWriter:
         return f'data: {self.head},"choices":[],"usage":{compact_json(usage)}}}\n\n'.encode()
 
 
+def with_usage(events: bytes, usage: dict[str, Any]) -> bytes:
+    """`stream_options.continuous_usage_stats`: every chunk carries the usage so far (vLLM's shape)."""
+    tail = b',"usage":' + compact_json(usage).encode() + b"}\n\n"
+    return b"".join(e[:-1] + tail for e in events.split(b"\n\n") if e.startswith(b"data: {") and e.endswith(b"}"))
+
+
 def error_event(message: str, type_: str = "upstream_error", code: str = "worker_failed") -> bytes:
     return f"data: {compact_json({'error': {'message': message, 'type': type_, 'param': None, 'code': code}})}\n\n".encode()
 

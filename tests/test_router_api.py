@@ -410,3 +410,24 @@ async def test_n_choices_and_best_of(stack):
     with pytest.raises(openai.BadRequestError):
         await client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, n=3, best_of=2)
     await client.close()
+
+
+async def test_continuous_usage_stats_put_usage_on_every_chunk(stack):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Count"}], "max_tokens": 12, "temperature": 0,
+            "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    seen = []
+    async with aiohttp.ClientSession() as s, s.post(base_url(stack["router"]) + "/v1/chat/completions", json=body) as r:
+        assert r.status == 200
+        async for line in r.content:
+            if line.startswith(b"data: {"):
+                obj = json.loads(line[6:])
+                if obj["choices"] and (obj["choices"][0]["delta"].get("content") or obj["choices"][0]["finish_reason"]):
+                    assert "usage" in obj, obj
+                    seen.append(obj["usage"]["completion_tokens"])
+                    assert obj["usage"]["prompt_tokens"] > 0
+    assert seen == sorted(seen) and seen[-1] == 12 and len(seen) >= 3
+    async with aiohttp.ClientSession() as s:
+        bad = {**body, "stream_options": {"continuous_usage_stats": "yes"}}
+        async with s.post(base_url(stack["router"]) + "/v1/chat/completions", json=bad) as r:
+            assert r.status == 400
