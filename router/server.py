@@ -17,6 +17,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from engine.chat_template import TemplateError
 from engine.tokenizer import Tokenizer
+from router import responses
 from router.admission import Admission
 from router.affinity import MemoryPinStore, RedisPinStore, SessionAffinity
 from router.backend import Backends
@@ -34,6 +35,7 @@ from router.prefix_index import PrefixIndex
 from router.protocol import GenRequest, RequestParser, parse_messages
 from router.sse import DONE, StreamWriter, error_event, full_response, usage_dict, with_usage
 from router.tenants import Tenants
+from router.tool_calls import Content
 from router.worker_client import WorkerClient
 
 log = logging.getLogger("splitfire.router")
@@ -101,6 +103,7 @@ class Router:
         app = web.Application(client_max_size=self.cfg.max_body_bytes, middlewares=[self._errors])
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/responses", self.responses)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/v1/models/{model_id:.+}", self.model)
         app.router.add_post("/tokenize", self.tokenize)
@@ -191,6 +194,62 @@ class Router:
         body = await self._body(request)
         reqs = self.parser.completions(body, tenant, request.headers.get("x-session-affinity"))
         return await self._serve(request, reqs)
+
+    async def responses(self, request: web.Request) -> web.StreamResponse:
+        """The Responses API (router/responses.py): the chat path underneath, Responses shapes out."""
+        tenant = self.tenants.tenant_of(request)
+        body = await self._body(request)
+        if self.parser.upstream_only:
+            raise bad_request("this router fronts OpenAI-compatible upstreams only; send /v1/responses to them, or "
+                              "use /v1/chat/completions here")
+        req = self.parser.chat(responses.to_chat(body), tenant, request.headers.get("x-session-affinity"))[0]
+        asm = responses.ResponseAssembler(f"resp_{req.id.removeprefix('chatcmpl-')}", req.model, body)
+        parser = req.reply.parser() if req.reply is not None else None
+
+        def reply_events(c: Chunk) -> list[Any]:
+            if parser is None:
+                return [Content(c.text)] if c.text else []
+            return parser.feed(c.text, c.token_ids) + (parser.close() if c.finish_reason else [])
+
+        self.metrics.prompt_tokens.inc(len(req.prompt_token_ids))
+        async with self.admission.slot():
+            t0 = time.perf_counter()
+            source = self.dispatcher.run(req)
+            resp: web.StreamResponse | None = None
+            final: dict[str, Any] = {}
+            try:
+                first = await anext(source, None)  # failures before any token keep their HTTP status
+                if req.stream:
+                    resp = _SSEResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                                 "X-Request-Id": req.id, **_served_headers(req)})
+                    await resp.prepare(request)
+                    await resp.write(_sse_events(asm.start()))
+                latency = Latency(self.metrics, t0)
+                c = first
+                while c is not None:
+                    latency.observe(c)
+                    events = asm.feed(reply_events(c))
+                    if c.finish_reason:
+                        more, final = asm.finish(c.finish_reason, c.prompt_tokens, c.completion_tokens,
+                                                 c.cached_tokens)
+                        events += more
+                        self._count_usage([{"completion": c.completion_tokens, "cached": c.cached_tokens}])
+                    if resp is not None and events:
+                        await resp.write(_sse_events(events))
+                    c = await anext(source, None)
+            except APIError as e:  # after the stream started: an error event, never a hang
+                if resp is None:
+                    raise
+                await resp.write(_sse_events([{"type": "error", "sequence_number": asm.seq, "code": e.code,
+                                               "message": e.message, "param": None}]))
+            finally:
+                await source.aclose()
+                self.metrics.e2e.observe(time.perf_counter() - t0)
+        if resp is not None:
+            await resp.write_eof()
+            return resp
+        return web.json_response(final, dumps=lambda o: json.dumps(o, ensure_ascii=False),
+                                 headers={"X-Request-Id": req.id, **_served_headers(req)})
 
     def _model_card(self, name: str) -> dict[str, Any]:
         return {"id": name, "object": "model", "created": self.started, "owned_by": "splitfire",
@@ -427,6 +486,11 @@ def _served_headers(req: GenRequest) -> dict[str, str]:
     if pin is None:
         return {}
     return {"X-Splitfire-Decode": pin.decode, "X-Splitfire-Prefill": pin.prefill or "-"}
+
+
+def _sse_events(events: list[dict[str, Any]]) -> bytes:
+    """Responses API events: an `event:` line naming the type, then its JSON."""
+    return b"".join(f"event: {e['type']}\ndata: {json.dumps(e, ensure_ascii=False)}\n\n".encode() for e in events)
 
 
 def best_of(reqs: list[GenRequest], results: list[dict[str, Any]]) -> tuple[list[GenRequest], list[dict[str, Any]]]:

@@ -271,3 +271,57 @@ async def test_decode_killed_mid_json_fails_over_and_the_json_validates(qwen_dir
         jsonschema.validate(json.loads(text), LONG)
     finally:
         stop_all(router, d0, d1)
+
+
+RESPONSE_TOOLS = [{"type": "function", "name": t["function"]["name"], "description": t["function"]["description"],
+                   "parameters": t["function"]["parameters"], "strict": True} for t in TOOLS]
+
+
+def test_responses_api_text_structured_output_and_function_calls(stack):
+    """client.responses.create, through the SDK's own types: plain text, text.format json_schema,
+    a required function call and its function_call_output round trip; streamed events add up to
+    the same response as the non-streamed one."""
+    c = client(stack["pd"])
+    plain = c.responses.create(model=MODEL, input="Say something", instructions="Be brief", max_output_tokens=8,
+                               temperature=0)
+    assert plain.object == "response" and plain.status == "incomplete"  # 8 tokens of a random model
+    assert plain.incomplete_details.reason == "max_output_tokens" and plain.output_text
+    assert plain.usage.output_tokens == 8 and plain.usage.input_tokens > 0
+    fmt = {"format": {"type": "json_schema", "name": "answer", "schema": ANSWER, "strict": True}}
+    structured = c.responses.create(model=MODEL, input=ask(1), text=fmt, max_output_tokens=60, temperature=0)
+    assert structured.status == "completed"
+    jsonschema.validate(json.loads(structured.output_text), ANSWER)
+    called = c.responses.create(model=MODEL, input=ask(2), tools=RESPONSE_TOOLS, tool_choice="required",
+                                parallel_tool_calls=False, max_output_tokens=120, temperature=0)
+    assert called.status == "completed"
+    calls = [item for item in called.output if item.type == "function_call"]
+    assert calls and all(call.name in PARAMS for call in calls)
+    for call in calls:
+        jsonschema.validate(json.loads(call.arguments), PARAMS[call.name])
+    follow_up = ask(2) + [{"type": "function_call", "call_id": call.call_id, "name": call.name,
+                           "arguments": call.arguments} for call in calls]
+    follow_up += [{"type": "function_call_output", "call_id": call.call_id, "output": "sunny, 21 C"} for call in calls]
+    answer = c.responses.create(model=MODEL, input=follow_up, tools=RESPONSE_TOOLS, tool_choice="none",
+                                max_output_tokens=10, temperature=0)
+    base = c.responses.create(model=MODEL, input=ask(2), tools=RESPONSE_TOOLS, tool_choice="none", max_output_tokens=1)
+    assert answer.output and answer.output[0].type == "message"
+    assert answer.usage.input_tokens > base.usage.input_tokens + 10  # the call and its output were rendered
+    # Streaming: the official event sequence, adding up to the non-streamed response.
+    types, text, args = [], "", {}
+    with c.responses.stream(model=MODEL, input=ask(2), tools=RESPONSE_TOOLS, tool_choice="required",
+                            parallel_tool_calls=False, max_output_tokens=120, temperature=0) as stream:
+        for ev in stream:
+            types.append(ev.type)
+            if ev.type == "response.function_call_arguments.delta":
+                args[ev.item_id] = args.get(ev.item_id, "") + ev.delta
+            text += ev.delta if ev.type == "response.output_text.delta" else ""
+        final = stream.get_final_response()
+    assert types[:2] == ["response.created", "response.in_progress"] and types[-1] == "response.completed"
+    assert "response.output_item.added" in types and "response.function_call_arguments.done" in types
+    streamed_calls = [item for item in final.output if item.type == "function_call"]
+    assert [(x.name, x.arguments) for x in streamed_calls] == [(x.name, x.arguments) for x in calls]
+    assert sorted(args.values()) == sorted(x.arguments for x in calls)
+    for bad in ({"previous_response_id": "resp_1"}, {"store": True}, {"tools": [{"type": "web_search"}]},
+                {"extra_body": {"frobnicate": 1}}):
+        with pytest.raises(openai.BadRequestError):
+            c.responses.create(model=MODEL, input="hi", **bad)
