@@ -404,17 +404,29 @@ class Router:
 
     async def _write_stream(self, request: web.Request, reqs: list[GenRequest], writers: list[StreamWriter],
                             source, t0: float) -> web.StreamResponse:
-        # Wait for the first chunk before answering, so that failures before any token
-        # (bad input found by a worker, no capacity, no workers) get a proper HTTP status.
-        first = await anext(source, None)
+        # By default the head waits for the first chunk, so that failures before any token (bad
+        # input found by a worker, no capacity, no workers) get a proper HTTP status. With
+        # --early-headers the 200 and the role chunk leave at once (clients with short header
+        # timeouts survive long prefills); retries before the first token still happen, and a
+        # request that fails anyway ends with an error event instead of a status.
+        early = self.cfg.early_headers
+        first = None if early else await anext(source, None)
         resp = _SSEResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                     "X-Request-Id": reqs[0].id, **_served_headers(reqs[0])})
+                                     "X-Request-Id": reqs[0].id, **({} if early else _served_headers(reqs[0]))})
         await resp.prepare(request)
+        if early:  # the head leaves with the first body bytes: the role chunks, or an SSE comment
+            await resp.write(b"".join(w.role() for w in writers) if reqs[0].kind == "chat" else b": started\n\n")
+            try:
+                first = await anext(source, None)
+            except APIError as e:
+                log.warning("event=stream_failed rid=%s status=%d error=%r", reqs[0].id, e.status, e.message)
+                await resp.write_eof(error_event(e.message, e.type, e.code or "worker_failed") + DONE)
+                return resp
         usage = {"prompt": 0, "completion": 0, "cached": 0}
         # One write per upstream read: the head, the role chunk and the first text leave
         # together, and so do the last text, the finish, usage and [DONE] (a syscall each was
         # most of the router's per-request cost in front of a fast upstream).
-        out: list[bytes] = [w.role() for w in writers] if reqs[0].kind == "chat" else []
+        out: list[bytes] = [w.role() for w in writers] if reqs[0].kind == "chat" and not early else []
         latencies = [Latency(self.metrics, t0) for _ in reqs]
         # Replies with reasoning or tool calls are parsed as they stream (one parser per choice).
         parsers = [r.reply.parser() if r.reply is not None else None for r in reqs]

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import aiohttp
@@ -183,3 +184,38 @@ def test_router_process_does_not_import_torch():
             "print(sorted(m for m in ('torch', 'numpy', 'safetensors') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+async def test_early_headers_answer_before_a_long_prefill(tiny_model_dir, tmp_path):
+    """--early-headers: the 200 arrives at once, the first token after the prefill; a request that
+    fails anyway ends with an error event in the stream (the status is already sent)."""
+    from procs import free_port
+
+    w = start_worker("both", tiny_model_dir, tmp_path, "--max-num-batched-tokens", "8", "--max-num-seqs", "8",
+                     name="slowprefill")
+    router = start_router(tiny_model_dir, tmp_path, "--served-model-name", MODEL, "--colocated", address(w),
+                          "--early-headers", name="early")
+    dead = start_router(tiny_model_dir, tmp_path, "--served-model-name", MODEL, "--colocated",
+                        f"127.0.0.1:{free_port()}", "--early-headers", "--max-retries", "0", name="early-dead")
+    body = {"model": MODEL, "messages": [{"role": "user", "content": " ".join(["token"] * 140)}], "max_tokens": 2,
+            "temperature": 0, "stream": True}
+    try:
+        async with aiohttp.ClientSession() as s:
+            t0 = time.monotonic()
+            async with s.post(base_url(router) + "/v1/chat/completions", json=body) as r:
+                head_s = time.monotonic() - t0
+                assert r.status == 200, await r.text()
+                first_token_s = None
+                async for line in r.content:
+                    if line.startswith(b"data: {") and json.loads(line[6:])["choices"][0]["delta"].get("content"):
+                        first_token_s = time.monotonic() - t0
+                        break
+            print(f"early headers: head {head_s * 1000:.1f} ms, first token {first_token_s * 1000:.1f} ms")
+            assert first_token_s is not None and head_s < first_token_s / 2, (head_s, first_token_s)
+            async with s.post(base_url(dead) + "/v1/chat/completions", json=body) as r:
+                assert r.status == 200
+                text = await r.text()
+            assert '"error"' in text and text.rstrip().endswith("data: [DONE]")
+    finally:
+        for p in (router, dead, w):
+            p.stop()
