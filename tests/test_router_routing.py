@@ -288,3 +288,36 @@ def test_list_flags_accept_repeats_and_lists():
                                       "http://c:1", "--colocated", "x:1", "--colocated", "y:1"])
     assert args.openai_upstream == ["http://a:1", "http://b:1", "http://c:1"]
     assert args.colocated == ["x:1", "y:1"]
+
+
+async def test_prefix_aware_placement_follows_the_cache_on_a_block_size_32_fleet(tiny_model_dir, tmp_path):
+    """No session header: a conversation's next turn goes to the worker holding its prefix (the
+    router learns the fleet's block size, 32, from the workers), and reports the hit."""
+    workers = [start_worker("both", tiny_model_dir, tmp_path, "--block-size", "32", name=f"bs32-{i}") for i in range(2)]
+    router = start_router(tiny_model_dir, tmp_path, "--served-model-name", MODEL, "--colocated",
+                          *(address(w) for w in workers), name="bs32-router")
+    try:
+        assert "reported=" not in router.log()  # no worker was refused
+        async with aiohttp.ClientSession() as s:
+
+            async def turn_of(conv: int, turn: int) -> tuple[str, dict]:
+                words = " ".join(f"w{conv}x{i}" for i in range(60 + 10 * turn))  # each turn extends the last
+                body = {"model": MODEL, "messages": [{"role": "user", "content": words}], "max_tokens": 2,
+                        "temperature": 0}
+                async with s.post(base_url(router) + "/v1/chat/completions", json=body) as r:
+                    assert r.status == 200
+                    return r.headers["X-Splitfire-Decode"], (await r.json())["usage"]
+
+            # The first turns arrive together: load spreads them over both workers.
+            placed = {c: where for c, (where, _) in enumerate(await asyncio.gather(*(turn_of(c, 0) for c in range(4))))}
+            assert len(set(placed.values())) == 2
+            for turn in (1, 2):  # later turns, one at a time: each follows its own prefix
+                for conv in range(4):
+                    where, usage = await turn_of(conv, turn)
+                    assert where == placed[conv], (conv, turn)
+                    cached = usage["prompt_tokens_details"]["cached_tokens"]
+                    assert cached >= 64 and cached % 32 == 0, usage
+    finally:
+        router.stop()
+        for w in workers:
+            w.stop()
