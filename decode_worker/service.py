@@ -30,6 +30,7 @@ from worker.worker_service import WorkerContext
 log = logging.getLogger("splitfire.decode")
 
 RESERVE_RETRY_S = 0.01
+SETTLE_TIMEOUT_S = 2.0
 
 
 class GenerateError(Exception):
@@ -50,16 +51,43 @@ class DecodeService(pb_grpc.DecodeServicer):
         self.region = region  # None in the colocated role: no remote prefill
         self.segment = segment
         self._stubs: dict[str, pb_grpc.PrefillStub] = {}
-        self._channels: list[grpc.aio.Channel] = []
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._settling: set[asyncio.Task] = set()
         self._remote_calls: dict[str, grpc.aio.UnaryUnaryCall] = {}
+
+    def _channel(self, endpoint: str) -> grpc.aio.Channel:
+        ch = self._channels.get(endpoint)
+        if ch is None:
+            ch = self._channels[endpoint] = grpc.aio.insecure_channel(endpoint, options=GRPC_OPTIONS)
+        return ch
 
     def _stub(self, endpoint: str) -> pb_grpc.PrefillStub:
         stub = self._stubs.get(endpoint)
         if stub is None:
-            channel = grpc.aio.insecure_channel(endpoint, options=GRPC_OPTIONS)
-            self._channels.append(channel)
-            stub = self._stubs[endpoint] = pb_grpc.PrefillStub(channel)
+            stub = self._stubs[endpoint] = pb_grpc.PrefillStub(self._channel(endpoint))
         return stub
+
+    def _quarantine(self, rid: str, endpoint: str) -> None:
+        """A remote prefill into our blocks failed or was cancelled: hold the blocks, and ask the
+        prefill worker to abort the request and say whether any write can still land; if none
+        can, free them at once, else they wait out --kv-quarantine."""
+        aeng = self.ctx.engine
+        aeng.quarantine(rid, self.ctx.config.kv_quarantine_s)
+
+        async def settle() -> None:
+            try:
+                resp = await pb_grpc.WorkerStub(self._channel(endpoint)).Abort(
+                    pb.AbortRequest(request_id=rid), timeout=SETTLE_TIMEOUT_S)
+            except grpc.aio.AioRpcError as e:  # unreachable: its writes may be in limbo, keep the quarantine
+                log.info("event=kv_settle_unknown rid=%s prefill=%s code=%s", rid, endpoint, e.code().name)
+                return
+            if resp.writes_settled:
+                aeng.release_held(rid)
+            log.info("event=kv_settle rid=%s prefill=%s settled=%s", rid, endpoint, resp.writes_settled)
+
+        task = asyncio.create_task(settle())
+        self._settling.add(task)
+        task.add_done_callback(self._settling.discard)
 
     async def cancel_remote(self, rid: str) -> bool:
         call = self._remote_calls.pop(rid, None)
@@ -103,10 +131,10 @@ class DecodeService(pb_grpc.DecodeServicer):
             resp: pb.PrefillResponse = await call
         except asyncio.CancelledError:
             call.cancel()
-            self.ctx.engine.quarantine(rid, self.ctx.config.kv_quarantine_s)
+            self._quarantine(rid, endpoint)
             raise
         except grpc.aio.AioRpcError as e:
-            self.ctx.engine.quarantine(rid, self.ctx.config.kv_quarantine_s)
+            self._quarantine(rid, endpoint)
             code = e.code()
             if code == grpc.StatusCode.CANCELLED:
                 raise GenerateError(code, f"request {rid} was aborted during prefill") from e

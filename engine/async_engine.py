@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 
 from engine.llm_engine import EngineStats, LLMEngine, RequestOutput, StepObserver
 from engine.sampling_params import SamplingParams
-from engine.sequence import Mode, TokenLogprob
+from engine.sequence import Mode, Sequence, TokenLogprob
 
 log = logging.getLogger("splitfire.engine")
 T = TypeVar("T")
@@ -73,6 +73,7 @@ class AsyncEngine:
         self._timers: list[tuple[float, int, Callable[[LLMEngine], Any]]] = []  # engine-thread only
         self._seq = itertools.count()
         self._streams: dict[str, RequestStream] = {}
+        self._held: dict[str, Sequence] = {}  # quarantined requests' sequences (engine thread)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -193,15 +194,30 @@ class AsyncEngine:
 
     def quarantine(self, request_id: str, delay_s: float) -> None:
         """Stop a request now but free its blocks only after `delay_s`: a failed or cancelled
-        transfer may still land writes in them (Mooncake keeps writing after a failed call)."""
+        transfer may still land writes in them (Mooncake keeps writing after a failed call).
+        `release_held` frees them sooner, on proof that nothing can land any more."""
 
         def hold(engine: LLMEngine) -> None:
             seq = engine.hold(request_id)
             if seq is not None:
-                heapq.heappush(self._timers, (time.monotonic() + delay_s, next(self._seq), lambda e: e.release(seq)))
+                self._held[request_id] = seq
+                heapq.heappush(self._timers, (time.monotonic() + delay_s, next(self._seq),
+                                              lambda e: self._release_held(request_id, seq)))
 
         self._commands.put(lambda: hold(self.engine))
         self._wake.set()
+
+    def release_held(self, request_id: str) -> None:
+        """Free a quarantined request's blocks now (the writer proved no write can still land)."""
+        self._commands.put(lambda: self._release_held(request_id, None))
+        self._wake.set()
+
+    def _release_held(self, request_id: str, seq: Sequence | None) -> None:
+        held = self._held.get(request_id)
+        if held is None or (seq is not None and held is not seq):
+            return  # already released (early, or a newer request reused the id)
+        del self._held[request_id]
+        self.engine.release(held)
 
     def open_stream(self, request_id: str) -> RequestStream:
         stream = RequestStream(request_id)

@@ -46,6 +46,9 @@ class LayerwiseKVSender:
         self.block_size = block_size
         self.sync_device = device.type == "cuda"
         self.plans: dict[str, TransferPlan] = {}  # engine thread only
+        # Requests with a write that failed or timed out: Mooncake may still complete it later, so
+        # their destination blocks are never declared settled (the decode side quarantines them).
+        self.unsettled: dict[str, float] = {}
         self._jobs: list[tuple[TransferPlan, TransferJob, int]] = []
         self._t0 = 0.0
 
@@ -54,6 +57,14 @@ class LayerwiseKVSender:
 
     def remove_plan(self, request_id: str) -> TransferPlan | None:
         return self.plans.pop(request_id, None)
+
+    def settled(self, request_id: str, keep_s: float = 600.0) -> bool:
+        """Between steps (engine thread): True when no write of `request_id` can still land."""
+        now = time.monotonic()
+        for rid, at in list(self.unsettled.items()):
+            if now - at > keep_s:
+                del self.unsettled[rid]
+        return request_id not in self.unsettled
 
     def before_forward(self, batch: list[ScheduledSeq]) -> None:
         self._jobs = []
@@ -96,5 +107,6 @@ class LayerwiseKVSender:
             plan.next_block = max(plan.next_block, full_blocks)
             if job.error is not None:
                 errors[plan.request_id] = job.error
+                self.unsettled[plan.request_id] = time.monotonic()
         self._jobs = []
         return errors

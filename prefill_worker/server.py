@@ -38,7 +38,11 @@ async def run(cfg: WorkerConfig) -> None:
     ctx.engine.observer = sender
     server = new_server()
     pb_grpc.add_PrefillServicer_to_server(PrefillService(ctx, sender, region), server)
-    pb_grpc.add_WorkerServicer_to_server(WorkerService(ctx), server)
+    def settled(rid: str) -> bool:
+        sender.remove_plan(rid)  # (engine thread, between steps) nothing more is sent for it
+        return sender.settled(rid)
+
+    pb_grpc.add_WorkerServicer_to_server(WorkerService(ctx, writes_settled=settled), server)
     try:
         await serve(ctx, server)
     finally:

@@ -166,10 +166,12 @@ class AbortRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ...) -> None: ...
 
 class AbortResponse(_message.Message):
-    __slots__ = ("found",)
+    __slots__ = ("found", "writes_settled")
     FOUND_FIELD_NUMBER: _ClassVar[int]
+    WRITES_SETTLED_FIELD_NUMBER: _ClassVar[int]
     found: bool
-    def __init__(self, found: _Optional[bool] = ...) -> None: ...
+    writes_settled: bool
+    def __init__(self, found: _Optional[bool] = ..., writes_settled: _Optional[bool] = ...) -> None: ...
 
 class HealthRequest(_message.Message):
     __slots__ = ()

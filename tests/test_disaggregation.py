@@ -246,3 +246,23 @@ async def test_a_storm_of_cancelled_prompts_stops_computing_at_once(cluster):
     assert wasted <= 13 + 2, wasted
     await wait_blocks_free(address(pre))
     await wait_blocks_free(address(dec))
+
+
+async def test_cancelled_transfer_frees_blocks_on_proof_not_after_the_quarantine(cluster, tiny_model_dir):
+    """A request cancelled mid-prefill: the prefill worker aborts it between two steps (its writes
+    run inside steps) and says no write can still land, so the decode worker frees the blocks at
+    once instead of holding them for its 30 s --kv-quarantine."""
+    pre = cluster["prefill"]
+    dec = start_worker("decode", tiny_model_dir, cluster["logs"], "--local-prefill-max-tokens", "0",
+                       "--kv-quarantine", "30", name="long-quarantine")
+    try:
+        task = asyncio.create_task(generate(address(dec), prompt(94, 900), greedy(4), prefill=address(pre)))
+        await until_prefill_under_way(address(pre))
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        t0 = time.monotonic()
+        await wait_blocks_free(address(dec), timeout=10)
+        assert time.monotonic() - t0 < 5
+        assert "settled=True" in dec.log()
+    finally:
+        dec.stop()

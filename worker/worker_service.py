@@ -34,17 +34,25 @@ class WorkerContext:
 
 
 class WorkerService(pb_grpc.WorkerServicer):
-    def __init__(self, ctx: WorkerContext, extra_abort=None):
+    def __init__(self, ctx: WorkerContext, extra_abort=None, writes_settled=None):
         self.ctx = ctx
         self.extra_abort = extra_abort  # role-specific cleanup, e.g. cancel the remote prefill
+        # Prefill role: engine-thread check that no KV write of a request can still land.
+        self.writes_settled = writes_settled
 
     async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
         rid = request.request_id
-        found = await self.ctx.engine.call(lambda e: e.abort(rid))  # (the bool: whether it was known)
+        settled = self.writes_settled
+
+        def abort(engine) -> tuple[bool, bool]:  # between steps: no write is in flight now
+            found = engine.abort(rid)
+            return found, settled(rid) if settled is not None else False
+
+        found, writes_settled = await self.ctx.engine.call(abort)
         if self.extra_abort is not None:
             found = await self.extra_abort(rid) or found
-        log.info("event=abort rid=%s found=%s", rid, found)
-        return pb.AbortResponse(found=found)
+        log.info("event=abort rid=%s found=%s writes_settled=%s", rid, found, writes_settled)
+        return pb.AbortResponse(found=found, writes_settled=writes_settled)
 
     async def Health(self, request: pb.HealthRequest, context) -> pb.HealthResponse:
         eng = self.ctx.engine.engine
