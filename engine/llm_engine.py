@@ -26,6 +26,7 @@ from engine.model_store import resolve_model
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
 from engine.sequence import Mode, Sequence, Status, TokenLogprob
+from engine.speculative import NgramDrafter, verify
 from engine.tokenizer import Tokenizer
 from engine.weights import load_model
 
@@ -79,6 +80,8 @@ class EngineStats:
     kv_tokens_held: int = 0
     decode_tokens_remaining: int = 0
     store_hit_tokens: int = 0  # prompt tokens filled from the cluster-wide KV tier so far
+    spec_drafted: int = 0  # speculative tokens proposed so far
+    spec_accepted: int = 0  # of those, accepted by verification
 
 
 class LLMEngine:
@@ -103,6 +106,10 @@ class LLMEngine:
         self.grammar = GrammarEngine(self.model_dir / "tokenizer.json", self.model_config.vocab_size,
                                      sorted(self.eos_token_ids), config.threads)
         self.runner = ModelRunner(self.model, self.kv, self.device, self.grammar, frozenset(self.eos_token_ids))
+        self.drafter = (NgramDrafter(config.num_speculative_tokens, config.speculative_max_batch)
+                        if config.speculative == "ngram" else None)
+        self.scheduler.drafter = self.drafter
+        self.scheduler.max_model_len = self.max_model_len
         self.seqs: dict[str, Sequence] = {}
         self._arrival = itertools.count()
         # Cluster-wide KV tier (set by a worker that has one): full blocks this engine computed are
@@ -301,6 +308,9 @@ class LLMEngine:
         it = iter(samples)
         for s in batch:
             seq = s.seq
+            if s.draft:
+                outputs.append(self._verified(seq, s, failed.get(seq.request_id)))
+                continue
             sampled = next(it) if s.samples else None
             seq.num_computed_tokens += s.num_tokens
             if seq.request_id in failed:
@@ -316,6 +326,25 @@ class LLMEngine:
             self._append_token(seq, sampled[0], sampled[1], out)
             outputs.append(out)
         return outputs
+
+    def _verified(self, seq: Sequence, s: ScheduledSeq, error: str | None) -> RequestOutput:
+        """Commit a speculative step: the accepted drafts and the model's next token."""
+        out = RequestOutput(seq.request_id, num_prompt_tokens=seq.num_prompt_tokens,
+                            num_cached_tokens=seq.num_cached_tokens)
+        if error is not None:
+            return self._finish(seq, "error", out, error)
+        emitted = verify(s.draft, s.targets)
+        assert self.drafter is not None
+        self.drafter.record(seq, len(s.draft), len(emitted) - 1)
+        seq.num_computed_tokens += 1  # the fed token
+        for j, token in enumerate(emitted):
+            self._append_token(seq, token, None, out)
+            if out.finished:
+                return out
+            if j < len(emitted) - 1:  # an accepted draft: its K/V (computed from it) are valid
+                seq.num_computed_tokens += 1
+        self.blocks.register_computed(seq)
+        return out
 
     def _append_token(self, seq: Sequence, token: int, logprob: TokenLogprob | None, out: RequestOutput) -> None:
         sp = seq.sampling
@@ -378,4 +407,6 @@ class LLMEngine:
             kv_tokens_held=self.kv_tokens_held(),
             decode_tokens_remaining=self.decode_tokens_remaining(),
             store_hit_tokens=self.store_hit_tokens,
+            spec_drafted=self.drafter.drafted if self.drafter is not None else 0,
+            spec_accepted=self.drafter.accepted if self.drafter is not None else 0,
         )

@@ -56,14 +56,16 @@ class ModelRunner:
             seq, start = s.seq, s.seq.num_computed_tokens
             end = start + s.num_tokens
             row0 = len(ids)
-            ids.extend(seq.all_token_ids[start:end])
+            ids.extend(seq.all_token_ids[start:end] if not s.draft else [seq.all_token_ids[start], *s.draft])
             pos.extend(range(start, end))
             table = seq.block_table
             k_rows.extend(table[p // bs] * 2 * bs + p % bs for p in range(start, end))
             if i < len(prefills):
                 nb = -(-end // bs)
                 segments.append(PrefillSegment(row0, s.num_tokens, end, torch.tensor(table[:nb], device=dev)))
-            if s.samples:
+            if s.draft:  # a verification: every row's next token
+                sample_rows.extend(range(row0, len(ids)))
+            elif s.samples:
                 sample_rows.append(len(ids) - 1)
         groups: list[DecodeBatch] = []
         row = len(ids) - len(decodes)
@@ -93,11 +95,26 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, batch: list[ScheduledSeq], layer_hook: LayerHook | None = None) -> list[tuple[int, TokenLogprob | None]]:
-        """Runs one step. Reorders `batch` in place; returns one sample per entry with `samples`."""
+        """Runs one step. Reorders `batch` in place; returns one sample per entry with `samples` and
+        no draft (a speculative entry gets its greedy tokens in `targets`)."""
         input_ids, positions, meta, sample_rows = self.prepare(batch)
         hidden = self.model(input_ids, positions, self.kv, meta, layer_hook)
         if not sample_rows:
             return []
         rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
         logits = self.model.logits(hidden.index_select(0, rows))
-        return sample(logits, [s.seq for s in batch if s.samples], self.grammar, self.eos_token_ids)
+        plain: list[int] = []  # logits rows of ordinary samples
+        row = 0
+        for s in batch:
+            if s.draft:  # speculative rows: the model's greedy token after each fed token
+                n = len(s.draft) + 1
+                s.targets = logits[row:row + n].argmax(-1).tolist()
+                row += n
+            elif s.samples:
+                plain.append(row)
+                row += 1
+        if not plain:
+            return []
+        if len(plain) != row:
+            logits = logits.index_select(0, torch.tensor(plain, dtype=torch.long, device=self.device))
+        return sample(logits, [s.seq for s in batch if s.samples and not s.draft], self.grammar, self.eos_token_ids)

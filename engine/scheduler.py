@@ -11,7 +11,8 @@ ones stay in the prefix cache) and it is recomputed later.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from engine.block_manager import BlockManager
 from engine.sequence import Sequence, Status
@@ -27,11 +28,14 @@ class SchedulerConfig:
 class ScheduledSeq:
     seq: Sequence
     num_tokens: int  # tokens computed this step, from seq.num_computed_tokens
+    draft: list[int] = field(default_factory=list)  # speculative tokens fed after the sequence's last one
+    targets: list[int] = field(default_factory=list)  # the model's greedy tokens at each drafted row (set by the runner)
 
     @property
     def samples(self) -> bool:
-        """True when this step reaches the end of the sequence, so its last row yields a token."""
-        return self.seq.num_computed_tokens + self.num_tokens == self.seq.num_tokens
+        """True when this step reaches the end of the sequence, so its last row yields a token
+        (a speculative step yields one per row)."""
+        return bool(self.draft) or self.seq.num_computed_tokens + self.num_tokens == self.seq.num_tokens
 
 
 class Scheduler:
@@ -45,6 +49,8 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_prefix_waits = 0  # steps a waiting prompt sat out to reuse a prefix being computed
         self.admitted_for_fetch: list[Sequence] = []  # admitted with blocks, to be filled from the KV tier
+        self.drafter: Any = None  # engine.speculative.NgramDrafter when speculation is on
+        self.max_model_len = 1 << 30
 
     def add(self, seq: Sequence) -> None:
         seq.status = Status.WAITING
@@ -88,8 +94,9 @@ class Scheduler:
                 if self._preempt_newest() is seq:
                     break
             if seq in self.running:
-                out.append(ScheduledSeq(seq, 1))
-                budget -= 1
+                draft = self._draft(seq, budget)
+                out.append(ScheduledSeq(seq, 1 + len(draft), draft))
+                budget -= 1 + len(draft)
         # 2. Prompts already under way (their blocks were allocated at admission). While others
         #    wait, they leave up to half the budget to them: a short prompt arriving behind a long
         #    one starts at the next step instead of after the whole long prefill.
@@ -129,6 +136,17 @@ class Scheduler:
                 computing.update(seq.block_hashes[seq.num_registered_blocks :])
         self.waiting.extendleft(reversed(deferred))
         return out
+
+    def _draft(self, seq: Sequence, budget: int) -> list[int]:
+        """Speculative tokens for a decode (never at the cost of a preemption or the step budget)."""
+        if self.drafter is None:
+            return []
+        room = min(seq.sampling.max_tokens - len(seq.output_token_ids) - 1, self.max_model_len - seq.num_tokens - 1,
+                   budget - len(self.running))
+        draft = self.drafter.propose(seq, len(self.running), room)
+        if draft and not self.blocks.grow(seq, seq.num_tokens + len(draft)):
+            return []
+        return draft
 
     def _prefix_in_progress(self) -> set[bytes]:
         """Hashes of prompt blocks that running prefills will compute but have not yet."""

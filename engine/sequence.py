@@ -52,6 +52,7 @@ class Sequence:
     matcher: Any = None  # llguidance matcher when the request is constrained by a grammar
     detok: IncrementalDetokenizer | None = None
     num_preemptions: int = 0
+    spec: Any = None  # engine.speculative.SpecState once the sequence has been drafted for
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -261,6 +261,51 @@ def main_grammar(args: argparse.Namespace) -> int:
     return 0
 
 
+AGENT_RECORD = {"service": "checkout", "replicas": 3, "image": "registry.local/checkout:2.14.1", "port": 8080,
+                "env": {"LOG_LEVEL": "info", "DB_POOL": 16, "FEATURE_FLAGS": ["fast-path", "new-cart"]},
+                "probes": {"liveness": "/healthz", "readiness": "/ready", "period_s": 10}, "retries": 2}
+
+
+def main_speculative(args: argparse.Namespace) -> int:
+    """Prompt-lookup speculation vs none, same engine (the drafter switched on and off), greedy:
+    an agent-shaped reply that repeats a JSON block from its prompt, a free-text reply, batch 16."""
+    import json
+
+    engine = LLMEngine(EngineConfig(model=args.model, device="cpu", threads=args.threads, max_num_batched_tokens=512,
+                                    kv_cache_gb=1.0, speculative="ngram"))
+    drafter = engine.drafter
+    tok = engine.tokenizer
+    record = json.dumps(AGENT_RECORD, indent=2)
+    agent = tok.encode_chat([{"role": "user", "content": "Here is a deployment record:\n" + record +
+                              "\nReturn exactly the same JSON record, unchanged."}])
+    story = tok.encode_chat([{"role": "user", "content": "Write a short story about a lighthouse keeper who "
+                              "finds a message in a bottle."}])
+    sp = SamplingParams(max_tokens=128, temperature=0, ignore_eos=True)
+    cases = [("agent JSON, batch 1", [agent]), ("free text, batch 1", [story]), ("agent JSON, batch 16", [agent] * 16)]
+    rates: dict[tuple[str, bool], list[float]] = {}
+    accept: dict[str, tuple[int, int, int]] = {}
+    for r in tqdm(range(args.rounds), desc="rounds", file=sys.stderr):
+        for name, prompts in cases:
+            for on in (False, True):
+                engine.scheduler.drafter = drafter if on else None
+                before = (drafter.drafted, drafter.accepted, drafter.steps)
+                rates.setdefault((name, on), []).append(decode_rate(engine, prompts, sp, f"s{r}{on}{name[:3]}"))
+                if on:
+                    d = (drafter.drafted - before[0], drafter.accepted - before[1], drafter.steps - before[2])
+                    accept[name] = tuple(a + b for a, b in zip(accept.get(name, (0, 0, 0)), d, strict=True))
+    print(f"\nCPU: {torch.get_num_threads()} threads, torch {torch.__version__}, model {engine.model_dir}, "
+          f"greedy, 128 output tokens, {args.rounds} interleaved rounds (medians)")
+    print(f"{'decode tok/s':<24}{'off':>10}{'ngram':>10}{'speedup':>9}{'accepted':>10}{'tokens/verify':>15}")
+    for name, _ in cases:
+        off, on = statistics.median(rates[(name, False)]), statistics.median(rates[(name, True)])
+        drafted, accepted, steps = accept[name]
+        ratio = f"{accepted / drafted:.0%}" if drafted else "-"
+        per = f"{(accepted + steps) / steps:.2f}" if steps else "-"
+        print(f"{name:<24}{off:>10.1f}{on:>10.1f}{on / off:>9.2f}{ratio:>10}{per:>15}")
+    print("targets: agent JSON batch 1 >= 1.8x; free text batch 1 >= 0.95x; batch 16 >= 0.95x")
+    return 0
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="default: $SPLITFIRE_MODEL or smollm2-135m-instruct")
@@ -271,12 +316,15 @@ def main() -> int:
     p.add_argument("--families", action="store_true", help="every family on same-size random weights")
     p.add_argument("--family-list", default="", help="with --families: a comma-separated subset")
     p.add_argument("--grammar", action="store_true", help="json_schema-constrained vs free decode, compile time")
+    p.add_argument("--speculative", action="store_true", help="prompt-lookup speculation vs none, greedy decode")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     if args.families:
         return main_families(args)
     if args.grammar:
         return main_grammar(args)
+    if args.speculative:
+        return main_speculative(args)
 
     cols: dict[str, dict[str, float]] = {}
     model_dir = ""

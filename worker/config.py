@@ -98,6 +98,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=_env("max_model_len", None), help="context limit (default: the model's)")
     g.add_argument("--no-prefix-cache", action="store_true", help="disable prefix caching")
     g.add_argument("--threads", type=int, default=_env("threads", None), help="torch CPU threads")
+    g.add_argument("--speculative", default=_env("speculative", "off"), choices=["off", "ngram"],
+                   help="speculative decoding for greedy requests: ngram = prompt lookup (drafts copied from earlier "
+                        "text, verified in one step; output identical)")
+    g.add_argument("--num-speculative-tokens", type=int, default=int(_env("num_speculative_tokens", 4)),
+                   help="drafts per verification step at most")
+    g.add_argument("--speculative-max-batch", type=int, default=int(_env("speculative_max_batch", 4)),
+                   help="no drafting while more sequences than this are running (verification then costs more)")
 
 
 def engine_config_from(args: argparse.Namespace) -> EngineConfig:
@@ -113,6 +120,9 @@ def engine_config_from(args: argparse.Namespace) -> EngineConfig:
         max_model_len=int(args.max_model_len) if args.max_model_len else None,
         enable_prefix_cache=not args.no_prefix_cache,
         threads=int(args.threads) if args.threads else None,
+        speculative=args.speculative,
+        num_speculative_tokens=args.num_speculative_tokens,
+        speculative_max_batch=args.speculative_max_batch,
     )
 
 

@@ -81,6 +81,9 @@ def refresh_gauges(ctx: WorkerContext) -> None:
     if b.prefix_query_tokens:
         m.prefix_hit.labels(**lbl).set(b.prefix_hit_tokens / b.prefix_query_tokens)
     m.preemptions.labels(**lbl).set(st.num_preemptions)
+    if st.spec_drafted:
+        m.spec_tokens.labels(**lbl, kind="drafted").set(st.spec_drafted)
+        m.spec_tokens.labels(**lbl, kind="accepted").set(st.spec_accepted)
     m.prefix_hit_tokens.labels(role=m.role, tier="local").set(b.prefix_hit_tokens)
     m.prefix_hit_tokens.labels(role=m.role, tier="store").set(st.store_hit_tokens)
 

@@ -38,6 +38,8 @@ class WorkerMetrics:
                                           "transfer", labels, buckets=LATENCY_BUCKETS, registry=r)
         self.prefill_mode = Counter("splitfire_worker_prefill_mode", "Where a decode worker's prompts were prefilled",
                                     ["role", "mode", "reason"], registry=r)
+        self.spec_tokens = Gauge("splitfire_worker_spec_tokens", "Speculative decoding so far: tokens drafted and "
+                                 "accepted (acceptance = accepted / drafted)", [*labels, "kind"], registry=r)
         self.preemptions = Gauge("splitfire_worker_preemptions", "Sequences preempted so far", labels, registry=r)
         self.prefix_hit_tokens = Gauge("splitfire_worker_prefix_hit_tokens", "Prompt tokens not computed because a "
                                        "cache held them, so far, by tier (local prefix cache, cluster-wide KV store)",

@@ -1,0 +1,111 @@
+"""Prompt-lookup (n-gram) speculative decoding for greedy requests.
+
+A drafter proposes up to k tokens for a running sequence by finding the latest earlier
+occurrence of its last n tokens (n = 3, 2, 1) in the prompt and output so far and copying what
+followed. The target model then computes the fed token plus the k drafts in one step (as a
+chunk over the paged KV cache); every draft the model's own argmax agrees with is accepted,
+followed by the model's token at the first disagreement (or after the last draft). Greedy
+output is therefore identical to decoding one token per step; only the number of steps changes.
+Rejected positions' K/V slots are simply not counted as computed and are overwritten later.
+
+k adapts per sequence: drafts that keep missing make it skip drafting (a probe every
+`PROBE_EVERY` steps), so text that never repeats costs almost nothing.
+"""
+
+from __future__ import annotations
+
+from array import array
+from dataclasses import dataclass
+
+from engine.sequence import Mode, Sequence
+
+NGRAM_SIZES = (3, 2, 1)
+PROBE_EVERY = 8  # steps between drafts while a sequence's acceptance is low
+LOW_ACCEPTANCE = 0.25
+
+
+@dataclass
+class SpecState:
+    """Per-sequence speculation bookkeeping."""
+
+    acceptance: float = 1.0  # moving average of accepted / drafted
+    idle_steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    steps: int = 0  # verification steps
+
+
+def eligible(seq: Sequence) -> bool:
+    """Speculation is exact here only for plain greedy decoding (no penalties, biases, grammars,
+    logprobs or min_tokens): the verifier compares the model's argmax with each draft."""
+    sp = seq.sampling
+    return (seq.mode == Mode.FULL and sp.greedy and not sp.penalized and seq.matcher is None
+            and sp.logprobs is None)
+
+
+def ngram_draft(tokens: list[int], k: int) -> list[int]:
+    """Up to k tokens that followed the latest earlier occurrence of the last n tokens."""
+    if k <= 0 or len(tokens) < 2:
+        return []
+    buf = array("i", tokens).tobytes()
+    for n in NGRAM_SIZES:
+        if len(tokens) <= n:
+            continue
+        pattern = buf[-4 * n:]
+        end = len(buf) - 4  # an occurrence must end before the last token
+        while True:
+            pos = buf.rfind(pattern, 0, end)
+            if pos < 0:
+                break
+            if pos % 4 == 0:  # aligned on a token
+                start = pos // 4 + n
+                return tokens[start:start + k]
+            end = pos + 4 * n - 1
+    return []
+
+
+class NgramDrafter:
+    def __init__(self, k: int, max_batch: int):
+        self.k = k
+        self.max_batch = max_batch  # above this many running sequences, verification costs more than it saves
+        self.drafted = 0
+        self.accepted = 0
+        self.steps = 0
+
+    def propose(self, seq: Sequence, running: int, room: int) -> list[int]:
+        """Drafts for `seq` this step (room: tokens it may still add before max_tokens / context)."""
+        if running > self.max_batch or not eligible(seq):
+            return []
+        st: SpecState = seq.spec if seq.spec is not None else SpecState()
+        seq.spec = st
+        if st.acceptance < LOW_ACCEPTANCE:
+            st.idle_steps += 1
+            if st.idle_steps < PROBE_EVERY:
+                return []
+            st.idle_steps = 0
+        return ngram_draft(seq.all_token_ids, min(self.k, room))
+
+    def record(self, seq: Sequence, drafted: int, accepted: int) -> None:
+        st = seq.spec
+        if st is None or drafted == 0:
+            return
+        st.acceptance = 0.7 * st.acceptance + 0.3 * (accepted / drafted)
+        st.drafted += drafted
+        st.accepted += accepted
+        st.steps += 1
+        self.drafted += drafted
+        self.accepted += accepted
+        self.steps += 1
+
+
+def verify(draft: list[int], targets: list[int]) -> list[int]:
+    """The tokens a verification step emits: the drafts the model agrees with, then the model's own
+    token (len(targets) == len(draft) + 1: the model's argmax after the fed token and each draft)."""
+    out = []
+    for d, t in zip(draft, targets, strict=False):
+        if d != t:
+            out.append(t)
+            return out
+        out.append(d)
+    out.append(targets[len(draft)])
+    return out

@@ -1,0 +1,114 @@
+"""Speculative decoding (prompt lookup): greedy output identical to one token per step, whatever
+the drafts — all accepted, all rejected, or n-gram guesses — with chunked prefill, prefix hits,
+aborts and in the disaggregated decode worker."""
+
+from __future__ import annotations
+
+import asyncio
+
+from engine_helpers import drain, make_engine
+from grpc_client import generate, greedy, wait_blocks_free
+from procs import address, start_worker
+
+from engine.sampling_params import SamplingParams
+from engine.speculative import ngram_draft, verify
+
+
+def _prompts() -> list[list[int]]:
+    return [[(7 * i + j) % 50 + 3 for j in range(40 + 13 * i)] for i in range(4)] + [[5, 6, 7, 8] * 20]
+
+
+def _run(model_dir, prompts, max_tokens=48, **kw) -> tuple[dict[str, list[int]], object]:
+    eng = make_engine(model_dir, **kw)
+    for i, p in enumerate(prompts):
+        eng.add_request(str(i), p, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+    out = drain(eng)
+    assert eng.blocks.stats().used == 0  # nothing leaked, rejected slots included
+    return {k: v.token_ids for k, v in out.items()}, eng
+
+
+def test_verify_and_ngram_draft():
+    assert verify([4, 5, 6], [4, 5, 6, 7]) == [4, 5, 6, 7]  # all accepted + the bonus token
+    assert verify([4, 5, 6], [9, 5, 6, 7]) == [9]  # all rejected: the model's own token
+    assert verify([4, 5, 6], [4, 8, 6, 7]) == [4, 8]
+    assert ngram_draft([1, 2, 3, 9, 9, 1, 2, 3], 3) == [9, 9, 1]  # the latest earlier match of [1, 2, 3]
+    assert ngram_draft([1, 2, 3, 4], 2) == []
+    assert ngram_draft([256, 1, 256], 1) == [1]  # matches are token-aligned (no byte-level false hits)
+
+
+def test_ngram_speculation_is_lossless_and_drafts_get_accepted(tiny_model_dir):
+    base, _ = _run(tiny_model_dir, _prompts())
+    spec, eng = _run(tiny_model_dir, _prompts(), speculative="ngram", speculative_max_batch=8)
+    assert spec == base
+    assert eng.drafter.drafted > 0 and eng.drafter.accepted > 0  # it did speculate, and some drafts held
+    # Chunked prefill (8-token steps) and prefix hits (the same prompts twice) change nothing either.
+    again, _ = _run(tiny_model_dir, _prompts() + _prompts(), speculative="ngram", speculative_max_batch=16,
+                    max_num_batched_tokens=64, max_num_seqs=16)
+    assert all(again[str(i)] == base[str(i % 5)] for i in range(10))
+
+
+class _Oracle:
+    """A drafter that proposes the true continuation (all accepted) or a wrong one (all rejected)."""
+
+    def __init__(self, truth: dict[str, list[int]], wrong: bool, k: int = 4):
+        self.truth, self.wrong, self.k = truth, wrong, k
+        self.drafted = self.accepted = self.steps = 0
+
+    def propose(self, seq, running, room):
+        n = len(seq.output_token_ids)
+        future = self.truth[seq.request_id][n:n + min(self.k, room)]
+        return [(t + 1) % 50 + 3 for t in future] if self.wrong else future
+
+    def record(self, seq, drafted, accepted):
+        self.drafted += drafted
+        self.accepted += accepted
+        self.steps += 1
+
+
+def test_all_accepted_and_all_rejected_drafts_give_the_same_tokens(tiny_model_dir):
+    base, _ = _run(tiny_model_dir, _prompts())
+    for wrong in (False, True):
+        eng = make_engine(tiny_model_dir, speculative="ngram")
+        eng.drafter = eng.scheduler.drafter = _Oracle(base, wrong)
+        for i, p in enumerate(_prompts()):
+            eng.add_request(str(i), p, SamplingParams(temperature=0, max_tokens=48, ignore_eos=True))
+        out = {k: v.token_ids for k, v in drain(eng).items()}
+        assert out == base
+        d = eng.drafter
+        assert d.drafted > 0 and (d.accepted == 0 if wrong else d.accepted == d.drafted), (wrong, d.accepted, d.drafted)
+        if not wrong:
+            assert d.steps <= 5 * 48 / 4  # ~5 tokens per step instead of 1
+        assert eng.blocks.stats().used == 0
+
+
+def test_aborting_mid_speculation_frees_every_block(tiny_model_dir):
+    eng = make_engine(tiny_model_dir, speculative="ngram", speculative_max_batch=8)
+    for i, p in enumerate(_prompts()):
+        eng.add_request(str(i), p, SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
+    for _ in range(12):
+        eng.step()
+    assert eng.drafter.steps > 0
+    for i in range(5):
+        eng.abort(str(i))
+    assert eng.blocks.stats().used == 0
+
+
+async def test_disaggregated_decode_worker_speculates_losslessly(tiny_model_dir, tmp_path):
+    pre = start_worker("prefill", tiny_model_dir, tmp_path, name="spec-pre")
+    plain = start_worker("decode", tiny_model_dir, tmp_path, "--local-prefill-max-tokens", "0", name="plain-dec")
+    spec = start_worker("decode", tiny_model_dir, tmp_path, "--local-prefill-max-tokens", "0", "--speculative",
+                        "ngram", name="spec-dec")
+    try:
+        prompts = _prompts()
+        want = await asyncio.gather(*(generate(address(plain), p, greedy(40), prefill=address(pre)) for p in prompts))
+        got = await asyncio.gather(*(generate(address(spec), p, greedy(40), prefill=address(pre)) for p in prompts))
+        assert [g.token_ids for g in got] == [w.token_ids for w in want]
+        assert [g.usage.completion_tokens for g in got] == [40] * len(prompts)
+        await wait_blocks_free(address(spec))
+        import urllib.request
+
+        body = urllib.request.urlopen(f"http://127.0.0.1:{spec.ports['metrics']}/metrics", timeout=5).read().decode()
+        assert 'splitfire_worker_spec_tokens{kind="drafted",role="decode"}' in body
+    finally:
+        for p in (spec, plain, pre):
+            p.stop()
