@@ -129,9 +129,10 @@ async def test_ten_turn_session_stays_on_one_pair_across_two_routers(pd4):
     assert await metric(r1, "splitfire_router_requests_total", route="/v1/chat/completions",
                         status="200") == ok_before + 5
     # TTFT once per request; an inter-token gap for each of the other 7 tokens (a chunk of n
-    # tokens counts n gaps; only a first chunk that already held 2 tokens would count fewer).
+    # tokens counts n gaps; a first read that already held several tokens counts fewer: under load
+    # the worker's stream delivers what piled up in one read).
     assert await metric(r1, "splitfire_router_ttft_seconds_count") == ttft_before + 5
-    assert 5 * 6 <= await metric(r1, "splitfire_router_inter_token_seconds_count") - itl_before <= 5 * 7
+    assert 5 * 4 <= await metric(r1, "splitfire_router_inter_token_seconds_count") - itl_before <= 5 * 7
     for role, ep in (("prefill", prefill), ("decode", decode)):
         assert await metric(r1, "splitfire_router_routing_decisions_total", policy="token", role=role,
                             endpoint=ep) >= 5
