@@ -54,6 +54,10 @@ def summary(export: dict) -> dict[str, float]:
 
     errors = export.get("error_summary") or []
     return {"requests": metric("request_count"), "errors": sum(int(e.get("count", 0)) for e in errors),
+            "error_rate_pct": metric("request_error_rate"),
+            # requests whose output length (by aiperf's own re-tokenization of the text) differs from
+            # what was asked, and whose server-reported usage differs from that count
+            "osl_mismatch": metric("osl_mismatch_count"), "usage_discrepancy": metric("usage_discrepancy_count"),
             "ttft_p50_ms": metric("time_to_first_token", "p50"), "itl_p50_ms": metric("inter_token_latency", "p50"),
             "output_tok_s": metric("output_token_throughput")}
 
