@@ -189,6 +189,9 @@ class AsyncEngine:
     def resume_after_fill(self, request_id: str) -> asyncio.Future[None]:
         return self.call(lambda e: e.resume_after_fill(request_id))
 
+    def reset_prefix_cache(self) -> asyncio.Future[tuple[int, int]]:
+        return self.call(lambda e: e.blocks.reset_prefix_cache())
+
     def unpin_published(self, blocks: list[int]) -> asyncio.Future[None]:
         return self.call(lambda e: e.unpin_published(blocks))
 

@@ -73,6 +73,21 @@ class BlockManager:
         self.block_hash[b] = None
         self.free.add(b)
 
+    def reset_prefix_cache(self) -> tuple[int, int]:
+        """Forget every cached prefix: unreferenced cached blocks become free, blocks that running
+        requests hold stop being offered to others. Returns (freed, unshared)."""
+        freed = len(self.lru)
+        for b in list(self.lru):
+            self._evict(b)
+        unshared = 0
+        for b, h in enumerate(self.block_hash):
+            if h is not None:
+                if self.hash_to_block.get(h) == b:
+                    del self.hash_to_block[h]
+                self.block_hash[b] = None
+                unshared += 1
+        return freed, unshared
+
     def _evict_runs(self, need: int) -> None:
         """Free `need` cached blocks: the oldest first, each together with the cached blocks next to it
         (usually the rest of the same finished request, freed at the same time), so the freed blocks

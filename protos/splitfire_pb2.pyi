@@ -226,3 +226,15 @@ class StatsResponse(_message.Message):
     reserved: int
     store_hit_tokens: int
     def __init__(self, prompt_tokens_in_flight: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., kv_tokens_held: _Optional[int] = ..., prefix_query_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., decode_tokens_remaining: _Optional[int] = ..., reserved: _Optional[int] = ..., store_hit_tokens: _Optional[int] = ...) -> None: ...
+
+class ResetPrefixCacheRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ResetPrefixCacheResponse(_message.Message):
+    __slots__ = ("blocks_dropped", "blocks_unshared")
+    BLOCKS_DROPPED_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_UNSHARED_FIELD_NUMBER: _ClassVar[int]
+    blocks_dropped: int
+    blocks_unshared: int
+    def __init__(self, blocks_dropped: _Optional[int] = ..., blocks_unshared: _Optional[int] = ...) -> None: ...

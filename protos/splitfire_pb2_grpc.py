@@ -193,6 +193,11 @@ class WorkerStub:
                 request_serializer=protos_dot_splitfire__pb2.StatsRequest.SerializeToString,
                 response_deserializer=protos_dot_splitfire__pb2.StatsResponse.FromString,
                 _registered_method=True)
+        self.ResetPrefixCache = channel.unary_unary(
+                '/splitfire.v1.Worker/ResetPrefixCache',
+                request_serializer=protos_dot_splitfire__pb2.ResetPrefixCacheRequest.SerializeToString,
+                response_deserializer=protos_dot_splitfire__pb2.ResetPrefixCacheResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -216,6 +221,12 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ResetPrefixCache(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -233,6 +244,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=protos_dot_splitfire__pb2.StatsRequest.FromString,
                     response_serializer=protos_dot_splitfire__pb2.StatsResponse.SerializeToString,
+            ),
+            'ResetPrefixCache': grpc.unary_unary_rpc_method_handler(
+                    servicer.ResetPrefixCache,
+                    request_deserializer=protos_dot_splitfire__pb2.ResetPrefixCacheRequest.FromString,
+                    response_serializer=protos_dot_splitfire__pb2.ResetPrefixCacheResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -316,6 +332,33 @@ class Worker:
             '/splitfire.v1.Worker/Stats',
             protos_dot_splitfire__pb2.StatsRequest.SerializeToString,
             protos_dot_splitfire__pb2.StatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ResetPrefixCache(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitfire.v1.Worker/ResetPrefixCache',
+            protos_dot_splitfire__pb2.ResetPrefixCacheRequest.SerializeToString,
+            protos_dot_splitfire__pb2.ResetPrefixCacheResponse.FromString,
             options,
             channel_credentials,
             insecure,

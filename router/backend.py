@@ -39,6 +39,10 @@ class Backend(Protocol):
 
     async def probe(self, ep: Endpoint, timeout_s: float) -> Probe: ...
 
+    async def reset_prefix_cache(self, ep: Endpoint, timeout_s: float) -> str:
+        """Make the endpoint forget its cached prefixes; returns what it said (raises on failure)."""
+        ...
+
     async def close(self) -> None: ...
 
 

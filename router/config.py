@@ -47,6 +47,7 @@ class RouterConfig:
     stats_interval_s: float = 1.0
     api_keys_file: str = ""
     request_timeout_s: float = 600.0
+    enable_cache_reset: bool = False  # POST /reset_prefix_cache (benchmarks); any client could wipe every cache
     early_headers: bool = False  # streams: send the 200 head at once instead of with the first token
     keepalive_timeout_s: float = 15.0  # idle client connections, and the wait for a request's head
 
@@ -130,6 +131,8 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-body-bytes", type=int, default=int(_env("max_body_bytes", str(4 * 2**20))))
     p.add_argument("--api-keys", default=_env("api_keys", ""), help="file of 'key tenant' lines; enables auth")
     p.add_argument("--health-interval", type=float, default=float(_env("health_interval", "2.0")))
+    p.add_argument("--enable-cache-reset", action="store_true", default=_env("enable_cache_reset", "") == "1",
+                   help="serve POST /reset_prefix_cache (every worker forgets its cached prefixes; for benchmarks)")
     p.add_argument("--early-headers", action="store_true", default=_env("early_headers", "") == "1",
                    help="streams answer 200 at once (before the first token) instead of with it; a request that "
                         "fails before its first token then ends with an error event, not an HTTP status")
@@ -155,5 +158,6 @@ def router_config_from(args: argparse.Namespace) -> RouterConfig:
         shared_kv_store=args.shared_kv_store, affinity_ttl_s=args.affinity_ttl,
         max_concurrency=args.max_concurrency, max_queue=args.max_queue, max_retries=args.max_retries,
         max_body_bytes=args.max_body_bytes, api_keys_file=args.api_keys, health_interval_s=args.health_interval,
-        keepalive_timeout_s=args.keepalive_timeout, early_headers=args.early_headers, worker_stream=args.worker_stream, breaker_error_rate=args.breaker_error_rate, breaker_open_s=args.breaker_open_s,
+        keepalive_timeout_s=args.keepalive_timeout, early_headers=args.early_headers,
+        enable_cache_reset=args.enable_cache_reset, worker_stream=args.worker_stream, breaker_error_rate=args.breaker_error_rate, breaker_open_s=args.breaker_open_s,
     ).validate()

@@ -290,6 +290,20 @@ class OpenAIUpstreamClient:
         status, _ = await self._get(ep.address, "/health", timeout_s)
         return Probe(status == 200)
 
+    async def reset_prefix_cache(self, ep: Endpoint, timeout_s: float) -> str:
+        """vLLM's POST /reset_prefix_cache (served there in its dev mode)."""
+        resp = None
+        try:
+            async with asyncio.timeout(timeout_s):
+                resp = await self.http.request("POST", ep.address, "/reset_prefix_cache", b"", self._auth)
+                body = (await resp.read_all())[:200].decode(errors="replace")
+        finally:
+            if resp is not None:
+                self.http.release(resp)
+        if resp.status != 200:
+            raise HTTPClientError(f"answered {resp.status}: {body}")
+        return "reset"
+
     async def _get(self, base_url: str, path: str, timeout_s: float) -> tuple[int, bytes]:
         """(status, body); status 0 when the upstream did not answer in time."""
         resp = None

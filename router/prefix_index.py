@@ -42,6 +42,9 @@ class PrefixIndex:
             n += 1
         return n
 
+    def clear(self) -> None:
+        self._maps.clear()
+
     def insert(self, endpoint: str, hashes: list[bytes]) -> None:
         self._insert(endpoint, hashes)
         if self.shared_store:

@@ -109,6 +109,7 @@ class Router:
         app.router.add_post("/tokenize", self.tokenize)
         app.router.add_post("/detokenize", self.detokenize)
         app.router.add_get("/version", self.version)
+        app.router.add_post("/reset_prefix_cache", self.reset_prefix_cache)
         app.router.add_get("/ping", self.ping)
         app.router.add_post("/ping", self.ping)
         app.router.add_get("/health", self.health_route)
@@ -312,6 +313,28 @@ class Router:
                                                 and 0 <= t < tok.vocab_size for t in ids):
             raise bad_request(f"'tokens' must be a list of token ids in [0, {tok.vocab_size})", param="tokens")
         return web.json_response({"prompt": tok.decode(ids)})
+
+    async def reset_prefix_cache(self, request: web.Request) -> web.Response:
+        """Every endpoint forgets its cached prefixes (benchmarks reset between runs). Off unless
+        --enable-cache-reset: any client could otherwise wipe every tenant's cache."""
+        self.tenants.tenant_of(request)
+        if not self.cfg.enable_cache_reset:
+            raise APIError(403, "resetting the prefix cache is disabled; start the router with --enable-cache-reset",
+                           type_="permission_error", code="cache_reset_disabled")
+        eps = self.registry.all()
+
+        async def one(ep) -> dict[str, Any]:
+            try:
+                said = await self.backends.of(ep).reset_prefix_cache(ep, self.cfg.health_timeout_s * 5)
+                return {"role": ep.role, "address": ep.address, "ok": True, "detail": said}
+            except Exception as e:  # reported per endpoint; the status says whether all of them did it
+                return {"role": ep.role, "address": ep.address, "ok": False, "detail": f"{type(e).__name__}: {e}"}
+
+        results = await asyncio.gather(*(one(ep) for ep in eps))
+        self.dispatcher.index.clear()
+        ok = all(r["ok"] for r in results)
+        log.info("event=prefix_cache_reset endpoints=%d ok=%s", len(results), ok)
+        return web.json_response({"reset": ok, "endpoints": results}, status=200 if ok else 502)
 
     async def version(self, request: web.Request) -> web.Response:
         return web.json_response({"version": VERSION})

@@ -185,6 +185,11 @@ class WorkerClient:
             if resp is not None:
                 self.http.release(resp)  # closes it unless the stream ended: the worker cancels the request
 
+    async def reset_prefix_cache(self, ep: Endpoint, timeout_s: float) -> str:
+        r = await pbg.WorkerStub(self.channel(ep.address)).ResetPrefixCache(pb.ResetPrefixCacheRequest(),
+                                                                           timeout=timeout_s)
+        return f"{r.blocks_dropped} cached blocks dropped, {r.blocks_unshared} in-use blocks unshared"
+
     async def probe(self, ep: Endpoint, timeout_s: float) -> Probe:
         stub = pbg.WorkerStub(self.channel(ep.address))
         h = await stub.Health(pb.HealthRequest(), timeout=timeout_s)

@@ -431,3 +431,29 @@ async def test_continuous_usage_stats_put_usage_on_every_chunk(stack):
         bad = {**body, "stream_options": {"continuous_usage_stats": "yes"}}
         async with s.post(base_url(stack["router"]) + "/v1/chat/completions", json=bad) as r:
             assert r.status == 400
+
+
+async def test_reset_prefix_cache_route(stack, tiny_model_dir, tmp_path):
+    async with aiohttp.ClientSession() as s:
+        async with s.post(base_url(stack["router"]) + "/reset_prefix_cache") as r:
+            assert r.status == 403  # off unless the operator turns it on
+    admin = start_router(tiny_model_dir, tmp_path, "--served-model-name", MODEL, "--prefill",
+                         address(stack["prefill"]), "--decode", address(stack["decode"]), "--enable-cache-reset",
+                         name="reset-router")
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "a prompt worth caching " * 8}],
+            "max_tokens": 2, "temperature": 0}
+    try:
+        async with aiohttp.ClientSession() as s:
+
+            async def cached() -> int:
+                async with s.post(base_url(admin) + "/v1/chat/completions", json=body) as r:
+                    return (await r.json())["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+            await cached()
+            assert await cached() > 0
+            async with s.post(base_url(admin) + "/reset_prefix_cache") as r:
+                got = await r.json()
+                assert r.status == 200 and got["reset"] and len(got["endpoints"]) == 2, got
+            assert await cached() == 0
+    finally:
+        admin.stop()

@@ -54,6 +54,11 @@ class WorkerService(pb_grpc.WorkerServicer):
         log.info("event=abort rid=%s found=%s writes_settled=%s", rid, found, writes_settled)
         return pb.AbortResponse(found=found, writes_settled=writes_settled)
 
+    async def ResetPrefixCache(self, request: pb.ResetPrefixCacheRequest, context) -> pb.ResetPrefixCacheResponse:
+        freed, unshared = await self.ctx.engine.reset_prefix_cache()
+        log.info("event=prefix_cache_reset freed=%d unshared=%d", freed, unshared)
+        return pb.ResetPrefixCacheResponse(blocks_dropped=freed, blocks_unshared=unshared)
+
     async def Health(self, request: pb.HealthRequest, context) -> pb.HealthResponse:
         eng = self.ctx.engine.engine
         return pb.HealthResponse(
