@@ -337,13 +337,14 @@ class LLMEngine:
         assert self.drafter is not None
         self.drafter.record(seq, len(s.draft), len(emitted) - 1)
         seq.num_computed_tokens += 1  # the fed token
+        self.blocks.register_computed(seq)  # (before a finish frees the blocks: they stay cached)
         for j, token in enumerate(emitted):
             self._append_token(seq, token, None, out)
             if out.finished:
                 return out
             if j < len(emitted) - 1:  # an accepted draft: its K/V (computed from it) are valid
                 seq.num_computed_tokens += 1
-        self.blocks.register_computed(seq)
+                self.blocks.register_computed(seq)
         return out
 
     def _append_token(self, seq: Sequence, token: int, logprob: TokenLogprob | None, out: RequestOutput) -> None:

@@ -112,3 +112,26 @@ async def test_disaggregated_decode_worker_speculates_losslessly(tiny_model_dir,
     finally:
         for p in (spec, plain, pre):
             p.stop()
+
+
+def test_a_speculative_finish_keeps_the_output_blocks_cached(tiny_model_dir):
+    """The step that ends a request may commit several tokens; their full blocks must reach the
+    prefix cache before the request's blocks are released (the next turn reuses them)."""
+    prompts = _prompts()
+    base, _ = _run(tiny_model_dir, prompts)
+
+    def next_turn_hits(drafter_truth: dict | None) -> list[int]:
+        eng = make_engine(tiny_model_dir, speculative="ngram")
+        if drafter_truth is not None:
+            eng.drafter = eng.scheduler.drafter = _Oracle(drafter_truth, wrong=False)
+        else:
+            eng.drafter = eng.scheduler.drafter = None
+        for i, p in enumerate(prompts):
+            eng.add_request(str(i), p, SamplingParams(temperature=0, max_tokens=48, ignore_eos=True))
+        drain(eng)
+        for i, p in enumerate(prompts):
+            eng.add_request(f"t2-{i}", p + base[str(i)] + [9, 9], SamplingParams(temperature=0, max_tokens=1))
+        out = drain(eng)
+        return [out[f"t2-{i}"].cached_tokens for i in range(len(prompts))]
+
+    assert next_turn_hits(base) == next_turn_hits(None)

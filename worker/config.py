@@ -100,7 +100,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--threads", type=int, default=_env("threads", None), help="torch CPU threads")
     g.add_argument("--speculative", default=_env("speculative", "off"), choices=["off", "ngram"],
                    help="speculative decoding for greedy requests: ngram = prompt lookup (drafts copied from earlier "
-                        "text, verified in one step; output identical)")
+                        "text, verified in one step; output identical); default ngram on decode workers, else off")
     g.add_argument("--num-speculative-tokens", type=int, default=int(_env("num_speculative_tokens", 4)),
                    help="drafts per verification step at most")
     g.add_argument("--speculative-max-batch", type=int, default=int(_env("speculative_max_batch", 4)),
@@ -128,6 +128,8 @@ def engine_config_from(args: argparse.Namespace) -> EngineConfig:
 
 def add_worker_args(p: argparse.ArgumentParser, role: str) -> None:
     add_engine_args(p)
+    if role == "decode":  # decode workers speculate by default (prompt lookup: greedy requests, lossless)
+        p.set_defaults(speculative=_env("speculative", "ngram"))
     g = p.add_argument_group("serving")
     g.add_argument("--host", default=_env("host", "0.0.0.0"), help="bind address")
     g.add_argument("--grpc-port", type=int, default=int(_env("grpc_port", DEFAULT_GRPC_PORT[role])))
