@@ -35,6 +35,16 @@ def add_routes(app: web.Application, service: DecodeService) -> None:
             msg = pb.GenerateRequest.FromString(await request.read())
         except Exception as e:  # protobuf raises DecodeError (and others) for a malformed body
             raise web.HTTPBadRequest(text=f"body is not a GenerateRequest: {type(e).__name__}: {e}") from e
+        # A drain waits for this response to be written out, not only for the request to finish
+        # (the last frames must leave before the process exits).
+        marker = f"http-stream-{id(request)}"
+        service.ctx.inflight.add(marker)
+        try:
+            return await _stream(msg, request)
+        finally:
+            service.ctx.inflight.discard(marker)
+
+    async def _stream(msg: pb.GenerateRequest, request: web.Request) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": frames.CONTENT_TYPE})
         await resp.prepare(request)
         events = service.Generate(msg, FrameContext())
@@ -44,8 +54,11 @@ def add_routes(app: web.Application, service: DecodeService) -> None:
         except StreamAborted as e:
             await resp.write(frames.encode_error(e.code.name, e.details, e.metadata.get(trailers.FAILED_ENDPOINT, ""),
                                                  e.metadata.get(trailers.FAILED_ROLE, "")))
+        except ConnectionResetError:  # the router went away: closing the events below cancels the request
+            log.info("event=stream_reader_gone rid=%s", msg.request_id)
+            return resp
         finally:
-            await events.aclose()  # a write to a closed connection ends here too: the request is cancelled
+            await events.aclose()
         await resp.write_eof()
         return resp
 

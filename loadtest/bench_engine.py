@@ -303,6 +303,21 @@ def main_speculative(args: argparse.Namespace) -> int:
         per = f"{(accepted + steps) / steps:.2f}" if steps else "-"
         print(f"{name:<24}{off:>10.1f}{on:>10.1f}{on / off:>9.2f}{ratio:>10}{per:>15}")
     print("targets: agent JSON batch 1 >= 1.8x; free text batch 1 >= 0.95x; batch 16 >= 0.95x")
+    if args.spec_crossover:
+        # The batch size above which verification costs more than it saves: drafting forced on.
+        drafter.max_batch = 1 << 10
+        print("\ncrossover (drafting at every batch size; agent JSON / free text):")
+        print(f"{'batch':<8}{'agent speedup':>15}{'text speedup':>15}")
+        for b in (1, 2, 4, 8, 16):
+            row = []
+            for prompt in (agent, story):
+                runs: dict[bool, list[float]] = {}
+                for r in range(args.rounds):
+                    for on in (False, True):
+                        engine.scheduler.drafter = drafter if on else None
+                        runs.setdefault(on, []).append(decode_rate(engine, [prompt] * b, sp, f"x{b}{r}{on}"))
+                row.append(statistics.median(runs[True]) / statistics.median(runs[False]))
+            print(f"{b:<8}{row[0]:>15.2f}{row[1]:>15.2f}", flush=True)
     return 0
 
 
@@ -317,6 +332,8 @@ def main() -> int:
     p.add_argument("--family-list", default="", help="with --families: a comma-separated subset")
     p.add_argument("--grammar", action="store_true", help="json_schema-constrained vs free decode, compile time")
     p.add_argument("--speculative", action="store_true", help="prompt-lookup speculation vs none, greedy decode")
+    p.add_argument("--spec-crossover", action="store_true", help="with --speculative: speedup at batch 1-16 with "
+                   "drafting forced on (where speculation stops paying)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     if args.families:

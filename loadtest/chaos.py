@@ -190,6 +190,8 @@ class Chaos:
             async with asyncio.timeout(timeout):
                 async with s.post((url or self.url) + "/v1/chat/completions", json=body, headers=headers) as r:
                     raw = await r.read()
+                    if r.status >= 500:
+                        print(f"  {r.status}: {raw[:300]!r}", file=sys.stderr, flush=True)
                     n = 0
                     if r.status == 200:
                         for line in raw.split(b"\n"):
@@ -197,7 +199,8 @@ class Chaos:
                                 obj = json.loads(line[6:])
                                 if obj.get("usage"):
                                     n = obj["usage"]["completion_tokens"]
-                                if "error" in obj:
+                                if "error" in obj:  # the stream began, then failed
+                                    print(f"  stream error: {obj['error']}", file=sys.stderr, flush=True)
                                     return 502, 0, ""
                         if not stream:
                             n = json.loads(raw)["usage"]["completion_tokens"]

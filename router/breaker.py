@@ -63,6 +63,7 @@ class CircuitBreaker:
     def on_success(self) -> bool:
         """Returns True when this closed the breaker."""
         self.consecutive_failures = 0
+        self.failed_checks = 0  # it serves: checks failing before this (a channel still reconnecting) are stale
         self._record(False)
         if self.state == CLOSED:
             return False

@@ -95,9 +95,10 @@ def test_aborting_mid_speculation_frees_every_block(tiny_model_dir):
 
 async def test_disaggregated_decode_worker_speculates_losslessly(tiny_model_dir, tmp_path):
     pre = start_worker("prefill", tiny_model_dir, tmp_path, name="spec-pre")
-    plain = start_worker("decode", tiny_model_dir, tmp_path, "--local-prefill-max-tokens", "0", name="plain-dec")
+    plain = start_worker("decode", tiny_model_dir, tmp_path, "--local-prefill-max-tokens", "0", "--speculative", "off",
+                         name="plain-dec")
     spec = start_worker("decode", tiny_model_dir, tmp_path, "--local-prefill-max-tokens", "0", "--speculative",
-                        "ngram", name="spec-dec")
+                        "ngram", "--speculative-max-batch", "8", name="spec-dec")
     try:
         prompts = _prompts()
         want = await asyncio.gather(*(generate(address(plain), p, greedy(40), prefill=address(pre)) for p in prompts))
