@@ -180,9 +180,11 @@ class Chaos:
     # -- measuring ------------------------------------------------------------------------
 
     async def ask(self, s: aiohttp.ClientSession, *, tokens: int = 16, words: int = 8, session: str = "",
-                  url: str = "", timeout: float = 60, stream: bool = True) -> tuple[int | None, int, str]:
-        """(status or None on a hang, completion tokens, decode worker that served)."""
-        body = {"model": MODEL, "messages": [{"role": "user", "content": " ".join(["word"] * words)}],
+                  url: str = "", timeout: float = 60, stream: bool = True, tag: str = "") -> tuple[int | None, int, str]:
+        """(status or None on a hang, completion tokens, decode worker that served). `tag` starts the
+        prompt, so tagged prompts share no cached prefix."""
+        content = (tag + " " if tag else "") + " ".join(["word"] * words)
+        body = {"model": MODEL, "messages": [{"role": "user", "content": content}],
                 "max_tokens": tokens, "temperature": 0, "ignore_eos": True, "stream": stream,
                 **({"stream_options": {"include_usage": True}} if stream else {})}
         headers = {"x-session-affinity": session} if session else {}
@@ -282,7 +284,8 @@ class Chaos:
     async def disconnect_storm(self, s: aiohttp.ClientSession, row: Row) -> None:
         n = 16
         before = self.steps(self.prefill)
-        tasks = [asyncio.create_task(self.ask(s, tokens=8, words=440 + i, timeout=0.25)) for i in range(n)]
+        tasks = [asyncio.create_task(self.ask(s, tokens=8, words=440, timeout=0.25, tag=f"storm-{time.time_ns()}-{i}"))
+                 for i in range(n)]  # (distinct prompts: nothing comes from a cache)
         results = await asyncio.gather(*tasks)  # each client gives up after 0.25 s
         left = self.steps(self.prefill)
 
