@@ -30,9 +30,6 @@ class SpecState:
 
     acceptance: float = 1.0  # moving average of accepted / drafted
     idle_steps: int = 0
-    drafted: int = 0
-    accepted: int = 0
-    steps: int = 0  # verification steps
 
 
 def eligible(seq: Sequence) -> bool:
@@ -90,9 +87,6 @@ class NgramDrafter:
         if st is None or drafted == 0:
             return
         st.acceptance = 0.7 * st.acceptance + 0.3 * (accepted / drafted)
-        st.drafted += drafted
-        st.accepted += accepted
-        st.steps += 1
         self.drafted += drafted
         self.accepted += accepted
         self.steps += 1

@@ -55,7 +55,3 @@ class FrameReader:
             pos = end
         self._buf = buf[pos:]
         return out
-
-    @property
-    def pending(self) -> int:
-        return len(self._buf)

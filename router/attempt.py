@@ -96,8 +96,7 @@ class Attempt:
         self.mode_seen = False
         self.served = False  # the endpoints produced output: a success for their breakers
         self.blamed = False
-        for ep in route.endpoints():
-            registry.on_attempt(ep)
+        self.probes = [ep for ep in route.endpoints() if registry.on_attempt(ep)]  # half-open slots it holds
         if hashes:  # the decode side holds the prompt's blocks either way; the prefill side only
             index.insert(route.decode.address, hashes)  # if the decode worker sends it the prompt
 
@@ -126,5 +125,5 @@ class Attempt:
     def close(self) -> None:
         self.ticket.close()
         if not self.served and not self.blamed:  # abandoned (client gone, or not the endpoints' fault)
-            for ep in self.route.endpoints():
+            for ep in self.probes:
                 ep.breaker.release_probe()

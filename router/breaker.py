@@ -56,9 +56,13 @@ class CircuitBreaker:
             self.state = HALF_OPEN
         return not self.probing
 
-    def on_attempt(self) -> None:
-        if self.state == HALF_OPEN:
+    def on_attempt(self) -> bool:
+        """Returns True when this attempt is the half-open probe (it must release the slot if it
+        ends without a verdict)."""
+        if self.state == HALF_OPEN and not self.probing:
             self.probing = True
+            return True
+        return False
 
     def on_success(self) -> bool:
         """Returns True when this closed the breaker."""

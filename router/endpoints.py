@@ -132,8 +132,8 @@ class EndpointRegistry:
         ok = [e for e in eps if e.breaker.available(now)]
         return ok or [e for e in eps if e.healthy]
 
-    def on_attempt(self, ep: Endpoint) -> None:
-        ep.breaker.on_attempt()
+    def on_attempt(self, ep: Endpoint) -> bool:
+        return ep.breaker.on_attempt()
 
     def on_success(self, ep: Endpoint) -> None:
         if ep.breaker.on_success():

@@ -237,7 +237,9 @@ class RequestParser:
             if not stream:
                 raise bad_request("'stream_options' is only allowed with stream=true", param="stream_options")
             include_usage = _bool(so, "include_usage")
-            _bool(so, "continuous_usage_stats")  # validated here; read by the stream writer
+            if _bool(so, "continuous_usage_stats") and self.upstream_only:
+                raise bad_request("'stream_options.continuous_usage_stats' needs token counts, which upstream streams "
+                                  "do not carry through this router", param="stream_options")
             unknown = set(so) - {"include_usage", "continuous_usage_stats", "include_obfuscation"}
             if unknown:
                 raise bad_request(f"unknown 'stream_options' field(s) {sorted(unknown)}", param="stream_options")
@@ -287,7 +289,7 @@ class RequestParser:
         )
 
     @staticmethod
-    def _n(body: dict, stream: bool, completions: bool) -> tuple[int, int]:
+    def _n(body: dict, stream: bool, completions: bool, upstream_only: bool = False) -> tuple[int, int]:
         """(n, best_of): n choices per prompt, drawn from best_of candidates (completions only)."""
         n = _num(body, "n", 1, MAX_N, 1, integer=True)
         best_of = n
@@ -298,6 +300,9 @@ class RequestParser:
             if best_of > n and stream:
                 raise bad_request("'best_of' > 'n' cannot be streamed (the best are known only at the end)",
                                   param="best_of")
+            if best_of > n and upstream_only:
+                raise bad_request("'best_of' > 'n' is not supported in front of upstreams (their log probabilities "
+                                  "are passed through, not ranked)", param="best_of")
         return n, best_of
 
     @staticmethod
@@ -442,7 +447,7 @@ class RequestParser:
         constraint = None if self.upstream_only else _response_format(body)
         if self.upstream_only:
             _response_format(body)  # validated here, enforced by the upstream
-        n, best_of = self._n(body, stream, completions=True)
+        n, best_of = self._n(body, stream, completions=True, upstream_only=self.upstream_only)
         if len(prompts) * best_of > MAX_N * 4:
             raise bad_request(f"at most {MAX_N * 4} completions per request (prompts x best_of)", param="n")
         rid = f"cmpl-{secrets.token_hex(12)}"

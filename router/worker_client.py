@@ -105,7 +105,6 @@ class WorkerClient:
         # "http": token streams over the workers' HTTP port when they serve one; "grpc": always gRPC.
         self.stream = stream
         self.http = HTTPClient()
-        self._stream_urls: dict[str, str] = {}
 
     def channel(self, address: str) -> grpc.aio.Channel:
         ch = self._channels.get(address)
@@ -151,9 +150,7 @@ class WorkerClient:
 
     async def _generate_http(self, ep: Endpoint, msg: pb.GenerateRequest, timeout_s: float) -> AsyncIterator[Chunk]:
         """The same stream as frames over HTTP/1.1 (`protos/frames.py`): one Chunk per read."""
-        base = self._stream_urls.get(ep.address)
-        if base is None or not base.endswith(f":{ep.stream_port}"):
-            base = self._stream_urls[ep.address] = f"http://{ep.address.rpartition(':')[0]}:{ep.stream_port}"
+        base = f"http://{ep.address.rpartition(':')[0]}:{ep.stream_port}"
         resp = None
         try:
             resp = await self.http.request("POST", base, frames.PATH, msg.SerializeToString(), _FRAME_HEADERS, timeout_s)

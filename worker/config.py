@@ -100,7 +100,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--threads", type=int, default=_env("threads", None), help="torch CPU threads")
     g.add_argument("--speculative", default=_env("speculative", "off"), choices=["off", "ngram"],
                    help="speculative decoding for greedy requests: ngram = prompt lookup (drafts copied from earlier "
-                        "text, verified in one step; output identical); default ngram on decode workers, else off")
+                        "text, verified in one step; output identical); default ngram on decode workers, else off; prefill "
+                        "workers never decode, so it does nothing there")
     g.add_argument("--num-speculative-tokens", type=int, default=int(_env("num_speculative_tokens", 4)),
                    help="drafts per verification step at most")
     g.add_argument("--speculative-max-batch", type=int, default=int(_env("speculative_max_batch", 4)),
