@@ -25,6 +25,7 @@ class EngineConfig:
     max_model_len: int | None = None  # None = the model's max_position_embeddings
     enable_prefix_cache: bool = True
     threads: int | None = None  # torch intra-op threads on CPU; None = torch's default
+    quantization: str | None = None  # int8 | int4: quantize a float checkpoint's matmul weights at load
     speculative: str = "off"  # off | ngram (prompt lookup, greedy requests)
     num_speculative_tokens: int = 4  # drafts per verification step at most
     speculative_max_batch: int = 4  # no drafting above this many running sequences (verification costs more)
@@ -49,6 +50,8 @@ class EngineConfig:
                 f"--max-num-batched-tokens ({self.max_num_batched_tokens}) must be >= --max-num-seqs "
                 f"({self.max_num_seqs}): every running sequence needs one token per step"
             )
+        if self.quantization not in (None, "int8", "int4"):
+            raise ValueError(f"--quantization must be int8 or int4 (or unset), got {self.quantization!r}")
         if self.speculative not in ("off", "ngram"):
             raise ValueError(f"--speculative must be off or ngram, got {self.speculative!r}")
         if not 1 <= self.num_speculative_tokens <= 16:

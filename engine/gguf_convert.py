@@ -1,9 +1,11 @@
 """Converting a GGUF file into a Hugging Face model directory, once.
 
 The converted directory is then loaded by the same code as any safetensors checkpoint.
-Tensors are dequantized (numpy, via the `gguf` package) to float32, so the model computes
-exactly what the quantized weights mean, and written in ~1 GiB shards with an index, so
-conversion holds one shard in memory, not the model. What differs from the Hugging Face
+Matmul weights in Q8_0 / Q5_0 / Q6_K / Q4_0 / Q4_1 / Q4_K stay quantized: their blocks are
+re-expressed exactly in `engine.quant`'s int8/int4 layout (`gguf_quants.py`), so a 4-bit file
+serves at 4 bits. Everything else (norms, stacked experts, other types, or every tensor with
+`keep_quantized=False`) is dequantized (numpy, via the `gguf` package) to float32. Output goes
+into ~1 GiB shards with an index, so conversion holds one shard in memory, not the model. What differs from the Hugging Face
 layout is undone: llama.cpp permutes Q and K rows of `llama`-architecture models for its
 interleaved RoPE (permuted back here), stacks each layer's experts into one tensor (split
 back per expert), and stores Llama 3.1 RoPE scaling as a `rope_freqs` factor tensor
@@ -22,7 +24,9 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
+from engine import gguf_quants
 from engine.errors import ModelLoadError
+from engine.quant import QUANT_METHOD
 from engine.rope import RopeSpec
 
 _END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>")
@@ -262,7 +266,7 @@ def _config(reader: Any, arch: str, names: set[str], tok_info: dict[str, Any], s
     return config
 
 
-def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
+def convert_gguf(gguf_path: Path, out_dir: Path, keep_quantized: bool = True) -> None:
     """Write config.json, sharded safetensors and the tokenizer files for `gguf_path` into `out_dir`."""
     import gguf
 
@@ -279,7 +283,15 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     mixtral = config["architectures"][0] == "MixtralForCausalLM"
     n_heads, n_kv = config["num_attention_heads"], config["num_key_value_heads"]
     writer = _ShardWriter(out_dir, gguf_path.name)
+    quantized = 0
     for t in tqdm(reader.tensors, desc=f"converting {gguf_path.name}", unit="tensor", disable=None):
+        parts = _quantized_parts(t) if keep_quantized else None
+        if parts is not None:
+            for key, array in parts.items():
+                for hf, a in _hf_tensors(t.name, array, arch, mixtral, n_heads, n_kv, gguf_path):
+                    writer.add(f"{hf}.{key}", a)
+            quantized += 1
+            continue
         w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
         w = w.reshape(tuple(int(d) for d in reversed(t.shape)))
         if t.name == "rope_freqs.weight":
@@ -288,9 +300,21 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
         for hf, array in _hf_tensors(t.name, w, arch, mixtral, n_heads, n_kv, gguf_path):
             writer.add(hf, array)
     writer.close()
+    if quantized:
+        config["quantization_config"] = {"quant_method": QUANT_METHOD, "source": "gguf"}
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
     gen = {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]}
     (out_dir / "generation_config.json").write_text(json.dumps(gen, indent=2))
+
+
+def _quantized_parts(t: Any) -> dict[str, np.ndarray] | None:
+    """A 2-D matmul weight whose GGML type `gguf_quants` re-expresses exactly, in that layout."""
+    if not t.name.endswith(".weight") or len(t.shape) != 2 or t.name.split(".")[-2] in _EXPERTS:
+        return None
+    if t.name.split(".")[-2] in ("ffn_gate_inp", "ffn_gate_inp_shexp"):
+        return None  # routers stay float (see DecoderModel.quantize)
+    cols, rows = (int(d) for d in t.shape)
+    return gguf_quants.convert(np.asarray(t.data), t.tensor_type.name, rows, cols)
 
 
 def _hf_tensors(name: str, w: np.ndarray, arch: str, mixtral: bool, n_heads: int, n_kv: int,

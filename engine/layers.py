@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine import quant
 from engine.errors import ModelLoadError
 
 log = logging.getLogger("splitfire.engine")
@@ -56,13 +57,32 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self.packed: torch.Tensor | None = None
+        # Weight-only quantized: row blocks (one, or one per format when a checkpoint mixes them).
+        self.quantized: list[quant.QuantizedWeight] | None = None
 
     def pack_for_cpu(self, keep_original: bool = False) -> None:
+        if self.quantized is not None:
+            return
         self.packed = pack_weight(self.weight)
         if not keep_original:
             self.weight = None  # type: ignore[assignment]
 
+    def set_quantized(self, parts: list[quant.QuantizedWeight], keep_original: bool = False) -> None:
+        n = sum(p.shape[0] for p in parts)
+        k = {p.shape[1] for p in parts}
+        expected = (self.weight.shape[0], self.weight.shape[1])
+        if (n, *k) != expected:
+            raise ModelLoadError(f"quantized weight of shape ({n}, {sorted(k)}) for a linear layer of {expected}")
+        device = self.weight.device
+        parts = [p.to(device) for p in parts]
+        merged = quant.concat_rows(parts) if len(parts) > 1 else parts[0]
+        self.quantized = [merged] if merged is not None else parts
+        if not keep_original:
+            self.weight = None  # type: ignore[assignment]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quantized is not None:
+            return quant.linear(x, self.quantized, self.bias)
         if self.packed is not None:
             return cpu_linear(x, self.packed, self.bias)
         return F.linear(x, self.weight, self.bias)

@@ -95,7 +95,7 @@ class LLMEngine:
         self.model_config = ModelConfig.from_dir(self.model_dir)
         self.tokenizer = Tokenizer(self.model_dir)
         t0 = time.perf_counter()
-        self.model = load_model(self.model_dir, self.device, self.dtype)
+        self.model = load_model(self.model_dir, self.device, self.dtype, config.quantization)
         self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
                                  self.model_config.max_position_embeddings)
         self.model.build_rope_cache(self.max_model_len + 1, self.device, self.dtype)

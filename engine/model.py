@@ -17,6 +17,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from engine import quant
 from engine.attention import AttentionMetadata, paged_attention, write_kv
 from engine.kv_cache import KVCache
 from engine.layers import MLP, Linear, RMSNorm, cpu_packing_supported
@@ -126,6 +127,9 @@ class DecoderModel(nn.Module):
         self.requires_grad_(False)
         self.rope_caches: dict[RopeSpec, torch.Tensor] = {}  # each [positions, head_dim/2] complex64
         self.embed_scale: float | None = None
+        self.dtype = torch.get_default_dtype()  # `weights._allocate` builds the model under its dtype
+        # A quantized embedding table (rows dequantized on lookup); when tied it is the LM head's.
+        self.embed_quantized: quant.QuantizedWeight | None = None
 
     def build_rope_cache(self, max_positions: int, device: torch.device, dtype: torch.dtype) -> None:
         self.rope_caches = {spec: rope_cache(spec, self.cfg.head_dim, max_positions, device) for spec in self.cfg.ropes}
@@ -145,7 +149,7 @@ class DecoderModel(nn.Module):
         assert self.rope_caches, "build_rope_cache() first"
         # Once per step and rope variant, shared by every layer that uses it.
         freqs = {spec: cache[positions].unsqueeze(1) for spec, cache in self.rope_caches.items()}
-        x = self.embed(input_ids)
+        x = self.embed_tokens(input_ids)
         if self.embed_scale is not None:
             x = x * self.embed_scale
         for i, layer in enumerate(self.layers):
@@ -153,6 +157,38 @@ class DecoderModel(nn.Module):
             if layer_hook is not None:
                 layer_hook(i)
         return self.norm(x)
+
+    def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.embed_quantized is not None:
+            return self.embed_quantized.dequantize(ids).to(self.dtype)
+        return self.embed(ids)
+
+    def set_embedding_quantized(self, qw: quant.QuantizedWeight) -> None:
+        """Lookups read `qw`'s rows; the float table is freed. Tied: the LM head multiplies by it too."""
+        self.embed_quantized = qw
+        if self.cfg.tie_word_embeddings:
+            self.lm_head.set_quantized([qw])
+        self.embed.weight = nn.Parameter(self.embed.weight.new_empty(0, self.cfg.hidden_size), requires_grad=False)
+
+    def quantize(self, kind: str) -> None:
+        """`--quantization int8|int4` on a float checkpoint: every matmul weight (the LM head and, when
+        tied, the embedding with it) quantized round-to-nearest per group of 32-128 weights. Routers
+        stay float (a flipped expert choice costs more than the bytes save); so do stacked experts,
+        which have no quantized kernel yet."""
+        skip: set[int] = set()
+        for m in self.modules():
+            if isinstance(m, MoE):
+                skip |= {id(m.router), id(m.shared_gate)}
+        for m in self.modules():
+            if isinstance(m, Linear) and id(m) not in skip and m.quantized is None and m is not self.lm_head:
+                m.set_quantized([quant.quantize(m.weight, kind, quant.group_size_for(m.weight.shape[1], kind))])
+        if self.lm_head.quantized is None:
+            head = self.lm_head.weight
+            qw = quant.quantize(head, kind, quant.group_size_for(head.shape[1], kind))
+            if self.cfg.tie_word_embeddings:
+                self.set_embedding_quantized(qw)
+            else:
+                self.lm_head.set_quantized([qw])
 
     def optimize_for_cpu(self) -> None:
         """Pack every matmul weight for oneDNN where this CPU supports it for the model dtype (see

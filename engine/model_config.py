@@ -90,7 +90,7 @@ ATTENTION_KINDS = ("full_attention", "sliding_attention")
 
 # Fields that never change a forward pass (training, generation defaults, bookkeeping).
 _INERT = {
-    "architectures", "model_type", "transformers_version", "torch_dtype", "dtype", "initializer_range", "use_cache",
+    "architectures", "model_type", "transformers_version", "torch_dtype", "quantization_config", "dtype", "initializer_range", "use_cache",
     "attention_dropout", "pad_token_id", "pretraining_tp", "router_aux_loss_coef", "output_router_logits",
     "router_jitter_noise", "_name_or_path", "auto_map", "bos_token", "eos_token", "tokenizer_class",
     "output_attentions", "output_hidden_states", "return_dict", "is_encoder_decoder", "chunk_size_feed_forward",
@@ -208,8 +208,11 @@ class ModelConfig:
             raise ModelLoadError(f"{path}: expected a JSON object")
         if "quantization_config" in cfg:
             method = (cfg["quantization_config"] or {}).get("quant_method")
-            raise ModelLoadError(f"{path}: quantization_config ({method!r}) is not supported: splitfire reads "
-                                 "unquantized safetensors (or GGUF); pass an unquantized checkpoint")
+            if method != "splitfire":
+                raise ModelLoadError(f"{path}: quantization_config ({method!r}) is not supported: splitfire reads "
+                                     "unquantized safetensors, GGUF, or its own int8/int4 layout (quant_method "
+                                     "'splitfire', see engine/quant.py); pass an unquantized checkpoint and "
+                                     "--quantization int8|int4")
         return cls.from_dict(cfg, source=str(path))
 
 

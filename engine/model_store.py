@@ -60,8 +60,16 @@ def _locked(path: Path):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
+# Bumped when conversion output changes meaning (2: GGUF matmul weights stay quantized), so a
+# directory converted by an older splitfire is converted again instead of served as it was.
+CONVERSION_FORMAT = "2"
+_FORMAT_FILE = "splitfire_format"
+
+
 def _complete(model_dir: Path) -> bool:
-    return (model_dir / "config.json").is_file() and (model_dir / "tokenizer.json").is_file()
+    fmt = model_dir / _FORMAT_FILE
+    return ((model_dir / "config.json").is_file() and (model_dir / "tokenizer.json").is_file()
+            and fmt.is_file() and fmt.read_text().strip() == CONVERSION_FORMAT)
 
 
 def _convert_into(target: Path, produce) -> Path:
@@ -74,6 +82,7 @@ def _convert_into(target: Path, produce) -> Path:
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
         try:
             produce(tmp)
+            (tmp / _FORMAT_FILE).write_text(CONVERSION_FORMAT + "\n")
             tmp.chmod(0o755)  # mkdtemp makes it private; the model is meant to be shared
             for f in tmp.iterdir():
                 f.chmod(0o644)

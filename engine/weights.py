@@ -15,10 +15,11 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from engine import quant
 from engine.checkpoint import Checkpoint
 from engine.errors import ModelLoadError
-from engine.layers import MLP, RMSNorm
-from engine.model import Block, DecoderModel, interleave_rope_rows
+from engine.layers import MLP, Linear, RMSNorm
+from engine.model import Block, DecoderModel, _interleave_perm, interleave_rope_rows
 from engine.model_config import VISION_PREFIXES, ModelConfig
 from engine.moe import MoE
 
@@ -38,12 +39,56 @@ class _Loader:
             path = self.ckpt.info(name).path
             raise ModelLoadError(f"{path}: tensor {name!r} has shape {found}, the config implies {tuple(shape)}")
 
+    def is_quantized(self, name: str) -> bool:
+        return not self.ckpt.has(name) and self.ckpt.has(name + ".qweight")
+
+    def quantized(self, name: str, shape: tuple[int, ...], rope_heads: int = 0) -> quant.QuantizedWeight:
+        """Tensor `name` stored quantized (`quant`'s checkpoint layout), rows reordered for RoPE if asked."""
+        mins = name + ".mins"
+        try:
+            qw = quant.QuantizedWeight.from_parts(self.ckpt.get(name + ".qweight"), self.ckpt.get(name + ".scales"),
+                                                  self.ckpt.get(mins) if self.ckpt.has(mins) else None)
+        except ModelLoadError as e:
+            raise ModelLoadError(f"{self.ckpt.model_dir}: tensor {name!r}: {e}") from e
+        if qw.shape != tuple(shape):
+            raise ModelLoadError(f"{self.ckpt.model_dir}: quantized tensor {name!r} has shape {qw.shape}, "
+                                 f"the config implies {tuple(shape)}")
+        if rope_heads:
+            d = shape[0] // rope_heads
+            perm = (torch.arange(rope_heads).unsqueeze(1) * d + _interleave_perm(d)).flatten()
+            qw = qw.select_rows(perm)
+        return qw
+
     def copy(self, dst: torch.Tensor, name: str, rope_heads: int = 0) -> None:
-        """dst <- tensor `name`; with `rope_heads`, its rows are then reordered for interleaved RoPE."""
+        """dst <- tensor `name`; with `rope_heads`, its rows are then reordered for interleaved RoPE.
+        A quantized tensor landing here (experts, routers) is dequantized into the float parameter."""
+        if self.is_quantized(name):
+            dst.copy_(self.quantized(name, tuple(dst.shape), rope_heads).dequantize())
+            return
         self._check(name, tuple(dst.shape))
         self.ckpt.read_into(name, dst)
         if rope_heads:
             dst.copy_(interleave_rope_rows(dst, rope_heads))
+
+    def linear(self, lin: Linear, names: list[str], rows: list[int] | None = None,
+               rope_heads: list[int] | None = None) -> None:
+        """A linear layer's weight from one tensor or row blocks of several (fused q/k/v, gate/up).
+        Quantized in the checkpoint: kept quantized (a float block among them is quantized to int8)."""
+        if not any(self.is_quantized(n) for n in names):
+            self.fused(lin.weight, names, rows, rope_heads)
+            return
+        k = lin.weight.shape[1]
+        rows = rows or [lin.weight.shape[0] // len(names)] * len(names)
+        parts = []
+        for i, (name, n) in enumerate(zip(names, rows, strict=True)):
+            heads = rope_heads[i] if rope_heads else 0
+            if self.is_quantized(name):
+                parts.append(self.quantized(name, (n, k), heads))
+            else:
+                w = torch.empty(n, k)
+                self.copy(w, name, heads)
+                parts.append(quant.quantize(w, "int8", quant.group_size_for(k, "int8")))
+        lin.set_quantized(parts)
 
     def norm(self, norm: RMSNorm | None, name: str, rope_interleaved: bool = False) -> None:
         assert norm is not None
@@ -63,15 +108,18 @@ class _Loader:
 
     def mlp(self, mlp: MLP, prefix: str, names: tuple[str, str, str], bias: bool = False) -> None:
         gate, up, down = (prefix + n for n in names)
-        self.fused(mlp.gate_up.weight, [f"{gate}.weight", f"{up}.weight"])
-        self.copy(mlp.down.weight, down + ".weight")
+        self.linear(mlp.gate_up, [f"{gate}.weight", f"{up}.weight"])
+        self.linear(mlp.down, [down + ".weight"])
         if bias:
             assert mlp.gate_up.bias is not None and mlp.down.bias is not None
             self.fused(mlp.gate_up.bias, [f"{gate}.bias", f"{up}.bias"])
             self.copy(mlp.down.bias, down + ".bias")
 
 
-def load_model(model_dir: str | Path, device: torch.device, dtype: torch.dtype) -> DecoderModel:
+def load_model(model_dir: str | Path, device: torch.device, dtype: torch.dtype,
+               quantization: str | None = None) -> DecoderModel:
+    """`quantization` (int8 | int4) quantizes a float checkpoint's matmul weights after loading; a
+    checkpoint stored quantized (`engine.quant`'s layout, e.g. a converted GGUF) stays as stored."""
     model_dir = Path(model_dir)
     cfg = ModelConfig.from_dir(model_dir)
     ckpt = Checkpoint(model_dir)
@@ -79,14 +127,22 @@ def load_model(model_dir: str | Path, device: torch.device, dtype: torch.dtype) 
     load = _Loader(ckpt)
     root, head = _text_model_prefixes(ckpt, cfg)
     with torch.no_grad():
-        load.copy(model.embed.weight, root + "embed_tokens.weight")
+        embed = root + "embed_tokens.weight"
+        if load.is_quantized(embed):
+            model.set_embedding_quantized(load.quantized(embed, tuple(model.embed.weight.shape)).to(device))
+        else:
+            load.copy(model.embed.weight, embed)
         load.norm(model.norm, root + "norm.weight")
         if cfg.tie_word_embeddings:
             ckpt.skip(head)  # some tied checkpoints store a copy; the embedding is what runs
+            for suffix in quant.SUFFIXES:
+                ckpt.skip(head + suffix)
         else:
-            load.copy(model.lm_head.weight, head if ckpt.has(head) else root + "embed_tokens.weight")
+            load.linear(model.lm_head, [head if ckpt.has(head) or ckpt.has(head + ".qweight") else embed])
         for i, layer in enumerate(tqdm(model.layers, desc=f"loading {model_dir.name}", unit="layer", disable=None)):
             _load_block(load, cfg, layer, f"{root}layers.{i}.")
+        if quantization is not None:
+            model.quantize(quantization)
     unread = sorted(n for n in ckpt.unread if not n.endswith(_INERT_SUFFIXES)
                     and not (cfg.checkpoint_prefix and n.startswith(VISION_PREFIXES)))
     if unread:
@@ -143,11 +199,11 @@ def _load_block(load: _Loader, cfg: ModelConfig, layer: Block, p: str) -> None:
 
     a, h, kvh = layer.attn, cfg.num_heads, cfg.num_kv_heads
     names = [f"{p}self_attn.{n}_proj" for n in "qkv"]
-    load.fused(a.qkv.weight, [n + ".weight" for n in names], list(a.split), rope_heads=[h, kvh, 0])
+    load.linear(a.qkv, [n + ".weight" for n in names], list(a.split), rope_heads=[h, kvh, 0])
     if cfg.qkv_bias:
         assert a.qkv.bias is not None
         load.fused(a.qkv.bias, [n + ".bias" for n in names], list(a.split), rope_heads=[h, kvh, 0])
-    load.copy(a.o.weight, p + "self_attn.o_proj.weight")
+    load.linear(a.o, [p + "self_attn.o_proj.weight"])
     if cfg.o_bias:
         assert a.o.bias is not None
         load.copy(a.o.bias, p + "self_attn.o_proj.bias")

@@ -66,7 +66,9 @@ def add_tokenizer(wr, model_dir: Path) -> None:
         wr.add_chat_template(template)
 
 
-def write_gguf(model_dir: Path, path: Path, quantize: str | None = None) -> None:
+def write_gguf(model_dir: Path, path: Path, quantize: str | None = None, embedding_quantize: str | None = None) -> None:
+    """`quantize`: GGML type of every 2-D weight; `embedding_quantize`: of the token embedding
+    (llama.cpp's --token-embedding-type), default `quantize`."""
     import gguf
 
     cfg = json.loads((model_dir / "config.json").read_text())
@@ -96,10 +98,13 @@ def write_gguf(model_dir: Path, path: Path, quantize: str | None = None) -> None
             wr.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
     add_tokenizer(wr, model_dir)
     qtype = getattr(gguf.GGMLQuantizationType, quantize) if quantize else None
+    etype = getattr(gguf.GGMLQuantizationType, embedding_quantize) if embedding_quantize else qtype
 
     def add(name: str, x: np.ndarray) -> None:
         x = np.ascontiguousarray(x.astype(np.float32))
-        if qtype is not None and x.ndim >= 2:
+        if name == "token_embd.weight" and etype is not None:
+            wr.add_tensor(name, gguf.quants.quantize(x, etype), raw_dtype=etype)
+        elif qtype is not None and x.ndim >= 2:
             wr.add_tensor(name, gguf.quants.quantize(x, qtype), raw_dtype=qtype)
         else:
             wr.add_tensor(name, x)

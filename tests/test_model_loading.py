@@ -89,14 +89,17 @@ def test_gguf_converts_and_equals_transformers(name, tmp_path, monkeypatch):
     assert engine.tokenizer.encode(text) == HFTok.from_file(str(hf.path / "tokenizer.json")).encode(text).ids
 
 
-def test_quantized_gguf_converts_to_a_directory_transformers_reads_the_same(tmp_path, monkeypatch):
-    """Q8_0 weights are dequantized once; the converted directory is a valid transformers checkpoint
-    whose greedy output equals ours."""
+def test_quantized_moe_gguf_equals_transformers_on_its_dequantized_weights(tmp_path, monkeypatch):
+    """A Q8_0 mixture-of-experts GGUF: attention and embedding stay int8, the stacked experts are
+    dequantized to float32 on conversion; with keep_quantized=False the whole file becomes a valid
+    transformers checkpoint, and the two compute the same greedy tokens."""
     pytest.importorskip("gguf")
     import torch
     import transformers
     from gguf_writer import write_gguf
     from hf_models import HFModel
+
+    from engine.gguf_convert import convert_gguf
 
     monkeypatch.setenv("SPLITFIRE_HOME", str(tmp_path / "home"))
     hf = _hf("qwen3_moe", tmp_path / "hf")
@@ -104,8 +107,13 @@ def test_quantized_gguf_converts_to_a_directory_transformers_reads_the_same(tmp_
     write_gguf(hf.path, path, quantize="Q8_0")
     model_dir = resolve_model(str(path))
     assert (model_dir / "model.safetensors.index.json").is_file()
-    theirs = HFModel("q8", model_dir, transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval(), {})
+    floats = tmp_path / "f32"
+    floats.mkdir()
+    convert_gguf(path, floats, keep_quantized=False)
+    theirs = HFModel("q8", floats, transformers.AutoModelForCausalLM.from_pretrained(floats, dtype=torch.float32).eval(), {})
     engine = make_engine(model_dir)
+    assert engine.model.layers[0].attn.qkv.quantized is not None
+    assert engine.model.layers[0].mlp.experts.gate_up is not None or engine.model.layers[0].mlp.experts.packed
     prompt = list(range(3, 50))
     engine.add_request("q", prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     assert drain(engine)["q"].token_ids == theirs.greedy(prompt, 8)

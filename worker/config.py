@@ -88,6 +88,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default=os.environ.get("SPLITFIRE_MODEL"), help="built-in name, HF model dir or .gguf (env SPLITFIRE_MODEL; default smollm2-135m-instruct)")
     g.add_argument("--device", default=_env("device", "auto"), choices=["auto", "cpu", "cuda"])
     g.add_argument("--dtype", default=_env("dtype", "auto"), choices=["auto", "float32", "bfloat16"])
+    g.add_argument("--quantization", default=_env("quantization", None), choices=["int8", "int4"],
+                   help="keep matmul weights quantized (weight-only, group-wise; decode moves 4x / 8x fewer bytes "
+                        "than float32): quantizes a float checkpoint at load; a GGUF's Q8_0/Q6_K/Q4_0/Q4_1/Q4_K "
+                        "tensors stay quantized without it")
     g.add_argument("--kv-cache-gb", type=float, default=float(_env("kv_cache_gb", 1.0)), help="KV cache size on CPU (GiB)")
     g.add_argument("--gpu-memory-fraction", type=float, default=float(_env("gpu_memory_fraction", 0.85)),
                    help="fraction of free GPU memory (after weights) for the KV cache")
@@ -121,6 +125,7 @@ def engine_config_from(args: argparse.Namespace) -> EngineConfig:
         max_model_len=int(args.max_model_len) if args.max_model_len else None,
         enable_prefix_cache=not args.no_prefix_cache,
         threads=int(args.threads) if args.threads else None,
+        quantization=args.quantization,
         speculative=args.speculative,
         num_speculative_tokens=args.num_speculative_tokens,
         speculative_max_batch=args.speculative_max_batch,

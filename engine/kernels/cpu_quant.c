@@ -1,0 +1,254 @@
+/* Weight-only quantized matmul for the CPU: y = x @ dequant(W)^T, W streamed as int8 or int4.
+ *
+ * Decode reads every weight once per step, so its speed is the bytes moved: int8 moves a quarter
+ * of float32, int4 an eighth. Weights are dequantized in registers (8 at a time, AVX2 + FMA) and
+ * multiplied against up to MR activation rows, so a weight row is read from memory once per
+ * call whatever the batch. Built at first use by `cpu_quant.py` with -march=native; without
+ * AVX2/FMA the plain C loops below are what runs (same results, slower).
+ *
+ * Layouts (see engine/quant.py):
+ *   int8: q int8 [N, K], w[n,k] = q[n,k] * s[n, k/gs]                     (gs % 8 == 0)
+ *   int4: q uint8 [N, K/2]; each run of 16 bytes holds 32 weights, byte j = w[j] | w[j+16] << 4
+ *         (GGUF Q4_0/Q4_1 order), w[n,k] = q[n,k] * s[n, k/gs] + m[n, k/gs] (gs % 32 == 0)
+ */
+#include <stdint.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define SF_AVX2 1
+#else
+#define SF_AVX2 0
+#endif
+
+/* A tile is NR output rows x MR activation rows, NR * MR accumulators in registers. Small
+ * batches take 4 x 3 (four independent FMA chains even at batch 1); larger ones 2 x 6, which
+ * dequantizes each weight vector once per 6 rows instead of once per 3. */
+#define NR 4
+#define MR 3
+#define NR_WIDE 2
+#define MR_WIDE 6
+#define MAX_ACC 12
+#define INLINE static inline __attribute__((always_inline))
+
+int sf_has_avx2(void) { return SF_AVX2; }
+
+#if SF_AVX2
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+    return _mm_cvtss_f32(s);
+}
+
+static inline __m256 load_i8(const int8_t *p, __m256 scale) {
+    return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p))), scale);
+}
+
+/* 32 int4 weights (16 bytes) -> 4 vectors of 8 floats, q * s + m. */
+static inline void load_i4(const uint8_t *p, __m256 s, __m256 m, __m256 out[4]) {
+    __m128i b = _mm_loadu_si128((const __m128i *)p);
+    __m128i mask = _mm_set1_epi8(0x0F);
+    __m128i lo = _mm_and_si128(b, mask);
+    __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
+    out[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), s, m);
+    out[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(lo, lo))), s, m);
+    out[2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), s, m);
+    out[3] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(hi, hi))), s, m);
+}
+#endif
+
+#if SF_AVX2
+/* AVX2 tiles; nrt/mrt are constants at each call site, so the accumulators unroll into registers. */
+INLINE void avx_tile_i8(const float *x, int ldx, int K, const int8_t *q, const float *s, int gs, int n0, int m0,
+                        int mr, float *y, int ldy, const int nrt, const int mrt) {
+    int groups = K / gs;
+    __m256 acc[MAX_ACC];
+    for (int a = 0; a < nrt * mrt; a++) acc[a] = _mm256_setzero_ps();
+    for (int g = 0; g < groups; g++) {
+        __m256 sc[NR];
+        for (int i = 0; i < nrt; i++) sc[i] = _mm256_set1_ps(s[(size_t)(n0 + i) * groups + g]);
+        for (int k = g * gs; k < (g + 1) * gs; k += 8) {
+            for (int i = 0; i < nrt; i++) {
+                __m256 w = load_i8(q + (size_t)(n0 + i) * K + k, sc[i]);
+                for (int r = 0; r < mrt; r++)
+                    if (r < mr) acc[i * mrt + r] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + (size_t)(m0 + r) * ldx + k),
+                                                                   acc[i * mrt + r]);
+            }
+        }
+    }
+    for (int i = 0; i < nrt; i++)
+        for (int r = 0; r < mr; r++) y[(size_t)(m0 + r) * ldy + n0 + i] = hsum(acc[i * mrt + r]);
+}
+
+INLINE void avx_tile_i4(const float *x, int ldx, int K, const uint8_t *q, const float *s, const float *mn, int gs,
+                        int n0, int m0, int mr, float *y, int ldy, const int nrt, const int mrt) {
+    int groups = K / gs;
+    __m256 acc[MAX_ACC];
+    for (int a = 0; a < nrt * mrt; a++) acc[a] = _mm256_setzero_ps();
+    for (int g = 0; g < groups; g++) {
+        __m256 sc[NR], mv[NR];
+        for (int i = 0; i < nrt; i++) {
+            sc[i] = _mm256_set1_ps(s[(size_t)(n0 + i) * groups + g]);
+            mv[i] = _mm256_set1_ps(mn[(size_t)(n0 + i) * groups + g]);
+        }
+        for (int k = g * gs; k < (g + 1) * gs; k += 32) {
+            for (int i = 0; i < nrt; i++) {
+                __m256 w[4];
+                load_i4(q + ((size_t)(n0 + i) * K + k) / 2, sc[i], mv[i], w);
+                for (int r = 0; r < mrt; r++) {
+                    if (r >= mr) continue;
+                    const float *xr = x + (size_t)(m0 + r) * ldx + k;
+                    __m256 a = acc[i * mrt + r];
+                    for (int j = 0; j < 4; j++) a = _mm256_fmadd_ps(w[j], _mm256_loadu_ps(xr + 8 * j), a);
+                    acc[i * mrt + r] = a;
+                }
+            }
+        }
+    }
+    for (int i = 0; i < nrt; i++)
+        for (int r = 0; r < mr; r++) y[(size_t)(m0 + r) * ldy + n0 + i] = hsum(acc[i * mrt + r]);
+}
+#endif
+
+/* Plain C: the fallback without AVX2/FMA and for the last (N % tile) output rows. */
+static void ref_tile_i8(const float *x, int ldx, int K, const int8_t *q, const float *s, int gs, int n0, int nr,
+                        int m0, int mr, float *y, int ldy) {
+    int groups = K / gs;
+    for (int i = 0; i < nr; i++) {
+        const int8_t *qr = q + (size_t)(n0 + i) * K;
+        const float *sr = s + (size_t)(n0 + i) * groups;
+        for (int r = 0; r < mr; r++) {
+            const float *xr = x + (size_t)(m0 + r) * ldx;
+            float total = 0.f;
+            for (int g = 0; g < groups; g++) {
+                float part = 0.f;
+                for (int k = g * gs; k < (g + 1) * gs; k++) part += (float)qr[k] * xr[k];
+                total += part * sr[g];
+            }
+            y[(size_t)(m0 + r) * ldy + n0 + i] = total;
+        }
+    }
+}
+
+static void ref_tile_i4(const float *x, int ldx, int K, const uint8_t *q, const float *s, const float *mn, int gs,
+                        int n0, int nr, int m0, int mr, float *y, int ldy) {
+    int groups = K / gs;
+    for (int i = 0; i < nr; i++) {
+        const uint8_t *qr = q + (size_t)(n0 + i) * K / 2;
+        const float *sr = s + (size_t)(n0 + i) * groups, *mnr = mn + (size_t)(n0 + i) * groups;
+        for (int r = 0; r < mr; r++) {
+            const float *xr = x + (size_t)(m0 + r) * ldx;
+            float total = 0.f;
+            for (int g = 0; g < groups; g++) {
+                float qx = 0.f, xs = 0.f;
+                for (int k = g * gs; k < (g + 1) * gs; k += 32) {
+                    const uint8_t *b = qr + k / 2;
+                    for (int j = 0; j < 16; j++) {
+                        qx += (float)(b[j] & 0x0F) * xr[k + j] + (float)(b[j] >> 4) * xr[k + 16 + j];
+                        xs += xr[k + j] + xr[k + 16 + j];
+                    }
+                }
+                total += qx * sr[g] + xs * mnr[g];
+            }
+            y[(size_t)(m0 + r) * ldy + n0 + i] = total;
+        }
+    }
+}
+
+/* Rows n0..n0+nr of W against every activation row. */
+static void rows_i8(const float *x, int ldx, int M, int K, const int8_t *q, const float *s, int gs, int n0, int nr,
+                    float *y, int ldy) {
+#if SF_AVX2
+    if (M <= MR && nr == NR) {
+        avx_tile_i8(x, ldx, K, q, s, gs, n0, 0, M, y, ldy, NR, MR);
+        return;
+    }
+    if (nr == NR) {
+        for (int h = 0; h < NR; h += NR_WIDE)
+            for (int m0 = 0; m0 < M; m0 += MR_WIDE)
+                avx_tile_i8(x, ldx, K, q, s, gs, n0 + h, m0, M - m0 < MR_WIDE ? M - m0 : MR_WIDE, y, ldy, NR_WIDE,
+                            MR_WIDE);
+        return;
+    }
+#endif
+    ref_tile_i8(x, ldx, K, q, s, gs, n0, nr, 0, M, y, ldy);
+}
+
+static void rows_i4(const float *x, int ldx, int M, int K, const uint8_t *q, const float *s, const float *mn, int gs,
+                    int n0, int nr, float *y, int ldy) {
+#if SF_AVX2
+    if (M <= MR && nr == NR) {
+        avx_tile_i4(x, ldx, K, q, s, mn, gs, n0, 0, M, y, ldy, NR, MR);
+        return;
+    }
+    if (nr == NR) {
+        for (int h = 0; h < NR; h += NR_WIDE)
+            for (int m0 = 0; m0 < M; m0 += MR_WIDE)
+                avx_tile_i4(x, ldx, K, q, s, mn, gs, n0 + h, m0, M - m0 < MR_WIDE ? M - m0 : MR_WIDE, y, ldy, NR_WIDE,
+                            MR_WIDE);
+        return;
+    }
+#endif
+    ref_tile_i4(x, ldx, K, q, s, mn, gs, n0, nr, 0, M, y, ldy);
+}
+
+/* y[m, n] = sum_k x[m, k] * W[n, k] (+ bias[n]); x rows ldx apart, y rows ldy apart.
+ * Work is split over output rows, so each thread streams its own slice of W once. */
+void sf_gemm_i8(const float *x, int ldx, int M, int K, const int8_t *q, const float *s, int N, int gs,
+                const float *bias, float *y, int ldy, int threads) {
+    int tiles = (N + NR - 1) / NR;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int t = 0; t < tiles; t++) {
+        int n0 = t * NR, nr = N - n0 < NR ? N - n0 : NR;
+        rows_i8(x, ldx, M, K, q, s, gs, n0, nr, y, ldy);
+        if (bias)
+            for (int m = 0; m < M; m++)
+                for (int i = 0; i < nr; i++) y[(size_t)m * ldy + n0 + i] += bias[n0 + i];
+    }
+}
+
+void sf_gemm_i4(const float *x, int ldx, int M, int K, const uint8_t *q, const float *s, const float *mn, int N,
+                int gs, const float *bias, float *y, int ldy, int threads) {
+    int tiles = (N + NR - 1) / NR;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int t = 0; t < tiles; t++) {
+        int n0 = t * NR, nr = N - n0 < NR ? N - n0 : NR;
+        rows_i4(x, ldx, M, K, q, s, mn, gs, n0, nr, y, ldy);
+        if (bias)
+            for (int m = 0; m < M; m++)
+                for (int i = 0; i < nr; i++) y[(size_t)m * ldy + n0 + i] += bias[n0 + i];
+    }
+}
+
+/* Rows of W as float32, for prefill-sized batches (then one float32 GEMM) and embedding lookups. */
+void sf_dequant_i8(const int8_t *q, const float *s, int N, int K, int gs, const int64_t *rows, int nrows,
+                   float *out, int threads) {
+    int groups = K / gs;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int i = 0; i < nrows; i++) {
+        int64_t n = rows ? rows[i] : i;
+        const int8_t *qr = q + (size_t)n * K;
+        for (int k = 0; k < K; k++) out[(size_t)i * K + k] = (float)qr[k] * s[(size_t)n * groups + k / gs];
+    }
+}
+
+void sf_dequant_i4(const uint8_t *q, const float *s, const float *mn, int N, int K, int gs, const int64_t *rows,
+                   int nrows, float *out, int threads) {
+    int groups = K / gs;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int i = 0; i < nrows; i++) {
+        int64_t n = rows ? rows[i] : i;
+        const uint8_t *qr = q + (size_t)n * K / 2;
+        float *o = out + (size_t)i * K;
+        for (int k = 0; k < K; k += 32) {
+            float sc = s[(size_t)n * groups + k / gs], m = mn[(size_t)n * groups + k / gs];
+            for (int j = 0; j < 16; j++) {
+                o[k + j] = (float)(qr[k / 2 + j] & 0x0F) * sc + m;
+                o[k + 16 + j] = (float)(qr[k / 2 + j] >> 4) * sc + m;
+            }
+        }
+    }
+}

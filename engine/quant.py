@@ -1,0 +1,193 @@
+"""Weight-only quantized matmul weights: the formats, quantizing, and the one matmul seam.
+
+Decode streams every weight once per step, so its speed is bytes moved; keeping weights at 8 or
+4 bits moves a quarter or an eighth of float32. Activations, norms, attention and the KV cache
+stay in the model dtype: only matmul weights are quantized, and they are dequantized inside the
+matmul (`kernels/cpu_quant.c` on CPU; elsewhere, or without a C compiler, by torch first).
+
+Formats (both group-wise along K, one scale per `group_size` weights of a row):
+- int8: `q` int8 [N, K], w = q * scale                           (GGUF Q8_0 / Q6_K / Q5_0 exactly)
+- int4: `q` uint8 [N, K/2], w = q * scale + min, q in 0..15; each 16 bytes hold 32 weights,
+  byte j = w[j] | w[j+16] << 4                                    (GGUF Q4_0 / Q4_1 / Q4_K exactly)
+
+Checkpoint layout (written by the GGUF conversion; also how to ship a pre-quantized model): a
+quantized `X.weight` is stored as `X.weight.qweight` (the codes above), `X.weight.scales` and, for
+int4, `X.weight.mins` (float32 [N, K/group_size]); config.json carries
+`"quantization_config": {"quant_method": "splitfire"}`. Format and group size follow from the
+tensors' dtypes and shapes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from engine.errors import ModelLoadError
+from engine.kernels import cpu_quant
+
+METHODS = ("int8", "int4")
+QUANT_METHOD = "splitfire"
+SUFFIXES = (".qweight", ".scales", ".mins")
+# Below this many rows the fused kernel (dequantize in registers) wins; above it, dequantizing the
+# whole weight once and running oneDNN/MKL float32 GEMM does (measured, loadtest/bench_quant.py).
+KERNEL_MAX_ROWS = 8
+
+
+@dataclass
+class QuantizedWeight:
+    """One [N, K] matmul weight kept quantized."""
+
+    kind: str  # "int8" | "int4"
+    q: torch.Tensor
+    scales: torch.Tensor  # float32 [N, K / group_size]
+    mins: torch.Tensor | None  # int4 only
+    group_size: int
+
+    def __post_init__(self) -> None:
+        n, k = self.shape
+        if self.kind not in METHODS:
+            raise ModelLoadError(f"unknown quantized format {self.kind!r}")
+        step = 32 if self.kind == "int4" else 8
+        if self.group_size % step or k % self.group_size or tuple(self.scales.shape) != (n, k // self.group_size):
+            raise ModelLoadError(f"{self.kind} weight [{n}, {k}]: scales {tuple(self.scales.shape)} do not give a "
+                                 f"group size that is a multiple of {step} dividing {k}")
+        if self.kind == "int4" and (self.mins is None or self.mins.shape != self.scales.shape):
+            raise ModelLoadError(f"int4 weight [{n}, {k}]: mins must have the scales' shape {tuple(self.scales.shape)}")
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        n, k = self.q.shape
+        return n, (2 * k if self.kind == "int4" else k)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.q, self.scales, self.mins) if t is not None)
+
+    @classmethod
+    def from_parts(cls, q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None) -> QuantizedWeight:
+        """The checkpoint layout: int8 codes are int8, int4 codes uint8 with half the columns."""
+        if q.dtype == torch.int8:
+            kind, k = "int8", q.shape[1]
+        elif q.dtype == torch.uint8:
+            kind, k = "int4", 2 * q.shape[1]
+        else:
+            raise ModelLoadError(f"quantized codes must be int8 (int8) or uint8 (int4), got {q.dtype}")
+        if q.ndim != 2 or scales.ndim != 2 or scales.shape[1] == 0 or k % scales.shape[1]:
+            raise ModelLoadError(f"quantized weight codes {tuple(q.shape)} and scales {tuple(scales.shape)} disagree")
+        return cls(kind, q.contiguous(), scales.float().contiguous(),
+                   None if mins is None else mins.float().contiguous(), k // scales.shape[1])
+
+    def dequantize(self, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """float32 [len(rows) or N, K]."""
+        n, k = self.shape
+        count = n if rows is None else rows.numel()
+        if self.q.device.type == "cpu" and cpu_quant.library() is not None:
+            out = torch.empty(count, k, dtype=torch.float32)
+            idx = None if rows is None else rows.to(torch.int64).contiguous()
+            if self.kind == "int8":
+                cpu_quant.dequant_i8(self.q, self.scales, self.group_size, idx, out)
+            else:
+                assert self.mins is not None
+                cpu_quant.dequant_i4(self.q, self.scales, self.mins, self.group_size, idx, out)
+            return out
+        return self.dequantize_torch(rows)
+
+    def dequantize_torch(self, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The reference: plain torch, any device."""
+        q, s, m = self.q, self.scales, self.mins
+        if rows is not None:
+            q, s = q[rows], s[rows]
+            m = None if m is None else m[rows]
+        gs = self.group_size
+        if self.kind == "int8":
+            w = q.float().view(q.shape[0], -1, gs) * s.unsqueeze(-1)
+        else:
+            assert m is not None
+            w = unpack_int4(q).float().view(q.shape[0], -1, gs) * s.unsqueeze(-1) + m.unsqueeze(-1)
+        return w.reshape(q.shape[0], -1)
+
+    def select_rows(self, index: torch.Tensor) -> QuantizedWeight:
+        """Rows reordered/selected (RoPE's row interleave works on quantized rows unchanged)."""
+        return QuantizedWeight(self.kind, self.q[index].contiguous(), self.scales[index].contiguous(),
+                               None if self.mins is None else self.mins[index].contiguous(), self.group_size)
+
+    def to(self, device: torch.device) -> QuantizedWeight:
+        return QuantizedWeight(self.kind, self.q.to(device), self.scales.to(device),
+                               None if self.mins is None else self.mins.to(device), self.group_size)
+
+
+def unpack_int4(q: torch.Tensor) -> torch.Tensor:
+    """uint8 [N, K/2] in the 32-weight run layout -> codes uint8 [N, K]."""
+    n = q.shape[0]
+    runs = q.view(n, -1, 16)
+    return torch.stack((runs & 0x0F, runs >> 4), dim=2).reshape(n, -1)
+
+
+def pack_int4(codes: torch.Tensor) -> torch.Tensor:
+    """codes (0..15) [N, K] -> uint8 [N, K/2] in the 32-weight run layout."""
+    n, k = codes.shape
+    runs = codes.to(torch.uint8).view(n, k // 32, 2, 16)
+    return (runs[:, :, 0] | (runs[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
+
+
+def quantize(w: torch.Tensor, kind: str, group_size: int) -> QuantizedWeight:
+    """Round-to-nearest weight-only quantization of a float [N, K] weight: int8 symmetric per
+    group (absmax / 127), int4 asymmetric per group (min..max over 15 steps)."""
+    n, k = w.shape
+    if k % group_size:
+        raise ModelLoadError(f"cannot quantize a weight with {k} columns in groups of {group_size}")
+    g = w.detach().float().reshape(n, k // group_size, group_size)
+    if kind == "int8":
+        scale = g.abs().amax(-1) / 127.0
+        codes = torch.round(g / scale.clamp(min=1e-12).unsqueeze(-1)).clamp(-127, 127).to(torch.int8)
+        return QuantizedWeight("int8", codes.reshape(n, k).contiguous(), scale.contiguous(), None, group_size)
+    if kind == "int4":
+        lo, hi = g.amin(-1), g.amax(-1)
+        scale = (hi - lo) / 15.0
+        codes = torch.round((g - lo.unsqueeze(-1)) / scale.clamp(min=1e-12).unsqueeze(-1)).clamp(0, 15)
+        return QuantizedWeight("int4", pack_int4(codes.reshape(n, k)), scale.contiguous(), lo.contiguous(), group_size)
+    raise ModelLoadError(f"unknown quantization {kind!r} (supported: {', '.join(METHODS)})")
+
+
+def group_size_for(k: int, kind: str) -> int:
+    """The default group: 32 for int4 (GGUF's Q4 blocks; coarser costs accuracy), 128 for int8
+    (its error is small either way), or the largest power of two from 32 up that divides K."""
+    for g in ((32,) if kind == "int4" else (128, 64, 32)):
+        if k % g == 0:
+            return g
+    raise ModelLoadError(f"cannot quantize a weight with {k} columns: not a multiple of 32")
+
+
+def concat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight | None:
+    """One weight from row blocks of the same format and group size (a fused q/k/v or gate/up);
+    None when they differ (GGUF files mix formats per tensor) and the parts must stay separate."""
+    first = parts[0]
+    if any(p.kind != first.kind or p.group_size != first.group_size for p in parts):
+        return None
+    mins = None if first.mins is None else torch.cat([p.mins for p in parts if p.mins is not None])
+    return QuantizedWeight(first.kind, torch.cat([p.q for p in parts]), torch.cat([p.scales for p in parts]),
+                           mins, first.group_size)
+
+
+def linear(x: torch.Tensor, parts: list[QuantizedWeight], bias: torch.Tensor | None) -> torch.Tensor:
+    """x [T, K] @ W^T (+ bias), W the row blocks `parts` stacked; output in x's dtype."""
+    rows = x.shape[0]
+    n = sum(p.shape[0] for p in parts)
+    if x.device.type == "cpu" and cpu_quant.library() is not None and rows <= KERNEL_MAX_ROWS:
+        xf = x.float().contiguous()
+        out = torch.empty(rows, n, dtype=torch.float32)
+        start = 0
+        for p in parts:
+            view = out[:, start : start + p.shape[0]]
+            b = None if bias is None else bias[start : start + p.shape[0]].float().contiguous()
+            if p.kind == "int8":
+                cpu_quant.gemm_i8(xf, p.q, p.scales, p.group_size, b, view)
+            else:
+                assert p.mins is not None
+                cpu_quant.gemm_i4(xf, p.q, p.scales, p.mins, p.group_size, b, view)
+            start += p.shape[0]
+        return out.to(x.dtype)
+    w = parts[0].dequantize() if len(parts) == 1 else torch.cat([p.dequantize() for p in parts])
+    return F.linear(x, w.to(x.dtype), bias)

@@ -1,0 +1,210 @@
+"""Weight-only int8/int4: the kernel equals dequantize-then-matmul, GGUF blocks are read exactly,
+and quantized models serve (colocated, disaggregated, from a quantized GGUF)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+import torch
+from engine_helpers import drain, make_engine
+
+from engine import gguf_quants, quant
+from engine.errors import ModelLoadError
+from engine.kernels import cpu_quant
+from engine.sampling_params import SamplingParams
+
+needs_kernel = pytest.mark.skipif(cpu_quant.library() is None, reason="no C compiler: the torch path runs instead")
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind,group", [("int8", 32), ("int8", 64), ("int8", 16), ("int4", 32), ("int4", 64)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 8])
+def test_kernel_equals_dequantize_then_matmul(kind, group, rows):
+    g = torch.Generator().manual_seed(rows * 7 + group)
+    n, k = 70, 192  # 70 output rows: two past the last full tile of 4, so the remainder path runs too
+    qw = quant.quantize(torch.randn(n, k, generator=g), kind, group)
+    x = torch.randn(rows, k, generator=g)
+    bias = torch.randn(n, generator=g)
+    ref = x @ qw.dequantize_torch().T + bias
+    out = quant.linear(x, [qw], bias)
+    assert out.shape == (rows, n)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-4)
+
+
+@needs_kernel
+def test_mixed_format_row_blocks_and_the_large_batch_path():
+    """A fused q/k/v whose parts were stored in different formats runs as separate blocks; past
+    KERNEL_MAX_ROWS the weight is dequantized once and multiplied in float."""
+    g = torch.Generator().manual_seed(0)
+    parts = [quant.quantize(torch.randn(32, 128, generator=g), "int4", 32),
+             quant.quantize(torch.randn(16, 128, generator=g), "int8", 128)]
+    assert quant.concat_rows(parts) is None
+    w = torch.cat([p.dequantize_torch() for p in parts])
+    for rows in (1, 5, quant.KERNEL_MAX_ROWS + 9):
+        x = torch.randn(rows, 128, generator=g)
+        torch.testing.assert_close(quant.linear(x, parts, None), x @ w.T, rtol=1e-5, atol=1e-4)
+
+
+@needs_kernel
+def test_kernel_dequantize_equals_torch_reference_bit_for_bit():
+    g = torch.Generator().manual_seed(1)
+    for kind, group in (("int8", 32), ("int4", 32), ("int4", 128)):
+        qw = quant.quantize(torch.randn(40, 256, generator=g), kind, group)
+        assert torch.equal(qw.dequantize(), qw.dequantize_torch())
+        rows = torch.tensor([39, 0, 7, 7])
+        assert torch.equal(qw.dequantize(rows), qw.dequantize_torch()[rows])
+
+
+def test_quantization_error_is_what_the_format_allows():
+    w = torch.randn(64, 256)
+    for kind, bound in (("int8", 1 / 127), ("int4", 1 / 15)):
+        qw = quant.quantize(w, kind, 32)
+        err = (qw.dequantize_torch() - w).abs()
+        span = w.view(64, 8, 32).abs().amax(-1, keepdim=True) * (1 if kind == "int8" else 2)
+        assert (err.view(64, 8, 32) <= span * bound / 2 + 1e-6).all()
+    with pytest.raises(ModelLoadError, match="columns"):
+        quant.quantize(torch.randn(4, 48), "int4", 32)
+
+
+def _random_k_blocks(type_name: str, n_blocks: int, rng: np.random.Generator) -> np.ndarray:
+    """K-quant blocks with random codes and sub-scales and sane fp16 super-scales (the gguf
+    package cannot quantize K types)."""
+    import gguf
+
+    size = gguf.GGML_QUANT_SIZES[getattr(gguf.GGMLQuantizationType, type_name)][1]
+    b = rng.integers(0, 256, size=(n_blocks, size), dtype=np.uint8)
+    halves = rng.uniform(0.001, 0.05, size=(n_blocks, 2)).astype(np.float16).view(np.uint8)
+    if type_name == "Q4_K":
+        b[:, 0:4] = halves.reshape(n_blocks, 4)  # d, dmin
+    else:
+        b[:, 208:210] = halves[:, :2]  # d
+    return b
+
+
+@pytest.mark.parametrize("type_name", gguf_quants.SUPPORTED)
+def test_gguf_blocks_dequantize_bit_exactly_like_the_gguf_package(type_name):
+    gguf = pytest.importorskip("gguf")
+    rng = np.random.default_rng(3)
+    rows, cols = 6, 512
+    qtype = getattr(gguf.GGMLQuantizationType, type_name)
+    if type_name.endswith("_K"):
+        raw = _random_k_blocks(type_name, rows * cols // 256, rng).reshape(rows, -1)
+    else:
+        raw = gguf.quants.quantize(rng.standard_normal((rows, cols)).astype(np.float32), qtype)
+    expected = gguf.quants.dequantize(raw, qtype).reshape(rows, cols)
+    parts = gguf_quants.convert(raw, type_name, rows, cols)
+    assert parts is not None
+    qw = quant.QuantizedWeight.from_parts(*(torch.from_numpy(np.ascontiguousarray(parts[key])) if key in parts
+                                            else None for key in ("qweight", "scales", "mins")))
+    assert qw.kind == ("int4" if type_name.startswith("Q4") else "int8")
+    assert np.array_equal(qw.dequantize_torch().numpy(), expected)
+    assert np.array_equal(qw.dequantize().numpy(), expected)
+
+
+def test_unsupported_gguf_types_are_left_to_float_conversion():
+    assert gguf_quants.convert(np.zeros((1, 24), np.uint8), "Q5_1", 1, 32) is None
+    assert gguf_quants.convert(np.zeros((1, 34), np.uint8), "Q8_0", 1, 48) is None  # 48 columns: no whole blocks
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_engine_with_quantized_weights_computes_the_dequantized_model(tiny_model_dir, tmp_path, kind):
+    """--quantization runs exactly the model its codes mean: greedy tokens equal a float32 engine
+    given the dequantized weights. Agreement with the original float32 weights is reported."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    d = tmp_path / "dequantized"
+    shutil.copytree(tiny_model_dir, d)
+    w = load_file(str(d / "model.safetensors"))
+    for name, t in w.items():
+        if t.ndim == 2:  # every matmul weight (and the tied embedding, which is the LM head)
+            w[name] = quant.quantize(t, kind, quant.group_size_for(t.shape[1], kind)).dequantize_torch()
+    save_file(w, str(d / "model.safetensors"), metadata={"format": "pt"})
+    prompts = [[(17 * i + 5 * j) % 390 + 3 for j in range(12 + 9 * i)] for i in range(8)]
+    out = {}
+    for label, model, q in (("float", tiny_model_dir, None), ("dequantized", d, None), (kind, tiny_model_dir, kind)):
+        engine = make_engine(model, quantization=q)
+        for i, p in enumerate(prompts):
+            engine.add_request(str(i), p, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+        out[label] = {k: r.token_ids for k, r in drain(engine).items()}
+    lin = engine.model.layers[0].attn.qkv
+    assert lin.quantized is not None and lin.weight is None and lin.quantized[0].kind == kind
+    assert out[kind] == out["dequantized"]
+    same = sum(out[kind][k] == out["float"][k] for k in out[kind])
+    print(f"{kind}: {same}/8 greedy continuations identical to the float32 weights'")
+
+
+def test_quantized_gguf_serves_at_its_own_precision(tmp_path, monkeypatch):
+    """A Q4_0 + Q8_0 GGUF converts with its matmul weights still quantized (no float32 copy on
+    disk) and computes what the file means: the same greedy tokens as transformers running the
+    same file dequantized to float32."""
+    pytest.importorskip("gguf")
+    import transformers
+    from gguf_writer import write_gguf
+    from hf_models import HFModel
+    from test_model_loading import _hf
+
+    from engine.gguf_convert import convert_gguf
+    from engine.model_store import resolve_model
+
+    monkeypatch.setenv("SPLITFIRE_HOME", str(tmp_path / "home"))
+    hf = _hf("qwen3", tmp_path / "hf")
+    path = tmp_path / "q4.gguf"
+    write_gguf(hf.path, path, quantize="Q4_0", embedding_quantize="Q8_0")
+    model_dir = resolve_model(str(path))
+    from engine.checkpoint import Checkpoint
+
+    ckpt = Checkpoint(model_dir)
+    assert ckpt.info("model.layers.0.self_attn.q_proj.weight.qweight").dtype == torch.uint8
+    assert ckpt.info("model.embed_tokens.weight.qweight").dtype == torch.int8
+    assert not ckpt.has("model.layers.0.mlp.down_proj.weight")
+    floats = tmp_path / "f32"
+    floats.mkdir()
+    convert_gguf(path, floats, keep_quantized=False)
+    theirs = HFModel("f32", floats, transformers.AutoModelForCausalLM.from_pretrained(floats, dtype=torch.float32).eval(), {})
+    engine = make_engine(model_dir)
+    assert engine.model.layers[0].mlp.gate_up.quantized[0].kind == "int4"
+    assert engine.model.embed_quantized is not None
+    prompt = list(range(3, 50))
+    engine.add_request("q", prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    assert drain(engine)["q"].token_ids == theirs.greedy(prompt, 8)
+
+
+def test_other_quantization_configs_are_refused(tiny_model_dir, tmp_path):
+    import json
+    import shutil
+
+    d = tmp_path / "m"
+    shutil.copytree(tiny_model_dir, d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "gptq"}
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match="gptq"):
+        make_engine(d)
+    with pytest.raises(ValueError, match="--quantization"):
+        make_engine(tiny_model_dir, quantization="int3")
+
+
+async def test_disaggregated_int8_equals_colocated_int8(tiny_model_dir, tmp_path):
+    """Prefill and decode workers both at --quantization int8: the transferred KV continues exactly
+    as a colocated int8 worker computes it."""
+    from grpc_client import generate, greedy
+    from procs import address, start_worker
+
+    args = ("--quantization", "int8")
+    pre = start_worker("prefill", tiny_model_dir, tmp_path, *args)
+    dec = start_worker("decode", tiny_model_dir, tmp_path, *args, "--local-prefill-max-tokens", "0")
+    both = start_worker("both", tiny_model_dir, tmp_path, *args)
+    try:
+        prompts = [[(13 * i + 3 * j) % 390 + 3 for j in range(20 + 30 * i)] for i in range(3)]
+        disagg = await asyncio.gather(*(generate(address(dec), p, greedy(8), prefill=address(pre)) for p in prompts))
+        coloc = await asyncio.gather(*(generate(address(both), p, greedy(8)) for p in prompts))
+        for d, c in zip(disagg, coloc, strict=True):
+            assert d.prefill_mode == "remote"
+            assert d.token_ids == c.token_ids and len(d.token_ids) == 8
+    finally:
+        for p in (pre, dec, both):
+            assert p.stop() == 0, p.log()[-2000:]
