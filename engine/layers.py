@@ -12,6 +12,7 @@ from torch import nn
 
 from engine import quant
 from engine.errors import ModelLoadError
+from engine.kernels import cpu_ops
 
 log = logging.getLogger("splitfire.engine")
 
@@ -109,7 +110,23 @@ class RMSNorm(nn.Module):
         else:
             self.weight.copy_(w)
 
+    def _fused(self, x: torch.Tensor) -> bool:
+        """float32 on CPU with the C kernels: one pass (`cpu_ops.add_rmsnorm`). Both orders are the
+        same arithmetic in float32 (Gemma's weight already holds 1 + w)."""
+        return (x.dtype == torch.float32 and self.weight.dtype == torch.float32 and x.device.type == "cpu"
+                and x.dim() == 2 and x.is_contiguous() and cpu_ops.library() is not None)
+
+    def add_forward(self, h: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(residual + h), residual + h): the pre-norm block's residual add fused with the next
+        norm. `residual` may be updated in place."""
+        if self._fused(residual) and h.dtype == torch.float32 and h.is_contiguous():
+            return cpu_ops.add_rmsnorm(residual, h, self.weight, self.eps), residual
+        residual = residual + h
+        return self(residual), residual
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._fused(x):
+            return cpu_ops.add_rmsnorm(x, None, self.weight, self.eps)
         shape = (x.shape[-1],)
         if self.gemma:
             return F.rms_norm(x.float(), shape, self.weight, self.eps).to(x.dtype)

@@ -100,16 +100,23 @@ class Block(nn.Module):
         self.attn_post_norm = RMSNorm(cfg.hidden_size, eps, gemma) if cfg.sandwich_norm else None
         self.mlp_post_norm = RMSNorm(cfg.hidden_size, eps, gemma) if cfg.sandwich_norm else None
 
-    def forward(self, x: torch.Tensor, freqs: torch.Tensor, layer_cache: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        h = self.attn(self.attn_norm(x), freqs, layer_cache, meta)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, freqs: torch.Tensor, layer_cache: torch.Tensor,
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this block's MLP output, the residual stream before it is added): each residual add
+        is fused with the norm that follows it (here, or in the next block / the final norm)."""
+        if residual is None:
+            residual = x
+            h = self.attn_norm(x)
+        else:
+            h, residual = self.attn_norm.add_forward(x, residual)
+        h = self.attn(h, freqs, layer_cache, meta)
         if self.attn_post_norm is not None:
             h = self.attn_post_norm(h)
-        x = x + h
-        h = self.mlp(self.mlp_norm(x))
+        h, residual = self.mlp_norm.add_forward(h, residual)
+        h = self.mlp(h)
         if self.mlp_post_norm is not None:
             h = self.mlp_post_norm(h)
-        return x + h
+        return h, residual
 
 
 class DecoderModel(nn.Module):
@@ -152,11 +159,13 @@ class DecoderModel(nn.Module):
         x = self.embed_tokens(input_ids)
         if self.embed_scale is not None:
             x = x * self.embed_scale
+        residual = None
         for i, layer in enumerate(self.layers):
-            x = layer(x, freqs[layer.rope], kv.layer(i), meta)
+            x, residual = layer(x, residual, freqs[layer.rope], kv.layer(i), meta)
             if layer_hook is not None:
                 layer_hook(i)
-        return self.norm(x)
+        assert residual is not None
+        return self.norm.add_forward(x, residual)[0]
 
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
         if self.embed_quantized is not None:

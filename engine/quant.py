@@ -3,7 +3,7 @@
 Decode streams every weight once per step, so its speed is bytes moved; keeping weights at 8 or
 4 bits moves a quarter or an eighth of float32. Activations, norms, attention and the KV cache
 stay in the model dtype: only matmul weights are quantized, and they are dequantized inside the
-matmul (`kernels/cpu_quant.c` on CPU; elsewhere, or without a C compiler, by torch first).
+matmul (`kernels/cpu_ops.c` on CPU; elsewhere, or without a C compiler, by torch first).
 
 Formats (both group-wise along K, one scale per `group_size` weights of a row):
 - int8: `q` int8 [N, K], w = q * scale                           (GGUF Q8_0 / Q6_K / Q5_0 exactly)
@@ -19,13 +19,13 @@ tensors' dtypes and shapes.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
 from engine.errors import ModelLoadError
-from engine.kernels import cpu_quant
+from engine.kernels import cpu_ops
 
 METHODS = ("int8", "int4")
 QUANT_METHOD = "splitfire"
@@ -44,6 +44,7 @@ class QuantizedWeight:
     scales: torch.Tensor  # float32 [N, K / group_size]
     mins: torch.Tensor | None  # int4 only
     group_size: int
+    _kernel: tuple | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         n, k = self.shape
@@ -83,14 +84,14 @@ class QuantizedWeight:
         """float32 [len(rows) or N, K]."""
         n, k = self.shape
         count = n if rows is None else rows.numel()
-        if self.q.device.type == "cpu" and cpu_quant.library() is not None:
+        if self.q.device.type == "cpu" and cpu_ops.library() is not None:
             out = torch.empty(count, k, dtype=torch.float32)
             idx = None if rows is None else rows.to(torch.int64).contiguous()
             if self.kind == "int8":
-                cpu_quant.dequant_i8(self.q, self.scales, self.group_size, idx, out)
+                cpu_ops.dequant_i8(self.q, self.scales, self.group_size, idx, out)
             else:
                 assert self.mins is not None
-                cpu_quant.dequant_i4(self.q, self.scales, self.mins, self.group_size, idx, out)
+                cpu_ops.dequant_i4(self.q, self.scales, self.mins, self.group_size, idx, out)
             return out
         return self.dequantize_torch(rows)
 
@@ -107,6 +108,24 @@ class QuantizedWeight:
             assert m is not None
             w = unpack_int4(q).float().view(q.shape[0], -1, gs) * s.unsqueeze(-1) + m.unsqueeze(-1)
         return w.reshape(q.shape[0], -1)
+
+    def kernel_call(self, bias: torch.Tensor | None) -> tuple:
+        """(C function, its weight-side arguments), made once: a decode step makes ~120 of these
+        calls, so the Python around each is kept to a few attribute reads."""
+        if self._kernel is None:
+            lib = cpu_ops.library()
+            assert lib is not None
+            n, k = self.shape
+            b = None if bias is None else bias.float().contiguous()
+            if self.kind == "int8":
+                w_args: tuple = (self.q.data_ptr(), self.scales.data_ptr(), n, self.group_size)
+                fn = lib.sf_gemm_i8
+            else:
+                assert self.mins is not None
+                w_args = (self.q.data_ptr(), self.scales.data_ptr(), self.mins.data_ptr(), n, self.group_size)
+                fn = lib.sf_gemm_i4
+            self._kernel = (fn, k, n, w_args, None if b is None else b.data_ptr(), b)  # b: keeps the copy alive
+        return self._kernel
 
     def select_rows(self, index: torch.Tensor) -> QuantizedWeight:
         """Rows reordered/selected (RoPE's row interleave works on quantized rows unchanged)."""
@@ -174,20 +193,23 @@ def concat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight | None:
 def linear(x: torch.Tensor, parts: list[QuantizedWeight], bias: torch.Tensor | None) -> torch.Tensor:
     """x [T, K] @ W^T (+ bias), W the row blocks `parts` stacked; output in x's dtype."""
     rows = x.shape[0]
-    n = sum(p.shape[0] for p in parts)
-    if x.device.type == "cpu" and cpu_quant.library() is not None and rows <= KERNEL_MAX_ROWS:
-        xf = x.float().contiguous()
-        out = torch.empty(rows, n, dtype=torch.float32)
-        start = 0
-        for p in parts:
-            view = out[:, start : start + p.shape[0]]
-            b = None if bias is None else bias[start : start + p.shape[0]].float().contiguous()
-            if p.kind == "int8":
-                cpu_quant.gemm_i8(xf, p.q, p.scales, p.group_size, b, view)
-            else:
-                assert p.mins is not None
-                cpu_quant.gemm_i4(xf, p.q, p.scales, p.mins, p.group_size, b, view)
-            start += p.shape[0]
-        return out.to(x.dtype)
+    if rows <= KERNEL_MAX_ROWS and x.device.type == "cpu" and cpu_ops.library() is not None:
+        xf = x if x.dtype == torch.float32 and x.is_contiguous() else x.float().contiguous()
+        threads = torch.get_num_threads()
+        if len(parts) == 1:
+            fn, k, n, w_args, b_ptr, _ = parts[0].kernel_call(bias)
+            out = torch.empty(rows, n)
+            fn(xf.data_ptr(), k, rows, k, *w_args, b_ptr, out.data_ptr(), n, threads)
+        else:
+            total = sum(p.shape[0] for p in parts)
+            out = torch.empty(rows, total)
+            start = 0
+            for p in parts:
+                n = p.shape[0]
+                b = None if bias is None else bias[start : start + n]
+                fn, k, n, w_args, b_ptr, _ = p.kernel_call(b)
+                fn(xf.data_ptr(), k, rows, k, *w_args, b_ptr, out.data_ptr() + 4 * start, total, threads)
+                start += n
+        return out if x.dtype == torch.float32 else out.to(x.dtype)
     w = parts[0].dequantize() if len(parts) == 1 else torch.cat([p.dequantize() for p in parts])
     return F.linear(x, w.to(x.dtype), bias)

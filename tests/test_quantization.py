@@ -12,10 +12,10 @@ from engine_helpers import drain, make_engine
 
 from engine import gguf_quants, quant
 from engine.errors import ModelLoadError
-from engine.kernels import cpu_quant
+from engine.kernels import cpu_ops
 from engine.sampling_params import SamplingParams
 
-needs_kernel = pytest.mark.skipif(cpu_quant.library() is None, reason="no C compiler: the torch path runs instead")
+needs_kernel = pytest.mark.skipif(cpu_ops.library() is None, reason="no C compiler: the torch path runs instead")
 
 
 @needs_kernel

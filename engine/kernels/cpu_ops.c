@@ -1,9 +1,11 @@
-/* Weight-only quantized matmul for the CPU: y = x @ dequant(W)^T, W streamed as int8 or int4.
+/* splitfire's CPU kernels: weight-only quantized matmul, fused residual add + RMSNorm, and paged
+ * decode attention.
  *
+ * Quantized matmul: y = x @ dequant(W)^T, W streamed as int8 or int4.
  * Decode reads every weight once per step, so its speed is the bytes moved: int8 moves a quarter
  * of float32, int4 an eighth. Weights are dequantized in registers (8 at a time, AVX2 + FMA) and
  * multiplied against up to MR activation rows, so a weight row is read from memory once per
- * call whatever the batch. Built at first use by `cpu_quant.py` with -march=native; without
+ * call whatever the batch. Built at first use by `cpu_ops.py` with -march=native; without
  * AVX2/FMA the plain C loops below are what runs (same results, slower).
  *
  * Layouts (see engine/quant.py):
@@ -11,7 +13,9 @@
  *   int4: q uint8 [N, K/2]; each run of 16 bytes holds 32 weights, byte j = w[j] | w[j+16] << 4
  *         (GGUF Q4_0/Q4_1 order), w[n,k] = q[n,k] * s[n, k/gs] + m[n, k/gs] (gs % 32 == 0)
  */
+#include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #ifdef _OPENMP
 #include <omp.h>
@@ -23,14 +27,8 @@
 #define SF_AVX2 0
 #endif
 
-/* A tile is NR output rows x MR activation rows, NR * MR accumulators in registers. Small
- * batches take 4 x 3 (four independent FMA chains even at batch 1); larger ones 2 x 6, which
- * dequantizes each weight vector once per 6 rows instead of once per 3. */
-#define NR 4
-#define MR 3
-#define NR_WIDE 2
-#define MR_WIDE 6
-#define MAX_ACC 12
+#define NR 4      /* weight rows per task */
+#define MAX_ACC 8 /* accumulators per tile: 4 x 1 or 2 x 4 */
 #define INLINE static inline __attribute__((always_inline))
 
 int sf_has_avx2(void) { return SF_AVX2; }
@@ -61,56 +59,66 @@ static inline void load_i4(const uint8_t *p, __m256 s, __m256 m, __m256 out[4]) 
 #endif
 
 #if SF_AVX2
-/* AVX2 tiles; nrt/mrt are constants at each call site, so the accumulators unroll into registers. */
+/* AVX2 tiles. nrt (weight rows) and mrt (activation rows) are constants at every call site, so the
+ * accumulators unroll into registers: 16 ymm hold nrt * mrt accumulators, the dequantized weight
+ * vectors and the group's scale (and min). Scales are broadcast per group, not kept across groups. */
 INLINE void avx_tile_i8(const float *x, int ldx, int K, const int8_t *q, const float *s, int gs, int n0, int m0,
-                        int mr, float *y, int ldy, const int nrt, const int mrt) {
+                        float *y, int ldy, const int nrt, const int mrt) {
     int groups = K / gs;
     __m256 acc[MAX_ACC];
     for (int a = 0; a < nrt * mrt; a++) acc[a] = _mm256_setzero_ps();
     for (int g = 0; g < groups; g++) {
         __m256 sc[NR];
-        for (int i = 0; i < nrt; i++) sc[i] = _mm256_set1_ps(s[(size_t)(n0 + i) * groups + g]);
+        for (int i = 0; i < nrt; i++) sc[i] = _mm256_broadcast_ss(s + (size_t)(n0 + i) * groups + g);
         for (int k = g * gs; k < (g + 1) * gs; k += 8) {
             for (int i = 0; i < nrt; i++) {
                 __m256 w = load_i8(q + (size_t)(n0 + i) * K + k, sc[i]);
                 for (int r = 0; r < mrt; r++)
-                    if (r < mr) acc[i * mrt + r] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + (size_t)(m0 + r) * ldx + k),
-                                                                   acc[i * mrt + r]);
+                    acc[i * mrt + r] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + (size_t)(m0 + r) * ldx + k), acc[i * mrt + r]);
             }
         }
     }
     for (int i = 0; i < nrt; i++)
-        for (int r = 0; r < mr; r++) y[(size_t)(m0 + r) * ldy + n0 + i] = hsum(acc[i * mrt + r]);
+        for (int r = 0; r < mrt; r++) y[(size_t)(m0 + r) * ldy + n0 + i] = hsum(acc[i * mrt + r]);
 }
 
 INLINE void avx_tile_i4(const float *x, int ldx, int K, const uint8_t *q, const float *s, const float *mn, int gs,
-                        int n0, int m0, int mr, float *y, int ldy, const int nrt, const int mrt) {
+                        int n0, int m0, float *y, int ldy, const int nrt, const int mrt) {
     int groups = K / gs;
     __m256 acc[MAX_ACC];
     for (int a = 0; a < nrt * mrt; a++) acc[a] = _mm256_setzero_ps();
-    for (int g = 0; g < groups; g++) {
-        __m256 sc[NR], mv[NR];
+    for (int k = 0; k < K; k += 32) {
+        int g = k / gs;
         for (int i = 0; i < nrt; i++) {
-            sc[i] = _mm256_set1_ps(s[(size_t)(n0 + i) * groups + g]);
-            mv[i] = _mm256_set1_ps(mn[(size_t)(n0 + i) * groups + g]);
-        }
-        for (int k = g * gs; k < (g + 1) * gs; k += 32) {
-            for (int i = 0; i < nrt; i++) {
-                __m256 w[4];
-                load_i4(q + ((size_t)(n0 + i) * K + k) / 2, sc[i], mv[i], w);
-                for (int r = 0; r < mrt; r++) {
-                    if (r >= mr) continue;
-                    const float *xr = x + (size_t)(m0 + r) * ldx + k;
-                    __m256 a = acc[i * mrt + r];
-                    for (int j = 0; j < 4; j++) a = _mm256_fmadd_ps(w[j], _mm256_loadu_ps(xr + 8 * j), a);
-                    acc[i * mrt + r] = a;
-                }
+            __m256 w[4];
+            load_i4(q + ((size_t)(n0 + i) * K + k) / 2, _mm256_broadcast_ss(s + (size_t)(n0 + i) * groups + g),
+                    _mm256_broadcast_ss(mn + (size_t)(n0 + i) * groups + g), w);
+            for (int r = 0; r < mrt; r++) {
+                const float *xr = x + (size_t)(m0 + r) * ldx + k;
+                __m256 a = acc[i * mrt + r];
+                for (int j = 0; j < 4; j++) a = _mm256_fmadd_ps(w[j], _mm256_loadu_ps(xr + 8 * j), a);
+                acc[i * mrt + r] = a;
             }
         }
     }
     for (int i = 0; i < nrt; i++)
-        for (int r = 0; r < mr; r++) y[(size_t)(m0 + r) * ldy + n0 + i] = hsum(acc[i * mrt + r]);
+        for (int r = 0; r < mrt; r++) y[(size_t)(m0 + r) * ldy + n0 + i] = hsum(acc[i * mrt + r]);
 }
+
+/* Every activation row against weight rows n0..n0+NR: one row at a time 4 weight rows wide (four
+ * independent FMA chains); more rows in passes of up to 4, 2 weight rows wide. Each case is a
+ * separate specialisation so nothing indexes the accumulators at run time. */
+#define AVX_ROWS(TILE, ...)                                                                       \
+    do {                                                                                          \
+        if (M == 1) { TILE(__VA_ARGS__, n0, 0, y, ldy, 4, 1); break; }                            \
+        for (int h = 0; h < NR; h += 2)                                                           \
+            for (int m0 = 0; m0 < M; m0 += 4) switch (M - m0 < 4 ? M - m0 : 4) {                  \
+                case 1: TILE(__VA_ARGS__, n0 + h, m0, y, ldy, 2, 1); break;                       \
+                case 2: TILE(__VA_ARGS__, n0 + h, m0, y, ldy, 2, 2); break;                       \
+                case 3: TILE(__VA_ARGS__, n0 + h, m0, y, ldy, 2, 3); break;                       \
+                default: TILE(__VA_ARGS__, n0 + h, m0, y, ldy, 2, 4); break;                      \
+            }                                                                                     \
+    } while (0)
 #endif
 
 /* Plain C: the fallback without AVX2/FMA and for the last (N % tile) output rows. */
@@ -162,15 +170,8 @@ static void ref_tile_i4(const float *x, int ldx, int K, const uint8_t *q, const 
 static void rows_i8(const float *x, int ldx, int M, int K, const int8_t *q, const float *s, int gs, int n0, int nr,
                     float *y, int ldy) {
 #if SF_AVX2
-    if (M <= MR && nr == NR) {
-        avx_tile_i8(x, ldx, K, q, s, gs, n0, 0, M, y, ldy, NR, MR);
-        return;
-    }
     if (nr == NR) {
-        for (int h = 0; h < NR; h += NR_WIDE)
-            for (int m0 = 0; m0 < M; m0 += MR_WIDE)
-                avx_tile_i8(x, ldx, K, q, s, gs, n0 + h, m0, M - m0 < MR_WIDE ? M - m0 : MR_WIDE, y, ldy, NR_WIDE,
-                            MR_WIDE);
+        AVX_ROWS(avx_tile_i8, x, ldx, K, q, s, gs);
         return;
     }
 #endif
@@ -180,15 +181,8 @@ static void rows_i8(const float *x, int ldx, int M, int K, const int8_t *q, cons
 static void rows_i4(const float *x, int ldx, int M, int K, const uint8_t *q, const float *s, const float *mn, int gs,
                     int n0, int nr, float *y, int ldy) {
 #if SF_AVX2
-    if (M <= MR && nr == NR) {
-        avx_tile_i4(x, ldx, K, q, s, mn, gs, n0, 0, M, y, ldy, NR, MR);
-        return;
-    }
     if (nr == NR) {
-        for (int h = 0; h < NR; h += NR_WIDE)
-            for (int m0 = 0; m0 < M; m0 += MR_WIDE)
-                avx_tile_i4(x, ldx, K, q, s, mn, gs, n0 + h, m0, M - m0 < MR_WIDE ? M - m0 : MR_WIDE, y, ldy, NR_WIDE,
-                            MR_WIDE);
+        AVX_ROWS(avx_tile_i4, x, ldx, K, q, s, mn, gs);
         return;
     }
 #endif
@@ -251,4 +245,98 @@ void sf_dequant_i4(const uint8_t *q, const float *s, const float *mn, int N, int
             }
         }
     }
+}
+
+/* ---- Fused residual add + RMSNorm (float32) ----
+ * With h: x += h (x is the residual stream, updated in place); then out = x / rms(x) * w.
+ * One pass per row instead of torch's five ops (add, pow, mean, rsqrt, mul), each with its own
+ * dispatch: measured 40 us -> 2 us per call for a 576-wide row. */
+void sf_add_rmsnorm(float *x, const float *h, const float *w, float *out, int rows, int dim, float eps) {
+    for (int r = 0; r < rows; r++) {
+        float *xr = x + (size_t)r * dim;
+        float *o = out + (size_t)r * dim;
+        if (h) {
+            const float *hr = h + (size_t)r * dim;
+            for (int i = 0; i < dim; i++) xr[i] += hr[i];
+        }
+        double ss = 0.0;
+        for (int i = 0; i < dim; i++) ss += (double)xr[i] * xr[i];
+        float inv = 1.0f / sqrtf((float)(ss / dim) + eps);
+        for (int i = 0; i < dim; i++) o[i] = xr[i] * inv * w[i];
+    }
+}
+
+/* ---- Paged decode attention (float32 cache) ----
+ * One query token per sequence; its keys and values are read in place through the block table
+ * (cache layout [blocks, 2, block_size, kv_heads, D]: K then V of a block), so nothing is gathered
+ * or padded. Work is split over (sequence, kv head); each task scores all keys for the query heads
+ * sharing that kv head, then softmax, then the weighted sum of values. `window` > 0 keeps the last
+ * `window` keys only (sliding-window layers). */
+static inline float dot(const float *a, const float *b, int n) {
+#if SF_AVX2
+    if (n % 8 == 0) {
+        __m256 acc = _mm256_setzero_ps();
+        for (int i = 0; i < n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+        return hsum(acc);
+    }
+#endif
+    float s = 0.f;
+    for (int i = 0; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+static inline void axpy(float *y, float a, const float *x, int n) {
+#if SF_AVX2
+    if (n % 8 == 0) {
+        __m256 av = _mm256_set1_ps(a);
+        for (int i = 0; i < n; i += 8)
+            _mm256_storeu_ps(y + i, _mm256_fmadd_ps(av, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+        return;
+    }
+#endif
+    for (int i = 0; i < n; i++) y[i] += a * x[i];
+}
+
+int sf_paged_decode(const float *q, int B, int H, int KVH, int D, const float *cache, int bs, const int64_t *tables,
+                    int max_blocks, const int64_t *ctx_lens, float scale, int window, float *out, int threads) {
+    int G = H / KVH, failed = 0;
+    size_t slot = (size_t)KVH * D, block = 2 * (size_t)bs * slot;
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+    for (int task = 0; task < B * KVH; task++) {
+        int b = task / KVH, kh = task % KVH;
+        int64_t ctx = ctx_lens[b];
+        int64_t start = window > 0 && ctx > window ? ctx - window : 0;
+        int64_t n = ctx - start;
+        float *scores = (float *)malloc(sizeof(float) * (size_t)(n > 0 ? n : 1) * G);
+        if (!scores) {
+            failed = 1;
+            continue;
+        }
+        const int64_t *table = tables + (size_t)b * max_blocks;
+        for (int g = 0; g < G; g++) {
+            const float *qh = q + ((size_t)b * H + kh * G + g) * D;
+            float *sc = scores + (size_t)g * n, mx = -INFINITY;
+            for (int64_t t = 0; t < n; t++) {
+                int64_t p = start + t;
+                const float *k = cache + table[p / bs] * block + (size_t)(p % bs) * slot + (size_t)kh * D;
+                sc[t] = dot(qh, k, D) * scale;
+                if (sc[t] > mx) mx = sc[t];
+            }
+            float sum = 0.f;
+            for (int64_t t = 0; t < n; t++) {
+                sc[t] = expf(sc[t] - mx);
+                sum += sc[t];
+            }
+            float *o = out + ((size_t)b * H + kh * G + g) * D;
+            memset(o, 0, sizeof(float) * D);
+            for (int64_t t = 0; t < n; t++) {
+                int64_t p = start + t;
+                const float *v = cache + table[p / bs] * block + (size_t)bs * slot + (size_t)(p % bs) * slot +
+                                 (size_t)kh * D;
+                axpy(o, sc[t] / sum, v, D);
+            }
+        }
+        free(scores);
+    }
+    return failed ? -1 : 0;
 }

@@ -1,4 +1,5 @@
-"""The CPU weight-only quantized matmul (`cpu_quant.c`), compiled on first use and called via ctypes.
+"""splitfire's CPU kernels in C (`cpu_ops.c`: weight-only quantized matmul, fused residual add +
+RMSNorm, paged decode attention), compiled on first use and called via ctypes.
 
 Compiled on the machine that runs it (`-march=native`), so the AVX2/FMA path is used exactly
 where the processor has it and the plain C loops elsewhere; the build is cached under
@@ -27,7 +28,7 @@ import torch
 
 log = logging.getLogger("splitfire.engine")
 
-_SRC = Path(__file__).with_name("cpu_quant.c")
+_SRC = Path(__file__).with_name("cpu_ops.c")
 _P = ctypes.c_void_p
 _I = ctypes.c_int
 
@@ -49,17 +50,17 @@ def _cache_dir() -> Path:
 
 @cache
 def library() -> ctypes.CDLL | None:
-    """The compiled kernel, or None (no C compiler, or SPLITFIRE_CPU_QUANT_KERNEL=0): then
-    `engine.quant` dequantizes with torch and runs a float32 matmul — same results, slower."""
-    if os.environ.get("SPLITFIRE_CPU_QUANT_KERNEL", "1") == "0":
+    """The compiled kernels, or None (no C compiler, or SPLITFIRE_CPU_KERNELS=0): then every caller
+    takes its torch path (quantized weights: dequantize + float32 matmul) — same results, slower."""
+    if os.environ.get("SPLITFIRE_CPU_KERNELS", "1") == "0":
         return None
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         log.warning("no C compiler found: quantized matmuls run through torch (slower); install gcc")
         return None
-    flags = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
+    flags = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-lm"]
     key = hashlib.sha256(_SRC.read_bytes() + cc.encode() + " ".join(flags).encode() + _cpu_flags().encode())
-    out = _cache_dir() / f"cpu_quant-{key.hexdigest()[:16]}.so"
+    out = _cache_dir() / f"cpu_ops-{key.hexdigest()[:16]}.so"
     if not out.is_file():
         out.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
@@ -74,34 +75,18 @@ def library() -> ctypes.CDLL | None:
     lib.sf_gemm_i4.argtypes = [_P, _I, _I, _I, _P, _P, _P, _I, _I, _P, _P, _I, _I]
     lib.sf_dequant_i8.argtypes = [_P, _P, _I, _I, _I, _P, _I, _P, _I]
     lib.sf_dequant_i4.argtypes = [_P, _P, _P, _I, _I, _I, _P, _I, _P, _I]
-    for f in (lib.sf_gemm_i8, lib.sf_gemm_i4, lib.sf_dequant_i8, lib.sf_dequant_i4):
+    lib.sf_add_rmsnorm.argtypes = [_P, _P, _P, _P, _I, _I, ctypes.c_float]
+    lib.sf_paged_decode.argtypes = [_P, _I, _I, _I, _I, _P, _I, _P, _I, _P, ctypes.c_float, _I, _P, _I]
+    lib.sf_paged_decode.restype = _I
+    for f in (lib.sf_gemm_i8, lib.sf_gemm_i4, lib.sf_dequant_i8, lib.sf_dequant_i4, lib.sf_add_rmsnorm):
         f.restype = None
     lib.sf_has_avx2.restype = _I
-    log.info("CPU quantized-matmul kernel %s (AVX2+FMA path: %s)", out.name, bool(lib.sf_has_avx2()))
+    log.info("CPU kernels %s (AVX2+FMA path: %s)", out.name, bool(lib.sf_has_avx2()))
     return lib
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
-
-
-def gemm_i8(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, gs: int, bias: torch.Tensor | None,
-            out: torch.Tensor) -> None:
-    """out[M, N] (a row-strided view is fine) = x[M, K] @ (q * s)^T + bias; float32, x rows contiguous."""
-    lib = library()
-    assert lib is not None
-    m, k = x.shape
-    lib.sf_gemm_i8(_ptr(x), x.stride(0), m, k, _ptr(q), _ptr(s), q.shape[0], gs, _ptr(bias), _ptr(out),
-                   out.stride(0), torch.get_num_threads())
-
-
-def gemm_i4(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, mn: torch.Tensor, gs: int,
-            bias: torch.Tensor | None, out: torch.Tensor) -> None:
-    lib = library()
-    assert lib is not None
-    m, k = x.shape
-    lib.sf_gemm_i4(_ptr(x), x.stride(0), m, k, _ptr(q), _ptr(s), _ptr(mn), q.shape[0], gs, _ptr(bias), _ptr(out),
-                   out.stride(0), torch.get_num_threads())
 
 
 def dequant_i8(q: torch.Tensor, s: torch.Tensor, gs: int, rows: torch.Tensor | None, out: torch.Tensor) -> None:
@@ -119,3 +104,29 @@ def dequant_i4(q: torch.Tensor, s: torch.Tensor, mn: torch.Tensor, gs: int, rows
     n, k = q.shape[0], q.shape[1] * 2
     nrows = n if rows is None else rows.numel()
     lib.sf_dequant_i4(_ptr(q), _ptr(s), _ptr(mn), n, k, gs, _ptr(rows), nrows, _ptr(out), torch.get_num_threads())
+
+
+def add_rmsnorm(x: torch.Tensor, h: torch.Tensor | None, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """With h: x += h in place (the residual stream). Returns rmsnorm(x) * w. float32, contiguous."""
+    lib = library()
+    assert lib is not None
+    out = torch.empty_like(x)
+    rows, dim = x.shape
+    lib.sf_add_rmsnorm(x.data_ptr(), None if h is None else h.data_ptr(), w.data_ptr(), out.data_ptr(), rows, dim, eps)
+    return out
+
+
+def paged_decode(q: torch.Tensor, cache: torch.Tensor, tables: torch.Tensor, context_lens: torch.Tensor,
+                 scale: float, window: int) -> torch.Tensor:
+    """q [B, heads, D] float32 contiguous; cache [blocks, 2, block_size, kv_heads, D]; tables [B, max_blocks]
+    and context_lens [B] int64. Returns [B, heads, D]."""
+    lib = library()
+    assert lib is not None
+    b, h, d = q.shape
+    out = torch.empty_like(q)
+    rc = lib.sf_paged_decode(q.data_ptr(), b, h, cache.shape[3], d, cache.data_ptr(), cache.shape[2],
+                             tables.data_ptr(), tables.shape[1], context_lens.data_ptr(), scale, window,
+                             out.data_ptr(), torch.get_num_threads())
+    if rc != 0:
+        raise MemoryError("paged decode attention: out of memory for the score buffer")
+    return out
