@@ -148,9 +148,10 @@ def _decode(q: torch.Tensor, layer_cache: torch.Tensor, d: DecodeBatch, scale: f
     if ops is not None and d.context_lens is not None and q.shape[-1] & (q.shape[-1] - 1) == 0:
         return ops.paged_decode_attention(q, layer_cache, d.blocks, d.context_lens, scale, window=window or 0)
     if (d.context_lens is not None and layer_cache.device.type == "cpu" and layer_cache.dtype == torch.float32
-            and q.dtype == torch.float32 and cpu_ops.library() is not None):
+            and q.dtype == torch.float32 and q.stride(-1) == 1 and q.stride(1) == q.shape[-1]
+            and cpu_ops.library() is not None):
         # Keys read in place through the block table (no gather, no padding): cpu_ops.c.
-        return cpu_ops.paged_decode(q.contiguous(), layer_cache, d.blocks, d.context_lens, scale, window or 0)
+        return cpu_ops.paged_decode(q, layer_cache, d.blocks, d.context_lens, scale, window or 0)
     b, kv_heads = d.blocks.shape[0], layer_cache.shape[-2]
     k, v = _gather(layer_cache, d.blocks)  # [B*max_blocks, slots, kv_heads, dim]
     k = k.reshape(b, -1, kv_heads, k.shape[-1]).transpose(1, 2)

@@ -154,7 +154,11 @@ class MLP(nn.Module):
         self.gate_up = Linear(hidden, 2 * intermediate, bias=bias)
         self.down = Linear(intermediate, hidden, bias=bias)
         self.act = activation(act)
+        self.silu = act == "silu"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        gu = self.gate_up(x)
+        if self.silu and gu.dtype == torch.float32 and gu.device.type == "cpu" and cpu_ops.library() is not None:
+            return self.down(cpu_ops.silu_mul(gu.contiguous()))
+        gate, up = gu.chunk(2, dim=-1)
         return self.down(self.act(gate) * up)

@@ -19,6 +19,7 @@ from torch import nn
 
 from engine import quant
 from engine.attention import AttentionMetadata, paged_attention, write_kv
+from engine.kernels import cpu_ops
 from engine.kv_cache import KVCache
 from engine.layers import MLP, Linear, RMSNorm, cpu_packing_supported
 from engine.model_config import LayerConfig, ModelConfig
@@ -74,14 +75,20 @@ class Attention(nn.Module):
         qkv = self.qkv(x)
         q_out, kv_out, _ = self.split
         h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
-        if self.q_norm is not None and self.k_norm is not None:
-            q = apply_rope(self.q_norm(qkv[:, :q_out].view(t, h, d)), freqs)
-            k = apply_rope(self.k_norm(qkv[:, q_out : q_out + kv_out].view(t, kvh, d)), freqs)
+        if (self.q_norm is None and qkv.dtype == torch.float32 and qkv.device.type == "cpu"
+                and layer_cache.dtype == torch.float32 and qkv.is_contiguous() and cpu_ops.library() is not None):
+            # One C call ropes q and k in place and stores k and v (cpu_ops.c).
+            cpu_ops.rope_store(qkv, h, kvh, d, freqs, layer_cache, meta.k_rows, meta.block_size)
+            q = qkv[:, :q_out].view(t, h, d)
         else:
-            # q and k are roped together: one complex multiply for both.
-            qk = apply_rope(qkv[:, : q_out + kv_out].view(t, h + kvh, d), freqs)
-            q, k = qk[:, :h], qk[:, h:]
-        write_kv(layer_cache, k, qkv[:, q_out + kv_out :].view(t, kvh, d), meta)
+            if self.q_norm is not None and self.k_norm is not None:
+                q = apply_rope(self.q_norm(qkv[:, :q_out].view(t, h, d)), freqs)
+                k = apply_rope(self.k_norm(qkv[:, q_out : q_out + kv_out].view(t, kvh, d)), freqs)
+            else:
+                # q and k are roped together: one complex multiply for both.
+                qk = apply_rope(qkv[:, : q_out + kv_out].view(t, h + kvh, d), freqs)
+                q, k = qk[:, :h], qk[:, h:]
+            write_kv(layer_cache, k, qkv[:, q_out + kv_out :].view(t, kvh, d), meta)
         out = paged_attention(q, layer_cache, meta, self.scale, self.window)
         return self.o(out.reshape(t, -1))
 

@@ -297,7 +297,7 @@ static inline void axpy(float *y, float a, const float *x, int n) {
     for (int i = 0; i < n; i++) y[i] += a * x[i];
 }
 
-int sf_paged_decode(const float *q, int B, int H, int KVH, int D, const float *cache, int bs, const int64_t *tables,
+int sf_paged_decode(const float *q, int ldq, int B, int H, int KVH, int D, const float *cache, int bs, const int64_t *tables,
                     int max_blocks, const int64_t *ctx_lens, float scale, int window, float *out, int threads) {
     int G = H / KVH, failed = 0;
     size_t slot = (size_t)KVH * D, block = 2 * (size_t)bs * slot;
@@ -314,7 +314,7 @@ int sf_paged_decode(const float *q, int B, int H, int KVH, int D, const float *c
         }
         const int64_t *table = tables + (size_t)b * max_blocks;
         for (int g = 0; g < G; g++) {
-            const float *qh = q + ((size_t)b * H + kh * G + g) * D;
+            const float *qh = q + (size_t)b * ldq + (size_t)(kh * G + g) * D;
             float *sc = scores + (size_t)g * n, mx = -INFINITY;
             for (int64_t t = 0; t < n; t++) {
                 int64_t p = start + t;
@@ -339,4 +339,41 @@ int sf_paged_decode(const float *q, int B, int H, int KVH, int D, const float *c
         free(scores);
     }
     return failed ? -1 : 0;
+}
+
+/* ---- RoPE + KV store (float32) ----
+ * qkv rows hold q (H heads), k (KVH heads), v (KVH heads) of D dims, pairs interleaved. q and k are
+ * rotated in place by `freqs` ([T, D/2] (cos, sin) pairs, one row per token); k and v are then copied into
+ * their cache slots (`k_rows[t]`: row of token t's K in the layer cache viewed as [rows, KVH, D],
+ * its V `bs` rows later). Replaces seven torch ops per layer (float casts, complex views,
+ * multiply, two index_copy_). */
+void sf_rope_store(float *qkv, int T, int H, int KVH, int D, const float *freqs, float *cache, const int64_t *k_rows,
+                   int bs) {
+    int row = (H + 2 * KVH) * D;
+    size_t slot = (size_t)KVH * D;
+    for (int t = 0; t < T; t++) {
+        float *x = qkv + (size_t)t * row;
+        const float *f = freqs + (size_t)t * D; /* token t's D/2 (cos, sin) pairs */
+        for (int h = 0; h < H + KVH; h++) {
+            float *v = x + (size_t)h * D;
+            for (int i = 0; i < D / 2; i++) {
+                float a = v[2 * i], b = v[2 * i + 1], c = f[2 * i], s = f[2 * i + 1];
+                v[2 * i] = a * c - b * s;
+                v[2 * i + 1] = a * s + b * c;
+            }
+        }
+        if (cache) {
+            memcpy(cache + (size_t)k_rows[t] * slot, x + (size_t)H * D, sizeof(float) * slot);
+            memcpy(cache + ((size_t)k_rows[t] + bs) * slot, x + (size_t)(H + KVH) * D, sizeof(float) * slot);
+        }
+    }
+}
+
+/* ---- SiLU(gate) * up (float32) ---- gate_up rows are [gate (I) | up (I)]. */
+void sf_silu_mul(const float *gate_up, float *out, int T, int I) {
+    for (int t = 0; t < T; t++) {
+        const float *g = gate_up + (size_t)t * 2 * I, *u = g + I;
+        float *o = out + (size_t)t * I;
+        for (int i = 0; i < I; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    }
 }

@@ -76,9 +76,12 @@ def library() -> ctypes.CDLL | None:
     lib.sf_dequant_i8.argtypes = [_P, _P, _I, _I, _I, _P, _I, _P, _I]
     lib.sf_dequant_i4.argtypes = [_P, _P, _P, _I, _I, _I, _P, _I, _P, _I]
     lib.sf_add_rmsnorm.argtypes = [_P, _P, _P, _P, _I, _I, ctypes.c_float]
-    lib.sf_paged_decode.argtypes = [_P, _I, _I, _I, _I, _P, _I, _P, _I, _P, ctypes.c_float, _I, _P, _I]
+    lib.sf_paged_decode.argtypes = [_P, _I, _I, _I, _I, _I, _P, _I, _P, _I, _P, ctypes.c_float, _I, _P, _I]
+    lib.sf_rope_store.argtypes = [_P, _I, _I, _I, _I, _P, _P, _P, _I]
+    lib.sf_silu_mul.argtypes = [_P, _P, _I, _I]
     lib.sf_paged_decode.restype = _I
-    for f in (lib.sf_gemm_i8, lib.sf_gemm_i4, lib.sf_dequant_i8, lib.sf_dequant_i4, lib.sf_add_rmsnorm):
+    for f in (lib.sf_gemm_i8, lib.sf_gemm_i4, lib.sf_dequant_i8, lib.sf_dequant_i4, lib.sf_add_rmsnorm,
+              lib.sf_rope_store, lib.sf_silu_mul):
         f.restype = None
     lib.sf_has_avx2.restype = _I
     log.info("CPU kernels %s (AVX2+FMA path: %s)", out.name, bool(lib.sf_has_avx2()))
@@ -118,15 +121,36 @@ def add_rmsnorm(x: torch.Tensor, h: torch.Tensor | None, w: torch.Tensor, eps: f
 
 def paged_decode(q: torch.Tensor, cache: torch.Tensor, tables: torch.Tensor, context_lens: torch.Tensor,
                  scale: float, window: int) -> torch.Tensor:
-    """q [B, heads, D] float32 contiguous; cache [blocks, 2, block_size, kv_heads, D]; tables [B, max_blocks]
-    and context_lens [B] int64. Returns [B, heads, D]."""
+    """q [B, heads, D] float32, each row's heads contiguous (a view into a fused qkv row is fine); cache
+    [blocks, 2, block_size, kv_heads, D]; tables [B, max_blocks] and context_lens [B] int64.
+    Returns [B, heads, D]."""
     lib = library()
     assert lib is not None
     b, h, d = q.shape
-    out = torch.empty_like(q)
-    rc = lib.sf_paged_decode(q.data_ptr(), b, h, cache.shape[3], d, cache.data_ptr(), cache.shape[2],
+    assert q.stride(2) == 1 and q.stride(1) == d
+    out = torch.empty(b, h, d)
+    rc = lib.sf_paged_decode(q.data_ptr(), q.stride(0), b, h, cache.shape[3], d, cache.data_ptr(), cache.shape[2],
                              tables.data_ptr(), tables.shape[1], context_lens.data_ptr(), scale, window,
                              out.data_ptr(), torch.get_num_threads())
     if rc != 0:
         raise MemoryError("paged decode attention: out of memory for the score buffer")
+    return out
+
+
+def rope_store(qkv: torch.Tensor, heads: int, kv_heads: int, head_dim: int, freqs: torch.Tensor,
+               cache: torch.Tensor, k_rows: torch.Tensor, block_size: int) -> None:
+    """Rotate q and k of `qkv` [T, (heads + 2 kv_heads) * head_dim] in place by `freqs` ([T, 1, D/2]
+    complex64: cos + i sin per token) and store k and v at `k_rows` of the layer `cache`."""
+    lib = library()
+    assert lib is not None
+    lib.sf_rope_store(qkv.data_ptr(), qkv.shape[0], heads, kv_heads, head_dim, freqs.data_ptr(), cache.data_ptr(),
+                      k_rows.data_ptr(), block_size)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    t, two_i = gate_up.shape
+    out = torch.empty(t, two_i // 2)
+    lib = library()
+    assert lib is not None
+    lib.sf_silu_mul(gate_up.data_ptr(), out.data_ptr(), t, two_i // 2)
     return out
