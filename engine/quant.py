@@ -30,9 +30,11 @@ from engine.kernels import cpu_ops
 METHODS = ("int8", "int4")
 QUANT_METHOD = "splitfire"
 SUFFIXES = (".qweight", ".scales", ".mins")
-# Below this many rows the fused kernel (dequantize in registers) wins; above it, dequantizing the
-# whole weight once and running oneDNN/MKL float32 GEMM does (measured, loadtest/bench_quant.py).
-KERNEL_MAX_ROWS = 8
+# Up to this many rows the fused kernel (dequantize in registers) wins; above it, dequantizing the
+# whole weight once and one float32 GEMM does. Measured on the 2-core AVX2 EPYC, SmolLM2 shapes,
+# weights out of cache, kernel / dequantize+GEMM us: int4 3072x576 at 16 rows 741 / 1903, at 32
+# 1566 / 2262, at 64 2977 / 3498 (int8 at 64: 3463 / 3506).
+KERNEL_MAX_ROWS = 48
 
 
 @dataclass

@@ -12,6 +12,8 @@ every number comes from this one run.
     python -m loadtest.bench_engine --dtypes float32,bfloat16
     python -m loadtest.bench_engine --families          # all families, float32
     python -m loadtest.bench_engine --grammar           # constrained decoding cost
+    python -m loadtest.bench_engine --quant             # float32 vs int8 vs int4 vs the GGUF's Q4_1
+    python -m loadtest.bench_engine --quant --vs-llama-server /path/to/llama-server
 """
 
 from __future__ import annotations
@@ -334,8 +336,19 @@ def main() -> int:
     p.add_argument("--speculative", action="store_true", help="prompt-lookup speculation vs none, greedy decode")
     p.add_argument("--spec-crossover", action="store_true", help="with --speculative: speedup at batch 1-16 with "
                    "drafting forced on (where speculation stops paying)")
+    p.add_argument("--quant", action="store_true", help="quantized weights vs float32: speed, perplexity, agreement")
+    p.add_argument("--vs-llama-server", nargs="?", const="", default=None, metavar="BINARY",
+                   help="with --quant: also serve the same GGUF over HTTP against llama.cpp's llama-server at this "
+                        "path (no path: splitfire's rows only)")
+    p.add_argument("--streams", default="1,16", help="with --vs-llama-server: closed-loop concurrency levels")
+    p.add_argument("--duration", type=float, default=30.0, help="with --vs-llama-server: seconds per level")
+    p.add_argument("--splitfire-arg", action="append", help="with --vs-llama-server: extra `splitfire up` argument")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
+    if args.quant:
+        from loadtest.bench_quant import main_quant
+
+        return main_quant(args)
     if args.families:
         return main_families(args)
     if args.grammar:

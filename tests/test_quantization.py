@@ -208,3 +208,30 @@ async def test_disaggregated_int8_equals_colocated_int8(tiny_model_dir, tmp_path
     finally:
         for p in (pre, dec, both):
             assert p.stop() == 0, p.log()[-2000:]
+
+
+def test_perplexity_equals_transformers_on_the_same_text(tiny_model_dir):
+    """loadtest.quality.perplexity runs our model, KV cache and attention over fixed windows; the
+    same windows through transformers give the same number."""
+    import math
+
+    import transformers
+
+    from loadtest import quality
+
+    engine = make_engine(tiny_model_dir, kv_cache_gb=0.05)
+    text = "The quick brown fox jumps over the lazy dog. " * 30
+    ppl, scored = quality.perplexity(engine, text, window=64)
+    ids = engine.tokenizer.encode(text)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    nll, count = 0.0, 0
+    with torch.no_grad():
+        for start in range(0, len(ids) - 1, 64):
+            chunk = torch.tensor([ids[start : start + 65]])
+            if chunk.shape[1] < 2:
+                break
+            logits = hf(chunk).logits[0, :-1]
+            nll += torch.nn.functional.cross_entropy(logits, chunk[0, 1:], reduction="sum").item()
+            count += chunk.shape[1] - 1
+    assert scored == count == len(ids) - 1
+    assert ppl == pytest.approx(math.exp(nll / count), rel=1e-4)

@@ -217,21 +217,31 @@ void sf_gemm_i4(const float *x, int ldx, int M, int K, const uint8_t *q, const f
     }
 }
 
-/* Rows of W as float32, for prefill-sized batches (then one float32 GEMM) and embedding lookups. */
+/* Rows of W as float32, for prefill-sized batches (then one float32 GEMM) and embedding lookups.
+ * Group-at-a-time loops with a constant scale, which the compiler vectorises. */
 void sf_dequant_i8(const int8_t *q, const float *s, int N, int K, int gs, const int64_t *rows, int nrows,
                    float *out, int threads) {
     int groups = K / gs;
+    (void)N;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int i = 0; i < nrows; i++) {
         int64_t n = rows ? rows[i] : i;
         const int8_t *qr = q + (size_t)n * K;
-        for (int k = 0; k < K; k++) out[(size_t)i * K + k] = (float)qr[k] * s[(size_t)n * groups + k / gs];
+        const float *sr = s + (size_t)n * groups;
+        float *o = out + (size_t)i * K;
+        for (int g = 0; g < groups; g++) {
+            float sc = sr[g];
+            const int8_t *qg = qr + (size_t)g * gs;
+            float *og = o + (size_t)g * gs;
+            for (int j = 0; j < gs; j++) og[j] = (float)qg[j] * sc;
+        }
     }
 }
 
 void sf_dequant_i4(const uint8_t *q, const float *s, const float *mn, int N, int K, int gs, const int64_t *rows,
                    int nrows, float *out, int threads) {
     int groups = K / gs;
+    (void)N;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int i = 0; i < nrows; i++) {
         int64_t n = rows ? rows[i] : i;
@@ -239,10 +249,10 @@ void sf_dequant_i4(const uint8_t *q, const float *s, const float *mn, int N, int
         float *o = out + (size_t)i * K;
         for (int k = 0; k < K; k += 32) {
             float sc = s[(size_t)n * groups + k / gs], m = mn[(size_t)n * groups + k / gs];
-            for (int j = 0; j < 16; j++) {
-                o[k + j] = (float)(qr[k / 2 + j] & 0x0F) * sc + m;
-                o[k + 16 + j] = (float)(qr[k / 2 + j] >> 4) * sc + m;
-            }
+            const uint8_t *b = qr + k / 2;
+            float *ok = o + k;
+            for (int j = 0; j < 16; j++) ok[j] = (float)(b[j] & 0x0F) * sc + m;
+            for (int j = 0; j < 16; j++) ok[16 + j] = (float)(b[j] >> 4) * sc + m;
         }
     }
 }

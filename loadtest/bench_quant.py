@@ -1,0 +1,119 @@
+"""Quantized weights against float32 on the same model, one run (`bench_engine.py --quant`).
+
+Variants of SmolLM2-135M-Instruct from its one GGUF (Q4_1 matmuls, Q8_0 embedding): float32
+(every tensor dequantized), int8 and int4 (that float32 checkpoint quantized at load with
+--quantization), and the GGUF served at its own precision (the default). Per variant: matmul
+weight bytes, decode tok/s at batch 1 and 16, prefill tok/s, perplexity on loadtest/data/prose.txt
+and greedy agreement with float32 on 16 prompts. Then, with --vs-llama-server, the HTTP serving
+comparison of loadtest/vs_llama_server.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from engine.engine_config import EngineConfig
+from engine.kernels import cpu_ops
+from engine.llm_engine import LLMEngine
+from engine.model_store import DEFAULT_MODEL, builtin_gguf, fetch_builtin
+from engine.sampling_params import SamplingParams
+from loadtest import quality
+
+
+def cpu_flags() -> str:
+    try:
+        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")).split()
+        model = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return "unknown CPU"
+    simd = [f for f in ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "amx_tile") if f in flags]
+    return f"{model.split(':', 1)[1].strip()}, {torch.get_num_threads()} threads, {' '.join(simd)}"
+
+
+def weight_bytes(engine: LLMEngine) -> int:
+    """Bytes a decode step streams for matmuls: quantized codes + scales, or float weights."""
+    from engine.layers import Linear
+
+    total = 0
+    for m in engine.model.modules():
+        if isinstance(m, Linear):
+            if m.quantized is not None:
+                total += sum(p.nbytes for p in m.quantized)
+            elif m.packed is not None or m.weight is not None:
+                w = m.weight if m.weight is not None else m.packed
+                total += w.numel() * w.element_size()
+    return total
+
+
+def decode_rate(engine: LLMEngine, batch: int, tag: str, tokens: int = 48) -> float:
+    from loadtest.bench_engine import decode_rate as rate
+    from loadtest.bench_engine import prompt_ids
+
+    prompts = [prompt_ids(engine.tokenizer, 64, salt=i) for i in range(batch)]
+    return rate(engine, prompts, SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True), tag)
+
+
+def prefill_rate(engine: LLMEngine, n: int, salt: int) -> float:
+    from loadtest.bench_engine import ours_prefill, random_ids
+
+    return ours_prefill(engine, random_ids(engine.model_config.vocab_size, n, salt), salt)
+
+
+def main_quant(args: argparse.Namespace) -> int:
+    name = args.model or DEFAULT_MODEL
+    native = fetch_builtin(name)
+    floats = fetch_builtin(name, keep_quantized=False)
+    variants = [("float32", floats, None), ("int8", floats, "int8"), ("int4", floats, "int4"),
+                ("GGUF Q4_1", native, None)]
+    rows: dict[str, dict[str, float]] = {}
+    greedy_ref: list[list[int]] = []
+    for label, path, q in tqdm(variants, desc="variants", file=sys.stderr):
+        t0 = time.perf_counter()
+        engine = LLMEngine(EngineConfig(model=str(path), device="cpu", threads=args.threads, quantization=q,
+                                        kv_cache_gb=0.5, max_num_batched_tokens=512, enable_prefix_cache=False))
+        r: dict[str, float] = {"load_s": time.perf_counter() - t0, "mb": weight_bytes(engine) / 1e6}
+        decode_rate(engine, 1, f"warm-{label}", 8)
+        for b in (1, 16):
+            r[f"decode_{b}"] = statistics.median(decode_rate(engine, b, f"{label}-{b}-{i}") for i in range(args.rounds))
+        r["prefill_512"] = statistics.median(prefill_rate(engine, 512, 1000 + i) for i in range(args.rounds))
+        r["ppl"], _ = quality.perplexity(engine)
+        outs = quality.greedy(engine, quality.prompt_set(engine))
+        if not greedy_ref:
+            greedy_ref = outs
+        r["same"], r["prefix"] = quality.agreement(outs, greedy_ref)
+        rows[label] = r
+        del engine
+    print(f"\nSmolLM2-135M-Instruct, CPU: {cpu_flags()}; C kernels: "
+          f"{'on' if cpu_ops.library() is not None else 'off (torch paths)'}; medians of {args.rounds} rounds")
+    names = list(rows)
+    print(f"{'':<28}" + "".join(f"{n:>13}" for n in names))
+    fmt = [("matmul weights, MB", "mb", "{:.0f}"), ("load, s", "load_s", "{:.2f}"),
+           ("decode batch 1, tok/s", "decode_1", "{:.1f}"), ("decode batch 16, tok/s", "decode_16", "{:.1f}"),
+           ("prefill 512, tok/s", "prefill_512", "{:.0f}"), ("perplexity (prose.txt)", "ppl", "{:.3f}"),
+           ("greedy = float32", "same", "{:.0%}"), ("greedy common prefix", "prefix", "{:.0%}")]
+    for label, key, f in fmt:
+        print(f"{label:<28}" + "".join(f"{f.format(rows[n][key]):>13}" for n in names))
+    base = rows["float32"]
+    print(f"{'batch 1 vs float32':<28}" + "".join(f"{rows[n]['decode_1'] / base['decode_1']:>12.2f}x" for n in names))
+    print(f"{'perplexity vs float32':<28}" + "".join(f"{rows[n]['ppl'] / base['ppl'] - 1:>+13.1%}" for n in names))
+    print("targets: int4 perplexity within 3% of float32")
+    if args.vs_llama_server is not None:
+        from loadtest import vs_llama_server
+
+        with tempfile.TemporaryDirectory(prefix="vs-llama-") as logs:
+            found = vs_llama_server.run(builtin_gguf(name), args.vs_llama_server or None,
+                                        [int(s) for s in args.streams.split(",")], args.duration, Path(logs),
+                                        args.splitfire_arg or [])
+        print(f"\n/v1/completions, ~256-token prompts, {vs_llama_server.MAX_TOKENS} tokens out, greedy, closed loop, "
+              f"{args.duration:.0f} s per level, both servers on this CPU ({cpu_flags()}):")
+        print(vs_llama_server.table(found))
+        print("targets: 1 stream >= 1.0x llama-server output tok/s; 16 streams >= 1.5x, inter-token p99 below theirs")
+    return 0
