@@ -114,7 +114,7 @@ class RMSNorm(nn.Module):
         """float32 on CPU with the C kernels: one pass (`cpu_ops.add_rmsnorm`). Both orders are the
         same arithmetic in float32 (Gemma's weight already holds 1 + w)."""
         return (x.dtype == torch.float32 and self.weight.dtype == torch.float32 and x.device.type == "cpu"
-                and x.dim() == 2 and x.is_contiguous() and cpu_ops.library() is not None)
+                and x.dim() == 2 and x.is_contiguous() and cpu_ops.small(x.shape[0]))
 
     def add_forward(self, h: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(residual + h), residual + h): the pre-norm block's residual add fused with the next
@@ -158,7 +158,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gu = self.gate_up(x)
-        if self.silu and gu.dtype == torch.float32 and gu.device.type == "cpu" and cpu_ops.library() is not None:
+        if self.silu and gu.dtype == torch.float32 and gu.device.type == "cpu" and cpu_ops.small(gu.shape[0]):
             return self.down(cpu_ops.silu_mul(gu.contiguous()))
         gate, up = gu.chunk(2, dim=-1)
         return self.down(self.act(gate) * up)

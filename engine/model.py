@@ -76,7 +76,7 @@ class Attention(nn.Module):
         q_out, kv_out, _ = self.split
         h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
         if (self.q_norm is None and qkv.dtype == torch.float32 and qkv.device.type == "cpu"
-                and layer_cache.dtype == torch.float32 and qkv.is_contiguous() and cpu_ops.library() is not None):
+                and layer_cache.dtype == torch.float32 and qkv.is_contiguous() and cpu_ops.small(t)):
             # One C call ropes q and k in place and stores k and v (cpu_ops.c).
             cpu_ops.rope_store(qkv, h, kvh, d, freqs, layer_cache, meta.k_rows, meta.block_size)
             q = qkv[:, :q_out].view(t, h, d)
@@ -187,8 +187,9 @@ class DecoderModel(nn.Module):
         self.embed.weight = nn.Parameter(self.embed.weight.new_empty(0, self.cfg.hidden_size), requires_grad=False)
 
     def quantize(self, kind: str) -> None:
-        """`--quantization int8|int4` on a float checkpoint: every matmul weight (the LM head and, when
-        tied, the embedding with it) quantized round-to-nearest per group of 32-128 weights. Routers
+        """`--quantization int8|int4` on a float checkpoint: every matmul weight quantized round-to-nearest
+        per group of 32 (int4) or up to 128 (int8) weights; the LM head (and, when tied, the
+        embedding with it) at int8 either way. Routers
         stay float (a flipped expert choice costs more than the bytes save); so do stacked experts,
         which have no quantized kernel yet."""
         skip: set[int] = set()
@@ -199,8 +200,10 @@ class DecoderModel(nn.Module):
             if isinstance(m, Linear) and id(m) not in skip and m.quantized is None and m is not self.lm_head:
                 m.set_quantized([quant.quantize(m.weight, kind, quant.group_size_for(m.weight.shape[1], kind))])
         if self.lm_head.quantized is None:
-            head = self.lm_head.weight
-            qw = quant.quantize(head, kind, quant.group_size_for(head.shape[1], kind))
+            # The LM head (and a tied embedding) stays at 8 bits under int4, as llama.cpp's 4-bit files
+            # keep theirs at Q8_0/Q6_K: on SmolLM2 a 4-bit head cost 6% perplexity, 4-bit layers ~1%.
+            head, head_kind = self.lm_head.weight, "int8"
+            qw = quant.quantize(head, head_kind, quant.group_size_for(head.shape[1], head_kind))
             if self.cfg.tie_word_embeddings:
                 self.set_embedding_quantized(qw)
             else:

@@ -119,9 +119,12 @@ def test_engine_with_quantized_weights_computes_the_dequantized_model(tiny_model
     d = tmp_path / "dequantized"
     shutil.copytree(tiny_model_dir, d)
     w = load_file(str(d / "model.safetensors"))
+    tied = "lm_head.weight" not in w
     for name, t in w.items():
-        if t.ndim == 2:  # every matmul weight (and the tied embedding, which is the LM head)
-            w[name] = quant.quantize(t, kind, quant.group_size_for(t.shape[1], kind)).dequantize_torch()
+        head = name == "lm_head.weight" or (tied and name == "model.embed_tokens.weight")
+        if t.ndim == 2 and (head or "embed_tokens" not in name):  # matmul weights; the LM head always int8
+            k = "int8" if head else kind
+            w[name] = quant.quantize(t, k, quant.group_size_for(t.shape[1], k)).dequantize_torch()
     save_file(w, str(d / "model.safetensors"), metadata={"format": "pt"})
     prompts = [[(17 * i + 5 * j) % 390 + 3 for j in range(12 + 9 * i)] for i in range(8)]
     out = {}

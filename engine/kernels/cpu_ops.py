@@ -29,6 +29,10 @@ import torch
 log = logging.getLogger("splitfire.engine")
 
 _SRC = Path(__file__).with_name("cpu_ops.c")
+# The elementwise kernels (norm, RoPE + store, SiLU * up) are single-threaded and scalar where torch's
+# are vectorised and parallel: they win on decode-sized rows only (call overhead is what they
+# remove); prefill chunks keep torch's ops.
+SMALL_ROWS = 64
 _P = ctypes.c_void_p
 _I = ctypes.c_int
 
@@ -46,6 +50,11 @@ def _cpu_flags() -> str:
 def _cache_dir() -> Path:
     home = os.environ.get("SPLITFIRE_HOME") or str(Path.home() / ".cache" / "splitfire")
     return Path(home) / "kernels"
+
+
+def small(rows: int) -> bool:
+    """Whether the elementwise C kernels should take a step of `rows` token rows."""
+    return rows <= SMALL_ROWS and library() is not None
 
 
 @cache
