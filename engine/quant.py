@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.errors import ModelLoadError
-from engine.kernels import cpu_ops
+from engine.kernels import cpu_ops, kernels
 
 METHODS = ("int8", "int4")
 QUANT_METHOD = "splitfire"
@@ -195,6 +195,16 @@ def concat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight | None:
 def linear(x: torch.Tensor, parts: list[QuantizedWeight], bias: torch.Tensor | None) -> torch.Tensor:
     """x [T, K] @ W^T (+ bias), W the row blocks `parts` stacked; output in x's dtype."""
     rows = x.shape[0]
+    gpu = kernels("quant_triton", x.device.type)
+    if gpu is not None:  # CUDA (or the Triton interpreter in tests): dequantized in registers
+        out = torch.empty(rows, sum(p.shape[0] for p in parts), dtype=x.dtype, device=x.device)
+        start = 0
+        for p in parts:
+            n = p.shape[0]
+            b = None if bias is None else bias[start : start + n]
+            gpu.wo_gemm(x, p.kind, p.q, p.scales, p.mins, p.group_size, b, out[:, start : start + n])
+            start += n
+        return out
     if rows <= KERNEL_MAX_ROWS and x.device.type == "cpu" and cpu_ops.library() is not None:
         xf = x if x.dtype == torch.float32 and x.is_contiguous() else x.float().contiguous()
         threads = torch.get_num_threads()
