@@ -26,6 +26,7 @@ class EngineConfig:
     enable_prefix_cache: bool = True
     threads: int | None = None  # torch intra-op threads on CPU; None = torch's default
     quantization: str | None = None  # int8 | int4: quantize a float checkpoint's matmul weights at load
+    cpu_activations: str = "int8"  # int8 | float: how quantized matmuls take batch-1/2 activations on CPU
     speculative: str = "off"  # off | ngram (prompt lookup, greedy requests)
     num_speculative_tokens: int = 4  # drafts per verification step at most
     speculative_max_batch: int = 4  # no drafting above this many running sequences (verification costs more)
@@ -52,6 +53,8 @@ class EngineConfig:
             )
         if self.quantization not in (None, "int8", "int4"):
             raise ValueError(f"--quantization must be int8 or int4 (or unset), got {self.quantization!r}")
+        if self.cpu_activations not in ("int8", "float"):
+            raise ValueError(f"--cpu-activations must be int8 or float, got {self.cpu_activations!r}")
         if self.speculative not in ("off", "ngram"):
             raise ValueError(f"--speculative must be off or ngram, got {self.speculative!r}")
         if not 1 <= self.num_speculative_tokens <= 16:

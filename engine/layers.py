@@ -60,6 +60,7 @@ class Linear(nn.Module):
         self.packed: torch.Tensor | None = None
         # Weight-only quantized: row blocks (one, or one per format when a checkpoint mixes them).
         self.quantized: list[quant.QuantizedWeight] | None = None
+        self.int8_activations = False  # see quant.linear; set for the whole model by the engine
 
     def pack_for_cpu(self, keep_original: bool = False) -> None:
         if self.quantized is not None:
@@ -83,7 +84,7 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quantized is not None:
-            return quant.linear(x, self.quantized, self.bias)
+            return quant.linear(x, self.quantized, self.bias, self.int8_activations)
         if self.packed is not None:
             return cpu_linear(x, self.packed, self.bias)
         return F.linear(x, self.weight, self.bias)

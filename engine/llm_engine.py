@@ -96,6 +96,7 @@ class LLMEngine:
         self.tokenizer = Tokenizer(self.model_dir)
         t0 = time.perf_counter()
         self.model = load_model(self.model_dir, self.device, self.dtype, config.quantization)
+        self.model.set_int8_activations(config.cpu_activations == "int8")
         self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
                                  self.model_config.max_position_embeddings)
         self.model.build_rope_cache(self.max_model_len + 1, self.device, self.dtype)

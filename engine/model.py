@@ -209,6 +209,12 @@ class DecoderModel(nn.Module):
             else:
                 self.lm_head.set_quantized([qw])
 
+    def set_int8_activations(self, on: bool) -> None:
+        """Quantized matmuls at batch 1-2 on CPU take int8-rounded activations (see quant.linear)."""
+        for m in self.modules():
+            if isinstance(m, Linear):
+                m.int8_activations = on
+
     def optimize_for_cpu(self) -> None:
         """Pack every matmul weight for oneDNN where this CPU supports it for the model dtype (see
         `layers.Linear`); the tied embedding keeps its table."""

@@ -35,6 +35,9 @@ SUFFIXES = (".qweight", ".scales", ".mins")
 # weights out of cache, kernel / dequantize+GEMM us: int4 3072x576 at 16 rows 741 / 1903, at 32
 # 1566 / 2262, at 64 2977 / 3498 (int8 at 64: 3463 / 3506).
 KERNEL_MAX_ROWS = 48
+# The integer-dot kernel (int8 activations) wins at batch 1-2 only (measured 1.1-1.9x per matmul at
+# one row, slower from 4: its per-block float work grows with the rows, weight traffic does not).
+Q8X_MAX_ROWS = 2
 
 
 @dataclass
@@ -46,7 +49,7 @@ class QuantizedWeight:
     scales: torch.Tensor  # float32 [N, K / group_size]
     mins: torch.Tensor | None  # int4 only
     group_size: int
-    _kernel: tuple | None = field(default=None, init=False, repr=False, compare=False)
+    _kernel: dict[bool, tuple] | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         n, k = self.shape
@@ -111,23 +114,35 @@ class QuantizedWeight:
             w = unpack_int4(q).float().view(q.shape[0], -1, gs) * s.unsqueeze(-1) + m.unsqueeze(-1)
         return w.reshape(q.shape[0], -1)
 
-    def kernel_call(self, bias: torch.Tensor | None) -> tuple:
-        """(C function, its weight-side arguments), made once: a decode step makes ~120 of these
-        calls, so the Python around each is kept to a few attribute reads."""
+    def kernel_call(self, bias: torch.Tensor | None, int8_activations: bool) -> tuple:
+        """(C function, its weight-side arguments), made once per mode: a decode step makes ~120 of
+        these calls, so the Python around each is kept to a few attribute reads. With
+        `int8_activations` (and AVX2, 32-aligned groups) the integer-dot kernel, else the float one."""
+        mode = int8_activations and self._q8x_ok()
         if self._kernel is None:
+            self._kernel = {}
+        if mode not in self._kernel:
             lib = cpu_ops.library()
             assert lib is not None
             n, k = self.shape
             b = None if bias is None else bias.float().contiguous()
-            if self.kind == "int8":
-                w_args: tuple = (self.q.data_ptr(), self.scales.data_ptr(), n, self.group_size)
+            mins = None if self.mins is None else self.mins.data_ptr()
+            if mode:
+                w_args: tuple = (self.q.data_ptr(), self.scales.data_ptr(), mins, n, self.group_size,
+                                 int(self.kind == "int4"))
+                fn = lib.sf_gemm_q8x
+            elif self.kind == "int8":
+                w_args = (self.q.data_ptr(), self.scales.data_ptr(), n, self.group_size)
                 fn = lib.sf_gemm_i8
             else:
-                assert self.mins is not None
-                w_args = (self.q.data_ptr(), self.scales.data_ptr(), self.mins.data_ptr(), n, self.group_size)
+                w_args = (self.q.data_ptr(), self.scales.data_ptr(), mins, n, self.group_size)
                 fn = lib.sf_gemm_i4
-            self._kernel = (fn, k, n, w_args, None if b is None else b.data_ptr(), b)  # b: keeps the copy alive
-        return self._kernel
+            self._kernel[mode] = (fn, k, n, w_args, None if b is None else b.data_ptr(), b)  # b: keeps it alive
+        return self._kernel[mode]
+
+    def _q8x_ok(self) -> bool:
+        lib = cpu_ops.library()
+        return lib is not None and bool(lib.sf_has_avx2()) and self.shape[1] % 32 == 0 and self.group_size % 32 == 0
 
     def select_rows(self, index: torch.Tensor) -> QuantizedWeight:
         """Rows reordered/selected (RoPE's row interleave works on quantized rows unchanged)."""
@@ -192,8 +207,11 @@ def concat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight | None:
                            mins, first.group_size)
 
 
-def linear(x: torch.Tensor, parts: list[QuantizedWeight], bias: torch.Tensor | None) -> torch.Tensor:
-    """x [T, K] @ W^T (+ bias), W the row blocks `parts` stacked; output in x's dtype."""
+def linear(x: torch.Tensor, parts: list[QuantizedWeight], bias: torch.Tensor | None,
+           int8_activations: bool = False) -> torch.Tensor:
+    """x [T, K] @ W^T (+ bias), W the row blocks `parts` stacked; output in x's dtype.
+    `int8_activations`: on CPU, multiply codes by x rounded to int8 per 32-block (llama.cpp's way;
+    about twice the speed of dequantizing weights to float, results within that rounding)."""
     rows = x.shape[0]
     gpu = kernels("quant_triton", x.device.type)
     if gpu is not None:  # CUDA (or the Triton interpreter in tests): dequantized in registers
@@ -208,10 +226,12 @@ def linear(x: torch.Tensor, parts: list[QuantizedWeight], bias: torch.Tensor | N
     if rows <= KERNEL_MAX_ROWS and x.device.type == "cpu" and cpu_ops.library() is not None:
         xf = x if x.dtype == torch.float32 and x.is_contiguous() else x.float().contiguous()
         threads = torch.get_num_threads()
+        int8_activations = int8_activations and rows <= Q8X_MAX_ROWS
         if len(parts) == 1:
-            fn, k, n, w_args, b_ptr, _ = parts[0].kernel_call(bias)
+            fn, k, n, w_args, b_ptr, _ = parts[0].kernel_call(bias, int8_activations)
             out = torch.empty(rows, n)
-            fn(xf.data_ptr(), k, rows, k, *w_args, b_ptr, out.data_ptr(), n, threads)
+            if fn(xf.data_ptr(), k, rows, k, *w_args, b_ptr, out.data_ptr(), n, threads):
+                raise MemoryError("quantized matmul: no memory for the quantized activations")
         else:
             total = sum(p.shape[0] for p in parts)
             out = torch.empty(rows, total)
@@ -219,8 +239,9 @@ def linear(x: torch.Tensor, parts: list[QuantizedWeight], bias: torch.Tensor | N
             for p in parts:
                 n = p.shape[0]
                 b = None if bias is None else bias[start : start + n]
-                fn, k, n, w_args, b_ptr, _ = p.kernel_call(b)
-                fn(xf.data_ptr(), k, rows, k, *w_args, b_ptr, out.data_ptr() + 4 * start, total, threads)
+                fn, k, n, w_args, b_ptr, _ = p.kernel_call(b, int8_activations)
+                if fn(xf.data_ptr(), k, rows, k, *w_args, b_ptr, out.data_ptr() + 4 * start, total, threads):
+                    raise MemoryError("quantized matmul: no memory for the quantized activations")
                 start += n
         return out if x.dtype == torch.float32 else out.to(x.dtype)
     w = parts[0].dequantize() if len(parts) == 1 else torch.cat([p.dequantize() for p in parts])

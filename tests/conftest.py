@@ -26,6 +26,14 @@ def smollm2_dir() -> Path:
     return resolve_model("smollm2-135m-instruct")
 
 
+@pytest.fixture(scope="session")
+def smollm2_float_dir() -> Path:
+    """The same GGUF with every tensor dequantized to float32: what transformers can load."""
+    from engine.model_store import fetch_builtin
+
+    return fetch_builtin("smollm2-135m-instruct", keep_quantized=False)
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _quiet_env() -> None:
     os.environ.setdefault("MC_LOG_LEVEL", "ERROR")

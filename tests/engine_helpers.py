@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 from engine.engine_config import EngineConfig
@@ -18,6 +19,9 @@ class Result:
 def make_engine(model_dir, **kw) -> LLMEngine:
     kw.setdefault("kv_cache_gb", 0.01)
     kw.setdefault("device", "cpu")
+    # SPLITFIRE_QUANTIZATION=int8 runs the suite's in-process engines (and, through the environment,
+    # its worker processes) with quantized weights.
+    kw.setdefault("quantization", os.environ.get("SPLITFIRE_QUANTIZATION") or None)
     return LLMEngine(EngineConfig(model=str(model_dir), **kw))
 
 

@@ -111,7 +111,7 @@ def test_quantized_moe_gguf_equals_transformers_on_its_dequantized_weights(tmp_p
     floats.mkdir()
     convert_gguf(path, floats, keep_quantized=False)
     theirs = HFModel("q8", floats, transformers.AutoModelForCausalLM.from_pretrained(floats, dtype=torch.float32).eval(), {})
-    engine = make_engine(model_dir)
+    engine = make_engine(model_dir, cpu_activations="float")
     assert engine.model.layers[0].attn.qkv.quantized is not None
     assert engine.model.layers[0].mlp.experts.gate_up is not None or engine.model.layers[0].mlp.experts.packed
     prompt = list(range(3, 50))

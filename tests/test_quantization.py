@@ -33,6 +33,38 @@ def test_kernel_equals_dequantize_then_matmul(kind, group, rows):
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-4)
 
 
+def _q8x_reference(x: torch.Tensor, qw: quant.QuantizedWeight) -> torch.Tensor:
+    """The integer-dot kernel's arithmetic in torch: x rounded to int8 per 32 (scale max|x| / 127),
+    multiplied by the integer codes, each block scaled by weight scale x activation scale, plus the
+    int4 min term (min x activation scale x sum of the block's int8 activations)."""
+    m, k = x.shape
+    blocks = x.view(m, k // 32, 32)
+    d = blocks.abs().amax(-1) / 127
+    xq = torch.round(blocks / torch.where(d > 0, d, 1).unsqueeze(-1))
+    codes = (quant.unpack_int4(qw.q) if qw.kind == "int4" else qw.q).float().view(-1, k // 32, 32)
+    dots = torch.einsum("mbj,nbj->mnb", xq, codes)  # exact in float32: small integers
+    per_block = lambda t: t.repeat_interleave(qw.group_size // 32, dim=1)  # noqa: E731
+    out = (dots * per_block(qw.scales).unsqueeze(0) * d.unsqueeze(1)).sum(-1)
+    if qw.kind == "int4":
+        out += ((xq.sum(-1) * d).unsqueeze(1) * per_block(qw.mins).unsqueeze(0)).sum(-1)
+    return out
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind,group", [("int8", 32), ("int8", 64), ("int4", 32), ("int4", 128)])
+@pytest.mark.parametrize("rows", [1, 2])
+def test_int8_activation_kernel_computes_its_reference(kind, group, rows):
+    if not cpu_ops.library().sf_has_avx2():
+        pytest.skip("the integer-dot kernel needs AVX2")
+    g = torch.Generator().manual_seed(rows * 31 + group)
+    qw = quant.quantize(torch.randn(68, 256, generator=g), kind, group)  # 68 rows: 17 full tiles of 4
+    x = torch.randn(rows, 256, generator=g)
+    out = quant.linear(x, [qw], None, int8_activations=True)
+    torch.testing.assert_close(out, _q8x_reference(x, qw), rtol=1e-5, atol=1e-4)
+    exact = x @ qw.dequantize_torch().T
+    assert (out - exact).abs().max() < 0.02 * exact.abs().max()  # the activation rounding, and no more
+
+
 @needs_kernel
 def test_mixed_format_row_blocks_and_the_large_batch_path():
     """A fused q/k/v whose parts were stored in different formats runs as separate blocks; past
@@ -129,7 +161,7 @@ def test_engine_with_quantized_weights_computes_the_dequantized_model(tiny_model
     prompts = [[(17 * i + 5 * j) % 390 + 3 for j in range(12 + 9 * i)] for i in range(8)]
     out = {}
     for label, model, q in (("float", tiny_model_dir, None), ("dequantized", d, None), (kind, tiny_model_dir, kind)):
-        engine = make_engine(model, quantization=q)
+        engine = make_engine(model, quantization=q, cpu_activations="float")
         for i, p in enumerate(prompts):
             engine.add_request(str(i), p, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
         out[label] = {k: r.token_ids for k, r in drain(engine).items()}
@@ -168,7 +200,7 @@ def test_quantized_gguf_serves_at_its_own_precision(tmp_path, monkeypatch):
     floats.mkdir()
     convert_gguf(path, floats, keep_quantized=False)
     theirs = HFModel("f32", floats, transformers.AutoModelForCausalLM.from_pretrained(floats, dtype=torch.float32).eval(), {})
-    engine = make_engine(model_dir)
+    engine = make_engine(model_dir, cpu_activations="float")
     assert engine.model.layers[0].mlp.gate_up.quantized[0].kind == "int4"
     assert engine.model.embed_quantized is not None
     prompt = list(range(3, 50))

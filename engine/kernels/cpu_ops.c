@@ -387,3 +387,139 @@ void sf_silu_mul(const float *gate_up, float *out, int T, int I) {
         for (int i = 0; i < I; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
     }
 }
+
+/* ---- Integer dot products: activations quantized to int8 per 32-block (as llama.cpp's Q8) ----
+ * Dequantizing weights to float costs ~24 instructions per 32 weights; multiplying int4/int8 codes
+ * by int8 activations with maddubs/madd costs ~12, which is what keeps llama.cpp's decode at the
+ * memory-bandwidth floor on AVX2. Activations are rounded per block of 32 (scale = max|x| / 127), so
+ * results differ from the float path by that rounding (measured: loadtest/bench_quant.py). */
+typedef struct {
+    int8_t *q;   /* [M, K] */
+    float *d;    /* [M, K/32] block scales */
+    float *sum;  /* [M, K/32] d * sum(q) of the block: the int4 min term's activation sum */
+} QuantX;
+
+static int quantize_x(const float *x, int ldx, int M, int K, QuantX *out) {
+    int blocks = K / 32;
+    out->q = (int8_t *)malloc((size_t)M * K);
+    out->d = (float *)malloc(sizeof(float) * (size_t)M * blocks);
+    out->sum = (float *)malloc(sizeof(float) * (size_t)M * blocks);
+    if (!out->q || !out->d || !out->sum) return -1;
+    for (int m = 0; m < M; m++)
+        for (int b = 0; b < blocks; b++) {
+            const float *xb = x + (size_t)m * ldx + b * 32;
+            float amax = 0.f;
+            for (int j = 0; j < 32; j++) amax = fmaxf(amax, fabsf(xb[j]));
+            float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
+            int8_t *qb = out->q + (size_t)m * K + b * 32;
+            int total = 0;
+            for (int j = 0; j < 32; j++) {
+                qb[j] = (int8_t)lrintf(xb[j] * inv);
+                total += qb[j];
+            }
+            out->d[(size_t)m * blocks + b] = d;
+            out->sum[(size_t)m * blocks + b] = d * (float)total;
+        }
+    return 0;
+}
+
+static void free_x(QuantX *x) {
+    free(x->q);
+    free(x->d);
+    free(x->sum);
+}
+
+#if SF_AVX2
+static inline __m256i unpack_i4(const uint8_t *p) {
+    __m128i b = _mm_loadu_si128((const __m128i *)p);
+    __m128i mask = _mm_set1_epi8(0x0F);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), mask), _mm_and_si128(b, mask));
+}
+
+/* 32 products of unsigned codes (0..15) or |x| (0..127) with signed bytes, summed into 8 int32 lanes. */
+static inline __m256i dot_u8s8(__m256i u, __m256i s) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+}
+
+INLINE void q8_tile(const QuantX *xq, int K, const void *q, const float *s, const float *mn, int gs, int n0, int m0,
+                    float *y, int ldy, const int int4, const int nrt, const int mrt) {
+    int groups = K / gs, blocks = K / 32;
+    __m256 acc[MAX_ACC];
+    float macc[MAX_ACC];
+    for (int a = 0; a < nrt * mrt; a++) {
+        acc[a] = _mm256_setzero_ps();
+        macc[a] = 0.f;
+    }
+    for (int b = 0; b < blocks; b++) {
+        int g = b * 32 / gs;
+        __m256i xv[4], xabs[4];
+        __m256 dx[4];
+        for (int r = 0; r < mrt; r++) {
+            size_t row = (size_t)(m0 + r);
+            xv[r] = _mm256_loadu_si256((const __m256i *)(xq->q + row * K + b * 32));
+            xabs[r] = _mm256_sign_epi8(xv[r], xv[r]);
+            dx[r] = _mm256_set1_ps(xq->d[row * blocks + b]);
+        }
+        for (int i = 0; i < nrt; i++) {
+            size_t n = (size_t)(n0 + i);
+            __m256 ws = _mm256_set1_ps(s[n * groups + g]);
+            __m256i w = int4 ? unpack_i4((const uint8_t *)q + (n * K + b * 32) / 2)
+                             : _mm256_loadu_si256((const __m256i *)((const int8_t *)q + n * K + b * 32));
+            for (int r = 0; r < mrt; r++) {
+                __m256i dotv = int4 ? dot_u8s8(w, xv[r]) : dot_u8s8(xabs[r], _mm256_sign_epi8(w, xv[r]));
+                acc[i * mrt + r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dotv), _mm256_mul_ps(ws, dx[r]), acc[i * mrt + r]);
+                if (int4) macc[i * mrt + r] += mn[n * groups + g] * xq->sum[(size_t)(m0 + r) * blocks + b];
+            }
+        }
+    }
+    for (int i = 0; i < nrt; i++)
+        for (int r = 0; r < mrt; r++) y[(size_t)(m0 + r) * ldy + n0 + i] = hsum(acc[i * mrt + r]) + macc[i * mrt + r];
+}
+
+#define Q8_ROWS(INT4)                                                                                         \
+    do {                                                                                                      \
+        if (M == 1) { q8_tile(&xq, K, q, s, mn, gs, n0, 0, y, ldy, INT4, 4, 1); break; }                      \
+        for (int h = 0; h < NR; h += 2)                                                                       \
+            for (int m0 = 0; m0 < M; m0 += 4) switch (M - m0 < 4 ? M - m0 : 4) {                              \
+                case 1: q8_tile(&xq, K, q, s, mn, gs, n0 + h, m0, y, ldy, INT4, 2, 1); break;                 \
+                case 2: q8_tile(&xq, K, q, s, mn, gs, n0 + h, m0, y, ldy, INT4, 2, 2); break;                 \
+                case 3: q8_tile(&xq, K, q, s, mn, gs, n0 + h, m0, y, ldy, INT4, 2, 3); break;                 \
+                default: q8_tile(&xq, K, q, s, mn, gs, n0 + h, m0, y, ldy, INT4, 2, 4); break;                \
+            }                                                                                                 \
+    } while (0)
+#endif
+
+/* y = x @ W^T (+ bias) with x rounded to int8 per 32-block. Needs AVX2, K % 32 == 0 and gs % 32 == 0
+ * (returns 1 otherwise: the caller takes the float kernel); -1 when out of memory. */
+int sf_gemm_q8x(const float *x, int ldx, int M, int K, const void *q, const float *s, const float *mn, int N, int gs,
+                int int4, const float *bias, float *y, int ldy, int threads) {
+#if SF_AVX2
+    if (K % 32 || gs % 32) return 1;
+    QuantX xq;
+    if (quantize_x(x, ldx, M, K, &xq) != 0) {
+        free_x(&xq);
+        return -1;
+    }
+    int tiles = (N + NR - 1) / NR;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int t = 0; t < tiles; t++) {
+        int n0 = t * NR, nr = N - n0 < NR ? N - n0 : NR;
+        if (nr == NR) {
+            if (int4) Q8_ROWS(1); else Q8_ROWS(0);
+        } else if (int4) {
+            ref_tile_i4(x, ldx, K, (const uint8_t *)q, s, mn, gs, n0, nr, 0, M, y, ldy);
+        } else {
+            ref_tile_i8(x, ldx, K, (const int8_t *)q, s, gs, n0, nr, 0, M, y, ldy);
+        }
+        if (bias)
+            for (int m = 0; m < M; m++)
+                for (int i = 0; i < nr; i++) y[(size_t)m * ldy + n0 + i] += bias[n0 + i];
+    }
+    free_x(&xq);
+    return 0;
+#else
+    (void)x; (void)ldx; (void)M; (void)K; (void)q; (void)s; (void)mn; (void)N; (void)gs; (void)int4; (void)bias;
+    (void)y; (void)ldy; (void)threads;
+    return 1;
+#endif
+}

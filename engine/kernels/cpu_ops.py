@@ -84,6 +84,8 @@ def library() -> ctypes.CDLL | None:
     lib.sf_gemm_i4.argtypes = [_P, _I, _I, _I, _P, _P, _P, _I, _I, _P, _P, _I, _I]
     lib.sf_dequant_i8.argtypes = [_P, _P, _I, _I, _I, _P, _I, _P, _I]
     lib.sf_dequant_i4.argtypes = [_P, _P, _P, _I, _I, _I, _P, _I, _P, _I]
+    lib.sf_gemm_q8x.argtypes = [_P, _I, _I, _I, _P, _P, _P, _I, _I, _I, _P, _P, _I, _I]
+    lib.sf_gemm_q8x.restype = _I
     lib.sf_add_rmsnorm.argtypes = [_P, _P, _P, _P, _I, _I, ctypes.c_float]
     lib.sf_paged_decode.argtypes = [_P, _I, _I, _I, _I, _I, _P, _I, _P, _I, _P, ctypes.c_float, _I, _P, _I]
     lib.sf_rope_store.argtypes = [_P, _I, _I, _I, _I, _P, _P, _P, _I]
