@@ -2,9 +2,10 @@
 
 Variants of SmolLM2-135M-Instruct from its one GGUF (Q4_1 matmuls, Q8_0 embedding): float32
 (every tensor dequantized), int8 and int4 (that float32 checkpoint quantized at load with
---quantization), and the GGUF served at its own precision (the default). Per variant: matmul
-weight bytes, decode tok/s at batch 1 and 16, prefill tok/s, perplexity on loadtest/data/prose.txt
-and greedy agreement with float32 on 16 prompts. Then, with --vs-llama-server, the HTTP serving
+--quantization), and the GGUF served at its own precision (the default) with float or int8
+activations (--cpu-activations). Per variant: matmul weight bytes, decode tok/s at batch 1 and 16,
+prefill tok/s, perplexity on loadtest/data/prose.txt as decode computes it, and greedy agreement
+with float32 on 16 prompts. Then, with --vs-llama-server, the HTTP serving
 comparison of loadtest/vs_llama_server.py.
 """
 
@@ -20,6 +21,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from engine import quant
 from engine.engine_config import EngineConfig
 from engine.kernels import cpu_ops
 from engine.llm_engine import LLMEngine
@@ -67,24 +69,37 @@ def prefill_rate(engine: LLMEngine, n: int, salt: int) -> float:
     return ours_prefill(engine, random_ids(engine.model_config.vocab_size, n, salt), salt)
 
 
+def decode_perplexity(engine: LLMEngine) -> float:
+    """Perplexity with every row computed by the kernels decode uses (the integer-dot kernel with int8
+    activations), not prefill's dequantize-and-GEMM: the accuracy of what is served token by token."""
+    saved = quant.KERNEL_MAX_ROWS, quant.Q8X_MAX_ROWS
+    quant.KERNEL_MAX_ROWS = quant.Q8X_MAX_ROWS = 1 << 30
+    try:
+        return quality.perplexity(engine)[0]
+    finally:
+        quant.KERNEL_MAX_ROWS, quant.Q8X_MAX_ROWS = saved
+
+
 def main_quant(args: argparse.Namespace) -> int:
     name = args.model or DEFAULT_MODEL
     native = fetch_builtin(name)
     floats = fetch_builtin(name, keep_quantized=False)
-    variants = [("float32", floats, None), ("int8", floats, "int8"), ("int4", floats, "int4"),
-                ("GGUF Q4_1", native, None)]
+    variants = [("float32", floats, None, "float"), ("int8", floats, "int8", "int8"),
+                ("int4", floats, "int4", "int8"), ("Q4_1 float-x", native, None, "float"),
+                ("Q4_1 int8-x", native, None, "int8")]
     rows: dict[str, dict[str, float]] = {}
     greedy_ref: list[list[int]] = []
-    for label, path, q in tqdm(variants, desc="variants", file=sys.stderr):
+    for label, path, q, act in tqdm(variants, desc="variants", file=sys.stderr):
         t0 = time.perf_counter()
         engine = LLMEngine(EngineConfig(model=str(path), device="cpu", threads=args.threads, quantization=q,
-                                        kv_cache_gb=0.5, max_num_batched_tokens=512, enable_prefix_cache=False))
+                                        cpu_activations=act, kv_cache_gb=0.5, max_num_batched_tokens=512,
+                                        enable_prefix_cache=False))
         r: dict[str, float] = {"load_s": time.perf_counter() - t0, "mb": weight_bytes(engine) / 1e6}
         decode_rate(engine, 1, f"warm-{label}", 8)
         for b in (1, 16):
             r[f"decode_{b}"] = statistics.median(decode_rate(engine, b, f"{label}-{b}-{i}") for i in range(args.rounds))
         r["prefill_512"] = statistics.median(prefill_rate(engine, 512, 1000 + i) for i in range(args.rounds))
-        r["ppl"], _ = quality.perplexity(engine)
+        r["ppl"] = decode_perplexity(engine)
         outs = quality.greedy(engine, quality.prompt_set(engine))
         if not greedy_ref:
             greedy_ref = outs
@@ -94,16 +109,16 @@ def main_quant(args: argparse.Namespace) -> int:
     print(f"\nSmolLM2-135M-Instruct, CPU: {cpu_flags()}; C kernels: "
           f"{'on' if cpu_ops.library() is not None else 'off (torch paths)'}; medians of {args.rounds} rounds")
     names = list(rows)
-    print(f"{'':<28}" + "".join(f"{n:>13}" for n in names))
+    print(f"{'':<28}" + "".join(f"{n:>14}" for n in names))
     fmt = [("matmul weights, MB", "mb", "{:.0f}"), ("load, s", "load_s", "{:.2f}"),
            ("decode batch 1, tok/s", "decode_1", "{:.1f}"), ("decode batch 16, tok/s", "decode_16", "{:.1f}"),
            ("prefill 512, tok/s", "prefill_512", "{:.0f}"), ("perplexity (prose.txt)", "ppl", "{:.3f}"),
            ("greedy = float32", "same", "{:.0%}"), ("greedy common prefix", "prefix", "{:.0%}")]
     for label, key, f in fmt:
-        print(f"{label:<28}" + "".join(f"{f.format(rows[n][key]):>13}" for n in names))
+        print(f"{label:<28}" + "".join(f"{f.format(rows[n][key]):>14}" for n in names))
     base = rows["float32"]
-    print(f"{'batch 1 vs float32':<28}" + "".join(f"{rows[n]['decode_1'] / base['decode_1']:>12.2f}x" for n in names))
-    print(f"{'perplexity vs float32':<28}" + "".join(f"{rows[n]['ppl'] / base['ppl'] - 1:>+13.1%}" for n in names))
+    print(f"{'batch 1 vs float32':<28}" + "".join(f"{rows[n]['decode_1'] / base['decode_1']:>13.2f}x" for n in names))
+    print(f"{'perplexity vs float32':<28}" + "".join(f"{rows[n]['ppl'] / base['ppl'] - 1:>+14.2%}" for n in names))
     print("targets: int4 perplexity within 3% of float32")
     if args.vs_llama_server is not None:
         from loadtest import vs_llama_server

@@ -15,7 +15,6 @@ import json
 import os
 import random
 import signal
-import statistics
 import subprocess
 import time
 import urllib.request
@@ -49,6 +48,7 @@ class Row:
     itl_p99: float
     requests: int
     errors: int
+    error_sample: str | None = None
 
 
 def prompt(rng: random.Random) -> str:
@@ -106,8 +106,9 @@ async def closed_loop(url: str, model: str, streams: int, duration_s: float, see
 def summarize(server: str, streams: int, results: list[Stream], wall: float) -> Row:
     ok = [r for r in results if r.error is None and r.ttft is not None]
     gaps = [g for r in ok for g in r.gaps]
+    failed = [r.error or "no token streamed" for r in results if r not in ok]
     return Row(server, streams, sum(r.tokens for r in ok) / wall, pct([r.ttft for r in ok], 50), pct(gaps, 50),
-               pct(gaps, 99), len(results), len(results) - len(ok))
+               pct(gaps, 99), len(results), len(failed), failed[0] if failed else None)
 
 
 class LlamaServer:
@@ -197,6 +198,8 @@ def table(rows: list[Row]) -> str:
                 lines.append(f"| {n} stream{'s' if n > 1 else ''}: {label} | {cell} |")
     errors = sum(r.errors for r in rows)
     lines.append(f"\n(ratio: splitfire's advantage, >1 is better for splitfire; {sum(r.requests for r in rows)} "
-                 f"requests, {errors} errors; medians over every request/gap in the run)")
-    _ = statistics  # (pct is the percentile used above)
+                 f"requests, {errors} errors; percentiles over every request/gap in the run)")
+    for r in rows:
+        if r.errors:
+            lines.append(f"  {r.server} x{r.streams}: {r.errors} of {r.requests} failed, e.g. {r.error_sample}")
     return "\n".join(lines)
