@@ -26,7 +26,7 @@ import aiohttp
 from loadtest.stack import Stack, free_port
 from loadtest.workload import WORDS, pct
 
-PROMPT_WORDS = 200  # ~256 SmolLM2 tokens
+PROMPT_WORDS = 255  # ~256 SmolLM2 tokens
 MAX_TOKENS = 128
 
 

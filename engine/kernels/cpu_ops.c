@@ -279,9 +279,8 @@ void sf_add_rmsnorm(float *x, const float *h, const float *w, float *out, int ro
 /* ---- Paged decode attention (float32 cache) ----
  * One query token per sequence; its keys and values are read in place through the block table
  * (cache layout [blocks, 2, block_size, kv_heads, D]: K then V of a block), so nothing is gathered
- * or padded. Work is split over (sequence, kv head); each task scores all keys for the query heads
- * sharing that kv head, then softmax, then the weighted sum of values. `window` > 0 keeps the last
- * `window` keys only (sliding-window layers). */
+ * or padded. Each task scores one query head's keys, then softmax, then the weighted sum of
+ * values. `window` > 0 keeps the last `window` keys only (sliding-window layers). */
 static inline float dot(const float *a, const float *b, int n) {
 #if SF_AVX2
     if (n % 8 == 0) {
@@ -307,46 +306,47 @@ static inline void axpy(float *y, float a, const float *x, int n) {
     for (int i = 0; i < n; i++) y[i] += a * x[i];
 }
 
-int sf_paged_decode(const float *q, int ldq, int B, int H, int KVH, int D, const float *cache, int bs, const int64_t *tables,
-                    int max_blocks, const int64_t *ctx_lens, float scale, int window, float *out, int threads) {
+int sf_paged_decode(const float *q, int ldq, int B, int H, int KVH, int D, const float *cache, int bs,
+                    const int64_t *tables, int max_blocks, const int64_t *ctx_lens, float scale, int window,
+                    float *out, int threads) {
     int G = H / KVH, failed = 0;
     size_t slot = (size_t)KVH * D, block = 2 * (size_t)bs * slot;
+    /* One task per (sequence, query head): SmolLM2's 3 kv heads split 2:1 over two threads, its 9
+     * query heads 5:4. Heads sharing a kv head read the same keys from cache, not memory. */
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
-    for (int task = 0; task < B * KVH; task++) {
-        int b = task / KVH, kh = task % KVH;
+    for (int task = 0; task < B * H; task++) {
+        int b = task / H, h = task % H, kh = h / G;
         int64_t ctx = ctx_lens[b];
         int64_t start = window > 0 && ctx > window ? ctx - window : 0;
         int64_t n = ctx - start;
-        float *scores = (float *)malloc(sizeof(float) * (size_t)(n > 0 ? n : 1) * G);
-        if (!scores) {
+        float *sc = (float *)malloc(sizeof(float) * (size_t)(n > 0 ? n : 1));
+        if (!sc) {
             failed = 1;
             continue;
         }
         const int64_t *table = tables + (size_t)b * max_blocks;
-        for (int g = 0; g < G; g++) {
-            const float *qh = q + (size_t)b * ldq + (size_t)(kh * G + g) * D;
-            float *sc = scores + (size_t)g * n, mx = -INFINITY;
-            for (int64_t t = 0; t < n; t++) {
-                int64_t p = start + t;
-                const float *k = cache + table[p / bs] * block + (size_t)(p % bs) * slot + (size_t)kh * D;
-                sc[t] = dot(qh, k, D) * scale;
-                if (sc[t] > mx) mx = sc[t];
-            }
-            float sum = 0.f;
-            for (int64_t t = 0; t < n; t++) {
-                sc[t] = expf(sc[t] - mx);
-                sum += sc[t];
-            }
-            float *o = out + ((size_t)b * H + kh * G + g) * D;
-            memset(o, 0, sizeof(float) * D);
-            for (int64_t t = 0; t < n; t++) {
-                int64_t p = start + t;
-                const float *v = cache + table[p / bs] * block + (size_t)bs * slot + (size_t)(p % bs) * slot +
-                                 (size_t)kh * D;
-                axpy(o, sc[t] / sum, v, D);
-            }
+        const float *qh = q + (size_t)b * ldq + (size_t)h * D;
+        float mx = -INFINITY;
+        for (int64_t t = 0; t < n; t++) {
+            int64_t p = start + t;
+            const float *k = cache + table[p / bs] * block + (size_t)(p % bs) * slot + (size_t)kh * D;
+            sc[t] = dot(qh, k, D) * scale;
+            if (sc[t] > mx) mx = sc[t];
         }
-        free(scores);
+        float sum = 0.f;
+        for (int64_t t = 0; t < n; t++) {
+            sc[t] = expf(sc[t] - mx);
+            sum += sc[t];
+        }
+        float *o = out + ((size_t)b * H + h) * D;
+        memset(o, 0, sizeof(float) * D);
+        for (int64_t t = 0; t < n; t++) {
+            int64_t p = start + t;
+            const float *v = cache + table[p / bs] * block + (size_t)bs * slot + (size_t)(p % bs) * slot +
+                             (size_t)kh * D;
+            axpy(o, sc[t] / sum, v, D);
+        }
+        free(sc);
     }
     return failed ? -1 : 0;
 }
