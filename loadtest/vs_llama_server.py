@@ -92,7 +92,10 @@ async def closed_loop(url: str, model: str, streams: int, duration_s: float, see
     (requests under way at the end are finished and counted)."""
     rng = random.Random(seed)
     results: list[Stream] = []
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900)) as session:
+    # A fresh connection per request: llama-server closes idle keep-alive connections, and a pooled
+    # one it closed fails the next request's write (counted as an error, not a server's fault).
+    conn = aiohttp.TCPConnector(force_close=True)
+    async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=900)) as session:
         t0 = time.perf_counter()
 
         async def client() -> None:
@@ -159,7 +162,7 @@ def _measure(url: str, model: str, name: str, levels: list[int], duration_s: flo
 
 
 def run(gguf: Path, llama_server: str | None, levels: list[int], duration_s: float, log_dir: Path,
-        splitfire_args: list[str]) -> list[Row]:
+        splitfire_args: list[str], label: str = "splitfire") -> list[Row]:
     rows: list[Row] = []
     if llama_server:
         srv = LlamaServer(llama_server, gguf, max(levels), 2, log_dir / "llama-server.log")
@@ -168,38 +171,71 @@ def run(gguf: Path, llama_server: str | None, levels: list[int], duration_s: flo
             rows += _measure(srv.url, "model", "llama-server", levels, duration_s)
         finally:
             srv.stop()
-    with Stack("splitfire", ["--colocated", "--model", str(gguf), *splitfire_args], log_dir) as st:
+    with Stack(label, ["--colocated", "--model", str(gguf), *splitfire_args], log_dir) as st:
         with urllib.request.urlopen(st.url + "/v1/models", timeout=10) as r:
             model = json.load(r)["data"][0]["id"]
-        rows += _measure(st.url, model, "splitfire", levels, duration_s)
+        rows += _measure(st.url, model, label, levels, duration_s)
     return rows
 
 
 def table(rows: list[Row]) -> str:
+    """One column per server/configuration, in run order; the ratio columns compare each splitfire
+    configuration with llama-server (>1: better for splitfire)."""
     by = {(r.server, r.streams): r for r in rows}
-    levels = sorted({r.streams for r in rows})
-    both = any(r.server == "llama-server" for r in rows)
-    lines = ["| | " + (" llama-server | splitfire | ratio |" if both else " splitfire |"),
-             "| --- | " + ("---: | ---: | ---: |" if both else "---: |")]
-    for n in levels:
-        for label, attr, unit, higher_better in (("output tok/s", "output_tok_s", "", True),
-                                                  ("TTFT p50", "ttft_p50", "ms", False),
-                                                  ("inter-token p50", "itl_p50", "ms", False),
-                                                  ("inter-token p99", "itl_p99", "ms", False)):
-            ours = getattr(by[("splitfire", n)], attr)
-            scale = 1000 if unit == "ms" else 1
-            cell = f"{ours * scale:.1f}{' ' + unit if unit else ''}"
-            if both:
-                theirs = getattr(by[("llama-server", n)], attr)
-                ratio = ours / theirs if higher_better else theirs / ours
-                lines.append(f"| {n} stream{'s' if n > 1 else ''}: {label} | {theirs * scale:.1f}"
-                             f"{' ' + unit if unit else ''} | {cell} | {ratio:.2f}x |")
-            else:
-                lines.append(f"| {n} stream{'s' if n > 1 else ''}: {label} | {cell} |")
+    servers = list(dict.fromkeys(r.server for r in rows))
+    ours = [n for n in servers if n != "llama-server"]
+    base = "llama-server" if "llama-server" in servers else None
+    head = "| | " + " | ".join(servers) + (" | " + " | ".join(f"{n} / llama-server" for n in ours) if base else "") + " |"
+    lines = [head, "|" + " --- |" + " ---: |" * (len(servers) + (len(ours) if base else 0))]
+    metrics = (("output tok/s", "output_tok_s", 1, "", True), ("TTFT p50", "ttft_p50", 1000, " ms", False),
+               ("inter-token p50", "itl_p50", 1000, " ms", False), ("inter-token p99", "itl_p99", 1000, " ms", False))
+    for n in sorted({r.streams for r in rows}):
+        for label, attr, scale, unit, higher_better in metrics:
+            cells = [f"{getattr(by[(srv, n)], attr) * scale:.1f}{unit}" for srv in servers]
+            if base:
+                theirs = getattr(by[(base, n)], attr)
+                for o in ours:
+                    v = getattr(by[(o, n)], attr)
+                    cells.append(f"{(v / theirs if higher_better else theirs / v):.2f}x")
+            lines.append(f"| {n} stream{'s' if n > 1 else ''}: {label} | " + " | ".join(cells) + " |")
     errors = sum(r.errors for r in rows)
-    lines.append(f"\n(ratio: splitfire's advantage, >1 is better for splitfire; {sum(r.requests for r in rows)} "
-                 f"requests, {errors} errors; percentiles over every request/gap in the run)")
+    lines.append(f"\n({sum(r.requests for r in rows)} requests, {errors} errors; percentiles over every request/gap "
+                 "in the run)")
     for r in rows:
         if r.errors:
             lines.append(f"  {r.server} x{r.streams}: {r.errors} of {r.requests} failed, e.g. {r.error_sample}")
     return "\n".join(lines)
+
+
+def main() -> int:
+    """Just the HTTP comparison: llama-server, then splitfire as configured by each --config."""
+    import argparse
+    import tempfile
+
+    from engine.model_store import DEFAULT_MODEL, builtin_gguf
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--llama-server", default=None, help="path of a llama-server binary (else splitfire alone)")
+    p.add_argument("--gguf", default=None, help="default: the built-in SmolLM2 GGUF")
+    p.add_argument("--streams", default="1,16")
+    p.add_argument("--duration", type=float, default=30.0)
+    p.add_argument("--config", action="append", default=[],
+                   help="NAME=ARGS: a splitfire configuration, `splitfire up` arguments after '=' (repeatable; "
+                        "default: one named splitfire with none)")
+    args = p.parse_args()
+    gguf = Path(args.gguf) if args.gguf else builtin_gguf(DEFAULT_MODEL)
+    levels = [int(x) for x in args.streams.split(",")]
+    configs = [c.split("=", 1) for c in args.config] or [["splitfire", ""]]
+    rows: list[Row] = []
+    with tempfile.TemporaryDirectory(prefix="vs-llama-") as logs:
+        for i, (name, extra) in enumerate(configs):
+            rows += run(gguf, args.llama_server if i == 0 else None, levels, args.duration, Path(logs), extra.split(),
+                        label=name)
+    print(f"\n/v1/completions, ~256-token prompts, {MAX_TOKENS} tokens out, greedy, closed loop, "
+          f"{args.duration:.0f} s per level, every server on this machine's CPU:")
+    print(table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
