@@ -97,10 +97,13 @@ class LLMEngine:
         t0 = time.perf_counter()
         self.model = load_model(self.model_dir, self.device, self.dtype, config.quantization)
         self.model.set_int8_activations(config.cpu_activations == "int8")
+        weights_s = time.perf_counter() - t0
         self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
                                  self.model_config.max_position_embeddings)
         self.model.build_rope_cache(self.max_model_len + 1, self.device, self.dtype)
+        t_kv = time.perf_counter()
         self.kv = KVCache(self._kv_layout(), self.device)
+        kv_s = time.perf_counter() - t_kv
         self.blocks = BlockManager(self.kv.layout.num_blocks, config.block_size, config.enable_prefix_cache)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.blocks)
         self.eos_token_ids = self.tokenizer.eos_token_ids or frozenset(self.model_config.eos_token_ids)
@@ -119,9 +122,10 @@ class LLMEngine:
         self.to_publish: list[tuple[list[bytes], list[int]]] = []
         self.store_hit_tokens = 0
         log.info(
-            "engine ready model=%s device=%s dtype=%s kv_blocks=%d block_size=%d kv_mib=%.0f load_s=%.2f",
+            "engine ready model=%s device=%s dtype=%s kv_blocks=%d block_size=%d kv_mib=%.0f load_s=%.2f "
+            "weights_s=%.3f kv_s=%.3f",
             self.model_dir, self.device, self.dtype, self.kv.layout.num_blocks, config.block_size,
-            self.kv.nbytes / 2**20, time.perf_counter() - t0,
+            self.kv.nbytes / 2**20, time.perf_counter() - t0, weights_s, kv_s,
         )
 
     def _kv_layout(self) -> KVLayout:

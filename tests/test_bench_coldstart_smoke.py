@@ -1,0 +1,25 @@
+"""The cold-start benchmark runs end to end on the tiny model: `serve` becomes ready and answers,
+`generate` produces a token, and every phase is reported (no timing assertions)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_bench_coldstart_reports_every_phase(tiny_model_dir):
+    out = subprocess.run([sys.executable, "-m", "loadtest.bench_coldstart", "--model", str(tiny_model_dir),
+                          "--rounds", "1", "--kv-cache-gb", "0.01", "--threads", "1"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    text = out.stdout
+    for mark in ("engine ready", "worker ready", "first token", "first token (exit)", "read weight files, cold",
+                 "peak RSS"):
+        assert mark in text, text
+    serve = text.split("serve, warm page cache")[1].split("serve, cold page cache")[0]
+    times = [float(m) for m in re.findall(r"^  (?:engine ready|worker ready|first token)\s+([0-9.]+)$", serve, re.M)]
+    assert len(times) >= 3 and times == sorted(times) and times[0] > 0  # phases in order
