@@ -24,7 +24,7 @@ from pathlib import Path
 import aiohttp
 
 from loadtest.stack import Stack, free_port
-from loadtest.workload import WORDS, pct
+from loadtest.workload import WORDS, pct, sse_events
 
 PROMPT_WORDS = 255  # ~256 SmolLM2 tokens
 MAX_TOKENS = 128
@@ -66,10 +66,7 @@ async def _one(session: aiohttp.ClientSession, url: str, model: str, text: str) 
             if resp.status != 200:
                 s.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
                 return s
-            async for line in resp.content:
-                if not line.startswith(b"data: {"):
-                    continue
-                obj = json.loads(line[6:])
+            async for obj in sse_events(resp):
                 if "error" in obj:
                     s.error = str(obj["error"])[:200]
                     break

@@ -7,6 +7,7 @@ import json
 import random
 import statistics
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -68,6 +69,13 @@ def mixed_workload(seed: int, duration_s: float, short_rate: float, long_every_s
     return sorted(jobs, key=lambda j: j.at)
 
 
+async def sse_events(resp: aiohttp.ClientResponse) -> AsyncIterator[dict]:
+    """The JSON objects of an OpenAI-style event stream (`data: {...}` lines; `[DONE]` skipped)."""
+    async for line in resp.content:
+        if line.startswith(b"data: {"):
+            yield json.loads(line[6:])
+
+
 async def run_one(session: aiohttp.ClientSession, url: str, model: str, job: Job, t_bench: float) -> Result:
     r = Result(job)
     body = {"model": model, "messages": job.messages, "max_tokens": job.max_tokens, "temperature": 0,
@@ -80,10 +88,7 @@ async def run_one(session: aiohttp.ClientSession, url: str, model: str, job: Job
             if resp.status != 200:
                 r.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
                 return r
-            async for line in resp.content:
-                if not line.startswith(b"data: {"):
-                    continue
-                obj = json.loads(line[6:])
+            async for obj in sse_events(resp):
                 if "error" in obj:
                     r.error = obj["error"]["message"]
                     break
