@@ -8,7 +8,7 @@ from engine.attention import AttentionMetadata, DecodeBatch, PrefillSegment, ker
 from engine.constrained import GrammarEngine
 from engine.kv_cache import KVCache
 from engine.model import DecoderModel, LayerHook
-from engine.sampler import sample
+from engine.sampler import sample, speculative_targets
 from engine.scheduler import ScheduledSeq
 from engine.sequence import TokenLogprob
 
@@ -106,9 +106,9 @@ class ModelRunner:
         plain: list[int] = []  # logits rows of ordinary samples
         row = 0
         for s in batch:
-            if s.draft:  # speculative rows: the model's greedy token after each fed token
+            if s.draft:  # speculative rows: the token drawn after each fed token
                 n = len(s.draft) + 1
-                s.targets = logits[row:row + n].argmax(-1).tolist()
+                s.targets = speculative_targets(logits[row:row + n], s.seq, s.draft)
                 row += n
             elif s.samples:
                 plain.append(row)

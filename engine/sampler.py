@@ -112,3 +112,19 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], grammar: GrammarEngine | 
         info = top_logprobs(raw_lp[i], token, sp.logprobs) if raw_lp is not None and want_lp[i] else None
         out.append((token, info))
     return out
+
+
+def speculative_targets(rows: torch.Tensor, seq: Sequence, draft: list[int]) -> list[int]:
+    """The tokens the sampler draws at a verification step's rows (`rows`: [len(draft) + 1, vocab]):
+    row j is the sequence's (num_generated + j)-th token, drawn as `sample` would draw it. Stops
+    at the first row that disagrees with the draft (nothing after it is emitted)."""
+    sp = seq.sampling
+    if sp.greedy:
+        return rows.argmax(-1).tolist()
+    out: list[int] = []
+    for j in range(rows.shape[0]):
+        gen = seeded_generator(sp.seed, seq.num_generated + j, rows.device) if sp.seed is not None else None
+        out.append(draw(filtered_probs(rows[j], sp), gen))
+        if j < len(draft) and out[-1] != draft[j]:
+            break
+    return out

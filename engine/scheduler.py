@@ -29,7 +29,7 @@ class ScheduledSeq:
     seq: Sequence
     num_tokens: int  # tokens computed this step, from seq.num_computed_tokens
     draft: list[int] = field(default_factory=list)  # speculative tokens fed after the sequence's last one
-    targets: list[int] = field(default_factory=list)  # the model's greedy tokens at each drafted row (set by the runner)
+    targets: list[int] = field(default_factory=list)  # the tokens drawn at each drafted row (set by the runner)
 
     @property
     def samples(self) -> bool:

@@ -1,11 +1,15 @@
-"""Prompt-lookup (n-gram) speculative decoding for greedy requests.
+"""Prompt-lookup (n-gram) speculative decoding, lossless for greedy and sampled requests.
 
 A drafter proposes up to k tokens for a running sequence by finding the latest earlier
 occurrence of its last n tokens (n = 3, 2, 1) in the prompt and output so far and copying what
 followed. The target model then computes the fed token plus the k drafts in one step (as a
-chunk over the paged KV cache); every draft the model's own argmax agrees with is accepted,
-followed by the model's token at the first disagreement (or after the last draft). Greedy
-output is therefore identical to decoding one token per step; only the number of steps changes.
+chunk over the paged KV cache). At each row the sampler draws the token it would have drawn
+without speculation (greedy: the argmax; sampled: the same draw, from the generator of that
+token's index when seeded); drafts equal to those tokens are accepted, followed by the drawn
+token at the first disagreement (or after the last draft). Every emitted token is therefore a
+draw from the target distribution given the tokens before it — for a point-mass draft this
+is exactly speculative rejection sampling (accept with p(draft), else a draw from p without
+the draft) — and a seeded request emits the very tokens it would without speculation.
 Rejected positions' K/V slots are simply not counted as computed and are overwritten later.
 
 k adapts per sequence: drafts that keep missing make it skip drafting (a probe every
@@ -33,11 +37,11 @@ class SpecState:
 
 
 def eligible(seq: Sequence) -> bool:
-    """Speculation is exact here only for plain greedy decoding (no penalties, biases, grammars,
-    logprobs or min_tokens): the verifier compares the model's argmax with each draft."""
+    """Speculation runs where each row's token depends only on that row's logits and the token's
+    index: no penalties, biases or min_tokens (they change with the tokens before), no grammar,
+    no logprobs."""
     sp = seq.sampling
-    return (seq.mode == Mode.FULL and sp.greedy and not sp.penalized and seq.matcher is None
-            and sp.logprobs is None)
+    return seq.mode == Mode.FULL and not sp.penalized and seq.matcher is None and sp.logprobs is None
 
 
 def ngram_draft(tokens: list[int], k: int) -> list[int]:

@@ -16,6 +16,7 @@ import torch
 from engine.scheduler import ScheduledSeq
 from kvtransfer.descriptors import KVRegion
 from kvtransfer.writer import KVWriter, TransferJob, make_job
+from prefill_worker.layer_events import LayerEvents, event_factory
 
 
 @dataclass
@@ -44,7 +45,8 @@ class LayerwiseKVSender:
     def __init__(self, writer: KVWriter, block_size: int, device: torch.device):
         self.writer = writer
         self.block_size = block_size
-        self.sync_device = device.type == "cuda"
+        # Each layer's writes are submitted by a sender thread once that layer's event has fired.
+        self.layers = LayerEvents(event_factory(device))
         self.plans: dict[str, TransferPlan] = {}  # engine thread only
         # Requests with a write that failed or timed out: Mooncake may still complete it later, so
         # their destination blocks are never declared settled (the decode side quarantines them).
@@ -87,14 +89,19 @@ class LayerwiseKVSender:
     def after_layer(self, layer: int) -> None:
         if not self._jobs:
             return
-        if self.sync_device:
-            torch.cuda.current_stream().synchronize()  # the layer's K/V must be in memory before it is read
-        for _, job, _ in self._jobs:
-            self.writer.submit_layer(job, layer)
+        jobs = [job for _, job, _ in self._jobs]
+
+        def submit() -> None:  # on the sender thread, once the layer's K/V are in memory
+            for job in jobs:
+                self.writer.submit_layer(job, layer)
+
+        self.layers.layer_done(submit)
 
     def after_forward(self) -> dict[str, str]:
         compute_s = time.perf_counter() - self._t0
         jobs = [job for _, job, _ in self._jobs]
+        if jobs:
+            self.layers.drain()  # every layer's writes submitted (happens-before: the queue's join)
         self.writer.wait(jobs)
         errors: dict[str, str] = {}
         for plan, job, full_blocks in self._jobs:

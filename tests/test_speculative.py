@@ -136,3 +136,61 @@ def test_a_speculative_finish_keeps_the_output_blocks_cached(tiny_model_dir):
         return [out[f"t2-{i}"].cached_tokens for i in range(len(prompts))]
 
     assert next_turn_hits(base) == next_turn_hits(None)
+
+
+def test_seeded_sampled_requests_speculate_and_emit_the_tokens_they_would_without(tiny_model_dir):
+    """Sampled speculation draws each row's token as the sampler would (the seeded generator of that
+    token's index), so a seeded request's output is the same with drafts as without."""
+    def run(spec: str):
+        eng = make_engine(tiny_model_dir, speculative=spec, speculative_max_batch=8)
+        for i, p in enumerate(_prompts()):
+            eng.add_request(str(i), p, SamplingParams(temperature=0.7, top_p=0.95, top_k=40, seed=11 + i,
+                                                      max_tokens=40, ignore_eos=True))
+        out = {k: v.token_ids for k, v in drain(eng).items()}
+        assert eng.blocks.stats().used == 0
+        return out, eng
+
+    base, _ = run("off")
+    spec, eng = run("ngram")
+    assert spec == base
+    assert eng.drafter.drafted > 0 and eng.drafter.accepted > 0
+
+
+def test_unseeded_sampled_verification_keeps_the_target_distribution():
+    """The first token a verification emits, over 20,000 unseeded draws with the same draft, against
+    the target distribution (temperature 0.8, top-k 20): chi-square below its 0.999 quantile, and
+    the draft accepted at the rate p(draft) (speculative rejection sampling for a point-mass draft).
+    torch's global seed is fixed, so the test is deterministic."""
+    import math
+
+    import torch
+
+    from engine.sampler import filtered_probs, speculative_targets
+    from engine.sequence import Sequence
+
+    torch.manual_seed(0)
+    vocab, draft = 50, [3, 9]
+    rows = torch.randn(3, vocab) * 2
+    rows[0, 3] += 2.5  # a draft the target likes, but not always
+    sp = SamplingParams(temperature=0.8, top_k=20)
+    seq = Sequence("r", [1, 2], sp)
+    p = filtered_probs(rows[0], sp)
+    p = p / p.sum()
+    n = 20_000
+    counts = torch.zeros(vocab)
+    accepted = 0
+    for _ in range(n):
+        first = verify(draft, speculative_targets(rows, seq, draft))[0]
+        counts[first] += 1
+        accepted += first == draft[0]
+    expected = p * n
+    keep = expected >= 5  # rare tokens pooled into one cell, as chi-square needs
+    obs = torch.cat([counts[keep], counts[~keep].sum().view(1)])
+    exp = torch.cat([expected[keep], expected[~keep].sum().view(1)])
+    chi2 = float(((obs - exp) ** 2 / exp.clamp(min=1e-9)).sum())
+    dof = int(keep.sum())
+    z = 3.090  # the 0.999 normal quantile; Wilson-Hilferty approximation of the chi-square quantile
+    bound = dof * (1 - 2 / (9 * dof) + z * math.sqrt(2 / (9 * dof))) ** 3
+    assert chi2 < bound, (chi2, dof, bound)
+    assert counts[~(p > 0)].sum() == 0  # nothing outside top-k ever emitted
+    assert abs(accepted / n - float(p[3])) < 4 * math.sqrt(float(p[3]) * (1 - float(p[3])) / n)

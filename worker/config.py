@@ -107,8 +107,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-prefix-cache", action="store_true", help="disable prefix caching")
     g.add_argument("--threads", type=int, default=_env("threads", None), help="torch CPU threads")
     g.add_argument("--speculative", default=_env("speculative", "off"), choices=["off", "ngram"],
-                   help="speculative decoding for greedy requests: ngram = prompt lookup (drafts copied from earlier "
-                        "text, verified in one step; output identical); default ngram on decode workers, else off; prefill "
+                   help="speculative decoding: ngram = prompt lookup (drafts copied from earlier "
+                        "text, verified in one step; greedy and seeded output identical, sampled output from the same distribution); default ngram on decode workers, else off; prefill "
                         "workers never decode, so it does nothing there")
     g.add_argument("--num-speculative-tokens", type=int, default=int(_env("num_speculative_tokens", 4)),
                    help="drafts per verification step at most")
@@ -139,7 +139,7 @@ def engine_config_from(args: argparse.Namespace) -> EngineConfig:
 
 def add_worker_args(p: argparse.ArgumentParser, role: str) -> None:
     add_engine_args(p)
-    if role == "decode":  # decode workers speculate by default (prompt lookup: greedy requests, lossless)
+    if role == "decode":  # decode workers speculate by default (prompt lookup, lossless)
         p.set_defaults(speculative=_env("speculative", "ngram"))
     g = p.add_argument_group("serving")
     g.add_argument("--host", default=_env("host", "0.0.0.0"), help="bind address")
