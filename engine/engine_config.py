@@ -22,6 +22,7 @@ class EngineConfig:
     gpu_memory_fraction: float = 0.85  # of free GPU memory after weights, on CUDA
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
+    max_prefill_tokens_while_decoding: int | None = None  # prompt tokens per step while streams decode
     max_model_len: int | None = None  # None = the model's max_position_embeddings
     enable_prefix_cache: bool = True
     threads: int | None = None  # torch intra-op threads on CPU; None = torch's default
@@ -51,6 +52,9 @@ class EngineConfig:
                 f"--max-num-batched-tokens ({self.max_num_batched_tokens}) must be >= --max-num-seqs "
                 f"({self.max_num_seqs}): every running sequence needs one token per step"
             )
+        if self.max_prefill_tokens_while_decoding is not None and self.max_prefill_tokens_while_decoding < 1:
+            raise ValueError("--max-prefill-tokens-while-decoding must be >= 1 (or unset), got "
+                             f"{self.max_prefill_tokens_while_decoding}")
         if self.quantization not in (None, "int8", "int4"):
             raise ValueError(f"--quantization must be int8 or int4 (or unset), got {self.quantization!r}")
         if self.cpu_activations not in ("int8", "float"):

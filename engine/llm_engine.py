@@ -105,7 +105,8 @@ class LLMEngine:
         self.kv = KVCache(self._kv_layout(), self.device)
         kv_s = time.perf_counter() - t_kv
         self.blocks = BlockManager(self.kv.layout.num_blocks, config.block_size, config.enable_prefix_cache)
-        self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.blocks)
+        self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
+                                                   config.max_prefill_tokens_while_decoding), self.blocks)
         self.eos_token_ids = self.tokenizer.eos_token_ids or frozenset(self.model_config.eos_token_ids)
         self.grammar = GrammarEngine(self.model_dir / "tokenizer.json", self.model_config.vocab_size,
                                      sorted(self.eos_token_ids), config.threads)

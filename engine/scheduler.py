@@ -22,6 +22,10 @@ from engine.sequence import Sequence, Status
 class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512  # per-step token budget: the prefill chunk size
+    # Prompt tokens a step may carry while sequences are decoding (None: the whole budget). A step's
+    # time grows with its prompt tokens, and every running stream waits for it: a smaller chunk
+    # bounds their inter-token latency at the cost of time to first token.
+    max_prefill_tokens_while_decoding: int | None = None
 
 
 @dataclass(eq=False)
@@ -97,6 +101,9 @@ class Scheduler:
                 draft = self._draft(seq, budget)
                 out.append(ScheduledSeq(seq, 1 + len(draft), draft))
                 budget -= 1 + len(draft)
+        cap = self.config.max_prefill_tokens_while_decoding
+        if out and cap is not None:
+            budget = min(budget, cap)
         # 2. Prompts already under way (their blocks were allocated at admission). While others
         #    wait, they leave up to half the budget to them: a short prompt arriving behind a long
         #    one starts at the next step instead of after the whole long prefill.

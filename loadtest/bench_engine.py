@@ -283,27 +283,29 @@ def main_speculative(args: argparse.Namespace) -> int:
     story = tok.encode_chat([{"role": "user", "content": "Write a short story about a lighthouse keeper who "
                               "finds a message in a bottle."}])
     sp = SamplingParams(max_tokens=128, temperature=0, ignore_eos=True)
-    cases = [("agent JSON, batch 1", [agent]), ("free text, batch 1", [story]), ("agent JSON, batch 16", [agent] * 16)]
+    sampled = SamplingParams(max_tokens=128, temperature=0.7, top_p=0.95, seed=3, ignore_eos=True)
+    cases = [("agent JSON, batch 1", [agent], sp), ("agent JSON, T=0.7, batch 1", [agent], sampled),
+             ("free text, batch 1", [story], sp), ("agent JSON, batch 16", [agent] * 16, sp)]
     rates: dict[tuple[str, bool], list[float]] = {}
     accept: dict[str, tuple[int, int, int]] = {}
     for r in tqdm(range(args.rounds), desc="rounds", file=sys.stderr):
-        for name, prompts in cases:
+        for name, prompts, params in cases:
             for on in (False, True):
                 engine.scheduler.drafter = drafter if on else None
                 before = (drafter.drafted, drafter.accepted, drafter.steps)
-                rates.setdefault((name, on), []).append(decode_rate(engine, prompts, sp, f"s{r}{on}{name[:3]}"))
+                rates.setdefault((name, on), []).append(decode_rate(engine, prompts, params, f"s{r}{on}{name[:3]}"))
                 if on:
                     d = (drafter.drafted - before[0], drafter.accepted - before[1], drafter.steps - before[2])
                     accept[name] = tuple(a + b for a, b in zip(accept.get(name, (0, 0, 0)), d, strict=True))
     print(f"\nCPU: {torch.get_num_threads()} threads, torch {torch.__version__}, model {engine.model_dir}, "
           f"greedy, 128 output tokens, {args.rounds} interleaved rounds (medians)")
-    print(f"{'decode tok/s':<24}{'off':>10}{'ngram':>10}{'speedup':>9}{'accepted':>10}{'tokens/verify':>15}")
-    for name, _ in cases:
+    print(f"{'decode tok/s':<28}{'off':>10}{'ngram':>10}{'speedup':>9}{'accepted':>10}{'tokens/verify':>15}")
+    for name, _, _ in cases:
         off, on = statistics.median(rates[(name, False)]), statistics.median(rates[(name, True)])
         drafted, accepted, steps = accept[name]
         ratio = f"{accepted / drafted:.0%}" if drafted else "-"
         per = f"{(accepted + steps) / steps:.2f}" if steps else "-"
-        print(f"{name:<24}{off:>10.1f}{on:>10.1f}{on / off:>9.2f}{ratio:>10}{per:>15}")
+        print(f"{name:<28}{off:>10.1f}{on:>10.1f}{on / off:>9.2f}{ratio:>10}{per:>15}")
     print("targets: agent JSON batch 1 >= 1.8x; free text batch 1 >= 0.95x; batch 16 >= 0.95x")
     if args.spec_crossover:
         # The batch size above which verification costs more than it saves: drafting forced on.

@@ -118,6 +118,42 @@ def test_short_prompt_is_not_stuck_behind_a_long_prefill(tiny_model_dir, ref):
     assert tokens["short"] == ref.greedy([5, 6, 7, 8], 3) and tokens["long"] == ref.greedy(long_prompt, 3)
 
 
+def test_prefill_chunks_shrink_while_streams_decode(tiny_model_dir, ref):
+    """--max-prefill-tokens-while-decoding: a long prompt arriving while another request decodes is
+    computed at most 16 tokens per step (those steps also carry the decode); alone it takes the
+    whole budget. Outputs stay exact."""
+    class Watch:  # a StepObserver that records each step's batch
+        def __init__(self):
+            self.steps = []
+
+        def before_forward(self, batch):
+            self.steps.append([(s.seq.request_id, s.num_tokens) for s in batch])
+
+        def after_layer(self, layer):
+            pass
+
+        def after_forward(self):
+            return {}
+
+    engine = make_engine(tiny_model_dir, max_num_seqs=4, max_num_batched_tokens=128,
+                         max_prefill_tokens_while_decoding=16)
+    engine.add_request("stream", [5, 6, 7, 8], SamplingParams(max_tokens=40, **GREEDY))
+    tokens: dict[str, list[int]] = {"long": [], "stream": engine.step()[0].token_ids}  # its prompt; now it decodes
+    long_prompt = [(3 * j) % 300 + 3 for j in range(200)]
+    engine.add_request("long", long_prompt, SamplingParams(max_tokens=3, **GREEDY))
+    watch = Watch()
+    while engine.has_work:
+        for o in engine.step(watch):
+            tokens[o.request_id] += o.token_ids
+    chunks = [dict(step)["long"] for step in watch.steps if "stream" in dict(step) and dict(step).get("long", 0) > 1]
+    assert len(chunks) >= 12 and max(chunks) <= 16  # 200 prompt tokens, 16 at a time beside the decode
+    assert tokens["long"] == ref.greedy(long_prompt, 3) and tokens["stream"] == ref.greedy([5, 6, 7, 8], 40)
+    alone = make_engine(tiny_model_dir, max_num_seqs=4, max_num_batched_tokens=128,
+                        max_prefill_tokens_while_decoding=16)
+    alone.add_request("long", long_prompt, SamplingParams(max_tokens=3, **GREEDY))
+    assert alone.scheduler.schedule()[0].num_tokens == 128  # nothing decoding: the whole budget
+
+
 def test_burst_sharing_a_new_prefix_computes_it_once(tiny_model_dir, ref):
     """Requests arriving together with the same uncached system prompt: the first computes it,
     the others wait for it instead of computing it again, and all outputs stay exact."""

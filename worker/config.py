@@ -103,6 +103,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=int(_env("max_num_seqs", 64)), help="running batch limit")
     g.add_argument("--max-num-batched-tokens", type=int, default=int(_env("max_num_batched_tokens", 512)),
                    help="tokens per step (prefill chunk size)")
+    g.add_argument("--max-prefill-tokens-while-decoding", type=int,
+                   default=_env("max_prefill_tokens_while_decoding", None),
+                   help="prompt tokens a step may carry while streams are decoding (default: the whole step budget); "
+                        "smaller bounds their inter-token latency, at the cost of time to first token")
     g.add_argument("--max-model-len", type=int, default=_env("max_model_len", None), help="context limit (default: the model's)")
     g.add_argument("--no-prefix-cache", action="store_true", help="disable prefix caching")
     g.add_argument("--threads", type=int, default=_env("threads", None), help="torch CPU threads")
@@ -127,6 +131,8 @@ def engine_config_from(args: argparse.Namespace) -> EngineConfig:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=int(args.max_model_len) if args.max_model_len else None,
+        max_prefill_tokens_while_decoding=(int(args.max_prefill_tokens_while_decoding)
+                                           if args.max_prefill_tokens_while_decoding else None),
         enable_prefix_cache=not args.no_prefix_cache,
         threads=int(args.threads) if args.threads else None,
         quantization=args.quantization,
