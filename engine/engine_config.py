@@ -27,7 +27,7 @@ class EngineConfig:
     enable_prefix_cache: bool = True
     threads: int | None = None  # torch intra-op threads on CPU; None = torch's default
     quantization: str | None = None  # int8 | int4: quantize a float checkpoint's matmul weights at load
-    cpu_activations: str = "int8"  # int8 | float: how quantized matmuls take batch-1/2 activations on CPU
+    cpu_activations: str = "float"  # float | int8: how quantized matmuls take batch-1/2 activations on CPU
     speculative: str = "off"  # off | ngram (prompt lookup, greedy requests)
     num_speculative_tokens: int = 4  # drafts per verification step at most
     speculative_max_batch: int = 4  # no drafting above this many running sequences (verification costs more)

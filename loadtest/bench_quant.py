@@ -4,8 +4,8 @@ Variants of SmolLM2-135M-Instruct from its one GGUF (Q4_1 matmuls, Q8_0 embeddin
 (every tensor dequantized), int8 and int4 (that float32 checkpoint quantized at load with
 --quantization), and the GGUF served at its own precision (the default) with float or int8
 activations (--cpu-activations). Per variant: matmul weight bytes, decode tok/s at batch 1 and 16,
-prefill tok/s, perplexity on loadtest/data/prose.txt as decode computes it, and greedy agreement
-with float32 on 16 prompts. Then, with --vs-llama-server, the HTTP serving
+prefill tok/s, perplexity on loadtest/data/prose.txt as decode computes it, greedy agreement with
+float32 on 16 prose prompts and on 8 short chat questions (each decoded alone, at batch 1). Then, with --vs-llama-server, the HTTP serving
 comparison of loadtest/vs_llama_server.py.
 """
 
@@ -89,6 +89,7 @@ def main_quant(args: argparse.Namespace) -> int:
                 ("Q4_1 int8-x", native, None, "int8")]
     rows: dict[str, dict[str, float]] = {}
     greedy_ref: list[list[int]] = []
+    chat_ref: list[list[int]] = []
     for label, path, q, act in tqdm(variants, desc="variants", file=sys.stderr):
         t0 = time.perf_counter()
         engine = LLMEngine(EngineConfig(model=str(path), device="cpu", threads=args.threads, quantization=q,
@@ -101,9 +102,11 @@ def main_quant(args: argparse.Namespace) -> int:
         r["prefill_512"] = statistics.median(prefill_rate(engine, 512, 1000 + i) for i in range(args.rounds))
         r["ppl"] = decode_perplexity(engine)
         outs = quality.greedy(engine, quality.prompt_set(engine))
+        chats = quality.greedy(engine, quality.chat_set(engine), max_tokens=24)
         if not greedy_ref:
-            greedy_ref = outs
+            greedy_ref, chat_ref = outs, chats
         r["same"], r["prefix"] = quality.agreement(outs, greedy_ref)
+        r["chat_same"], _ = quality.agreement(chats, chat_ref)
         rows[label] = r
         del engine
     print(f"\nSmolLM2-135M-Instruct, CPU: {cpu_flags()}; C kernels: "
@@ -113,7 +116,8 @@ def main_quant(args: argparse.Namespace) -> int:
     fmt = [("matmul weights, MB", "mb", "{:.0f}"), ("load, s", "load_s", "{:.2f}"),
            ("decode batch 1, tok/s", "decode_1", "{:.1f}"), ("decode batch 16, tok/s", "decode_16", "{:.1f}"),
            ("prefill 512, tok/s", "prefill_512", "{:.0f}"), ("perplexity (prose.txt)", "ppl", "{:.3f}"),
-           ("greedy = float32", "same", "{:.0%}"), ("greedy common prefix", "prefix", "{:.0%}")]
+           ("greedy = float32 (prose)", "same", "{:.0%}"), ("greedy common prefix", "prefix", "{:.0%}"),
+           ("chat answers = float32", "chat_same", "{:.0%}")]
     for label, key, f in fmt:
         print(f"{label:<28}" + "".join(f"{f.format(rows[n][key]):>14}" for n in names))
     base = rows["float32"]

@@ -52,13 +52,34 @@ def prompt_set(engine: LLMEngine, n: int = 16, length: int = 48) -> list[list[in
 
 
 def greedy(engine: LLMEngine, prompts: list[list[int]], max_tokens: int = 32) -> list[list[int]]:
+    """Each prompt decoded alone: batch 1 is the path whose numerics differ most (the integer-dot
+    kernel of --cpu-activations int8 runs only at batch 1-2)."""
+    out: list[list[int]] = []
     for i, p in enumerate(prompts):
         engine.add_request(f"g{i}", p, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
-    out: dict[str, list[int]] = {}
-    while engine.has_work:
-        for o in engine.step():
-            out.setdefault(o.request_id, []).extend(o.token_ids)
-    return [out[f"g{i}"] for i in range(len(prompts))]
+        tokens: list[int] = []
+        while engine.has_work:
+            for o in engine.step():
+                tokens.extend(o.token_ids)
+        out.append(tokens)
+    return out
+
+
+CHATS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name three colors."}],
+    [{"role": "user", "content": "Write a haiku about the sea."}],
+    [{"role": "user", "content": "What is 12 times 7?"}],
+    [{"role": "user", "content": "Give me a JSON object with keys name and age for a 30-year-old called Ada."}],
+    [{"role": "user", "content": "Explain in one sentence what a CPU cache is."}],
+    [{"role": "user", "content": "Translate 'good morning' into Spanish."}],
+    [{"role": "user", "content": "List the first five prime numbers."}],
+]
+
+
+def chat_set(engine: LLMEngine) -> list[list[int]]:
+    """Short chat questions through the model's template: what a served instruct model answers."""
+    return [engine.tokenizer.encode_chat(m) for m in CHATS]
 
 
 def agreement(ours: list[list[int]], reference: list[list[int]]) -> tuple[float, float]:

@@ -92,10 +92,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="keep matmul weights quantized (weight-only, group-wise; decode moves 4x / 8x fewer bytes "
                         "than float32): quantizes a float checkpoint at load; a GGUF's Q8_0/Q6_K/Q4_0/Q4_1/Q4_K "
                         "tensors stay quantized without it")
-    g.add_argument("--cpu-activations", default=_env("cpu_activations", "int8"), choices=["int8", "float"],
-                   help="quantized weights on CPU at batch 1-2: multiply their codes by activations rounded to int8 per "
-                        "32 values (as llama.cpp does; ~15%% faster decode) or by float activations (exactly the "
-                        "dequantized model)")
+    g.add_argument("--cpu-activations", default=_env("cpu_activations", "float"), choices=["float", "int8"],
+                   help="quantized weights on CPU at batch 1-2: multiply their codes by float activations (exactly the "
+                        "dequantized model; default) or by activations rounded to int8 per 32 values (llama.cpp's "
+                        "scheme: ~15%% faster decode, but it changed SmolLM2-135M's greedy chat answers)")
     g.add_argument("--kv-cache-gb", type=float, default=float(_env("kv_cache_gb", 1.0)), help="KV cache size on CPU (GiB)")
     g.add_argument("--gpu-memory-fraction", type=float, default=float(_env("gpu_memory_fraction", 0.85)),
                    help="fraction of free GPU memory (after weights) for the KV cache")
