@@ -15,6 +15,8 @@ model, dtype and block size):
 
 from __future__ import annotations
 
+import mmap
+
 from dataclasses import dataclass
 
 import torch
@@ -66,11 +68,19 @@ class KVLayout:
 class KVCache:
     def __init__(self, layout: KVLayout, device: torch.device):
         self.layout = layout
-        self.buffer = torch.zeros(
-            (layout.num_layers, layout.num_blocks, 2, layout.block_size, layout.num_kv_heads, layout.head_dim),
-            dtype=layout.dtype,
-            device=device,
-        )
+        shape = (layout.num_layers, layout.num_blocks, 2, layout.block_size, layout.num_kv_heads, layout.head_dim)
+        self._mapping: mmap.mmap | None = None
+        if device.type == "cpu":
+            # Anonymous memory: the kernel hands out zeroed pages on first touch, so start-up does not
+            # write the whole budget (measured 0.28 s and 1 GiB resident for --kv-cache-gb 1) and
+            # the process's RSS grows with the blocks actually used.
+            numel = 1
+            for d in shape:
+                numel *= d
+            self._mapping = mmap.mmap(-1, numel * layout.element_size)
+            self.buffer = torch.frombuffer(self._mapping, dtype=layout.dtype).view(shape)
+        else:
+            self.buffer = torch.zeros(shape, dtype=layout.dtype, device=device)
 
     def layer(self, i: int) -> torch.Tensor:
         """`[num_blocks, 2, block_size, kv_heads, head_dim]` view of layer `i`."""

@@ -84,8 +84,8 @@ def main_quant(args: argparse.Namespace) -> int:
     name = args.model or DEFAULT_MODEL
     native = fetch_builtin(name)
     floats = fetch_builtin(name, keep_quantized=False)
-    variants = [("float32", floats, None, "float"), ("int8", floats, "int8", "int8"),
-                ("int4", floats, "int4", "int8"), ("Q4_1 float-x", native, None, "float"),
+    variants = [("float32", floats, None, "float"), ("int8", floats, "int8", "float"),
+                ("int4", floats, "int4", "float"), ("Q4_1", native, None, "float"),
                 ("Q4_1 int8-x", native, None, "int8")]
     rows: dict[str, dict[str, float]] = {}
     greedy_ref: list[list[int]] = []
