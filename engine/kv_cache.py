@@ -16,7 +16,6 @@ model, dtype and block size):
 from __future__ import annotations
 
 import mmap
-
 from dataclasses import dataclass
 
 import torch

@@ -34,7 +34,7 @@ class Start:
     marks: dict[str, float] = field(default_factory=dict)  # seconds after spawn
     weights_s: float = 0.0
     kv_s: float = 0.0
-    peak_rss_mib: float = 0.0
+    peak_rss_mib: float = float("nan")  # generate exits before it can be read
 
 
 def _env() -> dict[str, str]:
