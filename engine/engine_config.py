@@ -27,6 +27,7 @@ class EngineConfig:
     enable_prefix_cache: bool = True
     threads: int | None = None  # torch intra-op threads on CPU; None = torch's default
     quantization: str | None = None  # int8 | int4: quantize a float checkpoint's matmul weights at load
+    decode_graphs: str = "auto"  # auto (CUDA: on; CPU: off) | on | off (--enforce-eager): see graph_runner.py
     cpu_activations: str = "float"  # float | int8: how quantized matmuls take batch-1/2 activations on CPU
     speculative: str = "off"  # off | ngram (prompt lookup, greedy requests)
     num_speculative_tokens: int = 4  # drafts per verification step at most
@@ -57,6 +58,8 @@ class EngineConfig:
                              f"{self.max_prefill_tokens_while_decoding}")
         if self.quantization not in (None, "int8", "int4"):
             raise ValueError(f"--quantization must be int8 or int4 (or unset), got {self.quantization!r}")
+        if self.decode_graphs not in ("auto", "on", "off"):
+            raise ValueError(f"decode_graphs must be auto, on or off, got {self.decode_graphs!r}")
         if self.cpu_activations not in ("int8", "float"):
             raise ValueError(f"--cpu-activations must be int8 or float, got {self.cpu_activations!r}")
         if self.speculative not in ("off", "ngram"):

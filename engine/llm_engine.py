@@ -19,6 +19,7 @@ from engine.constrained import GrammarEngine
 from engine.detokenizer import IncrementalDetokenizer
 from engine.engine_config import EngineConfig
 from engine.errors import RequestError
+from engine.graph_runner import DecodeGraphs
 from engine.kv_cache import KVCache, KVLayout
 from engine.model_config import ModelConfig
 from engine.model_runner import ModelRunner
@@ -104,13 +105,26 @@ class LLMEngine:
         t_kv = time.perf_counter()
         self.kv = KVCache(self._kv_layout(), self.device)
         kv_s = time.perf_counter() - t_kv
-        self.blocks = BlockManager(self.kv.layout.num_blocks, config.block_size, config.enable_prefix_cache)
+        graphs = config.decode_graphs == "on" or (config.decode_graphs == "auto" and self.device.type == "cuda")
+        # With decode graphs the last block is the padding rows' scratch space, never handed out.
+        usable = self.kv.layout.num_blocks - (1 if graphs else 0)
+        self.blocks = BlockManager(usable, config.block_size, config.enable_prefix_cache)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
                                                    config.max_prefill_tokens_while_decoding), self.blocks)
         self.eos_token_ids = self.tokenizer.eos_token_ids or frozenset(self.model_config.eos_token_ids)
         self.grammar = GrammarEngine(self.model_dir / "tokenizer.json", self.model_config.vocab_size,
                                      sorted(self.eos_token_ids), config.threads)
         self.runner = ModelRunner(self.model, self.kv, self.device, self.grammar, frozenset(self.eos_token_ids))
+        if graphs:
+            self.runner.graphs = DecodeGraphs(
+                lambda ids, pos, meta: self.model(ids, pos, self.kv, meta), config.max_num_seqs,
+                -(-self.max_model_len // config.block_size), config.block_size, usable, self.device)
+            try:
+                with torch.inference_mode():
+                    self.runner.graphs.capture()
+            except RuntimeError as e:  # e.g. a model path with a host sync, which a graph cannot hold
+                log.warning("event=decode_graphs_off reason=capture_failed error=%s", str(e).splitlines()[0])
+                self.runner.graphs = None
         self.drafter = (NgramDrafter(config.num_speculative_tokens, config.speculative_max_batch)
                         if config.speculative == "ngram" else None)
         self.scheduler.drafter = self.drafter

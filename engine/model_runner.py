@@ -6,6 +6,7 @@ import torch
 
 from engine.attention import AttentionMetadata, DecodeBatch, PrefillSegment, kernels_enabled
 from engine.constrained import GrammarEngine
+from engine.graph_runner import DecodeGraphs
 from engine.kv_cache import KVCache
 from engine.model import DecoderModel, LayerHook
 from engine.sampler import sample, speculative_targets
@@ -40,6 +41,7 @@ class ModelRunner:
         self.kv = kv
         self.device = device
         self.block_size = kv.layout.block_size
+        self.graphs: DecodeGraphs | None = None  # set by the engine when decode steps replay from buckets
 
     def prepare(self, batch: list[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         """Flatten the batch: prompt chunks first (one attention segment each), then decodes."""
@@ -93,10 +95,33 @@ class ModelRunner:
             sample_rows,
         )
 
+    def graphable(self, batch: list[ScheduledSeq]) -> bool:
+        """Plain decodes only (no prompt chunk, no drafts), few enough for a bucket."""
+        return (self.graphs is not None and self.graphs.bucket(len(batch)) is not None
+                and all(s.num_tokens == 1 and s.samples and not s.draft for s in batch))
+
+    def _run_graph(self, batch: list[ScheduledSeq]) -> torch.Tensor:
+        assert self.graphs is not None
+        batch.sort(key=lambda s: s.seq.num_computed_tokens)  # the order prepare() gives decodes
+        bs = self.block_size
+        ids, pos, k_rows, tables, ctx = [], [], [], [], []
+        for s in batch:
+            seq, p = s.seq, s.seq.num_computed_tokens
+            ids.append(seq.all_token_ids[p])
+            pos.append(p)
+            k_rows.append(seq.block_table[p // bs] * 2 * bs + p % bs)
+            tables.append(seq.block_table)
+            ctx.append(p + 1)
+        return self.graphs.run(ids, pos, k_rows, tables, ctx)
+
     @torch.inference_mode()
     def run(self, batch: list[ScheduledSeq], layer_hook: LayerHook | None = None) -> list[tuple[int, TokenLogprob | None]]:
         """Runs one step. Reorders `batch` in place; returns one sample per entry with `samples` and
         no draft (a speculative entry gets its greedy tokens in `targets`)."""
+        if layer_hook is None and self.graphable(batch):
+            hidden = self._run_graph(batch)
+            logits = self.model.logits(hidden)
+            return sample(logits, [s.seq for s in batch], self.grammar, self.eos_token_ids)
         input_ids, positions, meta, sample_rows = self.prepare(batch)
         hidden = self.model(input_ids, positions, self.kv, meta, layer_hook)
         if not sample_rows:

@@ -92,6 +92,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="keep matmul weights quantized (weight-only, group-wise; decode moves 4x / 8x fewer bytes "
                         "than float32): quantizes a float checkpoint at load; a GGUF's Q8_0/Q6_K/Q4_0/Q4_1/Q4_K "
                         "tensors stay quantized without it")
+    g.add_argument("--enforce-eager", action="store_true", default=_env("enforce_eager", "") not in ("", "0"),
+                   help="no CUDA graphs: every decode step runs eagerly (by default decode-only steps replay a graph "
+                        "captured per batch-size bucket on CUDA; CPU always runs eagerly)")
     g.add_argument("--cpu-activations", default=_env("cpu_activations", "float"), choices=["float", "int8"],
                    help="quantized weights on CPU at batch 1-2: multiply their codes by float activations (exactly the "
                         "dequantized model; default) or by activations rounded to int8 per 32 values (llama.cpp's "
@@ -137,6 +140,7 @@ def engine_config_from(args: argparse.Namespace) -> EngineConfig:
         threads=int(args.threads) if args.threads else None,
         quantization=args.quantization,
         cpu_activations=args.cpu_activations,
+        decode_graphs="off" if args.enforce_eager else "auto",
         speculative=args.speculative,
         num_speculative_tokens=args.num_speculative_tokens,
         speculative_max_batch=args.speculative_max_batch,
