@@ -12,7 +12,7 @@ is exactly speculative rejection sampling (accept with p(draft), else a draw fro
 the draft) — and a seeded request emits the very tokens it would without speculation.
 Rejected positions' K/V slots are simply not counted as computed and are overwritten later.
 
-k adapts per sequence: drafts that keep missing make it skip drafting (a probe every
+k adapts per sequence: drafts that keep missing make it skip drafting (a one-token probe every
 `PROBE_EVERY` steps), so text that never repeats costs almost nothing.
 """
 
@@ -79,12 +79,14 @@ class NgramDrafter:
             return []
         st: SpecState = seq.spec if seq.spec is not None else SpecState()
         seq.spec = st
+        k = min(self.k, room)
         if st.acceptance < LOW_ACCEPTANCE:
             st.idle_steps += 1
             if st.idle_steps < PROBE_EVERY:
                 return []
             st.idle_steps = 0
-        return ngram_draft(seq.all_token_ids, min(self.k, room))
+            k = min(k, 1)  # a probe drafts one token: a 2-row step, not 5, while drafts keep missing
+        return ngram_draft(seq.all_token_ids, k)
 
     def record(self, seq: Sequence, drafted: int, accepted: int) -> None:
         st = seq.spec
