@@ -270,3 +270,53 @@ def test_perplexity_equals_transformers_on_the_same_text(tiny_model_dir):
             count += chunk.shape[1] - 1
     assert scored == count == len(ids) - 1
     assert ppl == pytest.approx(math.exp(nll / count), rel=1e-4)
+
+
+def test_the_plain_c_fallback_computes_the_same(tmp_path):
+    """cpu_ops.c built for baseline x86-64 (no AVX2/FMA), as a CPU without them runs it: the float
+    matmul tiles, dequantization and decode attention give what the AVX2 build and torch give, and
+    the integer-dot kernel declines (returns 1) so callers keep the float path."""
+    import ctypes
+
+    if cpu_ops.library() is None:
+        pytest.skip("no C compiler")
+    base = cpu_ops.build(cpu_ops.BASELINE, tmp_path)
+    assert base.sf_has_avx2() == 0
+    g = torch.Generator().manual_seed(5)
+    for kind, group in (("int8", 32), ("int4", 32), ("int4", 64)):
+        qw = quant.quantize(torch.randn(70, 128, generator=g), kind, group)
+        ref_w = qw.dequantize_torch()
+        for rows in (1, 3, 7):
+            x = torch.randn(rows, 128, generator=g)
+            out = torch.empty(rows, 70)
+            if kind == "int8":
+                base.sf_gemm_i8(x.data_ptr(), 128, rows, 128, qw.q.data_ptr(), qw.scales.data_ptr(), 70, group, None,
+                                out.data_ptr(), 70, 2)
+            else:
+                base.sf_gemm_i4(x.data_ptr(), 128, rows, 128, qw.q.data_ptr(), qw.scales.data_ptr(),
+                                qw.mins.data_ptr(), 70, group, None, out.data_ptr(), 70, 2)
+            torch.testing.assert_close(out, x @ ref_w.T, rtol=1e-5, atol=1e-4)
+            assert base.sf_gemm_q8x(x.data_ptr(), 128, rows, 128, qw.q.data_ptr(), qw.scales.data_ptr(),
+                                    None if qw.mins is None else qw.mins.data_ptr(), 70, group, int(kind == "int4"),
+                                    None, out.data_ptr(), 70, 2) == 1
+        deq = torch.empty(70, 128)
+        if kind == "int8":
+            base.sf_dequant_i8(qw.q.data_ptr(), qw.scales.data_ptr(), 70, 128, group, None, 70, deq.data_ptr(), 2)
+        else:
+            base.sf_dequant_i4(qw.q.data_ptr(), qw.scales.data_ptr(), qw.mins.data_ptr(), 70, 128, group, None, 70,
+                               deq.data_ptr(), 2)
+        assert torch.equal(deq, ref_w)
+    # Decode attention: 2 sequences, 4 heads over 2 kv heads, block size 4, ragged contexts.
+    cache = torch.randn(6, 2, 4, 2, 16, generator=g)
+    q = torch.randn(2, 4, 16, generator=g)
+    tables = torch.tensor([[3, 1, 5], [0, 2, 4]])
+    ctx = torch.tensor([9, 5])
+    out = torch.empty(2, 4, 16)
+    assert base.sf_paged_decode(q.data_ptr(), 64, 2, 4, 2, 16, cache.data_ptr(), 4, tables.data_ptr(), 3,
+                                ctx.data_ptr(), ctypes.c_float(0.25), 0, out.data_ptr(), 2) == 0
+    for b in range(2):
+        k = cache[tables[b]][:, 0].reshape(-1, 2, 16)[: ctx[b]]
+        v = cache[tables[b]][:, 1].reshape(-1, 2, 16)[: ctx[b]]
+        for h in range(4):
+            w = torch.softmax(k[:, h // 2] @ q[b, h] * 0.25, 0)
+            torch.testing.assert_close(out[b, h], w @ v[:, h // 2], rtol=1e-5, atol=1e-5)

@@ -57,19 +57,20 @@ def small(rows: int) -> bool:
     return rows <= SMALL_ROWS and library() is not None
 
 
-@cache
-def library() -> ctypes.CDLL | None:
-    """The compiled kernels, or None (no C compiler, or SPLITFIRE_CPU_KERNELS=0): then every caller
-    takes its torch path (quantized weights: dequantize + float32 matmul) — same results, slower."""
-    if os.environ.get("SPLITFIRE_CPU_KERNELS", "1") == "0":
-        return None
+NATIVE = ("-march=native",)
+# A build for any x86-64 (no AVX2/FMA): what a CPU without them runs. Tests build it to exercise the
+# plain-C fallback on machines that have AVX2.
+BASELINE = ("-march=x86-64", "-mtune=generic")
+
+
+def build(arch: tuple[str, ...] = NATIVE, cache_dir: Path | None = None) -> ctypes.CDLL:
+    """Compile `cpu_ops.c` for `arch` (cached by source, compiler, flags and CPU) and load it."""
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
-        log.warning("no C compiler found: quantized matmuls run through torch (slower); install gcc")
-        return None
-    flags = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-lm"]
+        raise RuntimeError("no C compiler (cc/gcc) found")
+    flags = ["-O3", *arch, "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-lm"]
     key = hashlib.sha256(_SRC.read_bytes() + cc.encode() + " ".join(flags).encode() + _cpu_flags().encode())
-    out = _cache_dir() / f"cpu_ops-{key.hexdigest()[:16]}.so"
+    out = (cache_dir or _cache_dir()) / f"cpu_ops-{key.hexdigest()[:16]}.so"
     if not out.is_file():
         out.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
@@ -95,7 +96,20 @@ def library() -> ctypes.CDLL | None:
               lib.sf_rope_store, lib.sf_silu_mul):
         f.restype = None
     lib.sf_has_avx2.restype = _I
-    log.info("CPU kernels %s (AVX2+FMA path: %s)", out.name, bool(lib.sf_has_avx2()))
+    return lib
+
+
+@cache
+def library() -> ctypes.CDLL | None:
+    """The compiled kernels, or None (no C compiler, or SPLITFIRE_CPU_KERNELS=0): then every caller
+    takes its torch path (quantized weights: dequantize + float32 matmul) — same results, slower."""
+    if os.environ.get("SPLITFIRE_CPU_KERNELS", "1") == "0":
+        return None
+    if not (os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")):
+        log.warning("no C compiler found: quantized matmuls run through torch (slower); install gcc")
+        return None
+    lib = build()
+    log.info("CPU kernels loaded (AVX2+FMA path: %s)", bool(lib.sf_has_avx2()))
     return lib
 
 
