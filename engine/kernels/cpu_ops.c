@@ -306,6 +306,47 @@ static inline void axpy(float *y, float a, const float *x, int n) {
     for (int i = 0; i < n; i++) y[i] += a * x[i];
 }
 
+#if SF_AVX2
+/* e^x for 8 floats, x <= 0 (softmax after subtracting the max): Cephes' expf polynomial on
+ * x - n ln2, scaled by 2^n through the exponent bits; within 2 ulp of expf. */
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+#endif
+
+/* scores[0..n) <- exp(scores - mx); returns their sum. */
+static float exp_shift_sum(float *sc, int64_t n, float mx) {
+    int64_t t = 0;
+    float sum = 0.f;
+#if SF_AVX2
+    __m256 acc = _mm256_setzero_ps(), m = _mm256_set1_ps(mx);
+    for (; t + 8 <= n; t += 8) {
+        __m256 v = exp8(_mm256_sub_ps(_mm256_loadu_ps(sc + t), m));
+        _mm256_storeu_ps(sc + t, v);
+        acc = _mm256_add_ps(acc, v);
+    }
+    sum = hsum(acc);
+#endif
+    for (; t < n; t++) {
+        sc[t] = expf(sc[t] - mx);
+        sum += sc[t];
+    }
+    return sum;
+}
+
 int sf_paged_decode(const float *q, int ldq, int B, int H, int KVH, int D, const float *cache, int bs,
                     const int64_t *tables, int max_blocks, const int64_t *ctx_lens, float scale, int window,
                     float *out, int threads) {
@@ -333,11 +374,7 @@ int sf_paged_decode(const float *q, int ldq, int B, int H, int KVH, int D, const
             sc[t] = dot(qh, k, D) * scale;
             if (sc[t] > mx) mx = sc[t];
         }
-        float sum = 0.f;
-        for (int64_t t = 0; t < n; t++) {
-            sc[t] = expf(sc[t] - mx);
-            sum += sc[t];
-        }
+        float sum = exp_shift_sum(sc, n, mx);
         float *o = out + ((size_t)b * H + h) * D;
         memset(o, 0, sizeof(float) * D);
         for (int64_t t = 0; t < n; t++) {
@@ -393,6 +430,7 @@ void sf_silu_mul(const float *gate_up, float *out, int T, int I) {
  * by int8 activations with maddubs/madd costs ~12, which is what keeps llama.cpp's decode at the
  * memory-bandwidth floor on AVX2. Activations are rounded per block of 32 (scale = max|x| / 127), so
  * results differ from the float path by that rounding (measured: loadtest/bench_quant.py). */
+#if SF_AVX2
 typedef struct {
     int8_t *q;   /* [M, K] */
     float *d;    /* [M, K/32] block scales */
@@ -429,7 +467,6 @@ static void free_x(QuantX *x) {
     free(x->sum);
 }
 
-#if SF_AVX2
 static inline __m256i unpack_i4(const uint8_t *p) {
     __m128i b = _mm_loadu_si128((const __m128i *)p);
     __m128i mask = _mm_set1_epi8(0x0F);
