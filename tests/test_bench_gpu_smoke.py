@@ -17,5 +17,7 @@ def test_bench_gpu_harness_runs_on_cpu():
                          env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"})
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [line for line in out.stdout.splitlines() if line.startswith("tiny")]
-    assert [r.split()[2:4] for r in rows] == [["decode", "b=1"], ["decode", "b=2"], ["prefill", "48"]]
-    assert all(float(r.split()[4]) > 0 for r in rows)
+    assert [r.split()[2:5] for r in rows[:4]] == [["decode", "b=1", "eager"], ["decode", "b=1", "graph"],
+                                                  ["decode", "b=2", "eager"], ["decode", "b=2", "graph"]]
+    assert rows[4].split()[2:4] == ["prefill", "48"]
+    assert all(float(r.split()[5]) > 0 for r in rows[:4]) and float(rows[4].split()[4]) > 0
