@@ -14,6 +14,7 @@ Other types (Q2_K, Q3_K, Q5_1, Q5_K, IQ*) return None and are dequantized to flo
 from __future__ import annotations
 
 import numpy as np
+import torch
 
 from engine.quant import pack_int4
 
@@ -41,8 +42,6 @@ def convert(raw: np.ndarray, type_name: str, rows: int, cols: int) -> dict[str, 
     if cols % per:
         return None
     b = raw.reshape(rows * cols // per, size)
-    import torch
-
     if type_name == "Q8_0":
         d, q = _f16(b[:, :2]), b[:, 2:].view(np.int8)
         return {"qweight": q.reshape(rows, cols), "scales": d.reshape(rows, -1)}

@@ -69,7 +69,7 @@ class Linear(nn.Module):
         if not keep_original:
             self.weight = None  # type: ignore[assignment]
 
-    def set_quantized(self, parts: list[quant.QuantizedWeight], keep_original: bool = False) -> None:
+    def set_quantized(self, parts: list[quant.QuantizedWeight]) -> None:
         n = sum(p.shape[0] for p in parts)
         k = {p.shape[1] for p in parts}
         expected = (self.weight.shape[0], self.weight.shape[1])
@@ -79,8 +79,7 @@ class Linear(nn.Module):
         parts = [p.to(device) for p in parts]
         merged = quant.concat_rows(parts) if len(parts) > 1 else parts[0]
         self.quantized = [merged] if merged is not None else parts
-        if not keep_original:
-            self.weight = None  # type: ignore[assignment]
+        self.weight = None  # type: ignore[assignment]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quantized is not None:

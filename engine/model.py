@@ -189,9 +189,8 @@ class DecoderModel(nn.Module):
     def quantize(self, kind: str) -> None:
         """`--quantization int8|int4` on a float checkpoint: every matmul weight quantized round-to-nearest
         per group of 32 (int4) or up to 128 (int8) weights; the LM head (and, when tied, the
-        embedding with it) at int8 either way. Routers
-        stay float (a flipped expert choice costs more than the bytes save); so do stacked experts,
-        which have no quantized kernel yet."""
+        embedding with it) at int8 either way. Routers stay float (a flipped expert choice costs
+        more than the bytes save); so do stacked experts, which have no quantized kernel yet."""
         skip: set[int] = set()
         for m in self.modules():
             if isinstance(m, MoE):

@@ -19,6 +19,7 @@ tensors' dtypes and shapes.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -118,10 +119,10 @@ class QuantizedWeight:
         """(C function, its weight-side arguments), made once per mode: a decode step makes ~120 of
         these calls, so the Python around each is kept to a few attribute reads. With
         `int8_activations` (and AVX2, 32-aligned groups) the integer-dot kernel, else the float one."""
-        mode = int8_activations and self._q8x_ok()
         if self._kernel is None:
             self._kernel = {}
-        if mode not in self._kernel:
+        if int8_activations not in self._kernel:
+            mode = int8_activations and self._q8x_ok()
             lib = cpu_ops.library()
             assert lib is not None
             n, k = self.shape
@@ -137,17 +138,18 @@ class QuantizedWeight:
             else:
                 w_args = (self.q.data_ptr(), self.scales.data_ptr(), mins, n, self.group_size)
                 fn = lib.sf_gemm_i4
-            self._kernel[mode] = (fn, k, n, w_args, None if b is None else b.data_ptr(), b)  # b: keeps it alive
-        return self._kernel[mode]
+            self._kernel[int8_activations] = (fn, k, n, w_args, None if b is None else b.data_ptr(), b)  # b: kept alive
+        return self._kernel[int8_activations]
 
     def _q8x_ok(self) -> bool:
         lib = cpu_ops.library()
         return lib is not None and bool(lib.sf_has_avx2()) and self.shape[1] % 32 == 0 and self.group_size % 32 == 0
 
-    def select_rows(self, index: torch.Tensor) -> QuantizedWeight:
-        """Rows reordered/selected (RoPE's row interleave works on quantized rows unchanged)."""
-        return QuantizedWeight(self.kind, self.q[index].contiguous(), self.scales[index].contiguous(),
-                               None if self.mins is None else self.mins[index].contiguous(), self.group_size)
+    def map_rows(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> QuantizedWeight:
+        """`fn` (a reordering of rows, e.g. RoPE's interleave) applied to codes, scales and mins alike:
+        each row's quantization lives in its own row of each."""
+        return QuantizedWeight(self.kind, fn(self.q).contiguous(), fn(self.scales).contiguous(),
+                               None if self.mins is None else fn(self.mins).contiguous(), self.group_size)
 
     def to(self, device: torch.device) -> QuantizedWeight:
         return QuantizedWeight(self.kind, self.q.to(device), self.scales.to(device),

@@ -19,7 +19,7 @@ from engine import quant
 from engine.checkpoint import Checkpoint
 from engine.errors import ModelLoadError
 from engine.layers import MLP, Linear, RMSNorm
-from engine.model import Block, DecoderModel, _interleave_perm, interleave_rope_rows
+from engine.model import Block, DecoderModel, interleave_rope_rows
 from engine.model_config import VISION_PREFIXES, ModelConfig
 from engine.moe import MoE
 
@@ -54,9 +54,7 @@ class _Loader:
             raise ModelLoadError(f"{self.ckpt.model_dir}: quantized tensor {name!r} has shape {qw.shape}, "
                                  f"the config implies {tuple(shape)}")
         if rope_heads:
-            d = shape[0] // rope_heads
-            perm = (torch.arange(rope_heads).unsqueeze(1) * d + _interleave_perm(d)).flatten()
-            qw = qw.select_rows(perm)
+            qw = qw.map_rows(lambda t: interleave_rope_rows(t, rope_heads))
         return qw
 
     def copy(self, dst: torch.Tensor, name: str, rope_heads: int = 0) -> None:

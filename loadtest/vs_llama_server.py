@@ -106,7 +106,7 @@ async def closed_loop(url: str, model: str, streams: int, duration_s: float, see
 def summarize(server: str, streams: int, results: list[Stream], wall: float) -> Row:
     ok = [r for r in results if r.error is None and r.ttft is not None]
     gaps = [g for r in ok for g in r.gaps]
-    failed = [r.error or "no token streamed" for r in results if r not in ok]
+    failed = [r.error or "no token streamed" for r in results if r.error is not None or r.ttft is None]
     return Row(server, streams, sum(r.tokens for r in ok) / wall, pct([r.ttft for r in ok], 50), pct(gaps, 50),
                pct(gaps, 99), len(results), len(failed), failed[0] if failed else None)
 
