@@ -36,8 +36,10 @@ class KVTier:
                  max_pending_blocks: int = MAX_PENDING_BLOCKS):
         engine = aengine.engine
         layout = engine.kv.layout
-        # Quantized weights compute different KV than float ones from the same files.
-        ident = (f"{model_fingerprint(engine.model_dir)}/{engine.config.quantization or 'native'}/{layout.dtype}/{layout.block_size}/{layout.num_layers}x"
+        # Quantized weights, and int8-rounded activations, compute different KV than float ones from
+        # the same files: workers share blocks only when they compute them the same way.
+        ident = (f"{model_fingerprint(engine.model_dir)}/{engine.config.quantization or 'native'}/"
+                 f"{engine.config.cpu_activations}/{layout.dtype}/{layout.block_size}/{layout.num_layers}x"
                  f"{layout.num_kv_heads}x{layout.head_dim}")
         self.prefix = f"splitfire/{hashlib.sha256(ident.encode()).hexdigest()[:24]}/"
         self.store = store
