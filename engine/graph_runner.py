@@ -48,9 +48,11 @@ class StaticBatch:
 
 class DecodeGraphs:
     def __init__(self, forward: Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor],
-                 max_num_seqs: int, max_blocks: int, block_size: int, scratch_block: int, device: torch.device):
+                 max_num_seqs: int, max_blocks: int, block_size: int, scratch_block: int, device: torch.device,
+                 planes: int = 2):
         self.forward = forward
         self.block_size = block_size
+        self.planes = planes  # K|V pages, or 1 for a latent cache
         self.scratch_block = scratch_block
         self.device = device
         self.buckets = buckets_for(max_num_seqs)
@@ -98,7 +100,7 @@ class DecodeGraphs:
         s.positions[n:] = 0
         s.context_lens[n:] = 1
         s.tables[n:] = self.scratch_block
-        s.k_rows[n:] = self.scratch_block * 2 * bs  # slot 0 of the scratch block's K page
+        s.k_rows[n:] = self.scratch_block * self.planes * bs  # slot 0 of the scratch block's K page
 
     def run(self, input_ids: list[int], positions: list[int], k_rows: list[int], tables: list[list[int]],
             context_lens: list[int]) -> torch.Tensor:

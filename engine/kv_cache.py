@@ -1,6 +1,8 @@
 """The paged KV cache: one contiguous buffer for every layer's K and V.
 
-Layout `[layer, block, k|v, slot, kv_head, head_dim]`. One allocation means the
+Layout `[layer, block, k|v, slot, kv_head, head_dim]`; for multi-head latent attention
+(DeepSeek-V3) one plane instead of two, `[layer, block, 1, slot, 1, kv_lora_rank + rope_dim]`:
+each token's latent and RoPE key, from which attention derives every head's K and V. One allocation means the
 transfer engine registers it once; putting K and V of a block side by side makes a
 block's KV for one layer a single *page*, and consecutive block ids of one layer are
 consecutive pages, so a request's blocks coalesce into few, large transfer entries.
@@ -31,6 +33,11 @@ class KVLayout:
     num_kv_heads: int
     head_dim: int
     dtype: torch.dtype
+    planes: int = 2  # K and V side by side; 1 for a latent cache
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (self.num_layers, self.num_blocks, self.planes, self.block_size, self.num_kv_heads, self.head_dim)
 
     @property
     def element_size(self) -> int:
@@ -38,8 +45,8 @@ class KVLayout:
 
     @property
     def page_bytes(self) -> int:
-        """Bytes of one block's K and V in one layer."""
-        return 2 * self.block_size * self.num_kv_heads * self.head_dim * self.element_size
+        """Bytes of one block's K and V (or latents) in one layer."""
+        return self.planes * self.block_size * self.num_kv_heads * self.head_dim * self.element_size
 
     @property
     def total_bytes(self) -> int:
@@ -54,20 +61,21 @@ class KVLayout:
     def for_budget(
         cls, cfg: ModelConfig, budget_bytes: int, block_size: int, dtype: torch.dtype
     ) -> KVLayout:
-        probe = cls(cfg.num_layers, 1, block_size, cfg.num_kv_heads, cfg.head_dim, dtype)
+        planes, heads, dim = cfg.kv_entry
+        probe = cls(cfg.num_layers, 1, block_size, heads, dim, dtype, planes)
         num_blocks = budget_bytes // (probe.page_bytes * cfg.num_layers)
         if num_blocks < 2:
             raise ValueError(
                 f"KV cache budget of {budget_bytes / 2**20:.1f} MiB holds fewer than 2 blocks "
                 f"({probe.page_bytes * cfg.num_layers / 2**20:.2f} MiB each); raise --kv-cache-gb"
             )
-        return cls(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype)
+        return cls(cfg.num_layers, num_blocks, block_size, heads, dim, dtype, planes)
 
 
 class KVCache:
     def __init__(self, layout: KVLayout, device: torch.device):
         self.layout = layout
-        shape = (layout.num_layers, layout.num_blocks, 2, layout.block_size, layout.num_kv_heads, layout.head_dim)
+        shape = layout.shape
         self._mapping: mmap.mmap | None = None
         if device.type == "cpu":
             # Anonymous memory: the kernel hands out zeroed pages on first touch, so start-up does not
@@ -82,7 +90,7 @@ class KVCache:
             self.buffer = torch.zeros(shape, dtype=layout.dtype, device=device)
 
     def layer(self, i: int) -> torch.Tensor:
-        """`[num_blocks, 2, block_size, kv_heads, head_dim]` view of layer `i`."""
+        """`[num_blocks, planes, block_size, kv_heads, head_dim]` view of layer `i`."""
         return self.buffer[i]
 
     @property

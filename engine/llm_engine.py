@@ -118,7 +118,8 @@ class LLMEngine:
         if graphs:
             self.runner.graphs = DecodeGraphs(
                 lambda ids, pos, meta: self.model(ids, pos, self.kv, meta), config.max_num_seqs,
-                -(-self.max_model_len // config.block_size), config.block_size, usable, self.device)
+                -(-self.max_model_len // config.block_size), config.block_size, usable, self.device,
+                self.kv.layout.planes)
             try:
                 with torch.inference_mode():
                     self.runner.graphs.capture()

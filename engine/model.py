@@ -1,7 +1,8 @@
 """Every supported decoder in one readable file (gpt-fast style).
 
-Llama, Mistral, Qwen2/3, their mixture-of-experts variants and Gemma 3 share one block:
-pre-norm attention with RoPE and grouped KV heads, then a gated MLP (or routed experts). What
+Llama, Mistral, Qwen2/3, their mixture-of-experts variants, Gemma 3 and DeepSeek-V3 share one
+block: pre-norm attention with RoPE and grouped KV heads (or DeepSeek's latent attention,
+`mla.py`), then a gated MLP (or routed experts). What
 differs is read from `ModelConfig`: q/k norms, biases, sliding-window layers with their own
 RoPE, Gemma's (1 + w) norms, sandwich norms, embedding scale and logit soft-cap.
 
@@ -22,9 +23,10 @@ from engine.attention import AttentionMetadata, paged_attention, write_kv
 from engine.kernels import cpu_ops
 from engine.kv_cache import KVCache
 from engine.layers import MLP, Linear, RMSNorm, cpu_packing_supported
+from engine.mla import MLAttention
 from engine.model_config import LayerConfig, ModelConfig
 from engine.moe import Experts, MoE
-from engine.rope import RopeSpec, rope_cache
+from engine.rope import RopeSpec, apply_rope, rope_cache
 
 # Called after layer `i`'s K/V for this step are in the cache: the prefill worker uses it
 # to start that layer's transfer while the next layer computes.
@@ -46,13 +48,6 @@ def interleave_rope_rows(w: torch.Tensor, num_heads: int) -> torch.Tensor:
     """
     d = w.shape[0] // num_heads
     return w.view(num_heads, d, *w.shape[1:])[:, _interleave_perm(d, w.device)].reshape(w.shape)
-
-
-def apply_rope(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, dim] with interleaved pairs; freqs: [T, 1, dim/2] complex (cos + i sin)."""
-    t, h, d = x.shape
-    xc = torch.view_as_complex(x.float().reshape(t, h, d // 2, 2))
-    return torch.view_as_real(xc * freqs).reshape(t, h, d).to(x.dtype)
 
 
 class Attention(nn.Module):
@@ -99,7 +94,7 @@ class Block(nn.Module):
         eps, gemma = cfg.rms_norm_eps, cfg.gemma_norm
         self.rope = layer.rope
         self.attn_norm = RMSNorm(cfg.hidden_size, eps, gemma)
-        self.attn = Attention(cfg, layer)
+        self.attn: nn.Module = MLAttention(cfg, layer) if cfg.mla is not None else Attention(cfg, layer)
         self.mlp_norm = RMSNorm(cfg.hidden_size, eps, gemma)
         self.mlp: nn.Module = (MoE(cfg) if layer.moe
                                else MLP(cfg.hidden_size, cfg.intermediate_size, cfg.activation, cfg.mlp_bias))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -30,7 +31,10 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "MixtralForCausalLM": "mixtral",
     "Gemma3ForCausalLM": "gemma3_text",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
 }
+# Other model_type values a supported architecture ships under (same tensors, same math).
+MODEL_TYPE_ALIASES = {"kimi_k2": "deepseek_v3"}
 
 # Multimodal checkpoints whose text model is served (images are refused at the router):
 # architecture -> (key of the nested text config, the text model's architecture, tensor prefix).
@@ -82,6 +86,16 @@ DEFAULTS: dict[str, dict[str, Any]] = {
                     "sliding_window_pattern": 6, "layer_types": None, "final_logit_softcapping": None,
                     "attn_logit_softcapping": None, "use_bidirectional_attention": False,
                     "bos_token_id": 2, "eos_token_id": 1},
+    "deepseek_v3": {**_COMMON, "vocab_size": 129280, "hidden_size": 7168, "intermediate_size": 18432,
+                    "moe_intermediate_size": 2048, "num_hidden_layers": 61, "num_attention_heads": 128,
+                    "num_key_value_heads": 128, "n_shared_experts": 1, "n_routed_experts": 256,
+                    "routed_scaling_factor": 2.5, "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_rope_head_dim": 64,
+                    "v_head_dim": 128, "qk_nope_head_dim": 128, "n_group": 8, "topk_group": 4,
+                    "num_experts_per_tok": 8, "first_k_dense_replace": 3, "norm_topk_prob": True,
+                    "max_position_embeddings": 4096, "rope_interleave": True, "attention_bias": False,
+                    "bos_token_id": 0, "eos_token_id": 1,
+                    # Fields of DeepSeek's own config.json (its remote code), not of transformers' class:
+                    "scoring_func": "sigmoid", "topk_method": "noaux_tc", "moe_layer_freq": 1},
 }
 
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh",
@@ -97,6 +111,9 @@ _INERT = {
     "id2label", "label2id", "problem_type", "tf_legacy_loss", "use_return_dict", "_attn_implementation",
     "_attn_implementation_autoset", "max_length", "num_beams", "temperature", "top_p", "top_k", "do_sample",
     "_sliding_window_pattern", "hidden_dropout", "embd_pdrop", "resid_pdrop", "cache_implementation",
+    # DeepSeek-V3: training-only losses, expert-parallel degree, a derived field, the multi-token-prediction
+    # module (its layers are skipped on load: splitfire does not draft with it).
+    "aux_loss_alpha", "seq_aux", "ep_size", "qk_head_dim", "num_nextn_predict_layers", "num_mtp_layers",
 }
 
 
@@ -114,7 +131,27 @@ class MoEConfig:
     top_k: int
     intermediate_size: int
     renormalize: bool  # top-k weights rescaled to sum to 1
-    shared_intermediate_size: int = 0  # an always-on expert beside the routed ones, behind a sigmoid gate
+    shared_intermediate_size: int = 0  # an always-on expert beside the routed ones
+    shared_gated: bool = True  # the shared expert's output scaled by sigmoid(gate(x)) (Qwen2-MoE) or not (DeepSeek)
+    # DeepSeek-V3 routing: sigmoid scores, a learned bias that steers the choice (not the weights),
+    # experts chosen only from the `topk_groups` best of `num_groups` groups, weights scaled after.
+    scoring: str = "softmax"  # softmax | sigmoid
+    num_groups: int = 1
+    topk_groups: int = 1
+    routed_scale: float = 1.0
+
+
+@dataclass(frozen=True)
+class MLAConfig:
+    """Multi-head latent attention (DeepSeek-V2/V3): K and V of every head are up-projected from one
+    `kv_lora_rank` latent per token, beside a `qk_rope_head_dim` RoPE key shared by all heads."""
+
+    q_lora_rank: int | None  # None: q projected straight from the hidden state
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleaved: bool  # the checkpoint's RoPE dims are pairs (2i, 2i+1) already
 
 
 @dataclass(frozen=True)
@@ -142,6 +179,7 @@ class ModelConfig:
     attn_scale: float = 0.0  # q·k multiplier; 0 = head_dim ** -0.5
     final_logit_softcap: float | None = None
     moe: MoEConfig | None = None
+    mla: MLAConfig | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     checkpoint_prefix: str = ""  # where the text model's tensors live ("language_model." in multimodal ones)
@@ -153,6 +191,14 @@ class ModelConfig:
     @property
     def scale(self) -> float:
         return self.attn_scale or self.head_dim**-0.5
+
+    @property
+    def kv_entry(self) -> tuple[int, int, int]:
+        """What the paged cache holds per token and layer: (planes, heads, dim). K and V of every KV
+        head, or (MLA) one plane of latent + RoPE key."""
+        if self.mla is not None:
+            return 1, 1, self.mla.kv_lora_rank + self.mla.qk_rope_head_dim
+        return 2, self.num_kv_heads, self.head_dim
 
     @property
     def windows(self) -> tuple[int, ...]:
@@ -184,7 +230,7 @@ class ModelConfig:
             )
         family = SUPPORTED_ARCHITECTURES[arch]
         model_type = cfg.get("model_type")
-        if model_type is not None and model_type != family:
+        if model_type is not None and MODEL_TYPE_ALIASES.get(model_type, model_type) != family:
             raise ModelLoadError(f"{source}: model_type {model_type!r} does not match architecture {arch} "
                                  f"(expected {family!r})")
         r = _Fields(cfg, DEFAULTS[family], source)
@@ -248,6 +294,11 @@ def _read(r: _Fields, arch: str, family: str) -> ModelConfig:
     num_heads = r.int("num_attention_heads")
     num_kv = r.get("num_key_value_heads") or num_heads
     head_dim = r.get("head_dim") or hidden // num_heads
+    mla = _mla(r) if family == "deepseek_v3" else None
+    if mla is not None:
+        # K and V of all heads come from the latent (num_key_value_heads does not apply); RoPE runs over
+        # the decoupled dims, so those are the "head_dim" of the rope caches (as transformers sets it).
+        num_kv, head_dim = num_heads, mla.qk_rope_head_dim
     if num_heads % num_kv:
         raise r.fail(f"num_attention_heads ({num_heads}) is not a multiple of num_key_value_heads ({num_kv})")
     num_layers = r.int("num_hidden_layers")
@@ -287,6 +338,10 @@ def _read(r: _Fields, arch: str, family: str) -> ModelConfig:
         extra.update(gemma_norm=True, sandwich_norm=True, embed_scale=hidden**0.5,
                      attn_scale=float(r.get("query_pre_attn_scalar")) ** -0.5,
                      final_logit_softcap=float(cap) if cap is not None else None)
+    if mla is not None:
+        if r.get("attention_bias"):
+            raise r.fail("attention_bias=True with multi-head latent attention is not implemented")
+        extra.update(mla=mla, attn_scale=_mla_scale(r, mla))
     return ModelConfig(
         architecture=arch,
         vocab_size=r.int("vocab_size"),
@@ -373,7 +428,33 @@ def _ropes(r: _Fields, family: str, max_pos: int) -> dict[str, RopeSpec]:
     return out
 
 
+def _mla(r: _Fields) -> MLAConfig:
+    q_rank = r.get("q_lora_rank")
+    if q_rank is not None and (not isinstance(q_rank, int) or q_rank < 1):
+        raise r.fail(f"q_lora_rank must be a positive integer or null, got {q_rank!r}")
+    rope_dim = r.int("qk_rope_head_dim")
+    if rope_dim % 2:
+        raise r.fail(f"qk_rope_head_dim={rope_dim} must be even (RoPE rotates pairs)")
+    return MLAConfig(q_lora_rank=q_rank, kv_lora_rank=r.int("kv_lora_rank"), qk_nope_head_dim=r.int("qk_nope_head_dim"),
+                     qk_rope_head_dim=rope_dim, v_head_dim=r.int("v_head_dim"),
+                     rope_interleaved=bool(r.get("rope_interleave")))
+
+
+def _mla_scale(r: _Fields, mla: MLAConfig) -> float:
+    """Softmax scale: 1/sqrt(nope + rope dims), times YaRN's mscale(factor, mscale_all_dim) squared when the
+    rope is scaled (transformers' `yarn_apply_mscale`; the cos/sin carry the rest of the attention factor)."""
+    scale = (mla.qk_nope_head_dim + mla.qk_rope_head_dim) ** -0.5
+    rope = r.cfg.get("rope_scaling") or r.cfg.get("rope_parameters") or {}
+    if rope.get("rope_type", rope.get("type", "default")) != "default" and rope.get("mscale_all_dim"):
+        factor = float(rope.get("factor") or 1.0)
+        m = 1.0 if factor <= 1 else 0.1 * float(rope["mscale_all_dim"]) * math.log(factor) + 1.0
+        scale *= m * m
+    return scale
+
+
 def _moe(r: _Fields, family: str, num_layers: int) -> tuple[MoEConfig | None, set[int]]:
+    if family == "deepseek_v3":
+        return _deepseek_moe(r, num_layers)
     if family not in ("qwen2_moe", "qwen3_moe", "mixtral"):
         return None, set()
     num_experts = r.get("num_local_experts") if "num_local_experts" in r.cfg else r.get("num_experts")
@@ -391,3 +472,25 @@ def _moe(r: _Fields, family: str, num_layers: int) -> tuple[MoEConfig | None, se
     shared = r.int("shared_expert_intermediate_size", minimum=0) if family == "qwen2_moe" else 0
     return MoEConfig(num_experts, top_k, r.int("moe_intermediate_size"), renormalize=bool(r.get("norm_topk_prob")),
                      shared_intermediate_size=shared), layers
+
+
+def _deepseek_moe(r: _Fields, num_layers: int) -> tuple[MoEConfig, set[int]]:
+    """Routed + shared experts after `first_k_dense_replace` dense layers, grouped sigmoid routing
+    ("noaux_tc": the correction bias picks experts, the unbiased scores weight them)."""
+    r.refuse_unless("scoring_func", "sigmoid", "DeepSeek-V3 routing scores with a sigmoid")
+    r.refuse_unless("topk_method", "noaux_tc", "DeepSeek-V3's bias-corrected group-limited top-k is what is implemented")
+    r.read.add("num_local_experts")
+    experts, top_k = r.int("n_routed_experts"), r.int("num_experts_per_tok")
+    groups, topk_groups = r.get("n_group") or 1, r.get("topk_group") or 1
+    if top_k > experts:
+        raise r.fail(f"num_experts_per_tok ({top_k}) exceeds n_routed_experts ({experts})")
+    if experts % groups or topk_groups > groups:
+        raise r.fail(f"n_group={groups}, topk_group={topk_groups} do not divide {experts} routed experts")
+    if groups > 1 and experts // groups < 2:
+        raise r.fail(f"n_group={groups} leaves fewer than 2 experts per group (a group scores by its best two)")
+    first, freq = r.int("first_k_dense_replace", minimum=0), r.int("moe_layer_freq")
+    shared = r.int("n_shared_experts", minimum=0) * r.int("moe_intermediate_size")
+    moe = MoEConfig(experts, top_k, r.int("moe_intermediate_size"), renormalize=bool(r.get("norm_topk_prob")),
+                    shared_intermediate_size=shared, shared_gated=False, scoring="sigmoid", num_groups=groups,
+                    topk_groups=topk_groups, routed_scale=float(r.get("routed_scaling_factor")))
+    return moe, {i for i in range(num_layers) if i >= first and i % freq == 0}

@@ -14,10 +14,10 @@ from engine.scheduler import ScheduledSeq
 from engine.sequence import TokenLogprob
 
 
-def kv_row(block_table: list[int], pos: int, block_size: int) -> int:
-    """Row of position `pos`'s K in the layer cache viewed as [blocks * 2 * block_size, kv_heads, dim]
-    (its V is `block_size` rows later)."""
-    return block_table[pos // block_size] * 2 * block_size + pos % block_size
+def kv_row(block_table: list[int], pos: int, block_size: int, planes: int = 2) -> int:
+    """Row of position `pos`'s K in the layer cache viewed as [blocks * planes * block_size, kv_heads, dim]
+    (its V is `block_size` rows later; a latent cache has one plane)."""
+    return block_table[pos // block_size] * planes * block_size + pos % block_size
 
 
 def _length_groups(num_blocks: list[int]) -> list[range]:
@@ -47,6 +47,7 @@ class ModelRunner:
         self.kv = kv
         self.device = device
         self.block_size = kv.layout.block_size
+        self.planes = kv.layout.planes
         self.graphs: DecodeGraphs | None = None  # set by the engine when decode steps replay from buckets
 
     def prepare(self, batch: list[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
@@ -67,7 +68,7 @@ class ModelRunner:
             ids.extend(seq.all_token_ids[start:end] if not s.draft else [seq.all_token_ids[start], *s.draft])
             pos.extend(range(start, end))
             table = seq.block_table
-            k_rows.extend(kv_row(table, p, bs) for p in range(start, end))
+            k_rows.extend(kv_row(table, p, bs, self.planes) for p in range(start, end))
             if i < len(prefills):
                 nb = -(-end // bs)
                 segments.append(PrefillSegment(row0, s.num_tokens, end, torch.tensor(table[:nb], device=dev)))
@@ -115,7 +116,7 @@ class ModelRunner:
             seq, p = s.seq, s.seq.num_computed_tokens
             ids.append(seq.all_token_ids[p])
             pos.append(p)
-            k_rows.append(kv_row(seq.block_table, p, bs))
+            k_rows.append(kv_row(seq.block_table, p, bs, self.planes))
             tables.append(seq.block_table)
             ctx.append(p + 1)
         return self.graphs.run(ids, pos, k_rows, tables, ctx)

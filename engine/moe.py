@@ -30,6 +30,28 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Te
     return weights, ids
 
 
+def route_grouped(logits: torch.Tensor, bias: torch.Tensor, top_k: int, num_groups: int, topk_groups: int,
+                  renormalize: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3's routing ("noaux_tc"): sigmoid scores; the load-balancing `bias` is added only to
+    choose experts: first the `topk_groups` groups whose best two biased scores sum highest, then the
+    top k experts inside them. The chosen experts are weighted by their *unbiased* scores
+    (renormalised to sum to 1 if asked), times `scale`. Float32 throughout, as the reference."""
+    scores = torch.sigmoid(logits.float())
+    biased = scores + bias.float()
+    if num_groups > 1:
+        t, e = biased.shape
+        grouped = biased.view(t, num_groups, e // num_groups)
+        group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
+        keep = torch.zeros_like(group_scores, dtype=torch.bool)
+        keep.scatter_(1, group_scores.topk(topk_groups, dim=-1).indices, True)
+        biased = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(t, e)
+    ids = biased.topk(top_k, dim=-1).indices
+    weights = scores.gather(1, ids)
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * scale, ids
+
+
 def sort_by_expert(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, list[int]]:
     """Order of the flattened (token, choice) pairs grouped by expert, and each expert's count."""
     flat = ids.flatten()
@@ -108,17 +130,28 @@ class MoE(nn.Module):
         super().__init__()
         m = cfg.moe
         assert m is not None
-        self.top_k, self.renormalize = m.top_k, m.renormalize
+        self.cfg = m
         self.router = Linear(cfg.hidden_size, m.num_experts)
+        if m.scoring == "sigmoid":
+            self.router.float()  # scored in float32 whatever the model dtype, as the reference does
+        # DeepSeek-V3's expert-choice bias, kept in float32 (the checkpoint's dtype for it).
+        self.score_bias = (nn.Parameter(torch.zeros(m.num_experts, dtype=torch.float32), requires_grad=False)
+                           if m.scoring == "sigmoid" else None)
         self.experts = Experts(m.num_experts, cfg.hidden_size, m.intermediate_size, cfg.activation)
         self.shared = MLP(cfg.hidden_size, m.shared_intermediate_size, cfg.activation) if m.shared_intermediate_size else None
-        self.shared_gate = Linear(cfg.hidden_size, 1) if m.shared_intermediate_size else None
+        self.shared_gate = Linear(cfg.hidden_size, 1) if m.shared_intermediate_size and m.shared_gated else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        m = self.cfg
+        if self.score_bias is not None:
+            weights, ids = route_grouped(self.router(x.float()), self.score_bias, m.top_k, m.num_groups, m.topk_groups,
+                                         m.renormalize, m.routed_scale)
+        else:
+            weights, ids = route(self.router(x), m.top_k, m.renormalize)
         # Routing weights are applied in the activations' dtype (Qwen's order; Mixtral's transformers
         # code multiplies in float32: the difference is within bfloat16's own rounding).
-        weights, ids = route(self.router(x), self.top_k, self.renormalize)
         out = self.experts(x, ids, weights.to(x.dtype))
-        if self.shared is not None and self.shared_gate is not None:
-            out = out + torch.sigmoid(self.shared_gate(x)) * self.shared(x)
+        if self.shared is not None:
+            shared = self.shared(x)
+            out = out + (torch.sigmoid(self.shared_gate(x)) * shared if self.shared_gate is not None else shared)
         return out

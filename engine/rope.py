@@ -128,3 +128,10 @@ def rope_cache(spec: RopeSpec, head_dim: int, max_positions: int, device: torch.
     inv = spec.inv_freq(head_dim).to(device)
     angles = torch.outer(torch.arange(max_positions, device=device, dtype=torch.float32), inv)
     return torch.polar(torch.full_like(angles, spec.attention_factor), angles)
+
+
+def apply_rope(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, dim] with interleaved pairs; freqs: [T, 1, dim/2] complex (cos + i sin)."""
+    t, h, d = x.shape
+    xc = torch.view_as_complex(x.float().reshape(t, h, d // 2, 2))
+    return torch.view_as_real(xc * freqs).reshape(t, h, d).to(x.dtype)

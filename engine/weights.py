@@ -10,6 +10,7 @@ silently different model.
 from __future__ import annotations
 
 import ctypes
+import logging
 from pathlib import Path
 
 import torch
@@ -19,9 +20,12 @@ from engine import quant
 from engine.checkpoint import Checkpoint
 from engine.errors import ModelLoadError
 from engine.layers import MLP, Linear, RMSNorm
-from engine.model import Block, DecoderModel, interleave_rope_rows
+from engine.mla import MLAttention
+from engine.model import Attention, Block, DecoderModel, interleave_rope_rows
 from engine.model_config import VISION_PREFIXES, ModelConfig
 from engine.moe import MoE
+
+log = logging.getLogger("splitfire.engine")
 
 # Tensors some checkpoints carry that hold nothing a forward pass reads.
 _INERT_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -139,6 +143,7 @@ def load_model(model_dir: str | Path, device: torch.device, dtype: torch.dtype,
             load.linear(model.lm_head, [head if ckpt.has(head) or ckpt.has(head + ".qweight") else embed])
         for i, layer in enumerate(tqdm(model.layers, desc=f"loading {model_dir.name}", unit="layer", disable=None)):
             _load_block(load, cfg, layer, f"{root}layers.{i}.")
+        _skip_mtp_layers(ckpt, cfg, root)
         if quantization is not None:
             model.quantize(quantization)
     unread = sorted(n for n in ckpt.unread if not n.endswith(_INERT_SUFFIXES)
@@ -151,6 +156,19 @@ def load_model(model_dir: str | Path, device: torch.device, dtype: torch.dtype,
         model.optimize_for_cpu()
         _return_freed_heap()
     return model
+
+
+def _skip_mtp_layers(ckpt: Checkpoint, cfg: ModelConfig, root: str) -> None:
+    """DeepSeek-V3 checkpoints append their multi-token-prediction module as layers past
+    `num_hidden_layers` (`model.layers.61.*`); it only drafts tokens, and is not loaded."""
+    if cfg.mla is None:
+        return
+    extra = [n for n in ckpt.unread if n.startswith(f"{root}layers.")
+             and int(n[len(root) + 7 :].split(".", 1)[0]) >= cfg.num_layers]
+    for name in extra:
+        ckpt.skip(name)
+    if extra:
+        log.info("skipped %d tensors of the multi-token-prediction layers (not used for decoding)", len(extra))
 
 
 def _return_freed_heap() -> None:
@@ -195,7 +213,20 @@ def _load_block(load: _Loader, cfg: ModelConfig, layer: Block, p: str) -> None:
     else:
         load.norm(layer.mlp_norm, p + "post_attention_layernorm.weight")
 
+    if isinstance(layer.attn, MLAttention):
+        _load_mla(load, cfg, layer.attn, p + "self_attn.")
+    else:
+        _load_attention(load, cfg, layer, p)
+    if isinstance(layer.mlp, MoE):
+        _load_moe(load, cfg, layer.mlp, p)
+    else:
+        assert isinstance(layer.mlp, MLP)
+        load.mlp(layer.mlp, p + "mlp.", ("gate_proj", "up_proj", "down_proj"), bias=cfg.mlp_bias)
+
+
+def _load_attention(load: _Loader, cfg: ModelConfig, layer: Block, p: str) -> None:
     a, h, kvh = layer.attn, cfg.num_heads, cfg.num_kv_heads
+    assert isinstance(a, Attention)
     names = [f"{p}self_attn.{n}_proj" for n in "qkv"]
     load.linear(a.qkv, [n + ".weight" for n in names], list(a.split), rope_heads=[h, kvh, 0])
     if cfg.qkv_bias:
@@ -209,11 +240,44 @@ def _load_block(load: _Loader, cfg: ModelConfig, layer: Block, p: str) -> None:
         load.norm(a.q_norm, p + "self_attn.q_norm.weight", rope_interleaved=True)
         load.norm(a.k_norm, p + "self_attn.k_norm.weight", rope_interleaved=True)
 
-    if isinstance(layer.mlp, MoE):
-        _load_moe(load, cfg, layer.mlp, p)
-    else:
-        assert isinstance(layer.mlp, MLP)
-        load.mlp(layer.mlp, p + "mlp.", ("gate_proj", "up_proj", "down_proj"), bias=cfg.mlp_bias)
+
+def _load_mla(load: _Loader, cfg: ModelConfig, a: MLAttention, p: str) -> None:
+    """q_a (or q) and kv_a_proj_with_mqa fused into one matmul; RoPE rows reordered to interleaved pairs
+    unless the checkpoint has them so (`rope_interleave`)."""
+    m = cfg.mla
+    assert m is not None
+    qk = m.qk_nope_head_dim + m.qk_rope_head_dim
+    half_split = not m.rope_interleaved
+
+    q_name = p + ("q_a_proj.weight" if m.q_lora_rank else "q_proj.weight")
+    kv_name = p + "kv_a_proj_with_mqa.weight"
+    load.linear(a.qkv_a, [q_name, kv_name], [a.q_rows, m.kv_lora_rank + m.qk_rope_head_dim])
+    if half_split:
+        q_heads = 1 if m.q_lora_rank else cfg.num_heads
+        rows = torch.cat((_rope_rows_perm(q_heads, a.q_rows // q_heads, m.qk_rope_head_dim) if not m.q_lora_rank
+                          else torch.arange(a.q_rows),
+                          a.q_rows + _rope_rows_perm(1, m.kv_lora_rank + m.qk_rope_head_dim, m.qk_rope_head_dim)))
+        _permute_rows(a.qkv_a, rows, p)
+    if a.q_b is not None:
+        load.norm(a.q_a_norm, p + "q_a_layernorm.weight")
+        load.linear(a.q_b, [p + "q_b_proj.weight"])
+        if half_split:
+            _permute_rows(a.q_b, _rope_rows_perm(cfg.num_heads, qk, m.qk_rope_head_dim), p)
+    load.norm(a.kv_a_norm, p + "kv_a_layernorm.weight")
+    load.copy(a.kv_b, p + "kv_b_proj.weight")
+    load.linear(a.o, [p + "o_proj.weight"])
+
+
+def _rope_rows_perm(heads: int, head_rows: int, rope: int) -> torch.Tensor:
+    """Row order that turns each head's trailing `rope` rows from half-split to interleaved pairs."""
+    per_head = torch.cat((torch.arange(head_rows - rope), head_rows - rope + interleave_rope_rows(torch.arange(rope), 1)))
+    return (torch.arange(heads)[:, None] * head_rows + per_head).flatten()
+
+
+def _permute_rows(lin: Linear, rows: torch.Tensor, p: str) -> None:
+    if lin.quantized is not None:
+        raise ModelLoadError(f"{p}: rope_interleave=false with quantized weights is not implemented")
+    lin.weight.copy_(lin.weight[rows])
 
 
 def _load_moe(load: _Loader, cfg: ModelConfig, moe: MoE, p: str) -> None:
@@ -234,6 +298,11 @@ def _load_moe(load: _Loader, cfg: ModelConfig, moe: MoE, p: str) -> None:
             ep = f"{prefix}experts.{e}."
             load.fused(ex.gate_up[e], [f"{ep}{gate}.weight", f"{ep}{up}.weight"])
             load.copy(ex.down[e], f"{ep}{down}.weight")
-    if moe.shared is not None and moe.shared_gate is not None:
-        load.mlp(moe.shared, prefix + "shared_expert.", ("gate_proj", "up_proj", "down_proj"))
+    if moe.score_bias is not None:
+        load.copy(moe.score_bias, prefix + "gate.e_score_correction_bias")
+    if moe.shared is not None:
+        # Qwen2-MoE: one gated shared expert; DeepSeek-V3: `n_shared_experts` fused into one MLP, ungated.
+        load.mlp(moe.shared, prefix + ("shared_expert." if moe.shared_gate is not None else "shared_experts."),
+                 ("gate_proj", "up_proj", "down_proj"))
+    if moe.shared_gate is not None:
         load.copy(moe.shared_gate.weight, prefix + "shared_expert_gate.weight")

@@ -17,7 +17,7 @@ CONFIG_CLASSES = {
     "LlamaForCausalLM": "LlamaConfig", "MistralForCausalLM": "MistralConfig", "Qwen2ForCausalLM": "Qwen2Config",
     "Qwen3ForCausalLM": "Qwen3Config", "Qwen2MoeForCausalLM": "Qwen2MoeConfig",
     "Qwen3MoeForCausalLM": "Qwen3MoeConfig", "MixtralForCausalLM": "MixtralConfig",
-    "Gemma3ForCausalLM": "Gemma3TextConfig",
+    "Gemma3ForCausalLM": "Gemma3TextConfig", "DeepseekV3ForCausalLM": "DeepseekV3Config",
 }
 
 
