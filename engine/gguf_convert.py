@@ -275,6 +275,11 @@ def convert_gguf(gguf_path: Path, out_dir: Path, keep_quantized: bool = True) ->
     except Exception as e:
         raise ModelLoadError(f"{gguf_path}: not a readable GGUF file: {e}") from e
     arch = _field(reader, "general.architecture")
+    if arch == "deepseek2":
+        # llama.cpp stores MLA pre-split for absorption (attn_k_b transposed per head, attn_v_b) and its
+        # own YaRN fields; mapping those back is not written yet. The safetensors checkpoint runs.
+        raise ModelLoadError(f"{gguf_path}: GGUF architecture 'deepseek2' (DeepSeek-V2/V3, Kimi-K2) is not "
+                             "converted yet; serve the model's Hugging Face safetensors directory instead")
     if arch not in ARCHITECTURES:
         raise ModelLoadError(f"{gguf_path}: unsupported GGUF architecture {arch!r} (supported: {sorted(ARCHITECTURES)})")
     names = {t.name for t in reader.tensors}

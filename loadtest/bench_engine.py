@@ -13,6 +13,7 @@ every number comes from this one run.
     python -m loadtest.bench_engine --families          # all families, float32
     python -m loadtest.bench_engine --grammar           # constrained decoding cost
     python -m loadtest.bench_engine --quant             # float32 vs int8 vs int4 vs the GGUF's Q4_1
+    python -m loadtest.bench_engine --mla               # DeepSeek-V3 latent attention: absorbed vs up-projecting
     python -m loadtest.bench_engine --quant --vs-llama-server /path/to/llama-server
 """
 
@@ -338,6 +339,9 @@ def main() -> int:
     p.add_argument("--speculative", action="store_true", help="prompt-lookup speculation vs none, greedy decode")
     p.add_argument("--spec-crossover", action="store_true", help="with --speculative: speedup at batch 1-16 with "
                    "drafting forced on (where speculation stops paying)")
+    p.add_argument("--mla", action="store_true", help="DeepSeek-V3 latent attention: absorbed vs up-projecting decode")
+    p.add_argument("--mla-context", type=int, default=1024, help="with --mla: tokens of context per sequence")
+    p.add_argument("--mla-tokens", type=int, default=16, help="with --mla: decode steps measured per round")
     p.add_argument("--quant", action="store_true", help="quantized weights vs float32: speed, perplexity, agreement")
     p.add_argument("--vs-llama-server", nargs="?", const="", default=None, metavar="BINARY",
                    help="with --quant: also serve the same GGUF over HTTP against llama.cpp's llama-server at this "
@@ -353,6 +357,10 @@ def main() -> int:
         return main_quant(args)
     if args.families:
         return main_families(args)
+    if args.mla:
+        from loadtest.bench_mla import main_mla
+
+        return main_mla(args)
     if args.grammar:
         return main_grammar(args)
     if args.speculative:

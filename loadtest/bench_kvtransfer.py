@@ -17,6 +17,12 @@ own best case for the same bytes (one contiguous object per layer, read by one b
     python -m loadtest.bench_kvtransfer           # part 1, ~30 s
     python -m loadtest.bench_kvtransfer --ttft    # + part 2, ~3 minutes
     python -m loadtest.bench_kvtransfer --store   # part 3 only, ~2 minutes
+    python -m loadtest.bench_kvtransfer --mla     # part 4 only, ~20 s
+
+Part 4 (--mla): KV bytes per token of DeepSeek-V3's latent cache against a Llama-3-70B-shaped
+one (computed from the configs, no weights), and the measured time to move one 2048-token
+prompt's KV through `kvtransfer/` between two processes in each model's page layout: the
+tests' tiny DeepSeek-V3, the benchmarks' DeepSeek-V3-shaped model, and both full-size shapes.
 """
 
 from __future__ import annotations
@@ -83,6 +89,7 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--ttft", action="store_true")
     p.add_argument("--store", action="store_true", help="only part 3: fetch from the shared KV store vs compute")
+    p.add_argument("--mla", action="store_true", help="only part 4: latent (DeepSeek-V3) vs GQA KV bytes and transfer")
     p.add_argument("--receiver", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.receiver:
@@ -134,6 +141,11 @@ def main() -> int:
                 time.sleep(0.0002)
         return time.perf_counter() - t0
 
+    if args.mla:
+        mla_compare(eng, src_buf.ctypes.data, info, args.rounds)
+        child.terminate()
+        return 0
+
     sock = socket.create_connection(("127.0.0.1", info["tcp"]))
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     payload = memoryview(src_buf)[:total]
@@ -169,6 +181,90 @@ def main() -> int:
     if args.ttft:
         ttft_compare()
     return 0
+
+
+# Public config.json shapes (no weights needed): what one token's KV costs each.
+DEEPSEEK_V3 = {"architectures": ["DeepseekV3ForCausalLM"]}  # transformers' defaults are DeepSeek-V3's shape
+KIMI_K2 = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "kimi_k2", "num_attention_heads": 64,
+           "n_routed_experts": 384, "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1,
+           "routed_scaling_factor": 2.827, "vocab_size": 163840}
+LLAMA3_70B = {"architectures": ["LlamaForCausalLM"], "hidden_size": 8192, "intermediate_size": 28672,
+              "num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8, "vocab_size": 128256}
+
+
+def mla_compare(eng, src_base: int, info: dict, rounds: int) -> None:
+    """Part 4: latent vs per-head KV, bytes per token from the configs and one prompt's transfer measured."""
+    import torch
+
+    from engine.kv_cache import KVLayout
+    from engine.model_config import ModelConfig
+    from loadtest.random_models import FAMILIES, SHAPE
+
+    def layout(cfg_dict: dict, dtype: torch.dtype, blocks: int = PROMPT_BLOCKS) -> tuple[ModelConfig, KVLayout]:
+        cfg = ModelConfig.from_dict(cfg_dict)
+        planes, heads, dim = cfg.kv_entry
+        return cfg, KVLayout(cfg.num_layers, blocks, BLOCK, heads, dim, dtype, planes)
+
+    print("\nKV bytes per token (bf16), from the configs:")
+    v3_cfg, v3 = layout(DEEPSEEK_V3, torch.bfloat16)
+    _, kimi = layout(KIMI_K2, torch.bfloat16)
+    _, llama = layout(LLAMA3_70B, torch.bfloat16)
+    m = v3_cfg.mla
+    assert m is not None
+    # What the same model would cache as per-head K and V (an engine that up-projects before caching).
+    expanded = v3_cfg.num_layers * v3_cfg.num_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim) * 2
+    per_token = {"DeepSeek-V3 latent (61 x (512 + 64))": v3.page_bytes * v3.num_layers // BLOCK,
+                 "Kimi-K2 latent (61 x (512 + 64))": kimi.page_bytes * kimi.num_layers // BLOCK,
+                 "DeepSeek-V3 if K/V were cached per head": expanded,
+                 "Llama-3-70B GQA (80 x 2 x 8 x 128)": llama.page_bytes * llama.num_layers // BLOCK}
+    ref = per_token["Llama-3-70B GQA (80 x 2 x 8 x 128)"]
+    for name, b in per_token.items():
+        print(f"  {name:<44}{b / 1024:9.1f} KiB{ref / b:8.2f}x less than Llama-3-70B" if b != ref
+              else f"  {name:<44}{b / 1024:9.1f} KiB")
+
+    bench = {**SHAPE, **FAMILIES["deepseek_v3"][1], "architectures": ["DeepseekV3ForCausalLM"]}
+    bench_llama = {**SHAPE, **FAMILIES["llama"][1], "architectures": ["LlamaForCausalLM"]}
+    tiny = {"architectures": ["DeepseekV3ForCausalLM"], "num_hidden_layers": 3, "kv_lora_rank": 32,
+            "qk_rope_head_dim": 8, "num_attention_heads": 4, "first_k_dense_replace": 1}
+    cases = [("tests' tiny DeepSeek-V3, fp32", tiny, torch.float32),
+             ("bench DeepSeek-V3-shaped (latent 256+32), fp32", {k: v for k, v in bench.items() if v is not None},
+              torch.float32),
+             ("bench Llama-shaped, same size (4 x 64 GQA), fp32", bench_llama, torch.float32),
+             ("DeepSeek-V3, bf16", DEEPSEEK_V3, torch.bfloat16),
+             ("Llama-3-70B, bf16", LLAMA3_70B, torch.bfloat16)]
+    rows = []
+    for name, cfg_dict, dtype in cases:
+        _, lay = layout(cfg_dict, dtype)
+        once = _prompt_transfer(eng, src_base, info, lay)
+        once()  # warm-up
+        rows.append((name, lay.num_layers * PROMPT_BLOCKS * lay.page_bytes, statistics.median(once() for _ in range(rounds))))
+    print(f"\none 2048-token prompt's KV through kvtransfer (Mooncake TCP, two processes), median of {rounds}:")
+    print(f"  {'layout':<50}{'MB':>9}{'ms':>9}{'GB/s':>8}")
+    for name, total, t in rows:
+        print(f"  {name:<50}{total / 1e6:>9.1f}{t * 1e3:>9.1f}{total / t / 1e9:>8.2f}")
+    full = {name: t for name, _, t in rows}
+    print(f"  Llama-3-70B / DeepSeek-V3 transfer time: {full['Llama-3-70B, bf16'] / full['DeepSeek-V3, bf16']:.2f}x")
+
+
+def _prompt_transfer(eng, src_base: int, info: dict, lay):
+    """A function timing one 2048-token prompt's pages, every layer, written through kvtransfer."""
+    from kvtransfer.descriptors import KVRegion
+    from kvtransfer.writer import KVWriter, make_job
+
+    writer = KVWriter(eng, KVRegion(src_base, lay.num_layers, PROMPT_BLOCKS, lay.page_bytes))
+    dst = KVRegion(info["base"], lay.num_layers, PROMPT_BLOCKS, lay.page_bytes)
+    blocks = list(range(PROMPT_BLOCKS))
+
+    def once() -> float:
+        job = make_job("bench-mla", info["segment"], dst, blocks, blocks)
+        t0 = time.perf_counter()
+        for layer in range(lay.num_layers):
+            writer.submit_layer(job, layer)
+        writer.wait([job])
+        assert job.error is None, job.error
+        return time.perf_counter() - t0
+
+    return once
 
 
 def ttft_compare(n_prompts: int = 5) -> None:

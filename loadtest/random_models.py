@@ -32,6 +32,14 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
                                       num_experts_per_tok=2)),
     "qwen3_moe": ("Qwen3MoeConfig", dict(intermediate_size=DENSE_INTERMEDIATE, moe_intermediate_size=256,
                                          num_experts=64, num_experts_per_tok=8, norm_topk_prob=True)),
+    # DeepSeek-V3's proportions at this hidden size: latent rank 256 + 32 RoPE dims per token and
+    # layer (V3: 512 + 64 at 7168), q LoRA, 8 of 64 routed experts in 8 groups (best 4) + 1 shared.
+    "deepseek_v3": ("DeepseekV3Config", dict(intermediate_size=DENSE_INTERMEDIATE, moe_intermediate_size=256,
+                                             n_routed_experts=64, num_experts_per_tok=8, n_group=8, topk_group=4,
+                                             n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=256,
+                                             q_lora_rank=384, qk_nope_head_dim=64, qk_rope_head_dim=32,
+                                             v_head_dim=64, head_dim=None, num_key_value_heads=16,
+                                             num_nextn_predict_layers=0)),
 }
 # Each MoE family and the dense family with its active parameter count (and attention).
 MOE_BASELINES = {"qwen3_moe": "qwen3", "mixtral": "mistral"}
@@ -57,7 +65,7 @@ def model_dir(family: str) -> Path:
 
     config_cls, extra = FAMILIES[family]
     print(f"building a random {family} model with transformers ...", file=sys.stderr, flush=True)
-    config = getattr(transformers, config_cls)(**{**SHAPE, **extra})
+    config = getattr(transformers, config_cls)(**{k: v for k, v in {**SHAPE, **extra}.items() if v is not None})
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config)
     target.parent.mkdir(parents=True, exist_ok=True)

@@ -192,3 +192,20 @@ def test_yarn_softmax_scale_follows_mscale_all_dim():
                                       max_position_embeddings=163840, rope_parameters=dict(rope))
     assert ours.scale == pytest.approx(DeepseekV3Attention(c, 0).scaling, rel=1e-12)
     assert ours.scale != pytest.approx((16 + 8) ** -0.5)
+
+
+def test_deepseek2_gguf_is_refused_with_the_way_out(tmp_path):
+    import gguf
+    import numpy as np
+
+    from engine.gguf_convert import convert_gguf
+
+    path = tmp_path / "ds.gguf"
+    w = gguf.GGUFWriter(str(path), "deepseek2")
+    w.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ModelLoadError, match=r"'deepseek2'.*safetensors"):
+        convert_gguf(path, tmp_path / "out")
