@@ -218,9 +218,10 @@ def mla_compare(eng, src_base: int, info: dict, rounds: int) -> None:
                  "DeepSeek-V3 if K/V were cached per head": expanded,
                  "Llama-3-70B GQA (80 x 2 x 8 x 128)": llama.page_bytes * llama.num_layers // BLOCK}
     ref = per_token["Llama-3-70B GQA (80 x 2 x 8 x 128)"]
+    latent = per_token["DeepSeek-V3 latent (61 x (512 + 64))"]
+    print(f"  {'':<44}{'':>13}{'/ Llama-3-70B':>15}{'/ latent':>10}")
     for name, b in per_token.items():
-        print(f"  {name:<44}{b / 1024:9.1f} KiB{ref / b:8.2f}x less than Llama-3-70B" if b != ref
-              else f"  {name:<44}{b / 1024:9.1f} KiB")
+        print(f"  {name:<44}{b / 1024:9.1f} KiB{b / ref:15.2f}{b / latent:10.2f}")
 
     bench = {**SHAPE, **FAMILIES["deepseek_v3"][1], "architectures": ["DeepseekV3ForCausalLM"]}
     bench_llama = {**SHAPE, **FAMILIES["llama"][1], "architectures": ["LlamaForCausalLM"]}
