@@ -40,15 +40,23 @@ ARCHITECTURES = {
     "qwen3": ("Qwen3ForCausalLM", None),
     "qwen2moe": (None, "Qwen2MoeForCausalLM"),
     "qwen3moe": (None, "Qwen3MoeForCausalLM"),
+    "deepseek2": ("DeepseekV3ForCausalLM", "DeepseekV3ForCausalLM"),
 }
 _MODEL_TYPES = {"LlamaForCausalLM": "llama", "MixtralForCausalLM": "mixtral", "Qwen2ForCausalLM": "qwen2",
-                "Qwen3ForCausalLM": "qwen3", "Qwen2MoeForCausalLM": "qwen2_moe", "Qwen3MoeForCausalLM": "qwen3_moe"}
+                "Qwen3ForCausalLM": "qwen3", "Qwen2MoeForCausalLM": "qwen2_moe", "Qwen3MoeForCausalLM": "qwen3_moe",
+                "DeepseekV3ForCausalLM": "deepseek_v3"}
 # Pre-tokenizer regexes of the byte-level BPE vocabularies llama.cpp names in `tokenizer.ggml.pre`
 # (the same patterns the models' own tokenizer.json files carry).
 _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
                  r"|\s*[\r\n]+|\s+(?!\S)|\s+")
-_PRE_SPLITS = {"llama-bpe": _LLAMA3_SPLIT, "llama3": _LLAMA3_SPLIT,
-               "qwen2": _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")}
+_PRE_SPLITS: dict[str, tuple[str, ...]] = {
+    "llama-bpe": (_LLAMA3_SPLIT,), "llama3": (_LLAMA3_SPLIT,),
+    "qwen2": (_LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}"),),
+    # DeepSeek-V3 / R1: numbers, then CJK runs, then words and punctuation (its tokenizer.json's three Splits).
+    "deepseek-v3": (r"\p{N}{1,3}", "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+",
+                    r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"
+                    r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"),
+}
 
 # Per-layer GGUF tensor name -> Hugging Face name (after "model.layers.{i}.").
 _LAYER_NAMES = {
@@ -68,6 +76,14 @@ _LAYER_NAMES = {
     "ffn_up_shexp": "mlp.shared_expert.up_proj",
     "ffn_down_shexp": "mlp.shared_expert.down_proj",
     "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    # deepseek2 (multi-head latent attention)
+    "attn_q_a": "self_attn.q_a_proj",
+    "attn_q_a_norm": "self_attn.q_a_layernorm",
+    "attn_q_b": "self_attn.q_b_proj",
+    "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa",
+    "attn_kv_a_norm": "self_attn.kv_a_layernorm",
+    "attn_kv_b": "self_attn.kv_b_proj",
+    "exp_probs_b": "mlp.gate.e_score_correction_bias",
 }
 _EXPERTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 _MIXTRAL_EXPERTS = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
@@ -101,7 +117,7 @@ def _build_tokenizer(reader: Any, out_dir: Path, context_length: int) -> dict[st
     pre = _field(reader, "tokenizer.ggml.pre")
     if pre in _PRE_SPLITS:
         tok.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(_PRE_SPLITS[pre]), behavior="isolated"),
+            *(pre_tokenizers.Split(Regex(r), behavior="isolated") for r in _PRE_SPLITS[pre]),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
         ])
     elif pre in ("smollm", "starcoder", "refact"):
@@ -211,6 +227,8 @@ def _config(reader: Any, arch: str, names: set[str], tok_info: dict[str, Any], s
     if hf_arch is None:
         raise ModelLoadError(f"{source}: GGUF architecture {arch!r} {'with' if n_experts else 'without'} experts "
                              "is not supported")
+    if arch == "deepseek2":
+        return _deepseek2_config(k, names, tok_info, source)
     n_heads = int(k("attention.head_count"))
     n_kv = int(k("attention.head_count_kv", n_heads))
     hidden = int(k("embedding_length"))
@@ -266,6 +284,61 @@ def _config(reader: Any, arch: str, names: set[str], tok_info: dict[str, Any], s
     return config
 
 
+_SIGMOID_GATING = 2  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID (absent or 1: softmax, DeepSeek-V2)
+
+
+def _deepseek2_config(k: Any, names: set[str], tok_info: dict[str, Any], source: Path) -> dict[str, Any]:
+    """DeepSeek-V3 / Kimi-K2 as llama.cpp's converter writes them: MLA in the "absorbed" form
+    (key_length = kv_lora_rank + rope dims, the per-head sizes in key_length_mla / value_length_mla;
+    files from before that change carry the per-head sizes in key_length / value_length), the YaRN
+    mscale as `yarn_log_multiplier` = 0.1 * mscale_all_dim."""
+    if int(k("expert_gating_func", 1)) != _SIGMOID_GATING:
+        raise ModelLoadError(f"{source}: deepseek2 GGUF with softmax expert gating (DeepSeek-V2 / V2.5) is not "
+                             "supported; DeepSeek-V3-style sigmoid gating (expert_gating_func = 2) is")
+    rope_dim = int(k("rope.dimension_count"))
+    if k("attention.key_length_mla") is not None:
+        nope, v_dim = int(k("attention.key_length_mla")) - rope_dim, int(k("attention.value_length_mla"))
+    else:
+        nope, v_dim = int(k("attention.key_length")) - rope_dim, int(k("attention.value_length"))
+    layers, n_heads = int(k("block_count")), int(k("attention.head_count"))
+    experts = int(k("expert_count", 0) or 0)
+    q_rank = k("attention.q_lora_rank")
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": float(k("rope.freq_base", 10000.0))}
+    scaling = k("rope.scaling.type")
+    if scaling == "yarn":
+        # llama.cpp leaves cos/sin unscaled for deepseek2 (its attn_factor cancels YaRN's) and puts
+        # mscale(factor, mscale_all_dim)^2 into the softmax scale: attention_factor 1 + mscale_all_dim.
+        rope.update(rope_type="yarn", factor=float(k("rope.scaling.factor")), attention_factor=1.0,
+                    original_max_position_embeddings=int(k("rope.scaling.original_context_length")),
+                    beta_fast=float(k("rope.scaling.yarn_beta_fast", 32.0)),
+                    beta_slow=float(k("rope.scaling.yarn_beta_slow", 1.0)))
+        log_mul = k("rope.scaling.yarn_log_multiplier")
+        if log_mul:
+            rope["mscale_all_dim"] = float(log_mul) / 0.1
+    elif scaling not in (None, "none"):
+        raise ModelLoadError(f"{source}: GGUF rope scaling {scaling!r} is not supported")
+    return {
+        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+        "vocab_size": tok_info["vocab"], "hidden_size": int(k("embedding_length")),
+        "intermediate_size": int(k("feed_forward_length")), "num_hidden_layers": layers,
+        "num_attention_heads": n_heads, "num_key_value_heads": n_heads,
+        "q_lora_rank": int(q_rank) if q_rank else None, "kv_lora_rank": int(k("attention.kv_lora_rank")),
+        "qk_nope_head_dim": nope, "qk_rope_head_dim": rope_dim, "v_head_dim": v_dim, "rope_interleave": True,
+        "first_k_dense_replace": int(k("leading_dense_block_count", 0) or 0) if experts else layers,
+        "n_routed_experts": experts or 1, "num_experts_per_tok": int(k("expert_used_count", 1) or 1),
+        "moe_intermediate_size": int(k("expert_feed_forward_length", 1) or 1),
+        "n_shared_experts": int(k("expert_shared_count", 0) or 0),
+        "routed_scaling_factor": float(k("expert_weights_scale", 1.0) or 1.0),
+        "norm_topk_prob": bool(k("expert_weights_norm", False)),
+        "n_group": int(k("expert_group_count", 1) or 1), "topk_group": int(k("expert_group_used_count", 1) or 1),
+        "scoring_func": "sigmoid", "topk_method": "noaux_tc",
+        "rms_norm_eps": float(k("attention.layer_norm_rms_epsilon", 1e-6)), "rope_parameters": rope,
+        "max_position_embeddings": int(k("context_length", 4096)),
+        "tie_word_embeddings": "output.weight" not in names, "hidden_act": "silu", "torch_dtype": "float32",
+        "bos_token_id": tok_info["bos_token_id"], "eos_token_id": tok_info["eos_token_id"],
+    }
+
+
 def convert_gguf(gguf_path: Path, out_dir: Path, keep_quantized: bool = True) -> None:
     """Write config.json, sharded safetensors and the tokenizer files for `gguf_path` into `out_dir`."""
     import gguf
@@ -275,11 +348,6 @@ def convert_gguf(gguf_path: Path, out_dir: Path, keep_quantized: bool = True) ->
     except Exception as e:
         raise ModelLoadError(f"{gguf_path}: not a readable GGUF file: {e}") from e
     arch = _field(reader, "general.architecture")
-    if arch == "deepseek2":
-        # llama.cpp stores MLA pre-split for absorption (attn_k_b transposed per head, attn_v_b) and its
-        # own YaRN fields; mapping those back is not written yet. The safetensors checkpoint runs.
-        raise ModelLoadError(f"{gguf_path}: GGUF architecture 'deepseek2' (DeepSeek-V2/V3, Kimi-K2) is not "
-                             "converted yet; serve the model's Hugging Face safetensors directory instead")
     if arch not in ARCHITECTURES:
         raise ModelLoadError(f"{gguf_path}: unsupported GGUF architecture {arch!r} (supported: {sorted(ARCHITECTURES)})")
     names = {t.name for t in reader.tensors}
@@ -289,7 +357,10 @@ def convert_gguf(gguf_path: Path, out_dir: Path, keep_quantized: bool = True) ->
     n_heads, n_kv = config["num_attention_heads"], config["num_key_value_heads"]
     writer = _ShardWriter(out_dir, gguf_path.name)
     quantized = 0
+    mla_halves: dict[str, dict[str, np.ndarray]] = {}  # layer -> attn_k_b / attn_v_b until both are read
     for t in tqdm(reader.tensors, desc=f"converting {gguf_path.name}", unit="tensor", disable=None):
+        if _beyond_layers(t.name, config["num_hidden_layers"]):
+            continue  # DeepSeek's multi-token-prediction layer (blk.{n}.nextn.*): not used for decoding
         parts = _quantized_parts(t) if keep_quantized else None
         if parts is not None:
             for key, array in parts.items():
@@ -302,14 +373,35 @@ def convert_gguf(gguf_path: Path, out_dir: Path, keep_quantized: bool = True) ->
         if t.name == "rope_freqs.weight":
             config["rope_scaling"] = llama3_rope_from_factors(w, config["rope_theta"], config["head_dim"])
             continue
+        if t.name.endswith((".attn_k_b.weight", ".attn_v_b.weight")):
+            layer = t.name.split(".")[1]
+            mla_halves.setdefault(layer, {})[t.name.split(".")[2]] = w
+            if len(mla_halves[layer]) == 2:
+                writer.add(f"model.layers.{layer}.self_attn.kv_b_proj.weight", _kv_b(mla_halves.pop(layer)))
+            continue
         for hf, array in _hf_tensors(t.name, w, arch, mixtral, n_heads, n_kv, gguf_path):
             writer.add(hf, array)
+    if mla_halves:
+        raise ModelLoadError(f"{gguf_path}: layers {sorted(mla_halves)} have attn_k_b without attn_v_b or the reverse")
     writer.close()
     if quantized:
         config["quantization_config"] = {"quant_method": QUANT_METHOD, "source": "gguf"}
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
     gen = {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]}
     (out_dir / "generation_config.json").write_text(json.dumps(gen, indent=2))
+
+
+def _beyond_layers(name: str, num_layers: int) -> bool:
+    parts = name.split(".")
+    return parts[0] == "blk" and int(parts[1]) >= num_layers
+
+
+def _kv_b(halves: dict[str, np.ndarray]) -> np.ndarray:
+    """kv_b_proj [heads * (nope + v), rank] from llama.cpp's split: attn_k_b [heads, rank, nope]
+    (transposed for absorption) and attn_v_b [heads, v, rank]."""
+    k_b, v_b = halves["attn_k_b"], halves["attn_v_b"]
+    kv = np.concatenate((k_b.transpose(0, 2, 1), v_b), axis=1)
+    return np.ascontiguousarray(kv.reshape(-1, kv.shape[-1]))
 
 
 def _quantized_parts(t: Any) -> dict[str, np.ndarray] | None:
@@ -345,6 +437,10 @@ def _hf_tensors(name: str, w: np.ndarray, arch: str, mixtral: bool, n_heads: int
     hf = _LAYER_NAMES[base]
     if mixtral and base == "ffn_gate_inp":
         hf = "block_sparse_moe.gate"
+    if arch == "deepseek2" and base.endswith("_shexp"):
+        hf = hf.replace("shared_expert.", "shared_experts.")  # DeepSeek's n_shared_experts, fused
+    if base == "exp_probs_b":
+        return [(f"{prefix}{hf}", w)]  # a bias vector named without a `.bias` suffix in transformers
     if arch == "llama" and kind == "weight" and base in ("attn_q", "attn_k"):
         w = _unpermute(w, n_heads if base == "attn_q" else n_kv)
     if base == "ffn_gate_inp_shexp" and w.ndim == 1:

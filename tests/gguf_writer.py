@@ -1,6 +1,12 @@
 """Writing a saved Hugging Face model as a GGUF file the way llama.cpp's convert_hf_to_gguf.py does:
 its metadata keys and tensor names, Q/K rows permuted for `llama`, experts stacked per layer,
-Llama 3 RoPE scaling as a `rope_freqs` factor tensor, 2-D weights optionally quantized."""
+Llama 3 RoPE scaling as a `rope_freqs` factor tensor, 2-D weights optionally quantized.
+
+`deepseek2` (DeepSeek-V3) follows llama.cpp's conversion/deepseek.py: MLA metadata in its
+"absorbed" form, kv_b_proj split into attn_k_b (transposed per head) and attn_v_b, the
+correction bias as exp_probs_b.bias. Checked once against that converter's own output for the
+tests' tiny DeepSeek-V3 (same keys, names, shapes and values; it needs llama.cpp's source tree,
+so the tests use this writer)."""
 
 from __future__ import annotations
 
@@ -12,14 +18,19 @@ import numpy as np
 from safetensors.numpy import load_file
 
 GGUF_ARCH = {"LlamaForCausalLM": "llama", "MixtralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
-             "Qwen3ForCausalLM": "qwen3", "Qwen2MoeForCausalLM": "qwen2moe", "Qwen3MoeForCausalLM": "qwen3moe"}
+             "Qwen3ForCausalLM": "qwen3", "Qwen2MoeForCausalLM": "qwen2moe", "Qwen3MoeForCausalLM": "qwen3moe",
+             "DeepseekV3ForCausalLM": "deepseek2"}
 LAYER = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
          "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
          "self_attn.k_norm": "attn_k_norm", "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate",
          "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down", "mlp.gate": "ffn_gate_inp",
          "block_sparse_moe.gate": "ffn_gate_inp", "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
          "mlp.shared_expert.up_proj": "ffn_up_shexp", "mlp.shared_expert.down_proj": "ffn_down_shexp",
-         "mlp.shared_expert_gate": "ffn_gate_inp_shexp"}
+         "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
+         "self_attn.q_a_proj": "attn_q_a", "self_attn.q_a_layernorm": "attn_q_a_norm", "self_attn.q_b_proj": "attn_q_b",
+         "self_attn.kv_a_proj_with_mqa": "attn_kv_a_mqa", "self_attn.kv_a_layernorm": "attn_kv_a_norm",
+         "mlp.shared_experts.gate_proj": "ffn_gate_shexp", "mlp.shared_experts.up_proj": "ffn_up_shexp",
+         "mlp.shared_experts.down_proj": "ffn_down_shexp"}
 EXPERT = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps",
           "w1": "ffn_gate_exps", "w3": "ffn_up_exps", "w2": "ffn_down_exps"}
 
@@ -45,6 +56,38 @@ def llama3_rope_factors(rope: dict, head_dim: int) -> np.ndarray:
             smooth = (old / wavelen - low) / (high - low)
             out.append(1 / ((1 - smooth) / factor + smooth))
     return np.array(out, dtype=np.float32)
+
+
+def _deepseek2_metadata(wr, cfg: dict, rope: dict) -> None:
+    """What llama.cpp's DeepseekV2Model.set_gguf_parameters writes beyond the common keys."""
+    import gguf
+
+    rank, rope_dim = cfg["kv_lora_rank"], cfg["qk_rope_head_dim"]
+    wr.add_leading_dense_block_count(cfg["first_k_dense_replace"])
+    wr.add_vocab_size(cfg["vocab_size"])
+    if cfg.get("q_lora_rank") is not None:
+        wr.add_q_lora_rank(cfg["q_lora_rank"])
+    wr.add_kv_lora_rank(rank)
+    wr.add_key_length(rank + rope_dim)
+    wr.add_value_length(rank)
+    wr.add_key_length_mla(cfg["qk_nope_head_dim"] + rope_dim)
+    wr.add_value_length_mla(cfg["v_head_dim"])
+    wr.add_expert_shared_count(cfg["n_shared_experts"])
+    wr.add_expert_weights_scale(cfg["routed_scaling_factor"])
+    if cfg.get("norm_topk_prob"):
+        wr.add_expert_weights_norm(True)
+    wr.add_expert_group_count(cfg["n_group"])
+    wr.add_expert_group_used_count(cfg["topk_group"])
+    wr.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    wr.add_rope_dimension_count(rope_dim)
+    if rope.get("rope_type") == "yarn":
+        wr.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        wr.add_rope_scaling_factor(rope["factor"])
+        wr.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        wr.add_rope_scaling_yarn_beta_fast(rope.get("beta_fast", 32.0))
+        wr.add_rope_scaling_yarn_beta_slow(rope.get("beta_slow", 1.0))
+        if rope.get("mscale_all_dim") is not None:
+            wr.add_rope_scaling_yarn_log_mul(0.1 * rope["mscale_all_dim"])
 
 
 def add_tokenizer(wr, model_dir: Path) -> None:
@@ -76,6 +119,8 @@ def write_gguf(model_dir: Path, path: Path, quantize: str | None = None, embeddi
     w = load_file(str(model_dir / "model.safetensors"))
     heads, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    if arch == "deepseek2":
+        kv, head_dim = 1, 0  # MLA: llama.cpp declares one KV head; its lengths are written below
     wr = gguf.GGUFWriter(str(path), arch)
     wr.add_block_count(cfg["num_hidden_layers"])
     wr.add_context_length(cfg["max_position_embeddings"])
@@ -83,12 +128,15 @@ def write_gguf(model_dir: Path, path: Path, quantize: str | None = None, embeddi
     wr.add_feed_forward_length(cfg["intermediate_size"])
     wr.add_head_count(heads)
     wr.add_head_count_kv(kv)
-    wr.add_key_length(head_dim)
-    wr.add_value_length(head_dim)
     rope = cfg.get("rope_parameters") or {"rope_theta": cfg.get("rope_theta", 10000.0)}
+    if arch == "deepseek2":
+        _deepseek2_metadata(wr, cfg, rope)
+    else:
+        wr.add_key_length(head_dim)
+        wr.add_value_length(head_dim)
     wr.add_rope_freq_base(rope["rope_theta"])
     wr.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    experts = cfg.get("num_local_experts") or cfg.get("num_experts")
+    experts = cfg.get("num_local_experts") or cfg.get("num_experts") or cfg.get("n_routed_experts")
     if experts:
         wr.add_expert_count(experts)
         wr.add_expert_used_count(cfg["num_experts_per_tok"])
@@ -121,6 +169,14 @@ def write_gguf(model_dir: Path, path: Path, quantize: str | None = None, embeddi
         layer, rest = rest.split(".", 1)
         base, kind = rest.rsplit(".", 1)
         x = w[name]
+        if base == "self_attn.kv_b_proj":
+            per_head = x.reshape(heads, cfg["qk_nope_head_dim"] + cfg["v_head_dim"], -1)
+            add(f"blk.{layer}.attn_k_b.weight", per_head[:, : cfg["qk_nope_head_dim"]].transpose(0, 2, 1))
+            add(f"blk.{layer}.attn_v_b.weight", per_head[:, cfg["qk_nope_head_dim"] :])
+            continue
+        if base == "mlp.gate" and kind == "e_score_correction_bias":
+            add(f"blk.{layer}.exp_probs_b.bias", x)
+            continue
         if ".experts." in base:
             e, proj = base.rsplit(".", 2)[1:]
             stacks.setdefault(f"blk.{layer}.{EXPERT[proj]}.{kind}", {})[int(e)] = x

@@ -194,18 +194,12 @@ def test_yarn_softmax_scale_follows_mscale_all_dim():
     assert ours.scale != pytest.approx((16 + 8) ** -0.5)
 
 
-def test_deepseek2_gguf_is_refused_with_the_way_out(tmp_path):
-    import gguf
-    import numpy as np
+def test_softmax_gated_deepseek2_gguf_is_refused():
+    """DeepSeek-V2 / V2.5 GGUFs (no expert_gating_func: llama.cpp then scores with a softmax) are named."""
+    from pathlib import Path
 
-    from engine.gguf_convert import convert_gguf
+    from engine.gguf_convert import _deepseek2_config
 
-    path = tmp_path / "ds.gguf"
-    w = gguf.GGUFWriter(str(path), "deepseek2")
-    w.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    with pytest.raises(ModelLoadError, match=r"'deepseek2'.*safetensors"):
-        convert_gguf(path, tmp_path / "out")
+    fields = {"rope.dimension_count": 8, "block_count": 2}
+    with pytest.raises(ModelLoadError, match="softmax expert gating"):
+        _deepseek2_config(lambda key, default=None: fields.get(key, default), set(), {}, Path("v2.gguf"))

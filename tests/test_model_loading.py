@@ -61,6 +61,10 @@ GGUF_CASES = {
                                     "high_freq_factor": 4.0, "original_max_position_embeddings": 8192,
                                     "rope_theta": 500000.0}),
     "mixtral": {}, "qwen2": {}, "qwen3": {}, "qwen3_moe": {}, "qwen2_moe": {},
+    # MLA split into attn_k_b / attn_v_b, grouped sigmoid routing, YaRN as yarn_log_multiplier (llama.cpp
+    # keeps only mscale_all_dim: cos/sin unscaled, i.e. mscale == mscale_all_dim as in every DeepSeek-V3).
+    "deepseek_v3": dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256,
+                                         "mscale": 0.8, "mscale_all_dim": 0.8, "rope_theta": 10000.0}),
 }
 
 
