@@ -203,3 +203,16 @@ def test_softmax_gated_deepseek2_gguf_is_refused():
     fields = {"rope.dimension_count": 8, "block_count": 2}
     with pytest.raises(ModelLoadError, match="softmax expert gating"):
         _deepseek2_config(lambda key, default=None: fields.get(key, default), set(), {}, Path("v2.gguf"))
+
+
+def test_deepseek_v3_gguf_pre_tokenizer_splits_like_llama_cpp():
+    """llama.cpp's three DeepSeek-V3 splits in order: numbers in runs of up to 3, CJK runs, then words
+    (a punctuation mark may lead a Latin word) and punctuation."""
+    from tokenizers import Regex, pre_tokenizers
+
+    from engine.gguf_convert import _PRE_SPLITS
+
+    seq = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(r), behavior="isolated")
+                                   for r in _PRE_SPLITS["deepseek-v3"]])
+    pieces = [p for p, _ in seq.pre_tokenize_str("Hello, world! 12345 你好ab.cd\n\n  x")]
+    assert pieces == ["Hello", ",", " world", "!", " ", "123", "45", " ", "你好", "ab", ".cd", "\n\n", " ", " x"]
