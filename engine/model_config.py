@@ -183,6 +183,9 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     checkpoint_prefix: str = ""  # where the text model's tensors live ("language_model." in multimodal ones)
+    # Block-wise FP8 checkpoint: matmul weights are float8_e4m3fn with a `weight_scale_inv` per
+    # (rows, cols) block, dequantized on load (`weights._Loader`).
+    fp8_weight_block: tuple[int, int] | None = None
 
     @property
     def family(self) -> str:
@@ -252,14 +255,35 @@ class ModelConfig:
             raise ModelLoadError(f"{path}: corrupt JSON: {e}") from e
         if not isinstance(cfg, dict):
             raise ModelLoadError(f"{path}: expected a JSON object")
+        fp8_block = None
         if "quantization_config" in cfg:
-            method = (cfg["quantization_config"] or {}).get("quant_method")
-            if method != "splitfire":
+            q = cfg["quantization_config"] or {}
+            method = q.get("quant_method")
+            if method == "fp8":
+                fp8_block = _fp8_block(q, path)
+            elif method != "splitfire":
                 raise ModelLoadError(f"{path}: quantization_config ({method!r}) is not supported: splitfire reads "
-                                     "unquantized safetensors, GGUF, or its own int8/int4 layout (quant_method "
+                                     "unquantized safetensors, block-wise FP8 (quant_method 'fp8', as DeepSeek-V3, "
+                                     "Kimi-K2 and Qwen3 *-FP8 ship), GGUF, or its own int8/int4 layout (quant_method "
                                      "'splitfire', see engine/quant.py); pass an unquantized checkpoint and "
                                      "--quantization int8|int4")
-        return cls.from_dict(cfg, source=str(path))
+        return replace(cls.from_dict(cfg, source=str(path)), fp8_weight_block=fp8_block)
+
+
+def _fp8_block(q: dict[str, Any], path: Path) -> tuple[int, int]:
+    """The (rows, cols) block of a fine-grained FP8 checkpoint: e4m3 weights, dynamic activation scales
+    (activations stay in the model dtype here: the weights are dequantized on load, as transformers does
+    without an FP8 GPU)."""
+    if q.get("fmt", "e4m3") != "e4m3":
+        raise ModelLoadError(f"{path}: quantization_config.fmt={q.get('fmt')!r} is not supported (only e4m3)")
+    if q.get("activation_scheme", "dynamic") != "dynamic":
+        raise ModelLoadError(f"{path}: quantization_config.activation_scheme={q.get('activation_scheme')!r} is not "
+                             "supported (only 'dynamic': static activation scales were calibrated for FP8 matmuls)")
+    block = q.get("weight_block_size")
+    if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+        raise ModelLoadError(f"{path}: quantization_config.weight_block_size must be [rows, cols], got {block!r} "
+                             "(per-tensor FP8 scales are not supported)")
+    return block[0], block[1]
 
 
 class _Fields:

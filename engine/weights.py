@@ -34,8 +34,33 @@ _INERT_SUFFIXES = ("rotary_emb.inv_freq",)
 class _Loader:
     """Checks each tensor's shape against the config, then reads it straight into its parameter."""
 
-    def __init__(self, ckpt: Checkpoint):
+    def __init__(self, ckpt: Checkpoint, fp8_block: tuple[int, int] | None = None):
         self.ckpt = ckpt
+        self.fp8_block = fp8_block
+
+    def is_fp8(self, name: str) -> bool:
+        return self.ckpt.has(name) and self.ckpt.info(name).dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+
+    def fp8(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        """float32 `q * scale_inv`, one scale per (rows, cols) block of the config's weight_block_size
+        (trailing blocks may be partial, as DeepSeek's 576-row kv_a_proj_with_mqa)."""
+        self._check(name, shape)
+        scale_name = name + "_scale_inv"
+        if self.fp8_block is None or not self.ckpt.has(scale_name):
+            raise ModelLoadError(f"{self.ckpt.model_dir}: tensor {name!r} is FP8 without a block-wise "
+                                 f"{scale_name!r} (and a quantization_config.weight_block_size)")
+        if len(shape) != 2:
+            raise ModelLoadError(f"{self.ckpt.model_dir}: FP8 tensor {name!r} of shape {shape}: only 2-D FP8 "
+                                 "weights are read (stacked FP8 experts are not)")
+        br, bc = self.fp8_block
+        rows, cols = shape
+        scale = self.ckpt.get(scale_name).float()
+        grid = (-(-rows // br), -(-cols // bc))
+        if tuple(scale.shape) != grid:
+            raise ModelLoadError(f"{self.ckpt.model_dir}: {scale_name!r} has shape {tuple(scale.shape)}, a "
+                                 f"{rows}x{cols} weight in {br}x{bc} blocks needs {grid}")
+        full = scale.repeat_interleave(br, 0)[:rows].repeat_interleave(bc, 1)[:, :cols]
+        return self.ckpt.get(name).float() * full
 
     def _check(self, name: str, shape: tuple[int, ...]) -> None:
         found = self.ckpt.shape(name)
@@ -66,6 +91,10 @@ class _Loader:
         A quantized tensor landing here (experts, routers) is dequantized into the float parameter."""
         if self.is_quantized(name):
             dst.copy_(self.quantized(name, tuple(dst.shape), rope_heads).dequantize())
+            return
+        if self.is_fp8(name):
+            w = self.fp8(name, tuple(dst.shape))
+            dst.copy_(interleave_rope_rows(w, rope_heads) if rope_heads else w)
             return
         self._check(name, tuple(dst.shape))
         self.ckpt.read_into(name, dst)
@@ -126,7 +155,7 @@ def load_model(model_dir: str | Path, device: torch.device, dtype: torch.dtype,
     cfg = ModelConfig.from_dir(model_dir)
     ckpt = Checkpoint(model_dir)
     model = _allocate(cfg, device, dtype)
-    load = _Loader(ckpt)
+    load = _Loader(ckpt, cfg.fp8_weight_block)
     root, head = _text_model_prefixes(ckpt, cfg)
     with torch.no_grad():
         embed = root + "embed_tokens.weight"

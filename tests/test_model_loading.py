@@ -252,3 +252,69 @@ def test_multimodal_gemma3_checkpoint_serves_its_text_model(tmp_path):
     prompt = list(range(3, 60))
     engine.add_request("m", prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     assert drain(engine)["m"].token_ids == hf.greedy(prompt, 8)
+
+
+def _write_fp8(src: Path, dst: Path, block: int) -> None:
+    """`src` as a fine-grained FP8 checkpoint (DeepSeek-V3's format): every layer's projection weight
+    float8_e4m3fn with a float32 `weight_scale_inv` per block (amax / 448)."""
+    import json
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    out = {}
+    for name, w in load_file(dst / "model.safetensors").items():
+        if not (name.endswith("_proj.weight") and w.ndim == 2 and ".layers." in name):
+            out[name] = w
+            continue
+        r, c = w.shape
+        blocks = w.view(r // block, block, c // block, block)
+        scale = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / 448.0
+        out[name] = (blocks / scale[:, None, :, None]).view(r, c).to(torch.float8_e4m3fn)
+        out[name + "_scale_inv"] = scale.float()
+    save_file(out, dst / "model.safetensors", metadata={"format": "pt"})
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                  "weight_block_size": [block, block]}
+    (dst / "config.json").write_text(json.dumps(cfg))
+
+
+@pytest.mark.parametrize("name", ["llama3", "deepseek_v3"])
+def test_fp8_checkpoint_equals_transformers_dequantizing_it(name, tmp_path):
+    """A block-wise FP8 checkpoint (DeepSeek-V3 / Kimi-K2 / Qwen3-FP8 format) is dequantized on load; the
+    oracle is transformers loading the same files (it dequantizes too without an FP8 GPU)."""
+    pytest.importorskip("accelerate")
+    import torch
+    import transformers
+
+    hf = _hf(name, tmp_path / "hf")
+    _write_fp8(hf.path, tmp_path / "fp8", block=8)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "fp8", dtype=torch.float32).eval()
+    engine = make_engine(tmp_path / "fp8")
+    prompt = list(range(3, 60))
+    with torch.no_grad():
+        ids, expected = list(prompt), []
+        for _ in range(8):
+            expected.append(int(theirs(torch.tensor([ids])).logits[0, -1].argmax()))
+            ids.append(expected[-1])
+    engine.add_request("g", prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    assert drain(engine)["g"].token_ids == expected
+    # Not vacuous: the FP8 files compute measurably different logits from the float model they came from.
+    with torch.no_grad():
+        x = torch.tensor([prompt])
+        assert (theirs(x).logits - hf.model(x).logits).abs().max() > 1e-3
+
+
+def test_fp8_checkpoint_outside_what_is_implemented_is_refused(tiny_model_dir, tmp_path):
+    import json
+
+    d = _copy(tiny_model_dir, tmp_path / "m")
+    cfg = json.loads((d / "config.json").read_text())
+    for q, named in (({"quant_method": "fp8", "activation_scheme": "static", "weight_block_size": [128, 128]},
+                      "activation_scheme"),
+                     ({"quant_method": "fp8", "activation_scheme": "dynamic"}, "weight_block_size")):
+        (d / "config.json").write_text(json.dumps({**cfg, "quantization_config": q}))
+        with pytest.raises(ModelLoadError, match=named):
+            ModelConfig.from_dir(d)
