@@ -18,7 +18,7 @@ from engine.block_manager import BlockManager, BlockStats
 from engine.constrained import GrammarEngine
 from engine.detokenizer import IncrementalDetokenizer
 from engine.engine_config import EngineConfig
-from engine.errors import RequestError
+from engine.errors import ModelLoadError, RequestError
 from engine.graph_runner import DecodeGraphs
 from engine.kv_cache import KVCache, KVLayout
 from engine.model_config import ModelConfig
@@ -27,7 +27,7 @@ from engine.model_store import resolve_model
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
 from engine.sequence import Mode, Sequence, Status, TokenLogprob
-from engine.speculative import NgramDrafter, verify
+from engine.speculative import Drafter, NgramDrafter, verify
 from engine.tokenizer import Tokenizer
 from engine.weights import load_model
 
@@ -126,8 +126,7 @@ class LLMEngine:
             except RuntimeError as e:  # e.g. a model path with a host sync, which a graph cannot hold
                 log.warning("event=decode_graphs_off reason=capture_failed error=%s", str(e).splitlines()[0])
                 self.runner.graphs = None
-        self.drafter = (NgramDrafter(config.num_speculative_tokens, config.speculative_max_batch)
-                        if config.speculative == "ngram" else None)
+        self.drafter = self._drafter()
         self.scheduler.drafter = self.drafter
         self.scheduler.max_model_len = self.max_model_len
         self.seqs: dict[str, Sequence] = {}
@@ -196,12 +195,35 @@ class LLMEngine:
         self.scheduler.add(seq)
         return seq
 
+    def _drafter(self) -> Drafter | None:
+        c = self.config
+        if c.speculative == "ngram":
+            return NgramDrafter(c.num_speculative_tokens, c.speculative_max_batch)
+        if c.speculative != "draft":
+            return None
+        from engine.draft_model import DraftModelDrafter, same_tokenizer
+
+        draft_dir = resolve_model(c.draft_model)
+        differs = same_tokenizer(self.model_dir, draft_dir)
+        if differs:
+            raise ModelLoadError(f"--draft-model {c.draft_model}: its tokenizer is not the target's ({differs}); "
+                                 "a draft model must share the target's vocabulary")
+        return DraftModelDrafter(draft_dir, c.num_speculative_tokens, c.speculative_max_batch, self.device, self.dtype,
+                                 c.block_size, self.kv.layout.num_blocks, self.max_model_len + c.num_speculative_tokens + 1,
+                                 self.model_config.vocab_size)
+
+    def _drop(self, seq: Sequence) -> None:
+        """Free a stopped sequence's blocks (and what a draft model holds for it)."""
+        self.blocks.free_seq(seq)
+        if self.drafter is not None:
+            self.drafter.release(seq)
+
     def abort(self, request_id: str) -> bool:
         seq = self.seqs.pop(request_id, None)
         if seq is None:
             return False
         self.scheduler.remove(seq)
-        self.blocks.free_seq(seq)
+        self._drop(seq)
         seq.status, seq.finish_reason = Status.FINISHED, "abort"
         return True
 
@@ -211,6 +233,8 @@ class LLMEngine:
         if seq is not None:
             self.scheduler.remove(seq)
             seq.status, seq.finish_reason = Status.FINISHED, "abort"
+            if self.drafter is not None:
+                self.drafter.release(seq)  # the draft cache is this process's alone
         return seq
 
     def release(self, seq: Sequence) -> None:
@@ -404,7 +428,7 @@ class LLMEngine:
         seq.status, seq.finish_reason, seq.error = Status.FINISHED, reason, error
         out.finished, out.finish_reason, out.error = True, reason, error
         self.scheduler.remove(seq)
-        self.blocks.free_seq(seq)
+        self._drop(seq)
         self.seqs.pop(seq.request_id, None)
         return out
 

@@ -1,8 +1,9 @@
-"""Prompt-lookup (n-gram) speculative decoding, lossless for greedy and sampled requests.
+"""Speculative decoding, lossless for greedy and sampled requests: the drafters and the verification rule.
 
-A drafter proposes up to k tokens for a running sequence by finding the latest earlier
-occurrence of its last n tokens (n = 3, 2, 1) in the prompt and output so far and copying what
-followed. The target model then computes the fed token plus the k drafts in one step (as a
+A drafter proposes up to k tokens for a running sequence. Prompt lookup (`NgramDrafter`) finds
+the latest earlier occurrence of its last n tokens (n = 3, 2, 1) in the prompt and output so far
+and copies what followed; a draft model (`draft_model.DraftModelDrafter`) decodes them greedily
+with a smaller model of the same tokenizer. The target model then computes the fed token plus the k drafts in one step (as a
 chunk over the paged KV cache). At each row the sampler draws the token it would have drawn
 without speculation (greedy: the argmax; sampled: the same draw, from the generator of that
 token's index when seeded); drafts equal to those tokens are accepted, followed by the drawn
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 from array import array
 from dataclasses import dataclass
+from typing import Any
 
 from engine.sequence import Mode, Sequence
 
@@ -34,6 +36,7 @@ class SpecState:
 
     acceptance: float = 1.0  # moving average of accepted / drafted
     idle_steps: int = 0
+    draft_cache: Any = None  # a draft model's per-sequence KV state (draft_model.DraftSeq)
 
 
 def eligible(seq: Sequence) -> bool:
@@ -65,7 +68,9 @@ def ngram_draft(tokens: list[int], k: int) -> list[int]:
     return []
 
 
-class NgramDrafter:
+class Drafter:
+    """What every drafter shares: eligibility, the batch-size off-switch, per-sequence adaptive k."""
+
     def __init__(self, k: int, max_batch: int):
         self.k = k
         self.max_batch = max_batch  # above this many running sequences, verification costs more than it saves
@@ -86,7 +91,13 @@ class NgramDrafter:
                 return []
             st.idle_steps = 0
             k = min(k, 1)  # a probe drafts one token: a 2-row step, not 5, while drafts keep missing
-        return ngram_draft(seq.all_token_ids, k)
+        return self.draft_tokens(seq, k) if k > 0 else []
+
+    def draft_tokens(self, seq: Sequence, k: int) -> list[int]:
+        raise NotImplementedError
+
+    def release(self, seq: Sequence) -> None:
+        """The sequence is finished or stopped: drop whatever the drafter holds for it."""
 
     def record(self, seq: Sequence, drafted: int, accepted: int) -> None:
         st = seq.spec
@@ -96,6 +107,11 @@ class NgramDrafter:
         self.drafted += drafted
         self.accepted += accepted
         self.steps += 1
+
+
+class NgramDrafter(Drafter):
+    def draft_tokens(self, seq: Sequence, k: int) -> list[int]:
+        return ngram_draft(seq.all_token_ids, k)
 
 
 def verify(draft: list[int], targets: list[int]) -> list[int]:

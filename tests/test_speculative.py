@@ -1,6 +1,6 @@
-"""Speculative decoding (prompt lookup): greedy output identical to one token per step, whatever
-the drafts — all accepted, all rejected, or n-gram guesses — with chunked prefill, prefix hits,
-aborts and in the disaggregated decode worker."""
+"""Speculative decoding (prompt lookup and a draft model): greedy output identical to one token per
+step, whatever the drafts — all accepted, all rejected, n-gram guesses or a draft model's — with
+chunked prefill, prefix hits, aborts and in the disaggregated decode worker."""
 
 from __future__ import annotations
 
@@ -63,6 +63,9 @@ class _Oracle:
         self.drafted += drafted
         self.accepted += accepted
         self.steps += 1
+
+    def release(self, seq):
+        pass
 
 
 def test_all_accepted_and_all_rejected_drafts_give_the_same_tokens(tiny_model_dir):
@@ -194,3 +197,106 @@ def test_unseeded_sampled_verification_keeps_the_target_distribution():
     assert chi2 < bound, (chi2, dof, bound)
     assert counts[~(p > 0)].sum() == 0  # nothing outside top-k ever emitted
     assert abs(accepted / n - float(p[3])) < 4 * math.sqrt(float(p[3]) * (1 - float(p[3])) / n)
+
+
+# -- draft-model speculation ------------------------------------------------------------------
+
+
+def _draft_run(model_dir, draft_dir, prompts, **kw):
+    out, eng = _run(model_dir, prompts, speculative="draft", draft_model=str(draft_dir), speculative_max_batch=8, **kw)
+    d = eng.drafter
+    assert len(d.free) == d.kv.layout.num_blocks  # every draft block back, rejected drafts' included
+    return out, eng
+
+
+def test_draft_model_speculation_is_lossless_whether_drafts_are_accepted_or_not(tiny_model_dir, tmp_path):
+    from tiny_model import make_tiny_llama
+
+    prompts = _prompts()
+    base, _ = _run(tiny_model_dir, prompts)
+    # The target as its own draft: every draft accepted.
+    same, eng = _draft_run(tiny_model_dir, tiny_model_dir, prompts)
+    assert same == base
+    assert eng.drafter.drafted > 0 and eng.drafter.accepted == eng.drafter.drafted
+    # A different random model with the same tokenizer: drafts mostly rejected, output unchanged.
+    other_dir = make_tiny_llama(tmp_path / "other", layers=1, hidden=32, heads=2, kv_heads=1, intermediate=64, seed=7)
+    other, eng = _draft_run(tiny_model_dir, other_dir, prompts)
+    assert other == base
+    assert eng.drafter.drafted > 0 and eng.drafter.accepted < eng.drafter.drafted // 2
+    # Chunked prefill (16-token steps) and a second turn with a prefix hit.
+    chunked, _ = _draft_run(tiny_model_dir, tiny_model_dir, prompts, max_num_batched_tokens=16, max_num_seqs=8)
+    assert chunked == base
+    turn2 = [prompts[1] + base["1"] + [7, 8, 9]]
+    want, _ = _run(tiny_model_dir, turn2)
+    got, eng = _draft_run(tiny_model_dir, other_dir, turn2)
+    assert got == want
+
+
+def test_draft_model_with_seeded_sampling_and_aborts(tiny_model_dir):
+    def run(spec: str):
+        kw = dict(draft_model=str(tiny_model_dir)) if spec == "draft" else {}
+        eng = make_engine(tiny_model_dir, speculative=spec, speculative_max_batch=8, **kw)
+        for i, p in enumerate(_prompts()):
+            eng.add_request(str(i), p, SamplingParams(temperature=0.7, top_p=0.95, seed=3 + i, max_tokens=30,
+                                                      ignore_eos=True))
+        return {k: v.token_ids for k, v in drain(eng).items()}, eng
+
+    base, _ = run("off")
+    got, eng = run("draft")
+    assert got == base and eng.drafter.accepted > 0
+    # Aborted mid-way: the draft cache gives every block back too.
+    eng = make_engine(tiny_model_dir, speculative="draft", draft_model=str(tiny_model_dir), speculative_max_batch=8)
+    for i, p in enumerate(_prompts()):
+        eng.add_request(str(i), p, SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
+    for _ in range(10):
+        eng.step()
+    assert eng.drafter.steps > 0 and len(eng.drafter.free) < eng.drafter.kv.layout.num_blocks
+    for i in range(5):
+        eng.abort(str(i))
+    assert eng.blocks.stats().used == 0 and len(eng.drafter.free) == eng.drafter.kv.layout.num_blocks
+
+
+async def test_disaggregated_decode_worker_with_a_draft_model(tiny_model_dir, tmp_path):
+    pre = start_worker("prefill", tiny_model_dir, tmp_path, name="draft-pre")
+    dec = start_worker("decode", tiny_model_dir, tmp_path, "--local-prefill-max-tokens", "0", "--speculative", "draft",
+                       "--draft-model", str(tiny_model_dir), "--speculative-max-batch", "8", name="draft-dec")
+    try:
+        prompts = _prompts()
+        want, _ = _run(tiny_model_dir, prompts, max_tokens=30)
+        got = await asyncio.gather(*(generate(address(dec), p, greedy(30), prefill=address(pre)) for p in prompts))
+        assert [g.token_ids for g in got] == [want[str(i)] for i in range(len(prompts))]
+        assert all(g.prefill_mode == "remote" for g in got)
+        await wait_blocks_free(address(dec))
+        import urllib.request
+
+        body = urllib.request.urlopen(f"http://127.0.0.1:{dec.ports['metrics']}/metrics", timeout=5).read().decode()
+        accepted = [line for line in body.splitlines()
+                    if line.startswith('splitfire_worker_spec_tokens{kind="accepted"')]
+        assert accepted and float(accepted[0].rsplit(" ", 1)[1]) > 0
+    finally:
+        for p in (dec, pre):
+            p.stop()
+
+
+def test_a_draft_model_with_another_tokenizer_is_refused(tiny_model_dir, tmp_path):
+    import json
+    import shutil
+
+    import pytest
+
+    from engine.engine_config import EngineConfig
+    from engine.errors import ModelLoadError
+
+    d = tmp_path / "draft"
+    shutil.copytree(tiny_model_dir, d)
+    tj = json.loads((d / "tokenizer.json").read_text())
+    vocab = tj["model"]["vocab"]
+    a, b = sorted(vocab, key=vocab.get)[10:12]
+    vocab[a], vocab[b] = vocab[b], vocab[a]  # two ids swapped: same size, different mapping
+    (d / "tokenizer.json").write_text(json.dumps(tj))
+    with pytest.raises(ModelLoadError, match="tokenizer is not the target's"):
+        make_engine(tiny_model_dir, speculative="draft", draft_model=str(d))
+    with pytest.raises(ValueError, match="--draft-model"):
+        EngineConfig(speculative="draft").validate()
+    with pytest.raises(ValueError, match="--draft-model"):
+        EngineConfig(draft_model=str(d)).validate()

@@ -113,10 +113,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=_env("max_model_len", None), help="context limit (default: the model's)")
     g.add_argument("--no-prefix-cache", action="store_true", help="disable prefix caching")
     g.add_argument("--threads", type=int, default=_env("threads", None), help="torch CPU threads")
-    g.add_argument("--speculative", default=_env("speculative", "off"), choices=["off", "ngram"],
+    g.add_argument("--speculative", default=_env("speculative", "off"), choices=["off", "ngram", "draft"],
                    help="speculative decoding: ngram = prompt lookup (drafts copied from earlier "
-                        "text, verified in one step; greedy and seeded output identical, sampled output from the same distribution); default ngram on decode workers, else off; prefill "
-                        "workers never decode, so it does nothing there")
+                        "text), draft = a smaller model of the same tokenizer (--draft-model); drafts are verified "
+                        "in one step: greedy and seeded output identical, sampled output from the same distribution; "
+                        "default ngram on decode workers, else off; prefill workers never decode, so it does "
+                        "nothing there")
+    g.add_argument("--draft-model", default=_env("draft_model", None),
+                   help="with --speculative draft: the draft model (built-in name, HF directory or .gguf)")
     g.add_argument("--num-speculative-tokens", type=int, default=int(_env("num_speculative_tokens", 4)),
                    help="drafts per verification step at most")
     g.add_argument("--speculative-max-batch", type=int, default=int(_env("speculative_max_batch", 4)),
@@ -142,6 +146,7 @@ def engine_config_from(args: argparse.Namespace) -> EngineConfig:
         cpu_activations=args.cpu_activations,
         decode_graphs="off" if args.enforce_eager else "auto",
         speculative=args.speculative,
+        draft_model=args.draft_model,
         num_speculative_tokens=args.num_speculative_tokens,
         speculative_max_batch=args.speculative_max_batch,
     )
