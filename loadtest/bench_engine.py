@@ -274,9 +274,15 @@ def main_speculative(args: argparse.Namespace) -> int:
     an agent-shaped reply that repeats a JSON block from its prompt, a free-text reply, batch 16."""
     import json
 
+    from engine.speculative import NgramDrafter
+
+    draft = args.draft_model
     engine = LLMEngine(EngineConfig(model=args.model, device="cpu", threads=args.threads, max_num_batched_tokens=512,
-                                    kv_cache_gb=1.0, speculative="ngram"))
-    drafter = engine.drafter
+                                    kv_cache_gb=1.0, speculative="draft" if draft else "ngram", draft_model=draft))
+    drafters = {"ngram": NgramDrafter(engine.config.num_speculative_tokens, engine.config.speculative_max_batch)}
+    if draft:
+        drafters["draft"] = engine.drafter
+    drafter = drafters["ngram"]
     tok = engine.tokenizer
     record = json.dumps(AGENT_RECORD, indent=2)
     agent = tok.encode_chat([{"role": "user", "content": "Here is a deployment record:\n" + record +
@@ -287,27 +293,35 @@ def main_speculative(args: argparse.Namespace) -> int:
     sampled = SamplingParams(max_tokens=128, temperature=0.7, top_p=0.95, seed=3, ignore_eos=True)
     cases = [("agent JSON, batch 1", [agent], sp), ("agent JSON, T=0.7, batch 1", [agent], sampled),
              ("free text, batch 1", [story], sp), ("agent JSON, batch 16", [agent] * 16, sp)]
-    rates: dict[tuple[str, bool], list[float]] = {}
-    accept: dict[str, tuple[int, int, int]] = {}
+    rates: dict[tuple[str, str], list[float]] = {}
+    accept: dict[tuple[str, str], tuple[int, int, int]] = {}
+    modes = ["off", *drafters]
     for r in tqdm(range(args.rounds), desc="rounds", file=sys.stderr):
         for name, prompts, params in cases:
-            for on in (False, True):
-                engine.scheduler.drafter = drafter if on else None
-                before = (drafter.drafted, drafter.accepted, drafter.steps)
-                rates.setdefault((name, on), []).append(decode_rate(engine, prompts, params, f"s{r}{on}{name[:3]}"))
-                if on:
-                    d = (drafter.drafted - before[0], drafter.accepted - before[1], drafter.steps - before[2])
-                    accept[name] = tuple(a + b for a, b in zip(accept.get(name, (0, 0, 0)), d, strict=True))
-    print(f"\nCPU: {torch.get_num_threads()} threads, torch {torch.__version__}, model {engine.model_dir}, "
-          f"greedy, 128 output tokens, {args.rounds} interleaved rounds (medians)")
-    print(f"{'decode tok/s':<28}{'off':>10}{'ngram':>10}{'speedup':>9}{'accepted':>10}{'tokens/verify':>15}")
+            for mode in modes:
+                d = drafters.get(mode)
+                engine.drafter = engine.scheduler.drafter = d
+                before = (d.drafted, d.accepted, d.steps) if d else (0, 0, 0)
+                rates.setdefault((name, mode), []).append(decode_rate(engine, prompts, params, f"s{r}{mode}{name[:3]}"))
+                if d is not None:
+                    delta = (d.drafted - before[0], d.accepted - before[1], d.steps - before[2])
+                    accept[(name, mode)] = tuple(a + b for a, b in zip(accept.get((name, mode), (0, 0, 0)), delta,
+                                                                        strict=True))
+    print(f"\nCPU: {torch.get_num_threads()} threads, torch {torch.__version__}, model {engine.model_dir}"
+          + (f", draft model {draft}" if draft else "")
+          + f", 128 output tokens, {args.rounds} interleaved rounds (medians)")
+    print(f"{'decode tok/s':<28}{'mode':>7}{'tok/s':>10}{'vs off':>9}{'accepted':>10}{'tokens/verify':>15}")
     for name, _, _ in cases:
-        off, on = statistics.median(rates[(name, False)]), statistics.median(rates[(name, True)])
-        drafted, accepted, steps = accept[name]
-        ratio = f"{accepted / drafted:.0%}" if drafted else "-"
-        per = f"{(accepted + steps) / steps:.2f}" if steps else "-"
-        print(f"{name:<28}{off:>10.1f}{on:>10.1f}{on / off:>9.2f}{ratio:>10}{per:>15}")
-    print("targets: agent JSON batch 1 >= 1.8x; free text batch 1 >= 0.95x; batch 16 >= 0.95x")
+        off = statistics.median(rates[(name, "off")])
+        print(f"{name:<28}{'off':>7}{off:>10.1f}")
+        for mode in drafters:
+            on = statistics.median(rates[(name, mode)])
+            drafted, accepted, steps = accept[(name, mode)]
+            ratio = f"{accepted / drafted:.0%}" if drafted else "-"
+            per = f"{(accepted + steps) / steps:.2f}" if steps else "-"
+            print(f"{'':<28}{mode:>7}{on:>10.1f}{on / off:>9.2f}{ratio:>10}{per:>15}")
+    print("targets (ngram): agent JSON batch 1 >= 1.8x; free text batch 1 >= 0.95x; batch 16 >= 0.95x")
+    engine.drafter = engine.scheduler.drafter = drafter
     if args.spec_crossover:
         # The batch size above which verification costs more than it saves: drafting forced on.
         drafter.max_batch = 1 << 10
@@ -319,7 +333,7 @@ def main_speculative(args: argparse.Namespace) -> int:
                 runs: dict[bool, list[float]] = {}
                 for r in range(args.rounds):
                     for on in (False, True):
-                        engine.scheduler.drafter = drafter if on else None
+                        engine.drafter = engine.scheduler.drafter = drafter if on else None
                         runs.setdefault(on, []).append(decode_rate(engine, [prompt] * b, sp, f"x{b}{r}{on}"))
                 row.append(statistics.median(runs[True]) / statistics.median(runs[False]))
             print(f"{b:<8}{row[0]:>15.2f}{row[1]:>15.2f}", flush=True)
@@ -339,6 +353,8 @@ def main() -> int:
     p.add_argument("--speculative", action="store_true", help="prompt-lookup speculation vs none, greedy decode")
     p.add_argument("--spec-crossover", action="store_true", help="with --speculative: speedup at batch 1-16 with "
                    "drafting forced on (where speculation stops paying)")
+    p.add_argument("--draft-model", default=None, help="with --speculative: also a draft-model column (e.g. the "
+                   "4-bit smollm2-135m-instruct drafting for its float32 conversion)")
     p.add_argument("--mla", action="store_true", help="DeepSeek-V3 latent attention: absorbed vs up-projecting decode")
     p.add_argument("--mla-context", type=int, default=1024, help="with --mla: tokens of context per sequence")
     p.add_argument("--mla-tokens", type=int, default=16, help="with --mla: decode steps measured per round")
