@@ -405,13 +405,23 @@ def _kv_b(halves: dict[str, np.ndarray]) -> np.ndarray:
 
 
 def _quantized_parts(t: Any) -> dict[str, np.ndarray] | None:
-    """A 2-D matmul weight whose GGML type `gguf_quants` re-expresses exactly, in that layout."""
-    if not t.name.endswith(".weight") or len(t.shape) != 2 or t.name.split(".")[-2] in _EXPERTS:
+    """A matmul weight whose GGML type `gguf_quants` re-expresses exactly, in that layout: 2-D, or
+    stacked experts [E, rows, cols] (each part then stacked per expert the same way)."""
+    if not t.name.endswith(".weight") or len(t.shape) not in (2, 3):
         return None
     if t.name.split(".")[-2] in ("ffn_gate_inp", "ffn_gate_inp_shexp"):
         return None  # routers stay float (see DecoderModel.quantize)
-    cols, rows = (int(d) for d in t.shape)
-    return gguf_quants.convert(np.asarray(t.data), t.tensor_type.name, rows, cols)
+    data = np.asarray(t.data)
+    if len(t.shape) == 2:
+        cols, rows = (int(d) for d in t.shape)
+        return gguf_quants.convert(data, t.tensor_type.name, rows, cols)
+    if t.name.split(".")[-2] not in _EXPERTS:
+        return None
+    cols, rows, experts = (int(d) for d in t.shape)
+    per_expert = [gguf_quants.convert(data[e], t.tensor_type.name, rows, cols) for e in range(experts)]
+    if per_expert[0] is None:
+        return None
+    return {key: np.stack([p[key] for p in per_expert if p is not None]) for key in per_expert[0]}
 
 
 def _hf_tensors(name: str, w: np.ndarray, arch: str, mixtral: bool, n_heads: int, n_kv: int,

@@ -185,7 +185,7 @@ class DecoderModel(nn.Module):
         """`--quantization int8|int4` on a float checkpoint: every matmul weight quantized round-to-nearest
         per group of 32 (int4) or up to 128 (int8) weights; the LM head (and, when tied, the
         embedding with it) at int8 either way. Routers stay float (a flipped expert choice costs
-        more than the bytes save); so do stacked experts, which have no quantized kernel yet."""
+        more than the bytes save); experts are quantized one by one."""
         skip: set[int] = set()
         for m in self.modules():
             if isinstance(m, MoE):
@@ -193,6 +193,8 @@ class DecoderModel(nn.Module):
         for m in self.modules():
             if isinstance(m, Linear) and id(m) not in skip and m.quantized is None and m is not self.lm_head:
                 m.set_quantized([quant.quantize(m.weight, kind, quant.group_size_for(m.weight.shape[1], kind))])
+            elif isinstance(m, Experts):
+                m.quantize(kind)
         if self.lm_head.quantized is None:
             # The LM head (and a tied embedding) stays at 8 bits under int4, as llama.cpp's 4-bit files
             # keep theirs at Q8_0/Q6_K: on SmolLM2 a 4-bit head cost 6% perplexity, 4-bit layers ~1%.

@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine import quant
+from engine.errors import ModelLoadError
 from engine.kernels import kernels
 from engine.layers import MLP, Linear, activation, cpu_linear, pack_weight
 from engine.model_config import ModelConfig
@@ -96,7 +98,8 @@ def grouped_experts_reference(x: torch.Tensor, ids: torch.Tensor, weights: torch
 
 
 class Experts(nn.Module):
-    """Every expert's weights stacked: gate and up fused [E, 2I, H], down [E, H, I]."""
+    """Every expert's weights stacked: gate and up fused [E, 2I, H], down [E, H, I] — or, quantized,
+    one `QuantizedWeight` per expert and projection (experts are most of an MoE model's bytes)."""
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int, act: str):
         super().__init__()
@@ -105,16 +108,42 @@ class Experts(nn.Module):
         self.down = nn.Parameter(torch.empty(num_experts, hidden, intermediate), requires_grad=False)
         self.act = activation(act)
         self.packed: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
+        self.quantized: tuple[list[quant.QuantizedWeight], list[quant.QuantizedWeight]] | None = None
+
+    def set_quantized(self, gate_up: list[quant.QuantizedWeight], down: list[quant.QuantizedWeight]) -> None:
+        """Run from quantized experts; the stacked float weights are freed."""
+        e, two_i, h = self.gate_up.shape
+        for i, (gu, dn) in enumerate(zip(gate_up, down, strict=True)):
+            if gu.shape != (two_i, h) or dn.shape != (h, two_i // 2):
+                raise ModelLoadError(f"quantized expert {i}: gate/up {gu.shape}, down {dn.shape}; the config "
+                                     f"implies {(two_i, h)} and {(h, two_i // 2)}")
+        if len(gate_up) != e:
+            raise ModelLoadError(f"{len(gate_up)} quantized experts for {e}")
+        device = self.gate_up.device
+        self.quantized = ([w.to(device) for w in gate_up], [w.to(device) for w in down])
+        self.gate_up = self.down = None  # type: ignore[assignment]
+
+    def quantize(self, kind: str) -> None:
+        """`--quantization` on float experts: each expert's projections round-to-nearest, as `Linear`s are."""
+        if self.quantized is not None or self.gate_up is None:
+            return
+        group = quant.group_size_for
+        self.set_quantized([quant.quantize(w, kind, group(w.shape[1], kind)) for w in self.gate_up],
+                           [quant.quantize(w, kind, group(w.shape[1], kind)) for w in self.down])
 
     def pack_for_cpu(self) -> None:
         """oneDNN-packed copy of each expert (see `layers.Linear`); the stacked weights are dropped
         (unless the Triton kernel, which reads them, is forced on the CPU)."""
-        if kernels("moe_triton", "cpu") is not None:
+        if self.quantized is not None or kernels("moe_triton", "cpu") is not None:
             return
         self.packed = ([pack_weight(w) for w in self.gate_up], [pack_weight(w) for w in self.down])
         self.gate_up = self.down = None  # type: ignore[assignment]
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        if self.quantized is not None:
+            gu, dn = self.quantized
+            return grouped_experts(x, ids, weights, self.num_experts, lambda e, r: quant.linear(r, [gu[e]], None),
+                                   lambda e, r: quant.linear(r, [dn[e]], None), self.act)
         if self.packed is not None:
             gu, dn = self.packed
             return grouped_experts(x, ids, weights, self.num_experts, lambda e, r: cpu_linear(r, gu[e]),

@@ -86,6 +86,14 @@ class _Loader:
             qw = qw.map_rows(lambda t: interleave_rope_rows(t, rope_heads))
         return qw
 
+    def as_quantized(self, name: str, shape: tuple[int, int], rope_heads: int = 0) -> quant.QuantizedWeight:
+        """Tensor `name` as stored if quantized, else (a float tensor among quantized ones) at int8."""
+        if self.is_quantized(name):
+            return self.quantized(name, shape, rope_heads)
+        w = torch.empty(shape)
+        self.copy(w, name, rope_heads)
+        return quant.quantize(w, "int8", quant.group_size_for(shape[1], "int8"))
+
     def copy(self, dst: torch.Tensor, name: str, rope_heads: int = 0) -> None:
         """dst <- tensor `name`; with `rope_heads`, its rows are then reordered for interleaved RoPE.
         A quantized tensor landing here (experts, routers) is dequantized into the float parameter."""
@@ -110,16 +118,8 @@ class _Loader:
             return
         k = lin.weight.shape[1]
         rows = rows or [lin.weight.shape[0] // len(names)] * len(names)
-        parts = []
-        for i, (name, n) in enumerate(zip(names, rows, strict=True)):
-            heads = rope_heads[i] if rope_heads else 0
-            if self.is_quantized(name):
-                parts.append(self.quantized(name, (n, k), heads))
-            else:
-                w = torch.empty(n, k)
-                self.copy(w, name, heads)
-                parts.append(quant.quantize(w, "int8", quant.group_size_for(k, "int8")))
-        lin.set_quantized(parts)
+        lin.set_quantized([self.as_quantized(name, (n, k), rope_heads[i] if rope_heads else 0)
+                           for i, (name, n) in enumerate(zip(names, rows, strict=True))])
 
     def norm(self, norm: RMSNorm | None, name: str, rope_interleaved: bool = False) -> None:
         assert norm is not None
@@ -323,10 +323,23 @@ def _load_moe(load: _Loader, cfg: ModelConfig, moe: MoE, p: str) -> None:
         load.copy(ex.down, prefix + "experts.down_proj")
     else:
         gate, up, down = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
-        for e in range(ex.num_experts):
-            ep = f"{prefix}experts.{e}."
-            load.fused(ex.gate_up[e], [f"{ep}{gate}.weight", f"{ep}{up}.weight"])
-            load.copy(ex.down[e], f"{ep}{down}.weight")
+        names = [tuple(f"{prefix}experts.{e}.{n}.weight" for n in (gate, up, down)) for e in range(ex.num_experts)]
+        if any(load.is_quantized(n) for trio in names for n in trio):
+            # Stored quantized (a converted GGUF): kept quantized, expert by expert.
+            inter, hidden = ex.down.shape[2], ex.down.shape[1]
+            gate_up = []
+            for g, u, _ in names:
+                parts = [load.as_quantized(g, (inter, hidden)), load.as_quantized(u, (inter, hidden))]
+                merged = quant.concat_rows(parts)
+                if merged is None:  # gate and up in different formats: one int8 weight for both
+                    w = torch.cat([p.dequantize() for p in parts])
+                    merged = quant.quantize(w, "int8", quant.group_size_for(hidden, "int8"))
+                gate_up.append(merged)
+            ex.set_quantized(gate_up, [load.as_quantized(d, (hidden, inter)) for _, _, d in names])
+        else:
+            for e, (g, u, d) in enumerate(names):
+                load.fused(ex.gate_up[e], [g, u])
+                load.copy(ex.down[e], d)
     if moe.score_bias is not None:
         load.copy(moe.score_bias, prefix + "gate.e_score_correction_bias")
     if moe.shared is not None:

@@ -94,8 +94,8 @@ def test_gguf_converts_and_equals_transformers(name, tmp_path, monkeypatch):
 
 
 def test_quantized_moe_gguf_equals_transformers_on_its_dequantized_weights(tmp_path, monkeypatch):
-    """A Q8_0 mixture-of-experts GGUF: attention and embedding stay int8, the stacked experts are
-    dequantized to float32 on conversion; with keep_quantized=False the whole file becomes a valid
+    """A Q8_0 mixture-of-experts GGUF: attention, embedding and every expert stay int8 (the stacked
+    experts split per expert); with keep_quantized=False the whole file becomes a valid
     transformers checkpoint, and the two compute the same greedy tokens."""
     pytest.importorskip("gguf")
     import torch
@@ -117,7 +117,9 @@ def test_quantized_moe_gguf_equals_transformers_on_its_dequantized_weights(tmp_p
     theirs = HFModel("q8", floats, transformers.AutoModelForCausalLM.from_pretrained(floats, dtype=torch.float32).eval(), {})
     engine = make_engine(model_dir, cpu_activations="float")
     assert engine.model.layers[0].attn.qkv.quantized is not None
-    assert engine.model.layers[0].mlp.experts.gate_up is not None or engine.model.layers[0].mlp.experts.packed
+    experts = engine.model.layers[0].mlp.experts
+    assert experts.quantized is not None and experts.gate_up is None
+    assert {w.kind for w in experts.quantized[0] + experts.quantized[1]} == {"int8"}
     prompt = list(range(3, 50))
     engine.add_request("q", prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     assert drain(engine)["q"].token_ids == theirs.greedy(prompt, 8)

@@ -172,6 +172,36 @@ def test_engine_with_quantized_weights_computes_the_dequantized_model(tiny_model
     print(f"{kind}: {same}/8 greedy continuations identical to the float32 weights'")
 
 
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_quantized_experts_compute_the_dequantized_model(tmp_path, kind):
+    """MoE experts are quantized too (they are most of the bytes): a Qwen3-MoE engine with
+    --quantization equals a float32 engine given every matmul weight dequantized (routers stay float)."""
+    from hf_models import make_hf_model
+    from safetensors.torch import load_file, save_file
+
+    hf = make_hf_model("qwen3_moe", tmp_path / "moe")
+    d = tmp_path / "dequantized"
+    import shutil
+
+    shutil.copytree(hf.path, d)
+    w = load_file(str(d / "model.safetensors"))
+    for name, t in w.items():
+        if t.ndim == 2 and "embed_tokens" not in name and not name.endswith("mlp.gate.weight"):
+            k = "int8" if name == "lm_head.weight" else kind
+            w[name] = quant.quantize(t, k, quant.group_size_for(t.shape[1], k)).dequantize_torch()
+    save_file(w, str(d / "model.safetensors"), metadata={"format": "pt"})
+    prompts = [[(17 * i + 5 * j) % 390 + 3 for j in range(12 + 30 * i)] for i in range(4)]  # decode and >48-row prefill
+    out = {}
+    for label, model, q in (("dequantized", d, None), (kind, hf.path, kind)):
+        engine = make_engine(model, quantization=q, cpu_activations="float")
+        for i, p in enumerate(prompts):
+            engine.add_request(str(i), p, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+        out[label] = {k: r.token_ids for k, r in drain(engine).items()}
+    experts = next(layer.mlp.experts for layer in engine.model.layers if hasattr(layer.mlp, "experts"))
+    assert experts.quantized is not None and experts.gate_up is None and experts.quantized[0][0].kind == kind
+    assert out[kind] == out["dequantized"]
+
+
 def test_quantized_gguf_serves_at_its_own_precision(tmp_path, monkeypatch):
     """A Q4_0 + Q8_0 GGUF converts with its matmul weights still quantized (no float32 copy on
     disk) and computes what the file means: the same greedy tokens as transformers running the
