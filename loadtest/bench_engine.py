@@ -156,11 +156,12 @@ def bench_ours(args: argparse.Namespace, dt: str) -> tuple[str, dict[str, float]
 FAMILY_BATCHES = (1, 16)
 
 
-def family_engine(family: str, args: argparse.Namespace) -> LLMEngine:
+def family_engine(family: str, args: argparse.Namespace, quantization: str | None = None) -> LLMEngine:
     from loadtest.random_models import model_dir
 
     engine = LLMEngine(EngineConfig(model=str(model_dir(family)), device="cpu", dtype=args.dtypes.split(",")[0],
-                                    threads=args.threads, max_num_batched_tokens=512, kv_cache_gb=0.5))
+                                    threads=args.threads, max_num_batched_tokens=512, kv_cache_gb=0.5,
+                                    quantization=quantization))
     vocab = engine.model_config.vocab_size
     ours_decode(engine, [random_ids(vocab, 32, 999 + i) for i in range(4)], 999)  # warm-up
     return engine
@@ -174,13 +175,41 @@ def family_round(engine: LLMEngine, s: int) -> dict[str, float]:
     return out
 
 
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes the model's weights occupy as loaded: float parameters, packed copies and quantized codes."""
+    from engine.layers import Linear
+    from engine.moe import Experts
+
+    seen: set[int] = set()
+
+    def size(t: torch.Tensor | None) -> int:
+        if t is None or id(t) in seen:
+            return 0
+        seen.add(id(t))
+        return t.numel() * t.element_size()
+
+    total = sum(size(p) for p in model.parameters())
+    for m in model.modules():
+        quantized = (m.quantized or []) if isinstance(m, Linear) else []
+        if isinstance(m, Experts) and m.quantized is not None:
+            quantized = m.quantized[0] + m.quantized[1]
+        total += sum(size(w.q) + size(w.scales) + size(w.mins) for w in quantized)
+        if isinstance(m, Linear) and m.packed is not None:
+            total += size(m.packed)
+        if isinstance(m, Experts) and m.packed is not None:
+            total += sum(size(w) for w in m.packed[0] + m.packed[1])
+    return total
+
+
 def main_families(args: argparse.Namespace) -> int:
     from loadtest.random_models import FAMILIES, MOE_BASELINES, SHAPE
 
     families = args.family_list.split(",") if args.family_list else list(FAMILIES)
-    engines = {f: family_engine(f, args) for f in tqdm(families, desc="loading", file=sys.stderr)}
+    quants = [None if q == "none" else q for q in args.quantizations.split(",")]
+    engines = {(f if q is None else f"{f} {q}"): family_engine(f, args, q)
+               for f in tqdm(families, desc="loading", file=sys.stderr) for q in quants}
     # Rounds interleave the families, so drift on a shared machine lands on all of them alike.
-    samples: dict[str, dict[str, list[float]]] = {f: {} for f in families}
+    samples: dict[str, dict[str, list[float]]] = {f: {} for f in engines}
     for s in tqdm(range(args.rounds), desc="rounds", file=sys.stderr):
         for f, engine in engines.items():
             for k, v in family_round(engine, s).items():
@@ -189,14 +218,20 @@ def main_families(args: argparse.Namespace) -> int:
     keys = ["prefill_512"] + [f"decode_{b}" for b in FAMILY_BATCHES]
     print(f"\nCPU: {torch.get_num_threads()} threads, torch {torch.__version__}, {args.dtypes.split(',')[0]}, "
           f"random weights, shape {SHAPE['num_hidden_layers']} layers x {SHAPE['hidden_size']} hidden")
-    print(f"{'family':<12}" + "".join(f"{k.replace('_', ' ') + ' tok/s':>22}" for k in keys))
+    print(f"{'family':<20}{'weights MB':>12}" + "".join(f"{k.replace('_', ' ') + ' tok/s':>22}" for k in keys))
     for f, r in rows.items():
-        print(f"{f:<12}" + "".join(f"{r[k]:>22.1f}" for k in keys))
+        mb = weight_bytes(engines[f].model) / 1e6
+        print(f"{f:<20}{mb:>12.1f}" + "".join(f"{r[k]:>22.1f}" for k in keys))
     for moe, dense in MOE_BASELINES.items():
         if moe in rows and dense in rows:
             # tok/s ratio dense/moe = step time ratio moe/dense
             ratio = "".join(f"{rows[dense][k] / rows[moe][k]:>22.2f}" for k in keys)
             print(f"{moe + ' / ' + dense + ' step':<12}{ratio}")
+    for name in rows:
+        base = name.split(" ")[0]
+        if name != base and base in rows:  # a quantized variant against its float model
+            mb = weight_bytes(engines[name].model) / weight_bytes(engines[base].model)
+            print(f"{name + ' / float':<20}{mb:>12.2f}" + "".join(f"{rows[name][k] / rows[base][k]:>22.2f}" for k in keys))
     return 0
 
 
@@ -349,6 +384,7 @@ def main() -> int:
     p.add_argument("--no-transformers", action="store_true")
     p.add_argument("--families", action="store_true", help="every family on same-size random weights")
     p.add_argument("--family-list", default="", help="with --families: a comma-separated subset")
+    p.add_argument("--quantizations", default="none", help="with --families: none,int8,int4 variants of each family")
     p.add_argument("--grammar", action="store_true", help="json_schema-constrained vs free decode, compile time")
     p.add_argument("--speculative", action="store_true", help="prompt-lookup speculation vs none, greedy decode")
     p.add_argument("--spec-crossover", action="store_true", help="with --speculative: speedup at batch 1-16 with "
