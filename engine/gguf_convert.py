@@ -284,17 +284,20 @@ def _config(reader: Any, arch: str, names: set[str], tok_info: dict[str, Any], s
     return config
 
 
-_SIGMOID_GATING = 2  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID (absent or 1: softmax, DeepSeek-V2)
+# llama.cpp's expert_gating_func for deepseek2: absent or 1 = softmax (DeepSeek-V2), 2 = sigmoid (V3).
+_SOFTMAX_GATING, _SIGMOID_GATING = 1, 2
 
 
 def _deepseek2_config(k: Any, names: set[str], tok_info: dict[str, Any], source: Path) -> dict[str, Any]:
-    """DeepSeek-V3 / Kimi-K2 as llama.cpp's converter writes them: MLA in the "absorbed" form
+    """DeepSeek-V2 / V3 / Kimi-K2 as llama.cpp's converter writes them: MLA in the "absorbed" form
     (key_length = kv_lora_rank + rope dims, the per-head sizes in key_length_mla / value_length_mla;
     files from before that change carry the per-head sizes in key_length / value_length), the YaRN
     mscale as `yarn_log_multiplier` = 0.1 * mscale_all_dim."""
-    if int(k("expert_gating_func", 1)) != _SIGMOID_GATING:
-        raise ModelLoadError(f"{source}: deepseek2 GGUF with softmax expert gating (DeepSeek-V2 / V2.5) is not "
-                             "supported; DeepSeek-V3-style sigmoid gating (expert_gating_func = 2) is")
+    gating = int(k("expert_gating_func", _SOFTMAX_GATING))
+    if gating not in (_SOFTMAX_GATING, _SIGMOID_GATING):
+        raise ModelLoadError(f"{source}: deepseek2 expert_gating_func={gating} is not supported (1 softmax: "
+                             "DeepSeek-V2 / V2.5; 2 sigmoid: DeepSeek-V3 / R1, Kimi-K2)")
+    v3 = gating == _SIGMOID_GATING
     rope_dim = int(k("rope.dimension_count"))
     if k("attention.key_length_mla") is not None:
         nope, v_dim = int(k("attention.key_length_mla")) - rope_dim, int(k("attention.value_length_mla"))
@@ -317,8 +320,12 @@ def _deepseek2_config(k: Any, names: set[str], tok_info: dict[str, Any], source:
             rope["mscale_all_dim"] = float(log_mul) / 0.1
     elif scaling not in (None, "none"):
         raise ModelLoadError(f"{source}: GGUF rope scaling {scaling!r} is not supported")
+    groups = int(k("expert_group_count", 1) or 1)
+    routing = ({"scoring_func": "sigmoid", "topk_method": "noaux_tc"} if v3 else
+               {"scoring_func": "softmax", "topk_method": "group_limited_greedy" if groups > 1 else "greedy"})
     return {
-        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+        "architectures": ["DeepseekV3ForCausalLM" if v3 else "DeepseekV2ForCausalLM"],
+        "model_type": "deepseek_v3" if v3 else "deepseek_v2", **routing,
         "vocab_size": tok_info["vocab"], "hidden_size": int(k("embedding_length")),
         "intermediate_size": int(k("feed_forward_length")), "num_hidden_layers": layers,
         "num_attention_heads": n_heads, "num_key_value_heads": n_heads,
@@ -330,8 +337,7 @@ def _deepseek2_config(k: Any, names: set[str], tok_info: dict[str, Any], source:
         "n_shared_experts": int(k("expert_shared_count", 0) or 0),
         "routed_scaling_factor": float(k("expert_weights_scale", 1.0) or 1.0),
         "norm_topk_prob": bool(k("expert_weights_norm", False)),
-        "n_group": int(k("expert_group_count", 1) or 1), "topk_group": int(k("expert_group_used_count", 1) or 1),
-        "scoring_func": "sigmoid", "topk_method": "noaux_tc",
+        "n_group": groups, "topk_group": int(k("expert_group_used_count", 1) or 1),
         "rms_norm_eps": float(k("attention.layer_norm_rms_epsilon", 1e-6)), "rope_parameters": rope,
         "max_position_embeddings": int(k("context_length", 4096)),
         "tie_word_embeddings": "output.weight" not in names, "hidden_act": "silu", "torch_dtype": "float32",

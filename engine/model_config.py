@@ -31,6 +31,7 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "MixtralForCausalLM": "mixtral",
     "Gemma3ForCausalLM": "gemma3_text",
+    "DeepseekV2ForCausalLM": "deepseek_v2",
     "DeepseekV3ForCausalLM": "deepseek_v3",
 }
 # Other model_type values a supported architecture ships under (same tensors, same math).
@@ -96,6 +97,14 @@ DEFAULTS: dict[str, dict[str, Any]] = {
                     "bos_token_id": 0, "eos_token_id": 1,
                     # Fields of DeepSeek's own config.json (its remote code), not of transformers' class:
                     "scoring_func": "sigmoid", "topk_method": "noaux_tc", "moe_layer_freq": 1},
+    "deepseek_v2": {**_COMMON, "vocab_size": 102400, "hidden_size": 4096, "intermediate_size": 11008,
+                    "num_hidden_layers": 32, "num_attention_heads": 32, "max_position_embeddings": 2048,
+                    "bos_token_id": 1, "eos_token_id": 2, "first_k_dense_replace": 0, "kv_lora_rank": 512,
+                    "q_lora_rank": 1536, "n_group": None, "n_routed_experts": 64, "n_shared_experts": 2,
+                    "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "routed_scaling_factor": 1.0, "topk_group": None,
+                    "topk_method": "greedy", "norm_topk_prob": False, "v_head_dim": 128, "num_experts_per_tok": None,
+                    "moe_intermediate_size": 1407, "mlp_bias": False, "attention_bias": False,
+                    "scoring_func": "softmax", "moe_layer_freq": 1},
 }
 
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh",
@@ -136,6 +145,7 @@ class MoEConfig:
     # DeepSeek-V3 routing: sigmoid scores, a learned bias that steers the choice (not the weights),
     # experts chosen only from the `topk_groups` best of `num_groups` groups, weights scaled after.
     scoring: str = "softmax"  # softmax | sigmoid
+    grouped: bool = False  # DeepSeek routing (route_grouped): groups, scaling; sigmoid adds the correction bias
     num_groups: int = 1
     topk_groups: int = 1
     routed_scale: float = 1.0
@@ -318,7 +328,7 @@ def _read(r: _Fields, arch: str, family: str) -> ModelConfig:
     num_heads = r.int("num_attention_heads")
     num_kv = r.get("num_key_value_heads") or num_heads
     head_dim = r.get("head_dim") or hidden // num_heads
-    mla = _mla(r) if family == "deepseek_v3" else None
+    mla = _mla(r, family) if family in ("deepseek_v2", "deepseek_v3") else None
     if mla is not None:
         # K and V of all heads come from the latent (num_key_value_heads does not apply); RoPE runs over
         # the decoupled dims, so those are the "head_dim" of the rope caches (as transformers sets it).
@@ -452,7 +462,7 @@ def _ropes(r: _Fields, family: str, max_pos: int) -> dict[str, RopeSpec]:
     return out
 
 
-def _mla(r: _Fields) -> MLAConfig:
+def _mla(r: _Fields, family: str) -> MLAConfig:
     q_rank = r.get("q_lora_rank")
     if q_rank is not None and (not isinstance(q_rank, int) or q_rank < 1):
         raise r.fail(f"q_lora_rank must be a positive integer or null, got {q_rank!r}")
@@ -461,7 +471,8 @@ def _mla(r: _Fields) -> MLAConfig:
         raise r.fail(f"qk_rope_head_dim={rope_dim} must be even (RoPE rotates pairs)")
     return MLAConfig(q_lora_rank=q_rank, kv_lora_rank=r.int("kv_lora_rank"), qk_nope_head_dim=r.int("qk_nope_head_dim"),
                      qk_rope_head_dim=rope_dim, v_head_dim=r.int("v_head_dim"),
-                     rope_interleaved=bool(r.get("rope_interleave")))
+                     # DeepSeek-V2 rotates interleaved pairs (a complex multiply in transformers), always.
+                     rope_interleaved=family == "deepseek_v2" or bool(r.get("rope_interleave")))
 
 
 def _mla_scale(r: _Fields, mla: MLAConfig) -> float:
@@ -477,8 +488,8 @@ def _mla_scale(r: _Fields, mla: MLAConfig) -> float:
 
 
 def _moe(r: _Fields, family: str, num_layers: int) -> tuple[MoEConfig | None, set[int]]:
-    if family == "deepseek_v3":
-        return _deepseek_moe(r, num_layers)
+    if family in ("deepseek_v2", "deepseek_v3"):
+        return _deepseek_moe(r, family, num_layers)
     if family not in ("qwen2_moe", "qwen3_moe", "mixtral"):
         return None, set()
     num_experts = r.get("num_local_experts") if "num_local_experts" in r.cfg else r.get("num_experts")
@@ -498,23 +509,38 @@ def _moe(r: _Fields, family: str, num_layers: int) -> tuple[MoEConfig | None, se
                      shared_intermediate_size=shared), layers
 
 
-def _deepseek_moe(r: _Fields, num_layers: int) -> tuple[MoEConfig, set[int]]:
-    """Routed + shared experts after `first_k_dense_replace` dense layers, grouped sigmoid routing
-    ("noaux_tc": the correction bias picks experts, the unbiased scores weight them)."""
-    r.refuse_unless("scoring_func", "sigmoid", "DeepSeek-V3 routing scores with a sigmoid")
-    r.refuse_unless("topk_method", "noaux_tc", "DeepSeek-V3's bias-corrected group-limited top-k is what is implemented")
+def _deepseek_moe(r: _Fields, family: str, num_layers: int) -> tuple[MoEConfig, set[int]]:
+    """Routed + shared experts after `first_k_dense_replace` dense layers. DeepSeek-V3: grouped sigmoid
+    routing ("noaux_tc": the correction bias picks experts, the unbiased scores weight them).
+    DeepSeek-V2: softmax scores, plain top-k ("greedy") or within the best groups by their best
+    expert ("group_limited_greedy"), unnormalised, scaled."""
+    v3 = family == "deepseek_v3"
+    if v3:
+        r.refuse_unless("scoring_func", "sigmoid", "DeepSeek-V3 routing scores with a sigmoid")
+        r.refuse_unless("topk_method", "noaux_tc", "DeepSeek-V3's bias-corrected group-limited top-k is what is "
+                        "implemented")
+    else:
+        r.refuse_unless("scoring_func", "softmax", "DeepSeek-V2 routing scores with a softmax")
+        if r.get("topk_method") not in ("greedy", "group_limited_greedy"):
+            raise r.fail(f"topk_method={r.get('topk_method')!r} is not supported for DeepSeek-V2 "
+                         "(supported: greedy, group_limited_greedy)")
+        # transformers' DeepSeek-V2 router never renormalises; DeepSeek's own code would: refuse the ambiguity.
+        r.refuse_unless("norm_topk_prob", False, "transformers' DeepSeek-V2 does not renormalise top-k weights")
+        r.refuse_unless("mlp_bias", False, "MLP biases are not implemented for DeepSeek-V2")
     r.read.add("num_local_experts")
     experts, top_k = r.int("n_routed_experts"), r.int("num_experts_per_tok")
-    groups, topk_groups = r.get("n_group") or 1, r.get("topk_group") or 1
+    grouped = v3 or r.get("topk_method") == "group_limited_greedy"
+    groups, topk_groups = (r.get("n_group") or 1, r.get("topk_group") or 1) if grouped else (1, 1)
     if top_k > experts:
         raise r.fail(f"num_experts_per_tok ({top_k}) exceeds n_routed_experts ({experts})")
     if experts % groups or topk_groups > groups:
         raise r.fail(f"n_group={groups}, topk_group={topk_groups} do not divide {experts} routed experts")
-    if groups > 1 and experts // groups < 2:
+    if v3 and groups > 1 and experts // groups < 2:
         raise r.fail(f"n_group={groups} leaves fewer than 2 experts per group (a group scores by its best two)")
     first, freq = r.int("first_k_dense_replace", minimum=0), r.int("moe_layer_freq")
     shared = r.int("n_shared_experts", minimum=0) * r.int("moe_intermediate_size")
     moe = MoEConfig(experts, top_k, r.int("moe_intermediate_size"), renormalize=bool(r.get("norm_topk_prob")),
-                    shared_intermediate_size=shared, shared_gated=False, scoring="sigmoid", num_groups=groups,
-                    topk_groups=topk_groups, routed_scale=float(r.get("routed_scaling_factor")))
+                    shared_intermediate_size=shared, shared_gated=False, scoring="sigmoid" if v3 else "softmax",
+                    num_groups=groups, topk_groups=topk_groups, routed_scale=float(r.get("routed_scaling_factor")),
+                    grouped=True)
     return moe, {i for i in range(num_layers) if i >= first and i % freq == 0}

@@ -32,18 +32,20 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Te
     return weights, ids
 
 
-def route_grouped(logits: torch.Tensor, bias: torch.Tensor, top_k: int, num_groups: int, topk_groups: int,
-                  renormalize: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """DeepSeek-V3's routing ("noaux_tc"): sigmoid scores; the load-balancing `bias` is added only to
+def route_grouped(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, num_groups: int, topk_groups: int,
+                  renormalize: bool, scale: float, scoring: str = "sigmoid") -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek's routing. V3 ("noaux_tc"): sigmoid scores; the load-balancing `bias` is added only to
     choose experts: first the `topk_groups` groups whose best two biased scores sum highest, then the
-    top k experts inside them. The chosen experts are weighted by their *unbiased* scores
-    (renormalised to sum to 1 if asked), times `scale`. Float32 throughout, as the reference."""
-    scores = torch.sigmoid(logits.float())
-    biased = scores + bias.float()
+    top k experts inside them. V2 (`bias` None, softmax scores): groups ranked by their best expert
+    ("group_limited_greedy"; one group = plain top-k). The chosen experts are weighted by their
+    *unbiased* scores (renormalised to sum to 1 if asked), times `scale`. Float32 throughout."""
+    scores = torch.sigmoid(logits.float()) if scoring == "sigmoid" else torch.softmax(logits.float(), dim=-1)
+    biased = scores + bias.float() if bias is not None else scores
     if num_groups > 1:
         t, e = biased.shape
         grouped = biased.view(t, num_groups, e // num_groups)
-        group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
+        group_scores = (grouped.topk(2, dim=-1).values.sum(dim=-1) if bias is not None
+                        else grouped.amax(dim=-1))
         keep = torch.zeros_like(group_scores, dtype=torch.bool)
         keep.scatter_(1, group_scores.topk(topk_groups, dim=-1).indices, True)
         biased = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(t, e)
@@ -161,7 +163,7 @@ class MoE(nn.Module):
         assert m is not None
         self.cfg = m
         self.router = Linear(cfg.hidden_size, m.num_experts)
-        if m.scoring == "sigmoid":
+        if m.grouped:
             self.router.float()  # scored in float32 whatever the model dtype, as the reference does
         # DeepSeek-V3's expert-choice bias, kept in float32 (the checkpoint's dtype for it).
         self.score_bias = (nn.Parameter(torch.zeros(m.num_experts, dtype=torch.float32), requires_grad=False)
@@ -172,9 +174,9 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         m = self.cfg
-        if self.score_bias is not None:
+        if m.grouped:
             weights, ids = route_grouped(self.router(x.float()), self.score_bias, m.top_k, m.num_groups, m.topk_groups,
-                                         m.renormalize, m.routed_scale)
+                                         m.renormalize, m.routed_scale, m.scoring)
         else:
             weights, ids = route(self.router(x), m.top_k, m.renormalize)
         # Routing weights are applied in the activations' dtype (Qwen's order; Mixtral's transformers

@@ -19,7 +19,7 @@ from safetensors.numpy import load_file
 
 GGUF_ARCH = {"LlamaForCausalLM": "llama", "MixtralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
              "Qwen3ForCausalLM": "qwen3", "Qwen2MoeForCausalLM": "qwen2moe", "Qwen3MoeForCausalLM": "qwen3moe",
-             "DeepseekV3ForCausalLM": "deepseek2"}
+             "DeepseekV2ForCausalLM": "deepseek2", "DeepseekV3ForCausalLM": "deepseek2"}
 LAYER = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
          "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
          "self_attn.k_norm": "attn_k_norm", "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate",
@@ -76,9 +76,12 @@ def _deepseek2_metadata(wr, cfg: dict, rope: dict) -> None:
     wr.add_expert_weights_scale(cfg["routed_scaling_factor"])
     if cfg.get("norm_topk_prob"):
         wr.add_expert_weights_norm(True)
-    wr.add_expert_group_count(cfg["n_group"])
-    wr.add_expert_group_used_count(cfg["topk_group"])
-    wr.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    if cfg.get("n_group") is not None:
+        wr.add_expert_group_count(cfg["n_group"])
+    if cfg.get("topk_group") is not None:
+        wr.add_expert_group_used_count(cfg["topk_group"])
+    v3 = cfg["architectures"][0] == "DeepseekV3ForCausalLM"
+    wr.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID if v3 else gguf.ExpertGatingFuncType.SOFTMAX)
     wr.add_rope_dimension_count(rope_dim)
     if rope.get("rope_type") == "yarn":
         wr.add_rope_scaling_type(gguf.RopeScalingType.YARN)

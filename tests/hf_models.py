@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from tiny_model import make_tokenizer
 
+NONE = object()  # an override meaning "this field is None" (a plain None means "the class default")
 COMMON = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
               num_key_value_heads=2, head_dim=16, max_position_embeddings=1024, rms_norm_eps=1e-5,
               tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
@@ -46,6 +47,15 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
                          rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256,
                                           "mscale": 1.0, "mscale_all_dim": 0.8, "beta_fast": 32, "beta_slow": 1,
                                           "rope_theta": 10000.0})),
+    # DeepSeek-V2(-Lite): softmax routing within the best 2 of 4 groups, no q LoRA, YaRN, two shared experts.
+    "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM",
+                    dict(num_key_value_heads=4, head_dim=None, n_routed_experts=8, n_shared_experts=2,
+                         num_experts_per_tok=2, moe_intermediate_size=32, n_group=4, topk_group=2,
+                         topk_method="group_limited_greedy", first_k_dense_replace=1, kv_lora_rank=32,
+                         q_lora_rank=NONE, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+                         routed_scaling_factor=1.5,
+                         rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256,
+                                          "mscale": 0.707, "mscale_all_dim": 0.707, "rope_theta": 10000.0})),
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM",
                dict(sliding_window=12, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
                     query_pre_attn_scalar=24, final_logit_softcapping=30.0, tie_word_embeddings=True,
@@ -98,8 +108,11 @@ def make_hf_model(name: str, out: Path, seed: int = 0, **overrides: Any) -> HFMo
     config_cls, model_cls, extra = FAMILIES[name]
     out.mkdir(parents=True, exist_ok=True)
     vocab = make_tokenizer(out)
-    kw = {k: v for k, v in {**COMMON, **extra, **overrides, "vocab_size": vocab}.items() if v is not None}
+    merged = {**COMMON, **extra, **overrides, "vocab_size": vocab}
+    kw = {k: v for k, v in merged.items() if v is not None and v is not NONE}
     config = getattr(transformers, config_cls)(**kw)
+    for k in (k for k, v in merged.items() if v is NONE):
+        setattr(config, k, None)  # a field whose None means something (DeepSeek's q_lora_rank: no q LoRA)
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(config).float().eval()

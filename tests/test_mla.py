@@ -1,4 +1,4 @@
-"""DeepSeek-V3 specifics beyond the family-wide transformers comparison (test_model_families.py):
+"""DeepSeek-V3 (and V2) specifics beyond the family-wide transformers comparison (test_model_families.py):
 the absorbed decode path equals the up-projecting reference, the cache and the wire carry
 latents only, routing equals transformers' router, and the config variants and refusals."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 from engine_helpers import drain, make_engine
 from grpc_client import generate, greedy, stats
-from hf_models import make_hf_model
+from hf_models import NONE, make_hf_model
 from procs import address, start_worker, stop_all
 from test_disaggregation import metric
 
@@ -78,7 +78,7 @@ def test_engine_decodes_equal_with_and_without_absorption(deepseek):
 @pytest.mark.parametrize("variant", [
     # No q LoRA (q projected from the hidden state), RoPE dims half-split in the checkpoint, plain RoPE,
     # one expert group, unnormalised top-k weights, two shared experts.
-    dict(q_lora_rank=None, rope_interleave=False, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    dict(q_lora_rank=NONE, rope_interleave=False, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
          n_group=1, topk_group=1, norm_topk_prob=False, n_shared_experts=2),
     dict(rope_interleave=False, first_k_dense_replace=0),
 ])
@@ -91,6 +91,30 @@ def test_config_variants_equal_transformers(variant, tmp_path):
     out = drain(engine)
     for i, p in enumerate(ps):
         assert out[f"r{i}"].token_ids == fam.greedy(p, 6), variant
+
+
+def test_deepseek_v2_greedy_routing_with_q_lora_equals_transformers(tmp_path):
+    fam = make_hf_model("deepseek_v2", tmp_path / "model", seed=5, topk_method="greedy", n_group=None, topk_group=None,
+                        q_lora_rank=48, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    engine = make_engine(fam.path)
+    ps = [prompt(n, i) for i, n in enumerate((9, 70))]
+    for i, p in enumerate(ps):
+        engine.add_request(f"r{i}", p, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+    out = drain(engine)
+    for i, p in enumerate(ps):
+        assert out[f"r{i}"].token_ids == fam.greedy(p, 6)
+
+
+@pytest.mark.parametrize("fields, named", [
+    ({"norm_topk_prob": True}, "norm_topk_prob"),
+    ({"scoring_func": "sigmoid"}, "scoring_func"),
+    ({"topk_method": "noaux_tc"}, "topk_method='noaux_tc'"),
+    ({"mlp_bias": True}, "mlp_bias"),
+])
+def test_deepseek_v2_outside_what_is_implemented_is_refused(fields, named):
+    v2 = {**SMALL, "architectures": ["DeepseekV2ForCausalLM"], "topk_method": "greedy"}
+    with pytest.raises(ModelLoadError, match=named):
+        ModelConfig.from_dict({**v2, **fields})
 
 
 def test_grouped_routing_equals_transformers_router():
@@ -194,15 +218,14 @@ def test_yarn_softmax_scale_follows_mscale_all_dim():
     assert ours.scale != pytest.approx((16 + 8) ** -0.5)
 
 
-def test_softmax_gated_deepseek2_gguf_is_refused():
-    """DeepSeek-V2 / V2.5 GGUFs (no expert_gating_func: llama.cpp then scores with a softmax) are named."""
+def test_unknown_deepseek2_gguf_gating_is_refused():
     from pathlib import Path
 
     from engine.gguf_convert import _deepseek2_config
 
-    fields = {"rope.dimension_count": 8, "block_count": 2}
-    with pytest.raises(ModelLoadError, match="softmax expert gating"):
-        _deepseek2_config(lambda key, default=None: fields.get(key, default), set(), {}, Path("v2.gguf"))
+    fields = {"rope.dimension_count": 8, "block_count": 2, "expert_gating_func": 3}
+    with pytest.raises(ModelLoadError, match="expert_gating_func=3"):
+        _deepseek2_config(lambda key, default=None: fields.get(key, default), set(), {}, Path("x.gguf"))
 
 
 def test_deepseek_v3_gguf_pre_tokenizer_splits_like_llama_cpp():

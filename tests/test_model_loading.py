@@ -65,6 +65,7 @@ GGUF_CASES = {
     # keeps only mscale_all_dim: cos/sin unscaled, i.e. mscale == mscale_all_dim as in every DeepSeek-V3).
     "deepseek_v3": dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256,
                                          "mscale": 0.8, "mscale_all_dim": 0.8, "rope_theta": 10000.0}),
+    "deepseek_v2": {},  # softmax gating (llama.cpp's default for deepseek2), group-limited top-k, no q LoRA
 }
 
 
