@@ -13,7 +13,8 @@ Two ways to attend, held equal in tests/test_mla.py:
   are `q_c · c + q_r · k_r` against the cached latents directly, the weighted sum stays a
   latent, and W_UV is applied once per query afterwards. Nothing per context token is
   up-projected: a step reads `rank + rope` numbers per cached token instead of computing
-  `heads × (nope + v)` of them.
+  `heads × (nope + v)` of them. On CUDA a Triton kernel (`kernels/mla_triton.py`) reads the pages
+  in place; the torch path gathers them.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import AttentionMetadata, DecodeBatch
+from engine.kernels import kernels
 from engine.layers import Linear, RMSNorm
 from engine.model_config import LayerConfig, ModelConfig
 from engine.rope import apply_rope
@@ -121,8 +123,14 @@ class MLAttention(nn.Module):
                         d: DecodeBatch) -> torch.Tensor:
         """Decode against the latents: scores = (W_UK^T q_nope)·c + q_rope·k_r, out = W_UV (Σ p c)."""
         b = d.blocks.shape[0]
-        latents = self._pages(layer_cache, d.blocks).view(b, -1, self.rank + self.rope)
         q_c = torch.bmm(q_nope.transpose(0, 1), self.w_uk())  # [heads, B, rank]
+        fused = kernels("mla_triton", layer_cache.device.type)
+        if (fused is not None and d.context_lens is not None
+                and fused.supported(self.rank, self.rope, layer_cache.shape[2])):
+            # Pages read in place through the block table (kernels/mla_triton.py).
+            o_c = fused.mla_decode(q_c.transpose(0, 1), q_rope, layer_cache, d.blocks, d.context_lens, self.scale)
+            return torch.bmm(o_c.transpose(0, 1), self.w_uv().transpose(1, 2)).transpose(0, 1)
+        latents = self._pages(layer_cache, d.blocks).view(b, -1, self.rank + self.rope)
         q = torch.cat((q_c.transpose(0, 1), q_rope), dim=-1)  # [B, heads, rank + rope]
         # Softmax in float32 at least (bfloat16 scores would round the weights).
         scores = torch.bmm(q, latents.transpose(1, 2))
