@@ -36,6 +36,7 @@ class DraftSeq:
     block_table: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # leading tokens whose draft K/V are in the draft cache
     fed_drafts: list[int] = field(default_factory=list)  # drafts fed after them last time (K/V in the cache)
+    base_len: int = 0  # the sequence's length when this round of drafting began
 
     @property
     def num_tokens(self) -> int:
@@ -71,6 +72,42 @@ class DraftModelDrafter(Drafter):
         log.info("event=draft_model_loaded model=%s layers=%d kv_blocks=%d", draft_dir, cfg.num_layers, num_blocks)
 
     def draft_tokens(self, seq: Sequence, k: int) -> list[int]:
+        return self.draft_many([seq], [k])[0]
+
+    def draft_many(self, seqs: list[Sequence], ks: list[int]) -> list[list[int]]:
+        """Every sequence's drafts together: one forward feeds each one's unseen tokens (the catch-up
+        chunks side by side), then one forward per further draft, batched like the target's decodes."""
+        out: list[list[int]] = [[] for _ in seqs]
+        want: dict[int, tuple[int, int]] = {}  # id(DraftSeq) -> (index in seqs, k)
+        active: list[DraftSeq] = []
+        for i, (seq, k) in enumerate(zip(seqs, ks, strict=True)):
+            d = self._catch_up(seq, k) if k > 0 else None
+            if d is not None:
+                want[id(d)] = (i, k)
+                active.append(d)
+        with torch.inference_mode():
+            while active:
+                batch = [ScheduledSeq(d, d.num_tokens - d.num_computed_tokens) for d in active]  # type: ignore[arg-type]
+                ids, positions, meta, rows = self.runner.prepare(batch)  # reorders `batch`; rows follow it
+                hidden = self.model(ids, positions, self.kv, meta)
+                index = torch.tensor(rows, dtype=torch.long, device=self.device)
+                tokens = self.model.logits(hidden.index_select(0, index))[:, : self.vocab].argmax(-1).tolist()
+                active = []
+                for s, tok in zip(batch, tokens, strict=True):
+                    d: DraftSeq = s.seq  # type: ignore[assignment]
+                    i, k = want[id(d)]
+                    d.num_computed_tokens += s.num_tokens
+                    out[i].append(tok)
+                    if len(out[i]) < k:
+                        d.all_token_ids.append(tok)  # fed next round, at the next position
+                        active.append(d)
+                    else:  # K/V valid for the sequence's tokens, plus the drafts fed after them
+                        d.num_computed_tokens = d.base_len
+                        d.fed_drafts = out[i][:-1]
+        return out
+
+    def _catch_up(self, seq: Sequence, k: int) -> DraftSeq | None:
+        """The sequence's draft state, ready to feed what the draft cache lacks (None: no room for it)."""
         st: SpecState = seq.spec
         d: DraftSeq = st.draft_cache if st.draft_cache is not None else DraftSeq()
         st.draft_cache = d
@@ -88,22 +125,10 @@ class DraftModelDrafter(Drafter):
         d.num_computed_tokens = min(valid, len(tokens) - 1)
         d.fed_drafts = []
         if not self._cover(d, len(tokens) + k - 1):
-            return []  # the draft cache is full: no drafts for this sequence this step
+            return None  # the draft cache is full: no drafts for this sequence this step
         d.all_token_ids = list(tokens)
-        drafts: list[int] = []
-        with torch.inference_mode():
-            while len(drafts) < k:
-                n = d.num_tokens - d.num_computed_tokens
-                ids, positions, meta, rows = self.runner.prepare([ScheduledSeq(d, n)])  # type: ignore[arg-type]
-                hidden = self.model(ids, positions, self.kv, meta)
-                tok = int(self.model.logits(hidden[rows[-1]:])[0, : self.vocab].argmax())
-                d.num_computed_tokens += n
-                drafts.append(tok)
-                if len(drafts) < k:
-                    d.all_token_ids.append(tok)
-        d.num_computed_tokens = len(tokens)
-        d.fed_drafts = drafts[:-1]
-        return drafts
+        d.base_len = len(tokens)
+        return d
 
     def _cover(self, d: DraftSeq, positions: int) -> bool:
         need = -(-positions // self.block_size) - len(d.block_table)

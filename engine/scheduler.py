@@ -91,6 +91,7 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         out: list[ScheduledSeq] = []
         # 1. Decodes, oldest first; a decode that needs a block preempts the newest sequence.
+        decodes: list[Sequence] = []
         for seq in sorted(self.running, key=lambda s: s.arrival):
             if seq not in self.running or seq.num_remaining != 1:
                 continue
@@ -98,9 +99,12 @@ class Scheduler:
                 if self._preempt_newest() is seq:
                     break
             if seq in self.running:
-                draft = self._draft(seq, budget)
-                out.append(ScheduledSeq(seq, 1 + len(draft), draft))
-                budget -= 1 + len(draft)
+                decodes.append(seq)
+        decodes = [s for s in decodes if s in self.running]  # a later one's block may have preempted it
+        drafts = self._drafts(decodes, budget)
+        for seq, draft in zip(decodes, drafts, strict=True):
+            out.append(ScheduledSeq(seq, 1 + len(draft), draft))
+            budget -= 1 + len(draft)
         cap = self.config.max_prefill_tokens_while_decoding
         if out and cap is not None:
             budget = min(budget, cap)
@@ -144,16 +148,21 @@ class Scheduler:
         self.waiting.extendleft(reversed(deferred))
         return out
 
-    def _draft(self, seq: Sequence, budget: int) -> list[int]:
-        """Speculative tokens for a decode (never at the cost of a preemption or the step budget)."""
-        if self.drafter is None:
-            return []
-        room = min(seq.sampling.max_tokens - len(seq.output_token_ids) - 1, self.max_model_len - seq.num_tokens - 1,
-                   budget - len(self.running))
-        draft = self.drafter.propose(seq, len(self.running), room)
-        if draft and not self.blocks.grow(seq, seq.num_tokens + len(draft)):
-            return []
-        return draft
+    def _drafts(self, decodes: list[Sequence], budget: int) -> list[list[int]]:
+        """Speculative tokens for each decode, proposed together (a draft model batches them), never at
+        the cost of a preemption or the step budget: each sequence's room assumes the ones before it
+        drafted in full."""
+        if self.drafter is None or not decodes:
+            return [[] for _ in decodes]
+        rooms = []
+        for seq in decodes:
+            room = min(seq.sampling.max_tokens - len(seq.output_token_ids) - 1,
+                       self.max_model_len - seq.num_tokens - 1, budget - len(self.running))
+            rooms.append(room)
+            budget -= 1 + max(0, min(room, self.drafter.k))
+        drafts = self.drafter.propose_many(decodes, len(self.running), rooms)
+        return [d if d and self.blocks.grow(seq, seq.num_tokens + len(d)) else []
+                for seq, d in zip(decodes, drafts, strict=True)]
 
     def _prefix_in_progress(self) -> set[bytes]:
         """Hashes of prompt blocks that running prefills will compute but have not yet."""

@@ -80,18 +80,31 @@ class Drafter:
 
     def propose(self, seq: Sequence, running: int, room: int) -> list[int]:
         """Drafts for `seq` this step (room: tokens it may still add before max_tokens / context)."""
+        return self.propose_many([seq], running, [room])[0]
+
+    def propose_many(self, seqs: list[Sequence], running: int, rooms: list[int]) -> list[list[int]]:
+        """Drafts for each of this step's decodes."""
+        ks = [self._budget(seq, running, room) for seq, room in zip(seqs, rooms, strict=True)]
+        return self.draft_many(seqs, ks)
+
+    def _budget(self, seq: Sequence, running: int, room: int) -> int:
+        """How many tokens to draft for `seq` now: 0 above the batch limit, for ineligible requests, or
+        between the probes of a sequence whose drafts keep missing."""
         if running > self.max_batch or not eligible(seq):
-            return []
+            return 0
         st: SpecState = seq.spec if seq.spec is not None else SpecState()
         seq.spec = st
-        k = min(self.k, room)
+        k = max(0, min(self.k, room))
         if st.acceptance < LOW_ACCEPTANCE:
             st.idle_steps += 1
             if st.idle_steps < PROBE_EVERY:
-                return []
+                return 0
             st.idle_steps = 0
             k = min(k, 1)  # a probe drafts one token: a 2-row step, not 5, while drafts keep missing
-        return self.draft_tokens(seq, k) if k > 0 else []
+        return k
+
+    def draft_many(self, seqs: list[Sequence], ks: list[int]) -> list[list[int]]:
+        return [self.draft_tokens(seq, k) if k > 0 else [] for seq, k in zip(seqs, ks, strict=True)]
 
     def draft_tokens(self, seq: Sequence, k: int) -> list[int]:
         raise NotImplementedError

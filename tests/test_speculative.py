@@ -54,6 +54,9 @@ class _Oracle:
         self.truth, self.wrong, self.k = truth, wrong, k
         self.drafted = self.accepted = self.steps = 0
 
+    def propose_many(self, seqs, running, rooms):
+        return [self.propose(s, running, r) for s, r in zip(seqs, rooms, strict=True)]
+
     def propose(self, seq, running, room):
         n = len(seq.output_token_ids)
         future = self.truth[seq.request_id][n:n + min(self.k, room)]
@@ -300,3 +303,20 @@ def test_a_draft_model_with_another_tokenizer_is_refused(tiny_model_dir, tmp_pat
         EngineConfig(speculative="draft").validate()
     with pytest.raises(ValueError, match="--draft-model"):
         EngineConfig(draft_model=str(d)).validate()
+
+
+def test_draft_model_proposals_are_batched_across_sequences(tiny_model_dir):
+    """Three decoding sequences, k = 4: one forward feeds all three catch-up chunks, then three more
+    each carry all three sequences' next draft — 4 forwards, not 12."""
+    eng = make_engine(tiny_model_dir, speculative="draft", draft_model=str(tiny_model_dir), speculative_max_batch=8)
+    for i, p in enumerate(_prompts()[:3]):
+        eng.add_request(str(i), p, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    while any(s.num_computed_tokens < len(s.prompt_token_ids) for s in eng.scheduler.running) or eng.scheduler.waiting:
+        eng.step()
+    model = eng.drafter.model
+    calls: list[int] = []
+    forward = model.forward
+    model.forward = lambda ids, *a, **kw: calls.append(len(ids)) or forward(ids, *a, **kw)
+    batch = eng.scheduler.schedule()
+    assert [len(s.draft) for s in batch] == [4, 4, 4]
+    assert len(calls) == 4 and calls[1:] == [3, 3, 3]
