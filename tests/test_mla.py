@@ -75,15 +75,18 @@ def test_engine_decodes_equal_with_and_without_absorption(deepseek):
         assert outs[0][f"r{i}"].token_ids == outs[1][f"r{i}"].token_ids == deepseek.greedy(p, 8)
 
 
-@pytest.mark.parametrize("variant", [
+@pytest.mark.parametrize("family, variant", [
     # No q LoRA (q projected from the hidden state), RoPE dims half-split in the checkpoint, plain RoPE,
     # one expert group, unnormalised top-k weights, two shared experts.
-    dict(q_lora_rank=NONE, rope_interleave=False, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-         n_group=1, topk_group=1, norm_topk_prob=False, n_shared_experts=2),
-    dict(rope_interleave=False, first_k_dense_replace=0),
+    ("deepseek_v3", dict(q_lora_rank=NONE, rope_interleave=False, n_group=1, topk_group=1, norm_topk_prob=False,
+                         n_shared_experts=2, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
+    ("deepseek_v3", dict(rope_interleave=False, first_k_dense_replace=0)),
+    # DeepSeek-V2 with plain top-k ("greedy") and a q LoRA.
+    ("deepseek_v2", dict(topk_method="greedy", n_group=None, topk_group=None, q_lora_rank=48,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
 ])
-def test_config_variants_equal_transformers(variant, tmp_path):
-    fam = make_hf_model("deepseek_v3", tmp_path / "model", seed=3, **variant)
+def test_config_variants_equal_transformers(family, variant, tmp_path):
+    fam = make_hf_model(family, tmp_path / "model", seed=3, **variant)
     engine = make_engine(fam.path)
     ps = [prompt(n, i) for i, n in enumerate((7, 60))]
     for i, p in enumerate(ps):
@@ -91,18 +94,6 @@ def test_config_variants_equal_transformers(variant, tmp_path):
     out = drain(engine)
     for i, p in enumerate(ps):
         assert out[f"r{i}"].token_ids == fam.greedy(p, 6), variant
-
-
-def test_deepseek_v2_greedy_routing_with_q_lora_equals_transformers(tmp_path):
-    fam = make_hf_model("deepseek_v2", tmp_path / "model", seed=5, topk_method="greedy", n_group=None, topk_group=None,
-                        q_lora_rank=48, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
-    engine = make_engine(fam.path)
-    ps = [prompt(n, i) for i, n in enumerate((9, 70))]
-    for i, p in enumerate(ps):
-        engine.add_request(f"r{i}", p, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
-    out = drain(engine)
-    for i, p in enumerate(ps):
-        assert out[f"r{i}"].token_ids == fam.greedy(p, 6)
 
 
 @pytest.mark.parametrize("fields, named", [

@@ -193,24 +193,32 @@ def test_expert_alignment_gives_every_pair_one_slot_and_every_tile_one_expert():
     assert (tile_expert >= 0).sum() == 4  # experts 4 and 5: chosen by nobody, no tile
 
 
-def test_moe_engine_on_triton_kernels_equals_transformers(tmp_path, monkeypatch):
-    """A Qwen3-MoE model through the whole engine with every Triton kernel in its seam (interpreted
-    on CPU) gives transformers' greedy tokens."""
+@pytest.mark.parametrize("family, overrides, kernel_module, kernel_fn, min_calls", [
+    # Qwen3-MoE: the grouped-experts kernel, two MoE layers every step.
+    ("qwen3_moe", {}, "moe_triton", "fused_experts", 2 * 5),
+    # DeepSeek-V3: the latent decode kernel (its dims must be >= 16), three layers every decode step.
+    ("deepseek_v3", {"qk_rope_head_dim": 16}, "mla_triton", "mla_decode", 3 * 3),
+])
+def test_engine_on_triton_kernels_equals_transformers(family, overrides, kernel_module, kernel_fn, min_calls, tmp_path,
+                                                      monkeypatch):
+    """A model through the whole engine with every Triton kernel in its seam (interpreted on CPU)
+    gives transformers' greedy tokens, and the kernel under test ran every step."""
+    import importlib
+
     from engine_helpers import drain, make_engine
     from hf_models import make_hf_model
 
     from engine.kernels import kernels
     from engine.sampling_params import SamplingParams
 
-    hf = make_hf_model("qwen3_moe", tmp_path / "m")
+    hf = make_hf_model(family, tmp_path / "m", **overrides)
     monkeypatch.setenv("SPLITFIRE_KERNELS", "triton")
     kernels.cache_clear()
     try:
-        from engine.kernels import moe_triton
-
+        module = importlib.import_module(f"engine.kernels.{kernel_module}")
         calls = []
-        kernel = moe_triton.fused_experts
-        monkeypatch.setattr(moe_triton, "fused_experts", lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
+        kernel = getattr(module, kernel_fn)
+        monkeypatch.setattr(module, kernel_fn, lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
         engine = make_engine(hf.path, max_num_batched_tokens=32, max_num_seqs=4)
         ps = [list(range(3, 40)), [5, 6, 7]]
         for i, p in enumerate(ps):
@@ -218,7 +226,7 @@ def test_moe_engine_on_triton_kernels_equals_transformers(tmp_path, monkeypatch)
         out = drain(engine)
         for i, p in enumerate(ps):
             assert out[f"m{i}"].token_ids == hf.greedy(p, 4)
-        assert len(calls) >= 2 * 5  # two MoE layers, every step
+        assert len(calls) >= min_calls
     finally:
         kernels.cache_clear()
 
@@ -274,33 +282,3 @@ def test_mla_decode_kernel_matches_the_torch_absorbed_path(heads):
     ours = torch.bmm(o_c.transpose(0, 1), attn.w_uv().transpose(1, 2)).transpose(0, 1)
     reference = attn.attend_decode_expanded(q_nope, q_rope, cache, d)
     torch.testing.assert_close(ours, reference, **TOL)
-
-
-def test_deepseek_engine_on_triton_kernels_equals_transformers(tmp_path, monkeypatch):
-    """DeepSeek-V3 through the whole engine with the latent decode kernel (and the MoE kernel) in
-    their seams, interpreted on CPU: transformers' greedy tokens."""
-    from engine_helpers import drain, make_engine
-    from hf_models import make_hf_model
-
-    from engine.kernels import kernels
-    from engine.sampling_params import SamplingParams
-
-    hf = make_hf_model("deepseek_v3", tmp_path / "m", qk_rope_head_dim=16)  # the kernel needs dims >= 16
-    monkeypatch.setenv("SPLITFIRE_KERNELS", "triton")
-    kernels.cache_clear()
-    try:
-        from engine.kernels import mla_triton
-
-        calls = []
-        kernel = mla_triton.mla_decode
-        monkeypatch.setattr(mla_triton, "mla_decode", lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
-        engine = make_engine(hf.path, max_num_batched_tokens=32, max_num_seqs=4)
-        ps = [list(range(3, 40)), [5, 6, 7]]
-        for i, p in enumerate(ps):
-            engine.add_request(f"d{i}", p, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
-        out = drain(engine)
-        for i, p in enumerate(ps):
-            assert out[f"d{i}"].token_ids == hf.greedy(p, 4)
-        assert len(calls) >= 3 * 3  # three layers, every decode step
-    finally:
-        kernels.cache_clear()
