@@ -230,3 +230,28 @@ def test_deepseek_v3_gguf_pre_tokenizer_splits_like_llama_cpp():
                                    for r in _PRE_SPLITS["deepseek-v3"]])
     pieces = [p for p, _ in seq.pre_tokenize_str("Hello, world! 12345 你好ab.cd\n\n  x")]
     assert pieces == ["Hello", ",", " world", "!", " ", "123", "45", " ", "你好", "ab", ".cd", "\n\n", " ", " x"]
+
+
+async def test_latent_blocks_are_shared_through_the_kv_store(deepseek, tmp_path):
+    """The cluster-wide KV tier on a real mooncake_master moves latent pages like any others: a prompt
+    computed on worker A is served from the store on worker B, with transformers' tokens."""
+    from procs import start_kv_master
+    from test_kv_store import full_blocks, metric, published
+
+    master = start_kv_master(tmp_path)
+    store = ["--kv-store", f"127.0.0.1:{master.ports['rpc']}", "--kv-store-gb", "0.05"]
+    a = start_worker("both", deepseek.path, tmp_path, *store, name="mla-A", wait=False)
+    b = start_worker("both", deepseek.path, tmp_path, *store, name="mla-B", wait=False)
+    try:
+        for w in (a, b):
+            w.wait_for("worker ready")
+        ids = prompt(200, 9)
+        first = await generate(address(a), ids, greedy(6))
+        await published(a, len(ids) // 16)
+        second = await generate(address(b), ids, greedy(6))
+        assert second.token_ids == first.token_ids == deepseek.greedy(ids, 6)
+        assert second.usage.cached_tokens == full_blocks(ids)
+        assert metric(b, "splitfire_worker_prefix_hit_tokens", tier="store") >= full_blocks(ids)
+    finally:
+        assert stop_all(a, b) == [0, 0], a.log()[-1000:] + b.log()[-1000:]
+        master.stop()
