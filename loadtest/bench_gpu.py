@@ -2,6 +2,7 @@
 Triton attention path vs torch SDPA, on random bf16 weights of real model shapes. Prints one table.
 
     python -m loadtest.bench_gpu                          # Llama-3-8B and SmolLM2 shapes, CUDA
+    python -m loadtest.bench_gpu --preset deepseek-v2-lite   # latent attention + experts
     python -m loadtest.bench_gpu --device cpu --preset tiny --batches 1,4 --prefill-tokens 128   # smoke test
 
 Roofline: a decode step must read every weight once plus each sequence's K/V; bytes / measured
@@ -41,6 +42,18 @@ PRESETS = {
     "tiny": dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, rope_theta=10000.0, max_position_embeddings=4096,
                  tie_word_embeddings=True),
+    # Latent attention + routed experts (fits one GPU): DeepSeek-V2-Lite's shape.
+    "deepseek-v2-lite": dict(architectures=["DeepseekV2ForCausalLM"], vocab_size=102400, hidden_size=2048,
+                             intermediate_size=10944, moe_intermediate_size=1408, num_hidden_layers=27,
+                             num_attention_heads=16, kv_lora_rank=512, q_lora_rank=None, qk_nope_head_dim=128,
+                             qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=64, n_shared_experts=2,
+                             num_experts_per_tok=6, first_k_dense_replace=1, topk_method="greedy",
+                             max_position_embeddings=8192, tie_word_embeddings=False),
+    "tiny-mla": dict(architectures=["DeepseekV3ForCausalLM"], vocab_size=512, hidden_size=128, intermediate_size=256,
+                     moe_intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, kv_lora_rank=32,
+                     q_lora_rank=64, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16, n_routed_experts=8,
+                     n_shared_experts=1, num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1,
+                     max_position_embeddings=4096, tie_word_embeddings=True),
 }
 
 
@@ -83,19 +96,31 @@ def build(preset: str, dev: torch.device, dtype: torch.dtype, blocks: int, block
     model.build_rope_cache(cfg.max_position_embeddings + 1, dev, dtype)
     if dev.type == "cpu":
         model.optimize_for_cpu()
-    kv = KVCache(KVLayout(cfg.num_layers, blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype), dev)
+    planes, heads, dim = cfg.kv_entry
+    kv = KVCache(KVLayout(cfg.num_layers, blocks, block_size, heads, dim, dtype, planes), dev)
     return cfg, model, kv
 
 
-def layer_params(cfg: ModelConfig) -> int:
-    """Matmul parameters of the transformer layers (what every token multiplies through)."""
-    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    return cfg.num_layers * (cfg.hidden_size * (q + 2 * kv) + q * cfg.hidden_size + 3 * cfg.hidden_size * cfg.intermediate_size)
+def active_params(model: DecoderModel, cfg: ModelConfig, tokens: int) -> float:
+    """Parameters a step over `tokens` tokens multiplies through: every layer weight and the LM head
+    (the embedding: a few rows), routed experts only in the share `tokens` tokens are expected to touch
+    (top-k of E chosen uniformly: E (1 - (1 - k/E)^tokens) distinct experts)."""
+    total = sum(p.numel() for name, p in model.named_parameters() if not name.startswith("embed"))
+    if cfg.tie_word_embeddings:
+        total += cfg.vocab_size * cfg.hidden_size
+    if cfg.moe is not None:
+        e, k = cfg.moe.num_experts, cfg.moe.top_k
+        experts = sum(p.numel() for name, p in model.named_parameters() if ".experts." in name)
+        total -= experts * (1 - (1 - (1 - k / e) ** tokens))
+    return total
 
 
-def decode_weight_bytes(cfg: ModelConfig, element_size: int) -> int:
-    """Bytes a decode step must read: every layer weight and the LM head (embedding: a few rows)."""
-    return (layer_params(cfg) + cfg.vocab_size * cfg.hidden_size) * element_size
+def attention_flops(cfg: ModelConfig, n: int) -> float:
+    """Causal QK^T and PV of an n-token prompt (half of n^2 each)."""
+    if cfg.mla is not None:
+        m = cfg.mla
+        return cfg.num_layers * cfg.num_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim) * n * n
+    return 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * n * n
 
 
 def decode_batch(bm: BlockManager, batch: int, ctx: int) -> list[ScheduledSeq]:
@@ -165,18 +190,19 @@ def main() -> int:
         need = max(batches) * (-(-(args.context + 1) // block_size)) + -(-args.prefill_tokens // block_size) + 8
         cfg, model, kv = build(preset, dev, dtype, need + 1, block_size)
         runner = ModelRunner(model, kv, dev)
-        wbytes = decode_weight_bytes(cfg, torch.empty((), dtype=dtype).element_size())
+        element = torch.empty((), dtype=dtype).element_size()
         page = kv.layout.page_bytes
         for backend in backends:
             set_backend(backend)
             # Decode graphs: the last block is the padding rows' scratch, outside every BlockManager below.
             runner.graphs = DecodeGraphs(lambda ids, pos, meta, m=runner.model, c=runner.kv: m(ids, pos, c, meta),
                                          max(batches),
-                                         -(-(args.context + 1) // block_size), block_size, need, dev)
+                                         -(-(args.context + 1) // block_size), block_size, need, dev,
+                                         kv.layout.planes)
             runner.graphs.capture()
             for b in batches:
                 kv_bytes = b * cfg.num_layers * -(-args.context // block_size) * page
-                roof = (wbytes + kv_bytes) / bw
+                roof = (active_params(model, cfg, b) * element + kv_bytes) / bw
                 for path, timer in (("eager", time_forward), ("graph", time_graph)):
                     bm = BlockManager(need, block_size, enable_prefix_cache=False)
                     wall, cpu = timer(runner, decode_batch(bm, b, args.context), dev, args.iters)
@@ -189,8 +215,8 @@ def main() -> int:
             assert bm.allocate(s, n)
             wall, cpu = time_forward(runner, [ScheduledSeq(s, n)], dev, max(2, args.iters // 3))
             # Linear layers for every token, the LM head for the last one, causal QK^T + PV (half of n^2 each).
-            flops = (2 * layer_params(cfg) * n + 2 * cfg.vocab_size * cfg.hidden_size
-                     + 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * n * n)
+            flops = (2 * (active_params(model, cfg, n) - cfg.vocab_size * cfg.hidden_size) * n
+                     + 2 * cfg.vocab_size * cfg.hidden_size + attention_flops(cfg, n))
             print(f"{preset:<14}{backend:<8}{f'prefill {n}':<18}{wall * 1e3:>9.2f}{cpu * 1e3:>9.2f}"
                   f"{flops / wall / peak:>17.0%}  ({n / wall:.0f} tok/s)", flush=True)
         del model, kv, runner

@@ -11,13 +11,14 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_bench_gpu_harness_runs_on_cpu():
-    out = subprocess.run([sys.executable, "-m", "loadtest.bench_gpu", "--device", "cpu", "--preset", "tiny",
+    out = subprocess.run([sys.executable, "-m", "loadtest.bench_gpu", "--device", "cpu", "--preset", "tiny,tiny-mla",
                           "--batches", "1,2", "--prefill-tokens", "48", "--context", "40", "--iters", "2"],
                          cwd=ROOT, capture_output=True, text=True, timeout=300,
                          env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"})
     assert out.returncode == 0, out.stderr[-3000:]
-    rows = [line for line in out.stdout.splitlines() if line.startswith("tiny")]
-    assert [r.split()[2:5] for r in rows[:4]] == [["decode", "b=1", "eager"], ["decode", "b=1", "graph"],
-                                                  ["decode", "b=2", "eager"], ["decode", "b=2", "graph"]]
-    assert rows[4].split()[2:4] == ["prefill", "48"]
-    assert all(float(r.split()[5]) > 0 for r in rows[:4]) and float(rows[4].split()[4]) > 0
+    for preset in ("tiny", "tiny-mla"):  # a Llama shape, and latent attention + experts
+        rows = [line for line in out.stdout.splitlines() if line.split()[:1] == [preset]]
+        assert [r.split()[2:5] for r in rows[:4]] == [["decode", "b=1", "eager"], ["decode", "b=1", "graph"],
+                                                      ["decode", "b=2", "eager"], ["decode", "b=2", "graph"]]
+        assert rows[4].split()[2:4] == ["prefill", "48"]
+        assert all(float(r.split()[5]) > 0 for r in rows[:4]) and float(rows[4].split()[4]) > 0
