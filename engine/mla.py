@@ -7,11 +7,12 @@ so the prefill → decode transfer moves latents, not per-head K and V. Every he
 
 Two ways to attend, held equal in tests/test_mla.py:
 
-- **up-projecting** (the reference; used for prompt chunks, where the matmul is amortised over
+- **up-projecting** (the reference; used for long prompt chunks, where the matmul is amortised over
   many queries): expand the context's latents into per-head K and V, then ordinary attention.
-- **absorbed** (decode): W_UK folds into the query (`q_c[h] = W_UK[h]^T q_nope[h]`), so scores
-  are `q_c · c + q_r · k_r` against the cached latents directly, the weighted sum stays a
-  latent, and W_UV is applied once per query afterwards. Nothing per context token is
+- **absorbed** (decode, and short chunks such as speculative verifications: `MLAttention.absorbs`):
+  W_UK folds into the query (`q_c[h] = W_UK[h]^T q_nope[h]`), so scores are `q_c · c + q_r · k_r`
+  against the cached latents directly, the weighted sum stays a latent, and W_UV is applied once
+  per query afterwards. Nothing per context token is
   up-projected: a step reads `rank + rope` numbers per cached token instead of computing
   `heads × (nope + v)` of them. On CUDA a Triton kernel (`kernels/mla_triton.py`) reads the pages
   in place; the torch path gathers them.
@@ -79,12 +80,21 @@ class MLAttention(nn.Module):
         for seg in meta.prefills:
             rows = slice(seg.start, seg.start + seg.length)
             latents = self._pages(layer_cache, seg.blocks)[: seg.context_len]
-            out[rows] = self.attend_expanded(q_nope[rows], q_rope[rows], latents, seg.mask(None))
+            attend = self.attend_absorbed_chunk if self.absorbs(seg.length) else self.attend_expanded
+            out[rows] = attend(q_nope[rows], q_rope[rows], latents, seg.mask(None))
         for d in meta.decodes:
             rows = slice(d.start, d.start + d.blocks.shape[0])
             out[rows] = (self.attend_absorbed if self.absorb else self.attend_decode_expanded)(
                 q_nope[rows], q_rope[rows], layer_cache, d)
         return self.o(out.view(t, -1))
+
+    def absorbs(self, queries: int) -> bool:
+        """Whether a chunk of `queries` rows is cheaper absorbed. Per context token, up-projecting costs
+        rank x heads x (nope + v) once plus heads x (nope + rope + v) per query; absorbed costs
+        heads x (2 rank + rope) per query. Short chunks — speculative verifications, small prefill
+        steps after a long prefix — absorb (DeepSeek-V3: below ~170 rows); long prompt chunks expand."""
+        per_query = 2 * self.rank + self.rope - (self.nope + self.rope + self.v_dim)
+        return self.absorb and queries * per_query < self.rank * (self.nope + self.v_dim)
 
     def _pages(self, layer_cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
         """[len(blocks) * block_size, rank + rope]: the latents of those blocks, in order."""
@@ -109,6 +119,22 @@ class MLAttention(nn.Module):
         else:
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[None, None], scale=self.scale)
         return o[0].transpose(0, 1)
+
+    def attend_absorbed_chunk(self, q_nope: torch.Tensor, q_rope: torch.Tensor, latents: torch.Tensor,
+                              mask: torch.Tensor | None) -> torch.Tensor:
+        """`attend_expanded` computed against the latents (the decode path's algebra for L queries):
+        [L, heads, *] queries, [N, rank + rope] context, causal. Returns [L, heads, v]."""
+        length, n = q_nope.shape[0], latents.shape[0]
+        q_c = torch.bmm(q_nope.transpose(0, 1), self.w_uk())  # [heads, L, rank]
+        q = torch.cat((q_c, q_rope.transpose(0, 1)), dim=-1)  # [heads, L, rank + rope]
+        scores = (q.reshape(-1, self.rank + self.rope) @ latents.T).view(self.heads, length, n)
+        scores = scores.to(torch.promote_types(scores.dtype, torch.float32)).mul_(self.scale)
+        if mask is None:  # the queries are the whole context: plain causal
+            mask = torch.ones(length, n, dtype=torch.bool, device=latents.device).tril_()
+        scores.masked_fill_(~mask, float("-inf"))
+        p = torch.softmax(scores, dim=-1).to(latents.dtype)
+        o_c = (p.view(-1, n) @ latents[:, : self.rank]).view(self.heads, length, self.rank)
+        return torch.bmm(o_c, self.w_uv().transpose(1, 2)).transpose(0, 1)  # [L, heads, v]
 
     def attend_decode_expanded(self, q_nope: torch.Tensor, q_rope: torch.Tensor, layer_cache: torch.Tensor,
                                d: DecodeBatch) -> torch.Tensor:

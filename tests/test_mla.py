@@ -255,3 +255,23 @@ async def test_latent_blocks_are_shared_through_the_kv_store(deepseek, tmp_path)
     finally:
         assert stop_all(a, b) == [0, 0], a.log()[-1000:] + b.log()[-1000:]
         master.stop()
+
+
+@pytest.mark.parametrize("queries, context", [(5, 37), (12, 12), (1, 20)])  # after a prefix; a whole prompt
+def test_absorbed_chunk_equals_up_projecting_chunk(queries, context):
+    """Short chunks (speculative verifications, small steps after a long prefix) attend absorbed:
+    equal to the up-projecting reference, causal mask and prefix included."""
+    torch.manual_seed(queries)
+    cfg = ModelConfig.from_dict(SMALL)
+    attn = MLAttention(cfg, cfg.layers[0]).double()
+    attn.kv_b.copy_(torch.randn_like(attn.kv_b) * 0.3)
+    latents = torch.randn(context, 32 + 8, dtype=torch.float64)
+    q_nope, q_rope = torch.randn(queries, 4, 16, dtype=torch.float64), torch.randn(queries, 4, 8, dtype=torch.float64)
+    q_pos = torch.arange(context - queries, context)[:, None]
+    mask = None if queries == context else torch.arange(context)[None, :] <= q_pos
+    absorbed = attn.attend_absorbed_chunk(q_nope, q_rope, latents, mask)
+    torch.testing.assert_close(absorbed, attn.attend_expanded(q_nope, q_rope, latents, mask), atol=1e-12, rtol=1e-12)
+    # The cost rule: short chunks absorb, long ones expand (here rank 32: below 32 rows), never with absorb off.
+    assert attn.absorbs(5) and not attn.absorbs(64)
+    attn.absorb = False
+    assert not attn.absorbs(5)
