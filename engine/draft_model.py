@@ -18,7 +18,6 @@ from pathlib import Path
 import torch
 
 from engine.kv_cache import KVCache, KVLayout
-from engine.model_config import ModelConfig
 from engine.model_runner import ModelRunner
 from engine.scheduler import ScheduledSeq
 from engine.sequence import Sequence
@@ -60,7 +59,7 @@ class DraftModelDrafter(Drafter):
                  block_size: int, num_blocks: int, max_positions: int, target_vocab: int):
         super().__init__(k, max_batch)
         self.model = load_model(draft_dir, device, dtype)
-        cfg = ModelConfig.from_dir(draft_dir)
+        cfg = self.model.cfg
         self.model.build_rope_cache(max_positions, device, dtype)
         planes, heads, dim = cfg.kv_entry
         self.kv = KVCache(KVLayout(cfg.num_layers, num_blocks, block_size, heads, dim, dtype, planes), device)
@@ -70,9 +69,6 @@ class DraftModelDrafter(Drafter):
         self.vocab = min(target_vocab, cfg.vocab_size)  # never propose an id the target cannot score
         self.device = device
         log.info("event=draft_model_loaded model=%s layers=%d kv_blocks=%d", draft_dir, cfg.num_layers, num_blocks)
-
-    def draft_tokens(self, seq: Sequence, k: int) -> list[int]:
-        return self.draft_many([seq], [k])[0]
 
     def draft_many(self, seqs: list[Sequence], ks: list[int]) -> list[list[int]]:
         """Every sequence's drafts together: one forward feeds each one's unseen tokens (the catch-up
@@ -126,7 +122,7 @@ class DraftModelDrafter(Drafter):
         d.fed_drafts = []
         if not self._cover(d, len(tokens) + k - 1):
             return None  # the draft cache is full: no drafts for this sequence this step
-        d.all_token_ids = list(tokens)
+        d.all_token_ids = tokens  # a fresh list (Sequence.all_token_ids concatenates): drafts append to it
         d.base_len = len(tokens)
         return d
 

@@ -40,11 +40,10 @@ ARCHITECTURES = {
     "qwen3": ("Qwen3ForCausalLM", None),
     "qwen2moe": (None, "Qwen2MoeForCausalLM"),
     "qwen3moe": (None, "Qwen3MoeForCausalLM"),
-    "deepseek2": ("DeepseekV3ForCausalLM", "DeepseekV3ForCausalLM"),
+    "deepseek2": ("DeepseekV3ForCausalLM", "DeepseekV3ForCausalLM"),  # or V2, by its gating: _deepseek2_config
 }
 _MODEL_TYPES = {"LlamaForCausalLM": "llama", "MixtralForCausalLM": "mixtral", "Qwen2ForCausalLM": "qwen2",
-                "Qwen3ForCausalLM": "qwen3", "Qwen2MoeForCausalLM": "qwen2_moe", "Qwen3MoeForCausalLM": "qwen3_moe",
-                "DeepseekV3ForCausalLM": "deepseek_v3"}
+                "Qwen3ForCausalLM": "qwen3", "Qwen2MoeForCausalLM": "qwen2_moe", "Qwen3MoeForCausalLM": "qwen3_moe"}
 # Pre-tokenizer regexes of the byte-level BPE vocabularies llama.cpp names in `tokenizer.ggml.pre`
 # (the same patterns the models' own tokenizer.json files carry).
 _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
@@ -310,7 +309,7 @@ def _deepseek2_config(k: Any, names: set[str], tok_info: dict[str, Any], source:
     scaling = k("rope.scaling.type")
     if scaling == "yarn":
         # llama.cpp leaves cos/sin unscaled for deepseek2 (its attn_factor cancels YaRN's) and puts
-        # mscale(factor, mscale_all_dim)^2 into the softmax scale: attention_factor 1 + mscale_all_dim.
+        # mscale(factor, mscale_all_dim)^2 into the softmax scale: attention_factor 1, and mscale_all_dim.
         rope.update(rope_type="yarn", factor=float(k("rope.scaling.factor")), attention_factor=1.0,
                     original_max_position_embeddings=int(k("rope.scaling.original_context_length")),
                     beta_fast=float(k("rope.scaling.yarn_beta_fast", 32.0)),
@@ -425,9 +424,9 @@ def _quantized_parts(t: Any) -> dict[str, np.ndarray] | None:
         return None
     cols, rows, experts = (int(d) for d in t.shape)
     per_expert = [gguf_quants.convert(data[e], t.tensor_type.name, rows, cols) for e in range(experts)]
-    if per_expert[0] is None:
+    if any(p is None for p in per_expert):
         return None
-    return {key: np.stack([p[key] for p in per_expert if p is not None]) for key in per_expert[0]}
+    return {key: np.stack([p[key] for p in per_expert if p is not None]) for key in per_expert[0] or {}}
 
 
 def _hf_tensors(name: str, w: np.ndarray, arch: str, mixtral: bool, n_heads: int, n_kv: int,

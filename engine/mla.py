@@ -52,6 +52,7 @@ class MLAttention(nn.Module):
         self.o = Linear(self.heads * self.v_dim, cfg.hidden_size)
         self.scale = cfg.scale
         self.absorb = True  # decode rows attend against the latents (False: up-project, the reference)
+        self.absorb_chunks = True  # short chunks too, by the cost rule in `absorbs`
 
     def w_uk(self) -> torch.Tensor:
         """[heads, nope, rank] view of kv_b: latent → each head's non-RoPE key."""
@@ -94,7 +95,7 @@ class MLAttention(nn.Module):
         heads x (2 rank + rope) per query. Short chunks — speculative verifications, small prefill
         steps after a long prefix — absorb (DeepSeek-V3: below ~170 rows); long prompt chunks expand."""
         per_query = 2 * self.rank + self.rope - (self.nope + self.rope + self.v_dim)
-        return self.absorb and queries * per_query < self.rank * (self.nope + self.v_dim)
+        return self.absorb and self.absorb_chunks and queries * per_query < self.rank * (self.nope + self.v_dim)
 
     def _pages(self, layer_cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
         """[len(blocks) * block_size, rank + rope]: the latents of those blocks, in order."""

@@ -99,8 +99,7 @@ class Scheduler:
                 if self._preempt_newest() is seq:
                     break
             if seq in self.running:
-                decodes.append(seq)
-        decodes = [s for s in decodes if s in self.running]  # a later one's block may have preempted it
+                decodes.append(seq)  # a later decode's preemption takes only sequences newer than itself
         drafts = self._drafts(decodes, budget)
         for seq, draft in zip(decodes, drafts, strict=True):
             out.append(ScheduledSeq(seq, 1 + len(draft), draft))

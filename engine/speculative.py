@@ -78,12 +78,9 @@ class Drafter:
         self.accepted = 0
         self.steps = 0
 
-    def propose(self, seq: Sequence, running: int, room: int) -> list[int]:
-        """Drafts for `seq` this step (room: tokens it may still add before max_tokens / context)."""
-        return self.propose_many([seq], running, [room])[0]
-
     def propose_many(self, seqs: list[Sequence], running: int, rooms: list[int]) -> list[list[int]]:
-        """Drafts for each of this step's decodes."""
+        """Drafts for each of this step's decodes (room: tokens each may still add before max_tokens /
+        context)."""
         ks = [self._budget(seq, running, room) for seq, room in zip(seqs, rooms, strict=True)]
         return self.draft_many(seqs, ks)
 

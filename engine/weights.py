@@ -282,11 +282,10 @@ def _load_mla(load: _Loader, cfg: ModelConfig, a: MLAttention, p: str) -> None:
     kv_name = p + "kv_a_proj_with_mqa.weight"
     load.linear(a.qkv_a, [q_name, kv_name], [a.q_rows, m.kv_lora_rank + m.qk_rope_head_dim])
     if half_split:
-        q_heads = 1 if m.q_lora_rank else cfg.num_heads
-        rows = torch.cat((_rope_rows_perm(q_heads, a.q_rows // q_heads, m.qk_rope_head_dim) if not m.q_lora_rank
-                          else torch.arange(a.q_rows),
-                          a.q_rows + _rope_rows_perm(1, m.kv_lora_rank + m.qk_rope_head_dim, m.qk_rope_head_dim)))
-        _permute_rows(a.qkv_a, rows, p)
+        # q_a's rows hold no RoPE dims; a plain q projection's do, per head, as q_b's.
+        q_rows = torch.arange(a.q_rows) if m.q_lora_rank else _rope_rows_perm(cfg.num_heads, qk, m.qk_rope_head_dim)
+        kv_rows = a.q_rows + _rope_rows_perm(1, m.kv_lora_rank + m.qk_rope_head_dim, m.qk_rope_head_dim)
+        _permute_rows(a.qkv_a, torch.cat((q_rows, kv_rows)), p)
     if a.q_b is not None:
         load.norm(a.q_a_norm, p + "q_a_layernorm.weight")
         load.linear(a.q_b, [p + "q_b_proj.weight"])

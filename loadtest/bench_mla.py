@@ -68,7 +68,7 @@ def chunk_round(engine: LLMEngine, batch: int, context: int, salt: int, absorb_c
         engine.step()
     for m in engine.model.modules():
         if isinstance(m, MLAttention):
-            m.absorbs = (lambda q, m=m: MLAttention.absorbs(m, q)) if absorb_chunks else (lambda q: False)
+            m.absorb_chunks = absorb_chunks
     for i, p in enumerate(prompts):
         engine.add_request(f"chunk{salt}-{i}", p + [5, 6, 7, 8, 9], SamplingParams(max_tokens=1, temperature=0))
     t0 = time.perf_counter()
