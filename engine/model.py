@@ -19,7 +19,8 @@ import torch
 from torch import nn
 
 from engine import quant
-from engine.attention import AttentionMetadata, paged_attention, write_kv
+from engine.attention import AttentionMetadata, kernels_enabled, paged_attention, write_kv
+from engine.cpu_decode import CpuDecodeLayers, supported
 from engine.kernels import cpu_ops
 from engine.kv_cache import KVCache
 from engine.layers import MLP, Linear, RMSNorm, cpu_packing_supported
@@ -139,6 +140,9 @@ class DecoderModel(nn.Module):
         self.dtype = torch.get_default_dtype()  # `weights._allocate` builds the model under its dtype
         # A quantized embedding table (rows dequantized on lookup); when tied it is the LM head's.
         self.embed_quantized: quant.QuantizedWeight | None = None
+        # Decode steps' layers in one C call where the model allows (cpu_decode.py); built on first use.
+        self.cpu_layers: CpuDecodeLayers | None = None
+        self.cpu_layers_off: str | None = None  # why not, once known
 
     def build_rope_cache(self, max_positions: int, device: torch.device, dtype: torch.dtype) -> None:
         self.rope_caches = {spec: rope_cache(spec, self.cfg.head_dim, max_positions, device) for spec in self.cfg.ropes}
@@ -161,6 +165,10 @@ class DecoderModel(nn.Module):
         x = self.embed_tokens(input_ids)
         if self.embed_scale is not None:
             x = x * self.embed_scale
+        fused = self._cpu_layers(kv) if layer_hook is None and CpuDecodeLayers.applies(x, meta) else None
+        if fused is not None:
+            x, residual = fused.run(x, freqs, meta)
+            return self.norm.add_forward(x, residual)[0]
         residual = None
         for i, layer in enumerate(self.layers):
             x, residual = layer(x, residual, freqs[layer.rope], kv.layer(i), meta)
@@ -168,6 +176,16 @@ class DecoderModel(nn.Module):
                 layer_hook(i)
         assert residual is not None
         return self.norm.add_forward(x, residual)[0]
+
+    def _cpu_layers(self, kv: KVCache) -> CpuDecodeLayers | None:
+        if self.cpu_layers is not None and self.cpu_layers.kv is kv:
+            return self.cpu_layers
+        if self.cpu_layers_off is None:
+            self.cpu_layers_off = "Triton kernels on CPU" if kernels_enabled(kv.buffer.device) else supported(self)
+        if self.cpu_layers_off:
+            return None
+        self.cpu_layers = CpuDecodeLayers(self, kv)
+        return self.cpu_layers
 
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
         if self.embed_quantized is not None:
@@ -210,6 +228,7 @@ class DecoderModel(nn.Module):
         for m in self.modules():
             if isinstance(m, Linear):
                 m.int8_activations = on
+        self.cpu_layers = None  # its descriptors carry the mode
 
     def optimize_for_cpu(self) -> None:
         """Pack every matmul weight for oneDNN where this CPU supports it for the model dtype (see

@@ -1,0 +1,137 @@
+"""A CPU decode step's decoder layers in one C call (`sf_decode_layers` in kernels/cpu_ops.c).
+
+At batch 1 the per-layer work is small (SmolLM2: ~60 us of quantized matmuls per layer), so the
+Python between the kernels — ~13 module calls, views and ctypes calls per layer — cost ~4 ms of a
+16 ms step (measured with cProfile). This runs the same kernels, with the same arguments and in
+the same order as `model.Block.forward` does on CPU, from one C loop: the result is bit-identical
+(tested), only the Python is gone.
+
+It applies to plain pre-norm decoders whose every matmul weight is quantized (a GGUF served as
+stored, or `--quantization int8|int4`), in float32 with a float32 KV cache: Llama, Mistral,
+Qwen2, SmolLM2. Everything else — q/k norms, latent attention, experts, Gemma's norms, float
+weights, prompt chunks, verification rows, several decode groups — takes the module path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from engine import quant
+from engine.attention import AttentionMetadata
+from engine.kernels import cpu_ops
+from engine.kv_cache import KVCache
+from engine.layers import MLP, Linear
+from engine.model_config import ModelConfig
+
+_P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+
+
+class SfLinear(ctypes.Structure):
+    _fields_ = [("q", _P), ("s", _P), ("mn", _P), ("bias", _P), ("n", _I), ("k", _I), ("gs", _I), ("int4", _I),
+                ("q8x", _I)]
+
+
+class SfLayer(ctypes.Structure):
+    _fields_ = [("attn_norm", _P), ("mlp_norm", _P), ("qkv", SfLinear), ("o", SfLinear), ("gate_up", SfLinear),
+                ("down", SfLinear), ("cache", _P), ("window", _I), ("rope", _I)]
+
+
+class SfDims(ctypes.Structure):
+    _fields_ = [("hidden", _I), ("heads", _I), ("kv_heads", _I), ("head_dim", _I), ("inter", _I),
+                ("block_size", _I), ("q8x_rows", _I), ("eps", _F), ("scale", _F)]
+
+
+def supported(model: torch.nn.Module) -> str | None:
+    """None when every layer can run in C, else why not (logged once by the engine)."""
+    cfg: ModelConfig = model.cfg  # type: ignore[assignment]
+    lib = cpu_ops.library()
+    why = [
+        (lib is None, "no CPU kernels"),
+        (cfg.mla is not None, "latent attention"),
+        (any(layer.moe for layer in cfg.layers), "experts"),
+        (cfg.qk_norm or cfg.gemma_norm or cfg.sandwich_norm, "q/k or Gemma norms"),
+        (cfg.activation != "silu", f"activation {cfg.activation}"),
+        (cfg.head_dim % 2 != 0, "odd head_dim"),
+    ]
+    for bad, reason in why:
+        if bad:
+            return reason
+    for block in model.layers:  # type: ignore[attr-defined]
+        mlp = block.mlp
+        if not isinstance(mlp, MLP):
+            return "not a gated MLP"
+        for lin in (block.attn.qkv, block.attn.o, mlp.gate_up, mlp.down):
+            if lin.quantized is None or len(lin.quantized) != 1:
+                return "matmul weights not quantized (or in several formats)"
+        for norm in (block.attn_norm, block.mlp_norm):
+            if norm.weight.dtype != torch.float32:
+                return "norms not float32"
+    return None
+
+
+class CpuDecodeLayers:
+    """The C descriptors of every layer for one model and KV cache, built once."""
+
+    def __init__(self, model: torch.nn.Module, kv: KVCache):
+        cfg: ModelConfig = model.cfg  # type: ignore[assignment]
+        lib = cpu_ops.library()
+        assert lib is not None and supported(model) is None
+        self.fn = lib.sf_decode_layers
+        self.fn.argtypes = [_P, _P, _I, _P, _P, _I, _P, _P, _P, _I, _P, _I]
+        self.fn.restype = _I
+        self.ropes = list(cfg.ropes)
+        self.kv = kv
+        self.keep: list[torch.Tensor] = []  # biases converted here: alive as long as the descriptors
+        self.steps = 0
+        blocks = list(model.layers)  # type: ignore[attr-defined]
+        self.dims = SfDims(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                           blocks[0].mlp.gate_up.quantized[0].shape[0] // 2, kv.layout.block_size,
+                           quant.Q8X_MAX_ROWS, cfg.rms_norm_eps, cfg.scale)
+        self.layers = (SfLayer * len(blocks))()
+        for i, (b, lc) in enumerate(zip(blocks, cfg.layers, strict=True)):
+            layer_cache = kv.layer(i)
+            assert layer_cache.dtype == torch.float32 and layer_cache.is_contiguous()
+            self.layers[i] = SfLayer(b.attn_norm.weight.data_ptr(), b.mlp_norm.weight.data_ptr(),
+                                     self._linear(b.attn.qkv), self._linear(b.attn.o), self._linear(b.mlp.gate_up),
+                                     self._linear(b.mlp.down), layer_cache.data_ptr(), lc.window or 0,
+                                     self.ropes.index(lc.rope))
+
+    def _linear(self, lin: Linear) -> SfLinear:
+        assert lin.quantized is not None
+        w = lin.quantized[0]
+        n, k = w.shape
+        bias = None
+        if lin.bias is not None:
+            bias = lin.bias.float().contiguous()
+            self.keep.append(bias)
+        q8x = lin.int8_activations and w._q8x_ok()
+        return SfLinear(w.q.data_ptr(), w.scales.data_ptr(), None if w.mins is None else w.mins.data_ptr(),
+                        None if bias is None else bias.data_ptr(), n, k, w.group_size, int(w.kind == "int4"), int(q8x))
+
+    @staticmethod
+    def applies(x: torch.Tensor, meta: AttentionMetadata) -> bool:
+        """A pure decode step (one decode group, nothing else) small enough for the C kernels."""
+        t = x.shape[0]
+        return (not meta.prefills and len(meta.decodes) == 1 and meta.decodes[0].context_lens is not None
+                and meta.decodes[0].blocks.shape[0] == t and t <= min(quant.KERNEL_MAX_ROWS, cpu_ops.SMALL_ROWS)
+                and x.dtype == torch.float32 and x.device.type == "cpu")
+
+    def run(self, x: torch.Tensor, freqs: dict, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """(last layer's MLP output, residual stream): what the layer loop of `DecoderModel.forward` returns."""
+        t = x.shape[0]
+        res = x.contiguous()
+        h = torch.empty_like(res)
+        tables = [freqs[spec].contiguous() for spec in self.ropes]
+        ptrs = (_P * len(tables))(*[f.data_ptr() for f in tables])
+        d = meta.decodes[0]
+        blocks, ctx = d.blocks.contiguous(), d.context_lens.contiguous()
+        assert d.context_lens is not None and blocks.dtype == torch.int64 and ctx.dtype == torch.int64
+        rc = self.fn(ctypes.byref(self.dims), self.layers, len(self.layers), res.data_ptr(), h.data_ptr(), t, ptrs,
+                     meta.k_rows.data_ptr(), blocks.data_ptr(), blocks.shape[1], ctx.data_ptr(),
+                     torch.get_num_threads())
+        if rc != 0:
+            raise MemoryError("decode layers: out of memory for the step's buffers")
+        self.steps += 1
+        return h, res

@@ -1,0 +1,60 @@
+"""The decode step's layers in one C call (engine/cpu_decode.py) compute exactly what the module
+path computes: same tokens and bit-identical logprobs, for int8 and int4 weights, int8 activations,
+a sliding window, q/k/v biases and tied embeddings; models it cannot run say why and keep the
+module path."""
+
+from __future__ import annotations
+
+import pytest
+from engine_helpers import drain, make_engine
+from hf_models import make_hf_model
+
+from engine.cpu_decode import supported
+from engine.kernels import cpu_ops
+from engine.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.skipif(cpu_ops.library() is None, reason="no C compiler: the module path runs instead")
+
+PROMPTS = [[(13 * i + 7 * j) % 300 + 3 for j in range(5 + 11 * i)] for i in range(5)]  # 5..49 tokens, ragged
+
+
+def _run(model_dir, fused: bool, **kw) -> tuple[dict, object]:
+    engine = make_engine(model_dir, **kw)
+    if not fused:
+        engine.model.cpu_layers_off = "off for the comparison"
+    for i, p in enumerate(PROMPTS):
+        engine.add_request(str(i), p, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=3))
+    out: dict[str, list] = {}
+    while engine.has_work:
+        for o in engine.step():
+            out.setdefault(o.request_id, []).extend((lp.token_id, lp.logprob, lp.top) for lp in o.logprobs)
+    assert all(len(v) == 20 for v in out.values())
+    return out, engine.model
+
+
+@pytest.mark.parametrize("family,quantization,activations", [
+    ("llama3", "int4", "float"),
+    ("llama3", "int8", "float"),
+    ("llama3", "int4", "int8"),
+    ("mistral", "int4", "float"),  # sliding window of 12 keys
+    ("qwen2", "int8", "float"),  # q/k/v biases, tied embeddings
+])
+def test_c_layer_loop_equals_the_module_path(tmp_path, family, quantization, activations):
+    d = make_hf_model(family, tmp_path / family).path
+    kw = dict(quantization=quantization, cpu_activations=activations, max_num_seqs=8)
+    fused, model = _run(d, True, **kw)
+    plain, plain_model = _run(d, False, **kw)
+    assert model.cpu_layers is not None and model.cpu_layers.steps >= 19  # every decode step of the batch ran in C
+    assert plain_model.cpu_layers is None
+    assert fused == plain  # tokens and logprobs, bit for bit
+
+
+def test_models_the_loop_cannot_run_keep_the_module_path(tmp_path):
+    for family, quantization, reason in (("llama3", None, "not quantized"), ("qwen3", "int4", "q/k"),
+                                         ("qwen3_moe", "int4", "experts"), ("deepseek_v3", None, "latent")):
+        d = make_hf_model(family, tmp_path / family).path
+        engine = make_engine(d, quantization=quantization)
+        assert reason in (supported(engine.model) or "")
+        engine.add_request("a", PROMPTS[1], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+        assert len(drain(engine)["a"].token_ids) == 4
+        assert engine.model.cpu_layers is None and reason in (engine.model.cpu_layers_off or "")
