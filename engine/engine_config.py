@@ -29,8 +29,8 @@ class EngineConfig:
     quantization: str | None = None  # int8 | int4: quantize a float checkpoint's matmul weights at load
     decode_graphs: str = "auto"  # auto (CUDA: on; CPU: off) | on | off (--enforce-eager): see graph_runner.py
     cpu_activations: str = "float"  # float | int8: how quantized matmuls take batch-1/2 activations on CPU
-    speculative: str = "off"  # off | ngram (prompt lookup) | draft (a smaller model, --draft-model)
-    draft_model: str | None = None  # with speculative=draft: built-in name, HF directory or .gguf
+    speculative: str = "off"  # off | ngram (prompt lookup) | draft (a smaller model) | eagle3 (a head), --draft-model
+    draft_model: str | None = None  # draft: built-in name, HF directory or .gguf; eagle3: the head's directory
     num_speculative_tokens: int = 4  # drafts per verification step at most
     speculative_max_batch: int = 4  # no drafting above this many running sequences (verification costs more)
 
@@ -63,11 +63,12 @@ class EngineConfig:
             raise ValueError(f"decode_graphs must be auto, on or off, got {self.decode_graphs!r}")
         if self.cpu_activations not in ("int8", "float"):
             raise ValueError(f"--cpu-activations must be int8 or float, got {self.cpu_activations!r}")
-        if self.speculative not in ("off", "ngram", "draft"):
-            raise ValueError(f"--speculative must be off, ngram or draft, got {self.speculative!r}")
-        if (self.speculative == "draft") != bool(self.draft_model):
+        if self.speculative not in ("off", "ngram", "draft", "eagle3"):
+            raise ValueError(f"--speculative must be off, ngram, draft or eagle3, got {self.speculative!r}")
+        if (self.speculative in ("draft", "eagle3")) != bool(self.draft_model):
             raise ValueError("--speculative draft needs --draft-model (a smaller model with the same tokenizer), "
-                             "and --draft-model is only read with --speculative draft")
+                             "--speculative eagle3 needs --draft-model (an EAGLE-3 head's directory), and "
+                             "--draft-model is only read with one of them")
         if not 1 <= self.num_speculative_tokens <= 16:
             raise ValueError(f"--num-speculative-tokens must be in 1..16, got {self.num_speculative_tokens}")
         return self

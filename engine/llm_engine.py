@@ -10,6 +10,7 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Protocol
 
 import torch
@@ -17,6 +18,7 @@ import torch
 from engine.block_manager import BlockManager, BlockStats
 from engine.constrained import GrammarEngine
 from engine.detokenizer import IncrementalDetokenizer
+from engine.eagle3 import Eagle3Drafter
 from engine.engine_config import EngineConfig
 from engine.errors import ModelLoadError, RequestError
 from engine.graph_runner import DecodeGraphs
@@ -126,6 +128,7 @@ class LLMEngine:
             except RuntimeError as e:  # e.g. a model path with a host sync, which a graph cannot hold
                 log.warning("event=decode_graphs_off reason=capture_failed error=%s", str(e).splitlines()[0])
                 self.runner.graphs = None
+        self.eagle: Eagle3Drafter | None = None  # the drafter, when it reads the target's hidden states
         self.drafter = self._drafter()
         self.scheduler.drafter = self.drafter
         self.scheduler.max_model_len = self.max_model_len
@@ -199,6 +202,17 @@ class LLMEngine:
         c = self.config
         if c.speculative == "ngram":
             return NgramDrafter(c.num_speculative_tokens, c.speculative_max_batch)
+        if c.speculative == "eagle3":
+            assert c.draft_model is not None
+            head_dir = Path(c.draft_model)
+            if not head_dir.is_dir():
+                raise ModelLoadError(f"--draft-model {c.draft_model}: an EAGLE-3 head is a local directory "
+                                     "(config.json + safetensors)")
+            self.eagle = Eagle3Drafter(head_dir, self.model, c.num_speculative_tokens, c.speculative_max_batch,
+                                       self.device, self.dtype, c.block_size, self.kv.layout.num_blocks,
+                                       self.max_model_len + c.num_speculative_tokens + 1)
+            self.model.aux_layers = self.eagle.aux_layers
+            return self.eagle
         if c.speculative != "draft":
             return None
         from engine.draft_model import DraftModelDrafter, same_tokenizer
@@ -352,25 +366,33 @@ class LLMEngine:
         outputs: list[RequestOutput] = []
         it = iter(samples)
         for s in batch:
-            seq = s.seq
-            if s.draft:
-                outputs.append(self._verified(seq, s, failed.get(seq.request_id)))
-                continue
-            sampled = next(it) if s.samples else None
-            seq.num_computed_tokens += s.num_tokens
-            if seq.request_id in failed:
-                outputs.append(self._finish(seq, "error", RequestOutput(seq.request_id), failed[seq.request_id]))
-                continue
-            self.blocks.register_computed(seq)
-            if sampled is None:
-                continue
-            if seq.num_computed_tokens == seq.num_prompt_tokens:  # this step finished the prompt
-                self._publish(seq, seq.num_prompt_tokens)
-            out = RequestOutput(seq.request_id, num_prompt_tokens=seq.num_prompt_tokens,
-                                num_cached_tokens=seq.num_cached_tokens)
-            self._append_token(seq, sampled[0], sampled[1], out)
-            outputs.append(out)
+            seq, start = s.seq, s.seq.num_computed_tokens
+            out = self._commit(s, next(it) if s.samples and not s.draft else None, failed.get(seq.request_id))
+            if out is not None:
+                outputs.append(out)
+            if s.features is not None and self.eagle is not None and seq.status != Status.FINISHED:
+                # EAGLE-3: the target's features of the positions this step committed (a verification's
+                # rows past the accepted drafts are not)
+                self.eagle.observe(seq, start, s.features[: seq.num_computed_tokens - start])
         return outputs
+
+    def _commit(self, s: ScheduledSeq, sampled: tuple[int, TokenLogprob | None] | None,
+                error: str | None) -> RequestOutput | None:
+        seq = s.seq
+        if s.draft:
+            return self._verified(seq, s, error)
+        seq.num_computed_tokens += s.num_tokens
+        if error is not None:
+            return self._finish(seq, "error", RequestOutput(seq.request_id), error)
+        self.blocks.register_computed(seq)
+        if sampled is None:
+            return None
+        if seq.num_computed_tokens == seq.num_prompt_tokens:  # this step finished the prompt
+            self._publish(seq, seq.num_prompt_tokens)
+        out = RequestOutput(seq.request_id, num_prompt_tokens=seq.num_prompt_tokens,
+                            num_cached_tokens=seq.num_cached_tokens)
+        self._append_token(seq, sampled[0], sampled[1], out)
+        return out
 
     def _verified(self, seq: Sequence, s: ScheduledSeq, error: str | None) -> RequestOutput:
         """Commit a speculative step: the accepted drafts and the model's next token."""

@@ -143,6 +143,9 @@ class DecoderModel(nn.Module):
         # Decode steps' layers in one C call where the model allows (cpu_decode.py); built on first use.
         self.cpu_layers: CpuDecodeLayers | None = None
         self.cpu_layers_off: str | None = None  # why not, once known
+        # EAGLE-3: layers whose entering residual stream each step keeps in `aux_out` ([T, n x hidden]).
+        self.aux_layers: tuple[int, ...] = ()
+        self.aux_out: torch.Tensor | None = None
 
     def build_rope_cache(self, max_positions: int, device: torch.device, dtype: torch.dtype) -> None:
         self.rope_caches = {spec: rope_cache(spec, self.cfg.head_dim, max_positions, device) for spec in self.cfg.ropes}
@@ -165,15 +168,20 @@ class DecoderModel(nn.Module):
         x = self.embed_tokens(input_ids)
         if self.embed_scale is not None:
             x = x * self.embed_scale
-        fused = self._cpu_layers(kv) if layer_hook is None and CpuDecodeLayers.applies(x, meta) else None
+        fused = (self._cpu_layers(kv) if layer_hook is None and not self.aux_layers
+                 and CpuDecodeLayers.applies(x, meta) else None)
         if fused is not None:
             x, residual = fused.run(x, freqs, meta)
             return self.norm.add_forward(x, residual)[0]
         residual = None
+        aux: list[torch.Tensor] = []
         for i, layer in enumerate(self.layers):
+            if i in self.aux_layers:  # (a copy: later layers update the residual stream in place)
+                aux.append(x.clone() if residual is None else x + residual)
             x, residual = layer(x, residual, freqs[layer.rope], kv.layer(i), meta)
             if layer_hook is not None:
                 layer_hook(i)
+        self.aux_out = torch.cat(aux, dim=-1) if aux else None
         assert residual is not None
         return self.norm.add_forward(x, residual)[0]
 

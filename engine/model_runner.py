@@ -104,7 +104,7 @@ class ModelRunner:
 
     def graphable(self, batch: list[ScheduledSeq]) -> bool:
         """Plain decodes only (no prompt chunk, no drafts), few enough for a bucket."""
-        return (self.graphs is not None and self.graphs.bucket(len(batch)) is not None
+        return (self.graphs is not None and not self.model.aux_layers and self.graphs.bucket(len(batch)) is not None
                 and all(s.num_tokens == 1 and s.samples and not s.draft for s in batch))
 
     def _run_graph(self, batch: list[ScheduledSeq]) -> torch.Tensor:
@@ -131,6 +131,12 @@ class ModelRunner:
             return sample(logits, [s.seq for s in batch], self.grammar, self.eos_token_ids)
         input_ids, positions, meta, sample_rows = self.prepare(batch)
         hidden = self.model(input_ids, positions, self.kv, meta, layer_hook)
+        aux = self.model.aux_out if self.model.aux_layers else None
+        if aux is not None:  # EAGLE-3: each entry's rows of the captured hidden states, in batch order
+            row = 0
+            for s in batch:
+                s.features = aux[row : row + s.num_tokens]
+                row += s.num_tokens
         if not sample_rows:
             return []
         rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)

@@ -34,6 +34,7 @@ class ScheduledSeq:
     num_tokens: int  # tokens computed this step, from seq.num_computed_tokens
     draft: list[int] = field(default_factory=list)  # speculative tokens fed after the sequence's last one
     targets: list[int] = field(default_factory=list)  # the tokens drawn at each drafted row (set by the runner)
+    features: Any = None  # EAGLE-3: the target's auxiliary hidden states of this entry's rows (set by the runner)
 
     @property
     def samples(self) -> bool:

@@ -113,14 +113,16 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=_env("max_model_len", None), help="context limit (default: the model's)")
     g.add_argument("--no-prefix-cache", action="store_true", help="disable prefix caching")
     g.add_argument("--threads", type=int, default=_env("threads", None), help="torch CPU threads")
-    g.add_argument("--speculative", default=_env("speculative", "off"), choices=["off", "ngram", "draft"],
+    g.add_argument("--speculative", default=_env("speculative", "off"), choices=["off", "ngram", "draft", "eagle3"],
                    help="speculative decoding: ngram = prompt lookup (drafts copied from earlier "
-                        "text), draft = a smaller model of the same tokenizer (--draft-model); drafts are verified "
+                        "text), draft = a smaller model of the same tokenizer (--draft-model), eagle3 = an EAGLE-3 "
+                        "head trained for this target (--draft-model DIR); drafts are verified "
                         "in one step: greedy and seeded output identical, sampled output from the same distribution; "
                         "default ngram on decode workers, else off; prefill workers never decode, so it does "
                         "nothing there")
     g.add_argument("--draft-model", default=_env("draft_model", None),
-                   help="with --speculative draft: the draft model (built-in name, HF directory or .gguf)")
+                   help="with --speculative draft: the draft model (built-in name, HF directory or .gguf); "
+                        "with --speculative eagle3: the head's directory (config.json + safetensors)")
     g.add_argument("--num-speculative-tokens", type=int, default=int(_env("num_speculative_tokens", 4)),
                    help="drafts per verification step at most")
     g.add_argument("--speculative-max-batch", type=int, default=int(_env("speculative_max_batch", 4)),
