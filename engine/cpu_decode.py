@@ -79,7 +79,7 @@ class CpuDecodeLayers:
         lib = cpu_ops.library()
         assert lib is not None and supported(model) is None
         self.fn = lib.sf_decode_layers
-        self.fn.argtypes = [_P, _P, _I, _P, _P, _I, _P, _P, _P, _I, _P, _I]
+        self.fn.argtypes = [_P, _P, _I, _P, _P, _I, _P, _P, _P, _I, _P, _P, _P, _I, _I]
         self.fn.restype = _I
         self.ropes = list(cfg.ropes)
         self.kv = kv
@@ -118,9 +118,14 @@ class CpuDecodeLayers:
                 and meta.decodes[0].blocks.shape[0] == t and t <= min(quant.KERNEL_MAX_ROWS, cpu_ops.SMALL_ROWS)
                 and x.dtype == torch.float32 and x.device.type == "cpu")
 
-    def run(self, x: torch.Tensor, freqs: dict, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        """(last layer's MLP output, residual stream): what the layer loop of `DecoderModel.forward` returns."""
+    def run(self, x: torch.Tensor, freqs: dict, meta: AttentionMetadata,
+            aux_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(last layer's MLP output, residual stream, the residual stream entering each of `aux_layers`
+        side by side or None): what the layer loop of `DecoderModel.forward` computes."""
         t = x.shape[0]
+        layers = sorted(aux_layers)
+        aux = torch.empty(t, len(layers) * x.shape[1]) if layers else None
+        aux_ids = (ctypes.c_int * max(len(layers), 1))(*layers)
         res = x.contiguous()
         h = torch.empty_like(res)
         tables = [freqs[spec].contiguous() for spec in self.ropes]
@@ -130,8 +135,8 @@ class CpuDecodeLayers:
         assert d.context_lens is not None and blocks.dtype == torch.int64 and ctx.dtype == torch.int64
         rc = self.fn(ctypes.byref(self.dims), self.layers, len(self.layers), res.data_ptr(), h.data_ptr(), t, ptrs,
                      meta.k_rows.data_ptr(), blocks.data_ptr(), blocks.shape[1], ctx.data_ptr(),
-                     torch.get_num_threads())
+                     None if aux is None else aux.data_ptr(), aux_ids, len(layers), torch.get_num_threads())
         if rc != 0:
             raise MemoryError("decode layers: out of memory for the step's buffers")
         self.steps += 1
-        return h, res
+        return h, res, aux

@@ -168,10 +168,9 @@ class DecoderModel(nn.Module):
         x = self.embed_tokens(input_ids)
         if self.embed_scale is not None:
             x = x * self.embed_scale
-        fused = (self._cpu_layers(kv) if layer_hook is None and not self.aux_layers
-                 and CpuDecodeLayers.applies(x, meta) else None)
+        fused = self._cpu_layers(kv) if layer_hook is None and CpuDecodeLayers.applies(x, meta) else None
         if fused is not None:
-            x, residual = fused.run(x, freqs, meta)
+            x, residual, self.aux_out = fused.run(x, freqs, meta, self.aux_layers)
             return self.norm.add_forward(x, residual)[0]
         residual = None
         aux: list[torch.Tensor] = []

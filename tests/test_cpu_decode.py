@@ -6,6 +6,7 @@ module path."""
 from __future__ import annotations
 
 import pytest
+import torch
 from engine_helpers import drain, make_engine
 from hf_models import make_hf_model
 
@@ -22,6 +23,16 @@ def _run(model_dir, fused: bool, **kw) -> tuple[dict, object]:
     engine = make_engine(model_dir, **kw)
     if not fused:
         engine.model.cpu_layers_off = "off for the comparison"
+    # EAGLE-3's capture of the residual stream entering layers 0 and 2, compared too
+    model, forward, aux = engine.model, engine.model.forward, []
+    model.aux_layers = (0, 2)
+
+    def recording(*a, **k):
+        hidden = forward(*a, **k)
+        aux.append(model.aux_out.clone())
+        return hidden
+
+    model.forward = recording
     for i, p in enumerate(PROMPTS):
         engine.add_request(str(i), p, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=3))
     out: dict[str, list] = {}
@@ -29,6 +40,7 @@ def _run(model_dir, fused: bool, **kw) -> tuple[dict, object]:
         for o in engine.step():
             out.setdefault(o.request_id, []).extend((lp.token_id, lp.logprob, lp.top) for lp in o.logprobs)
     assert all(len(v) == 20 for v in out.values())
+    out["aux"] = aux
     return out, engine.model
 
 
@@ -46,6 +58,9 @@ def test_c_layer_loop_equals_the_module_path(tmp_path, family, quantization, act
     plain, plain_model = _run(d, False, **kw)
     assert model.cpu_layers is not None and model.cpu_layers.steps >= 19  # every decode step of the batch ran in C
     assert plain_model.cpu_layers is None
+    assert [a.shape[1] for a in fused["aux"]] == [2 * model.cfg.hidden_size] * len(fused["aux"])
+    aux_f, aux_p = fused.pop("aux"), plain.pop("aux")
+    assert len(aux_f) == len(aux_p) and all(torch.equal(a, b) for a, b in zip(aux_f, aux_p, strict=True))
     assert fused == plain  # tokens and logprobs, bit for bit
 
 

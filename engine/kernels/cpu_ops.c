@@ -654,9 +654,10 @@ static int sf_linear(const SfLinear *w, const float *x, int M, float *y, int q8x
 /* res [T, hidden]: the residual stream (the embeddings in, updated in place); h [T, hidden]: the last
  * layer's MLP output (the caller adds it and applies the final norm). One decode row per sequence,
  * `freqs[r]` the step's [T, D/2] (cos, sin) pairs of RoPE table r. Returns 0, or -1 out of memory. */
+/* aux (optional, EAGLE-3): [T, n_aux * hidden], the residual stream entering layers aux_layers[j] (ascending). */
 int sf_decode_layers(const SfDims *d, const SfLayer *layers, int n_layers, float *res, float *h, int T,
                      const float *const *freqs, const int64_t *k_rows, const int64_t *tables, int max_blocks,
-                     const int64_t *ctx_lens, int threads) {
+                     const int64_t *ctx_lens, float *aux, const int *aux_layers, int n_aux, int threads) {
     int H = d->heads, KVH = d->kv_heads, D = d->head_dim;
     size_t hid = (size_t)d->hidden, qkv_n = (size_t)(H + 2 * KVH) * D, inter = (size_t)d->inter;
     size_t need = hid + qkv_n + (size_t)H * D + 2 * inter + inter;
@@ -666,6 +667,14 @@ int sf_decode_layers(const SfDims *d, const SfLayer *layers, int n_layers, float
     int rc = 0;
     for (int l = 0; l < n_layers && rc == 0; l++) {
         const SfLayer *L = layers + l;
+        for (int j = 0; j < n_aux; j++) {
+            if (aux_layers[j] != l) continue;
+            for (int r = 0; r < T; r++) {
+                float *dst = aux + ((size_t)r * n_aux + j) * hid;
+                const float *a = res + (size_t)r * hid, *b = h + (size_t)r * hid;
+                for (size_t i = 0; i < hid; i++) dst[i] = l ? a[i] + b[i] : a[i];
+            }
+        }
         sf_add_rmsnorm(res, l ? h : NULL, L->attn_norm, xn, T, (int)hid, d->eps);
         if ((rc = sf_linear(&L->qkv, xn, T, qkv, d->q8x_rows, threads))) break;
         sf_rope_store(qkv, T, H, KVH, D, freqs[L->rope], L->cache, k_rows, d->block_size);
