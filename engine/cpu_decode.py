@@ -3,13 +3,15 @@
 At batch 1 the per-layer work is small (SmolLM2: ~60 us of quantized matmuls per layer), so the
 Python between the kernels — ~13 module calls, views and ctypes calls per layer — cost ~4 ms of a
 16 ms step (measured with cProfile). This runs the same kernels, with the same arguments and in
-the same order as `model.Block.forward` does on CPU, from one C loop: the result is bit-identical
-(tested), only the Python is gone.
+the same order as `model.Block.forward` does on a decode step, from one C loop: the result is
+bit-identical (tested), only the Python is gone. Rows of short chunks — speculative verifications,
+small prompt chunks — go through the same decode attention, one query per row over the keys up to
+its position (the module path runs those through SDPA: equal up to float rounding).
 
 It applies to plain pre-norm decoders whose every matmul weight is quantized (a GGUF served as
 stored, or `--quantization int8|int4`), in float32 with a float32 KV cache: Llama, Mistral,
-Qwen2, SmolLM2. Everything else — q/k norms, latent attention, experts, Gemma's norms, float
-weights, prompt chunks, verification rows, several decode groups — takes the module path.
+Qwen2, SmolLM2, for steps of up to 48 rows. Everything else — q/k norms, latent attention, experts,
+Gemma's norms, float weights, longer steps — takes the module path.
 """
 
 from __future__ import annotations
@@ -112,11 +114,31 @@ class CpuDecodeLayers:
 
     @staticmethod
     def applies(x: torch.Tensor, meta: AttentionMetadata) -> bool:
-        """A pure decode step (one decode group, nothing else) small enough for the C kernels."""
-        t = x.shape[0]
-        return (not meta.prefills and len(meta.decodes) == 1 and meta.decodes[0].context_lens is not None
-                and meta.decodes[0].blocks.shape[0] == t and t <= min(quant.KERNEL_MAX_ROWS, cpu_ops.SMALL_ROWS)
-                and x.dtype == torch.float32 and x.device.type == "cpu")
+        """A step small enough for the C kernels (decodes, speculative verifications, short prompt chunks)."""
+        return (x.shape[0] <= min(quant.KERNEL_MAX_ROWS, cpu_ops.SMALL_ROWS) and x.dtype == torch.float32
+                and x.device.type == "cpu" and all(d.context_lens is not None for d in meta.decodes))
+
+    @staticmethod
+    def row_tables(meta: AttentionMetadata, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(block table, context length) of every row: the C attention takes each row as a query of its
+        own, so a chunk's row i (a verification's draft, a prompt token) attends the keys up to its
+        own position — causal attention, with the chunk's K/V already in the cache."""
+        if not meta.prefills and len(meta.decodes) == 1:  # the steady state: as the step built them
+            d = meta.decodes[0]
+            assert d.context_lens is not None
+            return d.blocks, d.context_lens
+        width = max([len(s.blocks) for s in meta.prefills] + [d.blocks.shape[1] for d in meta.decodes])
+        tables = torch.zeros(rows, width, dtype=torch.long)
+        ctx = torch.empty(rows, dtype=torch.long)
+        for s in meta.prefills:
+            tables[s.start : s.start + s.length, : len(s.blocks)] = s.blocks
+            ctx[s.start : s.start + s.length] = torch.arange(s.context_len - s.length + 1, s.context_len + 1)
+        for d in meta.decodes:
+            assert d.context_lens is not None
+            b = d.blocks.shape[0]
+            tables[d.start : d.start + b, : d.blocks.shape[1]] = d.blocks
+            ctx[d.start : d.start + b] = d.context_lens
+        return tables, ctx
 
     def run(self, x: torch.Tensor, freqs: dict, meta: AttentionMetadata,
             aux_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -130,9 +152,8 @@ class CpuDecodeLayers:
         h = torch.empty_like(res)
         tables = [freqs[spec].contiguous() for spec in self.ropes]
         ptrs = (_P * len(tables))(*[f.data_ptr() for f in tables])
-        d = meta.decodes[0]
-        blocks, ctx = d.blocks.contiguous(), d.context_lens.contiguous()
-        assert d.context_lens is not None and blocks.dtype == torch.int64 and ctx.dtype == torch.int64
+        blocks, ctx = (v.contiguous() for v in self.row_tables(meta, t))
+        assert blocks.dtype == torch.int64 and ctx.dtype == torch.int64
         rc = self.fn(ctypes.byref(self.dims), self.layers, len(self.layers), res.data_ptr(), h.data_ptr(), t, ptrs,
                      meta.k_rows.data_ptr(), blocks.data_ptr(), blocks.shape[1], ctx.data_ptr(),
                      None if aux is None else aux.data_ptr(), aux_ids, len(layers), torch.get_num_threads())

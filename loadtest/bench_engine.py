@@ -24,6 +24,7 @@ import random
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 from tqdm import tqdm
@@ -317,6 +318,20 @@ def main_speculative(args: argparse.Namespace) -> int:
     drafters = {"ngram": NgramDrafter(engine.config.num_speculative_tokens, engine.config.speculative_max_batch)}
     if draft:
         drafters["draft"] = engine.drafter
+    eagle = None
+    if args.eagle3_head:
+        from engine.eagle3 import Eagle3Drafter
+        from engine.model_store import home
+        from loadtest.random_models import write_eagle3_head
+
+        head = Path(args.eagle3_head)
+        if args.eagle3_head == "random":
+            head = write_eagle3_head(home() / "bench-models" / f"eagle3-random-{engine.model_dir.name}", engine.model_dir)
+        c = engine.config
+        eagle = Eagle3Drafter(head, engine.model, c.num_speculative_tokens, c.speculative_max_batch, engine.device,
+                              engine.dtype, c.block_size, engine.kv.layout.num_blocks,
+                              engine.max_model_len + c.num_speculative_tokens + 1)
+        drafters["eagle3"] = eagle
     drafter = drafters["ngram"]
     tok = engine.tokenizer
     record = json.dumps(AGENT_RECORD, indent=2)
@@ -336,6 +351,8 @@ def main_speculative(args: argparse.Namespace) -> int:
             for mode in modes:
                 d = drafters.get(mode)
                 engine.drafter = engine.scheduler.drafter = d
+                engine.eagle = eagle if mode == "eagle3" else None  # the target captures its features only then
+                engine.model.aux_layers = eagle.aux_layers if mode == "eagle3" and eagle is not None else ()
                 before = (d.drafted, d.accepted, d.steps) if d else (0, 0, 0)
                 rates.setdefault((name, mode), []).append(decode_rate(engine, prompts, params, f"s{r}{mode}{name[:3]}"))
                 if d is not None:
@@ -343,7 +360,7 @@ def main_speculative(args: argparse.Namespace) -> int:
                     accept[(name, mode)] = tuple(a + b for a, b in zip(accept.get((name, mode), (0, 0, 0)), delta,
                                                                         strict=True))
     print(f"\nCPU: {torch.get_num_threads()} threads, torch {torch.__version__}, model {engine.model_dir}"
-          + (f", draft model {draft}" if draft else "")
+          + (f", draft model {draft}" if draft else "") + (f", EAGLE-3 head {args.eagle3_head}" if eagle else "")
           + f", 128 output tokens, {args.rounds} interleaved rounds (medians)")
     print(f"{'decode tok/s':<28}{'mode':>7}{'tok/s':>10}{'vs off':>9}{'accepted':>10}{'tokens/verify':>15}")
     for name, _, _ in cases:
@@ -357,6 +374,7 @@ def main_speculative(args: argparse.Namespace) -> int:
             print(f"{'':<28}{mode:>7}{on:>10.1f}{on / off:>9.2f}{ratio:>10}{per:>15}")
     print("targets (ngram): agent JSON batch 1 >= 1.8x; free text batch 1 >= 0.95x; batch 16 >= 0.95x")
     engine.drafter = engine.scheduler.drafter = drafter
+    engine.eagle, engine.model.aux_layers = None, ()
     if args.spec_crossover:
         # The batch size above which verification costs more than it saves: drafting forced on.
         drafter.max_batch = 1 << 10
@@ -391,6 +409,9 @@ def main() -> int:
                    "drafting forced on (where speculation stops paying)")
     p.add_argument("--draft-model", default=None, help="with --speculative: also a draft-model column (e.g. the "
                    "4-bit smollm2-135m-instruct drafting for its float32 conversion)")
+    p.add_argument("--eagle3-head", default=None, metavar="DIR|random",
+                   help="with --speculative: also an EAGLE-3 column (a head trained for the model, or 'random': "
+                        "a random head of the model's shape, which measures what drafting costs, not what it gains)")
     p.add_argument("--mla", action="store_true", help="DeepSeek-V3 latent attention: absorbed vs up-projecting decode")
     p.add_argument("--mla-context", type=int, default=1024, help="with --mla: tokens of context per sequence")
     p.add_argument("--mla-tokens", type=int, default=16, help="with --mla: decode steps measured per round")

@@ -77,3 +77,53 @@ def model_dir(family: str) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def write_eagle3_head(out: Path, target_dir: Path, *, aux: tuple[int, ...] | None = None, draft_vocab: int = 150,
+                      seed: int = 3, embed: bool = False, norm_before_residual: bool = False,
+                      extra: dict[str, Any] | None = None) -> Path:
+    """A randomly initialised EAGLE-3 head for the target in `target_dir`, in the published Hugging Face
+    layout (LlamaForCausalLMEagle3: fc, midlayer.*, norm, lm_head over `draft_vocab` of the target's ids,
+    d2t, t2d; embed_tokens with `embed`). No trained head exists for the models here: a random one
+    proposes tokens the target rarely accepts, so it measures the cost of EAGLE-3 drafting, and (in
+    tests) that output stays the target's."""
+    import torch
+    from safetensors.torch import save_file
+
+    t_cfg = json.loads((target_dir / "config.json").read_text())
+    hidden, heads = t_cfg["hidden_size"], t_cfg["num_attention_heads"]
+    kv_heads, inter, vocab = t_cfg.get("num_key_value_heads", heads), t_cfg["intermediate_size"], t_cfg["vocab_size"]
+    d = t_cfg.get("head_dim") or hidden // heads
+    out.mkdir(parents=True, exist_ok=True)
+    g = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape: int, scale: float = 0.2) -> torch.Tensor:
+        return torch.randn(*shape, generator=g) * scale
+
+    n_aux = len(aux) if aux else 3
+    # The draft vocabulary: draft_vocab of the target's ids, ascending (EAGLE-3's training picks the
+    # most frequent ones); d2t[i] = target id - i.
+    chosen = torch.sort(torch.randperm(vocab - 3, generator=g)[:draft_vocab] + 3).values
+    p = "midlayer."
+    t = {"fc.weight": rnd(hidden, n_aux * hidden, scale=0.2 / n_aux ** 0.5),
+         p + "input_layernorm.weight": 1 + rnd(hidden, scale=0.1), p + "hidden_norm.weight": 1 + rnd(hidden, scale=0.1),
+         p + "post_attention_layernorm.weight": 1 + rnd(hidden, scale=0.1),
+         p + "self_attn.q_proj.weight": rnd(heads * d, 2 * hidden), p + "self_attn.k_proj.weight": rnd(kv_heads * d, 2 * hidden),
+         p + "self_attn.v_proj.weight": rnd(kv_heads * d, 2 * hidden), p + "self_attn.o_proj.weight": rnd(hidden, heads * d),
+         p + "mlp.gate_proj.weight": rnd(inter, hidden), p + "mlp.up_proj.weight": rnd(inter, hidden),
+         p + "mlp.down_proj.weight": rnd(hidden, inter), "norm.weight": 1 + rnd(hidden, scale=0.1),
+         "lm_head.weight": rnd(draft_vocab, hidden, scale=0.5), "d2t": chosen - torch.arange(draft_vocab),
+         "t2d": torch.zeros(vocab, dtype=torch.bool).index_fill_(0, chosen, True)}
+    if embed:
+        t["embed_tokens.weight"] = rnd(vocab, hidden, scale=0.3)
+    save_file({k: v.contiguous() for k, v in t.items()}, str(out / "model.safetensors"))
+    cfg = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": hidden,
+           "intermediate_size": inter, "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": d,
+           "num_hidden_layers": 1, "rms_norm_eps": t_cfg.get("rms_norm_eps", 1e-5),
+           "rope_theta": t_cfg.get("rope_theta", 10000.0), "max_position_embeddings": t_cfg["max_position_embeddings"],
+           "vocab_size": vocab, "draft_vocab_size": draft_vocab, "hidden_act": "silu", "tie_word_embeddings": False,
+           "norm_before_residual": norm_before_residual, **(extra or {})}
+    if aux:
+        cfg["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(aux), "use_aux_hidden_state": True}
+    (out / "config.json").write_text(json.dumps(cfg))
+    return out

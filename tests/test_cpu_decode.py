@@ -73,3 +73,33 @@ def test_models_the_loop_cannot_run_keep_the_module_path(tmp_path):
         engine.add_request("a", PROMPTS[1], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
         assert len(drain(engine)["a"].token_ids) == 4
         assert engine.model.cpu_layers is None and reason in (engine.model.cpu_layers_off or "")
+
+
+def test_short_chunks_and_verifications_run_in_the_loop_too(tiny_model_dir):
+    """16-token prompt chunks and speculative verifications (several rows of one sequence) go through
+    the loop's per-row causal attention: logprobs equal the module path's (SDPA) to float rounding,
+    and speculation stays lossless."""
+    def run(fused: bool, logprobs: bool = True, **kw):
+        engine = make_engine(tiny_model_dir, quantization="int4", max_num_seqs=8, **kw)
+        if not fused:
+            engine.model.cpu_layers_off = "off for the comparison"
+        for i, p in enumerate(PROMPTS):
+            engine.add_request(str(i), p, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True,
+                                                         logprobs=0 if logprobs else None))
+        out: dict[str, list] = {}
+        while engine.has_work:
+            for o in engine.step():
+                out.setdefault(o.request_id, []).extend(o.token_ids if not logprobs else
+                                                        [(lp.token_id, lp.logprob) for lp in o.logprobs])
+        return out, engine
+
+    chunked, eng = run(True, max_num_batched_tokens=16)
+    plain, _ = run(False, max_num_batched_tokens=16)
+    assert eng.model.cpu_layers.steps > 20  # the prompt chunks ran in C too (16-row steps)
+    for k in plain:
+        assert [t for t, _ in chunked[k]] == [t for t, _ in plain[k]]
+        torch.testing.assert_close(torch.tensor([lp for _, lp in chunked[k]]), torch.tensor([lp for _, lp in plain[k]]),
+                                   rtol=1e-4, atol=1e-4)
+    base, _ = run(False, logprobs=False)  # (requests with logprobs are not speculated)
+    spec, eng = run(True, logprobs=False, speculative="ngram", speculative_max_batch=8)
+    assert spec == base and eng.drafter.accepted > 0

@@ -23,53 +23,14 @@ from engine.eagle3 import load_head, read_config
 from engine.errors import ModelLoadError
 from engine.model_config import ModelConfig
 from engine.sampling_params import SamplingParams
+from loadtest.random_models import write_eagle3_head
 
-HIDDEN, HEADS, KV_HEADS, INTER, DRAFT_VOCAB = 64, 4, 2, 96, 150
+HIDDEN, HEADS, KV_HEADS, DRAFT_VOCAB = 64, 4, 2, 150  # the tiny target's shape; the head's vocabulary
 
 
-def make_head(out: Path, target_dir: Path, *, aux: list[int] | None = (0, 1), seed: int = 3, embed: bool = False,
-              norm_before_residual: bool = False, extra: dict | None = None) -> Path:
-    """A random EAGLE-3 head in the published layout (LlamaForCausalLMEagle3: fc, midlayer.*, norm,
-    lm_head over a reduced vocabulary, d2t, t2d) for the tiny 2-layer target."""
-    out.mkdir(parents=True, exist_ok=True)
-    target = json.loads((target_dir / "config.json").read_text())
-    vocab = target["vocab_size"]
-    g = torch.Generator().manual_seed(seed)
-    rnd = lambda *s, scale=0.2: torch.randn(*s, generator=g) * scale  # noqa: E731
-    d = HIDDEN // HEADS
-    n_aux = len(aux) if aux else 3
-    # The draft vocabulary: 150 of the target's ids, ascending (as EAGLE-3's training scripts pick
-    # the most frequent tokens); d2t[i] = target id - i.
-    chosen = torch.sort(torch.randperm(vocab - 3, generator=g)[:DRAFT_VOCAB] + 3).values
-    t = {
-        "fc.weight": rnd(HIDDEN, n_aux * HIDDEN),
-        "midlayer.input_layernorm.weight": 1 + rnd(HIDDEN, scale=0.1),
-        "midlayer.hidden_norm.weight": 1 + rnd(HIDDEN, scale=0.1),
-        "midlayer.post_attention_layernorm.weight": 1 + rnd(HIDDEN, scale=0.1),
-        "midlayer.self_attn.q_proj.weight": rnd(HEADS * d, 2 * HIDDEN),
-        "midlayer.self_attn.k_proj.weight": rnd(KV_HEADS * d, 2 * HIDDEN),
-        "midlayer.self_attn.v_proj.weight": rnd(KV_HEADS * d, 2 * HIDDEN),
-        "midlayer.self_attn.o_proj.weight": rnd(HIDDEN, HEADS * d),
-        "midlayer.mlp.gate_proj.weight": rnd(INTER, HIDDEN),
-        "midlayer.mlp.up_proj.weight": rnd(INTER, HIDDEN),
-        "midlayer.mlp.down_proj.weight": rnd(HIDDEN, INTER),
-        "norm.weight": 1 + rnd(HIDDEN, scale=0.1),
-        "lm_head.weight": rnd(DRAFT_VOCAB, HIDDEN, scale=0.5),
-        "d2t": chosen - torch.arange(DRAFT_VOCAB),
-        "t2d": torch.zeros(vocab, dtype=torch.bool).index_fill_(0, chosen, True),
-    }
-    if embed:
-        t["embed_tokens.weight"] = rnd(vocab, HIDDEN, scale=0.3)
-    save_file({k: v.contiguous() for k, v in t.items()}, str(out / "model.safetensors"))
-    cfg = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": HIDDEN,
-           "intermediate_size": INTER, "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS,
-           "num_hidden_layers": 1, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": 1024,
-           "vocab_size": vocab, "draft_vocab_size": DRAFT_VOCAB, "hidden_act": "silu", "tie_word_embeddings": False,
-           "norm_before_residual": norm_before_residual, **(extra or {})}
-    if aux:
-        cfg["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(aux), "use_aux_hidden_state": True}
-    (out / "config.json").write_text(json.dumps(cfg))
-    return out
+def make_head(out: Path, target_dir: Path, *, aux: tuple[int, ...] | None = (0, 1), **kw) -> Path:
+    """A random head for the tiny 2-layer target (its default aux layers would not exist)."""
+    return write_eagle3_head(out, target_dir, aux=aux, draft_vocab=DRAFT_VOCAB, **kw)
 
 
 def _prompts() -> list[list[int]]:
@@ -230,7 +191,7 @@ def test_heads_that_do_not_fit_are_refused(tiny_model_dir, tmp_path):
     with pytest.raises(ModelLoadError, match="not an EAGLE-3 head"):
         read_config(tiny_model_dir, target)
     with pytest.raises(ModelLoadError, match="auxiliary layers"):
-        read_config(make_head(tmp_path / "a", tiny_model_dir, aux=[0, 5]), target)
+        read_config(make_head(tmp_path / "a", tiny_model_dir, aux=(0, 5)), target)
     with pytest.raises(ModelLoadError, match="auxiliary layers"):  # 2 layers: the default (2, 1, -1) does not exist
         read_config(make_head(tmp_path / "b", tiny_model_dir, aux=None), target)
     with pytest.raises(ModelLoadError, match="hidden size"):
