@@ -141,17 +141,27 @@ INLINE void avx_tile_i4_m1(const float *x, const float *xs, int K, const uint8_t
 }
 
 /* Every activation row against weight rows n0..n0+NR: one row at a time 4 weight rows wide (four
- * independent FMA chains); more rows in passes of up to 4, 2 weight rows wide. Each case is a
- * separate specialisation so nothing indexes the accumulators at run time. */
+ * independent FMA chains); more rows one weight row at a time against up to 8 activation rows, so
+ * each weight is dequantized once per 8 rows (a speculative verification's 5 rows: once, not twice
+ * as with passes of 4; 2 rows: two weight rows at a time, measured faster). Each case is a separate specialisation so nothing indexes the accumulators
+ * at run time. */
 #define AVX_ROWS(TILE, ...)                                                                       \
     do {                                                                                          \
         if (M == 1) { TILE(__VA_ARGS__, n0, 0, y, ldy, 4, 1); break; }                            \
-        for (int h = 0; h < NR; h += 2)                                                           \
-            for (int m0 = 0; m0 < M; m0 += 4) switch (M - m0 < 4 ? M - m0 : 4) {                  \
-                case 1: TILE(__VA_ARGS__, n0 + h, m0, y, ldy, 2, 1); break;                       \
-                case 2: TILE(__VA_ARGS__, n0 + h, m0, y, ldy, 2, 2); break;                       \
-                case 3: TILE(__VA_ARGS__, n0 + h, m0, y, ldy, 2, 3); break;                       \
-                default: TILE(__VA_ARGS__, n0 + h, m0, y, ldy, 2, 4); break;                      \
+        if (M == 2) {                                                                             \
+            for (int h = 0; h < NR; h += 2) TILE(__VA_ARGS__, n0 + h, 0, y, ldy, 2, 2);           \
+            break;                                                                                \
+        }                                                                                         \
+        for (int h = 0; h < NR; h++)                                                              \
+            for (int m0 = 0; m0 < M; m0 += 8) switch (M - m0 < 8 ? M - m0 : 8) {                  \
+                case 1: TILE(__VA_ARGS__, n0 + h, m0, y, ldy, 1, 1); break;                       \
+                case 2: TILE(__VA_ARGS__, n0 + h, m0, y, ldy, 1, 2); break;                       \
+                case 3: TILE(__VA_ARGS__, n0 + h, m0, y, ldy, 1, 3); break;                       \
+                case 4: TILE(__VA_ARGS__, n0 + h, m0, y, ldy, 1, 4); break;                       \
+                case 5: TILE(__VA_ARGS__, n0 + h, m0, y, ldy, 1, 5); break;                       \
+                case 6: TILE(__VA_ARGS__, n0 + h, m0, y, ldy, 1, 6); break;                       \
+                case 7: TILE(__VA_ARGS__, n0 + h, m0, y, ldy, 1, 7); break;                       \
+                default: TILE(__VA_ARGS__, n0 + h, m0, y, ldy, 1, 8); break;                      \
             }                                                                                     \
     } while (0)
 #endif
