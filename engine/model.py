@@ -146,6 +146,7 @@ class DecoderModel(nn.Module):
         # EAGLE-3: layers whose entering residual stream each step keeps in `aux_out` ([T, n x hidden]).
         self.aux_layers: tuple[int, ...] = ()
         self.aux_out: torch.Tensor | None = None
+        self.weight_mapping: object | None = None  # the weight cache's mapping the parameters view (weight_cache.py)
 
     def build_rope_cache(self, max_positions: int, device: torch.device, dtype: torch.dtype) -> None:
         self.rope_caches = {spec: rope_cache(spec, self.cfg.head_dim, max_positions, device) for spec in self.cfg.ropes}

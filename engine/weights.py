@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import time
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-from engine import quant
+from engine import quant, weight_cache
 from engine.checkpoint import Checkpoint
 from engine.errors import ModelLoadError
 from engine.layers import MLP, Linear, RMSNorm
@@ -153,6 +154,18 @@ def load_model(model_dir: str | Path, device: torch.device, dtype: torch.dtype,
     checkpoint stored quantized (`engine.quant`'s layout, e.g. a converted GGUF) stays as stored."""
     model_dir = Path(model_dir)
     cfg = ModelConfig.from_dir(model_dir)
+    cached = weight_cache.cache_path(model_dir, dtype, quantization) if (
+        device.type == "cpu" and weight_cache.enabled(model_dir)) else None
+    if cached is not None and cached.is_file():
+        model = _allocate(cfg, device, dtype)
+        try:
+            model.weight_mapping = weight_cache.restore(model, cached)
+        except (ModelLoadError, OSError, ValueError, RuntimeError, KeyError, TypeError) as e:
+            log.warning("event=weight_cache_unusable path=%s error=%s (loading the checkpoint, rewriting it)", cached, e)
+            cached.unlink(missing_ok=True)
+        else:
+            log.info("event=weights_mapped path=%s", cached)
+            return _finish(model, device)
     ckpt = Checkpoint(model_dir)
     model = _allocate(cfg, device, dtype)
     load = _Loader(ckpt, cfg.fp8_weight_block)
@@ -180,6 +193,18 @@ def load_model(model_dir: str | Path, device: torch.device, dtype: torch.dtype,
     if unread:
         raise ModelLoadError(f"{model_dir}: {len(unread)} checkpoint tensor(s) the config does not account for, "
                              f"e.g. {unread[:4]} (a config field splitfire did not read, or the wrong config.json?)")
+    if cached is not None:
+        t0 = time.perf_counter()
+        try:
+            weight_cache.save(model, cached)
+            log.info("event=weight_cache_written path=%s mb=%.0f seconds=%.2f", cached, cached.stat().st_size / 2**20,
+                     time.perf_counter() - t0)
+        except OSError as e:  # (a read-only or full cache directory: serve anyway)
+            log.warning("event=weight_cache_not_written path=%s error=%s", cached, e)
+    return _finish(model, device)
+
+
+def _finish(model: DecoderModel, device: torch.device) -> DecoderModel:
     model.eval()
     if device.type == "cpu":
         model.optimize_for_cpu()
