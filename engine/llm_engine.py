@@ -15,6 +15,7 @@ from typing import Protocol
 
 import torch
 
+from engine import weight_cache
 from engine.block_manager import BlockManager, BlockStats
 from engine.constrained import GrammarEngine
 from engine.detokenizer import IncrementalDetokenizer
@@ -87,9 +88,21 @@ class EngineStats:
     spec_accepted: int = 0  # of those, accepted by verification
 
 
+def _rss_mib() -> float:
+    """This process's resident memory (Linux; NaN elsewhere)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return float("nan")
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config.validate()
+        rss_start = _rss_mib()  # (for the start-up log line: what loading the model adds)
         self.device = config.torch_device
         self.dtype = config.torch_dtype
         if config.threads and self.device.type == "cpu":
@@ -98,7 +111,9 @@ class LLMEngine:
         self.model_config = ModelConfig.from_dir(self.model_dir)
         self.tokenizer = Tokenizer(self.model_dir)
         t0 = time.perf_counter()
+        rss_before = _rss_mib()
         self.model = load_model(self.model_dir, self.device, self.dtype, config.quantization)
+        rss_weights = _rss_mib() - rss_before
         self.model.set_int8_activations(config.cpu_activations == "int8")
         weights_s = time.perf_counter() - t0
         self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
@@ -141,9 +156,10 @@ class LLMEngine:
         self.store_hit_tokens = 0
         log.info(
             "engine ready model=%s device=%s dtype=%s kv_blocks=%d block_size=%d kv_mib=%.0f load_s=%.2f "
-            "weights_s=%.3f kv_s=%.3f",
+            "weights_s=%.3f kv_s=%.3f weights_mib=%.1f mapped=%s rss_start_mib=%.0f rss_weights_mib=%.1f",
             self.model_dir, self.device, self.dtype, self.kv.layout.num_blocks, config.block_size,
             self.kv.nbytes / 2**20, time.perf_counter() - t0, weights_s, kv_s,
+            weight_cache.nbytes(self.model) / 2**20, self.model.weight_mapping is not None, rss_start, rss_weights,
         )
 
     def _kv_layout(self) -> KVLayout:

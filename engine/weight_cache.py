@@ -38,7 +38,7 @@ from engine.moe import Experts
 
 log = logging.getLogger("splitfire.engine")
 
-FORMAT = 1
+FORMAT = 2
 # Whatever decides the loaded tensors' values and layout.
 _SOURCES = ("weights.py", "quant.py", "gguf_quants.py", "model.py", "layers.py", "moe.py", "mla.py",
             "model_config.py", "checkpoint.py", "weight_cache.py")
@@ -63,7 +63,14 @@ def cache_path(model_dir: Path, dtype: torch.dtype, quantization: str | None) ->
         st = f.stat()
         h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
     home = os.environ.get("SPLITFIRE_HOME") or str(Path.home() / ".cache" / "splitfire")
-    return Path(home) / "weight-cache" / f"{model_dir.name}-{h.hexdigest()[:20]}.safetensors"
+    dt = str(dtype).removeprefix("torch.")
+    return Path(home) / "weight-cache" / f"{model_dir.name}-{dt}-{quantization or 'asis'}-{h.hexdigest()[:16]}.safetensors"
+
+
+def _stale(path: Path) -> list[Path]:
+    """Earlier caches of the same model, dtype and quantization (older checkpoint or code)."""
+    prefix = path.name[: path.name.rindex("-") + 1]
+    return [p for p in path.parent.glob(prefix + "*.safetensors") if p != path]
 
 
 def _state(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict]:
@@ -90,17 +97,29 @@ def _state(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict]:
             out.append([key, w.kind, w.group_size])
         return out
 
+    embed_q = getattr(model, "embed_quantized", None)
     for name, m in model.named_modules():
         if isinstance(m, Linear) and m.quantized is not None:
+            if embed_q is not None and any(p.q.data_ptr() == embed_q.q.data_ptr() for p in m.quantized):
+                continue  # the tied LM head: restored with the embedding
+
             layout["quantized"][name] = {"kind": "linear", "parts": put(f"quantized:{name}", m.quantized)}
         elif isinstance(m, Experts) and m.quantized is not None:
             gu, dn = m.quantized
             layout["quantized"][name] = {"kind": "experts", "gate_up": put(f"quantized:{name}.gate_up", gu),
                                          "down": put(f"quantized:{name}.down", dn)}
-    embed_q = getattr(model, "embed_quantized", None)
     if embed_q is not None:
         layout["embed_quantized"] = put("quantized:embed", [embed_q])[0]
     return tensors, layout
+
+
+def nbytes(model: nn.Module) -> int:
+    """Bytes of every tensor the loaded model holds (tied and shared ones once)."""
+    seen: dict[int, int] = {}
+    for t in _state(model)[0].values():
+        st = t.untyped_storage()
+        seen[st.data_ptr()] = max(seen.get(st.data_ptr(), 0), st.nbytes())
+    return sum(seen.values())
 
 
 def save(model: nn.Module, path: Path) -> None:
@@ -120,6 +139,8 @@ def save(model: nn.Module, path: Path) -> None:
     try:
         save_file({k: v.contiguous() for k, v in tensors.items()}, tmp, metadata={"layout": json.dumps(layout)})
         os.replace(tmp, path)
+        for old in _stale(path):  # (a process still mapping one keeps its pages until it exits)
+            old.unlink(missing_ok=True)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise

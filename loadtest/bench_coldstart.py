@@ -26,7 +26,8 @@ from pathlib import Path
 
 from loadtest.stack import ROOT, free_port
 
-_ENGINE = re.compile(r"engine ready .* load_s=([0-9.]+) weights_s=([0-9.]+) kv_s=([0-9.]+)")
+_ENGINE = re.compile(r"engine ready .* load_s=([0-9.]+) weights_s=([0-9.]+) kv_s=([0-9.]+) weights_mib=([0-9.]+) "
+                     r"mapped=(\w+) rss_start_mib=([0-9.na]+) rss_weights_mib=(-?[0-9.na]+)")
 
 
 @dataclass
@@ -35,6 +36,10 @@ class Start:
     weights_s: float = 0.0
     kv_s: float = 0.0
     peak_rss_mib: float = float("nan")  # generate exits before it can be read
+    weights_mib: float = 0.0  # the loaded model's tensors
+    mapped: bool = False  # served from the weight cache's mapping
+    rss_start_mib: float = float("nan")  # the process's RSS when the engine began (imports done)
+    rss_weights_mib: float = float("nan")  # RSS the weight load itself added
 
 
 def _env() -> dict[str, str]:
@@ -79,6 +84,12 @@ def _peak_rss_mib(pid: int) -> float:
     return float("nan")
 
 
+def _parse(start: Start, m: re.Match) -> None:
+    start.weights_s, start.kv_s = float(m.group(2)), float(m.group(3))
+    start.weights_mib, start.mapped, start.rss_start_mib = float(m.group(4)), m.group(5) == "True", float(m.group(6))
+    start.rss_weights_mib = float(m.group(7))
+
+
 def _follow(proc: subprocess.Popen, t0: float, start: Start, until: str) -> None:
     assert proc.stdout is not None
     for raw in proc.stdout:
@@ -87,7 +98,7 @@ def _follow(proc: subprocess.Popen, t0: float, start: Start, until: str) -> None
         m = _ENGINE.search(line)
         if m:
             start.marks["engine ready"] = now
-            start.weights_s, start.kv_s = float(m.group(2)), float(m.group(3))
+            _parse(start, m)
         if until in line:
             start.marks[until] = now
             return
@@ -143,7 +154,7 @@ def generate_start(model: str, kv_gb: float, threads: int) -> Start:
             m = _ENGINE.search(raw.decode(errors="replace"))
             if m:
                 start.marks["engine ready"] = time.perf_counter() - t0
-                start.weights_s, start.kv_s = float(m.group(2)), float(m.group(3))
+                _parse(start, m)
         if proc.wait() != 0:
             raise RuntimeError(f"generate exited with {proc.returncode}")
         start.marks["first token (exit)"] = time.perf_counter() - t0
@@ -188,8 +199,19 @@ def main() -> int:
             print(f"  {mark:<38}{med([r.marks[mark] for r in runs]):>8.2f}")
         print(f"  {'(weights loaded in, engine-measured)':<38}{med([r.weights_s for r in runs]):>8.3f}")
         print(f"  {'(KV cache allocated in)':<38}{med([r.kv_s for r in runs]):>8.3f}")
+        print(f"  {'(weights mapped from the cache)':<38}{sum(r.mapped for r in runs):>6}/{len(runs)}")
         if runs[0].peak_rss_mib == runs[0].peak_rss_mib:  # not NaN
-            print(f"  {'peak RSS, MiB':<38}{med([r.peak_rss_mib for r in runs]):>8.0f}")
+            peak, base = med([r.peak_rss_mib for r in runs]), med([r.rss_start_mib for r in runs])
+            weights = med([r.weights_mib for r in runs])
+            added = med([r.rss_weights_mib for r in runs])
+            weights = max(weights, 1e-9)
+            print(f"  {'weights, MiB (the loaded tensors)':<38}{weights:>8.0f}")
+            print(f"  {'RSS added by loading them, MiB':<38}{added:>8.0f}  = {added / weights:.2f}x the weights")
+            print(f"  {'peak RSS, MiB':<38}{peak:>8.0f}")
+            print(f"  {'  of which before the engine (imports)':<38}{base:>8.0f}")
+            print(f"  {'  added since (weights, tokenizer,':<38}{peak - base:>8.0f}  = {(peak - base) / weights:.2f}x the "
+                  "weights")
+            print(f"  {'   grammar engine, first forward)':<38}")
     w = med([r.weights_s for r in serve_warm])
     print(f"\nweight load / warm read: {w / med([r[0] for r in warm_read]):.1f}x;  ready - import torch: "
           f"{med([r.marks['worker ready'] for r in serve_warm]) - torch_s:.2f} s")

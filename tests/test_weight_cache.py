@@ -75,8 +75,9 @@ def test_changes_miss_the_cache_and_a_corrupt_cache_is_replaced(tiny_model_dir, 
     assert weight_cache.cache_path(d, torch.bfloat16, "int8") != path
     (d / "model.safetensors").touch()  # a rewritten checkpoint (new mtime)
     assert weight_cache.cache_path(d, torch.float32, "int8") != path
-    path = weight_cache.cache_path(d, torch.float32, "int8")
+    old, path = path, weight_cache.cache_path(d, torch.float32, "int8")
     _greedy(d, quantization="int8")
+    assert path.is_file() and not old.exists()  # the stale entry is replaced, not kept beside it
     data = path.read_bytes()
     path.write_bytes(data[: len(data) // 2])  # truncated
     got, engine = _greedy(d, quantization="int8")
