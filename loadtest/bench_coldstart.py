@@ -119,7 +119,7 @@ async def _first_token(address: str, prompt_ids: list[int]) -> None:
     raise RuntimeError("no token")
 
 
-def serve_start(model: str, kv_gb: float, threads: int, cold: bool, model_dir: Path) -> Start:
+def serve_start(model: str, kv_gb: float, threads: int, cold: bool, model_dir: Path, cache: bool = True) -> Start:
     if cold:
         read_s(model_dir, cold=True)  # evict, so the worker reads from disk
     grpc_port = free_port()
@@ -128,7 +128,8 @@ def serve_start(model: str, kv_gb: float, threads: int, cold: bool, model_dir: P
            "--threads", str(threads)]
     start = Start()
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=_env(), cwd=ROOT)
+    env = _env() if cache else {**_env(), "SPLITFIRE_WEIGHT_CACHE": "0"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
     try:
         _follow(proc, t0, start, "worker ready")
         asyncio.run(_first_token(f"127.0.0.1:{grpc_port}", list(range(10, 42))))
@@ -185,6 +186,8 @@ def main() -> int:
     serve_warm = [serve_start(model, args.kv_cache_gb, args.threads, False, model_dir) for _ in range(args.rounds)]
     serve_cold = [serve_start(model, args.kv_cache_gb, args.threads, True, model_dir) for _ in range(args.rounds)]
     gen = [generate_start(model, args.kv_cache_gb, args.threads) for _ in range(args.rounds)]
+    uncached = [serve_start(model, args.kv_cache_gb, args.threads, False, model_dir, cache=False)
+                for _ in range(args.rounds)]
 
     print(f"\nmodel {model_dir} ({nbytes / 1e6:.0f} MB of weight files), KV cache {args.kv_cache_gb} GiB, "
           f"{args.threads} threads; medians of {args.rounds}")
@@ -193,7 +196,8 @@ def main() -> int:
     print(f"{'read weight files, cold page cache':<40}{med([r[0] for r in cold_read]):>8.3f} s")
     print(f"{'read weight files, warm page cache':<40}{med([r[0] for r in warm_read]):>8.3f} s")
     for name, runs in (("serve, warm page cache", serve_warm), ("serve, cold page cache", serve_cold),
-                       ("generate, warm page cache", gen)):
+                       ("generate, warm page cache", gen),
+                       ("serve, warm page cache, weight cache off (SPLITFIRE_WEIGHT_CACHE=0)", uncached)):
         print(f"\n{name}: seconds after process start")
         for mark in runs[0].marks:
             print(f"  {mark:<38}{med([r.marks[mark] for r in runs]):>8.2f}")
