@@ -21,7 +21,7 @@ from engine.kv_cache import KVCache, KVLayout
 from engine.model_runner import ModelRunner
 from engine.scheduler import ScheduledSeq
 from engine.sequence import Sequence
-from engine.speculative import Drafter, SpecState
+from engine.speculative import PagedDrafter, SpecState
 from engine.weights import load_model
 
 log = logging.getLogger("splitfire.engine")
@@ -54,18 +54,16 @@ def same_tokenizer(target_dir: Path, draft_dir: Path) -> str | None:
     return f"{differ} of {len(theirs)} tokens differ"
 
 
-class DraftModelDrafter(Drafter):
+class DraftModelDrafter(PagedDrafter):
     def __init__(self, draft_dir: Path, k: int, max_batch: int, device: torch.device, dtype: torch.dtype,
                  block_size: int, num_blocks: int, max_positions: int, target_vocab: int):
-        super().__init__(k, max_batch)
+        super().__init__(k, max_batch, num_blocks, block_size)
         self.model = load_model(draft_dir, device, dtype)
         cfg = self.model.cfg
         self.model.build_rope_cache(max_positions, device, dtype)
         planes, heads, dim = cfg.kv_entry
         self.kv = KVCache(KVLayout(cfg.num_layers, num_blocks, block_size, heads, dim, dtype, planes), device)
         self.runner = ModelRunner(self.model, self.kv, device)
-        self.block_size = block_size
-        self.free = list(range(num_blocks - 1, -1, -1))  # a stack: the most recently freed block is reused first
         self.vocab = min(target_vocab, cfg.vocab_size)  # never propose an id the target cannot score
         self.device = device
         log.info("event=draft_model_loaded model=%s layers=%d kv_blocks=%d", draft_dir, cfg.num_layers, num_blocks)
@@ -125,18 +123,3 @@ class DraftModelDrafter(Drafter):
         d.all_token_ids = tokens  # a fresh list (Sequence.all_token_ids concatenates): drafts append to it
         d.base_len = len(tokens)
         return d
-
-    def _cover(self, d: DraftSeq, positions: int) -> bool:
-        need = -(-positions // self.block_size) - len(d.block_table)
-        if need > len(self.free):
-            return False
-        for _ in range(need):
-            d.block_table.append(self.free.pop())
-        return True
-
-    def release(self, seq: Sequence) -> None:
-        st = seq.spec
-        if st is None or st.draft_cache is None:
-            return
-        self.free.extend(reversed(st.draft_cache.block_table))
-        st.draft_cache = None

@@ -42,7 +42,7 @@ from engine.model_runner import ModelRunner
 from engine.rope import rope_cache
 from engine.scheduler import ScheduledSeq
 from engine.sequence import Sequence
-from engine.speculative import Drafter, SpecState
+from engine.speculative import PagedDrafter, SpecState
 
 log = logging.getLogger("splitfire.engine")
 
@@ -199,10 +199,10 @@ class HeadSeq:
         return len(self.all_token_ids)
 
 
-class Eagle3Drafter(Drafter):
+class Eagle3Drafter(PagedDrafter):
     def __init__(self, head_dir: Path, target: DecoderModel, k: int, max_batch: int, device: torch.device,
                  dtype: torch.dtype, block_size: int, num_blocks: int, max_positions: int):
-        super().__init__(k, max_batch)
+        super().__init__(k, max_batch, num_blocks, block_size)
         self.head = load_head(head_dir, target.cfg, device, dtype)
         self.target = target
         cfg = self.head.cfg
@@ -210,8 +210,6 @@ class Eagle3Drafter(Drafter):
         planes, heads, dim = cfg.kv_entry
         self.kv = KVCache(KVLayout(1, num_blocks, block_size, heads, dim, dtype, planes), device)
         self.runner = ModelRunner(self.head, self.kv, device)  # type: ignore[arg-type]  # its prepare() only
-        self.block_size = block_size
-        self.free = list(range(num_blocks - 1, -1, -1))
         self.device = device
         self.aux_layers = self.head.aux_layers  # the target must capture these (DecoderModel.aux_layers)
         log.info("event=eagle3_head_loaded head=%s aux_layers=%s draft_vocab=%d kv_blocks=%d", head_dir,
@@ -295,18 +293,3 @@ class Eagle3Drafter(Drafter):
                 d.all_token_ids.append(tokens[p + 1])  # the token after position p: it exists once p's features do
                 d.positions.append(p)
         return d
-
-    def _cover(self, d: HeadSeq, slots: int) -> bool:
-        need = -(-slots // self.block_size) - len(d.block_table)
-        if need > len(self.free):
-            return False
-        for _ in range(need):
-            d.block_table.append(self.free.pop())
-        return True
-
-    def release(self, seq: Sequence) -> None:
-        st = seq.spec
-        if st is None or st.draft_cache is None:
-            return
-        self.free.extend(reversed(st.draft_cache.block_table))
-        st.draft_cache = None

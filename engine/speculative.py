@@ -119,6 +119,33 @@ class Drafter:
         self.steps += 1
 
 
+class PagedDrafter(Drafter):
+    """A drafter with its own paged KV cache (a draft model's, an EAGLE-3 head's): a free list of its
+    blocks, handed to a sequence's draft state (`SpecState.draft_cache`, which has a `block_table`) as
+    its drafts need them and taken back when the sequence ends."""
+
+    def __init__(self, k: int, max_batch: int, num_blocks: int, block_size: int):
+        super().__init__(k, max_batch)
+        self.block_size = block_size
+        self.free = list(range(num_blocks - 1, -1, -1))  # a stack: the most recently freed block is reused first
+
+    def _cover(self, d: Any, slots: int) -> bool:
+        """Give `d` blocks for `slots` cache slots in all; False (and nothing taken) when too few are free."""
+        need = -(-slots // self.block_size) - len(d.block_table)
+        if need > len(self.free):
+            return False
+        for _ in range(need):
+            d.block_table.append(self.free.pop())
+        return True
+
+    def release(self, seq: Sequence) -> None:
+        st = seq.spec
+        if st is None or st.draft_cache is None:
+            return
+        self.free.extend(reversed(st.draft_cache.block_table))
+        st.draft_cache = None
+
+
 class NgramDrafter(Drafter):
     def draft_tokens(self, seq: Sequence, k: int) -> list[int]:
         return ngram_draft(seq.all_token_ids, k)

@@ -12,6 +12,7 @@ class Result:
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     finish_reason: str | None = None
+    logprobs: list = field(default_factory=list)  # (token id, logprob, top) per token, when asked for
     error: str | None = None
     cached_tokens: int = 0
 
@@ -35,6 +36,7 @@ def drain(engine: LLMEngine, max_steps: int = 10_000) -> dict[str, Result]:
             r.token_ids += o.token_ids
             r.text += o.text
             r.cached_tokens = max(r.cached_tokens, o.num_cached_tokens)
+            r.logprobs += [(lp.token_id, lp.logprob, lp.top) for lp in o.logprobs]
             if o.finished:
                 r.finish_reason, r.error = o.finish_reason, o.error
     raise AssertionError("engine did not finish")

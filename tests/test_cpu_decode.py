@@ -35,10 +35,7 @@ def _run(model_dir, fused: bool, **kw) -> tuple[dict, object]:
     model.forward = recording
     for i, p in enumerate(PROMPTS):
         engine.add_request(str(i), p, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=3))
-    out: dict[str, list] = {}
-    while engine.has_work:
-        for o in engine.step():
-            out.setdefault(o.request_id, []).extend((lp.token_id, lp.logprob, lp.top) for lp in o.logprobs)
+    out: dict = {k: r.logprobs for k, r in drain(engine).items()}
     assert all(len(v) == 20 for v in out.values())
     out["aux"] = aux
     return out, engine.model
@@ -86,20 +83,15 @@ def test_short_chunks_and_verifications_run_in_the_loop_too(tiny_model_dir):
         for i, p in enumerate(PROMPTS):
             engine.add_request(str(i), p, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True,
                                                          logprobs=0 if logprobs else None))
-        out: dict[str, list] = {}
-        while engine.has_work:
-            for o in engine.step():
-                out.setdefault(o.request_id, []).extend(o.token_ids if not logprobs else
-                                                        [(lp.token_id, lp.logprob) for lp in o.logprobs])
-        return out, engine
+        return {k: r.logprobs if logprobs else r.token_ids for k, r in drain(engine).items()}, engine
 
     chunked, eng = run(True, max_num_batched_tokens=16)
     plain, _ = run(False, max_num_batched_tokens=16)
     assert eng.model.cpu_layers.steps > 20  # the prompt chunks ran in C too (16-row steps)
     for k in plain:
-        assert [t for t, _ in chunked[k]] == [t for t, _ in plain[k]]
-        torch.testing.assert_close(torch.tensor([lp for _, lp in chunked[k]]), torch.tensor([lp for _, lp in plain[k]]),
-                                   rtol=1e-4, atol=1e-4)
+        assert [t for t, _, _ in chunked[k]] == [t for t, _, _ in plain[k]]
+        torch.testing.assert_close(torch.tensor([lp for _, lp, _ in chunked[k]]),
+                                   torch.tensor([lp for _, lp, _ in plain[k]]), rtol=1e-4, atol=1e-4)
     base, _ = run(False, logprobs=False)  # (requests with logprobs are not speculated)
     spec, eng = run(True, logprobs=False, speculative="ngram", speculative_max_batch=8)
     assert spec == base and eng.drafter.accepted > 0

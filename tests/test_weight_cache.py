@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_helpers import make_engine
+from engine_helpers import drain, make_engine
 from hf_models import make_hf_model
 
 from engine import weight_cache
@@ -27,11 +27,7 @@ def _greedy(model_dir, **kw) -> tuple[dict, object]:
     engine = make_engine(model_dir, **kw)
     for i, p in enumerate(PROMPTS):
         engine.add_request(str(i), p, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2))
-    out: dict[str, list] = {}
-    while engine.has_work:
-        for o in engine.step():
-            out.setdefault(o.request_id, []).extend((lp.token_id, lp.logprob, lp.top) for lp in o.logprobs)
-    return out, engine
+    return {k: r.logprobs for k, r in drain(engine).items()}, engine
 
 
 def _no_checkpoint_reads(monkeypatch):
