@@ -84,3 +84,31 @@ def test_agent_api_on_smollm2_through_splitfire_up(smollm2_dir, tmp_path):
     finally:
         p.popen.send_signal(signal.SIGTERM)
         assert p.popen.wait(60) == 0, p.log()[-3000:]
+
+
+def test_every_drafter_leaves_smollm2s_greedy_output_unchanged(smollm2_dir, tmp_path):
+    """Speculation on the real model as served (4-bit, the C layer loop running verifications):
+    prompt lookup, the model as its own draft, and a random EAGLE-3 head (no trained head exists for
+    SmolLM2) each emit exactly the tokens of plain decoding."""
+    import json
+
+    from loadtest.random_models import write_eagle3_head
+
+    record = json.dumps({"service": "checkout", "replicas": 3, "env": {"LOG_LEVEL": "info", "DB_POOL": 16}}, indent=2)
+    chats = [[{"role": "user", "content": "Return this JSON unchanged:\n" + record}],
+             [{"role": "user", "content": "Write two sentences about a lighthouse."}]]
+    head = write_eagle3_head(tmp_path / "head", smollm2_dir, aux=(2, 15, 27))
+    runs = {}
+    for name, kw in (("off", {}), ("ngram", {"speculative": "ngram"}),
+                     ("draft", {"speculative": "draft", "draft_model": str(smollm2_dir)}),
+                     ("eagle3", {"speculative": "eagle3", "draft_model": str(head)})):
+        engine = make_engine(smollm2_dir, kv_cache_gb=0.25, speculative_max_batch=8, **kw)
+        for i, m in enumerate(chats):
+            engine.add_request(f"c{i}", engine.tokenizer.encode_chat(m),
+                               SamplingParams(temperature=0, max_tokens=48, ignore_eos=True))
+        runs[name] = {k: r.token_ids for k, r in drain(engine).items()}
+        if name != "off":
+            assert engine.drafter.drafted > 0, name
+        if name in ("ngram", "draft"):
+            assert engine.drafter.accepted > 0, name
+    assert runs["ngram"] == runs["off"] and runs["draft"] == runs["off"] and runs["eagle3"] == runs["off"]
