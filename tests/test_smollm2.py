@@ -92,10 +92,12 @@ def test_every_drafter_leaves_smollm2s_greedy_output_unchanged(smollm2_dir, tmp_
     SmolLM2) each emit exactly the tokens of plain decoding."""
     import json
 
+    from loadtest.bench_engine import AGENT_RECORD
     from loadtest.random_models import write_eagle3_head
 
-    record = json.dumps({"service": "checkout", "replicas": 3, "env": {"LOG_LEVEL": "info", "DB_POOL": 16}}, indent=2)
-    chats = [[{"role": "user", "content": "Return this JSON unchanged:\n" + record}],
+    record = json.dumps(AGENT_RECORD, indent=2)  # the benchmark's agent prompt: the reply repeats it
+    chats = [[{"role": "user", "content": "Here is a deployment record:\n" + record +
+               "\nReturn exactly the same JSON record, unchanged."}],
              [{"role": "user", "content": "Write two sentences about a lighthouse."}]]
     head = write_eagle3_head(tmp_path / "head", smollm2_dir, aux=(2, 15, 27))
     runs = {}
