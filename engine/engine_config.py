@@ -19,7 +19,7 @@ class EngineConfig:
     dtype: str = "auto"  # auto (float32 on CPU, bfloat16 on CUDA) | float32 | bfloat16
     block_size: int = 16
     kv_cache_gb: float = 1.0  # KV budget on CPU
-    gpu_memory_fraction: float = 0.85  # of free GPU memory after weights, on CUDA
+    gpu_memory_fraction: float = 0.85  # of free GPU memory after weights: KV + activation peaks (memory_profile.py)
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     max_prefill_tokens_while_decoding: int | None = None  # prompt tokens per step while streams decode

@@ -78,11 +78,18 @@ class DecodeGraphs:
         else:
             s.hidden.copy_(out)
 
+    def capture_order(self) -> list[StaticBatch]:
+        """Largest bucket first: every graph records into one memory pool, where a smaller bucket's
+        activations reuse the largest one's blocks, so the pool is about the largest bucket's peak
+        (what `memory_profile` reserves before the KV cache is sized)."""
+        return sorted(self.static.values(), key=lambda s: -s.size)
+
     def capture(self) -> None:
-        """CUDA: warm each bucket up, then record its graph. (CPU: nothing to record.)"""
+        """CUDA: warm each bucket up, then record its graph into the shared pool. (CPU: nothing to record.)"""
         if self.device.type != "cuda":
             return
-        for s in self.static.values():
+        pool = torch.cuda.graph_pool_handle()
+        for s in self.capture_order():
             self._fill_padding(s, 0)
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
@@ -90,7 +97,7 @@ class DecodeGraphs:
                 self._run(s)  # warm-up: kernels compiled/autotuned outside the capture
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
+            with torch.cuda.graph(graph, pool=pool):
                 self._run(s)
             s.graph = graph
 

@@ -15,7 +15,7 @@ from typing import Protocol
 
 import torch
 
-from engine import weight_cache
+from engine import memory_profile, weight_cache
 from engine.block_manager import BlockManager, BlockStats
 from engine.constrained import GrammarEngine
 from engine.detokenizer import IncrementalDetokenizer
@@ -119,10 +119,10 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
                                  self.model_config.max_position_embeddings)
         self.model.build_rope_cache(self.max_model_len + 1, self.device, self.dtype)
-        t_kv = time.perf_counter()
-        self.kv = KVCache(self._kv_layout(), self.device)
-        kv_s = time.perf_counter() - t_kv
         graphs = config.decode_graphs == "on" or (config.decode_graphs == "auto" and self.device.type == "cuda")
+        t_kv = time.perf_counter()
+        self.kv = KVCache(self._kv_layout(graphs), self.device)
+        kv_s = time.perf_counter() - t_kv
         # With decode graphs the last block is the padding rows' scratch space, never handed out.
         usable = self.kv.layout.num_blocks - (1 if graphs else 0)
         self.blocks = BlockManager(usable, config.block_size, config.enable_prefix_cache)
@@ -162,12 +162,17 @@ class LLMEngine:
             weight_cache.nbytes(self.model) / 2**20, self.model.weight_mapping is not None, rss_start, rss_weights,
         )
 
-    def _kv_layout(self) -> KVLayout:
-        budget = int(self.config.kv_cache_gb * 2**30)
+    def _kv_layout(self, graphs: bool) -> KVLayout:
+        c = self.config
+        budget = int(c.kv_cache_gb * 2**30)
         if self.device.type == "cuda":
+            # What the largest prompt chunk and the decode graphs' pool need is measured first.
+            peaks = memory_profile.profile(self.model, self.device, self.dtype, c.block_size,
+                                           min(c.max_num_batched_tokens, self.max_model_len),
+                                           c.max_num_seqs if graphs else 1)
             free, _ = torch.cuda.mem_get_info(self.device)
-            budget = int(free * self.config.gpu_memory_fraction)
-        return KVLayout.for_budget(self.model_config, budget, self.config.block_size, self.dtype)
+            budget = memory_profile.kv_budget(free, c.gpu_memory_fraction, peaks, graphs)
+        return KVLayout.for_budget(self.model_config, budget, c.block_size, self.dtype)
 
     # -- requests -------------------------------------------------------------------
 

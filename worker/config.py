@@ -98,10 +98,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cpu-activations", default=_env("cpu_activations", "float"), choices=["float", "int8"],
                    help="quantized weights on CPU at batch 1-2: multiply their codes by float activations (exactly the "
                         "dequantized model; default) or by activations rounded to int8 per 32 values (llama.cpp's "
-                        "scheme: ~15%% faster decode, but it changed SmolLM2-135M's greedy chat answers)")
+                        "scheme: ~25%% faster batch-1 decode, but it changed SmolLM2-135M's greedy chat answers)")
     g.add_argument("--kv-cache-gb", type=float, default=float(_env("kv_cache_gb", 1.0)), help="KV cache size on CPU (GiB)")
     g.add_argument("--gpu-memory-fraction", type=float, default=float(_env("gpu_memory_fraction", 0.85)),
-                   help="fraction of free GPU memory (after weights) for the KV cache")
+                   help="share of the free GPU memory (after weights) the engine uses: the KV cache gets it less the "
+                        "measured peaks of the largest prompt chunk and the decode graphs")
     g.add_argument("--block-size", type=int, default=int(_env("block_size", 16)), help="tokens per KV block")
     g.add_argument("--max-num-seqs", type=int, default=int(_env("max_num_seqs", 64)), help="running batch limit")
     g.add_argument("--max-num-batched-tokens", type=int, default=int(_env("max_num_batched_tokens", 512)),

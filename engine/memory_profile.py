@@ -1,0 +1,116 @@
+"""How much GPU memory a step needs besides the weights and the KV cache, measured before the KV
+cache is sized.
+
+The KV cache takes what is left, so what steps allocate has to be known first: the largest prompt
+chunk (`--max-num-batched-tokens` rows through every layer, then logits for the rows that sample)
+and, with decode graphs, the largest decode bucket, whose activations live in the graphs' memory
+pool for as long as the graphs do (every bucket is captured into one pool, largest first, so the
+pool is about the largest bucket's peak — `graph_runner.DecodeGraphs.capture`). Both are measured
+by running those two steps once over a small temporary KV cache and reading the allocator's peak.
+
+The engine profiles on CUDA only; on CPU the KV cache is sized by `--kv-cache-gb`. `profile` runs
+on any device (tests run it on CPU, where it measures nothing but proves the dummy steps are
+well-formed for every model family).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.kv_cache import KVCache, KVLayout
+from engine.model import DecoderModel
+from engine.model_runner import ModelRunner
+from engine.scheduler import ScheduledSeq
+
+log = logging.getLogger("splitfire.engine")
+
+
+@dataclass
+class ActivationPeaks:
+    prefill: int = 0  # bytes above the weights while the largest prompt chunk runs
+    decode: int = 0  # the same for a decode step of the largest graph bucket
+
+
+@dataclass
+class _ProfileSeq:
+    """The fields `ModelRunner.prepare` reads of a sequence."""
+
+    all_token_ids: list[int]
+    block_table: list[int]
+    num_computed_tokens: int = 0
+    draft: list[int] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+
+def kv_budget(free: int, fraction: float, peaks: ActivationPeaks, graphs: bool) -> int:
+    """Bytes for the KV cache: `fraction` of the free memory, less what the largest prompt chunk
+    and (with graphs) the decode graphs' pool need."""
+    reserve = peaks.prefill + (peaks.decode if graphs else 0)
+    budget = int(free * fraction) - reserve
+    if budget <= 0:
+        raise ValueError(f"no GPU memory left for the KV cache: {fraction:.2f} of {free / 2**30:.2f} GiB free "
+                         f"after the weights, less {reserve / 2**30:.2f} GiB for activations "
+                         f"(a {peaks.prefill / 2**30:.2f} GiB prompt chunk"
+                         + (f", {peaks.decode / 2**30:.2f} GiB of decode graphs" if graphs else "") +
+                         "); lower --max-num-batched-tokens or --max-num-seqs, pass --enforce-eager, or use a "
+                         "larger GPU")
+    return budget
+
+
+def profile(model: DecoderModel, device: torch.device, dtype: torch.dtype, block_size: int, chunk_tokens: int,
+            decode_batch: int) -> ActivationPeaks:
+    """Run the largest prompt chunk and the largest decode batch once over a temporary KV cache
+    (one sequence of `chunk_tokens`; `decode_batch` sequences of one token each); on CUDA, return
+    the peak memory each allocated above what was allocated before."""
+    cuda = device.type == "cuda"
+    try:
+        peaks = _measure(model, device, dtype, block_size, chunk_tokens, decode_batch, cuda)
+    finally:  # (the temporary cache is gone with _measure's frame)
+        if cuda:
+            torch.cuda.empty_cache()
+    if cuda:
+        log.info("event=activation_profile prefill_tokens=%d prefill_mib=%.0f decode_batch=%d decode_mib=%.0f",
+                 chunk_tokens, peaks.prefill / 2**20, decode_batch, peaks.decode / 2**20)
+    return peaks
+
+
+def _measure(model: DecoderModel, device: torch.device, dtype: torch.dtype, block_size: int, chunk_tokens: int,
+             decode_batch: int, cuda: bool) -> ActivationPeaks:
+    cfg = model.cfg
+    vocab = cfg.vocab_size
+    planes, heads, dim = cfg.kv_entry
+    chunk_blocks = -(-chunk_tokens // block_size)
+    kv = KVCache(KVLayout(cfg.num_layers, chunk_blocks + decode_batch, block_size, heads, dim, dtype, planes), device)
+    runner = ModelRunner(model, kv, device)
+    peaks = ActivationPeaks()
+    with torch.inference_mode():
+        prompt = _ProfileSeq([(7 * i) % vocab for i in range(chunk_tokens)], list(range(chunk_blocks)))
+        peaks.prefill = _peak(lambda: _step(model, runner, kv, [ScheduledSeq(prompt, chunk_tokens)]), cuda)  # type: ignore[arg-type]
+        seqs = [_ProfileSeq([(3 * i) % vocab], [chunk_blocks + i]) for i in range(decode_batch)]
+        peaks.decode = _peak(lambda: _step(model, runner, kv, [ScheduledSeq(s, 1) for s in seqs]), cuda)  # type: ignore[arg-type]
+    return peaks
+
+
+def _step(model: DecoderModel, runner: ModelRunner, kv: KVCache, batch: list[ScheduledSeq]) -> None:
+    ids, positions, meta, rows = runner.prepare(batch)  # type: ignore[arg-type]
+    hidden = model(ids, positions, kv, meta)
+    model.logits(hidden.index_select(0, torch.tensor(rows, dtype=torch.long, device=hidden.device)))
+
+
+def _peak(run, cuda: bool) -> int:
+    if not cuda:
+        run()
+        return 0
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    run()
+    torch.cuda.synchronize()
+    return max(0, torch.cuda.max_memory_allocated() - before)
