@@ -119,11 +119,12 @@ async def _first_token(address: str, prompt_ids: list[int]) -> None:
     raise RuntimeError("no token")
 
 
-def serve_start(model: str, kv_gb: float, threads: int, cold: bool, model_dir: Path, cache: bool = True) -> Start:
+def serve_start(model: str, kv_gb: float, threads: int, cold: bool, model_dir: Path, cache: bool = True,
+                device: str = "cpu") -> Start:
     if cold:
         read_s(model_dir, cold=True)  # evict, so the worker reads from disk
     grpc_port = free_port()
-    cmd = [sys.executable, "-m", "splitfire_cli", "serve", "--model", model, "--device", "cpu", "--host", "127.0.0.1",
+    cmd = [sys.executable, "-m", "splitfire_cli", "serve", "--model", model, "--device", device, "--host", "127.0.0.1",
            "--grpc-port", str(grpc_port), "--metrics-port", str(free_port()), "--kv-cache-gb", str(kv_gb),
            "--threads", str(threads)]
     start = Start()
@@ -141,11 +142,11 @@ def serve_start(model: str, kv_gb: float, threads: int, cold: bool, model_dir: P
     return start
 
 
-def generate_start(model: str, kv_gb: float, threads: int) -> Start:
+def generate_start(model: str, kv_gb: float, threads: int, device: str = "cpu") -> Start:
     with tempfile.TemporaryDirectory() as d:
         inp, out = Path(d) / "in.jsonl", Path(d) / "out.jsonl"
         inp.write_text(json.dumps({"prompt_token_ids": list(range(10, 42)), "max_tokens": 1}) + "\n")
-        cmd = [sys.executable, "-m", "splitfire_cli", "generate", "--model", model, "--device", "cpu", "--kv-cache-gb",
+        cmd = [sys.executable, "-m", "splitfire_cli", "generate", "--model", model, "--device", device, "--kv-cache-gb",
                str(kv_gb), "--threads", str(threads), "--input", str(inp), "--output", str(out)]
         start = Start()
         t0 = time.perf_counter()
@@ -172,6 +173,8 @@ def main() -> int:
     p.add_argument("--kv-cache-gb", type=float, default=1.0)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--device", default="cpu", help="cpu, or cuda: process start to first token on a GPU (the weight "
+                   "cache is CPU-only, so there every start reads the checkpoint)")
     args = p.parse_args()
     model_dir = resolve_model(args.model)
     model = str(model_dir)
@@ -183,14 +186,17 @@ def main() -> int:
     cold_read = [read_s(model_dir, cold=True) for _ in range(args.rounds)]
     warm_read = [read_s(model_dir, cold=False) for _ in range(args.rounds)]
     nbytes = cold_read[0][1]
-    serve_warm = [serve_start(model, args.kv_cache_gb, args.threads, False, model_dir) for _ in range(args.rounds)]
-    serve_cold = [serve_start(model, args.kv_cache_gb, args.threads, True, model_dir) for _ in range(args.rounds)]
-    gen = [generate_start(model, args.kv_cache_gb, args.threads) for _ in range(args.rounds)]
-    uncached = [serve_start(model, args.kv_cache_gb, args.threads, False, model_dir, cache=False)
+    dev = args.device
+    serve_warm = [serve_start(model, args.kv_cache_gb, args.threads, False, model_dir, device=dev)
+                  for _ in range(args.rounds)]
+    serve_cold = [serve_start(model, args.kv_cache_gb, args.threads, True, model_dir, device=dev)
+                  for _ in range(args.rounds)]
+    gen = [generate_start(model, args.kv_cache_gb, args.threads, dev) for _ in range(args.rounds)]
+    uncached = [serve_start(model, args.kv_cache_gb, args.threads, False, model_dir, cache=False, device=dev)
                 for _ in range(args.rounds)]
 
-    print(f"\nmodel {model_dir} ({nbytes / 1e6:.0f} MB of weight files), KV cache {args.kv_cache_gb} GiB, "
-          f"{args.threads} threads; medians of {args.rounds}")
+    print(f"\nmodel {model_dir} ({nbytes / 1e6:.0f} MB of weight files), device {dev}, KV cache {args.kv_cache_gb} GiB "
+          f"(CPU), {args.threads} threads; medians of {args.rounds}")
     label = 'python -c "import torch"'
     print(f"{label:<40}{torch_s:>8.2f} s")
     print(f"{'read weight files, cold page cache':<40}{med([r[0] for r in cold_read]):>8.3f} s")

@@ -8,7 +8,9 @@ Triton attention path vs torch SDPA, on random bf16 weights of real model shapes
 Roofline: a decode step must read every weight once plus each sequence's K/V; bytes / measured
 copy bandwidth is the fastest the step could be. MFU: model FLOPs of a 2k-token prefill / time /
 the measured peak of a large bf16 matmul on this device (an achievable peak, not the spec sheet).
-CUDA graphs are not implemented yet, so there is no eager-vs-graph row.
+Each decode batch has an eager row and a CUDA-graph row (`engine/graph_runner.py`; on CPU the
+"graph" row is the padded forward, no replay). Process start to first token on a GPU:
+`python -m loadtest.bench_coldstart --device cuda --model DIR`.
 """
 
 from __future__ import annotations
