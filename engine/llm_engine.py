@@ -120,6 +120,7 @@ class LLMEngine:
                                  self.model_config.max_position_embeddings)
         self.model.build_rope_cache(self.max_model_len + 1, self.device, self.dtype)
         graphs = config.decode_graphs == "on" or (config.decode_graphs == "auto" and self.device.type == "cuda")
+        graphs = graphs and config.speculative != "eagle3"  # (its steps need the features a graph does not return)
         t_kv = time.perf_counter()
         self.kv = KVCache(self._kv_layout(graphs), self.device)
         kv_s = time.perf_counter() - t_kv
