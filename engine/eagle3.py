@@ -42,12 +42,15 @@ from engine.model_runner import ModelRunner
 from engine.rope import rope_cache
 from engine.scheduler import ScheduledSeq
 from engine.sequence import Sequence
-from engine.speculative import PagedDrafter, SpecState
+from engine.speculative import PagedDrafter, SpecState, eligible
 
 log = logging.getLogger("splitfire.engine")
 
 ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 # config.json fields that describe the head, not its decoder layer (read here, not by ModelConfig).
+# Features of positions not yet fed to the head, per sequence: bounds what a paused sequence holds
+# (an 8B target's 3 x 4096 bf16 features are 24 KiB a position).
+MAX_PENDING = 4096
 HEAD_FIELDS = ("architectures", "model_type", "draft_vocab_size", "target_hidden_size", "eagle_config",
                "eagle_aux_hidden_state_layer_ids", "norm_before_residual")
 
@@ -216,8 +219,11 @@ class Eagle3Drafter(PagedDrafter):
                  list(self.aux_layers), self.head.lm_head.weight.shape[0], num_blocks)
 
     def observe(self, seq: Sequence, start: int, features: torch.Tensor) -> None:
-        """The target's features for positions start.. of `seq` (tokens it committed this step)."""
-        if features.shape[0] == 0:
+        """The target's features for positions start.. of `seq` (tokens it committed this step). Kept
+        only for requests that can be drafted for, and at most the latest MAX_PENDING positions while
+        drafting is paused (a batch above --speculative-max-batch): the head's context then has a gap,
+        as after a prefix hit."""
+        if features.shape[0] == 0 or not eligible(seq):
             return
         st: SpecState = seq.spec if seq.spec is not None else SpecState()
         seq.spec = st
@@ -230,6 +236,15 @@ class Eagle3Drafter(PagedDrafter):
             start = d.next_pos
         d.pending.append((start, features.detach().clone()))
         d.next_pos = start + features.shape[0]
+        excess = sum(f.shape[0] for _, f in d.pending) - MAX_PENDING
+        while excess > 0:
+            first, f = d.pending[0]
+            if f.shape[0] <= excess:
+                d.pending.pop(0)
+                excess -= f.shape[0]
+            else:
+                d.pending[0] = (first + excess, f[excess:])
+                excess = 0
 
     def draft_many(self, seqs: list[Sequence], ks: list[int]) -> list[list[int]]:
         out: list[list[int]] = [[] for _ in seqs]

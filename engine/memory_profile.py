@@ -16,10 +16,11 @@ well-formed for every model family).
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
+from engine.draft_model import DraftSeq
 from engine.kv_cache import KVCache, KVLayout
 from engine.model import DecoderModel
 from engine.model_runner import ModelRunner
@@ -32,20 +33,6 @@ log = logging.getLogger("splitfire.engine")
 class ActivationPeaks:
     prefill: int = 0  # bytes above the weights while the largest prompt chunk runs
     decode: int = 0  # the same for a decode step of the largest graph bucket
-
-
-@dataclass
-class _ProfileSeq:
-    """The fields `ModelRunner.prepare` reads of a sequence."""
-
-    all_token_ids: list[int]
-    block_table: list[int]
-    num_computed_tokens: int = 0
-    draft: list[int] = field(default_factory=list)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.all_token_ids)
 
 
 def kv_budget(free: int, fraction: float, peaks: ActivationPeaks, graphs: bool) -> int:
@@ -90,9 +77,9 @@ def _measure(model: DecoderModel, device: torch.device, dtype: torch.dtype, bloc
     runner = ModelRunner(model, kv, device)
     peaks = ActivationPeaks()
     with torch.inference_mode():
-        prompt = _ProfileSeq([(7 * i) % vocab for i in range(chunk_tokens)], list(range(chunk_blocks)))
+        prompt = DraftSeq([(7 * i) % vocab for i in range(chunk_tokens)], list(range(chunk_blocks)))
         peaks.prefill = _peak(lambda: _step(model, runner, kv, [ScheduledSeq(prompt, chunk_tokens)]), cuda)  # type: ignore[arg-type]
-        seqs = [_ProfileSeq([(3 * i) % vocab], [chunk_blocks + i]) for i in range(decode_batch)]
+        seqs = [DraftSeq([(3 * i) % vocab], [chunk_blocks + i]) for i in range(decode_batch)]
         peaks.decode = _peak(lambda: _step(model, runner, kv, [ScheduledSeq(s, 1) for s in seqs]), cuda)  # type: ignore[arg-type]
     return peaks
 
