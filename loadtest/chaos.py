@@ -387,7 +387,9 @@ SCENARIOS = ["kill_decode_mid_stream", "kill_prefill_mid_prefill", "disconnect_s
 
 async def run(chaos: Chaos, names: list[str]) -> list[Row]:
     rows = []
-    async with aiohttp.ClientSession() as s:
+    # Idle pooled connections are dropped before the router's 2 s keep-alive closes them: reusing one the
+    # server is closing at that moment fails the request (ServerDisconnected), which is the client's race.
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(keepalive_timeout=1.0)) as s:
         for name in names:
             row = Row(name)
             await getattr(chaos, name)(s, row)
