@@ -115,7 +115,7 @@ class CpuDecodeLayers:
     @staticmethod
     def applies(x: torch.Tensor, meta: AttentionMetadata) -> bool:
         """A step small enough for the C kernels (decodes, speculative verifications, short prompt chunks)."""
-        return (x.shape[0] <= min(quant.KERNEL_MAX_ROWS, cpu_ops.SMALL_ROWS) and x.dtype == torch.float32
+        return (x.shape[0] <= min(quant.kernel_max_rows(), cpu_ops.SMALL_ROWS) and x.dtype == torch.float32
                 and x.device.type == "cpu" and all(d.context_lens is not None for d in meta.decodes))
 
     @staticmethod

@@ -31,11 +31,13 @@ from engine.kernels import cpu_ops, kernels
 METHODS = ("int8", "int4")
 QUANT_METHOD = "splitfire"
 SUFFIXES = (".qweight", ".scales", ".mins")
-# Up to this many rows the fused kernel (dequantize in registers) wins; above it, dequantizing the
-# whole weight once and one float32 GEMM does. Measured on the 2-core AVX2 EPYC, SmolLM2 shapes,
-# weights out of cache, kernel / dequantize+GEMM us: int4 3072x576 at 16 rows 741 / 1903, at 32
-# 1566 / 2262, at 64 2977 / 3498 (int8 at 64: 3463 / 3506).
-KERNEL_MAX_ROWS = 48
+# Up to this many rows the C kernels beat dequantizing the whole weight once and one float32 GEMM.
+# AVX2 build (the panel GEMM from 8 rows), 2-core EPYC, SmolLM2 shapes, kernel / dequantize+GEMM us:
+# int4 3072x576 at 64 rows 1361 / 2365, 128: 2718 / 3746, 256: 5455 / 6274, 512: 10929 / 11116;
+# int4 576x1536 at 512: 5910 / 5345 (`python -m loadtest.bench_engine --gemm`). The plain C build
+# (no AVX2) has only its simple tiles: int4 3072x576 at 16 rows 741 / 1903, at 64 2977 / 3498.
+KERNEL_MAX_ROWS = 256
+PLAIN_C_MAX_ROWS = 48
 # The integer-dot kernel (int8 activations) wins at batch 1-2 only (measured 1.1-1.9x per matmul at
 # one row, slower from 4: its per-block float work grows with the rows, weight traffic does not).
 Q8X_MAX_ROWS = 2
@@ -209,6 +211,14 @@ def concat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight | None:
                            mins, first.group_size)
 
 
+def kernel_max_rows() -> int:
+    """Most rows the C kernels take (0 without them)."""
+    lib = cpu_ops.library()
+    if lib is None:
+        return 0
+    return KERNEL_MAX_ROWS if lib.sf_has_avx2() else PLAIN_C_MAX_ROWS
+
+
 def linear(x: torch.Tensor, parts: list[QuantizedWeight], bias: torch.Tensor | None,
            int8_activations: bool = False) -> torch.Tensor:
     """x [T, K] @ W^T (+ bias), W the row blocks `parts` stacked; output in x's dtype.
@@ -225,7 +235,7 @@ def linear(x: torch.Tensor, parts: list[QuantizedWeight], bias: torch.Tensor | N
             gpu.wo_gemm(x, p.kind, p.q, p.scales, p.mins, p.group_size, b, out[:, start : start + n])
             start += n
         return out
-    if rows <= KERNEL_MAX_ROWS and x.device.type == "cpu" and cpu_ops.library() is not None:
+    if x.device.type == "cpu" and rows <= kernel_max_rows():
         xf = x if x.dtype == torch.float32 and x.is_contiguous() else x.float().contiguous()
         threads = torch.get_num_threads()
         int8_activations = int8_activations and rows <= Q8X_MAX_ROWS

@@ -13,6 +13,7 @@ every number comes from this one run.
     python -m loadtest.bench_engine --families          # all families, float32
     python -m loadtest.bench_engine --grammar           # constrained decoding cost
     python -m loadtest.bench_engine --quant             # float32 vs int8 vs int4 vs the GGUF's Q4_1
+    python -m loadtest.bench_engine --gemm              # one quantized matmul: C tiles vs panel GEMM vs float GEMM
     python -m loadtest.bench_engine --mla               # DeepSeek-V3 latent attention: absorbed vs up-projecting
     python -m loadtest.bench_engine --quant --vs-llama-server /path/to/llama-server
 """
@@ -416,6 +417,9 @@ def main() -> int:
     p.add_argument("--mla-context", type=int, default=1024, help="with --mla: tokens of context per sequence")
     p.add_argument("--mla-tokens", type=int, default=16, help="with --mla: decode steps measured per round")
     p.add_argument("--quant", action="store_true", help="quantized weights vs float32: speed, perplexity, agreement")
+    p.add_argument("--gemm", action="store_true", help="one quantized matmul at SmolLM2 shapes: C tiles vs panel "
+                   "GEMM vs dequantize + float32 GEMM, by activation rows")
+    p.add_argument("--gemm-rows", default="1,2,5,8,16,32,64,128,256,512", help="with --gemm: row counts")
     p.add_argument("--vs-llama-server", nargs="?", const="", default=None, metavar="BINARY",
                    help="with --quant: also serve the same GGUF over HTTP against llama.cpp's llama-server at this "
                         "path (no path: splitfire's rows only)")
@@ -424,6 +428,10 @@ def main() -> int:
     p.add_argument("--splitfire-arg", action="append", help="with --vs-llama-server: extra `splitfire up` argument")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
+    if args.gemm:
+        from loadtest.bench_quant import main_gemm
+
+        return main_gemm(args)
     if args.quant:
         from loadtest.bench_quant import main_quant
 

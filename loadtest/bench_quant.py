@@ -16,6 +16,8 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -78,6 +80,60 @@ def decode_perplexity(engine: LLMEngine) -> float:
         return quality.perplexity(engine)[0]
     finally:
         quant.KERNEL_MAX_ROWS, quant.Q8X_MAX_ROWS = saved
+
+
+def _median_us(fn: Callable[[], object], rounds: int) -> float:
+    fn()
+    times = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e6
+
+
+def _float_gemm(x: torch.Tensor, w: quant.QuantizedWeight) -> torch.Tensor:
+    return torch.nn.functional.linear(x, w.dequantize())
+
+
+def main_gemm(args: argparse.Namespace) -> int:
+    """One quantized matmul at SmolLM2's shapes, three ways in one run: the C tiles (weights
+    dequantized in registers, activation rows re-read per weight row), the panel GEMM (a panel of
+    weight rows dequantized into cache once, 3x4 register blocks) and dequantize + torch's float32
+    GEMM. Outputs of the two C paths are compared bit for bit."""
+    lib = cpu_ops.library()
+    if lib is None or not lib.sf_has_avx2():
+        print("the panel GEMM needs the C kernels built with AVX2+FMA", file=sys.stderr)
+        return 1
+    shapes = [("q|k|v", 960, 576), ("o", 576, 576), ("gate|up", 3072, 576), ("down", 576, 1536)]
+    rows_list = [int(r) for r in args.gemm_rows.split(",")]
+    saved = quant.KERNEL_MAX_ROWS
+    quant.KERNEL_MAX_ROWS = 1 << 30  # every row count through the C kernels; the float GEMM is timed separately
+    g = torch.Generator().manual_seed(0)
+    print(f"CPU: {cpu_flags()}; median of {args.rounds * 10} calls, us (GFLOP/s)")
+    print(f"{'weight':<16}{'rows':>6}{'tiles':>16}{'panel':>16}{'dequant+GEMM':>16}{'panel/tiles':>13}{'panel/GEMM':>12}")
+    try:
+        for kind in ("int4", "int8"):
+            for name, n, k in shapes:
+                w = quant.quantize(torch.randn(n, k, generator=g), kind, 32)
+                for rows in rows_list:
+                    x = torch.randn(rows, k, generator=g)
+                    lib.sf_set_panel_min_rows(1 << 30)
+                    tiles = _median_us(partial(quant.linear, x, [w], None), args.rounds * 10)
+                    ref = quant.linear(x, [w], None)
+                    lib.sf_set_panel_min_rows(1)
+                    panel = _median_us(partial(quant.linear, x, [w], None), args.rounds * 10)
+                    # Bit for bit, except int4 at one row, whose tile factors the min term out.
+                    if not (kind == "int4" and rows == 1) and not torch.equal(quant.linear(x, [w], None), ref):
+                        raise AssertionError(f"panel and tiles differ: {kind} {name} rows={rows}")
+                    gemm = _median_us(partial(_float_gemm, x, w), args.rounds * 10)
+                    flop = 2 * rows * n * k / 1e3
+                    cells = "".join(f"{t:>8.0f} ({flop / t:>4.0f})" for t in (tiles, panel, gemm))
+                    print(f"{kind + ' ' + name:<16}{rows:>6}{cells}{tiles / panel:>12.2f}x{gemm / panel:>11.2f}x")
+    finally:
+        quant.KERNEL_MAX_ROWS = saved
+        lib.sf_set_panel_min_rows(cpu_ops.PANEL_MIN_ROWS)
+    return 0
 
 
 def main_quant(args: argparse.Namespace) -> int:

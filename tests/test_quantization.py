@@ -20,7 +20,7 @@ needs_kernel = pytest.mark.skipif(cpu_ops.library() is None, reason="no C compil
 
 @needs_kernel
 @pytest.mark.parametrize("kind,group", [("int8", 32), ("int8", 64), ("int8", 16), ("int4", 32), ("int4", 64)])
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 8])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 8, 16, 67])
 def test_kernel_equals_dequantize_then_matmul(kind, group, rows):
     g = torch.Generator().manual_seed(rows * 7 + group)
     n, k = 70, 192  # 70 output rows: two past the last full tile of 4, so the remainder path runs too
@@ -31,6 +31,33 @@ def test_kernel_equals_dequantize_then_matmul(kind, group, rows):
     out = quant.linear(x, [qw], bias)
     assert out.shape == (rows, n)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-4)
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind,group", [("int8", 32), ("int8", 16), ("int4", 32), ("int4", 64)])
+def test_panel_gemm_equals_the_tiles_bit_for_bit(kind, group):
+    """From PANEL_MIN_ROWS rows the AVX2 build dequantizes panels of 12 weight rows into a buffer and
+    multiplies in 3x4 register blocks: the same floats in the same lane order as the tiles, so the
+    same bits — across a panel remainder (76 weight rows = 6 x 12 + 4: a multiple of the tiles' 4,
+    whose plain-C leftovers round differently), activation row blocks of 4 with 1-3 left over, and
+    the 64-row activation blocks."""
+    lib = cpu_ops.library()
+    if not lib.sf_has_avx2():
+        pytest.skip("the panel GEMM is AVX2-only")
+    g = torch.Generator().manual_seed(group)
+    qw = quant.quantize(torch.randn(76, 192, generator=g), kind, group)
+    bias = torch.randn(76, generator=g)
+    try:
+        for rows in (2, 3, 8, 9, 13, 64, 70, 130):
+            x = torch.randn(rows, 192, generator=g)
+            lib.sf_set_panel_min_rows(1 << 30)
+            tiles = quant.linear(x, [qw], bias)
+            lib.sf_set_panel_min_rows(1)
+            panel = quant.linear(x, [qw], bias)
+            assert torch.equal(panel, tiles), rows
+            torch.testing.assert_close(panel, x @ qw.dequantize_torch().T + bias, rtol=1e-5, atol=1e-4)
+    finally:
+        lib.sf_set_panel_min_rows(cpu_ops.PANEL_MIN_ROWS)
 
 
 def _q8x_reference(x: torch.Tensor, qw: quant.QuantizedWeight) -> torch.Tensor:
@@ -74,7 +101,7 @@ def test_mixed_format_row_blocks_and_the_large_batch_path():
              quant.quantize(torch.randn(16, 128, generator=g), "int8", 128)]
     assert quant.concat_rows(parts) is None
     w = torch.cat([p.dequantize_torch() for p in parts])
-    for rows in (1, 5, quant.KERNEL_MAX_ROWS + 9):
+    for rows in (1, 5, 20, quant.kernel_max_rows() + 9):
         x = torch.randn(rows, 128, generator=g)
         torch.testing.assert_close(quant.linear(x, parts, None), x @ w.T, rtol=1e-5, atol=1e-4)
 

@@ -238,10 +238,123 @@ static void rows_i4(const float *x, const float *xs, int ldx, int M, int K, cons
     ref_tile_i4(x, ldx, K, q, s, mn, gs, n0, nr, 0, M, y, ldy);
 }
 
+#if SF_AVX2
+/* ---- Many activation rows: dequantize a panel of weight rows once, then a register-blocked GEMM ----
+ * The tiles above re-read activation rows for every weight row (one x load per FMA), which holds a
+ * step of 16 rows to ~40% of the FMA peak. Here each thread dequantizes PANEL weight rows into an
+ * L1/L2-resident float buffer once per block of MC activation rows, and 3 weight rows x 4
+ * activation rows of accumulators (12 of the 16 ymm) share every load: 7 loads per 12 FMAs.
+ * The dequantized floats and each dot product's lane order are those of the tiles above, so the
+ * results are bit-identical to them. */
+#define PANEL 12
+#define MC 64
+
+INLINE void deq_row_i8(const int8_t *q, const float *s, int K, int gs, float *out) {
+    for (int g = 0; g < K / gs; g++) {
+        __m256 sc = _mm256_broadcast_ss(s + g);
+        for (int k = g * gs; k < (g + 1) * gs; k += 8) _mm256_store_ps(out + k, load_i8(q + k, sc));
+    }
+}
+
+INLINE void deq_row_i4(const uint8_t *q, const float *s, const float *mn, int K, int gs, float *out) {
+    for (int k = 0; k < K; k += 32) {
+        __m256 w[4];
+        load_i4(q + k / 2, _mm256_broadcast_ss(s + k / gs), _mm256_broadcast_ss(mn + k / gs), w);
+        for (int j = 0; j < 4; j++) _mm256_store_ps(out + k + 8 * j, w[j]);
+    }
+}
+
+INLINE void dot_tile(const float *x, int ldx, const float *w, int K, float *y, int ldy, const int nrt, const int mrt) {
+    __m256 acc[12];
+    for (int a = 0; a < nrt * mrt; a++) acc[a] = _mm256_setzero_ps();
+    for (int k = 0; k < K; k += 8) {
+        __m256 wv[3];
+        for (int i = 0; i < nrt; i++) {
+            wv[i] = _mm256_load_ps(w + (size_t)i * K + k);
+            __asm__("" : "+x"(wv[i]));
+        }
+        for (int r = 0; r < mrt; r++) {
+            __m256 xv = _mm256_loadu_ps(x + (size_t)r * ldx + k);
+            __asm__("" : "+x"(xv)); /* in registers: gcc otherwise folds a load into every FMA */
+            for (int i = 0; i < nrt; i++) acc[i * mrt + r] = _mm256_fmadd_ps(wv[i], xv, acc[i * mrt + r]);
+        }
+    }
+    for (int i = 0; i < nrt; i++)
+        for (int r = 0; r < mrt; r++) y[(size_t)r * ldy + i] = hsum(acc[i * mrt + r]);
+}
+
+#define DOT_CASE(NRT)                                                                          \
+    switch (mr) {                                                                              \
+        case 1: dot_tile(xr, ldx, wr, K, yr, ldy, NRT, 1); break;                              \
+        case 2: dot_tile(xr, ldx, wr, K, yr, ldy, NRT, 2); break;                              \
+        case 3: dot_tile(xr, ldx, wr, K, yr, ldy, NRT, 3); break;                              \
+        default: dot_tile(xr, ldx, wr, K, yr, ldy, NRT, 4); break;                             \
+    }
+
+/* Rows m0..m1 of x against the np (<= PANEL) dequantized weight rows in wbuf -> y columns n0.. */
+static void panel_gemm(const float *x, int ldx, int m0, int m1, int K, const float *wbuf, int np, float *y, int ldy,
+                       int n0) {
+    for (int m = m0; m < m1; m += 4) {
+        int mr = m1 - m < 4 ? m1 - m : 4;
+        for (int i = 0; i < np; i += 3) {
+            const float *xr = x + (size_t)m * ldx, *wr = wbuf + (size_t)i * K;
+            float *yr = y + (size_t)m * ldy + n0 + i;
+            switch (np - i < 3 ? np - i : 3) {
+                case 1: DOT_CASE(1); break;
+                case 2: DOT_CASE(2); break;
+                default: DOT_CASE(3); break;
+            }
+        }
+    }
+}
+
+/* Returns 0, or -1 when a thread's panel buffer could not be allocated (the caller then takes the tiles). */
+static int gemm_panels(const float *x, int ldx, int M, int K, const void *q, const float *s, const float *mn, int N,
+                       int gs, int int4, const float *bias, float *y, int ldy, int threads) {
+    int panels = (N + PANEL - 1) / PANEL, failed = 0, groups = K / gs;
+#pragma omp parallel num_threads(threads)
+    {
+        float *wbuf = (float *)aligned_alloc(64, sizeof(float) * PANEL * (size_t)K);
+#pragma omp atomic
+        failed += wbuf == NULL;
+#pragma omp barrier
+        if (!failed)
+            for (int mc = 0; mc < M; mc += MC) {
+                int m1 = M - mc < MC ? M : mc + MC;
+#pragma omp for schedule(static)
+                for (int p = 0; p < panels; p++) {
+                    int n0 = p * PANEL, np = N - n0 < PANEL ? N - n0 : PANEL;
+                    for (int i = 0; i < np; i++) {
+                        size_t n = (size_t)(n0 + i);
+                        if (int4)
+                            deq_row_i4((const uint8_t *)q + n * K / 2, s + n * groups, mn + n * groups, K, gs,
+                                       wbuf + (size_t)i * K);
+                        else
+                            deq_row_i8((const int8_t *)q + n * K, s + n * groups, K, gs, wbuf + (size_t)i * K);
+                    }
+                    panel_gemm(x, ldx, mc, m1, K, wbuf, np, y, ldy, n0);
+                    if (bias)
+                        for (int m = mc; m < m1; m++)
+                            for (int i = 0; i < np; i++) y[(size_t)m * ldy + n0 + i] += bias[n0 + i];
+                }
+            }
+        free(wbuf);
+    }
+    return failed ? -1 : 0;
+}
+#endif
+
+/* From this many activation rows the panel GEMM replaces the tiles; cpu_ops.py sets it (PANEL_MIN_ROWS). */
+static int panel_min_rows = 8;
+void sf_set_panel_min_rows(int rows) { panel_min_rows = rows; }
+
 /* y[m, n] = sum_k x[m, k] * W[n, k] (+ bias[n]); x rows ldx apart, y rows ldy apart.
  * Work is split over output rows, so each thread streams its own slice of W once. */
 void sf_gemm_i8(const float *x, int ldx, int M, int K, const int8_t *q, const float *s, int N, int gs,
                 const float *bias, float *y, int ldy, int threads) {
+#if SF_AVX2
+    if (M >= panel_min_rows && gemm_panels(x, ldx, M, K, q, s, NULL, N, gs, 0, bias, y, ldy, threads) == 0) return;
+#endif
     int tiles = (N + NR - 1) / NR;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int t = 0; t < tiles; t++) {
@@ -255,6 +368,9 @@ void sf_gemm_i8(const float *x, int ldx, int M, int K, const int8_t *q, const fl
 
 void sf_gemm_i4(const float *x, int ldx, int M, int K, const uint8_t *q, const float *s, const float *mn, int N,
                 int gs, const float *bias, float *y, int ldy, int threads) {
+#if SF_AVX2
+    if (M >= panel_min_rows && gemm_panels(x, ldx, M, K, q, s, mn, N, gs, 1, bias, y, ldy, threads) == 0) return;
+#endif
     int tiles = (N + NR - 1) / NR;
     float xs_buf[1024], *xs = NULL; /* per-group sums of a single activation row (K <= 32768) */
     if (SF_AVX2 && M == 1 && K / gs <= 1024) {
@@ -365,6 +481,23 @@ static inline void axpy(float *y, float a, const float *x, int n) {
 }
 
 #if SF_AVX2
+/* q against 8 keys: eight independent FMA chains (one chain per key stalls on FMA latency), then a
+ * transposing hadd tree leaves the 8 dot products in one vector (one reduction, not 8 hsums). */
+static inline __m256 dot8(const float *q, const float *const k[8], int D) {
+    __m256 a[8];
+    for (int j = 0; j < 8; j++) a[j] = _mm256_setzero_ps();
+    for (int i = 0; i < D; i += 8) {
+        __m256 qv = _mm256_loadu_ps(q + i);
+        for (int j = 0; j < 8; j++) a[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[j] + i), a[j]);
+    }
+    __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
+    __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
+    __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+#endif
+
+#if SF_AVX2
 /* e^x for 8 floats, x <= 0 (softmax after subtracting the max): Cephes' expf polynomial on
  * x - n ln2, scaled by 2^n through the exponent bits; within 2 ulp of expf. */
 static inline __m256 exp8(__m256 x) {
@@ -425,22 +558,73 @@ int sf_paged_decode(const float *q, int ldq, int B, int H, int KVH, int D, const
         }
         const int64_t *table = tables + (size_t)b * max_blocks;
         const float *qh = q + (size_t)b * ldq + (size_t)h * D;
+        /* Keys in position order without a division per key: (block, offset) stepped along. */
+        const float *base = cache + (size_t)kh * D;
+#define KEYS_FROM(pos) int64_t blk_ = (pos) / bs; int off_ = (int)((pos) % bs)
+#define NEXT_KEY(dst, vofs)                                                      \
+    do {                                                                         \
+        (dst) = base + table[blk_] * block + (vofs) + (size_t)off_ * slot;       \
+        if (++off_ == bs) { off_ = 0; blk_++; }                                  \
+    } while (0)
         float mx = -INFINITY;
-        for (int64_t t = 0; t < n; t++) {
-            int64_t p = start + t;
-            const float *k = cache + table[p / bs] * block + (size_t)(p % bs) * slot + (size_t)kh * D;
-            sc[t] = dot(qh, k, D) * scale;
-            if (sc[t] > mx) mx = sc[t];
+        int64_t t = 0;
+        {
+            KEYS_FROM(start);
+#if SF_AVX2
+            if (D % 8 == 0) {
+                __m256 vmx = _mm256_set1_ps(-INFINITY), vscale = _mm256_set1_ps(scale);
+                for (; t + 8 <= n; t += 8) {
+                    const float *k[8];
+                    for (int j = 0; j < 8; j++) NEXT_KEY(k[j], 0);
+                    __m256 v = _mm256_mul_ps(dot8(qh, k, D), vscale);
+                    _mm256_storeu_ps(sc + t, v);
+                    vmx = _mm256_max_ps(vmx, v);
+                }
+                float m8[8];
+                _mm256_storeu_ps(m8, vmx);
+                for (int j = 0; j < 8; j++) mx = fmaxf(mx, m8[j]);
+            }
+#endif
+            for (; t < n; t++) {
+                const float *k;
+                NEXT_KEY(k, 0);
+                sc[t] = dot(qh, k, D) * scale;
+                if (sc[t] > mx) mx = sc[t];
+            }
         }
-        float sum = exp_shift_sum(sc, n, mx);
+        float sum = exp_shift_sum(sc, n, mx), inv = 1.0f / sum;
         float *o = out + ((size_t)b * H + h) * D;
-        memset(o, 0, sizeof(float) * D);
-        for (int64_t t = 0; t < n; t++) {
-            int64_t p = start + t;
-            const float *v = cache + table[p / bs] * block + (size_t)bs * slot + (size_t)(p % bs) * slot +
-                             (size_t)kh * D;
-            axpy(o, sc[t] / sum, v, D);
+        size_t vofs = (size_t)bs * slot;
+#if SF_AVX2
+        if (D % 64 == 0) {
+            /* 64 output dims at a time in 8 accumulators: one broadcast weight, 8 independent FMAs per key. */
+            for (int d0 = 0; d0 < D; d0 += 64) {
+                __m256 acc[8];
+                for (int i = 0; i < 8; i++) acc[i] = _mm256_setzero_ps();
+                KEYS_FROM(start);
+                for (int64_t u = 0; u < n; u++) {
+                    const float *v;
+                    NEXT_KEY(v, vofs);
+                    __m256 w = _mm256_set1_ps(sc[u] * inv);
+                    for (int i = 0; i < 8; i++) acc[i] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + d0 + 8 * i), acc[i]);
+                }
+                for (int i = 0; i < 8; i++) _mm256_storeu_ps(o + d0 + 8 * i, acc[i]);
+            }
+            free(sc);
+            continue;
         }
+#endif
+        memset(o, 0, sizeof(float) * D);
+        {
+            KEYS_FROM(start);
+            for (int64_t u = 0; u < n; u++) {
+                const float *v;
+                NEXT_KEY(v, vofs);
+                axpy(o, sc[u] * inv, v, D);
+            }
+        }
+#undef KEYS_FROM
+#undef NEXT_KEY
         free(sc);
     }
     return failed ? -1 : 0;

@@ -33,6 +33,9 @@ _SRC = Path(__file__).with_name("cpu_ops.c")
 # are vectorised and parallel: they win on decode-sized rows only (call overhead is what they
 # remove); prefill chunks keep torch's ops.
 SMALL_ROWS = 64
+# From this many activation rows a quantized matmul takes the panel GEMM instead of the tiles
+# (AVX2 build): equal at 3-6 rows, 1.0-1.3x at 8, 1.3-1.5x at 16 (`python -m loadtest.bench_engine --gemm`).
+PANEL_MIN_ROWS = 8
 _P = ctypes.c_void_p
 _I = ctypes.c_int
 
@@ -96,6 +99,9 @@ def build(arch: tuple[str, ...] = NATIVE, cache_dir: Path | None = None) -> ctyp
               lib.sf_rope_store, lib.sf_silu_mul):
         f.restype = None
     lib.sf_has_avx2.restype = _I
+    lib.sf_set_panel_min_rows.argtypes = [_I]
+    lib.sf_set_panel_min_rows.restype = None
+    lib.sf_set_panel_min_rows(PANEL_MIN_ROWS)
     return lib
 
 
