@@ -544,8 +544,10 @@ int sf_paged_decode(const float *q, int ldq, int B, int H, int KVH, int D, const
     int G = H / KVH, failed = 0;
     size_t slot = (size_t)KVH * D, block = 2 * (size_t)bs * slot;
     /* One task per (sequence, query head): SmolLM2's 3 kv heads split 2:1 over two threads, its 9
-     * query heads 5:4. Heads sharing a kv head read the same keys from cache, not memory. */
-#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+     * query heads 5:4. With enough sequences a thread takes the G heads of one kv head in a row, so
+     * the second and third read its keys and values from their own L2, not the shared L3 or DRAM. */
+    int chunk = B * KVH >= 2 * threads ? G : 1;
+#pragma omp parallel for num_threads(threads) schedule(dynamic, chunk)
     for (int task = 0; task < B * H; task++) {
         int b = task / H, h = task % H, kh = h / G;
         int64_t ctx = ctx_lens[b];
