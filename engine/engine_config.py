@@ -12,6 +12,14 @@ if TYPE_CHECKING:
     import torch
 
 
+# On CPU a prompt token costs about as much compute as a decode row (~1.8 ms on the 2-core AVX2
+# EPYC with SmolLM2): a 512-token chunk beside 16 decoding streams stalled them ~0.9 s. 24 tokens
+# per step kept their inter-token p99 at 101 ms (llama-server on the same machine: 146 ms) for
+# 1.59x its output tokens/s; 32: 125 ms, 1.64x; 16: 78 ms, 1.51x and 5x the time to first token
+# (`python -m loadtest.vs_llama_server`, README). On CUDA a chunk costs a fraction of a step: no cap.
+CPU_PREFILL_WHILE_DECODING = 24
+
+
 @dataclass
 class EngineConfig:
     model: str | None = None  # built-in name, HF directory or .gguf; None = $SPLITFIRE_MODEL or the default
@@ -22,7 +30,9 @@ class EngineConfig:
     gpu_memory_fraction: float = 0.85  # of free GPU memory after weights: KV + activation peaks (memory_profile.py)
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
-    max_prefill_tokens_while_decoding: int | None = None  # prompt tokens per step while streams decode
+    # Prompt tokens a step may carry while streams decode: None = the device's default
+    # (CPU_PREFILL_WHILE_DECODING on CPU, the whole step budget on CUDA), 0 = the whole budget.
+    max_prefill_tokens_while_decoding: int | None = None
     max_model_len: int | None = None  # None = the model's max_position_embeddings
     enable_prefix_cache: bool = True
     threads: int | None = None  # torch intra-op threads on CPU; None = torch's default
@@ -54,9 +64,9 @@ class EngineConfig:
                 f"--max-num-batched-tokens ({self.max_num_batched_tokens}) must be >= --max-num-seqs "
                 f"({self.max_num_seqs}): every running sequence needs one token per step"
             )
-        if self.max_prefill_tokens_while_decoding is not None and self.max_prefill_tokens_while_decoding < 1:
-            raise ValueError("--max-prefill-tokens-while-decoding must be >= 1 (or unset), got "
-                             f"{self.max_prefill_tokens_while_decoding}")
+        if self.max_prefill_tokens_while_decoding is not None and self.max_prefill_tokens_while_decoding < 0:
+            raise ValueError("--max-prefill-tokens-while-decoding must be >= 1, 0 (no cap) or unset (the device's "
+                             f"default), got {self.max_prefill_tokens_while_decoding}")
         if self.quantization not in (None, "int8", "int4"):
             raise ValueError(f"--quantization must be int8 or int4 (or unset), got {self.quantization!r}")
         if self.decode_graphs not in ("auto", "on", "off"):
@@ -79,6 +89,14 @@ class EngineConfig:
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
+
+    @property
+    def prefill_cap(self) -> int | None:
+        """Prompt tokens per step while streams decode, resolved for the device (None: no cap)."""
+        cap = self.max_prefill_tokens_while_decoding
+        if cap is None:
+            return CPU_PREFILL_WHILE_DECODING if self.torch_device.type == "cpu" else None
+        return cap or None
 
     @property
     def torch_dtype(self) -> torch.dtype:

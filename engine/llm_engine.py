@@ -128,7 +128,7 @@ class LLMEngine:
         usable = self.kv.layout.num_blocks - (1 if graphs else 0)
         self.blocks = BlockManager(usable, config.block_size, config.enable_prefix_cache)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
-                                                   config.max_prefill_tokens_while_decoding), self.blocks)
+                                                   config.prefill_cap), self.blocks)
         self.eos_token_ids = self.tokenizer.eos_token_ids or frozenset(self.model_config.eos_token_ids)
         self.grammar = GrammarEngine(self.model_dir / "tokenizer.json", self.model_config.vocab_size,
                                      sorted(self.eos_token_ids), config.threads)

@@ -154,6 +154,27 @@ def test_prefill_chunks_shrink_while_streams_decode(tiny_model_dir, ref):
     assert alone.scheduler.schedule()[0].num_tokens == 128  # nothing decoding: the whole budget
 
 
+def test_the_prefill_cap_defaults_by_device():
+    """Unset: 24 prompt tokens per step beside decodes on CPU (a chunk costs a decode row per token
+    there), no cap on CUDA; 0 asks for the whole step budget on either; the worker flag reads 0 as 0."""
+    import argparse
+
+    from engine.engine_config import CPU_PREFILL_WHILE_DECODING, EngineConfig
+    from worker.config import add_engine_args, engine_config_from
+
+    assert EngineConfig(device="cpu").prefill_cap == CPU_PREFILL_WHILE_DECODING == 24
+    assert EngineConfig(device="cuda").prefill_cap is None
+    assert EngineConfig(device="cpu", max_prefill_tokens_while_decoding=0).prefill_cap is None
+    assert EngineConfig(device="cpu", max_prefill_tokens_while_decoding=64).prefill_cap == 64
+    with pytest.raises(ValueError, match="max-prefill-tokens-while-decoding"):
+        EngineConfig(max_prefill_tokens_while_decoding=-1).validate()
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    for flag, value in (("0", 0), ("32", 32)):
+        assert engine_config_from(p.parse_args(["--max-prefill-tokens-while-decoding", flag])).prefill_cap == (value or None)
+    assert engine_config_from(p.parse_args([])).max_prefill_tokens_while_decoding is None
+
+
 def test_burst_sharing_a_new_prefix_computes_it_once(tiny_model_dir, ref):
     """Requests arriving together with the same uncached system prompt: the first computes it,
     the others wait for it instead of computing it again, and all outputs stay exact."""

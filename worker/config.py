@@ -109,8 +109,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="tokens per step (prefill chunk size)")
     g.add_argument("--max-prefill-tokens-while-decoding", type=int,
                    default=_env("max_prefill_tokens_while_decoding", None),
-                   help="prompt tokens a step may carry while streams are decoding (default: the whole step budget); "
-                        "smaller bounds their inter-token latency, at the cost of time to first token")
+                   help="prompt tokens a step may carry while streams are decoding (default: 24 on CPU, the whole "
+                        "step budget on CUDA; 0: the whole budget); smaller bounds their inter-token latency, at the "
+                        "cost of time to first token")
     g.add_argument("--max-model-len", type=int, default=_env("max_model_len", None), help="context limit (default: the model's)")
     g.add_argument("--no-prefix-cache", action="store_true", help="disable prefix caching")
     g.add_argument("--threads", type=int, default=_env("threads", None), help="torch CPU threads")
@@ -142,7 +143,7 @@ def engine_config_from(args: argparse.Namespace) -> EngineConfig:
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=int(args.max_model_len) if args.max_model_len else None,
         max_prefill_tokens_while_decoding=(int(args.max_prefill_tokens_while_decoding)
-                                           if args.max_prefill_tokens_while_decoding else None),
+                                           if args.max_prefill_tokens_while_decoding not in (None, "") else None),
         enable_prefix_cache=not args.no_prefix_cache,
         threads=int(args.threads) if args.threads else None,
         quantization=args.quantization,
