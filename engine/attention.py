@@ -91,15 +91,17 @@ def write_kv(layer_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: 
         ops.store_kv(layer_cache, k, v, meta.k_rows // two_bs, meta.k_rows % two_bs)
         return
     flat = layer_cache.view(-1, layer_cache.shape[-2], layer_cache.shape[-1])
-    flat.index_copy_(0, meta.k_rows, k)
-    flat.index_copy_(0, meta.v_rows, v)
+    flat.index_copy_(0, meta.k_rows, k.to(flat.dtype))  # (a float16 cache under a float32 model: rounded here)
+    flat.index_copy_(0, meta.v_rows, v.to(flat.dtype))
 
 
-def _gather(layer_cache: torch.Tensor, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _gather(layer_cache: torch.Tensor, blocks: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V pages of `blocks`, in `dtype` (the queries'; a float16 cache is widened here)."""
     # Gathering whole pages from a 2-D view is one row copy per block (the 5-D view takes a
     # generic strided path).
     n = layer_cache.shape[0]
     pages = layer_cache.view(n, -1).index_select(0, blocks.reshape(-1)).view(-1, *layer_cache.shape[1:])
+    pages = pages.to(dtype)
     return pages[:, 0], pages[:, 1]
 
 
@@ -125,7 +127,7 @@ def paged_attention(
         # 4-D [1, heads, L, dim] inputs: torch's CPU flash kernel takes them; 3-D ones fall back
         # to the math path (measured 5x slower for a 2k-token prompt).
         qs = q[seg.start : seg.start + seg.length].transpose(0, 1).unsqueeze(0)
-        k, v = _gather(layer_cache, seg.blocks)
+        k, v = _gather(layer_cache, seg.blocks, q.dtype)
         k = k.reshape(-1, kv_heads, k.shape[-1])[: seg.context_len].transpose(0, 1).unsqueeze(0)
         v = v.reshape(-1, kv_heads, v.shape[-1])[: seg.context_len].transpose(0, 1).unsqueeze(0)
         mask = seg.mask(window)
@@ -147,13 +149,12 @@ def _decode(q: torch.Tensor, layer_cache: torch.Tensor, d: DecodeBatch, scale: f
     ops = _use_triton(layer_cache)
     if ops is not None and d.context_lens is not None and q.shape[-1] & (q.shape[-1] - 1) == 0:
         return ops.paged_decode_attention(q, layer_cache, d.blocks, d.context_lens, scale, window=window or 0)
-    if (d.context_lens is not None and layer_cache.device.type == "cpu" and layer_cache.dtype == torch.float32
-            and q.dtype == torch.float32 and q.stride(-1) == 1 and q.stride(1) == q.shape[-1]
-            and cpu_ops.library() is not None):
+    if (d.context_lens is not None and layer_cache.device.type == "cpu" and q.dtype == torch.float32
+            and q.stride(-1) == 1 and q.stride(1) == q.shape[-1] and cpu_ops.kv_supported(layer_cache.dtype, q.shape[-1])):
         # Keys read in place through the block table (no gather, no padding): cpu_ops.c.
         return cpu_ops.paged_decode(q, layer_cache, d.blocks, d.context_lens, scale, window or 0)
     b, kv_heads = d.blocks.shape[0], layer_cache.shape[-2]
-    k, v = _gather(layer_cache, d.blocks)  # [B*max_blocks, slots, kv_heads, dim]
+    k, v = _gather(layer_cache, d.blocks, q.dtype)  # [B*max_blocks, slots, kv_heads, dim]
     k = k.reshape(b, -1, kv_heads, k.shape[-1]).transpose(1, 2)
     v = v.reshape(b, -1, kv_heads, v.shape[-1]).transpose(1, 2)
     o = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=d.mask_for(window), scale=scale,

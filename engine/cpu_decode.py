@@ -42,10 +42,10 @@ class SfLayer(ctypes.Structure):
 
 class SfDims(ctypes.Structure):
     _fields_ = [("hidden", _I), ("heads", _I), ("kv_heads", _I), ("head_dim", _I), ("inter", _I),
-                ("block_size", _I), ("q8x_rows", _I), ("eps", _F), ("scale", _F)]
+                ("block_size", _I), ("q8x_rows", _I), ("kv16", _I), ("eps", _F), ("scale", _F)]
 
 
-def supported(model: torch.nn.Module) -> str | None:
+def supported(model: torch.nn.Module, kv_dtype: torch.dtype) -> str | None:
     """None when every layer can run in C, else why not (logged once by the engine)."""
     cfg: ModelConfig = model.cfg  # type: ignore[assignment]
     lib = cpu_ops.library()
@@ -56,6 +56,7 @@ def supported(model: torch.nn.Module) -> str | None:
         (cfg.qk_norm or cfg.gemma_norm or cfg.sandwich_norm, "q/k or Gemma norms"),
         (cfg.activation != "silu", f"activation {cfg.activation}"),
         (cfg.head_dim % 2 != 0, "odd head_dim"),
+        (not cpu_ops.kv_supported(kv_dtype, cfg.head_dim), f"a {kv_dtype} KV cache"),
     ]
     for bad, reason in why:
         if bad:
@@ -79,7 +80,7 @@ class CpuDecodeLayers:
     def __init__(self, model: torch.nn.Module, kv: KVCache):
         cfg: ModelConfig = model.cfg  # type: ignore[assignment]
         lib = cpu_ops.library()
-        assert lib is not None and supported(model) is None
+        assert lib is not None and supported(model, kv.layout.dtype) is None
         self.fn = lib.sf_decode_layers
         self.fn.argtypes = [_P, _P, _I, _P, _P, _I, _P, _P, _P, _I, _P, _P, _P, _I, _I]
         self.fn.restype = _I
@@ -90,11 +91,11 @@ class CpuDecodeLayers:
         blocks = list(model.layers)  # type: ignore[attr-defined]
         self.dims = SfDims(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                            blocks[0].mlp.gate_up.quantized[0].shape[0] // 2, kv.layout.block_size,
-                           quant.Q8X_MAX_ROWS, cfg.rms_norm_eps, cfg.scale)
+                           quant.Q8X_MAX_ROWS, int(kv.layout.dtype == torch.float16), cfg.rms_norm_eps, cfg.scale)
         self.layers = (SfLayer * len(blocks))()
         for i, (b, lc) in enumerate(zip(blocks, cfg.layers, strict=True)):
             layer_cache = kv.layer(i)
-            assert layer_cache.dtype == torch.float32 and layer_cache.is_contiguous()
+            assert cpu_ops.kv_supported(layer_cache.dtype, cfg.head_dim) and layer_cache.is_contiguous()
             self.layers[i] = SfLayer(b.attn_norm.weight.data_ptr(), b.mlp_norm.weight.data_ptr(),
                                      self._linear(b.attn.qkv), self._linear(b.attn.o), self._linear(b.mlp.gate_up),
                                      self._linear(b.mlp.down), layer_cache.data_ptr(), lc.window or 0,
@@ -157,7 +158,6 @@ class CpuDecodeLayers:
         rc = self.fn(ctypes.byref(self.dims), self.layers, len(self.layers), res.data_ptr(), h.data_ptr(), t, ptrs,
                      meta.k_rows.data_ptr(), blocks.data_ptr(), blocks.shape[1], ctx.data_ptr(),
                      None if aux is None else aux.data_ptr(), aux_ids, len(layers), torch.get_num_threads())
-        if rc != 0:
-            raise MemoryError("decode layers: out of memory for the step's buffers")
+        cpu_ops.check(rc, "decode layers")
         self.steps += 1
         return h, res, aux

@@ -26,6 +26,7 @@ class EngineConfig:
     device: str = "auto"  # auto | cpu | cuda
     dtype: str = "auto"  # auto (float32 on CPU, bfloat16 on CUDA) | float32 | bfloat16
     block_size: int = 16
+    kv_cache_dtype: str = "auto"  # auto (the model dtype) | float32 | float16 | bfloat16 (CPU: float16 halves KV bytes)
     kv_cache_gb: float = 1.0  # KV budget on CPU
     gpu_memory_fraction: float = 0.85  # of free GPU memory after weights: KV + activation peaks (memory_profile.py)
     max_num_seqs: int = 64
@@ -49,6 +50,12 @@ class EngineConfig:
             raise ValueError(f"--device must be auto, cpu or cuda, got {self.device!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"--dtype must be auto, float32 or bfloat16, got {self.dtype!r}")
+        if self.kv_cache_dtype not in ("auto", "float32", "float16", "bfloat16"):
+            raise ValueError(f"--kv-cache-dtype must be auto, float32, float16 or bfloat16, got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype != "auto" and self.torch_device.type == "cuda" and (
+                getattr(_torch(), self.kv_cache_dtype) != self.torch_dtype):
+            raise ValueError(f"--kv-cache-dtype {self.kv_cache_dtype} differs from the model dtype ({self.torch_dtype}): "
+                             "on CUDA the attention kernels read the KV cache in the model dtype; leave it auto")
         if self.device == "cuda" and not _torch().cuda.is_available():
             raise ValueError("--device cuda asked for, but torch sees no CUDA device")
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128, 256):
@@ -89,6 +96,10 @@ class EngineConfig:
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
+
+    @property
+    def torch_kv_dtype(self) -> torch.dtype:
+        return self.torch_dtype if self.kv_cache_dtype == "auto" else getattr(_torch(), self.kv_cache_dtype)
 
     @property
     def prefill_cap(self) -> int | None:

@@ -173,7 +173,7 @@ class LLMEngine:
                                            c.max_num_seqs if graphs else 1)
             free, _ = torch.cuda.mem_get_info(self.device)
             budget = memory_profile.kv_budget(free, c.gpu_memory_fraction, peaks, graphs)
-        return KVLayout.for_budget(self.model_config, budget, c.block_size, self.dtype)
+        return KVLayout.for_budget(self.model_config, budget, c.block_size, c.torch_kv_dtype)
 
     # -- requests -------------------------------------------------------------------
 

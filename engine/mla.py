@@ -80,7 +80,7 @@ class MLAttention(nn.Module):
         out = x.new_empty(t, self.heads, self.v_dim)
         for seg in meta.prefills:
             rows = slice(seg.start, seg.start + seg.length)
-            latents = self._pages(layer_cache, seg.blocks)[: seg.context_len]
+            latents = self._pages(layer_cache, seg.blocks, x.dtype)[: seg.context_len]
             attend = self.attend_absorbed_chunk if self.absorbs(seg.length) else self.attend_expanded
             out[rows] = attend(q_nope[rows], q_rope[rows], latents, seg.mask(None))
         for d in meta.decodes:
@@ -97,10 +97,11 @@ class MLAttention(nn.Module):
         per_query = 2 * self.rank + self.rope - (self.nope + self.rope + self.v_dim)
         return self.absorb and self.absorb_chunks and queries * per_query < self.rank * (self.nope + self.v_dim)
 
-    def _pages(self, layer_cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
-        """[len(blocks) * block_size, rank + rope]: the latents of those blocks, in order."""
+    def _pages(self, layer_cache: torch.Tensor, blocks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """[len(blocks) * block_size, rank + rope]: the latents of those blocks, in order, in `dtype`."""
         n = layer_cache.shape[0]
-        return layer_cache.view(n, -1).index_select(0, blocks.reshape(-1)).view(-1, self.rank + self.rope)
+        pages = layer_cache.view(n, -1).index_select(0, blocks.reshape(-1)).view(-1, self.rank + self.rope)
+        return pages.to(dtype)
 
     def expand(self, latents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """latents [..., N, rank + rope] → keys [..., N, heads, nope + rope], values [..., N, heads, v]."""
@@ -141,7 +142,7 @@ class MLAttention(nn.Module):
                                d: DecodeBatch) -> torch.Tensor:
         """The reference decode: every context latent up-projected to per-head K and V each step."""
         b = d.blocks.shape[0]
-        k, v = self.expand(self._pages(layer_cache, d.blocks).view(b, -1, self.rank + self.rope))
+        k, v = self.expand(self._pages(layer_cache, d.blocks, q_nope.dtype).view(b, -1, self.rank + self.rope))
         q = torch.cat((q_nope, q_rope), dim=-1).unsqueeze(2)  # [B, heads, 1, nope + rope]
         o = F.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=d.mask, scale=self.scale)
         return o.squeeze(2)
@@ -157,7 +158,7 @@ class MLAttention(nn.Module):
             # Pages read in place through the block table (kernels/mla_triton.py).
             o_c = fused.mla_decode(q_c.transpose(0, 1), q_rope, layer_cache, d.blocks, d.context_lens, self.scale)
             return torch.bmm(o_c.transpose(0, 1), self.w_uv().transpose(1, 2)).transpose(0, 1)
-        latents = self._pages(layer_cache, d.blocks).view(b, -1, self.rank + self.rope)
+        latents = self._pages(layer_cache, d.blocks, q_nope.dtype).view(b, -1, self.rank + self.rope)
         q = torch.cat((q_c.transpose(0, 1), q_rope), dim=-1)  # [B, heads, rank + rope]
         # Softmax in float32 at least (bfloat16 scores would round the weights).
         scores = torch.bmm(q, latents.transpose(1, 2))

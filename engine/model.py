@@ -72,7 +72,7 @@ class Attention(nn.Module):
         q_out, kv_out, _ = self.split
         h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
         if (self.q_norm is None and qkv.dtype == torch.float32 and qkv.device.type == "cpu"
-                and layer_cache.dtype == torch.float32 and qkv.is_contiguous() and cpu_ops.small(t)):
+                and cpu_ops.kv_supported(layer_cache.dtype, d) and qkv.is_contiguous() and cpu_ops.small(t)):
             # One C call ropes q and k in place and stores k and v (cpu_ops.c).
             cpu_ops.rope_store(qkv, h, kvh, d, freqs, layer_cache, meta.k_rows, meta.block_size)
             q = qkv[:, :q_out].view(t, h, d)
@@ -189,7 +189,7 @@ class DecoderModel(nn.Module):
         if self.cpu_layers is not None and self.cpu_layers.kv is kv:
             return self.cpu_layers
         if self.cpu_layers_off is None:
-            self.cpu_layers_off = "Triton kernels on CPU" if kernels_enabled(kv.buffer.device) else supported(self)
+            self.cpu_layers_off = "Triton kernels on CPU" if kernels_enabled(kv.buffer.device) else supported(self, kv.layout.dtype)
         if self.cpu_layers_off:
             return None
         self.cpu_layers = CpuDecodeLayers(self, kv)

@@ -41,16 +41,19 @@ def _run(model_dir, fused: bool, **kw) -> tuple[dict, object]:
     return out, engine.model
 
 
-@pytest.mark.parametrize("family,quantization,activations", [
-    ("llama3", "int4", "float"),
-    ("llama3", "int8", "float"),
-    ("llama3", "int4", "int8"),
-    ("mistral", "int4", "float"),  # sliding window of 12 keys
-    ("qwen2", "int8", "float"),  # q/k/v biases, tied embeddings
+@pytest.mark.parametrize("family,quantization,activations,kv", [
+    ("llama3", "int4", "float", "auto"),
+    ("llama3", "int8", "float", "auto"),
+    ("llama3", "int4", "int8", "auto"),
+    ("llama3", "int4", "float", "float16"),  # a float16 KV cache
+    ("mistral", "int4", "float", "float16"),  # sliding window of 12 keys
+    ("qwen2", "int8", "float", "auto"),  # q/k/v biases, tied embeddings
 ])
-def test_c_layer_loop_equals_the_module_path(tmp_path, family, quantization, activations):
+def test_c_layer_loop_equals_the_module_path(tmp_path, family, quantization, activations, kv):
+    if kv == "float16" and not cpu_ops.kv_supported(torch.float16, 16):
+        pytest.skip("a float16 KV cache in C needs the AVX2 build")
     d = make_hf_model(family, tmp_path / family).path
-    kw = dict(quantization=quantization, cpu_activations=activations, max_num_seqs=8)
+    kw = dict(quantization=quantization, cpu_activations=activations, max_num_seqs=8, kv_cache_dtype=kv)
     fused, model = _run(d, True, **kw)
     plain, plain_model = _run(d, False, **kw)
     assert model.cpu_layers is not None and model.cpu_layers.steps >= 19  # every decode step of the batch ran in C
@@ -66,7 +69,7 @@ def test_models_the_loop_cannot_run_keep_the_module_path(tmp_path):
                                          ("qwen3_moe", "int4", "experts"), ("deepseek_v3", None, "latent")):
         d = make_hf_model(family, tmp_path / family).path
         engine = make_engine(d, quantization=quantization)
-        assert reason in (supported(engine.model) or "")
+        assert reason in (supported(engine.model, engine.kv.layout.dtype) or "")
         engine.add_request("a", PROMPTS[1], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
         assert len(drain(engine)["a"].token_ids) == 4
         assert engine.model.cpu_layers is None and reason in (engine.model.cpu_layers_off or "")

@@ -370,7 +370,11 @@ def test_the_plain_c_fallback_computes_the_same(tmp_path):
     ctx = torch.tensor([9, 5])
     out = torch.empty(2, 4, 16)
     assert base.sf_paged_decode(q.data_ptr(), 64, 2, 4, 2, 16, cache.data_ptr(), 4, tables.data_ptr(), 3,
-                                ctx.data_ptr(), ctypes.c_float(0.25), 0, out.data_ptr(), 2) == 0
+                                ctx.data_ptr(), ctypes.c_float(0.25), 0, out.data_ptr(), 0, 2) == 0
+    # A float16 cache needs F16C: this build refuses it (-2) rather than misreading it, and so does its store.
+    assert base.sf_paged_decode(q.data_ptr(), 64, 2, 4, 2, 16, cache.data_ptr(), 4, tables.data_ptr(), 3,
+                                ctx.data_ptr(), ctypes.c_float(0.25), 0, out.data_ptr(), 1, 2) == -2
+    assert base.sf_rope_store(q.data_ptr(), 1, 2, 1, 16, q.data_ptr(), cache.data_ptr(), ctx.data_ptr(), 4, 1) == -2
     for b in range(2):
         k = cache[tables[b]][:, 0].reshape(-1, 2, 16)[: ctx[b]]
         v = cache[tables[b]][:, 1].reshape(-1, 2, 16)[: ctx[b]]

@@ -88,6 +88,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default=os.environ.get("SPLITFIRE_MODEL"), help="built-in name, HF model dir or .gguf (env SPLITFIRE_MODEL; default smollm2-135m-instruct)")
     g.add_argument("--device", default=_env("device", "auto"), choices=["auto", "cpu", "cuda"])
     g.add_argument("--dtype", default=_env("dtype", "auto"), choices=["auto", "float32", "bfloat16"])
+    g.add_argument("--kv-cache-dtype", default=_env("kv_cache_dtype", "auto"),
+                   choices=["auto", "float32", "float16", "bfloat16"],
+                   help="KV cache element type (default: the model dtype). float16 on CPU halves the cache's memory "
+                        "and the bytes attention streams per step; on CUDA it must be the model dtype")
     g.add_argument("--quantization", default=_env("quantization", None), choices=["int8", "int4"],
                    help="keep matmul weights quantized (weight-only, group-wise; decode moves 4x / 8x fewer bytes "
                         "than float32): quantizes a float checkpoint at load; a GGUF's Q8_0/Q6_K/Q4_0/Q4_1/Q4_K "
@@ -136,6 +140,7 @@ def engine_config_from(args: argparse.Namespace) -> EngineConfig:
         model=args.model,
         device=args.device,
         dtype=args.dtype,
+        kv_cache_dtype=args.kv_cache_dtype,
         block_size=args.block_size,
         kv_cache_gb=args.kv_cache_gb,
         gpu_memory_fraction=args.gpu_memory_fraction,

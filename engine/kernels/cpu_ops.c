@@ -20,7 +20,7 @@
 #ifdef _OPENMP
 #include <omp.h>
 #endif
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) /* (every AVX2 CPU has F16C) */
 #include <immintrin.h>
 #define SF_AVX2 1
 #else
@@ -481,23 +481,6 @@ static inline void axpy(float *y, float a, const float *x, int n) {
 }
 
 #if SF_AVX2
-/* q against 8 keys: eight independent FMA chains (one chain per key stalls on FMA latency), then a
- * transposing hadd tree leaves the 8 dot products in one vector (one reduction, not 8 hsums). */
-static inline __m256 dot8(const float *q, const float *const k[8], int D) {
-    __m256 a[8];
-    for (int j = 0; j < 8; j++) a[j] = _mm256_setzero_ps();
-    for (int i = 0; i < D; i += 8) {
-        __m256 qv = _mm256_loadu_ps(q + i);
-        for (int j = 0; j < 8; j++) a[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[j] + i), a[j]);
-    }
-    __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
-    __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
-    __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
-    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
-}
-#endif
-
-#if SF_AVX2
 /* e^x for 8 floats, x <= 0 (softmax after subtracting the max): Cephes' expf polynomial on
  * x - n ln2, scaled by 2^n through the exponent bits; within 2 ulp of expf. */
 static inline __m256 exp8(__m256 x) {
@@ -538,11 +521,132 @@ static float exp_shift_sum(float *sc, int64_t n, float mx) {
     return sum;
 }
 
-int sf_paged_decode(const float *q, int ldq, int B, int H, int KVH, int D, const float *cache, int bs,
+#if SF_AVX2
+/* 8 KV-cache numbers as floats: float32 as stored, or float16 widened (F16C). */
+INLINE __m256 load_kv8(const char *p, const int kv16) {
+    return kv16 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)) : _mm256_loadu_ps((const float *)p);
+}
+
+/* q against 8 keys: eight independent FMA chains (one chain per key stalls on FMA latency), then a
+ * transposing hadd tree leaves the 8 dot products in one vector (one reduction, not 8 hsums). */
+INLINE __m256 dot8(const float *q, const char *const k[8], int D, const int kv16) {
+    __m256 a[8];
+    int esz = kv16 ? 2 : 4;
+    for (int j = 0; j < 8; j++) a[j] = _mm256_setzero_ps();
+    for (int i = 0; i < D; i += 8) {
+        __m256 qv = _mm256_loadu_ps(q + i);
+        for (int j = 0; j < 8; j++) a[j] = _mm256_fmadd_ps(qv, load_kv8(k[j] + (size_t)i * esz, kv16), a[j]);
+    }
+    __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
+    __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
+    __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+#endif
+
+/* Keys (or values) of one kv head in position order without a division per key: (block, offset)
+ * stepped along. `plane` 0 = K, 1 = V; bytes throughout. */
+typedef struct {
+    const char *base;
+    const int64_t *table;
+    size_t block, plane, slot;
+    int64_t blk;
+    int off, bs;
+} KeyWalk;
+
+static inline KeyWalk key_walk(const char *cache, const int64_t *table, int64_t pos, int bs, size_t slot,
+                               size_t head, int plane) {
+    KeyWalk w = {cache + head, table, 2 * (size_t)bs * slot, (size_t)plane * bs * slot, slot, pos / bs,
+                 (int)(pos % bs), bs};
+    return w;
+}
+
+static inline const char *next_key(KeyWalk *w) {
+    const char *p = w->base + w->table[w->blk] * w->block + w->plane + (size_t)w->off * w->slot;
+    if (++w->off == w->bs) {
+        w->off = 0;
+        w->blk++;
+    }
+    return p;
+}
+
+#if SF_AVX2
+/* One (sequence, query head) over a float32 (kv16 = 0) or float16 cache: scores 8 keys at a time, then
+ * the values summed 64 dims at a time in registers (one broadcast weight, 8 independent FMAs per key). */
+INLINE void attend_avx(const float *qh, const char *cache, const int64_t *table, int64_t start, int64_t n, int bs,
+                       size_t slot, size_t head, int D, float scale, float *sc, float *o, const int kv16) {
+    float mx = -INFINITY;
+    int64_t t = 0;
+    KeyWalk kw = key_walk(cache, table, start, bs, slot, head, 0);
+    __m256 vmx = _mm256_set1_ps(-INFINITY), vscale = _mm256_set1_ps(scale);
+    for (; t + 8 <= n; t += 8) {
+        const char *k[8];
+        for (int j = 0; j < 8; j++) k[j] = next_key(&kw);
+        __m256 v = _mm256_mul_ps(dot8(qh, k, D, kv16), vscale);
+        _mm256_storeu_ps(sc + t, v);
+        vmx = _mm256_max_ps(vmx, v);
+    }
+    float m8[8];
+    _mm256_storeu_ps(m8, vmx);
+    for (int j = 0; j < 8; j++) mx = fmaxf(mx, m8[j]);
+    for (; t < n; t++) {
+        const char *k = next_key(&kw);
+        __m256 acc = _mm256_setzero_ps();
+        for (int i = 0; i < D; i += 8)
+            acc = _mm256_fmadd_ps(_mm256_loadu_ps(qh + i), load_kv8(k + (size_t)i * (kv16 ? 2 : 4), kv16), acc);
+        sc[t] = hsum(acc) * scale;
+        mx = fmaxf(mx, sc[t]);
+    }
+    float inv = 1.0f / exp_shift_sum(sc, n, mx);
+    int esz = kv16 ? 2 : 4;
+    for (int d0 = 0; d0 < D; d0 += 64) {
+        int nv = D - d0 < 64 ? (D - d0) / 8 : 8;
+        __m256 acc[8];
+        for (int i = 0; i < 8; i++) acc[i] = _mm256_setzero_ps();
+        KeyWalk vw = key_walk(cache, table, start, bs, slot, head, 1);
+        if (nv == 8) {
+            for (int64_t u = 0; u < n; u++) {
+                const char *v = next_key(&vw) + (size_t)d0 * esz;
+                __m256 w = _mm256_set1_ps(sc[u] * inv);
+                for (int i = 0; i < 8; i++) acc[i] = _mm256_fmadd_ps(w, load_kv8(v + (size_t)8 * i * esz, kv16), acc[i]);
+            }
+        } else {
+            for (int64_t u = 0; u < n; u++) {
+                const char *v = next_key(&vw) + (size_t)d0 * esz;
+                __m256 w = _mm256_set1_ps(sc[u] * inv);
+                for (int i = 0; i < nv; i++) acc[i] = _mm256_fmadd_ps(w, load_kv8(v + (size_t)8 * i * esz, kv16), acc[i]);
+            }
+        }
+        for (int i = 0; i < nv; i++) _mm256_storeu_ps(o + d0 + 8 * i, acc[i]);
+    }
+}
+#endif
+
+/* The same in plain C, float32 cache only. */
+static void attend_ref(const float *qh, const char *cache, const int64_t *table, int64_t start, int64_t n, int bs,
+                       size_t slot, size_t head, int D, float scale, float *sc, float *o) {
+    float mx = -INFINITY;
+    KeyWalk kw = key_walk(cache, table, start, bs, slot, head, 0);
+    for (int64_t t = 0; t < n; t++) {
+        sc[t] = dot(qh, (const float *)next_key(&kw), D) * scale;
+        if (sc[t] > mx) mx = sc[t];
+    }
+    float inv = 1.0f / exp_shift_sum(sc, n, mx);
+    memset(o, 0, sizeof(float) * D);
+    KeyWalk vw = key_walk(cache, table, start, bs, slot, head, 1);
+    for (int64_t u = 0; u < n; u++) axpy(o, sc[u] * inv, (const float *)next_key(&vw), D);
+}
+
+
+/* Decode attention straight from the paged cache ([blocks, 2, bs, KVH, D], float32 or, with kv16,
+ * float16: half the bytes to stream at long contexts). Returns 0; -1 out of memory; -2 for a float16
+ * cache this build cannot read (needs AVX2 + F16C and D % 8 == 0: the caller checks first). */
+int sf_paged_decode(const float *q, int ldq, int B, int H, int KVH, int D, const void *cache, int bs,
                     const int64_t *tables, int max_blocks, const int64_t *ctx_lens, float scale, int window,
-                    float *out, int threads) {
+                    float *out, int kv16, int threads) {
     int G = H / KVH, failed = 0;
-    size_t slot = (size_t)KVH * D, block = 2 * (size_t)bs * slot;
+    if (kv16 && (!SF_AVX2 || D % 8)) return -2;
+    size_t esz = kv16 ? 2 : 4, slot = (size_t)KVH * D * esz;
     /* One task per (sequence, query head): SmolLM2's 3 kv heads split 2:1 over two threads, its 9
      * query heads 5:4. With enough sequences a thread takes the G heads of one kv head in a row, so
      * the second and third read its keys and values from their own L2, not the shared L3 or DRAM. */
@@ -560,73 +664,19 @@ int sf_paged_decode(const float *q, int ldq, int B, int H, int KVH, int D, const
         }
         const int64_t *table = tables + (size_t)b * max_blocks;
         const float *qh = q + (size_t)b * ldq + (size_t)h * D;
-        /* Keys in position order without a division per key: (block, offset) stepped along. */
-        const float *base = cache + (size_t)kh * D;
-#define KEYS_FROM(pos) int64_t blk_ = (pos) / bs; int off_ = (int)((pos) % bs)
-#define NEXT_KEY(dst, vofs)                                                      \
-    do {                                                                         \
-        (dst) = base + table[blk_] * block + (vofs) + (size_t)off_ * slot;       \
-        if (++off_ == bs) { off_ = 0; blk_++; }                                  \
-    } while (0)
-        float mx = -INFINITY;
-        int64_t t = 0;
-        {
-            KEYS_FROM(start);
-#if SF_AVX2
-            if (D % 8 == 0) {
-                __m256 vmx = _mm256_set1_ps(-INFINITY), vscale = _mm256_set1_ps(scale);
-                for (; t + 8 <= n; t += 8) {
-                    const float *k[8];
-                    for (int j = 0; j < 8; j++) NEXT_KEY(k[j], 0);
-                    __m256 v = _mm256_mul_ps(dot8(qh, k, D), vscale);
-                    _mm256_storeu_ps(sc + t, v);
-                    vmx = _mm256_max_ps(vmx, v);
-                }
-                float m8[8];
-                _mm256_storeu_ps(m8, vmx);
-                for (int j = 0; j < 8; j++) mx = fmaxf(mx, m8[j]);
-            }
-#endif
-            for (; t < n; t++) {
-                const float *k;
-                NEXT_KEY(k, 0);
-                sc[t] = dot(qh, k, D) * scale;
-                if (sc[t] > mx) mx = sc[t];
-            }
-        }
-        float sum = exp_shift_sum(sc, n, mx), inv = 1.0f / sum;
         float *o = out + ((size_t)b * H + h) * D;
-        size_t vofs = (size_t)bs * slot;
+        size_t head = (size_t)kh * D * esz;
 #if SF_AVX2
-        if (D % 64 == 0) {
-            /* 64 output dims at a time in 8 accumulators: one broadcast weight, 8 independent FMAs per key. */
-            for (int d0 = 0; d0 < D; d0 += 64) {
-                __m256 acc[8];
-                for (int i = 0; i < 8; i++) acc[i] = _mm256_setzero_ps();
-                KEYS_FROM(start);
-                for (int64_t u = 0; u < n; u++) {
-                    const float *v;
-                    NEXT_KEY(v, vofs);
-                    __m256 w = _mm256_set1_ps(sc[u] * inv);
-                    for (int i = 0; i < 8; i++) acc[i] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + d0 + 8 * i), acc[i]);
-                }
-                for (int i = 0; i < 8; i++) _mm256_storeu_ps(o + d0 + 8 * i, acc[i]);
-            }
+        if (D % 8 == 0) {
+            if (kv16)
+                attend_avx(qh, (const char *)cache, table, start, n, bs, slot, head, D, scale, sc, o, 1);
+            else
+                attend_avx(qh, (const char *)cache, table, start, n, bs, slot, head, D, scale, sc, o, 0);
             free(sc);
             continue;
         }
 #endif
-        memset(o, 0, sizeof(float) * D);
-        {
-            KEYS_FROM(start);
-            for (int64_t u = 0; u < n; u++) {
-                const float *v;
-                NEXT_KEY(v, vofs);
-                axpy(o, sc[u] * inv, v, D);
-            }
-        }
-#undef KEYS_FROM
-#undef NEXT_KEY
+        attend_ref(qh, (const char *)cache, table, start, n, bs, slot, head, D, scale, sc, o);
         free(sc);
     }
     return failed ? -1 : 0;
@@ -638,10 +688,12 @@ int sf_paged_decode(const float *q, int ldq, int B, int H, int KVH, int D, const
  * their cache slots (`k_rows[t]`: row of token t's K in the layer cache viewed as [rows, KVH, D],
  * its V `bs` rows later). Replaces seven torch ops per layer (float casts, complex views,
  * multiply, two index_copy_). */
-void sf_rope_store(float *qkv, int T, int H, int KVH, int D, const float *freqs, float *cache, const int64_t *k_rows,
-                   int bs) {
+/* Returns 0, or -2 for a float16 cache this build cannot write (needs AVX2 + F16C, D % 8 == 0). */
+int sf_rope_store(float *qkv, int T, int H, int KVH, int D, const float *freqs, void *cache, const int64_t *k_rows,
+                  int bs, int kv16) {
     int row = (H + 2 * KVH) * D;
     size_t slot = (size_t)KVH * D;
+    if (cache && kv16 && (!SF_AVX2 || D % 8)) return -2;
     for (int t = 0; t < T; t++) {
         float *x = qkv + (size_t)t * row;
         const float *f = freqs + (size_t)t * D; /* token t's D/2 (cos, sin) pairs */
@@ -653,11 +705,23 @@ void sf_rope_store(float *qkv, int T, int H, int KVH, int D, const float *freqs,
                 v[2 * i + 1] = a * s + b * c;
             }
         }
-        if (cache) {
-            memcpy(cache + (size_t)k_rows[t] * slot, x + (size_t)H * D, sizeof(float) * slot);
-            memcpy(cache + ((size_t)k_rows[t] + bs) * slot, x + (size_t)(H + KVH) * D, sizeof(float) * slot);
+        if (!cache) continue;
+        const float *k = x + (size_t)H * D, *v = k + slot;
+        size_t kr = (size_t)k_rows[t], vr = kr + (size_t)bs;
+        if (!kv16) {
+            memcpy((float *)cache + kr * slot, k, sizeof(float) * slot);
+            memcpy((float *)cache + vr * slot, v, sizeof(float) * slot);
+            continue;
         }
+#if SF_AVX2
+        uint16_t *ck = (uint16_t *)cache + kr * slot, *cv = (uint16_t *)cache + vr * slot;
+        for (size_t i = 0; i < slot; i += 8) { /* round to nearest even, as torch's .half() */
+            _mm_storeu_si128((__m128i *)(ck + i), _mm256_cvtps_ph(_mm256_loadu_ps(k + i), _MM_FROUND_TO_NEAREST_INT));
+            _mm_storeu_si128((__m128i *)(cv + i), _mm256_cvtps_ph(_mm256_loadu_ps(v + i), _MM_FROUND_TO_NEAREST_INT));
+        }
+#endif
     }
+    return 0;
 }
 
 /* ---- SiLU(gate) * up (float32) ---- gate_up rows are [gate (I) | up (I)]. */
@@ -825,13 +889,14 @@ typedef struct {
 typedef struct {
     const float *attn_norm, *mlp_norm; /* [hidden] */
     SfLinear qkv, o, gate_up, down;
-    float *cache;                      /* this layer's [blocks, 2, bs, KVH, D] */
+    void *cache;                       /* this layer's [blocks, 2, bs, KVH, D], float32 or float16 */
     int window;                        /* sliding window, 0 = none */
     int rope;                          /* which of the step's RoPE tables */
 } SfLayer;
 
 typedef struct {
     int hidden, heads, kv_heads, head_dim, inter, block_size, q8x_rows;
+    int kv16;                          /* the KV cache holds float16 */
     float eps, scale;
 } SfDims;
 
@@ -849,7 +914,8 @@ static int sf_linear(const SfLinear *w, const float *x, int M, float *y, int q8x
 
 /* res [T, hidden]: the residual stream (the embeddings in, updated in place); h [T, hidden]: the last
  * layer's MLP output (the caller adds it and applies the final norm). One decode row per sequence,
- * `freqs[r]` the step's [T, D/2] (cos, sin) pairs of RoPE table r. Returns 0, or -1 out of memory. */
+ * `freqs[r]` the step's [T, D/2] (cos, sin) pairs of RoPE table r. Returns 0, -1 out of memory, or -2: a
+ * float16 cache this build cannot use. */
 /* aux (optional, EAGLE-3): [T, n_aux * hidden], the residual stream entering layers aux_layers[j] (ascending). */
 int sf_decode_layers(const SfDims *d, const SfLayer *layers, int n_layers, float *res, float *h, int T,
                      const float *const *freqs, const int64_t *k_rows, const int64_t *tables, int max_blocks,
@@ -873,9 +939,9 @@ int sf_decode_layers(const SfDims *d, const SfLayer *layers, int n_layers, float
         }
         sf_add_rmsnorm(res, l ? h : NULL, L->attn_norm, xn, T, (int)hid, d->eps);
         if ((rc = sf_linear(&L->qkv, xn, T, qkv, d->q8x_rows, threads))) break;
-        sf_rope_store(qkv, T, H, KVH, D, freqs[L->rope], L->cache, k_rows, d->block_size);
+        if ((rc = sf_rope_store(qkv, T, H, KVH, D, freqs[L->rope], L->cache, k_rows, d->block_size, d->kv16))) break;
         if ((rc = sf_paged_decode(qkv, (int)qkv_n, T, H, KVH, D, L->cache, d->block_size, tables, max_blocks, ctx_lens,
-                                  d->scale, L->window, att, threads)))
+                                  d->scale, L->window, att, d->kv16, threads)))
             break;
         if ((rc = sf_linear(&L->o, att, T, h, d->q8x_rows, threads))) break;
         sf_add_rmsnorm(res, h, L->mlp_norm, xn, T, (int)hid, d->eps);
@@ -884,5 +950,5 @@ int sf_decode_layers(const SfDims *d, const SfLayer *layers, int n_layers, float
         if ((rc = sf_linear(&L->down, act, T, h, d->q8x_rows, threads))) break;
     }
     free(buf);
-    return rc < 0 ? -1 : 0;
+    return rc;
 }

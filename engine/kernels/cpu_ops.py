@@ -91,12 +91,13 @@ def build(arch: tuple[str, ...] = NATIVE, cache_dir: Path | None = None) -> ctyp
     lib.sf_gemm_q8x.argtypes = [_P, _I, _I, _I, _P, _P, _P, _I, _I, _I, _P, _P, _I, _I]
     lib.sf_gemm_q8x.restype = _I
     lib.sf_add_rmsnorm.argtypes = [_P, _P, _P, _P, _I, _I, ctypes.c_float]
-    lib.sf_paged_decode.argtypes = [_P, _I, _I, _I, _I, _I, _P, _I, _P, _I, _P, ctypes.c_float, _I, _P, _I]
-    lib.sf_rope_store.argtypes = [_P, _I, _I, _I, _I, _P, _P, _P, _I]
+    lib.sf_paged_decode.argtypes = [_P, _I, _I, _I, _I, _I, _P, _I, _P, _I, _P, ctypes.c_float, _I, _P, _I, _I]
+    lib.sf_rope_store.argtypes = [_P, _I, _I, _I, _I, _P, _P, _P, _I, _I]
+    lib.sf_rope_store.restype = _I
     lib.sf_silu_mul.argtypes = [_P, _P, _I, _I]
     lib.sf_paged_decode.restype = _I
     for f in (lib.sf_gemm_i8, lib.sf_gemm_i4, lib.sf_dequant_i8, lib.sf_dequant_i4, lib.sf_add_rmsnorm,
-              lib.sf_rope_store, lib.sf_silu_mul):
+              lib.sf_silu_mul):
         f.restype = None
     lib.sf_has_avx2.restype = _I
     lib.sf_set_panel_min_rows.argtypes = [_I]
@@ -150,11 +151,32 @@ def add_rmsnorm(x: torch.Tensor, h: torch.Tensor | None, w: torch.Tensor, eps: f
     return out
 
 
+def kv_supported(cache_dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether the C attention kernels read and write a KV cache of this dtype: float32 always,
+    float16 with the AVX2 (+ F16C) build and head_dim % 8 == 0."""
+    lib = library()
+    if lib is None:
+        return False
+    if cache_dtype == torch.float32:
+        return True
+    return cache_dtype == torch.float16 and bool(lib.sf_has_avx2()) and head_dim % 8 == 0
+
+
+def check(rc: int, what: str) -> None:
+    """A kernel's return code as an exception."""
+    if rc == -1:
+        raise MemoryError(f"{what}: out of memory")
+    if rc == -2:
+        raise RuntimeError(f"{what}: this build of cpu_ops.c cannot use a float16 KV cache (needs AVX2 + F16C)")
+    if rc != 0:
+        raise RuntimeError(f"{what}: failed with code {rc}")
+
+
 def paged_decode(q: torch.Tensor, cache: torch.Tensor, tables: torch.Tensor, context_lens: torch.Tensor,
                  scale: float, window: int) -> torch.Tensor:
     """q [B, heads, D] float32, each row's heads contiguous (a view into a fused qkv row is fine); cache
-    [blocks, 2, block_size, kv_heads, D]; tables [B, max_blocks] and context_lens [B] int64.
-    Returns [B, heads, D]."""
+    [blocks, 2, block_size, kv_heads, D] float32 or float16 (see `kv_supported`); tables [B, max_blocks]
+    and context_lens [B] int64. Returns [B, heads, D]."""
     lib = library()
     assert lib is not None
     b, h, d = q.shape
@@ -162,9 +184,8 @@ def paged_decode(q: torch.Tensor, cache: torch.Tensor, tables: torch.Tensor, con
     out = torch.empty(b, h, d)
     rc = lib.sf_paged_decode(q.data_ptr(), q.stride(0), b, h, cache.shape[3], d, cache.data_ptr(), cache.shape[2],
                              tables.data_ptr(), tables.shape[1], context_lens.data_ptr(), scale, window,
-                             out.data_ptr(), torch.get_num_threads())
-    if rc != 0:
-        raise MemoryError("paged decode attention: out of memory for the score buffer")
+                             out.data_ptr(), int(cache.dtype == torch.float16), torch.get_num_threads())
+    check(rc, "paged decode attention")
     return out
 
 
@@ -174,8 +195,9 @@ def rope_store(qkv: torch.Tensor, heads: int, kv_heads: int, head_dim: int, freq
     complex64: cos + i sin per token) and store k and v at `k_rows` of the layer `cache`."""
     lib = library()
     assert lib is not None
-    lib.sf_rope_store(qkv.data_ptr(), qkv.shape[0], heads, kv_heads, head_dim, freqs.data_ptr(), cache.data_ptr(),
-                      k_rows.data_ptr(), block_size)
+    check(lib.sf_rope_store(qkv.data_ptr(), qkv.shape[0], heads, kv_heads, head_dim, freqs.data_ptr(),
+                             cache.data_ptr(), k_rows.data_ptr(), block_size, int(cache.dtype == torch.float16)),
+           "RoPE + KV store")
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
