@@ -14,6 +14,7 @@ every number comes from this one run.
     python -m loadtest.bench_engine --grammar           # constrained decoding cost
     python -m loadtest.bench_engine --quant             # float32 vs int8 vs int4 vs the GGUF's Q4_1
     python -m loadtest.bench_engine --gemm              # one quantized matmul: C tiles vs panel GEMM vs float GEMM
+    python -m loadtest.bench_engine --kv-dtypes         # float32 vs float16 KV cache: decode speed, perplexity
     python -m loadtest.bench_engine --mla               # DeepSeek-V3 latent attention: absorbed vs up-projecting
     python -m loadtest.bench_engine --quant --vs-llama-server /path/to/llama-server
 """
@@ -419,6 +420,8 @@ def main() -> int:
     p.add_argument("--quant", action="store_true", help="quantized weights vs float32: speed, perplexity, agreement")
     p.add_argument("--gemm", action="store_true", help="one quantized matmul at SmolLM2 shapes: C tiles vs panel "
                    "GEMM vs dequantize + float32 GEMM, by activation rows")
+    p.add_argument("--kv-dtypes", action="store_true", help="float32 vs float16 KV cache: decode tok/s at "
+                   "256/1024-token contexts, perplexity")
     p.add_argument("--gemm-rows", default="1,2,5,8,16,32,64,128,256,512", help="with --gemm: row counts")
     p.add_argument("--vs-llama-server", nargs="?", const="", default=None, metavar="BINARY",
                    help="with --quant: also serve the same GGUF over HTTP against llama.cpp's llama-server at this "
@@ -428,6 +431,10 @@ def main() -> int:
     p.add_argument("--splitfire-arg", action="append", help="with --vs-llama-server: extra `splitfire up` argument")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
+    if args.kv_dtypes:
+        from loadtest.bench_quant import main_kv
+
+        return main_kv(args)
     if args.gemm:
         from loadtest.bench_quant import main_gemm
 

@@ -136,6 +136,42 @@ def main_gemm(args: argparse.Namespace) -> int:
     return 0
 
 
+def main_kv(args: argparse.Namespace) -> int:
+    """float32 against float16 KV cache on the same model (the default SmolLM2, Q4_1 weights as
+    stored), interleaved rounds in one run: decode tok/s once every sequence decodes, at batch 1 and
+    16 after 256-token prompts (the contexts of `vs_llama_server`) and at batch 1 after 1,024;
+    cache bytes per token; perplexity on prose.txt (prefill's attention reads the cache too)."""
+    from loadtest.bench_engine import decode_rate as rate
+    from loadtest.bench_engine import random_ids
+
+    path = fetch_builtin(args.model or DEFAULT_MODEL)
+    engines = {dt: LLMEngine(EngineConfig(model=str(path), device="cpu", threads=args.threads, kv_cache_gb=1.0,
+                                          kv_cache_dtype=dt, enable_prefix_cache=False))
+               for dt in ("float32", "float16")}
+    cases = [(1, 256), (16, 256), (1, 1024)]
+    found: dict[str, dict[str, list[float]]] = {dt: {} for dt in engines}
+    sp = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
+    for r in tqdm(range(args.rounds), desc="rounds", file=sys.stderr):
+        for dt, engine in engines.items():
+            for batch, ctx in cases:
+                prompts = [random_ids(engine.model_config.vocab_size, ctx, 1000 * r + i) for i in range(batch)]
+                found[dt].setdefault(f"b{batch}@{ctx}", []).append(rate(engine, prompts, sp, f"{dt}-{r}-{batch}-{ctx}"))
+    ppl = {dt: quality.perplexity(engine)[0] for dt, engine in engines.items()}
+    print(f"\nSmolLM2-135M-Instruct (Q4_1 weights), CPU: {cpu_flags()}; decode tok/s, medians of {args.rounds} "
+          "interleaved rounds")
+    print(f"{'':<30}{'float32 KV':>14}{'float16 KV':>14}{'f16 / f32':>12}")
+    per_token = {dt: e.kv.layout.page_bytes * e.kv.layout.num_layers / e.kv.layout.block_size for dt, e in engines.items()}
+    print(f"{'KV bytes per token':<30}{per_token['float32']:>14.0f}{per_token['float16']:>14.0f}"
+          f"{per_token['float16'] / per_token['float32']:>11.2f}x")
+    for batch, ctx in cases:
+        key = f"b{batch}@{ctx}"
+        a, b = (statistics.median(found[dt][key]) for dt in engines)
+        print(f"{f'decode batch {batch}, {ctx}-token prompts':<30}{a:>14.1f}{b:>14.1f}{b / a:>11.2f}x")
+    print(f"{'perplexity (prose.txt)':<30}{ppl['float32']:>14.3f}{ppl['float16']:>14.3f}"
+          f"{ppl['float16'] / ppl['float32'] - 1:>+12.2%}")
+    return 0
+
+
 def main_quant(args: argparse.Namespace) -> int:
     name = args.model or DEFAULT_MODEL
     native = fetch_builtin(name)
