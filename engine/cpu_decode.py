@@ -9,8 +9,8 @@ small prompt chunks — go through the same decode attention, one query per row 
 its position (the module path runs those through SDPA: equal up to float rounding).
 
 It applies to plain pre-norm decoders whose every matmul weight is quantized (a GGUF served as
-stored, or `--quantization int8|int4`), in float32 with a float32 KV cache: Llama, Mistral,
-Qwen2, SmolLM2, for steps of up to 48 rows. Everything else — q/k norms, latent attention, experts,
+stored, or `--quantization int8|int4`), in float32 with a float32 or float16 KV cache: Llama,
+Mistral, Qwen2, SmolLM2, for steps of up to 64 rows. Everything else — q/k norms, latent attention, experts,
 Gemma's norms, float weights, longer steps — takes the module path.
 """
 

@@ -570,115 +570,178 @@ static inline const char *next_key(KeyWalk *w) {
     return p;
 }
 
+/* One (sequence, kv head, range of keys) for the G query heads that share the kv head: each key and
+ * value is read from memory once for all G (they re-read it from L1), not once per query head. Leaves
+ * per head the range's max score m, sum of exp(score - m) l and unnormalized sum of exp(score - m) v,
+ * which `sf_paged_decode` merges over ranges. sc: G x n scratch. */
+typedef struct {
+    const float *q;      /* the G heads' queries, D apart */
+    const char *cache;   /* the layer cache, bytes */
+    const int64_t *table;
+    int64_t start, n;    /* first key position, number of keys */
+    int bs, G, D;
+    size_t slot, head;   /* bytes per token slot; byte offset of this kv head in a slot */
+    float scale;
+} Span;
+
+#define V_CHUNK 32 /* values summed per pass over the G heads: 32 x D floats stay in L1 */
+
 #if SF_AVX2
-/* One (sequence, query head) over a float32 (kv16 = 0) or float16 cache: scores 8 keys at a time, then
- * the values summed 64 dims at a time in registers (one broadcast weight, 8 independent FMAs per key). */
-INLINE void attend_avx(const float *qh, const char *cache, const int64_t *table, int64_t start, int64_t n, int bs,
-                       size_t slot, size_t head, int D, float scale, float *sc, float *o, const int kv16) {
-    float mx = -INFINITY;
-    int64_t t = 0;
-    KeyWalk kw = key_walk(cache, table, start, bs, slot, head, 0);
-    __m256 vmx = _mm256_set1_ps(-INFINITY), vscale = _mm256_set1_ps(scale);
+INLINE void span_avx(const Span *sp, float *sc, float *m, float *l, float *o, const int kv16) {
+    int G = sp->G, D = sp->D, esz = kv16 ? 2 : 4;
+    int64_t n = sp->n, t = 0;
+    __m256 vscale = _mm256_set1_ps(sp->scale);
+    KeyWalk kw = key_walk(sp->cache, sp->table, sp->start, sp->bs, sp->slot, sp->head, 0);
+    for (int g = 0; g < G; g++) m[g] = -INFINITY;
+    const char *nk[8];
+    if (n >= 8)
+        for (int j = 0; j < 8; j++) nk[j] = next_key(&kw);
     for (; t + 8 <= n; t += 8) {
         const char *k[8];
-        for (int j = 0; j < 8; j++) k[j] = next_key(&kw);
-        __m256 v = _mm256_mul_ps(dot8(qh, k, D, kv16), vscale);
-        _mm256_storeu_ps(sc + t, v);
-        vmx = _mm256_max_ps(vmx, v);
+        for (int j = 0; j < 8; j++) k[j] = nk[j];
+        if (t + 16 <= n) /* the next 8 keys' addresses, and their lines on the way while these compute */
+            for (int j = 0; j < 8; j++) {
+                nk[j] = next_key(&kw);
+                for (int i = 0; i < D * esz; i += 64) _mm_prefetch(nk[j] + i, _MM_HINT_T0);
+            }
+        for (int g = 0; g < G; g++) {
+            __m256 v = _mm256_mul_ps(dot8(sp->q + (size_t)g * D, k, D, kv16), vscale);
+            _mm256_storeu_ps(sc + (size_t)g * n + t, v);
+            float m8[8];
+            _mm256_storeu_ps(m8, v);
+            for (int j = 0; j < 8; j++) m[g] = fmaxf(m[g], m8[j]);
+        }
     }
-    float m8[8];
-    _mm256_storeu_ps(m8, vmx);
-    for (int j = 0; j < 8; j++) mx = fmaxf(mx, m8[j]);
     for (; t < n; t++) {
         const char *k = next_key(&kw);
-        __m256 acc = _mm256_setzero_ps();
-        for (int i = 0; i < D; i += 8)
-            acc = _mm256_fmadd_ps(_mm256_loadu_ps(qh + i), load_kv8(k + (size_t)i * (kv16 ? 2 : 4), kv16), acc);
-        sc[t] = hsum(acc) * scale;
-        mx = fmaxf(mx, sc[t]);
+        for (int g = 0; g < G; g++) {
+            __m256 acc = _mm256_setzero_ps();
+            const float *qg = sp->q + (size_t)g * D;
+            for (int i = 0; i < D; i += 8)
+                acc = _mm256_fmadd_ps(_mm256_loadu_ps(qg + i), load_kv8(k + (size_t)i * esz, kv16), acc);
+            float v = hsum(acc) * sp->scale;
+            sc[(size_t)g * n + t] = v;
+            m[g] = fmaxf(m[g], v);
+        }
     }
-    float inv = 1.0f / exp_shift_sum(sc, n, mx);
-    int esz = kv16 ? 2 : 4;
-    for (int d0 = 0; d0 < D; d0 += 64) {
-        int nv = D - d0 < 64 ? (D - d0) / 8 : 8;
-        __m256 acc[8];
-        for (int i = 0; i < 8; i++) acc[i] = _mm256_setzero_ps();
-        KeyWalk vw = key_walk(cache, table, start, bs, slot, head, 1);
-        if (nv == 8) {
-            for (int64_t u = 0; u < n; u++) {
-                const char *v = next_key(&vw) + (size_t)d0 * esz;
-                __m256 w = _mm256_set1_ps(sc[u] * inv);
-                for (int i = 0; i < 8; i++) acc[i] = _mm256_fmadd_ps(w, load_kv8(v + (size_t)8 * i * esz, kv16), acc[i]);
-            }
-        } else {
-            for (int64_t u = 0; u < n; u++) {
-                const char *v = next_key(&vw) + (size_t)d0 * esz;
-                __m256 w = _mm256_set1_ps(sc[u] * inv);
-                for (int i = 0; i < nv; i++) acc[i] = _mm256_fmadd_ps(w, load_kv8(v + (size_t)8 * i * esz, kv16), acc[i]);
+    for (int g = 0; g < G; g++) l[g] = n ? exp_shift_sum(sc + (size_t)g * n, n, m[g]) : 0.f;
+    memset(o, 0, sizeof(float) * (size_t)G * D);
+    KeyWalk vw = key_walk(sp->cache, sp->table, sp->start, sp->bs, sp->slot, sp->head, 1);
+    for (int64_t u0 = 0; u0 < n; u0 += V_CHUNK) {
+        int c = n - u0 < V_CHUNK ? (int)(n - u0) : V_CHUNK;
+        const char *v[V_CHUNK];
+        for (int u = 0; u < c; u++) v[u] = next_key(&vw);
+        for (int g = 0; g < G; g++) {
+            const float *w = sc + (size_t)g * n + u0;
+            float *og = o + (size_t)g * D;
+            for (int d0 = 0; d0 < D; d0 += 64) {
+                int nv = D - d0 < 64 ? (D - d0) / 8 : 8;
+                __m256 acc[8];
+                for (int i = 0; i < nv; i++) acc[i] = _mm256_loadu_ps(og + d0 + 8 * i);
+                if (nv == 8) {
+                    for (int u = 0; u < c; u++) {
+                        __m256 wu = _mm256_set1_ps(w[u]);
+                        const char *vu = v[u] + (size_t)d0 * esz;
+                        for (int i = 0; i < 8; i++) acc[i] = _mm256_fmadd_ps(wu, load_kv8(vu + (size_t)8 * i * esz, kv16), acc[i]);
+                    }
+                } else {
+                    for (int u = 0; u < c; u++) {
+                        __m256 wu = _mm256_set1_ps(w[u]);
+                        const char *vu = v[u] + (size_t)d0 * esz;
+                        for (int i = 0; i < nv; i++) acc[i] = _mm256_fmadd_ps(wu, load_kv8(vu + (size_t)8 * i * esz, kv16), acc[i]);
+                    }
+                }
+                for (int i = 0; i < nv; i++) _mm256_storeu_ps(og + d0 + 8 * i, acc[i]);
             }
         }
-        for (int i = 0; i < nv; i++) _mm256_storeu_ps(o + d0 + 8 * i, acc[i]);
     }
 }
 #endif
 
 /* The same in plain C, float32 cache only. */
-static void attend_ref(const float *qh, const char *cache, const int64_t *table, int64_t start, int64_t n, int bs,
-                       size_t slot, size_t head, int D, float scale, float *sc, float *o) {
-    float mx = -INFINITY;
-    KeyWalk kw = key_walk(cache, table, start, bs, slot, head, 0);
+static void span_ref(const Span *sp, float *sc, float *m, float *l, float *o) {
+    int G = sp->G, D = sp->D;
+    int64_t n = sp->n;
+    for (int g = 0; g < G; g++) m[g] = -INFINITY;
+    KeyWalk kw = key_walk(sp->cache, sp->table, sp->start, sp->bs, sp->slot, sp->head, 0);
     for (int64_t t = 0; t < n; t++) {
-        sc[t] = dot(qh, (const float *)next_key(&kw), D) * scale;
-        if (sc[t] > mx) mx = sc[t];
+        const float *k = (const float *)next_key(&kw);
+        for (int g = 0; g < G; g++) {
+            float v = dot(sp->q + (size_t)g * D, k, D) * sp->scale;
+            sc[(size_t)g * n + t] = v;
+            m[g] = fmaxf(m[g], v);
+        }
     }
-    float inv = 1.0f / exp_shift_sum(sc, n, mx);
-    memset(o, 0, sizeof(float) * D);
-    KeyWalk vw = key_walk(cache, table, start, bs, slot, head, 1);
-    for (int64_t u = 0; u < n; u++) axpy(o, sc[u] * inv, (const float *)next_key(&vw), D);
+    for (int g = 0; g < G; g++) l[g] = n ? exp_shift_sum(sc + (size_t)g * n, n, m[g]) : 0.f;
+    memset(o, 0, sizeof(float) * (size_t)G * D);
+    KeyWalk vw = key_walk(sp->cache, sp->table, sp->start, sp->bs, sp->slot, sp->head, 1);
+    for (int64_t u = 0; u < n; u++) {
+        const float *v = (const float *)next_key(&vw);
+        for (int g = 0; g < G; g++) axpy(o + (size_t)g * D, sc[(size_t)g * n + u], v, D);
+    }
 }
 
-
 /* Decode attention straight from the paged cache ([blocks, 2, bs, KVH, D], float32 or, with kv16,
- * float16: half the bytes to stream at long contexts). Returns 0; -1 out of memory; -2 for a float16
- * cache this build cannot read (needs AVX2 + F16C and D % 8 == 0: the caller checks first). */
+ * float16: half the bytes to stream). Work is split into (sequence, kv head, key range) tasks: one
+ * range per pair when there are enough pairs for the threads, else each context cut into as many
+ * ranges as keep every thread busy (one sequence with 3 kv heads on 2 threads: 6 tasks, not 3),
+ * merged by their max scores (flash-decoding). Returns 0; -1 out of memory; -2 for a float16 cache this
+ * build cannot read (needs AVX2 + F16C and D % 8 == 0: the caller checks first). */
 int sf_paged_decode(const float *q, int ldq, int B, int H, int KVH, int D, const void *cache, int bs,
                     const int64_t *tables, int max_blocks, const int64_t *ctx_lens, float scale, int window,
                     float *out, int kv16, int threads) {
     int G = H / KVH, failed = 0;
     if (kv16 && (!SF_AVX2 || D % 8)) return -2;
     size_t esz = kv16 ? 2 : 4, slot = (size_t)KVH * D * esz;
-    /* One task per (sequence, query head): SmolLM2's 3 kv heads split 2:1 over two threads, its 9
-     * query heads 5:4. With enough sequences a thread takes the G heads of one kv head in a row, so
-     * the second and third read its keys and values from their own L2, not the shared L3 or DRAM. */
-    int chunk = B * KVH >= 2 * threads ? G : 1;
-#pragma omp parallel for num_threads(threads) schedule(dynamic, chunk)
-    for (int task = 0; task < B * H; task++) {
-        int b = task / H, h = task % H, kh = h / G;
+    int pairs = B * KVH, splits = pairs >= 2 * threads ? 1 : (2 * threads + pairs - 1) / pairs;
+    size_t part = (size_t)G * (D + 2); /* per task: G maxima, G sums, G x D partial outputs */
+    float *parts = (float *)malloc(sizeof(float) * part * (size_t)pairs * splits);
+    if (!parts) return -1;
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+    for (int task = 0; task < pairs * splits; task++) {
+        int pair = task / splits, s = task % splits, b = pair / KVH, kh = pair % KVH;
         int64_t ctx = ctx_lens[b];
-        int64_t start = window > 0 && ctx > window ? ctx - window : 0;
-        int64_t n = ctx - start;
-        float *sc = (float *)malloc(sizeof(float) * (size_t)(n > 0 ? n : 1));
+        int64_t first = window > 0 && ctx > window ? ctx - window : 0, total = ctx - first;
+        int64_t k0 = total * s / splits, k1 = total * (s + 1) / splits;
+        float *m = parts + part * (size_t)task, *l = m + G, *o = l + G;
+        Span sp = {q + (size_t)b * ldq + (size_t)kh * G * D, (const char *)cache, tables + (size_t)b * max_blocks,
+                   first + k0, k1 - k0, bs, G, D, slot, (size_t)kh * D * esz, scale};
+        float *sc = (float *)malloc(sizeof(float) * (size_t)G * (size_t)(sp.n > 0 ? sp.n : 1));
         if (!sc) {
             failed = 1;
             continue;
         }
-        const int64_t *table = tables + (size_t)b * max_blocks;
-        const float *qh = q + (size_t)b * ldq + (size_t)h * D;
-        float *o = out + ((size_t)b * H + h) * D;
-        size_t head = (size_t)kh * D * esz;
 #if SF_AVX2
         if (D % 8 == 0) {
             if (kv16)
-                attend_avx(qh, (const char *)cache, table, start, n, bs, slot, head, D, scale, sc, o, 1);
+                span_avx(&sp, sc, m, l, o, 1);
             else
-                attend_avx(qh, (const char *)cache, table, start, n, bs, slot, head, D, scale, sc, o, 0);
-            free(sc);
-            continue;
-        }
+                span_avx(&sp, sc, m, l, o, 0);
+        } else
 #endif
-        attend_ref(qh, (const char *)cache, table, start, n, bs, slot, head, D, scale, sc, o);
+            span_ref(&sp, sc, m, l, o);
         free(sc);
     }
+    if (!failed)
+        for (int pair = 0; pair < pairs; pair++) {
+            int b = pair / KVH, kh = pair % KVH;
+            for (int g = 0; g < G; g++) {
+                float mx = -INFINITY, sum = 0.f;
+                for (int s = 0; s < splits; s++) mx = fmaxf(mx, parts[part * ((size_t)pair * splits + s) + g]);
+                float *dst = out + ((size_t)b * H + (size_t)kh * G + g) * D;
+                memset(dst, 0, sizeof(float) * D);
+                for (int s = 0; s < splits; s++) {
+                    const float *m = parts + part * ((size_t)pair * splits + s), *l = m + G, *o = l + G;
+                    if (l[g] == 0.f) continue; /* an empty range */
+                    float w = expf(m[g] - mx);
+                    sum += l[g] * w;
+                    axpy(dst, w, o + (size_t)g * D, D);
+                }
+                float inv = 1.0f / sum;
+                for (int i = 0; i < D; i++) dst[i] *= inv;
+            }
+        }
+    free(parts);
     return failed ? -1 : 0;
 }
 
