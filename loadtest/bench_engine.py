@@ -26,6 +26,7 @@ import random
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -59,13 +60,25 @@ def ours_prefill(engine: LLMEngine, ids: list[int], salt: int) -> float:
     return len(ids) / (time.perf_counter() - t0)
 
 
+def prefill_all(engine: LLMEngine, step: Callable[[], object] | None = None) -> None:
+    """Step until every added prompt is computed, with the engine's cap on prompt tokens per decoding
+    step lifted: the cap protects running streams' latency, which a decode measurement excludes, and
+    under it the first sequences would finish before the last prompts were in (a smaller batch)."""
+    cfg = engine.scheduler.config
+    cap, cfg.max_prefill_tokens_while_decoding = cfg.max_prefill_tokens_while_decoding, None
+    try:
+        while engine.scheduler.waiting or any(s.num_remaining > 1 for s in engine.scheduler.running):
+            (step or engine.step)()
+    finally:
+        cfg.max_prefill_tokens_while_decoding = cap
+
+
 def ours_decode(engine: LLMEngine, prompts: list[list[int]], salt: int) -> float:
     batch = len(prompts)
     for i, ids in enumerate(prompts):
         engine.add_request(f"d{batch}-{salt}-{i}", ids,
                            SamplingParams(max_tokens=DECODE_TOKENS + 2, temperature=0, ignore_eos=True))
-    while any(s.num_remaining > 1 for s in engine.scheduler.running) or engine.scheduler.waiting:
-        engine.step()
+    prefill_all(engine)
     engine.step()
     t0, steps = time.perf_counter(), 0
     while engine.has_work:
@@ -251,8 +264,7 @@ def decode_rate(engine: LLMEngine, prompts: list[list[int]], sp: SamplingParams,
     """Output tokens per second of the batch once every prompt is decoding (its prefill excluded)."""
     for i, ids in enumerate(prompts):
         engine.add_request(f"{tag}-{i}", ids, SamplingParams(**{**sp.__dict__}))
-    while engine.scheduler.waiting or any(s.num_remaining > 1 for s in engine.scheduler.running):
-        engine.step()
+    prefill_all(engine)
     engine.step()
     t0, tokens = time.perf_counter(), 0
     while engine.has_work:

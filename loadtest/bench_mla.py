@@ -24,7 +24,7 @@ from engine.engine_config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.mla import MLAttention
 from engine.sampling_params import SamplingParams
-from loadtest.bench_engine import random_ids
+from loadtest.bench_engine import prefill_all, random_ids
 
 BATCHES = (1, 16)
 
@@ -48,8 +48,7 @@ def decode_round(engine: LLMEngine, batch: int, context: int, tokens: int, salt:
         for o in engine.step():
             out[o.request_id].extend(o.token_ids)
 
-    while engine.scheduler.waiting or any(s.num_computed_tokens < len(s.prompt_token_ids) for s in engine.scheduler.running):
-        step()
+    prefill_all(engine, step)
     t0, steps = time.perf_counter(), 0
     while engine.has_work:
         step()
