@@ -85,6 +85,12 @@ def test_engines_with_a_float16_cache_compute_the_float32_model(tmp_path, family
     assert same >= 3, f"only {same}/4 greedy outputs equal the float32 cache's"
 
 
+def test_the_default_is_the_model_dtype():
+    assert EngineConfig(device="cpu").torch_kv_dtype == torch.float32
+    assert EngineConfig(device="cpu", kv_cache_dtype="float32").torch_kv_dtype == torch.float32
+    assert EngineConfig(device="cuda", dtype="bfloat16").torch_kv_dtype == torch.bfloat16
+
+
 def test_a_cache_dtype_other_than_the_models_is_refused_on_cuda():
     with pytest.raises(ValueError, match="kv-cache-dtype float16 differs from the model dtype"):
         EngineConfig(device="cuda", dtype="bfloat16", kv_cache_dtype="float16").validate()

@@ -90,8 +90,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default=_env("dtype", "auto"), choices=["auto", "float32", "bfloat16"])
     g.add_argument("--kv-cache-dtype", default=_env("kv_cache_dtype", "auto"),
                    choices=["auto", "float32", "float16", "bfloat16"],
-                   help="KV cache element type (default: the model dtype). float16 on CPU halves the cache's memory "
-                        "and the bytes attention streams per step; on CUDA it must be the model dtype")
+                   help="KV cache element type (auto: the model dtype). float16 on CPU halves the memory per cached "
+                        "token and the bytes decode attention streams (~1.06-1.10x decode); on CUDA only the model dtype")
     g.add_argument("--quantization", default=_env("quantization", None), choices=["int8", "int4"],
                    help="keep matmul weights quantized (weight-only, group-wise; decode moves 4x / 8x fewer bytes "
                         "than float32): quantizes a float checkpoint at load; a GGUF's Q8_0/Q6_K/Q4_0/Q4_1/Q4_K "
