@@ -158,16 +158,18 @@ def _measure(url: str, model: str, name: str, levels: list[int], duration_s: flo
     return rows
 
 
+def run_llama_server(binary: str, gguf: Path, levels: list[int], duration_s: float, log_dir: Path) -> list[Row]:
+    srv = LlamaServer(binary, gguf, max(levels), 2, log_dir / "llama-server.log")
+    try:
+        srv.wait_ready()
+        return _measure(srv.url, "model", "llama-server", levels, duration_s)
+    finally:
+        srv.stop()
+
+
 def run(gguf: Path, llama_server: str | None, levels: list[int], duration_s: float, log_dir: Path,
         splitfire_args: list[str], label: str = "splitfire") -> list[Row]:
-    rows: list[Row] = []
-    if llama_server:
-        srv = LlamaServer(llama_server, gguf, max(levels), 2, log_dir / "llama-server.log")
-        try:
-            srv.wait_ready()
-            rows += _measure(srv.url, "model", "llama-server", levels, duration_s)
-        finally:
-            srv.stop()
+    rows: list[Row] = run_llama_server(llama_server, gguf, levels, duration_s, log_dir) if llama_server else []
     with Stack(label, ["--colocated", "--model", str(gguf), *splitfire_args], log_dir) as st:
         with urllib.request.urlopen(st.url + "/v1/models", timeout=10) as r:
             model = json.load(r)["data"][0]["id"]
@@ -216,6 +218,9 @@ def main() -> int:
     p.add_argument("--gguf", default=None, help="default: the built-in SmolLM2 GGUF")
     p.add_argument("--streams", default="1,16")
     p.add_argument("--duration", type=float, default=30.0)
+    p.add_argument("--llama-server-last", action="store_true",
+                   help="measure llama-server after the splitfire configurations (the first server measured after "
+                        "another one stopped has run slower on this shared VM: swap the order to see it)")
     p.add_argument("--config", action="append", default=[],
                    help="NAME=ARGS: a splitfire configuration, `splitfire up` arguments after '=' (repeatable; "
                         "default: one named splitfire with none)")
@@ -225,9 +230,11 @@ def main() -> int:
     configs = [c.split("=", 1) for c in args.config] or [["splitfire", ""]]
     rows: list[Row] = []
     with tempfile.TemporaryDirectory(prefix="vs-llama-") as logs:
+        first = None if args.llama_server_last else args.llama_server
         for i, (name, extra) in enumerate(configs):
-            rows += run(gguf, args.llama_server if i == 0 else None, levels, args.duration, Path(logs), extra.split(),
-                        label=name)
+            rows += run(gguf, first if i == 0 else None, levels, args.duration, Path(logs), extra.split(), label=name)
+        if args.llama_server and args.llama_server_last:
+            rows += run_llama_server(args.llama_server, gguf, levels, args.duration, Path(logs))
     print(f"\n/v1/completions, ~256-token prompts, {MAX_TOKENS} tokens out, greedy, closed loop, "
           f"{args.duration:.0f} s per level, every server on this machine's CPU:")
     print(table(rows))
