@@ -73,12 +73,10 @@ class Dispatcher:
         return Route(d, p)
 
     async def place(self, req: GenRequest, hashes: list[bytes], exclude: set[str]) -> Route:
-        decodes = [e for e in self.registry.healthy("decode") + self.registry.healthy("colocated")
-                   if e.address not in exclude]
-        prefills = [e for e in self.registry.healthy("prefill") if e.address not in exclude]
+        decodes = self.registry.healthy("decode", exclude) + self.registry.healthy("colocated", exclude)
+        prefills = self.registry.healthy("prefill", exclude)
         if not decodes:  # upstreams that list their models serve only those
-            decodes = [e for e in self.registry.healthy("openai")
-                       if e.address not in exclude and (not e.models or req.model in e.models)]
+            decodes = [e for e in self.registry.healthy("openai", exclude) if not e.models or req.model in e.models]
             prefills = []
         if not decodes:
             raise unavailable("no healthy workers to serve this request; retry shortly")

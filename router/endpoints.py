@@ -124,10 +124,12 @@ class EndpointRegistry:
     def get(self, role: str, address: str) -> Endpoint | None:
         return self.by_address.get((role, address))
 
-    def healthy(self, role: str) -> list[Endpoint]:
+    def healthy(self, role: str, exclude: frozenset[str] | set[str] = frozenset()) -> list[Endpoint]:
         """The endpoints of `role` a new request may go to (closed breakers, and half-open ones
-        with no probe in flight); when every one is probing, those: the fleet is what it is."""
-        eps = [e for e in self.by_address.values() if e.role == role]
+        with no probe in flight); when every one is probing, those: the fleet is what it is.
+        `exclude` (endpoints this request already failed on) is applied first: a retry whose only
+        closed endpoint just failed goes to a half-open one that is probing rather than nowhere."""
+        eps = [e for e in self.by_address.values() if e.role == role and e.address not in exclude]
         now = time.monotonic()
         ok = [e for e in eps if e.breaker.available(now)]
         return ok or [e for e in eps if e.healthy]

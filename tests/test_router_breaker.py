@@ -55,6 +55,22 @@ def test_health_checks_open_the_breaker_and_a_passing_check_half_opens_it_at_onc
     assert b2.on_check(True) is None and not b2.available()
 
 
+def test_a_retry_goes_to_a_probing_endpoint_rather_than_nowhere():
+    """Two decode workers: one half-open with its probe in flight, the other closed. A new request
+    goes to the closed one; when that one fails the request (it is draining), the retry, which
+    excludes it, goes to the probing one instead of failing with nowhere to go (seen in the chaos
+    suite's SIGTERM drain right after another scenario had restarted the other worker)."""
+    reg = EndpointRegistry(breaker=BreakerConfig(unhealthy_after=1, open_s=60))
+    a, b = reg.add("a:1", "decode"), reg.add("b:1", "decode")
+    reg.on_check(a, False)
+    reg.on_check(a, True)  # restarted: half-open
+    assert reg.on_attempt(a)  # its probe is in flight
+    assert reg.healthy("decode") == [b]
+    assert reg.healthy("decode", {"b:1"}) == [a]
+    reg.on_check(b, False)  # b down (open) too: nothing for a request that excludes a
+    assert reg.healthy("decode", {"a:1"}) == []
+
+
 def test_a_locally_prefilled_request_leaves_no_load_on_the_prefill_endpoint():
     reg = EndpointRegistry()
     p, d = reg.add("p:1", "prefill"), reg.add("d:1", "decode")
