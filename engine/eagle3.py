@@ -48,11 +48,11 @@ log = logging.getLogger("splitfire.engine")
 
 ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 # config.json fields that describe the head, not its decoder layer (read here, not by ModelConfig).
+HEAD_FIELDS = ("architectures", "model_type", "draft_vocab_size", "target_hidden_size", "eagle_config",
+               "eagle_aux_hidden_state_layer_ids", "norm_before_residual")
 # Features of positions not yet fed to the head, per sequence: bounds what a paused sequence holds
 # (an 8B target's 3 x 4096 bf16 features are 24 KiB a position).
 MAX_PENDING = 4096
-HEAD_FIELDS = ("architectures", "model_type", "draft_vocab_size", "target_hidden_size", "eagle_config",
-               "eagle_aux_hidden_state_layer_ids", "norm_before_residual")
 
 
 @dataclass(frozen=True)

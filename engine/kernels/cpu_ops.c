@@ -638,7 +638,7 @@ INLINE void span_avx(const Span *sp, float *sc, float *m, float *l, float *o, co
                 int nv = D - d0 < 64 ? (D - d0) / 8 : 8;
                 __m256 acc[8];
                 for (int i = 0; i < nv; i++) acc[i] = _mm256_loadu_ps(og + d0 + 8 * i);
-                if (nv == 8) {
+                if (nv == 8) { /* (a constant count: the 8 accumulators stay in registers) */
                     for (int u = 0; u < c; u++) {
                         __m256 wu = _mm256_set1_ps(w[u]);
                         const char *vu = v[u] + (size_t)d0 * esz;
@@ -745,13 +745,13 @@ int sf_paged_decode(const float *q, int ldq, int B, int H, int KVH, int D, const
     return failed ? -1 : 0;
 }
 
-/* ---- RoPE + KV store (float32) ----
+/* ---- RoPE + KV store (float32 activations; float32 or, with kv16, float16 cache) ----
  * qkv rows hold q (H heads), k (KVH heads), v (KVH heads) of D dims, pairs interleaved. q and k are
  * rotated in place by `freqs` ([T, D/2] (cos, sin) pairs, one row per token); k and v are then copied into
  * their cache slots (`k_rows[t]`: row of token t's K in the layer cache viewed as [rows, KVH, D],
  * its V `bs` rows later). Replaces seven torch ops per layer (float casts, complex views,
- * multiply, two index_copy_). */
-/* Returns 0, or -2 for a float16 cache this build cannot write (needs AVX2 + F16C, D % 8 == 0). */
+ * multiply, two index_copy_). Returns 0, or -2 for a float16 cache this build cannot write (needs
+ * AVX2 + F16C, D % 8 == 0). */
 int sf_rope_store(float *qkv, int T, int H, int KVH, int D, const float *freqs, void *cache, const int64_t *k_rows,
                   int bs, int kv16) {
     int row = (H + 2 * KVH) * D;

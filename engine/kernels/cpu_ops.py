@@ -151,9 +151,10 @@ def add_rmsnorm(x: torch.Tensor, h: torch.Tensor | None, w: torch.Tensor, eps: f
     return out
 
 
+@cache
 def kv_supported(cache_dtype: torch.dtype, head_dim: int) -> bool:
     """Whether the C attention kernels read and write a KV cache of this dtype: float32 always,
-    float16 with the AVX2 (+ F16C) build and head_dim % 8 == 0."""
+    float16 with the AVX2 (+ F16C) build and head_dim % 8 == 0. (Asked per layer per step: cached.)"""
     lib = library()
     if lib is None:
         return False
