@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from engine.errors import ModelLoadError
+from engine.staging import Staging
 
 DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -79,10 +80,11 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
 class Checkpoint:
     """Every tensor of a model directory, by name, read on demand."""
 
-    def __init__(self, model_dir: Path):
+    def __init__(self, model_dir: Path, staging: Staging | None = None):
         self.model_dir = model_dir
         self.tensors = self._index(model_dir)
         self.unread = set(self.tensors)
+        self.staging = staging  # device loads: through pinned buffers, copies overlapped with reads
 
     @staticmethod
     def _index(model_dir: Path) -> dict[str, TensorInfo]:
@@ -128,10 +130,14 @@ class Checkpoint:
         return out
 
     def read_into(self, name: str, dst: torch.Tensor) -> None:
-        """Fill `dst` (same shape) with the tensor: straight from the file when dtype and device match
-        and `dst` is contiguous, else through one temporary (a dtype conversion or a device copy)."""
+        """Fill `dst` (same shape) with the tensor: through the staging buffers when the checkpoint has
+        them (a device load; converted there), else straight from the file when dtype and device
+        match and `dst` is contiguous, else through one temporary."""
         t = self.info(name)
-        if dst.dtype == t.dtype and dst.device.type == "cpu" and dst.is_contiguous():
+        if self.staging is not None and dst.is_contiguous():
+            self.staging.upload(str(t.path), t.offset, t.nbytes, t.dtype, dst)
+            self.unread.discard(name)
+        elif dst.dtype == t.dtype and dst.device.type == "cpu" and dst.is_contiguous():
             self._read(name, dst)
         else:
             dst.copy_(self.get(name))

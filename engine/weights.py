@@ -13,6 +13,7 @@ import ctypes
 import logging
 import time
 from pathlib import Path
+from typing import Literal
 
 import torch
 from tqdm import tqdm
@@ -25,6 +26,7 @@ from engine.mla import MLAttention
 from engine.model import Attention, Block, DecoderModel, interleave_rope_rows
 from engine.model_config import VISION_PREFIXES, ModelConfig
 from engine.moe import MoE
+from engine.staging import Staging
 
 log = logging.getLogger("splitfire.engine")
 
@@ -149,9 +151,12 @@ class _Loader:
 
 
 def load_model(model_dir: str | Path, device: torch.device, dtype: torch.dtype,
-               quantization: str | None = None) -> DecoderModel:
+               quantization: str | None = None, staging: Staging | Literal[False] | None = None) -> DecoderModel:
     """`quantization` (int8 | int4) quantizes a float checkpoint's matmul weights after loading; a
-    checkpoint stored quantized (`engine.quant`'s layout, e.g. a converted GGUF) stays as stored."""
+    checkpoint stored quantized (`engine.quant`'s layout, e.g. a converted GGUF) stays as stored.
+    Loads to a device go through pinned `staging` buffers (made here unless given; False: through
+    pageable temporaries, the benchmark's baseline); a CPU load reads straight into its parameters
+    unless a `Staging` is given."""
     model_dir = Path(model_dir)
     cfg = ModelConfig.from_dir(model_dir)
     cached = weight_cache.cache_path(model_dir, dtype, quantization) if (
@@ -166,7 +171,10 @@ def load_model(model_dir: str | Path, device: torch.device, dtype: torch.dtype,
         else:
             log.info("event=weights_mapped path=%s", cached)
             return _finish(model, device)
-    ckpt = Checkpoint(model_dir)
+    if staging is None and device.type != "cpu":
+        staging = Staging(device)
+    staging = staging or None
+    ckpt = Checkpoint(model_dir, staging)
     model = _allocate(cfg, device, dtype)
     load = _Loader(ckpt, cfg.fp8_weight_block)
     root, head = _text_model_prefixes(ckpt, cfg)
@@ -188,6 +196,10 @@ def load_model(model_dir: str | Path, device: torch.device, dtype: torch.dtype,
         _skip_mtp_layers(ckpt, cfg, root)
         if quantization is not None:
             model.quantize(quantization)
+    if staging is not None:
+        staging.finish()
+        log.info("event=weights_staged tensors=%d chunks=%d mib=%.0f", staging.uploads, staging.chunks,
+                 staging.bytes / 2**20)
     unread = sorted(n for n in ckpt.unread if not n.endswith(_INERT_SUFFIXES)
                     and not (cfg.checkpoint_prefix and n.startswith(VISION_PREFIXES)))
     if unread:

@@ -74,6 +74,42 @@ def read_s(model_dir: Path, cold: bool) -> tuple[float, int]:
     return time.perf_counter() - t0, total
 
 
+# How a weight load gets the checkpoint's bytes into the parameters (`load_model`'s `staging`).
+LOAD_PATHS = {
+    "cpu": {"direct": "read straight into the parameters (the CPU path)",
+            "staged": "through the staging ring (unpinned on CPU: the GPU path's logic)"},
+    "cuda": {"staged": "pinned staging ring, copies overlapped with reads (the GPU path)",
+             "pageable": "pageable temporaries, one synchronous copy each (before)"},
+}
+
+
+def load_probe(model_dir: str, device: str, path: str) -> None:
+    """(In a fresh process.) Print the seconds `load_model` takes with the checkpoint `path`."""
+    import torch
+
+    from engine.staging import Staging
+    from engine.weights import load_model
+
+    dev = torch.device(device)
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32  # the engine's defaults (--dtype auto)
+    staging = {"direct": None, "pageable": False, "staged": Staging(dev)}[path]
+    if dev.type == "cuda":
+        torch.cuda.init()
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    load_model(model_dir, dev, dtype, staging=staging)
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+    print(f"load_s={time.perf_counter() - t0:.4f}")
+
+
+def load_s(model_dir: Path, device: str, path: str) -> float:
+    code = f"from loadtest.bench_coldstart import load_probe; load_probe({str(model_dir)!r}, {device!r}, {path!r})"
+    out = subprocess.run([sys.executable, "-c", code], env={**_env(), "SPLITFIRE_WEIGHT_CACHE": "0"}, cwd=ROOT,
+                         capture_output=True, text=True, check=True)
+    return float(out.stdout.rsplit("load_s=", 1)[1])
+
+
 def _peak_rss_mib(pid: int) -> float:
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
@@ -222,6 +258,15 @@ def main() -> int:
             print(f"  {'  added since (weights, tokenizer,':<38}{peak - base:>8.0f}  = {(peak - base) / weights:.2f}x the "
                   "weights")
             print(f"  {'   grammar engine, first forward)':<38}")
+    paths = LOAD_PATHS["cuda" if dev.startswith("cuda") else "cpu"]
+    loads = {path: [] for path in paths}
+    for _ in range(args.rounds):  # interleaved, so drift hits every path alike
+        for path in paths:
+            loads[path].append(load_s(model_dir, dev, path))
+    warm = med([r[0] for r in warm_read])
+    print("\nweight load from the checkpoint (weight cache off, warm page cache), in a fresh process, seconds")
+    for path, what in paths.items():
+        print(f"  {path:<10}{med(loads[path]):>8.3f}  = {med(loads[path]) / warm:.1f}x the warm read   {what}")
     w = med([r.weights_s for r in serve_warm])
     print(f"\nweight load / warm read: {w / med([r[0] for r in warm_read]):.1f}x;  ready - import torch: "
           f"{med([r.marks['worker ready'] for r in serve_warm]) - torch_s:.2f} s")

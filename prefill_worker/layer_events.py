@@ -13,31 +13,10 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Callable
-from typing import Protocol
 
-import torch
+from engine.device_events import Event, NoEvent, event_factory
 
-
-class Event(Protocol):
-    def record(self) -> None: ...
-
-    def synchronize(self) -> None: ...
-
-
-class NoEvent:
-    """CPU: work is complete when the layer's Python call returns."""
-
-    def record(self) -> None:
-        pass
-
-    def synchronize(self) -> None:
-        pass
-
-
-def event_factory(device: torch.device) -> Callable[[], Event]:
-    if device.type == "cuda":
-        return lambda: torch.cuda.Event()  # records on the current stream
-    return NoEvent
+__all__ = ["Event", "LayerEvents", "NoEvent", "event_factory"]
 
 
 class LayerEvents:

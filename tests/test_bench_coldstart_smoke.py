@@ -31,3 +31,5 @@ def test_bench_coldstart_reports_every_phase(tiny_model_dir, tmp_path):
     mapped = re.findall(r"\(weights mapped from the cache\)\s+(\d)/1", text)
     # written by the first start, mapped by the cold serve and generate; the last row turns it off
     assert mapped == ["0", "1", "1", "0"], text
+    loads = dict(re.findall(r"^  (direct|staged)\s+([0-9.]+)  = ", text, re.M))
+    assert loads.keys() == {"direct", "staged"} and all(float(v) > 0 for v in loads.values()), text
