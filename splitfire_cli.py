@@ -6,6 +6,11 @@ import argparse
 import asyncio
 import sys
 
+from engine import gc_heap
+
+# Commands that call `gc_heap.release` once ready; the others get the collector back at once.
+_RELEASE_WHEN_READY = {"prefill", "decode", "serve", "router", "generate"}
+
 
 def _worker(args: argparse.Namespace, role: str) -> int:
     if role == "prefill":
@@ -25,6 +30,7 @@ def _generate(args: argparse.Namespace) -> int:
     from worker.config import engine_config_from
 
     engine = LLMEngine(engine_config_from(args))
+    gc_heap.release("generate")
     src = open(args.input, encoding="utf-8") if args.input != "-" else sys.stdin
     dst = open(args.output, "w", encoding="utf-8") if args.output != "-" else sys.stdout
     with src, dst:
@@ -82,7 +88,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    gc_heap.hold()  # (before the imports below and the command's: see engine/gc_heap.py)
     args = build_parser().parse_args(argv)
+    if args.command not in _RELEASE_WHEN_READY:
+        gc_heap.resume()
     import prometheus_client
 
     from engine.logs import setup_logging

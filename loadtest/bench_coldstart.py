@@ -155,7 +155,7 @@ async def _first_token(address: str, prompt_ids: list[int]) -> None:
     raise RuntimeError("no token")
 
 
-def serve_start(model: str, kv_gb: float, threads: int, cold: bool, model_dir: Path, cache: bool = True,
+def serve_start(model: str, kv_gb: float, threads: int, cold: bool, model_dir: Path, extra_env: dict | None = None,
                 device: str = "cpu") -> Start:
     if cold:
         read_s(model_dir, cold=True)  # evict, so the worker reads from disk
@@ -165,7 +165,7 @@ def serve_start(model: str, kv_gb: float, threads: int, cold: bool, model_dir: P
            "--threads", str(threads)]
     start = Start()
     t0 = time.perf_counter()
-    env = _env() if cache else {**_env(), "SPLITFIRE_WEIGHT_CACHE": "0"}
+    env = {**_env(), **(extra_env or {})}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
     try:
         _follow(proc, t0, start, "worker ready")
@@ -228,8 +228,14 @@ def main() -> int:
     serve_cold = [serve_start(model, args.kv_cache_gb, args.threads, True, model_dir, device=dev)
                   for _ in range(args.rounds)]
     gen = [generate_start(model, args.kv_cache_gb, args.threads, dev) for _ in range(args.rounds)]
-    uncached = [serve_start(model, args.kv_cache_gb, args.threads, False, model_dir, cache=False, device=dev)
-                for _ in range(args.rounds)]
+    uncached = [serve_start(model, args.kv_cache_gb, args.threads, False, model_dir, {"SPLITFIRE_WEIGHT_CACHE": "0"},
+                            device=dev) for _ in range(args.rounds)]
+    # The collector on through start-up (engine/gc_heap.py holds it off), interleaved with the default.
+    held, unheld = [], []
+    for _ in range(args.rounds):
+        held.append(serve_start(model, args.kv_cache_gb, args.threads, False, model_dir, device=dev))
+        unheld.append(serve_start(model, args.kv_cache_gb, args.threads, False, model_dir, {"SPLITFIRE_GC_FREEZE": "0"},
+                                  device=dev))
 
     print(f"\nmodel {model_dir} ({nbytes / 1e6:.0f} MB of weight files), device {dev}, KV cache {args.kv_cache_gb} GiB "
           f"(CPU), {args.threads} threads; medians of {args.rounds}")
@@ -239,7 +245,9 @@ def main() -> int:
     print(f"{'read weight files, warm page cache':<40}{med([r[0] for r in warm_read]):>8.3f} s")
     for name, runs in (("serve, warm page cache", serve_warm), ("serve, cold page cache", serve_cold),
                        ("generate, warm page cache", gen),
-                       ("serve, warm page cache, weight cache off (SPLITFIRE_WEIGHT_CACHE=0)", uncached)):
+                       ("serve, warm page cache, weight cache off (SPLITFIRE_WEIGHT_CACHE=0)", uncached),
+                       ("serve, warm page cache, again (interleaved with the next)", held),
+                       ("serve, warm page cache, collector on during start-up (SPLITFIRE_GC_FREEZE=0)", unheld)):
         print(f"\n{name}: seconds after process start")
         for mark in runs[0].marks:
             print(f"  {mark:<38}{med([r.marks[mark] for r in runs]):>8.2f}")

@@ -8,6 +8,7 @@ import logging
 
 from aiohttp import web
 
+from engine import gc_heap
 from router.config import RouterConfig, add_router_args, router_config_from
 
 log = logging.getLogger("splitfire.router")
@@ -31,6 +32,7 @@ async def run(cfg: RouterConfig) -> None:
     log.info("event=router_ready port=%d model=%s policy=%s endpoints=%d redis=%s", cfg.port, name, cfg.policy,
              len(router.registry.all()), bool(cfg.redis_url))
     print(f"splitfire router ready on http://{cfg.host}:{cfg.port} (model {name})", flush=True)
+    gc_heap.release("router")
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     import signal

@@ -14,6 +14,7 @@ import torch
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from engine import gc_heap
 from engine.async_engine import AsyncEngine
 from engine.llm_engine import LLMEngine, RequestOutput, StepObserver
 from worker.config import WorkerConfig
@@ -137,6 +138,7 @@ async def serve(ctx: WorkerContext, server: grpc.aio.Server,
     log.info("event=worker_ready role=%s grpc=%s metrics=%s:%d advertise=%s model=%s",
              cfg.role, address, cfg.host, cfg.metrics_port, cfg.advertise, ctx.model_name)
     print(f"splitfire {cfg.role} worker ready on {address}", flush=True)
+    gc_heap.release(f"{cfg.role} worker")
     await stop.wait()
     ctx.draining = True
     log.info("event=draining inflight=%d timeout_s=%.0f", len(ctx.inflight), cfg.drain_timeout_s)
