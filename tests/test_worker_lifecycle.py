@@ -89,3 +89,27 @@ async def test_stats_answer_at_once_while_a_long_step_runs(tiny_model_dir):
     finally:
         release.set()
         await aeng.stop()
+
+
+async def test_start_up_heap_is_frozen_once_ready(tiny_model_dir, tmp_path, monkeypatch):
+    """engine/gc_heap.py: the worker and the router hold the collector off while they start and freeze
+    what start-up built once ready (their logs say how much); SPLITFIRE_GC_FREEZE=0 leaves it alone.
+    Either way they serve."""
+    import re
+
+    from procs import start_router, stop_all
+
+    w = start_worker("both", tiny_model_dir, tmp_path, name="frozen")
+    r = start_router(tiny_model_dir, tmp_path, "--decode", address(w), name="router-frozen")
+    monkeypatch.setenv("SPLITFIRE_GC_FREEZE", "0")
+    plain = start_worker("both", tiny_model_dir, tmp_path, name="unfrozen")
+    try:
+        for p in (w, plain):
+            assert len((await generate(address(p), [5, 6, 7], greedy(4))).token_ids) == 4
+        for p, what in ((w, "both worker"), (r, "router")):
+            p.wait_for("event=gc_frozen", timeout=10)
+            frozen = re.search(rf"event=gc_frozen process={what} objects=(\d+)", p.log())
+            assert frozen and int(frozen.group(1)) > 50_000, p.log()[-2000:]  # torch alone tracks ~100k objects
+        assert "gc_frozen" not in plain.log()
+    finally:
+        stop_all(w, r, plain)
