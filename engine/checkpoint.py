@@ -125,7 +125,15 @@ class Checkpoint:
         return t
 
     def get(self, name: str) -> torch.Tensor:
-        out = torch.empty(self.info(name).shape, dtype=self.info(name).dtype)
+        """The tensor as stored: on the staging device when the checkpoint has staging buffers (so a
+        quantized or FP8 weight is unpacked there), else in CPU memory."""
+        t = self.info(name)
+        if self.staging is not None:
+            out = torch.empty(t.shape, dtype=t.dtype, device=self.staging.device)
+            self.staging.upload(str(t.path), t.offset, t.nbytes, t.dtype, out)
+            self.unread.discard(name)
+            return out
+        out = torch.empty(t.shape, dtype=t.dtype)
         self._read(name, out)
         return out
 

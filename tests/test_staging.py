@@ -9,7 +9,7 @@ import pytest
 import torch
 from hf_models import make_hf_model
 
-from engine import weights
+from engine import weight_cache, weights
 from engine.errors import ModelLoadError
 from engine.staging import Staging
 
@@ -36,7 +36,8 @@ class RecordedEvent:
 
 
 def _tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {n: p.detach() for n, p in model.named_parameters(remove_duplicate=False)}
+    """Every parameter and every quantized weight's codes, scales and mins."""
+    return weight_cache._state(model)[0]
 
 
 def _load(path, dtype, staging=None):
@@ -65,6 +66,40 @@ def test_staged_load_equals_direct_load(family, dtype, tmp_path):
     ckpt_bytes = sum(f.stat().st_size for f in hf.path.glob("*.safetensors"))
     assert staging.bytes > 0.8 * ckpt_bytes and staging.chunks > staging.uploads + 10
     assert all(ev is None for ev in staging.pending)  # finish() waited on every copy
+
+
+def _compare_staged(path, dtype=torch.float32) -> Staging:
+    direct = _tensors(_load(path, dtype))
+    staging = Staging(torch.device("cpu"), buffer_bytes=2048, buffers=2)
+    staged = _tensors(_load(path, dtype, staging))
+    assert direct.keys() == staged.keys()
+    for name, t in direct.items():
+        assert t.dtype == staged[name].dtype and torch.equal(t, staged[name]), name
+    return staging
+
+
+def test_quantized_checkpoint_is_staged_too(tmp_path, monkeypatch):
+    """A converted GGUF (int4 codes, int8 embedding): its codes, scales and mins come through the ring
+    (on a GPU they are unpacked there) and equal a direct load's."""
+    pytest.importorskip("gguf")
+    from gguf_writer import write_gguf
+
+    from engine.model_store import resolve_model
+
+    monkeypatch.setenv("SPLITFIRE_HOME", str(tmp_path / "home"))
+    hf = make_hf_model("qwen3", tmp_path / "hf")
+    gguf = tmp_path / "q4.gguf"
+    write_gguf(hf.path, gguf, quantize="Q4_0", embedding_quantize="Q8_0")
+    staging = _compare_staged(resolve_model(str(gguf)))
+    assert staging.uploads > 3 * 7 * 2  # every layer's codes and scales at least
+
+
+def test_fp8_checkpoint_is_staged_and_dequantized(tmp_path):
+    from test_model_loading import _write_fp8
+
+    hf = make_hf_model("llama3", tmp_path / "hf")
+    _write_fp8(hf.path, tmp_path / "fp8", block=8)
+    _compare_staged(tmp_path / "fp8")
 
 
 def test_a_buffer_is_refilled_only_after_its_copy_was_waited_on(tmp_path):
