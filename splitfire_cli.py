@@ -88,7 +88,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    gc_heap.hold()  # (before the imports below and the command's: see engine/gc_heap.py)
     args = build_parser().parse_args(argv)
     if args.command not in _RELEASE_WHEN_READY:
         gc_heap.resume()
@@ -115,5 +114,13 @@ def main(argv: list[str] | None = None) -> int:
         raise
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """The `splitfire` executable (and `python -m splitfire_cli`). The garbage collector is held off
+    from here, before the imports, until the command is ready (engine/gc_heap.py); `main` alone,
+    called inside another program, leaves that program's collector alone."""
+    gc_heap.hold()
     sys.exit(main())
+
+
+if __name__ == "__main__":
+    cli()

@@ -4,15 +4,16 @@ starts, then pointed at request-time objects only.
 A worker's heap after start-up is ~300k tracked objects (torch, gRPC, the tokenizer, the model's
 modules) that live as long as the process, and the imports that build it trigger collection
 after collection, each rescanning what is already there: measured on `splitfire serve` (SmolLM2,
-2-core EPYC), 453 collections took 278 ms of its start, three full ones 26-77 ms each. So `main`
-turns the collector off before the imports (`hold`), and each process calls `release` once it is
-ready: `gc.freeze()` moves what start-up built into the permanent generation (never scanned
-again; still freed by reference counting) and collection resumes for what requests allocate —
-a full collection later scans only those, not the whole start-up heap (vLLM, SGLang and Ray
-Serve freeze for that reason; here serving allocates few tracked objects: 16 streams for 36 s
-ran 5 collections, 0.9 ms in all, with or without this). `bench_coldstart` measured ready at
-1.61 s after process start vs 1.77 s with the collector on. The price is the start-up's own
-cyclic garbage, frozen instead of collected (9,100 objects for `serve`, no RSS change): a full
+2-core EPYC), 453 collections took 278 ms of its start, three full ones 26-77 ms each. So the
+`splitfire` executable (`splitfire_cli.cli`) turns the collector off before the imports (`hold`),
+and each process calls `release` once it is ready: `gc.freeze()` moves what start-up built into
+the permanent generation (never scanned again; still freed by reference counting) and collection
+resumes for what requests allocate — a full collection later scans only those, not the whole
+start-up heap (vLLM, SGLang and Ray Serve freeze for that reason; here serving allocates few
+tracked objects: 16 streams for 36 s ran 5 collections, 0.9 ms in all, with or without this).
+`bench_coldstart` measured worker ready at 1.68 s after process start vs 1.88 s with the
+collector on (`import torch` alone: 1.52 vs 1.70 s). The price is the start-up's own cyclic
+garbage, frozen instead of collected (9,100 objects for `serve`, no RSS change): a full
 collection first would cost ~100 ms of the start.
 
 `SPLITFIRE_GC_FREEZE=0` leaves the collector as CPython sets it.
