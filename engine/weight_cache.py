@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from engine import quant
+from engine import model_store, quant
 from engine.checkpoint import read_header
 from engine.errors import ModelLoadError
 from engine.layers import Linear
@@ -62,9 +62,12 @@ def cache_path(model_dir: Path, dtype: torch.dtype, quantization: str | None) ->
     for f in sorted(model_dir.glob("*.safetensors")):
         st = f.stat()
         h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
-    home = os.environ.get("SPLITFIRE_HOME") or str(Path.home() / ".cache" / "splitfire")
     dt = str(dtype).removeprefix("torch.")
-    return Path(home) / "weight-cache" / f"{model_dir.name}-{dt}-{quantization or 'asis'}-{h.hexdigest()[:16]}.safetensors"
+    return cache_dir() / f"{model_dir.name}-{dt}-{quantization or 'asis'}-{h.hexdigest()[:16]}.safetensors"
+
+
+def cache_dir() -> Path:
+    return model_store.home() / "weight-cache"
 
 
 def _stale(path: Path) -> list[Path]:

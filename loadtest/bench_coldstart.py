@@ -56,16 +56,28 @@ def import_torch_s(collector: bool = True) -> float:
     return time.perf_counter() - t0
 
 
+def evict(files: list[Path]) -> None:
+    """Drop the files' pages from the page cache (posix_fadvise DONTNEED: clean pages go, no
+    privileges needed)."""
+    for f in files:
+        fd = os.open(f, os.O_RDONLY)
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+
+
+def weight_cache_files(model_dir: Path) -> list[Path]:
+    """The model's entries in the weight cache (what a mapped start reads instead of the checkpoint)."""
+    from engine.weight_cache import cache_dir
+
+    return sorted(cache_dir().glob(f"{model_dir.name}-*.safetensors"))
+
+
 def read_s(model_dir: Path, cold: bool) -> tuple[float, int]:
-    """Seconds to read every safetensors file once; `cold` first evicts them from the page cache
-    (posix_fadvise DONTNEED: clean pages go, no privileges needed)."""
+    """Seconds to read every safetensors file once; `cold` first evicts them from the page cache."""
     files = sorted(model_dir.glob("*.safetensors"))
     if cold:
-        for f in files:
-            fd = os.open(f, os.O_RDONLY)
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            os.close(fd)
+        evict(files)
     total = 0
     buf = bytearray(8 << 20)
     t0 = time.perf_counter()
@@ -159,8 +171,8 @@ async def _first_token(address: str, prompt_ids: list[int]) -> None:
 
 def serve_start(model: str, kv_gb: float, threads: int, cold: bool, model_dir: Path, extra_env: dict | None = None,
                 device: str = "cpu") -> Start:
-    if cold:
-        read_s(model_dir, cold=True)  # evict, so the worker reads from disk
+    if cold:  # evict the checkpoint and the weight cache's copy, so the worker reads from disk
+        evict(sorted(model_dir.glob("*.safetensors")) + weight_cache_files(model_dir))
     grpc_port = free_port()
     cmd = [sys.executable, "-m", "splitfire_cli", "serve", "--model", model, "--device", device, "--host", "127.0.0.1",
            "--grpc-port", str(grpc_port), "--metrics-port", str(free_port()), "--kv-cache-gb", str(kv_gb),
