@@ -20,8 +20,55 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from engine.attention import AttentionMetadata, DecodeBatch
+
+# What makes the host wait for the device, so a CUDA graph cannot record it (capture fails with
+# "operation not permitted when stream is capturing"): reading a value back (`.item()`,
+# `.tolist()`, `int()`, `bool()`, `.cpu()`), or an op whose output size depends on the data (on
+# CUDA `bincount` reads its input's maximum back; `repeat_interleave` sums a tensor of repeats).
+HOST_READS = frozenset({"tolist", "item", "numpy", "cpu", "__int__", "__float__", "__bool__", "__index__"})
+DATA_SIZED_OPS = frozenset({"_local_scalar_dense", "is_nonzero", "equal", "nonzero", "masked_select", "bincount",
+                            "_unique", "_unique2", "unique_dim", "unique_consecutive", "repeat_interleave", "histc"})
+
+
+class _DataSized(TorchDispatchMode):
+    def __init__(self, seen: list[str]) -> None:
+        super().__init__()
+        self.seen = seen
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if func.overloadpacket.__name__ in DATA_SIZED_OPS:
+            self.seen.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+class HostSyncProbe(TorchFunctionMode):
+    """Records every data-sized op, and every host read of a tensor on `device_type`, run while active:
+    CPU tests run the decode forward under it to prove the CUDA path holds none (there every tensor
+    stands for a device one), and on CUDA the engine checks before it captures."""
+
+    def __init__(self, device_type: str) -> None:
+        super().__init__()
+        self.device_type = device_type
+        self.seen: list[str] = []
+        self._ops = _DataSized(self.seen)
+
+    def __enter__(self):  # type: ignore[no-untyped-def]
+        self._ops.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc):  # type: ignore[no-untyped-def]
+        super().__exit__(*exc)
+        self._ops.__exit__(*exc)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if (getattr(func, "__name__", "") in HOST_READS and args and isinstance(args[0], torch.Tensor)
+                and args[0].device.type == self.device_type):
+            self.seen.append(func.__name__)
+        return func(*args, **(kwargs or {}))
 
 
 def buckets_for(max_num_seqs: int) -> list[int]:
@@ -84,10 +131,23 @@ class DecodeGraphs:
         (what `memory_profile` reserves before the KV cache is sized)."""
         return sorted(self.static.values(), key=lambda s: -s.size)
 
+    def host_syncs(self, size: int) -> list[str]:
+        """The host-syncing ops one padded forward of bucket `size` runs (empty: capturable)."""
+        s = self.static[size]
+        self._fill_padding(s, 0)
+        probe = HostSyncProbe(self.device.type)
+        with probe:
+            self.forward(s.input_ids, s.positions, self._meta(s))
+        return probe.seen
+
     def capture(self) -> None:
-        """CUDA: warm each bucket up, then record its graph into the shared pool. (CPU: nothing to record.)"""
+        """CUDA: check the forward holds no host sync, warm each bucket up, then record its graph into the
+        shared pool. (CPU: nothing to record.)"""
         if self.device.type != "cuda":
             return
+        syncs = sorted(set(self.host_syncs(self.buckets[0])))
+        if syncs:  # (checked first: a capture that fails mid-way can leave the CUDA context unusable)
+            raise RuntimeError(f"the decode forward syncs with the host ({', '.join(syncs)}): it cannot be captured")
         pool = torch.cuda.graph_pool_handle()
         for s in self.capture_order():
             self._fill_padding(s, 0)

@@ -282,3 +282,53 @@ def test_mla_decode_kernel_matches_the_torch_absorbed_path(heads):
     ours = torch.bmm(o_c.transpose(0, 1), attn.w_uv().transpose(1, 2)).transpose(0, 1)
     reference = attn.attend_decode_expanded(q_nope, q_rope, cache, d)
     torch.testing.assert_close(ours, reference, **TOL)
+
+
+@pytest.fixture
+def gpu_code_path(monkeypatch):
+    """The forward as it runs on CUDA: Triton kernels in every seam (interpreted here), no CPU C kernels."""
+    from engine.kernels import cpu_ops, kernels
+
+    monkeypatch.setenv("SPLITFIRE_KERNELS", "triton")
+    monkeypatch.setenv("SPLITFIRE_CPU_KERNELS", "0")
+    caches = (kernels, cpu_ops.library, cpu_ops.kv_supported)
+    for c in caches:
+        c.cache_clear()
+    yield
+    monkeypatch.undo()
+    for c in caches:
+        c.cache_clear()
+
+
+@pytest.mark.parametrize("family,gguf", [("llama3", None), ("qwen3", "Q4_0"), ("gemma3", None), ("mixtral", None),
+                                         ("qwen2_moe", None), ("deepseek_v3", None)])
+def test_decode_forward_on_the_gpu_path_holds_no_host_sync(family, gguf, tmp_path, monkeypatch, gpu_code_path):
+    """What a CUDA graph cannot record — a value read back to the host or an op sized by the data — is
+    absent from every bucket's decode forward on the GPU code path: dense, sliding-window, quantized,
+    mixture-of-experts (the grouped-GEMM's expert counts used to come from `bincount`, which reads the
+    largest id back on CUDA, so every MoE model decoded eagerly) and latent attention."""
+    from engine_helpers import make_engine
+    from hf_models import make_hf_model
+
+    from engine.graph_runner import HostSyncProbe
+
+    hf = make_hf_model(family, tmp_path / family)
+    path = hf.path
+    if gguf:
+        from gguf_writer import write_gguf
+
+        from engine.model_store import resolve_model
+
+        monkeypatch.setenv("SPLITFIRE_HOME", str(tmp_path / "home"))
+        write_gguf(hf.path, tmp_path / "m.gguf", quantize=gguf, embedding_quantize="Q8_0")
+        path = resolve_model(str(tmp_path / "m.gguf"))
+    engine = make_engine(path, decode_graphs="on", max_num_seqs=4)
+    graphs = engine.runner.graphs
+    with torch.inference_mode():
+        for b in graphs.buckets:
+            assert graphs.host_syncs(b) == [], (family, b)
+    # The probe is not blind: the reference expert loop reads its counts back (it stays on CPU).
+    probe = HostSyncProbe("cpu")
+    with probe:
+        torch.bincount(torch.tensor([1, 2])).tolist()
+    assert probe.seen == ["bincount", "tolist"]

@@ -60,7 +60,9 @@ def align_to_experts(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple
     flat = ids.flatten()
     n = flat.numel()
     dev = flat.device
-    counts = torch.bincount(flat, minlength=num_experts)
+    # (Not bincount: on CUDA it reads the largest id back to size its output, a host sync that
+    # would keep decode steps of every MoE model out of CUDA graphs.)
+    counts = torch.zeros(num_experts, dtype=torch.long, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
     seg_start = torch.cumsum(padded, 0) - padded  # each expert's first padded slot
     order = torch.argsort(flat, stable=True)
