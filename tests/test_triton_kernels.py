@@ -332,3 +332,26 @@ def test_decode_forward_on_the_gpu_path_holds_no_host_sync(family, gguf, tmp_pat
     with probe:
         torch.bincount(torch.tensor([1, 2])).tolist()
     assert probe.seen == ["bincount", "tolist"]
+
+
+@pytest.mark.parametrize("family", ["mixtral", "deepseek_v3"])
+def test_padded_decode_buckets_equal_eager_on_the_gpu_path(family, tmp_path, gpu_code_path):
+    """What a CUDA graph replays — the padded bucket forward — gives the eager tokens on the GPU code
+    path too, for experts (padding rows route to experts of their own) and latent attention."""
+    from engine_helpers import drain, make_engine
+    from hf_models import make_hf_model
+
+    from engine.sampling_params import SamplingParams
+
+    hf = make_hf_model(family, tmp_path / family)
+    prompts = [[(13 * i + 7 * j) % 300 + 3 for j in range(5 + 9 * i)] for i in range(3)]
+
+    def run(mode: str) -> dict[str, list[int]]:
+        engine = make_engine(hf.path, decode_graphs=mode, max_num_seqs=4)
+        for i, p in enumerate(prompts):  # staggered lengths: the batch shrinks across buckets 4 -> 2 -> 1
+            engine.add_request(str(i), p, SamplingParams(max_tokens=4 + 3 * i, temperature=0, ignore_eos=True))
+        out = {k: v.token_ids for k, v in drain(engine).items()}
+        assert (engine.runner.graphs is not None and engine.runner.graphs.replays > 0) == (mode == "on")
+        return out
+
+    assert run("on") == run("off")
