@@ -327,6 +327,18 @@ def test_decode_forward_on_the_gpu_path_holds_no_host_sync(family, gguf, tmp_pat
     with torch.inference_mode():
         for b in graphs.buckets:
             assert graphs.host_syncs(b) == [], (family, b)
+    # A whole step (prompt chunks and decodes together, then greedy sampling) reads back once: the
+    # sampled tokens. More would stall the GPU every step while the host waits to launch the next one.
+    from engine.sampling_params import SamplingParams
+
+    engine.add_request("a", list(range(3, 30)), SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    engine.step()
+    engine.add_request("b", list(range(5, 20)), SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    for _ in range(3):
+        probe = HostSyncProbe("cpu")
+        with probe:
+            engine.step()
+        assert probe.seen == ["tolist"], (family, probe.seen)
     # The probe is not blind: the reference expert loop reads its counts back (it stays on CPU).
     probe = HostSyncProbe("cpu")
     with probe:
