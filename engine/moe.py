@@ -4,7 +4,8 @@ Expert compute is grouped so a step costs what its *active* experts cost: the st
 (token, expert) pairs are sorted by expert, and every expert some token chose runs one matmul
 over all of its tokens, in expert order (the order `transformers` adds them in). Experts no
 token chose are never touched. On CUDA a Triton grouped-GEMM kernel (`kernels/moe_triton.py`)
-does the same behind this seam; `grouped_experts_reference` is what both are held equal to.
+does the same behind this seam, for float and for quantized experts (stacked per projection,
+dequantized in registers); `grouped_experts_reference` is what both are held equal to.
 """
 
 from __future__ import annotations
@@ -111,6 +112,8 @@ class Experts(nn.Module):
         self.act = activation(act)
         self.packed: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
         self.quantized: tuple[list[quant.QuantizedWeight], list[quant.QuantizedWeight]] | None = None
+        # The same quantized experts stacked per projection, where the grouped GPU kernel runs them.
+        self.stacked: tuple[quant.QuantizedStack, quant.QuantizedStack] | None = None
 
     def set_quantized(self, gate_up: list[quant.QuantizedWeight], down: list[quant.QuantizedWeight]) -> None:
         """Run from quantized experts; the stacked float weights are freed."""
@@ -122,7 +125,15 @@ class Experts(nn.Module):
         if len(gate_up) != e:
             raise ModelLoadError(f"{len(gate_up)} quantized experts for {e}")
         device = self.gate_up.device
-        self.quantized = ([w.to(device) for w in gate_up], [w.to(device) for w in down])
+        gate_up, down = [w.to(device) for w in gate_up], [w.to(device) for w in down]
+        if kernels("moe_triton", device.type) is not None:
+            # The grouped kernel picks each tile's expert on the device: one stack per projection
+            # (the per-expert weights become views of it, so nothing is held twice).
+            stacks = quant.QuantizedStack.of(gate_up), quant.QuantizedStack.of(down)
+            if stacks[0] is not None and stacks[1] is not None:
+                self.stacked = (stacks[0], stacks[1])
+                gate_up, down = stacks[0].parts(), stacks[1].parts()
+        self.quantized = (gate_up, down)
         self.gate_up = self.down = None  # type: ignore[assignment]
 
     def quantize(self, kind: str) -> None:
@@ -142,6 +153,9 @@ class Experts(nn.Module):
         self.gate_up = self.down = None  # type: ignore[assignment]
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        fused = kernels("moe_triton", x.device.type)
+        if self.stacked is not None and fused is not None:
+            return fused.fused_experts(x, ids, weights, *self.stacked, self.act)
         if self.quantized is not None:
             gu, dn = self.quantized
             return grouped_experts(x, ids, weights, self.num_experts, lambda e, r: quant.linear(r, [gu[e]], None),
@@ -150,7 +164,6 @@ class Experts(nn.Module):
             gu, dn = self.packed
             return grouped_experts(x, ids, weights, self.num_experts, lambda e, r: cpu_linear(r, gu[e]),
                                    lambda e, r: cpu_linear(r, dn[e]), self.act)
-        fused = kernels("moe_triton", x.device.type)
         if fused is not None:
             return fused.fused_experts(x, ids, weights, self.gate_up, self.down, self.act)
         return grouped_experts_reference(x, ids, weights, self.gate_up, self.down, self.act)

@@ -211,6 +211,33 @@ def concat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight | None:
                            mins, first.group_size)
 
 
+@dataclass
+class QuantizedStack:
+    """Same-format [N, K] weights stacked [E, ...] (a layer's experts), for kernels that pick a matrix
+    by index on the device (`kernels/moe_triton.py`): codes [E, N, K or K/2], scales and mins [E, N, G]."""
+
+    kind: str
+    q: torch.Tensor
+    scales: torch.Tensor
+    mins: torch.Tensor | None
+    group_size: int
+
+    @classmethod
+    def of(cls, parts: list[QuantizedWeight]) -> QuantizedStack | None:
+        """None when the parts differ in format or group size (kept as separate weights then)."""
+        first = parts[0]
+        if any(p.kind != first.kind or p.group_size != first.group_size or p.shape != first.shape for p in parts):
+            return None
+        mins = None if first.mins is None else torch.stack([p.mins for p in parts if p.mins is not None])
+        return cls(first.kind, torch.stack([p.q for p in parts]), torch.stack([p.scales for p in parts]), mins,
+                   first.group_size)
+
+    def parts(self) -> list[QuantizedWeight]:
+        """Each matrix as a `QuantizedWeight` viewing the stack (no copy)."""
+        return [QuantizedWeight(self.kind, self.q[e], self.scales[e], None if self.mins is None else self.mins[e],
+                                self.group_size) for e in range(self.q.shape[0])]
+
+
 def kernel_max_rows() -> int:
     """Most rows the C kernels take (0 without them)."""
     lib = cpu_ops.library()

@@ -174,6 +174,41 @@ def test_fused_experts_match_torch(tokens, top_k, experts):
     torch.testing.assert_close(ours, ref, **TOL)
 
 
+@pytest.mark.parametrize("kind,group", [("int8", 32), ("int4", 32), ("int4", 64)])
+@pytest.mark.parametrize("tokens, top_k, experts", [(1, 2, 8), (9, 4, 6)])
+def test_fused_quantized_experts_match_the_per_expert_loop(kind, group, tokens, top_k, experts):
+    """Quantized experts stacked per projection through the same grouped kernel (dequantized in
+    registers) equal the per-expert loop over their dequantized weights."""
+    import torch.nn.functional as F
+
+    from engine import quant
+    from engine.kernels import moe_triton
+    from engine.moe import grouped_experts, route
+
+    torch.manual_seed(tokens + experts)
+    hidden, inter = (1024, 512) if CUDA else (64, 64)
+    x = torch.randn(tokens, hidden, device=DEV, dtype=DTYPE)
+    weights, ids = route(torch.randn(tokens, experts, device=DEV), top_k, renormalize=True)
+
+    def experts_of(n: int, k: int) -> list[quant.QuantizedWeight]:
+        return [quant.quantize(torch.randn(n, k) * 0.05, kind, group).to(DEV) for _ in range(experts)]
+
+    gate_up, down = experts_of(2 * inter, hidden), experts_of(hidden, inter)
+    stacks = quant.QuantizedStack.of(gate_up), quant.QuantizedStack.of(down)
+    assert stacks[0] is not None and stacks[1] is not None
+    blocks = {} if CUDA else dict(block_m=16, block_n=32, block_k=32)
+    ours = moe_triton.fused_experts(x, ids, weights.to(DTYPE), *stacks, F.silu, **blocks)
+    gu = [w.dequantize_torch().to(DTYPE) for w in stacks[0].parts()]  # (views of the stacks: the same bytes)
+    dn = [w.dequantize_torch().to(DTYPE) for w in stacks[1].parts()]
+    ref = grouped_experts(x, ids, weights.to(DTYPE), experts, lambda e, r: F.linear(r, gu[e]),
+                          lambda e, r: F.linear(r, dn[e]), F.silu)
+    torch.testing.assert_close(ours, ref, **TOL)
+    assert torch.equal(gu[1], gate_up[1].dequantize_torch().to(DTYPE))
+    # Mixed formats cannot be stacked: such experts keep the per-expert loop.
+    other = "int4" if kind == "int8" else "int8"
+    assert quant.QuantizedStack.of([gate_up[0], quant.quantize(torch.randn(2 * inter, hidden), other, 32)]) is None
+
+
 def test_expert_alignment_gives_every_pair_one_slot_and_every_tile_one_expert():
     from engine.kernels.moe_triton import align_to_experts
 
@@ -301,7 +336,8 @@ def gpu_code_path(monkeypatch):
 
 
 @pytest.mark.parametrize("family,gguf", [("llama3", None), ("qwen3", "Q4_0"), ("gemma3", None), ("mixtral", None),
-                                         ("qwen2_moe", None), ("deepseek_v3", None)])
+                                         ("qwen2_moe", None), ("deepseek_v3", None), ("qwen3_moe", "Q8_0"),
+                                         ("qwen3_moe", "Q4_0")])
 def test_decode_forward_on_the_gpu_path_holds_no_host_sync(family, gguf, tmp_path, monkeypatch, gpu_code_path):
     """What a CUDA graph cannot record — a value read back to the host or an op sized by the data — is
     absent from every bucket's decode forward on the GPU code path: dense, sliding-window, quantized,
@@ -367,3 +403,49 @@ def test_padded_decode_buckets_equal_eager_on_the_gpu_path(family, tmp_path, gpu
         return out
 
     assert run("on") == run("off")
+
+
+def test_quantized_moe_gguf_on_the_gpu_path_equals_the_cpu_path(tmp_path, monkeypatch):
+    """A 4-bit mixture-of-experts GGUF through the whole engine on the GPU code path (grouped kernel over
+    stacked quantized experts, interpreted) gives the CPU path's greedy tokens, which other tests hold
+    to transformers on the same dequantized weights."""
+    from engine_helpers import drain, make_engine
+    from gguf_writer import write_gguf
+    from hf_models import make_hf_model
+
+    from engine.kernels import cpu_ops, kernels, moe_triton
+    from engine.model_store import resolve_model
+    from engine.sampling_params import SamplingParams
+
+    monkeypatch.setenv("SPLITFIRE_HOME", str(tmp_path / "home"))
+    hf = make_hf_model("qwen3_moe", tmp_path / "hf")
+    write_gguf(hf.path, tmp_path / "m.gguf", quantize="Q4_0", embedding_quantize="Q8_0")
+    path = resolve_model(str(tmp_path / "m.gguf"))
+    prompts = [list(range(3, 40)), [5, 6, 7]]
+
+    def greedy() -> tuple[dict[str, list[int]], object]:
+        engine = make_engine(path, max_num_batched_tokens=32, max_num_seqs=4, cpu_activations="float")
+        for i, p in enumerate(prompts):
+            engine.add_request(str(i), p, SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
+        return {k: v.token_ids for k, v in drain(engine).items()}, engine
+
+    want, cpu_engine = greedy()
+    assert cpu_engine.model.layers[0].mlp.experts.stacked is None
+    calls = []
+    kernel = moe_triton.fused_experts
+    monkeypatch.setattr(moe_triton, "fused_experts", lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
+    caches = (kernels, cpu_ops.library, cpu_ops.kv_supported)
+    with monkeypatch.context() as m:
+        m.setenv("SPLITFIRE_KERNELS", "triton")
+        m.setenv("SPLITFIRE_CPU_KERNELS", "0")
+        for c in caches:
+            c.cache_clear()
+        try:
+            got, engine = greedy()
+        finally:
+            for c in caches:
+                c.cache_clear()
+    experts = engine.model.layers[0].mlp.experts
+    assert experts.stacked is not None and experts.stacked[0].kind == "int4"
+    assert experts.quantized[0][0].q.untyped_storage().data_ptr() == experts.stacked[0].q.untyped_storage().data_ptr()
+    assert got == want and len(calls) >= 2 * 5

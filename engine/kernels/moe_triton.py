@@ -16,16 +16,21 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels.quant_triton import dequant_tile
+from engine.quant import QuantizedStack
+
 
 @triton.jit
 def _grouped_gemm_kernel(
-    a_ptr, w_ptr, c_ptr, rows_ptr, tile_expert_ptr, scale_ptr,
-    N, K, stride_am, stride_we, stride_wn, stride_wk, stride_cm,
-    GATHER: tl.constexpr, HAS_SCALE: tl.constexpr,
+    a_ptr, w_ptr, s_ptr, m_ptr, c_ptr, rows_ptr, tile_expert_ptr, scale_ptr,
+    N, K, stride_am, stride_we, stride_wn, stride_wk, stride_se, groups, stride_cm,
+    GATHER: tl.constexpr, HAS_SCALE: tl.constexpr, QUANT: tl.constexpr, GROUP: tl.constexpr, INT4: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """C[slot] = A[row(slot)] @ W[expert(tile)]^T (* scale[slot]) for one BLOCK_M x BLOCK_N tile.
-    rows[slot] < 0 marks padding. GATHER: A's row is rows[slot]; else A is already in slot order."""
+    rows[slot] < 0 marks padding. GATHER: A's row is rows[slot]; else A is already in slot order.
+    QUANT: W is quantized (codes at w_ptr, per-group scales/mins at s_ptr/m_ptr, `stride_se` apart
+    per expert), dequantized in registers by `quant_triton.dequant_tile`."""
     tile = tl.program_id(0)
     pid_n = tl.program_id(1)
     e = tl.load(tile_expert_ptr + tile)
@@ -41,9 +46,14 @@ def _grouped_gemm_kernel(
         k = k0 * BLOCK_K + tl.arange(0, BLOCK_K)
         a = tl.load(a_ptr + a_rows[:, None] * stride_am + k[None, :], mask=valid[:, None] & (k[None, :] < K),
                     other=0.0)
-        w = tl.load(w_ptr + e * stride_we + n[None, :] * stride_wn + k[:, None] * stride_wk,
-                    mask=(k[:, None] < K) & (n[None, :] < N), other=0.0)
-        acc += tl.dot(a, w)
+        if QUANT:
+            w = dequant_tile(w_ptr + e * stride_we, s_ptr + e * stride_se, m_ptr + e * stride_se, n, k, N, K,
+                             groups, GROUP, INT4)
+            acc += tl.dot(a.to(tl.float32), tl.trans(w))
+        else:
+            w = tl.load(w_ptr + e * stride_we + n[None, :] * stride_wn + k[:, None] * stride_wk,
+                        mask=(k[:, None] < K) & (n[None, :] < N), other=0.0)
+            acc += tl.dot(a, w)
     if HAS_SCALE:
         acc *= tl.load(scale_ptr + slots, mask=valid, other=0.0).to(tl.float32)[:, None]
     tl.store(c_ptr + slots[:, None] * stride_cm + n[None, :], acc.to(c_ptr.dtype.element_ty),
@@ -82,25 +92,39 @@ def align_to_experts(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple
     return slot_of, tile_expert, dest
 
 
-def _gemm(a: torch.Tensor, w: torch.Tensor, rows: torch.Tensor, tile_expert: torch.Tensor, out_rows: int,
-          gather: bool, scale: torch.Tensor | None, block_m: int, block_n: int, block_k: int) -> torch.Tensor:
-    n, k = w.shape[1], w.shape[2]
-    c = torch.empty(out_rows, n, dtype=a.dtype, device=a.device)
+def _gemm(a: torch.Tensor, w: torch.Tensor | QuantizedStack, rows: torch.Tensor, tile_expert: torch.Tensor,
+          out_rows: int, gather: bool, scale: torch.Tensor | None, block_m: int, block_n: int,
+          block_k: int) -> torch.Tensor:
+    c_dtype = a.dtype
+    if isinstance(w, QuantizedStack):
+        n, k = w.scales.shape[1], w.q.shape[2] * (2 if w.kind == "int4" else 1)
+        groups = w.scales.shape[2]
+        ptrs = (w.q, w.scales, w.mins if w.mins is not None else w.scales)
+        strides = (w.q.stride(0), 0, 0, w.scales.stride(0))
+        quant = dict(QUANT=True, GROUP=w.group_size, INT4=w.kind == "int4")
+    else:
+        n, k, groups = w.shape[1], w.shape[2], 1
+        ptrs = (w, w, w)  # (no scales or mins)
+        strides = (w.stride(0), w.stride(1), w.stride(2), 0)
+        quant = dict(QUANT=False, GROUP=1, INT4=False)
+    c = torch.empty(out_rows, n, dtype=c_dtype, device=a.device)
     grid = (tile_expert.numel(), triton.cdiv(n, block_n))
     _grouped_gemm_kernel[grid](
-        a, w, c, rows, tile_expert, scale if scale is not None else rows,
-        n, k, a.stride(0), w.stride(0), w.stride(1), w.stride(2), c.stride(0),
-        GATHER=gather, HAS_SCALE=scale is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        a, *ptrs, c, rows, tile_expert, scale if scale is not None else rows,
+        n, k, a.stride(0), *strides, groups, c.stride(0),
+        GATHER=gather, HAS_SCALE=scale is not None, **quant, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
     )
     return c
 
 
-def fused_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gate_up: torch.Tensor,
-                  w_down: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor],
+def fused_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gate_up: torch.Tensor | QuantizedStack,
+                  w_down: torch.Tensor | QuantizedStack, act: Callable[[torch.Tensor], torch.Tensor],
                   block_m: int = 64, block_n: int = 64, block_k: int = 32) -> torch.Tensor:
-    """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]). x: [T, H]; w_gate_up: [E, 2I, H]; w_down: [E, H, I]."""
+    """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]). x: [T, H]; w_gate_up: [E, 2I, H]; w_down: [E, H, I]
+    (float, or each a `QuantizedStack` of the experts' int8/int4 matrices)."""
     t, k = ids.shape
-    num_experts, inter = w_gate_up.shape[0], w_gate_up.shape[1] // 2
+    stacked = w_gate_up.scales if isinstance(w_gate_up, QuantizedStack) else w_gate_up
+    num_experts, inter = stacked.shape[0], stacked.shape[1] // 2
     slot_of, tile_expert, _ = align_to_experts(ids, num_experts, block_m)
     token_rows = torch.where(slot_of >= 0, slot_of // k, slot_of)
     gate_up = _gemm(x, w_gate_up, token_rows, tile_expert, slot_of.numel(), True, None, block_m, block_n, block_k)

@@ -16,6 +16,24 @@ import triton.language as tl
 
 
 @triton.jit
+def dequant_tile(q_ptr, s_ptr, m_ptr, rn, kk, N, K, groups, GROUP: tl.constexpr, INT4: tl.constexpr):
+    """float32 weights [len(rn), len(kk)] of rows `rn`, columns `kk` of one quantized [N, K] matrix
+    (codes at q_ptr, row-major; per-group scales and mins [N, groups]); 0 outside N x K. Shared with
+    the grouped-expert kernel (`moe_triton`), which points it at one expert's matrices."""
+    wmask = (rn[:, None] < N) & (kk[None, :] < K)
+    g = kk // GROUP
+    scale = tl.load(s_ptr + rn[:, None] * groups + g[None, :], mask=wmask, other=0.0)
+    if INT4:
+        byte = (kk // 32) * 16 + kk % 16
+        b = tl.load(q_ptr + rn[:, None] * (K // 2) + byte[None, :], mask=wmask, other=0).to(tl.int32)
+        code = (b >> (4 * ((kk % 32) // 16))[None, :]) & 0x0F
+        mn = tl.load(m_ptr + rn[:, None] * groups + g[None, :], mask=wmask, other=0.0)
+        return code.to(tl.float32) * scale + mn
+    code = tl.load(q_ptr + rn[:, None] * K + kk[None, :], mask=wmask, other=0)
+    return code.to(tl.float32) * scale
+
+
+@triton.jit
 def _wo_gemm_kernel(
     x_ptr, q_ptr, s_ptr, m_ptr, bias_ptr, y_ptr,
     M, N, K, stride_xm, stride_ym, groups,
@@ -32,18 +50,7 @@ def _wo_gemm_kernel(
         kk = k0 + rk
         x = tl.load(x_ptr + rm[:, None] * stride_xm + kk[None, :], mask=(rm[:, None] < M) & (kk[None, :] < K),
                     other=0.0).to(tl.float32)
-        wmask = (rn[:, None] < N) & (kk[None, :] < K)
-        g = kk // GROUP
-        scale = tl.load(s_ptr + rn[:, None] * groups + g[None, :], mask=wmask, other=0.0)
-        if INT4:
-            byte = (kk // 32) * 16 + kk % 16
-            b = tl.load(q_ptr + rn[:, None] * (K // 2) + byte[None, :], mask=wmask, other=0).to(tl.int32)
-            code = (b >> (4 * ((kk % 32) // 16))[None, :]) & 0x0F
-            mn = tl.load(m_ptr + rn[:, None] * groups + g[None, :], mask=wmask, other=0.0)
-            w = code.to(tl.float32) * scale + mn
-        else:
-            code = tl.load(q_ptr + rn[:, None] * K + kk[None, :], mask=wmask, other=0)
-            w = code.to(tl.float32) * scale
+        w = dequant_tile(q_ptr, s_ptr, m_ptr, rn, kk, N, K, groups, GROUP, INT4)
         acc += tl.dot(x, tl.trans(w))
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
