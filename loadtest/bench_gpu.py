@@ -3,6 +3,7 @@ Triton attention path vs torch SDPA, on random bf16 weights of real model shapes
 
     python -m loadtest.bench_gpu                          # Llama-3-8B and SmolLM2 shapes, CUDA
     python -m loadtest.bench_gpu --preset deepseek-v2-lite   # latent attention + experts
+    python -m loadtest.bench_gpu --preset deepseek-v2-lite --quantization int4   # quantized experts
     python -m loadtest.bench_gpu --device cpu --preset tiny --batches 1,4 --prefill-tokens 128   # smoke test
 
 Roofline: a decode step must read every weight once plus each sequence's K/V; bytes / measured
@@ -20,9 +21,11 @@ import os
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 
 import torch
 
+from engine import weight_cache
 from engine.block_manager import BlockManager
 from engine.graph_runner import DecodeGraphs
 from engine.kernels import kernels
@@ -88,32 +91,52 @@ def matmul_peak(dev: torch.device, dtype: torch.dtype) -> float:
     return 2 * n**3 * 10 / (time.perf_counter() - t0)
 
 
-def build(preset: str, dev: torch.device, dtype: torch.dtype, blocks: int, block_size: int):
+def build(preset: str, dev: torch.device, dtype: torch.dtype, blocks: int, block_size: int,
+          quantization: str | None = None):
+    """(config, model, KV cache, parameter counts of the float model, bytes per weight as stored)."""
     cfg = ModelConfig.from_dict({"architectures": ["LlamaForCausalLM"], "rms_norm_eps": 1e-5, **PRESETS[preset]})
     torch.manual_seed(0)
     with torch.device(dev):
         model = DecoderModel(cfg).to(dtype)
     for p in model.parameters():
         p.normal_(0.0, 0.02)
+    counts = ParamCounts.of(model, cfg)
+    element = float(torch.empty((), dtype=dtype).element_size())
+    if quantization:
+        float_bytes = weight_cache.nbytes(model)
+        model.quantize(quantization)
+        element *= weight_cache.nbytes(model) / float_bytes  # scales and mins included
     model.build_rope_cache(cfg.max_position_embeddings + 1, dev, dtype)
     if dev.type == "cpu":
         model.optimize_for_cpu()
     planes, heads, dim = cfg.kv_entry
     kv = KVCache(KVLayout(cfg.num_layers, blocks, block_size, heads, dim, dtype, planes), dev)
-    return cfg, model, kv
+    return cfg, model, kv, counts, element
 
 
-def active_params(model: DecoderModel, cfg: ModelConfig, tokens: int) -> float:
+@dataclass
+class ParamCounts:
+    """Counted on the float model, before any quantization replaces its parameters."""
+
+    layers_and_head: int  # every weight a step multiplies through but the embedding table
+    experts: int  # of which routed experts
+
+    @classmethod
+    def of(cls, model: DecoderModel, cfg: ModelConfig) -> ParamCounts:
+        total = sum(p.numel() for name, p in model.named_parameters() if not name.startswith("embed"))
+        if cfg.tie_word_embeddings:
+            total += cfg.vocab_size * cfg.hidden_size
+        return cls(total, sum(p.numel() for name, p in model.named_parameters() if ".experts." in name))
+
+
+def active_params(counts: ParamCounts, cfg: ModelConfig, tokens: int) -> float:
     """Parameters a step over `tokens` tokens multiplies through: every layer weight and the LM head
     (the embedding: a few rows), routed experts only in the share `tokens` tokens are expected to touch
     (top-k of E chosen uniformly: E (1 - (1 - k/E)^tokens) distinct experts)."""
-    total = sum(p.numel() for name, p in model.named_parameters() if not name.startswith("embed"))
-    if cfg.tie_word_embeddings:
-        total += cfg.vocab_size * cfg.hidden_size
+    total = float(counts.layers_and_head)
     if cfg.moe is not None:
         e, k = cfg.moe.num_experts, cfg.moe.top_k
-        experts = sum(p.numel() for name, p in model.named_parameters() if ".experts." in name)
-        total -= experts * (1 - (1 - (1 - k / e) ** tokens))
+        total -= counts.experts * (1 - (1 - (1 - k / e) ** tokens))
     return total
 
 
@@ -178,21 +201,24 @@ def main() -> int:
     p.add_argument("--context", type=int, default=1024, help="tokens of context per decoding sequence")
     p.add_argument("--prefill-tokens", type=int, default=2048)
     p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--quantization", choices=["int8", "int4"], default=None,
+                   help="quantize the random weights (weight-only, as --quantization does): the Triton "
+                   "weight-only GEMM and, for experts, the grouped kernel over quantized stacks")
     args = p.parse_args()
     dev = torch.device(args.device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     bw, peak = bandwidth(dev), matmul_peak(dev, dtype)
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "CPU"
-    print(f"device {name}: copy bandwidth {bw / 1e9:.0f} GB/s, {dtype} matmul peak {peak / 1e12:.1f} TFLOP/s")
+    print(f"device {name}: copy bandwidth {bw / 1e9:.0f} GB/s, {dtype} matmul peak {peak / 1e12:.1f} TFLOP/s; "
+          f"weights {args.quantization or dtype}")
     backends = ["torch", "triton"] if (dev.type == "cuda" or os.environ.get("TRITON_INTERPRET")) else ["torch"]
     batches = [int(b) for b in args.batches.split(",")]
     print(f"{'model':<14}{'path':<8}{'case':<18}{'ms':>9}{'CPU ms':>9}{'% roofline / MFU':>18}")
     for preset in args.preset.split(","):
         block_size = 16
         need = max(batches) * (-(-(args.context + 1) // block_size)) + -(-args.prefill_tokens // block_size) + 8
-        cfg, model, kv = build(preset, dev, dtype, need + 1, block_size)
+        cfg, model, kv, counts, element = build(preset, dev, dtype, need + 1, block_size, args.quantization)
         runner = ModelRunner(model, kv, dev)
-        element = torch.empty((), dtype=dtype).element_size()
         page = kv.layout.page_bytes
         for backend in backends:
             set_backend(backend)
@@ -204,7 +230,7 @@ def main() -> int:
             runner.graphs.capture()
             for b in batches:
                 kv_bytes = b * cfg.num_layers * -(-args.context // block_size) * page
-                roof = (active_params(model, cfg, b) * element + kv_bytes) / bw
+                roof = (active_params(counts, cfg, b) * element + kv_bytes) / bw
                 for path, timer in (("eager", time_forward), ("graph", time_graph)):
                     bm = BlockManager(need, block_size, enable_prefix_cache=False)
                     wall, cpu = timer(runner, decode_batch(bm, b, args.context), dev, args.iters)
@@ -217,7 +243,7 @@ def main() -> int:
             assert bm.allocate(s, n)
             wall, cpu = time_forward(runner, [ScheduledSeq(s, n)], dev, max(2, args.iters // 3))
             # Linear layers for every token, the LM head for the last one, causal QK^T + PV (half of n^2 each).
-            flops = (2 * (active_params(model, cfg, n) - cfg.vocab_size * cfg.hidden_size) * n
+            flops = (2 * (active_params(counts, cfg, n) - cfg.vocab_size * cfg.hidden_size) * n
                      + 2 * cfg.vocab_size * cfg.hidden_size + attention_flops(cfg, n))
             print(f"{preset:<14}{backend:<8}{f'prefill {n}':<18}{wall * 1e3:>9.2f}{cpu * 1e3:>9.2f}"
                   f"{flops / wall / peak:>17.0%}  ({n / wall:.0f} tok/s)", flush=True)

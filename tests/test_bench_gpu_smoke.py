@@ -7,15 +7,20 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_bench_gpu_harness_runs_on_cpu():
+@pytest.mark.parametrize("quantization", [None, "int4"])
+def test_bench_gpu_harness_runs_on_cpu(quantization):
+    extra = ["--quantization", quantization] if quantization else []
     out = subprocess.run([sys.executable, "-m", "loadtest.bench_gpu", "--device", "cpu", "--preset", "tiny,tiny-mla",
-                          "--batches", "1,2", "--prefill-tokens", "48", "--context", "40", "--iters", "2"],
+                          "--batches", "1,2", "--prefill-tokens", "48", "--context", "40", "--iters", "2", *extra],
                          cwd=ROOT, capture_output=True, text=True, timeout=300,
                          env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"})
     assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.splitlines()[0].endswith(f"weights {quantization or 'torch.float32'}")
     for preset in ("tiny", "tiny-mla"):  # a Llama shape, and latent attention + experts
         rows = [line for line in out.stdout.splitlines() if line.split()[:1] == [preset]]
         assert [r.split()[2:5] for r in rows[:4]] == [["decode", "b=1", "eager"], ["decode", "b=1", "graph"],
