@@ -449,3 +449,38 @@ def test_quantized_moe_gguf_on_the_gpu_path_equals_the_cpu_path(tmp_path, monkey
     assert experts.stacked is not None and experts.stacked[0].kind == "int4"
     assert experts.quantized[0][0].q.untyped_storage().data_ptr() == experts.stacked[0].q.untyped_storage().data_ptr()
     assert got == want and len(calls) >= 2 * 5
+
+
+@pytest.mark.parametrize("family", ["llama3", "mixtral", "deepseek_v3", "gemma3"])
+def test_16_bit_engine_on_the_gpu_path_equals_the_torch_path(family, tmp_path, monkeypatch):
+    """The kernels' 16-bit storage (half loads, `.to(element_ty)` stores, float32 accumulation) through
+    the whole engine with decode graphs: Triton (interpreted) and torch paths give the same greedy tokens
+    for dense, experts, latent attention and sliding windows. float16 stands in for CUDA's bfloat16
+    here: the interpreter multiplies bfloat16 `tl.dot` operands as raw bits (triton-lang/triton#11584)."""
+    from engine_helpers import drain, make_engine
+    from hf_models import make_hf_model
+
+    from engine.kernels import cpu_ops, kernels
+    from engine.sampling_params import SamplingParams
+
+    hf = make_hf_model(family, tmp_path / family)
+    monkeypatch.setenv("SPLITFIRE_CPU_KERNELS", "0")
+    caches = (kernels, cpu_ops.library, cpu_ops.kv_supported)
+    outs = {}
+    try:
+        for backend in ("torch", "triton"):
+            monkeypatch.setenv("SPLITFIRE_KERNELS", backend)
+            for c in caches:
+                c.cache_clear()
+            engine = make_engine(hf.path, dtype="float16", max_num_seqs=4, max_num_batched_tokens=32,
+                                 decode_graphs="on")
+            assert engine.model.embed.weight.dtype == torch.float16
+            for i, p in enumerate([list(range(3, 40)), [5, 6, 7]]):
+                engine.add_request(str(i), p, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+            outs[backend] = {k: v.token_ids for k, v in drain(engine).items()}
+            assert engine.runner.graphs is not None and engine.runner.graphs.replays > 0
+    finally:
+        monkeypatch.undo()
+        for c in caches:
+            c.cache_clear()
+    assert outs["triton"] == outs["torch"]
