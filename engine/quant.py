@@ -154,6 +154,8 @@ class QuantizedWeight:
                                None if self.mins is None else fn(self.mins).contiguous(), self.group_size)
 
     def to(self, device: torch.device) -> QuantizedWeight:
+        if self.q.device == device and self.scales.device == device:
+            return self
         return QuantizedWeight(self.kind, self.q.to(device), self.scales.to(device),
                                None if self.mins is None else self.mins.to(device), self.group_size)
 

@@ -165,7 +165,7 @@ def restore(model: nn.Module, path: Path) -> mmap.mmap:
         t = infos.get(name)
         if t is None:
             raise ModelLoadError(f"{path}: missing {name!r}")
-        size = torch.empty((), dtype=t.dtype).element_size()
+        size = t.dtype.itemsize
         numel = t.nbytes // size
         if numel == 0:
             return torch.empty(t.shape, dtype=t.dtype)

@@ -170,7 +170,7 @@ def load_model(model_dir: str | Path, device: torch.device, dtype: torch.dtype,
             cached.unlink(missing_ok=True)
         else:
             log.info("event=weights_mapped path=%s", cached)
-            return _finish(model, device)
+            return _finish(model, device, trim=False)  # (nothing was read into the heap to give back)
     if staging is None and device.type != "cpu":
         staging = Staging(device)
     staging = staging or None
@@ -216,11 +216,12 @@ def load_model(model_dir: str | Path, device: torch.device, dtype: torch.dtype,
     return _finish(model, device)
 
 
-def _finish(model: DecoderModel, device: torch.device) -> DecoderModel:
+def _finish(model: DecoderModel, device: torch.device, trim: bool = True) -> DecoderModel:
     model.eval()
     if device.type == "cpu":
         model.optimize_for_cpu()
-        _return_freed_heap()
+        if trim:
+            _return_freed_heap()
     return model
 
 
