@@ -118,7 +118,9 @@ def load_probe(model_dir: str, device: str, path: str) -> None:
 
 
 def load_s(model_dir: Path, device: str, path: str) -> float:
-    code = f"from loadtest.bench_coldstart import load_probe; load_probe({str(model_dir)!r}, {device!r}, {path!r})"
+    # (The collector off, as `splitfire` runs the load: engine/gc_heap.py.)
+    code = (f"import gc; gc.disable(); from loadtest.bench_coldstart import load_probe; "
+            f"load_probe({str(model_dir)!r}, {device!r}, {path!r})")
     out = subprocess.run([sys.executable, "-c", code], env={**_env(), "SPLITFIRE_WEIGHT_CACHE": "0"}, cwd=ROOT,
                          capture_output=True, text=True, check=True)
     return float(out.stdout.rsplit("load_s=", 1)[1])
