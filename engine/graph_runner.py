@@ -145,11 +145,13 @@ class DecodeGraphs:
         shared pool. (CPU: nothing to record.)"""
         if self.device.type != "cuda":
             return
-        syncs = sorted(set(self.host_syncs(self.buckets[0])))
-        if syncs:  # (checked first: a capture that fails mid-way can leave the CUDA context unusable)
-            raise RuntimeError(f"the decode forward syncs with the host ({', '.join(syncs)}): it cannot be captured")
         pool = torch.cuda.graph_pool_handle()
         for s in self.capture_order():
+            # Checked before each capture (a capture that fails mid-way can leave the CUDA context unusable).
+            syncs = sorted(set(self.host_syncs(s.size)))
+            if syncs:
+                raise RuntimeError(f"the decode forward of a batch of {s.size} syncs with the host "
+                                   f"({', '.join(syncs)}): it cannot be captured")
             self._fill_padding(s, 0)
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
