@@ -10,8 +10,10 @@ Roofline: a decode step must read every weight once plus each sequence's K/V; by
 copy bandwidth is the fastest the step could be. MFU: model FLOPs of a 2k-token prefill / time /
 the measured peak of a large bf16 matmul on this device (an achievable peak, not the spec sheet).
 Each decode batch has an eager row and a CUDA-graph row (`engine/graph_runner.py`; on CPU the
-"graph" row is the padded forward, no replay). Process start to first token on a GPU:
-`python -m loadtest.bench_coldstart --device cuda --model DIR`.
+"graph" row is the padded forward, no replay). `--first-token DIR` adds a real model's start:
+`splitfire serve` from process start to engine ready, worker ready and first token on this device
+(one start; `python -m loadtest.bench_coldstart --device cuda --model DIR` for medians, load paths
+and memory).
 """
 
 from __future__ import annotations
@@ -201,6 +203,8 @@ def main() -> int:
     p.add_argument("--context", type=int, default=1024, help="tokens of context per decoding sequence")
     p.add_argument("--prefill-tokens", type=int, default=2048)
     p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--first-token", metavar="DIR", default=None,
+                   help="also time `splitfire serve` of this model dir from process start to its first token")
     p.add_argument("--quantization", choices=["int8", "int4"], default=None,
                    help="quantize the random weights (weight-only, as --quantization does): the Triton "
                    "weight-only GEMM and, for experts, the grouped kernel over quantized stacks")
@@ -250,6 +254,15 @@ def main() -> int:
         del model, kv, runner
         if dev.type == "cuda":
             torch.cuda.empty_cache()
+    if args.first_token:
+        from pathlib import Path
+
+        from loadtest.bench_coldstart import serve_start
+
+        start = serve_start(args.first_token, 1.0, 2, False, Path(args.first_token), device=dev.type)
+        marks = "  ".join(f"{name} {t:.2f} s" for name, t in start.marks.items())
+        print(f"first token: {Path(args.first_token).name} on {dev.type}, after process start: {marks} "
+              f"(weights loaded in {start.weights_s:.3f} s)")
     print("targets (issue #7): 8B decode b=1 >= 80% of roofline; prefill MFU >= 50%; CUDA graphs -80% CPU/step "
           "(compare each 'graph' row's CPU ms with its 'eager' row; on CPU 'graph' is the padded forward, no replay)")
     return 0
