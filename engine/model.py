@@ -238,17 +238,25 @@ class DecoderModel(nn.Module):
                 m.int8_activations = on
         self.cpu_layers = None  # its descriptors carry the mode
 
-    def optimize_for_cpu(self) -> None:
+    def optimize_for_cpu(self, dropped: Callable[[torch.Tensor], None] | None = None) -> None:
         """Pack every matmul weight for oneDNN where this CPU supports it for the model dtype (see
-        `layers.Linear`); the tied embedding keeps its table."""
+        `layers.Linear`); the tied embedding keeps its table. `dropped` sees each original weight the
+        packing let go of (a mapped load gives its pages back: `weight_cache.PageRelease`)."""
         dtype = self.embed.weight.dtype
         if dtype not in (torch.float32, torch.bfloat16) or not cpu_packing_supported(dtype):
             return
         for m in self.modules():
             if isinstance(m, Linear):
+                original = m.weight
                 m.pack_for_cpu(keep_original=m is self.lm_head and self.cfg.tie_word_embeddings)
+                if dropped is not None and m.weight is None and original is not None:
+                    dropped(original)
             elif isinstance(m, Experts):
+                originals = (m.gate_up, m.down)
                 m.pack_for_cpu()
+                if dropped is not None and m.gate_up is None and m.packed is not None:
+                    for t in originals:
+                        dropped(t)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden).float()

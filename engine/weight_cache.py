@@ -206,3 +206,30 @@ def restore(model: nn.Module, path: Path) -> mmap.mmap:
         c_owner, _, c_attr = canonical.rpartition(".")
         setattr(modules[owner], attr, getattr(modules[c_owner], c_attr))
     return mapping
+
+
+class PageRelease:
+    """Gives back to the kernel the mapping's pages under tensors the model no longer holds.
+
+    CPU packing (`Linear.pack_for_cpu`) copies each float matmul weight into oneDNN's layout and lets go
+    of the mapped original, but the pages it read stay mapped and counted in RSS for as long as the
+    mapping lives: float32 SmolLM2 added 1,026 MiB of RSS mapped vs 627 MiB read from the checkpoint.
+    `__call__` on each dropped original advises MADV_DONTNEED over the whole pages inside its bytes;
+    the pages are clean copies of the file, so a later read would only fault them in again.
+    """
+
+    def __init__(self, mapping: mmap.mmap):
+        self.mapping = mapping
+        base = torch.frombuffer(mapping, dtype=torch.uint8)
+        self.start, self.size = base.data_ptr(), base.numel()
+        self.released = 0
+
+    def __call__(self, t: torch.Tensor) -> None:
+        lo = t.data_ptr() - self.start
+        if not 0 <= lo < self.size:
+            return  # not a view of the mapping
+        page = mmap.PAGESIZE
+        first, last = -(-lo // page) * page, (lo + t.numel() * t.element_size()) // page * page
+        if last > first:
+            self.mapping.madvise(mmap.MADV_DONTNEED, first, last - first)
+            self.released += last - first

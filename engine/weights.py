@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
 
@@ -169,8 +170,10 @@ def load_model(model_dir: str | Path, device: torch.device, dtype: torch.dtype,
             log.warning("event=weight_cache_unusable path=%s error=%s (loading the checkpoint, rewriting it)", cached, e)
             cached.unlink(missing_ok=True)
         else:
-            log.info("event=weights_mapped path=%s", cached)
-            return _finish(model, device)
+            release = weight_cache.PageRelease(model.weight_mapping)
+            model = _finish(model, device, release)
+            log.info("event=weights_mapped path=%s released_mib=%.0f", cached, release.released / 2**20)
+            return model
     if staging is None and device.type != "cpu":
         staging = Staging(device)
     staging = staging or None
@@ -216,10 +219,11 @@ def load_model(model_dir: str | Path, device: torch.device, dtype: torch.dtype,
     return _finish(model, device)
 
 
-def _finish(model: DecoderModel, device: torch.device) -> DecoderModel:
+def _finish(model: DecoderModel, device: torch.device,
+            dropped: Callable[[torch.Tensor], None] | None = None) -> DecoderModel:
     model.eval()
     if device.type == "cpu":
-        model.optimize_for_cpu()
+        model.optimize_for_cpu(dropped)
         _return_freed_heap()
     return model
 
