@@ -26,6 +26,8 @@ BUFFERS = 2  # one being read into while the other's copy runs
 
 
 class Staging:
+    """One load's ring of buffers: `upload` per tensor, then `finish` before the buffers are dropped."""
+
     def __init__(self, device: torch.device, buffer_bytes: int = BUFFER_BYTES, buffers: int = BUFFERS,
                  make_event: Callable[[], Event] | None = None):
         if buffers < 1 or buffer_bytes < 16:
