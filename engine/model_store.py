@@ -23,7 +23,6 @@ from pathlib import Path
 from tqdm import tqdm
 
 from engine.errors import ModelLoadError
-from engine.gguf_convert import convert_gguf
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
@@ -130,18 +129,26 @@ def builtin_gguf(name: str) -> Path:
     return path
 
 
+def _convert_gguf(src: Path, dst: Path, keep_quantized: bool = True) -> None:
+    # (Imported here: the converter pulls in torch, which resolving an already converted model — what
+    # `splitfire up` and the router do — has no use for.)
+    from engine.gguf_convert import convert_gguf
+
+    convert_gguf(src, dst, keep_quantized)
+
+
 def fetch_builtin(name: str, keep_quantized: bool = True) -> Path:
     """The built-in model converted for loading: its matmul weights at the GGUF's own precision, or
     (keep_quantized=False, `<name>-float32`) all dequantized to float32."""
     target = home() / "models" / (name if keep_quantized else f"{name}-float32")
-    return _convert_into(target, lambda tmp: convert_gguf(builtin_gguf(name), tmp, keep_quantized))
+    return _convert_into(target, lambda tmp: _convert_gguf(builtin_gguf(name), tmp, keep_quantized))
 
 
 def convert_local_gguf(path: Path) -> Path:
     st = path.stat()
     key = hashlib.sha1(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:12]
     target = home() / "models" / f"{path.stem}-{key}"
-    return _convert_into(target, lambda tmp: convert_gguf(path, tmp))
+    return _convert_into(target, lambda tmp: _convert_gguf(path, tmp))
 
 
 def resolve_model(ref: str | None) -> Path:

@@ -17,6 +17,7 @@ import socket
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 STOP_TIMEOUT_S = 20.0
 
@@ -71,6 +72,20 @@ def plan_cpus(spec: str, n_workers: int) -> list[str]:
         return [""] * n_workers  # fewer cores than workers: let the OS share them
     per = len(cores) // n_workers
     return [",".join(str(c) for c in cores[i * per:(i + 1) * per]) for i in range(n_workers)]
+
+
+def gpu_count(device: str, dev: Path = Path("/dev")) -> int:
+    """GPUs the workers could use. Without an NVIDIA (/dev/nvidia0...), WSL (/dev/dxg) or ROCm (/dev/kfd)
+    device node no GPU is visible, and saying so needs no torch: importing it cost this supervisor
+    1.4 s before any worker started, and ~285 MB for its whole life. With one, torch counts them
+    (CUDA_VISIBLE_DEVICES and its UUID / MIG forms are its to interpret)."""
+    if device == "cpu":
+        return 0
+    if not any(dev.glob("nvidia[0-9]*")) and not (dev / "dxg").exists() and not (dev / "kfd").exists():
+        return 0
+    import torch
+
+    return torch.cuda.device_count()
 
 
 def plan_gpus(spec: str, n_workers: int, device_count: int) -> list[str]:
@@ -165,9 +180,7 @@ async def up(args: argparse.Namespace) -> int:
         kv_store = ["--kv-store", f"127.0.0.1:{mport}", "--kv-store-gb", str(args.kv_store_gb)]
     roles = ["both"] if args.colocated else ["prefill"] * args.prefill + ["decode"] * args.decode
     cpus = plan_cpus(args.cpus, len(roles))
-    import torch
-
-    gpus = plan_gpus(args.gpus, len(roles), torch.cuda.device_count() if args.device != "cpu" else 0)
+    gpus = plan_gpus(args.gpus, len(roles), gpu_count(args.device))
     router_args = ["--served-model-name", args.served_model_name] if args.served_model_name else []
     addrs: dict[str, list[str]] = {"prefill": [], "decode": [], "both": []}
     workers = []

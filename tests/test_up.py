@@ -53,3 +53,24 @@ def test_core_and_gpu_plans():
     assert plan_cpus("none", 3) == ["", "", ""]
     with pytest.raises(ValueError):
         plan_gpus("0;1;2", 2, 4)
+
+
+def test_gpu_count_needs_no_torch_without_gpu_device_nodes(tmp_path):
+    """No /dev/nvidia*, /dev/dxg or /dev/kfd: no GPU, said without importing torch (the supervisor's
+    1.4 s and ~285 MB); with a node present, torch is asked (here: CPU torch, which counts 0)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    dev = tmp_path / "dev"
+    dev.mkdir()
+    (dev / "null").touch()
+    (dev / "nvidiactl").touch()  # the control node alone is not a GPU
+    root = Path(__file__).resolve().parent.parent
+    code = ("import sys; from pathlib import Path; from router.up import gpu_count; "
+            f"print(gpu_count('auto', Path({str(dev)!r})), gpu_count('cpu'), 'torch' in sys.modules)")
+    run = lambda: subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True,  # noqa: E731
+                                 check=True).stdout.split()
+    assert run() == ["0", "0", "False"]
+    (dev / "nvidia0").touch()
+    assert run()[2] == "True"  # a GPU node: torch decides (CUDA_VISIBLE_DEVICES, MIG and UUIDs are its to read)

@@ -109,7 +109,7 @@ async def test_start_up_heap_is_frozen_once_ready(tiny_model_dir, tmp_path, monk
         for p, what in ((w, "both worker"), (r, "router")):
             p.wait_for("event=gc_frozen", timeout=10)
             frozen = re.search(rf"event=gc_frozen process={what} objects=(\d+)", p.log())
-            assert frozen and int(frozen.group(1)) > 50_000, p.log()[-2000:]  # torch alone tracks ~100k objects
+            assert frozen and int(frozen.group(1)) > 50_000, p.log()[-2000:]  # ~100k for the router, ~300k with torch
         assert "gc_frozen" not in plain.log()
     finally:
         stop_all(w, r, plain)
