@@ -40,3 +40,33 @@ def drain(engine: LLMEngine, max_steps: int = 10_000) -> dict[str, Result]:
             if o.finished:
                 r.finish_reason, r.error = o.finish_reason, o.error
     raise AssertionError("engine did not finish")
+
+
+@dataclass
+class LoadMemory:
+    mapped: bool  # served from the weight cache's mapping
+    rss_added: int  # bytes of RSS the load left
+    peak_added: int  # bytes the RSS peaked above where it started
+
+
+def load_memory(model_dir, env: dict[str, str] | None = None) -> LoadMemory:
+    """`load_model` of `model_dir` (float32, CPU) in a fresh process, and what it did to that process's RSS."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = (
+        "import re, torch\n"
+        "from engine.weights import load_model\n"
+        "from engine.layers import cpu_packing_supported\n"
+        "def status(key): return int(re.search(key + r':\\s+(\\d+)', open('/proc/self/status').read()).group(1))\n"
+        "cpu_packing_supported(torch.float32)  # oneDNN's one-time set-up is not the model's memory\n"
+        "open('/proc/self/clear_refs', 'w').write('5')  # resets the peak (VmHWM) to the current RSS\n"
+        "base = status('VmRSS')\n"
+        f"m = load_model({str(model_dir)!r}, torch.device('cpu'), torch.float32)\n"
+        "print(m.weight_mapping is not None, (status('VmRSS') - base) * 1024, (status('VmHWM') - base) * 1024)\n"
+    )
+    root = Path(__file__).resolve().parent.parent
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, check=True,
+                         env={**os.environ, **(env or {})}).stdout.split()
+    return LoadMemory(out[-3] == "True", int(out[-2]), int(out[-1]))

@@ -220,27 +220,12 @@ def test_loading_peak_rss_is_about_the_model_size(tmp_path):
     """Tensors are read one at a time straight into their parameters: the process peaks near the
     model's size (measured 1.2-1.4x with oneDNN packing's one-weight transient), not the 2.35x that
     allocating on "meta", moving, and reading through temporaries cost before."""
-    import subprocess
-    import sys
-
+    from engine_helpers import load_memory
     from tiny_model import make_tiny_llama
 
     d = make_tiny_llama(tmp_path / "big", layers=3, hidden=1024, heads=8, kv_heads=8, intermediate=4096, tie=False)
     size = (d / "model.safetensors").stat().st_size
-    code = (
-        "import re, torch\n"
-        "from engine.weights import load_model\n"
-        "def status(key): return int(re.search(key + r':\\s+(\\d+)', open('/proc/self/status').read()).group(1))\n"
-        "from engine.layers import cpu_packing_supported\n"
-        "cpu_packing_supported(torch.float32)  # oneDNN's one-time set-up is not the model's memory\n"
-        "open('/proc/self/clear_refs', 'w').write('5')  # resets the peak (VmHWM) to the current RSS\n"
-        "base = status('VmRSS')\n"
-        f"m = load_model({str(d)!r}, torch.device('cpu'), torch.float32)\n"
-        "print((status('VmHWM') - base) * 1024)\n"
-    )
-    root = Path(__file__).resolve().parent.parent
-    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, check=True)
-    peak = int(out.stdout.split()[-1])
+    peak = load_memory(d, {"SPLITFIRE_WEIGHT_CACHE": "0"}).peak_added
     assert peak < 1.5 * size, f"loading a {size / 2**20:.0f} MiB model raised peak RSS by {peak / 2**20:.0f} MiB"
 
 

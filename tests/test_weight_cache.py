@@ -88,11 +88,7 @@ def test_changes_miss_the_cache_and_a_corrupt_cache_is_replaced(tiny_model_dir, 
 def test_a_mapped_start_gives_back_the_pages_packing_copied(tmp_path):
     """Float weights are packed for oneDNN (a copy), so the mapped originals' pages are given back: a
     mapped start adds about the model's size to RSS, as reading the checkpoint does, not twice it."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
+    from engine_helpers import load_memory
     from tiny_model import make_tiny_llama
 
     from engine.layers import cpu_packing_supported
@@ -101,21 +97,7 @@ def test_a_mapped_start_gives_back_the_pages_packing_copied(tmp_path):
         pytest.skip("this CPU does not pack float32 weights for oneDNN: nothing is copied")
     d = make_tiny_llama(tmp_path / "big", layers=3, hidden=1024, heads=8, kv_heads=8, intermediate=4096, tie=False)
     size = (d / "model.safetensors").stat().st_size
-    code = (
-        "import re, torch\n"
-        "from engine.weights import load_model\n"
-        "from engine.layers import cpu_packing_supported\n"
-        "def status(key): return int(re.search(key + r':\\s+(\\d+)', open('/proc/self/status').read()).group(1))\n"
-        "cpu_packing_supported(torch.float32)  # oneDNN's one-time set-up is not the model's memory\n"
-        "open('/proc/self/clear_refs', 'w').write('5')\n"
-        "base = status('VmRSS')\n"
-        f"m = load_model({str(d)!r}, torch.device('cpu'), torch.float32)\n"
-        "print(m.weight_mapping is not None, (status('VmRSS') - base) * 1024, (status('VmHWM') - base) * 1024)\n"
-    )
-    env = {**os.environ, "SPLITFIRE_HOME": str(tmp_path / "home"), "SPLITFIRE_WEIGHT_CACHE_MIN_MB": "0"}
-    root = Path(__file__).resolve().parent.parent
-    runs = [subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True,
-                           check=True).stdout.split() for _ in range(2)]
-    assert [r[0] for r in runs] == ["False", "True"]  # the first writes the cache, the second maps it
-    mapped_rss, mapped_peak = int(runs[1][1]), int(runs[1][2])
-    assert mapped_rss < 1.3 * size and mapped_peak < 1.3 * size, (size, runs)
+    env = {"SPLITFIRE_HOME": str(tmp_path / "home"), "SPLITFIRE_WEIGHT_CACHE_MIN_MB": "0"}
+    first, second = load_memory(d, env), load_memory(d, env)
+    assert (first.mapped, second.mapped) == (False, True)  # the first writes the cache, the second maps it
+    assert second.rss_added < 1.3 * size and second.peak_added < 1.3 * size, (size, second)
