@@ -87,9 +87,10 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, gc_held: bool = False) -> int:
+    """`gc_held`: `cli` turned the collector off; commands without a ready point turn it back on here."""
     args = build_parser().parse_args(argv)
-    if args.command not in _RELEASE_WHEN_READY:
+    if gc_held and args.command not in _RELEASE_WHEN_READY:
         gc_heap.resume()
     import prometheus_client
 
@@ -118,8 +119,7 @@ def cli() -> None:
     """The `splitfire` executable (and `python -m splitfire_cli`). The garbage collector is held off
     from here, before the imports, until the command is ready (engine/gc_heap.py); `main` alone,
     called inside another program, leaves that program's collector alone."""
-    gc_heap.hold()
-    sys.exit(main())
+    sys.exit(main(gc_held=gc_heap.hold()))
 
 
 if __name__ == "__main__":

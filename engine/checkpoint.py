@@ -130,8 +130,7 @@ class Checkpoint:
         t = self.info(name)
         if self.staging is not None:
             out = torch.empty(t.shape, dtype=t.dtype, device=self.staging.device)
-            self.staging.upload(str(t.path), t.offset, t.nbytes, t.dtype, out)
-            self.unread.discard(name)
+            self._stage(name, out)
             return out
         out = torch.empty(t.shape, dtype=t.dtype)
         self._read(name, out)
@@ -143,12 +142,17 @@ class Checkpoint:
         match and `dst` is contiguous, else through one temporary."""
         t = self.info(name)
         if self.staging is not None and dst.is_contiguous():
-            self.staging.upload(str(t.path), t.offset, t.nbytes, t.dtype, dst)
-            self.unread.discard(name)
+            self._stage(name, dst)
         elif dst.dtype == t.dtype and dst.device.type == "cpu" and dst.is_contiguous():
             self._read(name, dst)
         else:
             dst.copy_(self.get(name))
+
+    def _stage(self, name: str, dst: torch.Tensor) -> None:
+        assert self.staging is not None
+        t = self.info(name)
+        self.staging.upload(str(t.path), t.offset, t.nbytes, t.dtype, dst)
+        self.unread.discard(name)
 
     def _read(self, name: str, out: torch.Tensor) -> None:
         t = self.info(name)

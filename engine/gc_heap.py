@@ -32,10 +32,12 @@ def enabled() -> bool:
     return os.environ.get("SPLITFIRE_GC_FREEZE", "1") != "0"
 
 
-def hold() -> None:
-    """At process start, before the heavy imports."""
+def hold() -> bool:
+    """At process start, before the heavy imports. Whether the collector was turned off."""
     if enabled():
         gc.disable()
+        return True
+    return False
 
 
 def release(what: str) -> None:
@@ -49,6 +51,5 @@ def release(what: str) -> None:
 
 
 def resume() -> None:
-    """Collection back on, nothing frozen (a short command, or one without a ready point)."""
-    if enabled():
-        gc.enable()
+    """Collection back on, nothing frozen (after `hold`, for a command without a ready point)."""
+    gc.enable()

@@ -47,7 +47,7 @@ class Staging:
         converted to dst's dtype on the device. Returns once every chunk is read and its copy queued."""
         if not dst.is_contiguous():
             raise ValueError("staging uploads into contiguous tensors only")
-        elem = torch.empty((), dtype=src_dtype).element_size()
+        elem = src_dtype.itemsize
         flat = dst.view(-1)
         if nbytes != flat.numel() * elem:
             raise ModelLoadError(f"{path}: {nbytes} bytes at {offset} do not fill a tensor of {flat.numel()} elements")
