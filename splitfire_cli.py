@@ -6,7 +6,7 @@ import argparse
 import asyncio
 import sys
 
-from engine import gc_heap
+from common import gc_heap
 
 # Commands that call `gc_heap.release` once ready; the others get the collector back at once.
 _RELEASE_WHEN_READY = {"prefill", "decode", "serve", "router", "generate"}
@@ -41,7 +41,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _fetch(args: argparse.Namespace) -> int:
-    from engine.model_store import resolve_model
+    from engine.loading.model_store import resolve_model
 
     print(resolve_model(args.name))
     return 0
@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None, gc_held: bool = False) -> int:
         gc_heap.resume()
     import prometheus_client
 
-    from engine.logs import setup_logging
+    from common.logs import setup_logging
 
     setup_logging(args.log_level)
     prometheus_client.disable_created_metrics()  # *_created series only add noise to dashboards
@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None, gc_held: bool = False) -> int:
         print(f"splitfire {args.command}: {e}", file=sys.stderr)
         return 2
     except Exception as e:
-        from engine.errors import EngineError
+        from common.errors import EngineError
         from kvtransfer.errors import TransferError
 
         if isinstance(e, EngineError | TransferError | OSError):
@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None, gc_held: bool = False) -> int:
 
 def cli() -> None:
     """The `splitfire` executable (and `python -m splitfire_cli`). The garbage collector is held off
-    from here, before the imports, until the command is ready (engine/gc_heap.py); `main` alone,
+    from here, before the imports, until the command is ready (common/gc_heap.py); `main` alone,
     called inside another program, leaves that program's collector alone."""
     sys.exit(main(gc_held=gc_heap.hold()))
 

@@ -11,9 +11,9 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from common.errors import RequestError
+from common.sampling_params import SamplingParams
 from decode_worker.prefill_policy import PrefillDecision, decide_prefill
-from engine.errors import RequestError
-from engine.sampling_params import SamplingParams
 from kvtransfer.descriptors import KVRegion
 from protos import splitfire_pb2 as pb
 from protos import splitfire_pb2_grpc as pb_grpc

@@ -19,9 +19,9 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from common.sampling_params import SamplingParams
+from engine.batch.sequence import Mode, Sequence, TokenLogprob
 from engine.llm_engine import EngineStats, LLMEngine, RequestOutput, StepObserver
-from engine.sampling_params import SamplingParams
-from engine.sequence import Mode, Sequence, TokenLogprob
 
 log = logging.getLogger("splitfire.engine")
 T = TypeVar("T")

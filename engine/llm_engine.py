@@ -15,24 +15,25 @@ from typing import Protocol
 
 import torch
 
-from engine import memory_profile, weight_cache
-from engine.block_manager import BlockManager, BlockStats
-from engine.constrained import GrammarEngine
-from engine.detokenizer import IncrementalDetokenizer
-from engine.eagle3 import Eagle3Drafter
+from common.detokenizer import IncrementalDetokenizer
+from common.errors import ModelLoadError, RequestError
+from common.sampling_params import SamplingParams
+from common.tokenizer import Tokenizer
+from engine import memory_profile
+from engine.batch.block_manager import BlockManager, BlockStats
+from engine.batch.constrained import GrammarEngine
+from engine.batch.graph_runner import DecodeGraphs
+from engine.batch.model_runner import ModelRunner
+from engine.batch.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
+from engine.batch.sequence import Mode, Sequence, Status, TokenLogprob
 from engine.engine_config import EngineConfig
-from engine.errors import ModelLoadError, RequestError
-from engine.graph_runner import DecodeGraphs
-from engine.kv_cache import KVCache, KVLayout
-from engine.model_config import ModelConfig
-from engine.model_runner import ModelRunner
-from engine.model_store import resolve_model
-from engine.sampling_params import SamplingParams
-from engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
-from engine.sequence import Mode, Sequence, Status, TokenLogprob
-from engine.speculative import Drafter, NgramDrafter, verify
-from engine.tokenizer import Tokenizer
-from engine.weights import load_model
+from engine.loading import weight_cache
+from engine.loading.model_store import resolve_model
+from engine.loading.weights import load_model
+from engine.model.kv_cache import KVCache, KVLayout
+from engine.model.model_config import ModelConfig
+from engine.spec.eagle3 import Eagle3Drafter
+from engine.spec.speculative import Drafter, NgramDrafter, verify
 
 log = logging.getLogger("splitfire.engine")
 
@@ -237,7 +238,7 @@ class LLMEngine:
             return self.eagle
         if c.speculative != "draft":
             return None
-        from engine.draft_model import DraftModelDrafter, same_tokenizer
+        from engine.spec.draft_model import DraftModelDrafter, same_tokenizer
 
         draft_dir = resolve_model(c.draft_model)
         differs = same_tokenizer(self.model_dir, draft_dir)

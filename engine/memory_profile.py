@@ -20,11 +20,11 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.draft_model import DraftSeq
-from engine.kv_cache import KVCache, KVLayout
-from engine.model import DecoderModel
-from engine.model_runner import ModelRunner
-from engine.scheduler import ScheduledSeq
+from engine.batch.model_runner import ModelRunner
+from engine.batch.scheduler import ScheduledSeq
+from engine.model.decoder import DecoderModel
+from engine.model.kv_cache import KVCache, KVLayout
+from engine.spec.draft_model import DraftSeq
 
 log = logging.getLogger("splitfire.engine")
 

@@ -10,10 +10,10 @@ from typing import Any, TextIO
 
 from tqdm import tqdm
 
-from engine import grammar
-from engine.errors import EngineError, RequestError
+from common import grammar
+from common.errors import EngineError, RequestError
+from common.sampling_params import SamplingParams
 from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
 
 SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "ignore_eos",
                  "logprobs", "repetition_penalty", "frequency_penalty", "presence_penalty", "stop_token_ids")

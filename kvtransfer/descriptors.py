@@ -1,7 +1,7 @@
 """Block descriptors and the coalescing that turns block pairs into few, large writes.
 
 A KV region is the engine's one registered buffer, addressed page by page (a page is
-one block's K and V in one layer; see `engine/kv_cache.py`). Pairs of (source block,
+one block's K and V in one layer; see `engine/model/kv_cache.py`). Pairs of (source block,
 destination block) that are consecutive on *both* sides merge into one run, and each
 run is one write entry per layer.
 """

@@ -180,7 +180,7 @@ def main() -> int:
 
         model = str(make_tiny_llama(Path(tempfile.mkdtemp()) / "tiny", max_positions=16384))
     else:
-        from engine.model_store import resolve_model
+        from engine.loading.model_store import resolve_model
 
         model = str(resolve_model(model))
     placements = args.placements.split(",")

@@ -49,7 +49,7 @@ def _env() -> dict[str, str]:
 
 
 def import_torch_s(collector: bool = True) -> float:
-    """`collector=False`: with the garbage collector off, as `splitfire` imports it (engine/gc_heap.py)."""
+    """`collector=False`: with the garbage collector off, as `splitfire` imports it (common/gc_heap.py)."""
     code = "import torch" if collector else "import gc; gc.disable(); import torch"
     t0 = time.perf_counter()
     subprocess.run([sys.executable, "-c", code], check=True, env=_env())
@@ -68,7 +68,7 @@ def evict(files: list[Path]) -> None:
 
 def weight_cache_files(model_dir: Path) -> list[Path]:
     """The model's entries in the weight cache (what a mapped start reads instead of the checkpoint)."""
-    from engine.weight_cache import cache_dir
+    from engine.loading.weight_cache import cache_dir
 
     return sorted(cache_dir().glob(f"{model_dir.name}-*.safetensors"))
 
@@ -101,8 +101,8 @@ def load_probe(model_dir: str, device: str, path: str) -> None:
     """(In a fresh process.) Print the seconds `load_model` takes with the checkpoint `path`."""
     import torch
 
-    from engine.staging import Staging
-    from engine.weights import load_model
+    from engine.loading.staging import Staging
+    from engine.loading.weights import load_model
 
     dev = torch.device(device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32  # the engine's defaults (--dtype auto)
@@ -118,7 +118,7 @@ def load_probe(model_dir: str, device: str, path: str) -> None:
 
 
 def load_s(model_dir: Path, device: str, path: str) -> float:
-    # (The collector off, as `splitfire` runs the load: engine/gc_heap.py.)
+    # (The collector off, as `splitfire` runs the load: common/gc_heap.py.)
     code = (f"import gc; gc.disable(); from loadtest.bench_coldstart import load_probe; "
             f"load_probe({str(model_dir)!r}, {device!r}, {path!r})")
     out = subprocess.run([sys.executable, "-c", code], env={**_env(), "SPLITFIRE_WEIGHT_CACHE": "0"}, cwd=ROOT,
@@ -218,7 +218,7 @@ def generate_start(model: str, kv_gb: float, threads: int, device: str = "cpu") 
 
 
 def main() -> int:
-    from engine.model_store import resolve_model
+    from engine.loading.model_store import resolve_model
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="default: the built-in SmolLM2 (fetched first if needed)")
@@ -247,7 +247,7 @@ def main() -> int:
     gen = [generate_start(model, args.kv_cache_gb, args.threads, dev) for _ in range(args.rounds)]
     uncached = [serve_start(model, args.kv_cache_gb, args.threads, False, model_dir, {"SPLITFIRE_WEIGHT_CACHE": "0"},
                             device=dev) for _ in range(args.rounds)]
-    # The collector on through start-up (engine/gc_heap.py holds it off), interleaved with the default.
+    # The collector on through start-up (common/gc_heap.py holds it off), interleaved with the default.
     held, unheld = [], []
     for _ in range(args.rounds):
         held.append(serve_start(model, args.kv_cache_gb, args.threads, False, model_dir, device=dev))

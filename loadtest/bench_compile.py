@@ -22,23 +22,23 @@ import time
 
 import torch
 
-import engine.model
+import engine.model.decoder
+from common.sampling_params import SamplingParams
 from engine.engine_config import EngineConfig
 from engine.llm_engine import LLMEngine
-from engine.model_store import DEFAULT_MODEL, fetch_builtin
-from engine.sampling_params import SamplingParams
+from engine.loading.model_store import DEFAULT_MODEL, fetch_builtin
 from loadtest.bench_engine import decode_rate, prompt_ids
 from loadtest.bench_quant import cpu_flags
 
 
 def _engine(path: str, threads: int, packed: bool) -> LLMEngine:
-    saved = engine.model.cpu_packing_supported
+    saved = engine.model.decoder.cpu_packing_supported
     if not packed:
-        engine.model.cpu_packing_supported = lambda dtype: False  # type: ignore[assignment]
+        engine.model.decoder.cpu_packing_supported = lambda dtype: False  # type: ignore[assignment]
     try:
         return LLMEngine(EngineConfig(model=path, device="cpu", threads=threads, kv_cache_gb=0.5))
     finally:
-        engine.model.cpu_packing_supported = saved  # type: ignore[assignment]
+        engine.model.decoder.cpu_packing_supported = saved  # type: ignore[assignment]
 
 
 def _rate(eng: LLMEngine, rounds: int, tag: str) -> float:

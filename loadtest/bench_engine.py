@@ -32,9 +32,9 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from common.sampling_params import SamplingParams
 from engine.engine_config import EngineConfig
 from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
 
 PREFILL_LENGTHS = (128, 512, 2048)
 BATCHES = (1, 8, 16, 32)
@@ -193,8 +193,8 @@ def family_round(engine: LLMEngine, s: int) -> dict[str, float]:
 
 def weight_bytes(model: torch.nn.Module) -> int:
     """Bytes the model's weights occupy as loaded: float parameters, packed copies and quantized codes."""
-    from engine.layers import Linear
-    from engine.moe import Experts
+    from engine.model.layers import Linear
+    from engine.model.moe import Experts
 
     seen: set[int] = set()
 
@@ -276,7 +276,7 @@ def main_grammar(args: argparse.Namespace) -> int:
     """Constrained (json_schema) vs unconstrained decode, interleaved rounds, and grammar compile time."""
     import json
 
-    from engine import grammar
+    from common import grammar
 
     engine = LLMEngine(EngineConfig(model=args.model, device="cpu", threads=args.threads,
                                     max_num_batched_tokens=512, kv_cache_gb=1.0))
@@ -324,7 +324,7 @@ def main_speculative(args: argparse.Namespace) -> int:
     an agent-shaped reply that repeats a JSON block from its prompt, a free-text reply, batch 16."""
     import json
 
-    from engine.speculative import NgramDrafter
+    from engine.spec.speculative import NgramDrafter
 
     draft = args.draft_model
     engine = LLMEngine(EngineConfig(model=args.model, device="cpu", threads=args.threads, max_num_batched_tokens=512,
@@ -334,8 +334,8 @@ def main_speculative(args: argparse.Namespace) -> int:
         drafters["draft"] = engine.drafter
     eagle = None
     if args.eagle3_head:
-        from engine.eagle3 import Eagle3Drafter
-        from engine.model_store import home
+        from engine.loading.model_store import home
+        from engine.spec.eagle3 import Eagle3Drafter
         from loadtest.random_models import write_eagle3_head
 
         head = Path(args.eagle3_head)

@@ -9,7 +9,7 @@ Triton attention path vs torch SDPA, on random bf16 weights of real model shapes
 Roofline: a decode step must read every weight once plus each sequence's K/V; bytes / measured
 copy bandwidth is the fastest the step could be. MFU: model FLOPs of a 2k-token prefill / time /
 the measured peak of a large bf16 matmul on this device (an achievable peak, not the spec sheet).
-Each decode batch has an eager row and a CUDA-graph row (`engine/graph_runner.py`; on CPU the
+Each decode batch has an eager row and a CUDA-graph row (`engine/batch/graph_runner.py`; on CPU the
 "graph" row is the padded forward, no replay). `--first-token DIR` adds a real model's start:
 `splitfire serve` from process start to engine ready, worker ready and first token on this device
 (one start; `python -m loadtest.bench_coldstart --device cuda --model DIR` for medians, load paths
@@ -27,17 +27,17 @@ from dataclasses import dataclass
 
 import torch
 
-from engine import weight_cache
-from engine.block_manager import BlockManager
-from engine.graph_runner import DecodeGraphs
-from engine.kernels import kernels
-from engine.kv_cache import KVCache, KVLayout
-from engine.model import DecoderModel
-from engine.model_config import ModelConfig
-from engine.model_runner import ModelRunner
-from engine.sampling_params import SamplingParams
-from engine.scheduler import ScheduledSeq
-from engine.sequence import Sequence
+from common.sampling_params import SamplingParams
+from engine.batch.block_manager import BlockManager
+from engine.batch.graph_runner import DecodeGraphs
+from engine.batch.model_runner import ModelRunner
+from engine.batch.scheduler import ScheduledSeq
+from engine.batch.sequence import Sequence
+from engine.loading import weight_cache
+from engine.model.decoder import DecoderModel
+from engine.model.kernels import kernels
+from engine.model.kv_cache import KVCache, KVLayout
+from engine.model.model_config import ModelConfig
 
 PRESETS = {
     "llama3-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,

@@ -1,7 +1,7 @@
 """llguidance vs xgrammar on this machine: the per-step cost of constrained decoding (compute the
 batch's token masks, apply them to random logits, sample, advance every matcher) at batch 1 and
 16, and the compile time of a 20-property JSON schema. The measurement behind the choice in
-`engine/constrained.py`; xgrammar is optional (`pip install xgrammar` to compare).
+`engine/batch/constrained.py`; xgrammar is optional (`pip install xgrammar` to compare).
 
     python -m loadtest.bench_grammar            # SmolLM2's tokenizer (49k vocabulary)
 """
@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from engine.model_store import resolve_model
+from engine.loading.model_store import resolve_model
 from loadtest.bench_engine import grammar_schema
 
 STEPS = 80
@@ -25,7 +25,7 @@ STEPS = 80
 def llguidance_run(tok_json: str, vocab: int, eos: int, schema: dict, batch: int) -> tuple[float, float]:
     import llguidance as llg
 
-    from engine.grammar import JSON_STYLE
+    from common.grammar import JSON_STYLE
 
     tok = llg.LLTokenizer(tok_json, n_vocab=vocab, eos_token=eos)
     text = llg.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_STYLE)

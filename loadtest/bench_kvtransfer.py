@@ -196,8 +196,8 @@ def mla_compare(eng, src_base: int, info: dict, rounds: int) -> None:
     """Part 4: latent vs per-head KV, bytes per token from the configs and one prompt's transfer measured."""
     import torch
 
-    from engine.kv_cache import KVLayout
-    from engine.model_config import ModelConfig
+    from engine.model.kv_cache import KVLayout
+    from engine.model.model_config import ModelConfig
     from loadtest.random_models import FAMILIES, SHAPE
 
     def layout(cfg_dict: dict, dtype: torch.dtype, blocks: int = PROMPT_BLOCKS) -> tuple[ModelConfig, KVLayout]:
@@ -316,7 +316,7 @@ def store_compare(rounds: int = 3) -> None:
 
     import grpc
 
-    from engine.model_store import resolve_model
+    from engine.loading.model_store import resolve_model
     from kvtransfer.store import KVStore, StoreConfig, master_command
     from loadtest.bench_router import spawn
     from loadtest.stack import free_port

@@ -20,10 +20,10 @@ import time
 import torch
 from tqdm import tqdm
 
+from common.sampling_params import SamplingParams
 from engine.engine_config import EngineConfig
 from engine.llm_engine import LLMEngine
-from engine.mla import MLAttention
-from engine.sampling_params import SamplingParams
+from engine.model.mla import MLAttention
 from loadtest.bench_engine import prefill_all, random_ids
 
 BATCHES = (1, 16)

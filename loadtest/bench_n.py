@@ -57,7 +57,7 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=4)
     p.add_argument("--modes", default="colocated,pd")
     args = p.parse_args()
-    from engine.model_store import resolve_model
+    from engine.loading.model_store import resolve_model
 
     model_dir = resolve_model(args.model)
     name = Path(model_dir).name

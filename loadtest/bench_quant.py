@@ -23,12 +23,12 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from engine import quant
+from common.sampling_params import SamplingParams
 from engine.engine_config import EngineConfig
-from engine.kernels import cpu_ops
 from engine.llm_engine import LLMEngine
-from engine.model_store import DEFAULT_MODEL, builtin_gguf, fetch_builtin
-from engine.sampling_params import SamplingParams
+from engine.loading.model_store import DEFAULT_MODEL, builtin_gguf, fetch_builtin
+from engine.model import quant
+from engine.model.kernels import cpu_ops
 from loadtest import quality
 
 
@@ -44,7 +44,7 @@ def cpu_flags() -> str:
 
 def weight_bytes(engine: LLMEngine) -> int:
     """Bytes a decode step streams for matmuls: quantized codes + scales, or float weights."""
-    from engine.layers import Linear
+    from engine.model.layers import Linear
 
     total = 0
     for m in engine.model.modules():

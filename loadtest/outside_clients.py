@@ -76,7 +76,7 @@ def main() -> int:
 
         model_dir = make_tiny_llama(work / "tiny")
     else:
-        from engine.model_store import resolve_model
+        from engine.loading.model_store import resolve_model
 
         model_dir = resolve_model(args.model)
     py = clients_python(Path(args.clients_venv))

@@ -10,10 +10,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from common.sampling_params import SamplingParams
+from engine.batch.scheduler import ScheduledSeq
+from engine.batch.sequence import Sequence
 from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
-from engine.scheduler import ScheduledSeq
-from engine.sequence import Sequence
 
 PROSE = Path(__file__).with_name("data") / "prose.txt"
 

@@ -16,7 +16,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from engine.model_store import home
+from engine.loading.model_store import home
 
 SHAPE = dict(hidden_size=1024, num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=4, head_dim=64,
              vocab_size=32000, max_position_embeddings=4096, tie_word_embeddings=False, rms_norm_eps=1e-6)

@@ -211,7 +211,7 @@ def main() -> int:
     import argparse
     import tempfile
 
-    from engine.model_store import DEFAULT_MODEL, builtin_gguf
+    from engine.loading.model_store import DEFAULT_MODEL, builtin_gguf
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--llama-server", default=None, help="path of a llama-server binary (else splitfire alone)")

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.scheduler import ScheduledSeq
+from engine.batch.scheduler import ScheduledSeq
 from kvtransfer.descriptors import KVRegion
 from kvtransfer.writer import KVWriter, TransferJob, make_job
 from prefill_worker.layer_events import LayerEvents, event_factory

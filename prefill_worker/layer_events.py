@@ -14,7 +14,7 @@ import queue
 import threading
 from collections.abc import Callable
 
-from engine.device_events import Event, NoEvent, event_factory
+from engine.loading.device_events import Event, NoEvent, event_factory
 
 __all__ = ["Event", "LayerEvents", "NoEvent", "event_factory"]
 

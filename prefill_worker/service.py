@@ -10,8 +10,8 @@ import uuid
 
 import grpc
 
-from engine.errors import RequestError
-from engine.sequence import Mode
+from common.errors import RequestError
+from engine.batch.sequence import Mode
 from kvtransfer.descriptors import KVRegion
 from prefill_worker.kv_sender import LayerwiseKVSender, TransferPlan
 from protos import splitfire_pb2 as pb

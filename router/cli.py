@@ -8,7 +8,7 @@ import logging
 
 from aiohttp import web
 
-from engine import gc_heap
+from common import gc_heap
 from router.config import RouterConfig, add_router_args, router_config_from
 
 log = logging.getLogger("splitfire.router")

@@ -12,8 +12,8 @@ import statistics
 import time
 from collections.abc import AsyncIterator
 
-from engine.block_hash import block_hashes
-from engine.tokenizer import Tokenizer
+from common.block_hash import block_hashes
+from common.tokenizer import Tokenizer
 from router.affinity import SessionAffinity
 from router.attempt import Attempt, Route
 from router.backend import Backends

@@ -1,4 +1,4 @@
-"""An approximate map of which prompt blocks each endpoint has cached (by `engine.block_hash`,
+"""An approximate map of which prompt blocks each endpoint has cached (by `common.block_hash`,
 the hashes the workers' own prefix caches use).
 
 The router remembers the tenant-scoped, chained block hashes it sent to each endpoint

@@ -8,9 +8,9 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from engine import grammar
-from engine.chat_template import TemplateError
-from engine.tokenizer import Tokenizer
+from common import grammar
+from common.chat_template import TemplateError
+from common.tokenizer import Tokenizer
 from router.errors import bad_request, not_found, unavailable
 from router.fields import check_fields
 from router.reasoning import template_reasons
@@ -46,7 +46,7 @@ class Sampling:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
-    grammar: str | None = None  # llguidance grammar the output must match (engine/grammar.py)
+    grammar: str | None = None  # llguidance grammar the output must match (common/grammar.py)
     logit_bias: dict[int, float] = field(default_factory=dict)
     min_tokens: int = 0
 

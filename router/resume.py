@@ -8,7 +8,7 @@ exactly the text of an uninterrupted run).
 
 from __future__ import annotations
 
-from engine.tokenizer import Tokenizer
+from common.tokenizer import Tokenizer
 from router.chunks import Chunk
 
 

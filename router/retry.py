@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from engine.tokenizer import Tokenizer
+from common.tokenizer import Tokenizer
 from router.chunks import WorkerError
 from router.config import RouterConfig
 from router.errors import APIError

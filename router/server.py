@@ -15,8 +15,8 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from engine.chat_template import TemplateError
-from engine.tokenizer import Tokenizer
+from common.chat_template import TemplateError
+from common.tokenizer import Tokenizer
 from router import responses
 from router.admission import Admission
 from router.affinity import MemoryPinStore, RedisPinStore, SessionAffinity
@@ -57,7 +57,7 @@ def load_model_info(cfg: RouterConfig) -> tuple[Tokenizer | None, str, int]:
     model; without --served-model-name they serve what the upstreams' /v1/models list ("")."""
     if cfg.model is None and cfg.openai_upstream and not (cfg.decode or cfg.colocated or cfg.prefill):
         return None, cfg.served_model_name, 1 << 30
-    from engine.model_store import resolve_model
+    from engine.loading.model_store import resolve_model
 
     model_dir = resolve_model(cfg.model)
     max_len = json.loads((Path(model_dir) / "config.json").read_text()).get("max_position_embeddings", 4096)

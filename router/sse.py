@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from engine.tokenizer import Tokenizer
+from common.tokenizer import Tokenizer
 from router.chunks import Logprob
 from router.protocol import GenRequest
 from router.reply import Reasoning, ReplyEvent

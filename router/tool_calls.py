@@ -24,7 +24,7 @@ import string
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine import grammar
+from common import grammar
 from router.errors import bad_request
 
 _NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")

@@ -154,7 +154,7 @@ async def _probe(c: Child) -> None:
 
 
 async def up(args: argparse.Namespace) -> int:
-    from engine.model_store import resolve_model
+    from engine.loading.model_store import resolve_model
 
     model_dir = str(resolve_model(args.model))  # fetch once, before any child would race to
     exe = [sys.executable, "-m", "splitfire_cli"]

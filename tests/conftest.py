@@ -21,7 +21,7 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     """The real SmolLM2-135M-Instruct, fetched and converted once (slow tests only)."""
-    from engine.model_store import resolve_model
+    from engine.loading.model_store import resolve_model
 
     return resolve_model("smollm2-135m-instruct")
 
@@ -29,7 +29,7 @@ def smollm2_dir() -> Path:
 @pytest.fixture(scope="session")
 def smollm2_float_dir() -> Path:
     """The same GGUF with every tensor dequantized to float32: what transformers can load."""
-    from engine.model_store import fetch_builtin
+    from engine.loading.model_store import fetch_builtin
 
     return fetch_builtin("smollm2-135m-instruct", keep_quantized=False)
 

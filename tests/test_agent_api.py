@@ -180,7 +180,7 @@ def test_required_and_named_tool_calls_validate_streamed_and_not(stack, choice, 
 
 
 def test_a_tool_result_turn_renders_and_answers(stack, qwen_dir):
-    from engine.tokenizer import Tokenizer
+    from common.tokenizer import Tokenizer
 
     c = client(stack["pd"])
     first = c.chat.completions.create(model=MODEL, messages=ask(1), tools=TOOLS, tool_choice="required",

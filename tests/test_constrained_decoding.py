@@ -13,9 +13,9 @@ from grpc_client import generate, greedy
 from hf_models import make_hf_model
 from procs import address, start_worker, stop_all
 
-from engine import grammar
-from engine.errors import RequestError
-from engine.sampling_params import SamplingParams
+from common import grammar
+from common.errors import RequestError
+from common.sampling_params import SamplingParams
 from protos import splitfire_pb2 as pb
 
 SCHEMA = {

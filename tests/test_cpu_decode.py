@@ -1,4 +1,4 @@
-"""The decode step's layers in one C call (engine/cpu_decode.py) compute exactly what the module
+"""The decode step's layers in one C call (engine/model/cpu_decode.py) compute exactly what the module
 path computes: same tokens and bit-identical logprobs, for int8 and int4 weights, int8 activations,
 a sliding window, q/k/v biases and tied embeddings; models it cannot run say why and keep the
 module path."""
@@ -10,9 +10,9 @@ import torch
 from engine_helpers import drain, make_engine
 from hf_models import make_hf_model
 
-from engine.cpu_decode import supported
-from engine.kernels import cpu_ops
-from engine.sampling_params import SamplingParams
+from common.sampling_params import SamplingParams
+from engine.model.cpu_decode import supported
+from engine.model.kernels import cpu_ops
 
 pytestmark = pytest.mark.skipif(cpu_ops.library() is None, reason="no C compiler: the module path runs instead")
 

@@ -1,4 +1,4 @@
-"""EAGLE-3 heads (engine/eagle3.py): the head's forward pass equals a plain-torch reading of the
+"""EAGLE-3 heads (engine/spec/eagle3.py): the head's forward pass equals a plain-torch reading of the
 published layout (Hugging Face RoPE convention, [embedding | hidden] attention input, d2t ids),
 and serving with a randomly initialised head is lossless — greedy and seeded output identical to
 no speculation, colocated (with chunked prefill and a prefix hit) and on a disaggregated decode
@@ -19,10 +19,10 @@ from grpc_client import generate, greedy, wait_blocks_free
 from procs import address, start_worker
 from safetensors.torch import save_file
 
-from engine.eagle3 import load_head, read_config
-from engine.errors import ModelLoadError
-from engine.model_config import ModelConfig
-from engine.sampling_params import SamplingParams
+from common.errors import ModelLoadError
+from common.sampling_params import SamplingParams
+from engine.model.model_config import ModelConfig
+from engine.spec.eagle3 import load_head, read_config
 from loadtest.random_models import write_eagle3_head
 
 HIDDEN, HEADS, KV_HEADS, DRAFT_VOCAB = 64, 4, 2, 150  # the tiny target's shape; the head's vocabulary
@@ -91,11 +91,11 @@ def _reference(w: dict[str, torch.Tensor], embeds, hidden, positions, norm_befor
 def test_head_forward_equals_the_published_layout_read_plainly(tiny_model_dir, tmp_path, norm_before_residual):
     from safetensors.torch import load_file
 
-    from engine.eagle3 import HeadSeq
-    from engine.kv_cache import KVCache, KVLayout
-    from engine.model_runner import ModelRunner
-    from engine.rope import rope_cache
-    from engine.scheduler import ScheduledSeq
+    from engine.batch.model_runner import ModelRunner
+    from engine.batch.scheduler import ScheduledSeq
+    from engine.model.kv_cache import KVCache, KVLayout
+    from engine.model.rope import rope_cache
+    from engine.spec.eagle3 import HeadSeq
 
     head_dir = make_head(tmp_path / "head", tiny_model_dir, norm_before_residual=norm_before_residual)
     target = ModelConfig.from_dir(tiny_model_dir)

@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 from engine_helpers import drain, make_engine
 
-from engine.block_manager import BlockManager
-from engine.kv_cache import KVLayout
-from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence
+from common.sampling_params import SamplingParams
+from engine.batch.block_manager import BlockManager
+from engine.batch.sequence import Sequence
+from engine.model.kv_cache import KVLayout
 
 
 def _seq(rid: str, tokens: list[int], tenant: str) -> Sequence:
@@ -64,7 +64,7 @@ def test_blocks_return_after_completion_and_abort(tiny_model_dir):
 def test_request_that_can_never_fit_is_rejected(tiny_model_dir):
     import pytest
 
-    from engine.errors import RequestError
+    from common.errors import RequestError
 
     engine = make_engine(tiny_model_dir, kv_cache_gb=8 * 8192 / 2**30)
     with pytest.raises(RequestError, match="KV blocks"):
@@ -88,7 +88,7 @@ def test_page_addressing_matches_the_buffer():
 
 
 def test_free_extents_hand_out_long_runs_and_merge_returns():
-    from engine.free_extents import FreeExtents
+    from engine.batch.free_extents import FreeExtents
 
     f = FreeExtents(10)
     a = f.take(3)

@@ -6,7 +6,7 @@ import pytest
 from engine_helpers import drain, make_engine
 from reference import Reference
 
-from engine.sampling_params import SamplingParams
+from common.sampling_params import SamplingParams
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
@@ -88,7 +88,7 @@ def test_qkv_bias_architecture_equals_reference(tmp_path, arch):
 
 def test_decode_groups_by_context_length_equal_reference(tiny_model_dir, ref):
     # One long context among short ones: decodes run in separately padded groups.
-    from engine.model_runner import _length_groups
+    from engine.batch.model_runner import _length_groups
 
     assert [list(g) for g in _length_groups([1, 1, 2, 19, 20])] == [[0, 1, 2], [3, 4]]
     engine = make_engine(tiny_model_dir)

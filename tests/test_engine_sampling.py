@@ -8,9 +8,9 @@ import pytest
 import torch
 from engine_helpers import drain, make_engine
 
-from engine.errors import RequestError
-from engine.sampler import apply_penalties, filtered_probs
-from engine.sampling_params import SamplingParams
+from common.errors import RequestError
+from common.sampling_params import SamplingParams
+from engine.batch.sampler import apply_penalties, filtered_probs
 
 
 def test_same_seed_same_tokens_alone_and_in_batch(tiny_model_dir):

@@ -8,8 +8,8 @@ import pytest
 from engine_helpers import drain, make_engine
 from reference import Reference
 
-from engine.graph_runner import DecodeGraphs, buckets_for
-from engine.sampling_params import SamplingParams
+from common.sampling_params import SamplingParams
+from engine.batch.graph_runner import DecodeGraphs, buckets_for
 
 GREEDY = dict(temperature=0, ignore_eos=True)
 

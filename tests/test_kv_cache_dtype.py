@@ -10,9 +10,9 @@ import torch
 from engine_helpers import drain, make_engine
 from hf_models import make_hf_model
 
+from common.sampling_params import SamplingParams
 from engine.engine_config import EngineConfig
-from engine.kernels import cpu_ops
-from engine.sampling_params import SamplingParams
+from engine.model.kernels import cpu_ops
 
 needs_f16 = pytest.mark.skipif(not cpu_ops.kv_supported(torch.float16, 16),
                                reason="the C kernels read a float16 cache with the AVX2 + F16C build only")

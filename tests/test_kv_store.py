@@ -196,7 +196,7 @@ async def test_disaggregated_fleet_shares_every_prefix(tiny_model_dir, tmp_path)
 
 
 def test_store_keys_commit_to_model_layout_and_tenant():
-    from engine.block_hash import block_hashes
+    from common.block_hash import block_hashes
 
     a, b = block_hashes("t1", list(range(64)), 16), block_hashes("t2", list(range(64)), 16)
     assert len(a) == 4 and not set(a) & set(b)

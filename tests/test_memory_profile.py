@@ -10,7 +10,7 @@ from engine_helpers import make_engine
 from hf_models import make_hf_model
 
 from engine import memory_profile
-from engine.graph_runner import DecodeGraphs
+from engine.batch.graph_runner import DecodeGraphs
 from engine.memory_profile import ActivationPeaks, kv_budget
 
 
@@ -31,7 +31,7 @@ def test_the_profiling_steps_run_for_every_family(tmp_path, family):
                                    decode_batch=8)
     assert peaks == ActivationPeaks(0, 0)  # CPU: nothing measured, but both steps ran without error
     # The engine's own cache is untouched: it still serves.
-    from engine.sampling_params import SamplingParams
+    from common.sampling_params import SamplingParams
 
     engine.add_request("a", [5, 6, 7, 8], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
     while engine.has_work:

@@ -12,12 +12,12 @@ from hf_models import NONE, make_hf_model
 from procs import address, start_worker, stop_all
 from test_disaggregation import metric
 
-from engine.attention import DecodeBatch
-from engine.errors import ModelLoadError
-from engine.mla import MLAttention
-from engine.model_config import ModelConfig
-from engine.moe import route_grouped
-from engine.sampling_params import SamplingParams
+from common.errors import ModelLoadError
+from common.sampling_params import SamplingParams
+from engine.model.attention import DecodeBatch
+from engine.model.mla import MLAttention
+from engine.model.model_config import ModelConfig
+from engine.model.moe import route_grouped
 
 SMALL = dict(architectures=["DeepseekV3ForCausalLM"], hidden_size=64, num_attention_heads=4, kv_lora_rank=32,
              q_lora_rank=48, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, num_hidden_layers=2,
@@ -212,7 +212,7 @@ def test_yarn_softmax_scale_follows_mscale_all_dim():
 def test_unknown_deepseek2_gguf_gating_is_refused():
     from pathlib import Path
 
-    from engine.gguf_convert import _deepseek2_config
+    from engine.loading.gguf_convert import _deepseek2_config
 
     fields = {"rope.dimension_count": 8, "block_count": 2, "expert_gating_func": 3}
     with pytest.raises(ModelLoadError, match="expert_gating_func=3"):
@@ -224,7 +224,7 @@ def test_deepseek_v3_gguf_pre_tokenizer_splits_like_llama_cpp():
     (a punctuation mark may lead a Latin word) and punctuation."""
     from tokenizers import Regex, pre_tokenizers
 
-    from engine.gguf_convert import _PRE_SPLITS
+    from engine.loading.gguf_convert import _PRE_SPLITS
 
     seq = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(r), behavior="isolated")
                                    for r in _PRE_SPLITS["deepseek-v3"]])

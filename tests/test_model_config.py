@@ -9,9 +9,9 @@ import pytest
 import torch
 import transformers
 
-from engine.errors import ModelLoadError
-from engine.model_config import SUPPORTED_ARCHITECTURES, ModelConfig
-from engine.rope import read_rope
+from common.errors import ModelLoadError
+from engine.model.model_config import SUPPORTED_ARCHITECTURES, ModelConfig
+from engine.model.rope import read_rope
 
 CONFIG_CLASSES = {
     "LlamaForCausalLM": "LlamaConfig", "MistralForCausalLM": "MistralConfig", "Qwen2ForCausalLM": "Qwen2Config",

@@ -21,7 +21,7 @@ from grpc_client import generate, greedy, wait_blocks_free
 from hf_models import FAMILIES, HFModel, make_hf_model
 from procs import address, start_worker, stop_all
 
-from engine.sampling_params import SamplingParams
+from common.sampling_params import SamplingParams
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 N = 8

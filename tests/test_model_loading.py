@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 from engine_helpers import drain, make_engine
 
-from engine.errors import ModelLoadError
-from engine.model_config import ModelConfig
-from engine.model_store import resolve_model
-from engine.sampling_params import SamplingParams
+from common.errors import ModelLoadError
+from common.sampling_params import SamplingParams
+from engine.loading.model_store import resolve_model
+from engine.model.model_config import ModelConfig
 
 
 def _copy(src, dst):
@@ -104,7 +104,7 @@ def test_quantized_moe_gguf_equals_transformers_on_its_dequantized_weights(tmp_p
     from gguf_writer import write_gguf
     from hf_models import HFModel
 
-    from engine.gguf_convert import convert_gguf
+    from engine.loading.gguf_convert import convert_gguf
 
     monkeypatch.setenv("SPLITFIRE_HOME", str(tmp_path / "home"))
     hf = _hf("qwen3_moe", tmp_path / "hf")
@@ -132,7 +132,7 @@ def test_llama3_rope_freqs_are_recognised_or_refused():
     import numpy as np
     from gguf_writer import llama3_rope_factors
 
-    from engine.gguf_convert import llama3_rope_from_factors
+    from engine.loading.gguf_convert import llama3_rope_from_factors
 
     rope = {"rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
             "original_max_position_embeddings": 8192}

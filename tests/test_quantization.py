@@ -10,10 +10,11 @@ import pytest
 import torch
 from engine_helpers import drain, make_engine
 
-from engine import gguf_quants, quant
-from engine.errors import ModelLoadError
-from engine.kernels import cpu_ops
-from engine.sampling_params import SamplingParams
+from common.errors import ModelLoadError
+from common.sampling_params import SamplingParams
+from engine.loading import gguf_quants
+from engine.model import quant
+from engine.model.kernels import cpu_ops
 
 needs_kernel = pytest.mark.skipif(cpu_ops.library() is None, reason="no C compiler: the torch path runs instead")
 
@@ -239,15 +240,15 @@ def test_quantized_gguf_serves_at_its_own_precision(tmp_path, monkeypatch):
     from hf_models import HFModel
     from test_model_loading import _hf
 
-    from engine.gguf_convert import convert_gguf
-    from engine.model_store import resolve_model
+    from engine.loading.gguf_convert import convert_gguf
+    from engine.loading.model_store import resolve_model
 
     monkeypatch.setenv("SPLITFIRE_HOME", str(tmp_path / "home"))
     hf = _hf("qwen3", tmp_path / "hf")
     path = tmp_path / "q4.gguf"
     write_gguf(hf.path, path, quantize="Q4_0", embedding_quantize="Q8_0")
     model_dir = resolve_model(str(path))
-    from engine.checkpoint import Checkpoint
+    from engine.loading.checkpoint import Checkpoint
 
     ckpt = Checkpoint(model_dir)
     assert ckpt.info("model.layers.0.self_attn.q_proj.weight.qweight").dtype == torch.uint8

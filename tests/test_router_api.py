@@ -28,7 +28,7 @@ def stack(tiny_model_dir, tmp_path_factory):
 
 async def test_openai_client_streams_and_matches_direct_worker(stack, tiny_model_dir):
     openai = pytest.importorskip("openai")
-    from engine.tokenizer import Tokenizer
+    from common.tokenizer import Tokenizer
 
     client = openai.AsyncOpenAI(base_url=base_url(stack["router"]) + "/v1", api_key="unused")
     tok = Tokenizer(tiny_model_dir)
@@ -313,7 +313,7 @@ async def test_every_openai_request_field_is_honoured_or_refused_by_name(stack):
 
 
 async def test_logit_bias_and_min_tokens_through_the_openai_client(stack, tiny_model_dir):
-    from engine.tokenizer import Tokenizer
+    from common.tokenizer import Tokenizer
 
     openai = pytest.importorskip("openai")
     tok = Tokenizer(tiny_model_dir)
@@ -343,7 +343,7 @@ async def test_logit_bias_and_min_tokens_through_the_openai_client(stack, tiny_m
 
 
 async def test_model_details_and_vllm_utility_routes(stack, tiny_model_dir):
-    from engine.tokenizer import Tokenizer
+    from common.tokenizer import Tokenizer
 
     openai = pytest.importorskip("openai")
     tok = Tokenizer(tiny_model_dir)

@@ -195,7 +195,7 @@ async def test_decode_killed_mid_stream_client_text_equals_uninterrupted(tiny_mo
 
 
 def test_failover_resumes_after_the_text_the_client_already_has(tiny_model_dir):
-    from engine.tokenizer import Tokenizer
+    from common.tokenizer import Tokenizer
     from router.resume import resume_point
 
     tok = Tokenizer(tiny_model_dir)
@@ -216,7 +216,7 @@ def test_failover_resumes_after_the_text_the_client_already_has(tiny_model_dir):
 def test_a_prefix_cached_elsewhere_costs_a_fetch_with_a_shared_kv_store():
     """Placement: a local hit is cheapest, a block only the fleet has seen (the shared KV store) is
     cheaper than computing, and without a shared store it counts for nothing."""
-    from engine.block_hash import block_hashes
+    from common.block_hash import block_hashes
     from router.prefix_index import STORE_HIT_COST, PrefixIndex
 
     hashes = block_hashes("", list(range(160)), 16)  # 10 blocks
@@ -262,10 +262,10 @@ def test_the_fleet_block_size_is_what_workers_report_and_a_mismatch_is_refused()
 
 
 def test_router_and_engine_hash_blocks_identically():
-    from engine.block_hash import block_hashes
-    from engine.block_manager import BlockManager
-    from engine.sampling_params import SamplingParams
-    from engine.sequence import Sequence
+    from common.block_hash import block_hashes
+    from common.sampling_params import SamplingParams
+    from engine.batch.block_manager import BlockManager
+    from engine.batch.sequence import Sequence
 
     rng = random.Random(1)
     for tenant in ("", "acme", "t\u00e9n\u00e4nt"):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from engine_helpers import drain, make_engine
 
-from engine.sampling_params import SamplingParams
+from common.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
 

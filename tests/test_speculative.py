@@ -10,8 +10,8 @@ from engine_helpers import drain, make_engine
 from grpc_client import generate, greedy, wait_blocks_free
 from procs import address, start_worker
 
-from engine.sampling_params import SamplingParams
-from engine.speculative import ngram_draft, verify
+from common.sampling_params import SamplingParams
+from engine.spec.speculative import ngram_draft, verify
 
 
 def _prompts() -> list[list[int]]:
@@ -171,8 +171,8 @@ def test_unseeded_sampled_verification_keeps_the_target_distribution():
 
     import torch
 
-    from engine.sampler import filtered_probs, speculative_targets
-    from engine.sequence import Sequence
+    from engine.batch.sampler import filtered_probs, speculative_targets
+    from engine.batch.sequence import Sequence
 
     torch.manual_seed(0)
     vocab, draft = 50, [3, 9]
@@ -287,8 +287,8 @@ def test_a_draft_model_with_another_tokenizer_is_refused(tiny_model_dir, tmp_pat
 
     import pytest
 
+    from common.errors import ModelLoadError
     from engine.engine_config import EngineConfig
-    from engine.errors import ModelLoadError
 
     d = tmp_path / "draft"
     shutil.copytree(tiny_model_dir, d)

@@ -1,4 +1,4 @@
-"""Device loads through pinned staging buffers (engine/staging.py), run on CPU with small buffers so
+"""Device loads through pinned staging buffers (engine/loading/staging.py), run on CPU with small buffers so
 tensors span several chunks and the ring wraps many times: every family's loaded tensors equal a
 direct load bit for bit (dtype conversions included), and no buffer is refilled before the event
 behind its last copy has been waited on."""
@@ -9,9 +9,9 @@ import pytest
 import torch
 from hf_models import make_hf_model
 
-from engine import weight_cache, weights
-from engine.errors import ModelLoadError
-from engine.staging import Staging
+from common.errors import ModelLoadError
+from engine.loading import weight_cache, weights
+from engine.loading.staging import Staging
 
 
 class Recorder:
@@ -84,7 +84,7 @@ def test_quantized_checkpoint_is_staged_too(tmp_path, monkeypatch):
     pytest.importorskip("gguf")
     from gguf_writer import write_gguf
 
-    from engine.model_store import resolve_model
+    from engine.loading.model_store import resolve_model
 
     monkeypatch.setenv("SPLITFIRE_HOME", str(tmp_path / "home"))
     hf = make_hf_model("qwen3", tmp_path / "hf")

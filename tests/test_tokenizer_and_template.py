@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from engine.chat_template import TemplateError, render_chat
-from engine.detokenizer import IncrementalDetokenizer
-from engine.tokenizer import Tokenizer
+from common.chat_template import TemplateError, render_chat
+from common.detokenizer import IncrementalDetokenizer
+from common.tokenizer import Tokenizer
 
 MESSAGES = [
     {"role": "system", "content": "Be brief."},

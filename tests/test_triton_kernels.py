@@ -14,9 +14,9 @@ if not CUDA:
     os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are decorated, i.e. at import
 triton = pytest.importorskip("triton")
 
-from engine.attention import AttentionMetadata, DecodeBatch, paged_attention, write_kv  # noqa: E402
-from engine.kernels import triton_ops  # noqa: E402
-from engine.model import apply_rope  # noqa: E402
+from engine.model.attention import AttentionMetadata, DecodeBatch, paged_attention, write_kv  # noqa: E402
+from engine.model.decoder import apply_rope  # noqa: E402
+from engine.model.kernels import triton_ops  # noqa: E402
 
 DEV = torch.device("cuda" if CUDA else "cpu")
 DTYPE = torch.bfloat16 if CUDA else torch.float32
@@ -100,8 +100,8 @@ def test_engine_on_triton_kernels_equals_reference(tiny_model_dir, monkeypatch):
     from engine_helpers import drain, make_engine
     from reference import Reference
 
-    from engine.kernels import kernels
-    from engine.sampling_params import SamplingParams
+    from common.sampling_params import SamplingParams
+    from engine.model.kernels import kernels
 
     monkeypatch.setenv("SPLITFIRE_KERNELS", "triton")
     kernels.cache_clear()
@@ -126,7 +126,7 @@ def test_engine_on_triton_kernels_equals_reference(tiny_model_dir, monkeypatch):
 def test_paged_prefill_attention_matches_torch(group, window):
     """Several segments in one launch: a fresh prompt, a prompt after a prefix-cache hit, and a later
     chunk of a chunked prefill; lengths straddle block and tile boundaries."""
-    from engine.attention import PrefillSegment
+    from engine.model.attention import PrefillSegment
 
     torch.manual_seed(10 + group)
     block_size, kv_heads = 16, 2
@@ -159,8 +159,8 @@ def test_fused_experts_match_torch(tokens, top_k, experts):
     experts nobody chose."""
     import torch.nn.functional as F
 
-    from engine.kernels import moe_triton
-    from engine.moe import grouped_experts_reference, route
+    from engine.model.kernels import moe_triton
+    from engine.model.moe import grouped_experts_reference, route
 
     torch.manual_seed(tokens)
     hidden, inter = (1024, 512) if CUDA else (64, 32)
@@ -181,9 +181,9 @@ def test_fused_quantized_experts_match_the_per_expert_loop(kind, group, tokens, 
     registers) equal the per-expert loop over their dequantized weights."""
     import torch.nn.functional as F
 
-    from engine import quant
-    from engine.kernels import moe_triton
-    from engine.moe import grouped_experts, route
+    from engine.model import quant
+    from engine.model.kernels import moe_triton
+    from engine.model.moe import grouped_experts, route
 
     torch.manual_seed(tokens + experts)
     hidden, inter = (1024, 512) if CUDA else (64, 64)
@@ -210,7 +210,7 @@ def test_fused_quantized_experts_match_the_per_expert_loop(kind, group, tokens, 
 
 
 def test_expert_alignment_gives_every_pair_one_slot_and_every_tile_one_expert():
-    from engine.kernels.moe_triton import align_to_experts
+    from engine.model.kernels.moe_triton import align_to_experts
 
     ids = torch.tensor([[3, 0], [3, 1], [0, 3], [3, 2], [1, 0]], device=DEV)
     slot_of, tile_expert, dest = align_to_experts(ids, num_experts=6, block_m=4)
@@ -243,14 +243,14 @@ def test_engine_on_triton_kernels_equals_transformers(family, overrides, kernel_
     from engine_helpers import drain, make_engine
     from hf_models import make_hf_model
 
-    from engine.kernels import kernels
-    from engine.sampling_params import SamplingParams
+    from common.sampling_params import SamplingParams
+    from engine.model.kernels import kernels
 
     hf = make_hf_model(family, tmp_path / "m", **overrides)
     monkeypatch.setenv("SPLITFIRE_KERNELS", "triton")
     kernels.cache_clear()
     try:
-        module = importlib.import_module(f"engine.kernels.{kernel_module}")
+        module = importlib.import_module(f"engine.model.kernels.{kernel_module}")
         calls = []
         kernel = getattr(module, kernel_fn)
         monkeypatch.setattr(module, kernel_fn, lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
@@ -269,8 +269,8 @@ def test_engine_on_triton_kernels_equals_transformers(family, overrides, kernel_
 @pytest.mark.parametrize("kind,group", [("int8", 32), ("int8", 16), ("int4", 32), ("int4", 64)])
 @pytest.mark.parametrize("rows", [1, 5, 33])
 def test_weight_only_gemm_matches_dequantize_then_matmul(kind, group, rows):
-    from engine import quant
-    from engine.kernels import quant_triton
+    from engine.model import quant
+    from engine.model.kernels import quant_triton
 
     torch.manual_seed(rows + group)
     n, k = 80, 192  # neither a multiple of the 64-wide tiles
@@ -288,10 +288,10 @@ def test_weight_only_gemm_matches_dequantize_then_matmul(kind, group, rows):
 def test_mla_decode_kernel_matches_the_torch_absorbed_path(heads):
     """The latent-attention decode kernel reads pages in place through the block table; it equals
     MLAttention's torch path (which gathers them) over ragged contexts."""
-    from engine.attention import DecodeBatch
-    from engine.kernels import mla_triton
-    from engine.mla import MLAttention
-    from engine.model_config import ModelConfig
+    from engine.model.attention import DecodeBatch
+    from engine.model.kernels import mla_triton
+    from engine.model.mla import MLAttention
+    from engine.model.model_config import ModelConfig
 
     rank, rope, bs = (512, 64, 16) if CUDA else (32, 16, 16)
     cfg = ModelConfig.from_dict({"architectures": ["DeepseekV3ForCausalLM"], "hidden_size": 64,
@@ -322,7 +322,7 @@ def test_mla_decode_kernel_matches_the_torch_absorbed_path(heads):
 @pytest.fixture
 def gpu_code_path(monkeypatch):
     """The forward as it runs on CUDA: Triton kernels in every seam (interpreted here), no CPU C kernels."""
-    from engine.kernels import cpu_ops, kernels
+    from engine.model.kernels import cpu_ops, kernels
 
     monkeypatch.setenv("SPLITFIRE_KERNELS", "triton")
     monkeypatch.setenv("SPLITFIRE_CPU_KERNELS", "0")
@@ -346,14 +346,14 @@ def test_decode_forward_on_the_gpu_path_holds_no_host_sync(family, gguf, tmp_pat
     from engine_helpers import make_engine
     from hf_models import make_hf_model
 
-    from engine.graph_runner import HostSyncProbe
+    from engine.batch.graph_runner import HostSyncProbe
 
     hf = make_hf_model(family, tmp_path / family)
     path = hf.path
     if gguf:
         from gguf_writer import write_gguf
 
-        from engine.model_store import resolve_model
+        from engine.loading.model_store import resolve_model
 
         monkeypatch.setenv("SPLITFIRE_HOME", str(tmp_path / "home"))
         write_gguf(hf.path, tmp_path / "m.gguf", quantize=gguf, embedding_quantize="Q8_0")
@@ -365,7 +365,7 @@ def test_decode_forward_on_the_gpu_path_holds_no_host_sync(family, gguf, tmp_pat
             assert graphs.host_syncs(b) == [], (family, b)
     # A whole step (prompt chunks and decodes together, then greedy sampling) reads back once: the
     # sampled tokens. More would stall the GPU every step while the host waits to launch the next one.
-    from engine.sampling_params import SamplingParams
+    from common.sampling_params import SamplingParams
 
     engine.add_request("a", list(range(3, 30)), SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
     engine.step()
@@ -389,7 +389,7 @@ def test_padded_decode_buckets_equal_eager_on_the_gpu_path(family, tmp_path, gpu
     from engine_helpers import drain, make_engine
     from hf_models import make_hf_model
 
-    from engine.sampling_params import SamplingParams
+    from common.sampling_params import SamplingParams
 
     hf = make_hf_model(family, tmp_path / family)
     prompts = [[(13 * i + 7 * j) % 300 + 3 for j in range(5 + 9 * i)] for i in range(3)]
@@ -413,9 +413,9 @@ def test_quantized_moe_gguf_on_the_gpu_path_equals_the_cpu_path(tmp_path, monkey
     from gguf_writer import write_gguf
     from hf_models import make_hf_model
 
-    from engine.kernels import cpu_ops, kernels, moe_triton
-    from engine.model_store import resolve_model
-    from engine.sampling_params import SamplingParams
+    from common.sampling_params import SamplingParams
+    from engine.loading.model_store import resolve_model
+    from engine.model.kernels import cpu_ops, kernels, moe_triton
 
     monkeypatch.setenv("SPLITFIRE_HOME", str(tmp_path / "home"))
     hf = make_hf_model("qwen3_moe", tmp_path / "hf")
@@ -460,8 +460,8 @@ def test_16_bit_engine_on_the_gpu_path_equals_the_torch_path(family, tmp_path, m
     from engine_helpers import drain, make_engine
     from hf_models import make_hf_model
 
-    from engine.kernels import cpu_ops, kernels
-    from engine.sampling_params import SamplingParams
+    from common.sampling_params import SamplingParams
+    from engine.model.kernels import cpu_ops, kernels
 
     hf = make_hf_model(family, tmp_path / family)
     monkeypatch.setenv("SPLITFIRE_CPU_KERNELS", "0")

@@ -1,4 +1,4 @@
-"""The loaded-weights cache (engine/weight_cache.py): a second start maps the cached tensors instead
+"""The loaded-weights cache (engine/loading/weight_cache.py): a second start maps the cached tensors instead
 of reading the checkpoint, and computes exactly what a checkpoint load computes — dense, tied,
 quantized (GGUF-style and --quantization), mixture-of-experts and latent-attention models; a
 changed checkpoint or option misses, a corrupt cache is replaced."""
@@ -10,9 +10,9 @@ import torch
 from engine_helpers import drain, make_engine
 from hf_models import make_hf_model
 
-from engine import weight_cache
-from engine.checkpoint import Checkpoint
-from engine.sampling_params import SamplingParams
+from common.sampling_params import SamplingParams
+from engine.loading import weight_cache
+from engine.loading.checkpoint import Checkpoint
 
 PROMPTS = [[(11 * i + 3 * j) % 300 + 3 for j in range(6 + 9 * i)] for i in range(4)]
 
@@ -91,7 +91,7 @@ def test_a_mapped_start_gives_back_the_pages_packing_copied(tmp_path):
     from engine_helpers import load_memory
     from tiny_model import make_tiny_llama
 
-    from engine.layers import cpu_packing_supported
+    from engine.model.layers import cpu_packing_supported
 
     if not cpu_packing_supported(torch.float32):
         pytest.skip("this CPU does not pack float32 weights for oneDNN: nothing is copied")

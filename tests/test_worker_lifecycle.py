@@ -56,8 +56,8 @@ async def test_stats_answer_at_once_while_a_long_step_runs(tiny_model_dir):
 
     from engine_helpers import make_engine
 
+    from common.sampling_params import SamplingParams
     from engine.async_engine import AsyncEngine
-    from engine.sampling_params import SamplingParams
 
     in_step, release = threading.Event(), threading.Event()
 
@@ -92,7 +92,7 @@ async def test_stats_answer_at_once_while_a_long_step_runs(tiny_model_dir):
 
 
 async def test_start_up_heap_is_frozen_once_ready(tiny_model_dir, tmp_path, monkeypatch):
-    """engine/gc_heap.py: the worker and the router hold the collector off while they start and freeze
+    """common/gc_heap.py: the worker and the router hold the collector off while they start and freeze
     what start-up built once ready (their logs say how much); SPLITFIRE_GC_FREEZE=0 leaves it alone.
     Either way they serve."""
     import re

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from engine.errors import RequestError
+from common.errors import RequestError
+from common.sampling_params import SamplingParams
+from engine.batch.sequence import TokenLogprob
 from engine.llm_engine import RequestOutput
-from engine.sampling_params import SamplingParams
-from engine.sequence import TokenLogprob
 from protos import splitfire_pb2 as pb
 
 

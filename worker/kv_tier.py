@@ -20,9 +20,9 @@ import hashlib
 import logging
 from concurrent.futures import ThreadPoolExecutor
 
+from common.block_hash import block_hashes
 from engine.async_engine import AsyncEngine
-from engine.block_hash import block_hashes
-from engine.checkpoint import model_fingerprint
+from engine.loading.checkpoint import model_fingerprint
 from kvtransfer.store import KVStore
 from worker.metrics import WorkerMetrics
 

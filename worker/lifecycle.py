@@ -14,7 +14,7 @@ import torch
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from engine import gc_heap
+from common import gc_heap
 from engine.async_engine import AsyncEngine
 from engine.llm_engine import LLMEngine, RequestOutput, StepObserver
 from worker.config import WorkerConfig

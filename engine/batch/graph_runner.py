@@ -1,0 +1,196 @@
+"""Decode steps replayed from static buffers, one set per batch-size bucket (CUDA graphs on a GPU).
+
+An eager decode step pays Python and a kernel launch per op; a captured CUDA graph replays the
+whole forward pass in one launch. Graphs need fixed shapes and fixed addresses, so a decode-only
+batch of n sequences is padded to the smallest bucket >= n (1, 2, 4, 8, ... up to max_num_seqs)
+and its inputs are copied into that bucket's static tensors: token ids, positions, KV write rows,
+block tables (every row as wide as the longest context allows) and context lengths. Padding rows
+read and write only a scratch KV block that the block manager never hands out, so they cannot
+touch a real sequence's cache. Sampling stays outside, on the first n rows.
+
+Everything here but the capture itself is plain torch and runs the same on CPU, where "replay"
+is calling the padded forward: CPU tests prove the padding (bucket output == unpadded output),
+that buffers are never reallocated, and that batches above the largest bucket run eagerly. On CPU
+it is off by default (padding only costs there); on CUDA it is on unless --enforce-eager.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from engine.model.attention import AttentionMetadata, DecodeBatch
+
+# What makes the host wait for the device, so a CUDA graph cannot record it (capture fails with
+# "operation not permitted when stream is capturing"): reading a value back (`.item()`,
+# `.tolist()`, `int()`, `bool()`, `.cpu()`), or an op whose output size depends on the data (on
+# CUDA `bincount` reads its input's maximum back; `repeat_interleave` sums a tensor of repeats).
+HOST_READS = frozenset({"tolist", "item", "numpy", "cpu", "__int__", "__float__", "__bool__", "__index__"})
+DATA_SIZED_OPS = frozenset({"_local_scalar_dense", "is_nonzero", "equal", "nonzero", "masked_select", "bincount",
+                            "_unique", "_unique2", "unique_dim", "unique_consecutive", "repeat_interleave", "histc"})
+
+
+class _DataSized(TorchDispatchMode):
+    def __init__(self, seen: list[str]) -> None:
+        super().__init__()
+        self.seen = seen
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if func.overloadpacket.__name__ in DATA_SIZED_OPS:
+            self.seen.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+class HostSyncProbe(TorchFunctionMode):
+    """Records every data-sized op, and every host read of a tensor on `device_type`, run while active:
+    CPU tests run the decode forward under it to prove the CUDA path holds none (there every tensor
+    stands for a device one), and on CUDA the engine checks before it captures."""
+
+    def __init__(self, device_type: str) -> None:
+        super().__init__()
+        self.device_type = device_type
+        self.seen: list[str] = []
+        self._ops = _DataSized(self.seen)
+
+    def __enter__(self):  # type: ignore[no-untyped-def]
+        self._ops.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc):  # type: ignore[no-untyped-def]
+        super().__exit__(*exc)
+        self._ops.__exit__(*exc)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if (getattr(func, "__name__", "") in HOST_READS and args and isinstance(args[0], torch.Tensor)
+                and args[0].device.type == self.device_type):
+            self.seen.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def buckets_for(max_num_seqs: int) -> list[int]:
+    out, b = [], 1
+    while b < max_num_seqs:
+        out.append(b)
+        b *= 2
+    return [*out, max_num_seqs]
+
+
+@dataclass
+class StaticBatch:
+    """One bucket's fixed tensors; `hidden` is where the forward writes its output."""
+
+    size: int
+    input_ids: torch.Tensor  # [B] int64
+    positions: torch.Tensor  # [B] int64
+    k_rows: torch.Tensor  # [B] int64: row of each token's K in the layer cache viewed as [rows, kv_heads, dim]
+    tables: torch.Tensor  # [B, max_blocks] int64
+    context_lens: torch.Tensor  # [B] int64
+    hidden: torch.Tensor | None = None
+    graph: object | None = None  # torch.cuda.CUDAGraph once captured
+
+
+class DecodeGraphs:
+    def __init__(self, forward: Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor],
+                 max_num_seqs: int, max_blocks: int, block_size: int, scratch_block: int, device: torch.device,
+                 planes: int = 2):
+        self.forward = forward
+        self.block_size = block_size
+        self.planes = planes  # K|V pages, or 1 for a latent cache
+        self.scratch_block = scratch_block
+        self.device = device
+        self.buckets = buckets_for(max_num_seqs)
+        self.static: dict[int, StaticBatch] = {}
+        for b in self.buckets:
+            z = lambda *shape: torch.zeros(*shape, dtype=torch.long, device=device)  # noqa: E731
+            self.static[b] = StaticBatch(b, z(b), z(b), z(b), z(b, max_blocks), z(b))
+        self.replays = 0
+
+    def bucket(self, n: int) -> int | None:
+        return next((b for b in self.buckets if b >= n), None)
+
+    def _meta(self, s: StaticBatch) -> AttentionMetadata:
+        width = s.tables.shape[1] * self.block_size
+        mask = (torch.arange(width, device=self.device)[None, :] < s.context_lens[:, None]).view(s.size, 1, 1, -1)
+        return AttentionMetadata(self.block_size, s.k_rows, s.k_rows + self.block_size, [],
+                                 [DecodeBatch(0, s.tables, mask, s.context_lens)])
+
+    def _run(self, s: StaticBatch) -> None:
+        out = self.forward(s.input_ids, s.positions, self._meta(s))
+        if s.hidden is None:
+            s.hidden = out
+        else:
+            s.hidden.copy_(out)
+
+    def capture_order(self) -> list[StaticBatch]:
+        """Largest bucket first: every graph records into one memory pool, where a smaller bucket's
+        activations reuse the largest one's blocks, so the pool is about the largest bucket's peak
+        (what `memory_profile` reserves before the KV cache is sized)."""
+        return sorted(self.static.values(), key=lambda s: -s.size)
+
+    def host_syncs(self, size: int) -> list[str]:
+        """The host-syncing ops one padded forward of bucket `size` runs (empty: capturable)."""
+        s = self.static[size]
+        self._fill_padding(s, 0)
+        probe = HostSyncProbe(self.device.type)
+        with probe:
+            self.forward(s.input_ids, s.positions, self._meta(s))
+        return probe.seen
+
+    def capture(self) -> None:
+        """CUDA: check the forward holds no host sync, warm each bucket up, then record its graph into the
+        shared pool. (CPU: nothing to record.)"""
+        if self.device.type != "cuda":
+            return
+        pool = torch.cuda.graph_pool_handle()
+        for s in self.capture_order():
+            # Checked before each capture (a capture that fails mid-way can leave the CUDA context unusable).
+            syncs = sorted(set(self.host_syncs(s.size)))
+            if syncs:
+                raise RuntimeError(f"the decode forward of a batch of {s.size} syncs with the host "
+                                   f"({', '.join(syncs)}): it cannot be captured")
+            self._fill_padding(s, 0)
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                self._run(s)  # warm-up: kernels compiled/autotuned outside the capture
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self._run(s)
+            s.graph = graph
+
+    def _fill_padding(self, s: StaticBatch, n: int) -> None:
+        bs = self.block_size
+        s.input_ids[n:] = 0
+        s.positions[n:] = 0
+        s.context_lens[n:] = 1
+        s.tables[n:] = self.scratch_block
+        s.k_rows[n:] = self.scratch_block * self.planes * bs  # slot 0 of the scratch block's K page
+
+    def run(self, input_ids: list[int], positions: list[int], k_rows: list[int], tables: list[list[int]],
+            context_lens: list[int]) -> torch.Tensor:
+        """Hidden states [n, hidden] for n decode rows (n <= the largest bucket)."""
+        n = len(input_ids)
+        b = self.bucket(n)
+        assert b is not None, "batch larger than the largest bucket: run it eagerly"
+        s = self.static[b]
+        dev = self.device
+        s.input_ids[:n].copy_(torch.tensor(input_ids, dtype=torch.long), non_blocking=True)
+        s.positions[:n].copy_(torch.tensor(positions, dtype=torch.long), non_blocking=True)
+        s.k_rows[:n].copy_(torch.tensor(k_rows, dtype=torch.long), non_blocking=True)
+        s.context_lens[:n].copy_(torch.tensor(context_lens, dtype=torch.long), non_blocking=True)
+        width = s.tables.shape[1]
+        rows = [t[:width] + [self.scratch_block] * (width - len(t[:width])) for t in tables]
+        s.tables[:n].copy_(torch.tensor(rows, dtype=torch.long), non_blocking=True)
+        self._fill_padding(s, n)
+        if s.graph is not None:
+            s.graph.replay()  # type: ignore[attr-defined]
+        else:
+            self._run(s)
+        self.replays += 1
+        assert s.hidden is not None and s.hidden.device.type == dev.type
+        return s.hidden[:n]

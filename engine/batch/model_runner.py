@@ -1,0 +1,158 @@
+"""Turns a scheduled batch into tensors, runs the model once, and samples."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.batch.constrained import GrammarEngine
+from engine.batch.graph_runner import DecodeGraphs
+from engine.batch.sampler import sample, speculative_targets
+from engine.batch.scheduler import ScheduledSeq
+from engine.batch.sequence import TokenLogprob
+from engine.model.attention import AttentionMetadata, DecodeBatch, PrefillSegment, kernels_enabled
+from engine.model.decoder import DecoderModel, LayerHook
+from engine.model.kv_cache import KVCache
+
+
+def kv_row(block_table: list[int], pos: int, block_size: int, planes: int = 2) -> int:
+    """Row of position `pos`'s K in the layer cache viewed as [blocks * planes * block_size, kv_heads, dim]
+    (its V is `block_size` rows later; a latent cache has one plane)."""
+    return block_table[pos // block_size] * planes * block_size + pos % block_size
+
+
+def _length_groups(num_blocks: list[int]) -> list[range]:
+    """Split decodes (sorted by context) into groups padded to their own longest context.
+
+    One padded gather for the whole batch copies batch x longest-context pages per layer:
+    a single 1.5k-token sequence among short ones made every step 3x slower (measured).
+    A group closes when a context exceeds twice (and 8 blocks more than) its shortest.
+    """
+    groups: list[range] = []
+    start = 0
+    for i, nb in enumerate(num_blocks):
+        if nb > max(2 * num_blocks[start], num_blocks[start] + 8):
+            groups.append(range(start, i))
+            start = i
+    if num_blocks:
+        groups.append(range(start, len(num_blocks)))
+    return groups
+
+
+class ModelRunner:
+    def __init__(self, model: DecoderModel, kv: KVCache, device: torch.device, grammar: GrammarEngine | None = None,
+                 eos_token_ids: frozenset[int] = frozenset()):
+        self.model = model
+        self.grammar = grammar
+        self.eos_token_ids = eos_token_ids  # impossible before a request's min_tokens
+        self.kv = kv
+        self.device = device
+        self.block_size = kv.layout.block_size
+        self.planes = kv.layout.planes
+        self.graphs: DecodeGraphs | None = None  # set by the engine when decode steps replay from buckets
+
+    def prepare(self, batch: list[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+        """Flatten the batch: prompt chunks first (one attention segment each), then decodes."""
+        bs = self.block_size
+        prefills = [s for s in batch if not (s.num_tokens == 1 and s.samples)]
+        decodes = sorted((s for s in batch if s.num_tokens == 1 and s.samples), key=lambda s: s.seq.num_computed_tokens)
+        ids: list[int] = []
+        pos: list[int] = []
+        k_rows: list[int] = []
+        segments: list[PrefillSegment] = []
+        sample_rows: list[int] = []
+        dev = self.device
+        for i, s in enumerate(prefills + decodes):
+            seq, start = s.seq, s.seq.num_computed_tokens
+            end = start + s.num_tokens
+            row0 = len(ids)
+            ids.extend(seq.all_token_ids[start:end] if not s.draft else [seq.all_token_ids[start], *s.draft])
+            pos.extend(range(start, end))
+            table = seq.block_table
+            k_rows.extend(kv_row(table, p, bs, self.planes) for p in range(start, end))
+            if i < len(prefills):
+                nb = -(-end // bs)
+                segments.append(PrefillSegment(row0, s.num_tokens, end, torch.tensor(table[:nb], device=dev)))
+            if s.draft:  # a verification: every row's next token
+                sample_rows.extend(range(row0, len(ids)))
+            elif s.samples:
+                sample_rows.append(len(ids) - 1)
+        groups: list[DecodeBatch] = []
+        row = len(ids) - len(decodes)
+        for group in _length_groups([-(-(s.seq.num_computed_tokens + 1) // bs) for s in decodes]):
+            members = decodes[group.start : group.stop]
+            nb = max(-(-(s.seq.num_computed_tokens + 1) // bs) for s in members)
+            tables = [s.seq.block_table[:nb] + [0] * (nb - min(nb, len(s.seq.block_table))) for s in members]
+            ctx = torch.tensor([s.seq.num_computed_tokens + 1 for s in members], device=dev)
+            mask = (torch.arange(nb * bs, device=dev)[None, :] < ctx[:, None]).view(len(members), 1, 1, -1)
+            groups.append(DecodeBatch(row + group.start, torch.tensor(tables, device=dev), mask, ctx))
+        k = torch.tensor(k_rows, dtype=torch.long, device=dev)
+        meta = AttentionMetadata(bs, k, k + bs, segments, groups)
+        if segments and kernels_enabled(dev):
+            max_nb = max(len(seg.blocks) for seg in segments)
+            meta.prefill_tables = torch.stack([torch.nn.functional.pad(seg.blocks, (0, max_nb - len(seg.blocks)))
+                                               for seg in segments])
+            meta.prefill_info = torch.tensor([(seg.start, seg.length, seg.context_len) for seg in segments], device=dev)
+            meta.max_prefill_len = max(seg.length for seg in segments)
+        order = prefills + decodes
+        batch[:] = order  # callers read results in this order
+        return (
+            torch.tensor(ids, dtype=torch.long, device=dev),
+            torch.tensor(pos, dtype=torch.long, device=dev),
+            meta,
+            sample_rows,
+        )
+
+    def graphable(self, batch: list[ScheduledSeq]) -> bool:
+        """Plain decodes only (no prompt chunk, no drafts), few enough for a bucket."""
+        return (self.graphs is not None and not self.model.aux_layers and self.graphs.bucket(len(batch)) is not None
+                and all(s.num_tokens == 1 and s.samples and not s.draft for s in batch))
+
+    def _run_graph(self, batch: list[ScheduledSeq]) -> torch.Tensor:
+        assert self.graphs is not None
+        batch.sort(key=lambda s: s.seq.num_computed_tokens)  # the order prepare() gives decodes
+        bs = self.block_size
+        ids, pos, k_rows, tables, ctx = [], [], [], [], []
+        for s in batch:
+            seq, p = s.seq, s.seq.num_computed_tokens
+            ids.append(seq.all_token_ids[p])
+            pos.append(p)
+            k_rows.append(kv_row(seq.block_table, p, bs, self.planes))
+            tables.append(seq.block_table)
+            ctx.append(p + 1)
+        return self.graphs.run(ids, pos, k_rows, tables, ctx)
+
+    @torch.inference_mode()
+    def run(self, batch: list[ScheduledSeq], layer_hook: LayerHook | None = None) -> list[tuple[int, TokenLogprob | None]]:
+        """Runs one step. Reorders `batch` in place; returns one sample per entry with `samples` and
+        no draft (a speculative entry gets its greedy tokens in `targets`)."""
+        if layer_hook is None and self.graphable(batch):
+            hidden = self._run_graph(batch)
+            logits = self.model.logits(hidden)
+            return sample(logits, [s.seq for s in batch], self.grammar, self.eos_token_ids)
+        input_ids, positions, meta, sample_rows = self.prepare(batch)
+        hidden = self.model(input_ids, positions, self.kv, meta, layer_hook)
+        aux = self.model.aux_out if self.model.aux_layers else None
+        if aux is not None:  # EAGLE-3: each entry's rows of the captured hidden states, in batch order
+            row = 0
+            for s in batch:
+                s.features = aux[row : row + s.num_tokens]
+                row += s.num_tokens
+        if not sample_rows:
+            return []
+        rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
+        logits = self.model.logits(hidden.index_select(0, rows))
+        plain: list[int] = []  # logits rows of ordinary samples
+        row = 0
+        for s in batch:
+            if s.draft:  # speculative rows: the token drawn after each fed token
+                n = len(s.draft) + 1
+                s.targets = speculative_targets(logits[row:row + n], s.seq, s.draft)
+                row += n
+            elif s.samples:
+                plain.append(row)
+                row += 1
+        if not plain:
+            return []
+        if len(plain) != row:
+            logits = logits.index_select(0, torch.tensor(plain, dtype=torch.long, device=self.device))
+        return sample(logits, [s.seq for s in batch if s.samples and not s.draft], self.grammar, self.eos_token_ids)

@@ -1,0 +1,190 @@
+"""Reading tensors out of a directory of safetensors files, one tensor at a time.
+
+The `safetensors` library maps each file into memory; every page it touches stays in the
+process's RSS until the file is closed, so loading through it peaks at about twice the model
+(the filled parameters plus the mapped file). The format is a little-endian u64 header
+length, a JSON header (name -> dtype, shape, byte range) and the raw bytes, so here each
+tensor is read with one `readinto` into a fresh buffer that is copied into its parameter and
+dropped: peak RSS is the model plus its largest tensor. Names not read by the end are
+reported, so a checkpoint holding weights the config does not account for is caught.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from common.errors import ModelLoadError
+from engine.loading.staging import Staging
+
+DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}
+_MAX_HEADER = 100 * 2**20
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    path: Path
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int  # absolute byte offset in the file
+    nbytes: int
+
+
+def read_header(path: Path) -> dict[str, TensorInfo]:
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(8)
+            if len(raw) != 8:
+                raise ModelLoadError(f"{path}: corrupt safetensors file (shorter than its header length)")
+            (n,) = struct.unpack("<Q", raw)
+            if n > _MAX_HEADER:
+                raise ModelLoadError(f"{path}: corrupt safetensors file (header of {n} bytes)")
+            header = json.loads(f.read(n))
+            size = os.fstat(f.fileno()).st_size
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ModelLoadError(f"{path}: corrupt safetensors file (header is not JSON: {e})") from e
+    except OSError as e:
+        raise ModelLoadError(f"{path}: cannot read: {e}") from e
+    if not isinstance(header, dict):
+        raise ModelLoadError(f"{path}: corrupt safetensors file (header is not an object)")
+    out: dict[str, TensorInfo] = {}
+    for name, meta in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype = DTYPES[meta["dtype"]]
+            shape = tuple(int(d) for d in meta["shape"])
+            begin, end = (int(x) for x in meta["data_offsets"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise ModelLoadError(f"{path}: corrupt safetensors entry for {name!r}: {meta!r}") from e
+        numel = 1
+        for d in shape:
+            numel *= d
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        if end - begin != nbytes or 8 + n + end > size or begin < 0:
+            raise ModelLoadError(f"{path}: tensor {name!r} has a byte range that does not match its shape "
+                                 f"{shape} ({meta['dtype']}) or lies past the end of the file (truncated?)")
+        out[name] = TensorInfo(path, dtype, shape, 8 + n + begin, nbytes)
+    return out
+
+
+class Checkpoint:
+    """Every tensor of a model directory, by name, read on demand."""
+
+    def __init__(self, model_dir: Path, staging: Staging | None = None):
+        self.model_dir = model_dir
+        self.tensors = self._index(model_dir)
+        self.unread = set(self.tensors)
+        self.staging = staging  # device loads: through pinned buffers, copies overlapped with reads
+
+    @staticmethod
+    def _index(model_dir: Path) -> dict[str, TensorInfo]:
+        index = model_dir / "model.safetensors.index.json"
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise ModelLoadError(f"{index}: corrupt shard index: {e}") from e
+            files = sorted({model_dir / shard for shard in weight_map.values()})
+            for f in files:
+                if not f.is_file():
+                    raise ModelLoadError(f"{model_dir}: shard {f.name} listed in {index.name} is missing")
+        else:
+            weight_map = None
+            files = sorted(model_dir.glob("*.safetensors"))
+            if not files:
+                raise ModelLoadError(f"{model_dir}: no *.safetensors weights")
+        out: dict[str, TensorInfo] = {}
+        for f in files:
+            out.update(read_header(f))
+        if weight_map is not None:
+            missing = sorted(set(weight_map) - set(out))
+            if missing:
+                raise ModelLoadError(f"{index}: lists tensors no shard holds: {missing[:5]}")
+        return out
+
+    def has(self, name: str) -> bool:
+        return name in self.tensors
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.info(name).shape
+
+    def info(self, name: str) -> TensorInfo:
+        t = self.tensors.get(name)
+        if t is None:
+            raise ModelLoadError(f"{self.model_dir}: missing tensor {name!r}")
+        return t
+
+    def get(self, name: str) -> torch.Tensor:
+        """The tensor as stored: on the staging device when the checkpoint has staging buffers (so a
+        quantized or FP8 weight is unpacked there), else in CPU memory."""
+        t = self.info(name)
+        if self.staging is not None:
+            out = torch.empty(t.shape, dtype=t.dtype, device=self.staging.device)
+            self._stage(name, out)
+            return out
+        out = torch.empty(t.shape, dtype=t.dtype)
+        self._read(name, out)
+        return out
+
+    def read_into(self, name: str, dst: torch.Tensor) -> None:
+        """Fill `dst` (same shape) with the tensor: through the staging buffers when the checkpoint has
+        them (a device load; converted there), else straight from the file when dtype and device
+        match and `dst` is contiguous, else through one temporary."""
+        t = self.info(name)
+        if self.staging is not None and dst.is_contiguous():
+            self._stage(name, dst)
+        elif dst.dtype == t.dtype and dst.device.type == "cpu" and dst.is_contiguous():
+            self._read(name, dst)
+        else:
+            dst.copy_(self.get(name))
+
+    def _stage(self, name: str, dst: torch.Tensor) -> None:
+        assert self.staging is not None
+        t = self.info(name)
+        self.staging.upload(str(t.path), t.offset, t.nbytes, t.dtype, dst)
+        self.unread.discard(name)
+
+    def _read(self, name: str, out: torch.Tensor) -> None:
+        t = self.info(name)
+        buf = memoryview(out.reshape(-1).view(torch.uint8).numpy()) if t.nbytes else memoryview(bytearray())
+        try:
+            with open(t.path, "rb") as f:
+                f.seek(t.offset)
+                got = f.readinto(buf)
+        except OSError as e:
+            raise ModelLoadError(f"{t.path}: cannot read tensor {name!r}: {e}") from e
+        if got != t.nbytes:
+            raise ModelLoadError(f"{t.path}: tensor {name!r} is truncated ({got} of {t.nbytes} bytes)")
+        self.unread.discard(name)
+
+    def skip(self, name: str) -> None:
+        """Mark a tensor as deliberately not used (e.g. an lm_head that is tied to the embedding)."""
+        self.unread.discard(name)
+
+
+def model_fingerprint(model_dir: Path) -> str:
+    """An identity for the weights, for keys of KV shared across processes: config.json and, per
+    safetensors file, its size and its first and last MiB (two fine-tunes of one architecture
+    differ there; reading the whole model would cost a full pass over it)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    h.update((model_dir / "config.json").read_bytes())
+    for f in sorted(model_dir.glob("*.safetensors")):
+        size = f.stat().st_size
+        h.update(f"{f.name}:{size}".encode())
+        with open(f, "rb") as fh:
+            h.update(fh.read(1 << 20))
+            fh.seek(max(size - (1 << 20), 0))
+            h.update(fh.read(1 << 20))
+    return h.hexdigest()[:16]

@@ -1,0 +1,1017 @@
+/* splitfire's CPU kernels: weight-only quantized matmul, fused residual add + RMSNorm, and paged
+ * decode attention.
+ *
+ * Quantized matmul: y = x @ dequant(W)^T, W streamed as int8 or int4.
+ * Decode reads every weight once per step, so its speed is the bytes moved: int8 moves a quarter
+ * of float32, int4 an eighth. Weights are dequantized in registers (8 at a time, AVX2 + FMA) and
+ * multiplied against up to MR activation rows, so a weight row is read from memory once per
+ * call whatever the batch. Built at first use by `cpu_ops.py` with -march=native; without
+ * AVX2/FMA the plain C loops below are what runs (same results, slower).
+ *
+ * Layouts (see engine/model/quant.py):
+ *   int8: q int8 [N, K], w[n,k] = q[n,k] * s[n, k/gs]                     (gs % 8 == 0)
+ *   int4: q uint8 [N, K/2]; each run of 16 bytes holds 32 weights, byte j = w[j] | w[j+16] << 4
+ *         (GGUF Q4_0/Q4_1 order), w[n,k] = q[n,k] * s[n, k/gs] + m[n, k/gs] (gs % 32 == 0)
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) /* (every AVX2 CPU has F16C) */
+#include <immintrin.h>
+#define SF_AVX2 1
+#else
+#define SF_AVX2 0
+#endif
+
+#define NR 4      /* weight rows per task */
+#define MAX_ACC 8 /* accumulators per tile: 4 x 1 or 2 x 4 */
+#define INLINE static inline __attribute__((always_inline))
+
+int sf_has_avx2(void) { return SF_AVX2; }
+
+#if SF_AVX2
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+    return _mm_cvtss_f32(s);
+}
+
+static inline __m256 load_i8(const int8_t *p, __m256 scale) {
+    return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p))), scale);
+}
+
+/* 32 int4 weights (16 bytes) -> 4 vectors of 8 floats, q * s + m. */
+static inline void load_i4(const uint8_t *p, __m256 s, __m256 m, __m256 out[4]) {
+    __m128i b = _mm_loadu_si128((const __m128i *)p);
+    __m128i mask = _mm_set1_epi8(0x0F);
+    __m128i lo = _mm_and_si128(b, mask);
+    __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
+    out[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), s, m);
+    out[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(lo, lo))), s, m);
+    out[2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), s, m);
+    out[3] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(hi, hi))), s, m);
+}
+#endif
+
+#if SF_AVX2
+/* AVX2 tiles. nrt (weight rows) and mrt (activation rows) are constants at every call site, so the
+ * accumulators unroll into registers: 16 ymm hold nrt * mrt accumulators, the dequantized weight
+ * vectors and the group's scale (and min). Scales are broadcast per group, not kept across groups. */
+INLINE void avx_tile_i8(const float *x, int ldx, int K, const int8_t *q, const float *s, int gs, int n0, int m0,
+                        float *y, int ldy, const int nrt, const int mrt) {
+    int groups = K / gs;
+    __m256 acc[MAX_ACC];
+    for (int a = 0; a < nrt * mrt; a++) acc[a] = _mm256_setzero_ps();
+    for (int g = 0; g < groups; g++) {
+        __m256 sc[NR];
+        for (int i = 0; i < nrt; i++) sc[i] = _mm256_broadcast_ss(s + (size_t)(n0 + i) * groups + g);
+        for (int k = g * gs; k < (g + 1) * gs; k += 8) {
+            for (int i = 0; i < nrt; i++) {
+                if ((k & 63) == 0) _mm_prefetch((const char *)(q + (size_t)(n0 + i + NR) * K + k), _MM_HINT_T0);
+                __m256 w = load_i8(q + (size_t)(n0 + i) * K + k, sc[i]);
+                for (int r = 0; r < mrt; r++)
+                    acc[i * mrt + r] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + (size_t)(m0 + r) * ldx + k), acc[i * mrt + r]);
+            }
+        }
+    }
+    for (int i = 0; i < nrt; i++)
+        for (int r = 0; r < mrt; r++) y[(size_t)(m0 + r) * ldy + n0 + i] = hsum(acc[i * mrt + r]);
+}
+
+INLINE void avx_tile_i4(const float *x, int ldx, int K, const uint8_t *q, const float *s, const float *mn, int gs,
+                        int n0, int m0, float *y, int ldy, const int nrt, const int mrt) {
+    int groups = K / gs;
+    __m256 acc[MAX_ACC];
+    for (int a = 0; a < nrt * mrt; a++) acc[a] = _mm256_setzero_ps();
+    for (int k = 0; k < K; k += 32) {
+        int g = k / gs;
+        for (int i = 0; i < nrt; i++) {
+            if ((k & 127) == 0) _mm_prefetch((const char *)(q + ((size_t)(n0 + i + NR) * K + k) / 2), _MM_HINT_T0);
+            __m256 w[4];
+            load_i4(q + ((size_t)(n0 + i) * K + k) / 2, _mm256_broadcast_ss(s + (size_t)(n0 + i) * groups + g),
+                    _mm256_broadcast_ss(mn + (size_t)(n0 + i) * groups + g), w);
+            for (int r = 0; r < mrt; r++) {
+                const float *xr = x + (size_t)(m0 + r) * ldx + k;
+                __m256 a = acc[i * mrt + r];
+                for (int j = 0; j < 4; j++) a = _mm256_fmadd_ps(w[j], _mm256_loadu_ps(xr + 8 * j), a);
+                acc[i * mrt + r] = a;
+            }
+        }
+    }
+    for (int i = 0; i < nrt; i++)
+        for (int r = 0; r < mrt; r++) y[(size_t)(m0 + r) * ldy + n0 + i] = hsum(acc[i * mrt + r]);
+}
+
+/* One activation row (decode at batch 1), four weight rows: w = q * s + m is never formed. Per group
+ * sum(w x) = s * sum(q x) + m * sum(x), and sum(x) per group (`xs`) is the same for every weight row,
+ * so it is computed once per call: 9 vector ops per 32 weights instead of 12, and the min term is
+ * one dot product over groups per row. */
+INLINE void avx_tile_i4_m1(const float *x, const float *xs, int K, const uint8_t *q, const float *s, const float *mn,
+                           int gs, int n0, float *y) {
+    int groups = K / gs;
+    __m256 acc[NR];
+    for (int i = 0; i < NR; i++) acc[i] = _mm256_setzero_ps();
+    for (int k = 0; k < K; k += 32) {
+        int g = k / gs;
+        __m256 x0 = _mm256_loadu_ps(x + k), x1 = _mm256_loadu_ps(x + k + 8);
+        __m256 x2 = _mm256_loadu_ps(x + k + 16), x3 = _mm256_loadu_ps(x + k + 24);
+        for (int i = 0; i < NR; i++) {
+            if ((k & 127) == 0) _mm_prefetch((const char *)(q + ((size_t)(n0 + i + NR) * K + k) / 2), _MM_HINT_T0);
+            __m128i b = _mm_loadu_si128((const __m128i *)(q + ((size_t)(n0 + i) * K + k) / 2));
+            __m128i mask = _mm_set1_epi8(0x0F);
+            __m128i lo = _mm_and_si128(b, mask), hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
+            __m256 p = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), x0);
+            p = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(lo, lo))), x1, p);
+            p = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), x2, p);
+            p = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(hi, hi))), x3, p);
+            acc[i] = _mm256_fmadd_ps(p, _mm256_broadcast_ss(s + (size_t)(n0 + i) * groups + g), acc[i]);
+        }
+    }
+    for (int i = 0; i < NR; i++) {
+        const float *mr = mn + (size_t)(n0 + i) * groups;
+        float m = 0.f;
+        for (int g = 0; g < groups; g++) m += mr[g] * xs[g];
+        y[n0 + i] = hsum(acc[i]) + m;
+    }
+}
+
+/* Every activation row against weight rows n0..n0+NR: one row at a time 4 weight rows wide (four
+ * independent FMA chains); more rows one weight row at a time against up to 8 activation rows, so
+ * each weight is dequantized once per 8 rows (a speculative verification's 5 rows: once, not twice
+ * as with passes of 4; 2 rows: two weight rows at a time, measured faster). Each case is a separate specialisation so nothing indexes the accumulators
+ * at run time. */
+#define AVX_ROWS(TILE, ...)                                                                       \
+    do {                                                                                          \
+        if (M == 1) { TILE(__VA_ARGS__, n0, 0, y, ldy, 4, 1); break; }                            \
+        if (M == 2) {                                                                             \
+            for (int h = 0; h < NR; h += 2) TILE(__VA_ARGS__, n0 + h, 0, y, ldy, 2, 2);           \
+            break;                                                                                \
+        }                                                                                         \
+        for (int h = 0; h < NR; h++)                                                              \
+            for (int m0 = 0; m0 < M; m0 += 8) switch (M - m0 < 8 ? M - m0 : 8) {                  \
+                case 1: TILE(__VA_ARGS__, n0 + h, m0, y, ldy, 1, 1); break;                       \
+                case 2: TILE(__VA_ARGS__, n0 + h, m0, y, ldy, 1, 2); break;                       \
+                case 3: TILE(__VA_ARGS__, n0 + h, m0, y, ldy, 1, 3); break;                       \
+                case 4: TILE(__VA_ARGS__, n0 + h, m0, y, ldy, 1, 4); break;                       \
+                case 5: TILE(__VA_ARGS__, n0 + h, m0, y, ldy, 1, 5); break;                       \
+                case 6: TILE(__VA_ARGS__, n0 + h, m0, y, ldy, 1, 6); break;                       \
+                case 7: TILE(__VA_ARGS__, n0 + h, m0, y, ldy, 1, 7); break;                       \
+                default: TILE(__VA_ARGS__, n0 + h, m0, y, ldy, 1, 8); break;                      \
+            }                                                                                     \
+    } while (0)
+#endif
+
+/* Plain C: the fallback without AVX2/FMA and for the last (N % tile) output rows. */
+static void ref_tile_i8(const float *x, int ldx, int K, const int8_t *q, const float *s, int gs, int n0, int nr,
+                        int m0, int mr, float *y, int ldy) {
+    int groups = K / gs;
+    for (int i = 0; i < nr; i++) {
+        const int8_t *qr = q + (size_t)(n0 + i) * K;
+        const float *sr = s + (size_t)(n0 + i) * groups;
+        for (int r = 0; r < mr; r++) {
+            const float *xr = x + (size_t)(m0 + r) * ldx;
+            float total = 0.f;
+            for (int g = 0; g < groups; g++) {
+                float part = 0.f;
+                for (int k = g * gs; k < (g + 1) * gs; k++) part += (float)qr[k] * xr[k];
+                total += part * sr[g];
+            }
+            y[(size_t)(m0 + r) * ldy + n0 + i] = total;
+        }
+    }
+}
+
+static void ref_tile_i4(const float *x, int ldx, int K, const uint8_t *q, const float *s, const float *mn, int gs,
+                        int n0, int nr, int m0, int mr, float *y, int ldy) {
+    int groups = K / gs;
+    for (int i = 0; i < nr; i++) {
+        const uint8_t *qr = q + (size_t)(n0 + i) * K / 2;
+        const float *sr = s + (size_t)(n0 + i) * groups, *mnr = mn + (size_t)(n0 + i) * groups;
+        for (int r = 0; r < mr; r++) {
+            const float *xr = x + (size_t)(m0 + r) * ldx;
+            float total = 0.f;
+            for (int g = 0; g < groups; g++) {
+                float qx = 0.f, xs = 0.f;
+                for (int k = g * gs; k < (g + 1) * gs; k += 32) {
+                    const uint8_t *b = qr + k / 2;
+                    for (int j = 0; j < 16; j++) {
+                        qx += (float)(b[j] & 0x0F) * xr[k + j] + (float)(b[j] >> 4) * xr[k + 16 + j];
+                        xs += xr[k + j] + xr[k + 16 + j];
+                    }
+                }
+                total += qx * sr[g] + xs * mnr[g];
+            }
+            y[(size_t)(m0 + r) * ldy + n0 + i] = total;
+        }
+    }
+}
+
+/* Rows n0..n0+nr of W against every activation row. */
+static void rows_i8(const float *x, int ldx, int M, int K, const int8_t *q, const float *s, int gs, int n0, int nr,
+                    float *y, int ldy) {
+#if SF_AVX2
+    if (nr == NR) {
+        AVX_ROWS(avx_tile_i8, x, ldx, K, q, s, gs);
+        return;
+    }
+#endif
+    ref_tile_i8(x, ldx, K, q, s, gs, n0, nr, 0, M, y, ldy);
+}
+
+static void rows_i4(const float *x, const float *xs, int ldx, int M, int K, const uint8_t *q, const float *s,
+                    const float *mn, int gs, int n0, int nr, float *y, int ldy) {
+#if SF_AVX2
+    if (nr == NR && xs) {
+        avx_tile_i4_m1(x, xs, K, q, s, mn, gs, n0, y);
+        return;
+    }
+    if (nr == NR) {
+        AVX_ROWS(avx_tile_i4, x, ldx, K, q, s, mn, gs);
+        return;
+    }
+#endif
+    ref_tile_i4(x, ldx, K, q, s, mn, gs, n0, nr, 0, M, y, ldy);
+}
+
+#if SF_AVX2
+/* ---- Many activation rows: dequantize a panel of weight rows once, then a register-blocked GEMM ----
+ * The tiles above re-read activation rows for every weight row (one x load per FMA), which holds a
+ * step of 16 rows to ~40% of the FMA peak. Here each thread dequantizes PANEL weight rows into an
+ * L1/L2-resident float buffer once per block of MC activation rows, and 3 weight rows x 4
+ * activation rows of accumulators (12 of the 16 ymm) share every load: 7 loads per 12 FMAs.
+ * The dequantized floats and each dot product's lane order are those of the tiles above, so the
+ * results are bit-identical to them. */
+#define PANEL 12
+#define MC 64
+
+INLINE void deq_row_i8(const int8_t *q, const float *s, int K, int gs, float *out) {
+    for (int g = 0; g < K / gs; g++) {
+        __m256 sc = _mm256_broadcast_ss(s + g);
+        for (int k = g * gs; k < (g + 1) * gs; k += 8) _mm256_store_ps(out + k, load_i8(q + k, sc));
+    }
+}
+
+INLINE void deq_row_i4(const uint8_t *q, const float *s, const float *mn, int K, int gs, float *out) {
+    for (int k = 0; k < K; k += 32) {
+        __m256 w[4];
+        load_i4(q + k / 2, _mm256_broadcast_ss(s + k / gs), _mm256_broadcast_ss(mn + k / gs), w);
+        for (int j = 0; j < 4; j++) _mm256_store_ps(out + k + 8 * j, w[j]);
+    }
+}
+
+INLINE void dot_tile(const float *x, int ldx, const float *w, int K, float *y, int ldy, const int nrt, const int mrt) {
+    __m256 acc[12];
+    for (int a = 0; a < nrt * mrt; a++) acc[a] = _mm256_setzero_ps();
+    for (int k = 0; k < K; k += 8) {
+        __m256 wv[3];
+        for (int i = 0; i < nrt; i++) {
+            wv[i] = _mm256_load_ps(w + (size_t)i * K + k);
+            __asm__("" : "+x"(wv[i]));
+        }
+        for (int r = 0; r < mrt; r++) {
+            __m256 xv = _mm256_loadu_ps(x + (size_t)r * ldx + k);
+            __asm__("" : "+x"(xv)); /* in registers: gcc otherwise folds a load into every FMA */
+            for (int i = 0; i < nrt; i++) acc[i * mrt + r] = _mm256_fmadd_ps(wv[i], xv, acc[i * mrt + r]);
+        }
+    }
+    for (int i = 0; i < nrt; i++)
+        for (int r = 0; r < mrt; r++) y[(size_t)r * ldy + i] = hsum(acc[i * mrt + r]);
+}
+
+#define DOT_CASE(NRT)                                                                          \
+    switch (mr) {                                                                              \
+        case 1: dot_tile(xr, ldx, wr, K, yr, ldy, NRT, 1); break;                              \
+        case 2: dot_tile(xr, ldx, wr, K, yr, ldy, NRT, 2); break;                              \
+        case 3: dot_tile(xr, ldx, wr, K, yr, ldy, NRT, 3); break;                              \
+        default: dot_tile(xr, ldx, wr, K, yr, ldy, NRT, 4); break;                             \
+    }
+
+/* Rows m0..m1 of x against the np (<= PANEL) dequantized weight rows in wbuf -> y columns n0.. */
+static void panel_gemm(const float *x, int ldx, int m0, int m1, int K, const float *wbuf, int np, float *y, int ldy,
+                       int n0) {
+    for (int m = m0; m < m1; m += 4) {
+        int mr = m1 - m < 4 ? m1 - m : 4;
+        for (int i = 0; i < np; i += 3) {
+            const float *xr = x + (size_t)m * ldx, *wr = wbuf + (size_t)i * K;
+            float *yr = y + (size_t)m * ldy + n0 + i;
+            switch (np - i < 3 ? np - i : 3) {
+                case 1: DOT_CASE(1); break;
+                case 2: DOT_CASE(2); break;
+                default: DOT_CASE(3); break;
+            }
+        }
+    }
+}
+
+/* Returns 0, or -1 when a thread's panel buffer could not be allocated (the caller then takes the tiles). */
+static int gemm_panels(const float *x, int ldx, int M, int K, const void *q, const float *s, const float *mn, int N,
+                       int gs, int int4, const float *bias, float *y, int ldy, int threads) {
+    int panels = (N + PANEL - 1) / PANEL, failed = 0, groups = K / gs;
+#pragma omp parallel num_threads(threads)
+    {
+        float *wbuf = (float *)aligned_alloc(64, sizeof(float) * PANEL * (size_t)K);
+#pragma omp atomic
+        failed += wbuf == NULL;
+#pragma omp barrier
+        if (!failed)
+            for (int mc = 0; mc < M; mc += MC) {
+                int m1 = M - mc < MC ? M : mc + MC;
+#pragma omp for schedule(static)
+                for (int p = 0; p < panels; p++) {
+                    int n0 = p * PANEL, np = N - n0 < PANEL ? N - n0 : PANEL;
+                    for (int i = 0; i < np; i++) {
+                        size_t n = (size_t)(n0 + i);
+                        if (int4)
+                            deq_row_i4((const uint8_t *)q + n * K / 2, s + n * groups, mn + n * groups, K, gs,
+                                       wbuf + (size_t)i * K);
+                        else
+                            deq_row_i8((const int8_t *)q + n * K, s + n * groups, K, gs, wbuf + (size_t)i * K);
+                    }
+                    panel_gemm(x, ldx, mc, m1, K, wbuf, np, y, ldy, n0);
+                    if (bias)
+                        for (int m = mc; m < m1; m++)
+                            for (int i = 0; i < np; i++) y[(size_t)m * ldy + n0 + i] += bias[n0 + i];
+                }
+            }
+        free(wbuf);
+    }
+    return failed ? -1 : 0;
+}
+#endif
+
+/* From this many activation rows the panel GEMM replaces the tiles; cpu_ops.py sets it (PANEL_MIN_ROWS). */
+static int panel_min_rows = 8;
+void sf_set_panel_min_rows(int rows) { panel_min_rows = rows; }
+
+/* y[m, n] = sum_k x[m, k] * W[n, k] (+ bias[n]); x rows ldx apart, y rows ldy apart.
+ * Work is split over output rows, so each thread streams its own slice of W once. */
+void sf_gemm_i8(const float *x, int ldx, int M, int K, const int8_t *q, const float *s, int N, int gs,
+                const float *bias, float *y, int ldy, int threads) {
+#if SF_AVX2
+    if (M >= panel_min_rows && gemm_panels(x, ldx, M, K, q, s, NULL, N, gs, 0, bias, y, ldy, threads) == 0) return;
+#endif
+    int tiles = (N + NR - 1) / NR;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int t = 0; t < tiles; t++) {
+        int n0 = t * NR, nr = N - n0 < NR ? N - n0 : NR;
+        rows_i8(x, ldx, M, K, q, s, gs, n0, nr, y, ldy);
+        if (bias)
+            for (int m = 0; m < M; m++)
+                for (int i = 0; i < nr; i++) y[(size_t)m * ldy + n0 + i] += bias[n0 + i];
+    }
+}
+
+void sf_gemm_i4(const float *x, int ldx, int M, int K, const uint8_t *q, const float *s, const float *mn, int N,
+                int gs, const float *bias, float *y, int ldy, int threads) {
+#if SF_AVX2
+    if (M >= panel_min_rows && gemm_panels(x, ldx, M, K, q, s, mn, N, gs, 1, bias, y, ldy, threads) == 0) return;
+#endif
+    int tiles = (N + NR - 1) / NR;
+    float xs_buf[1024], *xs = NULL; /* per-group sums of a single activation row (K <= 32768) */
+    if (SF_AVX2 && M == 1 && K / gs <= 1024) {
+        xs = xs_buf;
+        for (int g = 0; g < K / gs; g++) {
+            float t = 0.f;
+            for (int j = 0; j < gs; j++) t += x[g * gs + j];
+            xs[g] = t;
+        }
+    }
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int t = 0; t < tiles; t++) {
+        int n0 = t * NR, nr = N - n0 < NR ? N - n0 : NR;
+        rows_i4(x, xs, ldx, M, K, q, s, mn, gs, n0, nr, y, ldy);
+        if (bias)
+            for (int m = 0; m < M; m++)
+                for (int i = 0; i < nr; i++) y[(size_t)m * ldy + n0 + i] += bias[n0 + i];
+    }
+}
+
+/* Rows of W as float32, for prefill-sized batches (then one float32 GEMM) and embedding lookups.
+ * Group-at-a-time loops with a constant scale, which the compiler vectorises. */
+void sf_dequant_i8(const int8_t *q, const float *s, int N, int K, int gs, const int64_t *rows, int nrows,
+                   float *out, int threads) {
+    int groups = K / gs;
+    (void)N;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int i = 0; i < nrows; i++) {
+        int64_t n = rows ? rows[i] : i;
+        const int8_t *qr = q + (size_t)n * K;
+        const float *sr = s + (size_t)n * groups;
+        float *o = out + (size_t)i * K;
+        for (int g = 0; g < groups; g++) {
+            float sc = sr[g];
+            const int8_t *qg = qr + (size_t)g * gs;
+            float *og = o + (size_t)g * gs;
+            for (int j = 0; j < gs; j++) og[j] = (float)qg[j] * sc;
+        }
+    }
+}
+
+void sf_dequant_i4(const uint8_t *q, const float *s, const float *mn, int N, int K, int gs, const int64_t *rows,
+                   int nrows, float *out, int threads) {
+    int groups = K / gs;
+    (void)N;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int i = 0; i < nrows; i++) {
+        int64_t n = rows ? rows[i] : i;
+        const uint8_t *qr = q + (size_t)n * K / 2;
+        float *o = out + (size_t)i * K;
+        for (int k = 0; k < K; k += 32) {
+            float sc = s[(size_t)n * groups + k / gs], m = mn[(size_t)n * groups + k / gs];
+            const uint8_t *b = qr + k / 2;
+            float *ok = o + k;
+            for (int j = 0; j < 16; j++) ok[j] = (float)(b[j] & 0x0F) * sc + m;
+            for (int j = 0; j < 16; j++) ok[16 + j] = (float)(b[j] >> 4) * sc + m;
+        }
+    }
+}
+
+/* ---- Fused residual add + RMSNorm (float32) ----
+ * With h: x += h (x is the residual stream, updated in place); then out = x / rms(x) * w.
+ * One pass per row instead of torch's five ops (add, pow, mean, rsqrt, mul), each with its own
+ * dispatch: measured 40 us -> 2 us per call for a 576-wide row. */
+void sf_add_rmsnorm(float *x, const float *h, const float *w, float *out, int rows, int dim, float eps) {
+    for (int r = 0; r < rows; r++) {
+        float *xr = x + (size_t)r * dim;
+        float *o = out + (size_t)r * dim;
+        if (h) {
+            const float *hr = h + (size_t)r * dim;
+            for (int i = 0; i < dim; i++) xr[i] += hr[i];
+        }
+        double ss = 0.0;
+        for (int i = 0; i < dim; i++) ss += (double)xr[i] * xr[i];
+        float inv = 1.0f / sqrtf((float)(ss / dim) + eps);
+        for (int i = 0; i < dim; i++) o[i] = xr[i] * inv * w[i];
+    }
+}
+
+/* ---- Paged decode attention (float32 cache) ----
+ * One query token per sequence; its keys and values are read in place through the block table
+ * (cache layout [blocks, 2, block_size, kv_heads, D]: K then V of a block), so nothing is gathered
+ * or padded. Each task scores one query head's keys, then softmax, then the weighted sum of
+ * values. `window` > 0 keeps the last `window` keys only (sliding-window layers). */
+static inline float dot(const float *a, const float *b, int n) {
+#if SF_AVX2
+    if (n % 8 == 0) {
+        __m256 acc = _mm256_setzero_ps();
+        for (int i = 0; i < n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+        return hsum(acc);
+    }
+#endif
+    float s = 0.f;
+    for (int i = 0; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+static inline void axpy(float *y, float a, const float *x, int n) {
+#if SF_AVX2
+    if (n % 8 == 0) {
+        __m256 av = _mm256_set1_ps(a);
+        for (int i = 0; i < n; i += 8)
+            _mm256_storeu_ps(y + i, _mm256_fmadd_ps(av, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+        return;
+    }
+#endif
+    for (int i = 0; i < n; i++) y[i] += a * x[i];
+}
+
+#if SF_AVX2
+/* e^x for 8 floats, x <= 0 (softmax after subtracting the max): Cephes' expf polynomial on
+ * x - n ln2, scaled by 2^n through the exponent bits; within 2 ulp of expf. */
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+#endif
+
+/* scores[0..n) <- exp(scores - mx); returns their sum. */
+static float exp_shift_sum(float *sc, int64_t n, float mx) {
+    int64_t t = 0;
+    float sum = 0.f;
+#if SF_AVX2
+    __m256 acc = _mm256_setzero_ps(), m = _mm256_set1_ps(mx);
+    for (; t + 8 <= n; t += 8) {
+        __m256 v = exp8(_mm256_sub_ps(_mm256_loadu_ps(sc + t), m));
+        _mm256_storeu_ps(sc + t, v);
+        acc = _mm256_add_ps(acc, v);
+    }
+    sum = hsum(acc);
+#endif
+    for (; t < n; t++) {
+        sc[t] = expf(sc[t] - mx);
+        sum += sc[t];
+    }
+    return sum;
+}
+
+#if SF_AVX2
+/* 8 KV-cache numbers as floats: float32 as stored, or float16 widened (F16C). */
+INLINE __m256 load_kv8(const char *p, const int kv16) {
+    return kv16 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)) : _mm256_loadu_ps((const float *)p);
+}
+
+/* q against 8 keys: eight independent FMA chains (one chain per key stalls on FMA latency), then a
+ * transposing hadd tree leaves the 8 dot products in one vector (one reduction, not 8 hsums). */
+INLINE __m256 dot8(const float *q, const char *const k[8], int D, const int kv16) {
+    __m256 a[8];
+    int esz = kv16 ? 2 : 4;
+    for (int j = 0; j < 8; j++) a[j] = _mm256_setzero_ps();
+    for (int i = 0; i < D; i += 8) {
+        __m256 qv = _mm256_loadu_ps(q + i);
+        for (int j = 0; j < 8; j++) a[j] = _mm256_fmadd_ps(qv, load_kv8(k[j] + (size_t)i * esz, kv16), a[j]);
+    }
+    __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
+    __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
+    __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+#endif
+
+/* Keys (or values) of one kv head in position order without a division per key: (block, offset)
+ * stepped along. `plane` 0 = K, 1 = V; bytes throughout. */
+typedef struct {
+    const char *base;
+    const int64_t *table;
+    size_t block, plane, slot;
+    int64_t blk;
+    int off, bs;
+} KeyWalk;
+
+static inline KeyWalk key_walk(const char *cache, const int64_t *table, int64_t pos, int bs, size_t slot,
+                               size_t head, int plane) {
+    KeyWalk w = {cache + head, table, 2 * (size_t)bs * slot, (size_t)plane * bs * slot, slot, pos / bs,
+                 (int)(pos % bs), bs};
+    return w;
+}
+
+static inline const char *next_key(KeyWalk *w) {
+    const char *p = w->base + w->table[w->blk] * w->block + w->plane + (size_t)w->off * w->slot;
+    if (++w->off == w->bs) {
+        w->off = 0;
+        w->blk++;
+    }
+    return p;
+}
+
+/* One (sequence, kv head, range of keys) for the G query heads that share the kv head: each key and
+ * value is read from memory once for all G (they re-read it from L1), not once per query head. Leaves
+ * per head the range's max score m, sum of exp(score - m) l and unnormalized sum of exp(score - m) v,
+ * which `sf_paged_decode` merges over ranges. sc: G x n scratch. */
+typedef struct {
+    const float *q;      /* the G heads' queries, D apart */
+    const char *cache;   /* the layer cache, bytes */
+    const int64_t *table;
+    int64_t start, n;    /* first key position, number of keys */
+    int bs, G, D;
+    size_t slot, head;   /* bytes per token slot; byte offset of this kv head in a slot */
+    float scale;
+} Span;
+
+#define V_CHUNK 32 /* values summed per pass over the G heads: 32 x D floats stay in L1 */
+
+#if SF_AVX2
+INLINE void span_avx(const Span *sp, float *sc, float *m, float *l, float *o, const int kv16) {
+    int G = sp->G, D = sp->D, esz = kv16 ? 2 : 4;
+    int64_t n = sp->n, t = 0;
+    __m256 vscale = _mm256_set1_ps(sp->scale);
+    KeyWalk kw = key_walk(sp->cache, sp->table, sp->start, sp->bs, sp->slot, sp->head, 0);
+    for (int g = 0; g < G; g++) m[g] = -INFINITY;
+    const char *nk[8];
+    if (n >= 8)
+        for (int j = 0; j < 8; j++) nk[j] = next_key(&kw);
+    for (; t + 8 <= n; t += 8) {
+        const char *k[8];
+        for (int j = 0; j < 8; j++) k[j] = nk[j];
+        if (t + 16 <= n) /* the next 8 keys' addresses, and their lines on the way while these compute */
+            for (int j = 0; j < 8; j++) {
+                nk[j] = next_key(&kw);
+                for (int i = 0; i < D * esz; i += 64) _mm_prefetch(nk[j] + i, _MM_HINT_T0);
+            }
+        for (int g = 0; g < G; g++) {
+            __m256 v = _mm256_mul_ps(dot8(sp->q + (size_t)g * D, k, D, kv16), vscale);
+            _mm256_storeu_ps(sc + (size_t)g * n + t, v);
+            float m8[8];
+            _mm256_storeu_ps(m8, v);
+            for (int j = 0; j < 8; j++) m[g] = fmaxf(m[g], m8[j]);
+        }
+    }
+    for (; t < n; t++) {
+        const char *k = next_key(&kw);
+        for (int g = 0; g < G; g++) {
+            __m256 acc = _mm256_setzero_ps();
+            const float *qg = sp->q + (size_t)g * D;
+            for (int i = 0; i < D; i += 8)
+                acc = _mm256_fmadd_ps(_mm256_loadu_ps(qg + i), load_kv8(k + (size_t)i * esz, kv16), acc);
+            float v = hsum(acc) * sp->scale;
+            sc[(size_t)g * n + t] = v;
+            m[g] = fmaxf(m[g], v);
+        }
+    }
+    for (int g = 0; g < G; g++) l[g] = n ? exp_shift_sum(sc + (size_t)g * n, n, m[g]) : 0.f;
+    memset(o, 0, sizeof(float) * (size_t)G * D);
+    KeyWalk vw = key_walk(sp->cache, sp->table, sp->start, sp->bs, sp->slot, sp->head, 1);
+    for (int64_t u0 = 0; u0 < n; u0 += V_CHUNK) {
+        int c = n - u0 < V_CHUNK ? (int)(n - u0) : V_CHUNK;
+        const char *v[V_CHUNK];
+        for (int u = 0; u < c; u++) v[u] = next_key(&vw);
+        for (int g = 0; g < G; g++) {
+            const float *w = sc + (size_t)g * n + u0;
+            float *og = o + (size_t)g * D;
+            for (int d0 = 0; d0 < D; d0 += 64) {
+                int nv = D - d0 < 64 ? (D - d0) / 8 : 8;
+                __m256 acc[8];
+                for (int i = 0; i < nv; i++) acc[i] = _mm256_loadu_ps(og + d0 + 8 * i);
+                if (nv == 8) { /* (a constant count: the 8 accumulators stay in registers) */
+                    for (int u = 0; u < c; u++) {
+                        __m256 wu = _mm256_set1_ps(w[u]);
+                        const char *vu = v[u] + (size_t)d0 * esz;
+                        for (int i = 0; i < 8; i++) acc[i] = _mm256_fmadd_ps(wu, load_kv8(vu + (size_t)8 * i * esz, kv16), acc[i]);
+                    }
+                } else {
+                    for (int u = 0; u < c; u++) {
+                        __m256 wu = _mm256_set1_ps(w[u]);
+                        const char *vu = v[u] + (size_t)d0 * esz;
+                        for (int i = 0; i < nv; i++) acc[i] = _mm256_fmadd_ps(wu, load_kv8(vu + (size_t)8 * i * esz, kv16), acc[i]);
+                    }
+                }
+                for (int i = 0; i < nv; i++) _mm256_storeu_ps(og + d0 + 8 * i, acc[i]);
+            }
+        }
+    }
+}
+#endif
+
+/* The same in plain C, float32 cache only. */
+static void span_ref(const Span *sp, float *sc, float *m, float *l, float *o) {
+    int G = sp->G, D = sp->D;
+    int64_t n = sp->n;
+    for (int g = 0; g < G; g++) m[g] = -INFINITY;
+    KeyWalk kw = key_walk(sp->cache, sp->table, sp->start, sp->bs, sp->slot, sp->head, 0);
+    for (int64_t t = 0; t < n; t++) {
+        const float *k = (const float *)next_key(&kw);
+        for (int g = 0; g < G; g++) {
+            float v = dot(sp->q + (size_t)g * D, k, D) * sp->scale;
+            sc[(size_t)g * n + t] = v;
+            m[g] = fmaxf(m[g], v);
+        }
+    }
+    for (int g = 0; g < G; g++) l[g] = n ? exp_shift_sum(sc + (size_t)g * n, n, m[g]) : 0.f;
+    memset(o, 0, sizeof(float) * (size_t)G * D);
+    KeyWalk vw = key_walk(sp->cache, sp->table, sp->start, sp->bs, sp->slot, sp->head, 1);
+    for (int64_t u = 0; u < n; u++) {
+        const float *v = (const float *)next_key(&vw);
+        for (int g = 0; g < G; g++) axpy(o + (size_t)g * D, sc[(size_t)g * n + u], v, D);
+    }
+}
+
+/* Decode attention straight from the paged cache ([blocks, 2, bs, KVH, D], float32 or, with kv16,
+ * float16: half the bytes to stream). Work is split into (sequence, kv head, key range) tasks: one
+ * range per pair when there are enough pairs for the threads, else each context cut into as many
+ * ranges as keep every thread busy (one sequence with 3 kv heads on 2 threads: 6 tasks, not 3),
+ * merged by their max scores (flash-decoding). Returns 0; -1 out of memory; -2 for a float16 cache this
+ * build cannot read (needs AVX2 + F16C and D % 8 == 0: the caller checks first). */
+int sf_paged_decode(const float *q, int ldq, int B, int H, int KVH, int D, const void *cache, int bs,
+                    const int64_t *tables, int max_blocks, const int64_t *ctx_lens, float scale, int window,
+                    float *out, int kv16, int threads) {
+    int G = H / KVH, failed = 0;
+    if (kv16 && (!SF_AVX2 || D % 8)) return -2;
+    size_t esz = kv16 ? 2 : 4, slot = (size_t)KVH * D * esz;
+    int pairs = B * KVH, splits = pairs >= 2 * threads ? 1 : (2 * threads + pairs - 1) / pairs;
+    size_t part = (size_t)G * (D + 2); /* per task: G maxima, G sums, G x D partial outputs */
+    float *parts = (float *)malloc(sizeof(float) * part * (size_t)pairs * splits);
+    if (!parts) return -1;
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+    for (int task = 0; task < pairs * splits; task++) {
+        int pair = task / splits, s = task % splits, b = pair / KVH, kh = pair % KVH;
+        int64_t ctx = ctx_lens[b];
+        int64_t first = window > 0 && ctx > window ? ctx - window : 0, total = ctx - first;
+        int64_t k0 = total * s / splits, k1 = total * (s + 1) / splits;
+        float *m = parts + part * (size_t)task, *l = m + G, *o = l + G;
+        Span sp = {q + (size_t)b * ldq + (size_t)kh * G * D, (const char *)cache, tables + (size_t)b * max_blocks,
+                   first + k0, k1 - k0, bs, G, D, slot, (size_t)kh * D * esz, scale};
+        float *sc = (float *)malloc(sizeof(float) * (size_t)G * (size_t)(sp.n > 0 ? sp.n : 1));
+        if (!sc) {
+            failed = 1;
+            continue;
+        }
+#if SF_AVX2
+        if (D % 8 == 0) {
+            if (kv16)
+                span_avx(&sp, sc, m, l, o, 1);
+            else
+                span_avx(&sp, sc, m, l, o, 0);
+        } else
+#endif
+            span_ref(&sp, sc, m, l, o);
+        free(sc);
+    }
+    if (!failed)
+        for (int pair = 0; pair < pairs; pair++) {
+            int b = pair / KVH, kh = pair % KVH;
+            for (int g = 0; g < G; g++) {
+                float mx = -INFINITY, sum = 0.f;
+                for (int s = 0; s < splits; s++) mx = fmaxf(mx, parts[part * ((size_t)pair * splits + s) + g]);
+                float *dst = out + ((size_t)b * H + (size_t)kh * G + g) * D;
+                memset(dst, 0, sizeof(float) * D);
+                for (int s = 0; s < splits; s++) {
+                    const float *m = parts + part * ((size_t)pair * splits + s), *l = m + G, *o = l + G;
+                    if (l[g] == 0.f) continue; /* an empty range */
+                    float w = expf(m[g] - mx);
+                    sum += l[g] * w;
+                    axpy(dst, w, o + (size_t)g * D, D);
+                }
+                float inv = 1.0f / sum;
+                for (int i = 0; i < D; i++) dst[i] *= inv;
+            }
+        }
+    free(parts);
+    return failed ? -1 : 0;
+}
+
+/* ---- RoPE + KV store (float32 activations; float32 or, with kv16, float16 cache) ----
+ * qkv rows hold q (H heads), k (KVH heads), v (KVH heads) of D dims, pairs interleaved. q and k are
+ * rotated in place by `freqs` ([T, D/2] (cos, sin) pairs, one row per token); k and v are then copied into
+ * their cache slots (`k_rows[t]`: row of token t's K in the layer cache viewed as [rows, KVH, D],
+ * its V `bs` rows later). Replaces seven torch ops per layer (float casts, complex views,
+ * multiply, two index_copy_). Returns 0, or -2 for a float16 cache this build cannot write (needs
+ * AVX2 + F16C, D % 8 == 0). */
+int sf_rope_store(float *qkv, int T, int H, int KVH, int D, const float *freqs, void *cache, const int64_t *k_rows,
+                  int bs, int kv16) {
+    int row = (H + 2 * KVH) * D;
+    size_t slot = (size_t)KVH * D;
+    if (cache && kv16 && (!SF_AVX2 || D % 8)) return -2;
+    for (int t = 0; t < T; t++) {
+        float *x = qkv + (size_t)t * row;
+        const float *f = freqs + (size_t)t * D; /* token t's D/2 (cos, sin) pairs */
+        for (int h = 0; h < H + KVH; h++) {
+            float *v = x + (size_t)h * D;
+            for (int i = 0; i < D / 2; i++) {
+                float a = v[2 * i], b = v[2 * i + 1], c = f[2 * i], s = f[2 * i + 1];
+                v[2 * i] = a * c - b * s;
+                v[2 * i + 1] = a * s + b * c;
+            }
+        }
+        if (!cache) continue;
+        const float *k = x + (size_t)H * D, *v = k + slot;
+        size_t kr = (size_t)k_rows[t], vr = kr + (size_t)bs;
+        if (!kv16) {
+            memcpy((float *)cache + kr * slot, k, sizeof(float) * slot);
+            memcpy((float *)cache + vr * slot, v, sizeof(float) * slot);
+            continue;
+        }
+#if SF_AVX2
+        uint16_t *ck = (uint16_t *)cache + kr * slot, *cv = (uint16_t *)cache + vr * slot;
+        for (size_t i = 0; i < slot; i += 8) { /* round to nearest even, as torch's .half() */
+            _mm_storeu_si128((__m128i *)(ck + i), _mm256_cvtps_ph(_mm256_loadu_ps(k + i), _MM_FROUND_TO_NEAREST_INT));
+            _mm_storeu_si128((__m128i *)(cv + i), _mm256_cvtps_ph(_mm256_loadu_ps(v + i), _MM_FROUND_TO_NEAREST_INT));
+        }
+#endif
+    }
+    return 0;
+}
+
+/* ---- SiLU(gate) * up (float32) ---- gate_up rows are [gate (I) | up (I)]. */
+void sf_silu_mul(const float *gate_up, float *out, int T, int I) {
+    for (int t = 0; t < T; t++) {
+        const float *g = gate_up + (size_t)t * 2 * I, *u = g + I;
+        float *o = out + (size_t)t * I;
+        for (int i = 0; i < I; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    }
+}
+
+/* ---- Integer dot products: activations quantized to int8 per 32-block (as llama.cpp's Q8) ----
+ * Dequantizing weights to float costs ~24 instructions per 32 weights; multiplying int4/int8 codes
+ * by int8 activations with maddubs/madd costs ~12, which is what keeps llama.cpp's decode at the
+ * memory-bandwidth floor on AVX2. Activations are rounded per block of 32 (scale = max|x| / 127), so
+ * results differ from the float path by that rounding (measured: loadtest/bench_quant.py). */
+#if SF_AVX2
+typedef struct {
+    int8_t *q;   /* [M, K] */
+    float *d;    /* [M, K/32] block scales */
+    float *sum;  /* [M, K/32] d * sum(q) of the block: the int4 min term's activation sum */
+} QuantX;
+
+static int quantize_x(const float *x, int ldx, int M, int K, QuantX *out) {
+    int blocks = K / 32;
+    out->q = (int8_t *)malloc((size_t)M * K);
+    out->d = (float *)malloc(sizeof(float) * (size_t)M * blocks);
+    out->sum = (float *)malloc(sizeof(float) * (size_t)M * blocks);
+    if (!out->q || !out->d || !out->sum) return -1;
+    for (int m = 0; m < M; m++)
+        for (int b = 0; b < blocks; b++) {
+            const float *xb = x + (size_t)m * ldx + b * 32;
+            float amax = 0.f;
+            for (int j = 0; j < 32; j++) amax = fmaxf(amax, fabsf(xb[j]));
+            float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
+            int8_t *qb = out->q + (size_t)m * K + b * 32;
+            int total = 0;
+            for (int j = 0; j < 32; j++) {
+                qb[j] = (int8_t)lrintf(xb[j] * inv);
+                total += qb[j];
+            }
+            out->d[(size_t)m * blocks + b] = d;
+            out->sum[(size_t)m * blocks + b] = d * (float)total;
+        }
+    return 0;
+}
+
+static void free_x(QuantX *x) {
+    free(x->q);
+    free(x->d);
+    free(x->sum);
+}
+
+static inline __m256i unpack_i4(const uint8_t *p) {
+    __m128i b = _mm_loadu_si128((const __m128i *)p);
+    __m128i mask = _mm_set1_epi8(0x0F);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), mask), _mm_and_si128(b, mask));
+}
+
+/* 32 products of unsigned codes (0..15) or |x| (0..127) with signed bytes, summed into 8 int32 lanes. */
+static inline __m256i dot_u8s8(__m256i u, __m256i s) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+}
+
+INLINE void q8_tile(const QuantX *xq, int K, const void *q, const float *s, const float *mn, int gs, int n0, int m0,
+                    float *y, int ldy, const int int4, const int nrt, const int mrt) {
+    int groups = K / gs, blocks = K / 32;
+    __m256 acc[MAX_ACC];
+    float macc[MAX_ACC];
+    for (int a = 0; a < nrt * mrt; a++) {
+        acc[a] = _mm256_setzero_ps();
+        macc[a] = 0.f;
+    }
+    for (int b = 0; b < blocks; b++) {
+        int g = b * 32 / gs;
+        __m256i xv[4], xabs[4];
+        __m256 dx[4];
+        for (int r = 0; r < mrt; r++) {
+            size_t row = (size_t)(m0 + r);
+            xv[r] = _mm256_loadu_si256((const __m256i *)(xq->q + row * K + b * 32));
+            xabs[r] = _mm256_sign_epi8(xv[r], xv[r]);
+            dx[r] = _mm256_set1_ps(xq->d[row * blocks + b]);
+        }
+        for (int i = 0; i < nrt; i++) {
+            size_t n = (size_t)(n0 + i);
+            __m256 ws = _mm256_set1_ps(s[n * groups + g]);
+            if (int4 ? (b & 3) == 0 : (b & 1) == 0)
+                _mm_prefetch((const char *)q + ((n + NR) * K + b * 32) / (int4 ? 2 : 1), _MM_HINT_T0);
+            __m256i w = int4 ? unpack_i4((const uint8_t *)q + (n * K + b * 32) / 2)
+                             : _mm256_loadu_si256((const __m256i *)((const int8_t *)q + n * K + b * 32));
+            for (int r = 0; r < mrt; r++) {
+                __m256i dotv = int4 ? dot_u8s8(w, xv[r]) : dot_u8s8(xabs[r], _mm256_sign_epi8(w, xv[r]));
+                acc[i * mrt + r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dotv), _mm256_mul_ps(ws, dx[r]), acc[i * mrt + r]);
+                if (int4) macc[i * mrt + r] += mn[n * groups + g] * xq->sum[(size_t)(m0 + r) * blocks + b];
+            }
+        }
+    }
+    for (int i = 0; i < nrt; i++)
+        for (int r = 0; r < mrt; r++) y[(size_t)(m0 + r) * ldy + n0 + i] = hsum(acc[i * mrt + r]) + macc[i * mrt + r];
+}
+
+#define Q8_ROWS(INT4)                                                                                         \
+    do {                                                                                                      \
+        if (M == 1) { q8_tile(&xq, K, q, s, mn, gs, n0, 0, y, ldy, INT4, 4, 1); break; }                      \
+        for (int h = 0; h < NR; h += 2)                                                                       \
+            for (int m0 = 0; m0 < M; m0 += 4) switch (M - m0 < 4 ? M - m0 : 4) {                              \
+                case 1: q8_tile(&xq, K, q, s, mn, gs, n0 + h, m0, y, ldy, INT4, 2, 1); break;                 \
+                case 2: q8_tile(&xq, K, q, s, mn, gs, n0 + h, m0, y, ldy, INT4, 2, 2); break;                 \
+                case 3: q8_tile(&xq, K, q, s, mn, gs, n0 + h, m0, y, ldy, INT4, 2, 3); break;                 \
+                default: q8_tile(&xq, K, q, s, mn, gs, n0 + h, m0, y, ldy, INT4, 2, 4); break;                \
+            }                                                                                                 \
+    } while (0)
+#endif
+
+/* y = x @ W^T (+ bias) with x rounded to int8 per 32-block. Needs AVX2, K % 32 == 0 and gs % 32 == 0
+ * (returns 1 otherwise: the caller takes the float kernel); -1 when out of memory. */
+int sf_gemm_q8x(const float *x, int ldx, int M, int K, const void *q, const float *s, const float *mn, int N, int gs,
+                int int4, const float *bias, float *y, int ldy, int threads) {
+#if SF_AVX2
+    if (K % 32 || gs % 32) return 1;
+    QuantX xq;
+    if (quantize_x(x, ldx, M, K, &xq) != 0) {
+        free_x(&xq);
+        return -1;
+    }
+    int tiles = (N + NR - 1) / NR;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int t = 0; t < tiles; t++) {
+        int n0 = t * NR, nr = N - n0 < NR ? N - n0 : NR;
+        if (nr == NR) {
+            if (int4) Q8_ROWS(1); else Q8_ROWS(0);
+        } else if (int4) {
+            ref_tile_i4(x, ldx, K, (const uint8_t *)q, s, mn, gs, n0, nr, 0, M, y, ldy);
+        } else {
+            ref_tile_i8(x, ldx, K, (const int8_t *)q, s, gs, n0, nr, 0, M, y, ldy);
+        }
+        if (bias)
+            for (int m = 0; m < M; m++)
+                for (int i = 0; i < nr; i++) y[(size_t)m * ldy + n0 + i] += bias[n0 + i];
+    }
+    free_x(&xq);
+    return 0;
+#else
+    (void)x; (void)ldx; (void)M; (void)K; (void)q; (void)s; (void)mn; (void)N; (void)gs; (void)int4; (void)bias;
+    (void)y; (void)ldy; (void)threads;
+    return 1;
+#endif
+}
+
+/* ---- A whole decode step's decoder layers in one call ----
+ * The same kernels as above, in the order `model.Block` calls them, without returning to Python
+ * between them: a batch-1 SmolLM2 step made ~13 Python-level calls per layer (390 per step, ~4 ms
+ * of a 16 ms step, measured). For plain pre-norm layers only: fused q|k|v and gate|up weights
+ * quantized in one part each, float32 activations and KV cache, RMSNorm, SiLU, RoPE on q and k. */
+typedef struct {
+    const void *q;      /* codes: int8 [N, K] or packed int4 [N, K/2] */
+    const float *s;     /* [N, K/gs] */
+    const float *mn;    /* int4 mins [N, K/gs], else NULL */
+    const float *bias;  /* [N] or NULL */
+    int n, k, gs;
+    int int4;           /* 0: int8 codes, 1: int4 */
+    int q8x;            /* int8-rounded activations allowed (at most `q8x_rows` rows) */
+} SfLinear;
+
+typedef struct {
+    const float *attn_norm, *mlp_norm; /* [hidden] */
+    SfLinear qkv, o, gate_up, down;
+    void *cache;                       /* this layer's [blocks, 2, bs, KVH, D], float32 or float16 */
+    int window;                        /* sliding window, 0 = none */
+    int rope;                          /* which of the step's RoPE tables */
+} SfLayer;
+
+typedef struct {
+    int hidden, heads, kv_heads, head_dim, inter, block_size, q8x_rows;
+    int kv16;                          /* the KV cache holds float16 */
+    float eps, scale;
+} SfDims;
+
+static int sf_linear(const SfLinear *w, const float *x, int M, float *y, int q8x_rows, int threads) {
+    if (w->q8x && M <= q8x_rows) {
+        int rc = sf_gemm_q8x(x, w->k, M, w->k, w->q, w->s, w->mn, w->n, w->gs, w->int4, w->bias, y, w->n, threads);
+        if (rc <= 0) return rc;
+    }
+    if (w->int4)
+        sf_gemm_i4(x, w->k, M, w->k, (const uint8_t *)w->q, w->s, w->mn, w->n, w->gs, w->bias, y, w->n, threads);
+    else
+        sf_gemm_i8(x, w->k, M, w->k, (const int8_t *)w->q, w->s, w->n, w->gs, w->bias, y, w->n, threads);
+    return 0;
+}
+
+/* res [T, hidden]: the residual stream (the embeddings in, updated in place); h [T, hidden]: the last
+ * layer's MLP output (the caller adds it and applies the final norm). One decode row per sequence,
+ * `freqs[r]` the step's [T, D/2] (cos, sin) pairs of RoPE table r. Returns 0, -1 out of memory, or -2: a
+ * float16 cache this build cannot use. */
+/* aux (optional, EAGLE-3): [T, n_aux * hidden], the residual stream entering layers aux_layers[j] (ascending). */
+int sf_decode_layers(const SfDims *d, const SfLayer *layers, int n_layers, float *res, float *h, int T,
+                     const float *const *freqs, const int64_t *k_rows, const int64_t *tables, int max_blocks,
+                     const int64_t *ctx_lens, float *aux, const int *aux_layers, int n_aux, int threads) {
+    int H = d->heads, KVH = d->kv_heads, D = d->head_dim;
+    size_t hid = (size_t)d->hidden, qkv_n = (size_t)(H + 2 * KVH) * D, inter = (size_t)d->inter;
+    size_t need = hid + qkv_n + (size_t)H * D + 2 * inter + inter;
+    float *buf = (float *)malloc(sizeof(float) * need * (size_t)T);
+    if (!buf) return -1;
+    float *xn = buf, *qkv = xn + hid * T, *att = qkv + qkv_n * T, *gu = att + (size_t)H * D * T, *act = gu + 2 * inter * T;
+    int rc = 0;
+    for (int l = 0; l < n_layers && rc == 0; l++) {
+        const SfLayer *L = layers + l;
+        for (int j = 0; j < n_aux; j++) {
+            if (aux_layers[j] != l) continue;
+            for (int r = 0; r < T; r++) {
+                float *dst = aux + ((size_t)r * n_aux + j) * hid;
+                const float *a = res + (size_t)r * hid, *b = h + (size_t)r * hid;
+                for (size_t i = 0; i < hid; i++) dst[i] = l ? a[i] + b[i] : a[i];
+            }
+        }
+        sf_add_rmsnorm(res, l ? h : NULL, L->attn_norm, xn, T, (int)hid, d->eps);
+        if ((rc = sf_linear(&L->qkv, xn, T, qkv, d->q8x_rows, threads))) break;
+        if ((rc = sf_rope_store(qkv, T, H, KVH, D, freqs[L->rope], L->cache, k_rows, d->block_size, d->kv16))) break;
+        if ((rc = sf_paged_decode(qkv, (int)qkv_n, T, H, KVH, D, L->cache, d->block_size, tables, max_blocks, ctx_lens,
+                                  d->scale, L->window, att, d->kv16, threads)))
+            break;
+        if ((rc = sf_linear(&L->o, att, T, h, d->q8x_rows, threads))) break;
+        sf_add_rmsnorm(res, h, L->mlp_norm, xn, T, (int)hid, d->eps);
+        if ((rc = sf_linear(&L->gate_up, xn, T, gu, d->q8x_rows, threads))) break;
+        sf_silu_mul(gu, act, T, (int)inter);
+        if ((rc = sf_linear(&L->down, act, T, h, d->q8x_rows, threads))) break;
+    }
+    free(buf);
+    return rc;
+}

@@ -1,0 +1,201 @@
+"""Mixture-of-experts MLP: a router picks each token's top-k experts; each expert is a gated MLP.
+
+Expert compute is grouped so a step costs what its *active* experts cost: the step's
+(token, expert) pairs are sorted by expert, and every expert some token chose runs one matmul
+over all of its tokens, in expert order (the order `transformers` adds them in). Experts no
+token chose are never touched. On CUDA a Triton grouped-GEMM kernel (`kernels/moe_triton.py`)
+does the same behind this seam, for float and for quantized experts (stacked per projection,
+dequantized in registers); `grouped_experts_reference` is what both are held equal to.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from common.errors import ModelLoadError
+from engine.model import quant
+from engine.model.kernels import kernels
+from engine.model.layers import MLP, Linear, activation, cpu_linear, pack_weight
+from engine.model.model_config import ModelConfig
+
+
+def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax over all experts in float32, keep the top k, optionally rescale them to sum to 1.
+    Returns (weights [T, k] float32, expert ids [T, k])."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def route_grouped(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, num_groups: int, topk_groups: int,
+                  renormalize: bool, scale: float, scoring: str = "sigmoid") -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek's routing. V3 ("noaux_tc"): sigmoid scores; the load-balancing `bias` is added only to
+    choose experts: first the `topk_groups` groups whose best two biased scores sum highest, then the
+    top k experts inside them. V2 (`bias` None, softmax scores): groups ranked by their best expert
+    ("group_limited_greedy"; one group = plain top-k). The chosen experts are weighted by their
+    *unbiased* scores (renormalised to sum to 1 if asked), times `scale`. Float32 throughout."""
+    scores = torch.sigmoid(logits.float()) if scoring == "sigmoid" else torch.softmax(logits.float(), dim=-1)
+    biased = scores + bias.float() if bias is not None else scores
+    if num_groups > 1:
+        t, e = biased.shape
+        grouped = biased.view(t, num_groups, e // num_groups)
+        group_scores = (grouped.topk(2, dim=-1).values.sum(dim=-1) if bias is not None
+                        else grouped.amax(dim=-1))
+        keep = torch.zeros_like(group_scores, dtype=torch.bool)
+        keep.scatter_(1, group_scores.topk(topk_groups, dim=-1).indices, True)
+        biased = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(t, e)
+    ids = biased.topk(top_k, dim=-1).indices
+    weights = scores.gather(1, ids)
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * scale, ids
+
+
+def sort_by_expert(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, list[int]]:
+    """Order of the flattened (token, choice) pairs grouped by expert, and each expert's count."""
+    flat = ids.flatten()
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_experts).tolist()  # the step's one host sync
+    return order, counts
+
+
+ExpertFn = Callable[[int, torch.Tensor], torch.Tensor]
+
+
+def grouped_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, num_experts: int,
+                    gate_up: ExpertFn, down: ExpertFn, act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) for every token t, one matmul pair per active expert.
+
+    `gate_up(e, rows)` / `down(e, rows)` apply expert e's projections (plain or pre-packed weights).
+    """
+    k = ids.shape[1]
+    order, counts = sort_by_expert(ids, num_experts)
+    token_of = order // k
+    rows = x.index_select(0, token_of)
+    w = weights.flatten().index_select(0, order).unsqueeze(1).to(x.dtype)
+    out_rows = torch.empty_like(rows)
+    start = 0
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        gate, up = gate_up(e, rows[start : start + n]).chunk(2, dim=-1)
+        # down is linear: scaling its input by the routing weight is the same as scaling its
+        # output, on intermediate-size rows (4x fewer than hidden-size ones in Qwen3-MoE).
+        h = act(gate).mul_(up).mul_(w[start : start + n])
+        out_rows[start : start + n] = down(e, h)
+        start += n
+    return torch.zeros_like(x).index_add_(0, token_of, out_rows)
+
+
+def grouped_experts_reference(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gate_up: torch.Tensor,
+                              w_down: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """The readable path: stacked weights [E, 2I, H] and [E, H, I], plain matmuls."""
+    return grouped_experts(x, ids, weights, w_gate_up.shape[0], lambda e, r: F.linear(r, w_gate_up[e]),
+                           lambda e, r: F.linear(r, w_down[e]), act)
+
+
+class Experts(nn.Module):
+    """Every expert's weights stacked: gate and up fused [E, 2I, H], down [E, H, I] — or, quantized,
+    one `QuantizedWeight` per expert and projection (experts are most of an MoE model's bytes)."""
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, act: str):
+        super().__init__()
+        self.num_experts = num_experts
+        self.gate_up = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden), requires_grad=False)
+        self.down = nn.Parameter(torch.empty(num_experts, hidden, intermediate), requires_grad=False)
+        self.act = activation(act)
+        self.packed: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
+        self.quantized: tuple[list[quant.QuantizedWeight], list[quant.QuantizedWeight]] | None = None
+        # The same quantized experts stacked per projection, where the grouped GPU kernel runs them.
+        self.stacked: tuple[quant.QuantizedStack, quant.QuantizedStack] | None = None
+
+    def set_quantized(self, gate_up: list[quant.QuantizedWeight], down: list[quant.QuantizedWeight]) -> None:
+        """Run from quantized experts; the stacked float weights are freed."""
+        e, two_i, h = self.gate_up.shape
+        for i, (gu, dn) in enumerate(zip(gate_up, down, strict=True)):
+            if gu.shape != (two_i, h) or dn.shape != (h, two_i // 2):
+                raise ModelLoadError(f"quantized expert {i}: gate/up {gu.shape}, down {dn.shape}; the config "
+                                     f"implies {(two_i, h)} and {(h, two_i // 2)}")
+        if len(gate_up) != e:
+            raise ModelLoadError(f"{len(gate_up)} quantized experts for {e}")
+        device = self.gate_up.device
+        gate_up, down = [w.to(device) for w in gate_up], [w.to(device) for w in down]
+        if kernels("moe_triton", device.type) is not None:
+            # The grouped kernel picks each tile's expert on the device: one stack per projection
+            # (the per-expert weights become views of it, so nothing is held twice).
+            stacks = quant.QuantizedStack.of(gate_up), quant.QuantizedStack.of(down)
+            if stacks[0] is not None and stacks[1] is not None:
+                self.stacked = (stacks[0], stacks[1])
+                gate_up, down = stacks[0].parts(), stacks[1].parts()
+        self.quantized = (gate_up, down)
+        self.gate_up = self.down = None  # type: ignore[assignment]
+
+    def quantize(self, kind: str) -> None:
+        """`--quantization` on float experts: each expert's projections round-to-nearest, as `Linear`s are."""
+        if self.quantized is not None or self.gate_up is None:
+            return
+        group = quant.group_size_for
+        self.set_quantized([quant.quantize(w, kind, group(w.shape[1], kind)) for w in self.gate_up],
+                           [quant.quantize(w, kind, group(w.shape[1], kind)) for w in self.down])
+
+    def pack_for_cpu(self) -> None:
+        """oneDNN-packed copy of each expert (see `layers.Linear`); the stacked weights are dropped
+        (unless the Triton kernel, which reads them, is forced on the CPU)."""
+        if self.quantized is not None or kernels("moe_triton", "cpu") is not None:
+            return
+        self.packed = ([pack_weight(w) for w in self.gate_up], [pack_weight(w) for w in self.down])
+        self.gate_up = self.down = None  # type: ignore[assignment]
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        fused = kernels("moe_triton", x.device.type)
+        if self.stacked is not None and fused is not None:
+            return fused.fused_experts(x, ids, weights, *self.stacked, self.act)
+        if self.quantized is not None:
+            gu, dn = self.quantized
+            return grouped_experts(x, ids, weights, self.num_experts, lambda e, r: quant.linear(r, [gu[e]], None),
+                                   lambda e, r: quant.linear(r, [dn[e]], None), self.act)
+        if self.packed is not None:
+            gu, dn = self.packed
+            return grouped_experts(x, ids, weights, self.num_experts, lambda e, r: cpu_linear(r, gu[e]),
+                                   lambda e, r: cpu_linear(r, dn[e]), self.act)
+        if fused is not None:
+            return fused.fused_experts(x, ids, weights, self.gate_up, self.down, self.act)
+        return grouped_experts_reference(x, ids, weights, self.gate_up, self.down, self.act)
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        m = cfg.moe
+        assert m is not None
+        self.cfg = m
+        self.router = Linear(cfg.hidden_size, m.num_experts)
+        if m.grouped:
+            self.router.float()  # scored in float32 whatever the model dtype, as the reference does
+        # DeepSeek-V3's expert-choice bias, kept in float32 (the checkpoint's dtype for it).
+        self.score_bias = (nn.Parameter(torch.zeros(m.num_experts, dtype=torch.float32), requires_grad=False)
+                           if m.scoring == "sigmoid" else None)
+        self.experts = Experts(m.num_experts, cfg.hidden_size, m.intermediate_size, cfg.activation)
+        self.shared = MLP(cfg.hidden_size, m.shared_intermediate_size, cfg.activation) if m.shared_intermediate_size else None
+        self.shared_gate = Linear(cfg.hidden_size, 1) if m.shared_intermediate_size and m.shared_gated else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        m = self.cfg
+        if m.grouped:
+            weights, ids = route_grouped(self.router(x.float()), self.score_bias, m.top_k, m.num_groups, m.topk_groups,
+                                         m.renormalize, m.routed_scale, m.scoring)
+        else:
+            weights, ids = route(self.router(x), m.top_k, m.renormalize)
+        # Routing weights are applied in the activations' dtype (Qwen's order; Mixtral's transformers
+        # code multiplies in float32: the difference is within bfloat16's own rounding).
+        out = self.experts(x, ids, weights.to(x.dtype))
+        if self.shared is not None:
+            shared = self.shared(x)
+            out = out + (torch.sigmoid(self.shared_gate(x)) * shared if self.shared_gate is not None else shared)
+        return out
