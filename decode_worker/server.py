@@ -8,7 +8,7 @@ from decode_worker.http_stream import add_routes
 from decode_worker.service import DecodeService
 from protos import splitfire_pb2_grpc as pb_grpc
 from worker.config import WorkerConfig, worker_config_from
-from worker.lifecycle import load_context, new_server, serve
+from worker.lifecycle import load_context, new_server, register_kv, serve
 from worker.worker_service import WorkerService
 
 
@@ -16,11 +16,10 @@ async def run(cfg: WorkerConfig) -> None:
     ctx = load_context(cfg)
     mooncake = None
     if cfg.role == "decode":
-        from kvtransfer.mooncake_engine import MooncakeEngine
-        from prefill_worker.server import register_kv
+        from kvtransfer.transport import MooncakeTransport
 
-        mooncake = MooncakeEngine(cfg.transfer)
-        region = register_kv(mooncake, ctx.engine.engine)
+        mooncake = MooncakeTransport(cfg.transfer)
+        region = register_kv(mooncake, ctx.engine.llm)
         decode = DecodeService(ctx, region, mooncake.segment)
     else:
         decode = DecodeService(ctx)

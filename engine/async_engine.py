@@ -65,8 +65,8 @@ class RequestStream:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, observer: StepObserver | None = None):
-        self.engine = engine
+    def __init__(self, llm: LLMEngine, observer: StepObserver | None = None):
+        self.llm = llm
         self.observer = observer
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -80,7 +80,7 @@ class AsyncEngine:
         self.step_count = 0
         # What the engine looked like after its last step or command: read by Stats without
         # queueing behind a long step (a busy worker must still answer the router's checks).
-        self.stats: EngineStats = engine.stats()
+        self.stats: EngineStats = llm.stats()
         self._stats_at = 0.0
         self.on_step: Callable[[list[RequestOutput], float, int], None] | None = None  # metrics hook (loop thread)
         # Blocks the engine pinned for the cluster-wide KV tier (loop thread; see worker/kv_tier.py).
@@ -109,7 +109,7 @@ class AsyncEngine:
 
         def run() -> None:
             try:
-                res = fn(self.engine)
+                res = fn(self.llm)
             except BaseException as e:  # handed to the awaiting caller, which decides
                 loop.call_soon_threadsafe(_settle, fut, None, e)
             else:
@@ -145,7 +145,7 @@ class AsyncEngine:
 
     @property
     def block_size(self) -> int:
-        return self.engine.config.block_size
+        return self.llm.config.block_size
 
     def add_request(self, request_id: str, ids: list[int], sampling: SamplingParams, tenant: str,
                     mode: Mode = Mode.FULL, fetch: bool = False) -> asyncio.Future[None]:
@@ -207,7 +207,7 @@ class AsyncEngine:
                 heapq.heappush(self._timers, (time.monotonic() + delay_s, next(self._seq),
                                               lambda e: self._release_held(request_id, seq)))
 
-        self._commands.put(lambda: hold(self.engine))
+        self._commands.put(lambda: hold(self.llm))
         self._wake.set()
 
     def release_held(self, request_id: str) -> None:
@@ -220,7 +220,7 @@ class AsyncEngine:
         if held is None or (seq is not None and held is not seq):
             return  # already released (early, or a newer request reused the id)
         del self._held[request_id]
-        self.engine.release(held)
+        self.llm.release(held)
 
     def open_stream(self, request_id: str) -> RequestStream:
         stream = RequestStream(request_id)
@@ -249,13 +249,13 @@ class AsyncEngine:
             _, _, fn = heapq.heappop(self._timers)
             ran = True
             try:
-                fn(self.engine)
+                fn(self.llm)
             except Exception:
                 log.exception("event=timer_failed")
         return (self._timers[0][0] - now if self._timers else None), ran
 
     def _refresh_stats(self) -> None:
-        self.stats, self._stats_at = self.engine.stats(), time.monotonic()
+        self.stats, self._stats_at = self.llm.stats(), time.monotonic()
 
     def _run(self) -> None:
         assert self._loop is not None
@@ -273,40 +273,40 @@ class AsyncEngine:
             if ran or timers_ran:
                 self._refresh_stats()
                 self._hand_out_published()
-            if not self.engine.has_work:
+            if not self.llm.has_work:
                 self._wake.wait(timeout=next_timer if next_timer is not None else 1.0)
                 self._wake.clear()
                 continue
             t0 = time.perf_counter()
             try:
-                outputs = self.engine.step(self.observer)
+                outputs = self.llm.step(self.observer)
             except Exception as e:
-                log.exception("event=step_failed running=%d", len(self.engine.scheduler.running))
+                log.exception("event=step_failed running=%d", len(self.llm.scheduler.running))
                 outputs = self._fail_all(f"engine step failed: {type(e).__name__}: {e}")
             self.step_count += 1
             self._hand_out_published()
             # O(sequences) to compute (~0.1 ms at 256 running): at most every 10 ms while busy.
-            if time.monotonic() - self._stats_at >= 0.01 or not self.engine.has_work:
+            if time.monotonic() - self._stats_at >= 0.01 or not self.llm.has_work:
                 self._refresh_stats()
             if outputs or self.on_step is not None:
                 dt = time.perf_counter() - t0
                 loop.call_soon_threadsafe(self._after_step, outputs, dt)
 
     def _hand_out_published(self) -> None:
-        if self.engine.to_publish and self.on_publish is not None and self._loop is not None:
-            self._loop.call_soon_threadsafe(self.on_publish, self.engine.take_published())
-        if self.engine.scheduler.admitted_for_fetch and self.on_fetch is not None and self._loop is not None:
-            self._loop.call_soon_threadsafe(self.on_fetch, self.engine.take_fetches())
+        if self.llm.to_publish and self.on_publish is not None and self._loop is not None:
+            self._loop.call_soon_threadsafe(self.on_publish, self.llm.take_published())
+        if self.llm.scheduler.admitted_for_fetch and self.on_fetch is not None and self._loop is not None:
+            self._loop.call_soon_threadsafe(self.on_fetch, self.llm.take_fetches())
 
     def _after_step(self, outputs: list[RequestOutput], step_s: float) -> None:
         self.deliver(outputs)
         if self.on_step is not None:
-            self.on_step(outputs, step_s, len(self.engine.scheduler.running))
+            self.on_step(outputs, step_s, len(self.llm.scheduler.running))
 
     def _fail_all(self, message: str) -> list[RequestOutput]:
         outs = []
-        for rid in list(self.engine.seqs):
-            self.engine.abort(rid)
+        for rid in list(self.llm.seqs):
+            self.llm.abort(rid)
             outs.append(RequestOutput(rid, finished=True, finish_reason="error", error=message))
         return outs
 

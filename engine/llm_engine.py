@@ -300,10 +300,9 @@ class LLMEngine:
         tokens nobody had to compute for this request (the prefill worker's cache hits too)."""
         seq = self.seqs[request_id]
         assert seq.status == Status.RESERVED, f"{request_id} is {seq.status}, not reserved"
-        seq.num_computed_tokens = seq.num_prompt_tokens
+        self.blocks.mark_computed(seq, seq.num_prompt_tokens - seq.num_computed_tokens)
         seq.num_cached_tokens = max(seq.num_cached_tokens, min(cached_tokens, seq.num_prompt_tokens))
         seq.num_published_blocks = seq.num_prompt_tokens // self.config.block_size  # the prefill side publishes those
-        self.blocks.register_computed(seq)
         self.scheduler.add_running(seq)
         out = RequestOutput(request_id, num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=seq.num_cached_tokens)
         self._append_token(seq, first_token, logprob, out)
@@ -324,11 +323,10 @@ class LLMEngine:
         computed and cached. Returns the prompt tokens now cached."""
         seq = self.seqs[request_id]
         n = num_blocks * self.config.block_size
-        seq.num_computed_tokens += n
+        self.blocks.mark_computed(seq, n)
         seq.num_cached_tokens += n
         seq.num_published_blocks = seq.num_computed_tokens // self.config.block_size
         self.store_hit_tokens += n
-        self.blocks.register_computed(seq)
         return seq.num_cached_tokens
 
     def _publish(self, seq: Sequence, upto_tokens: int) -> None:
@@ -404,10 +402,9 @@ class LLMEngine:
         seq = s.seq
         if s.draft:
             return self._verified(seq, s, error)
-        seq.num_computed_tokens += s.num_tokens
         if error is not None:
             return self._finish(seq, "error", RequestOutput(seq.request_id), error)
-        self.blocks.register_computed(seq)
+        self.blocks.mark_computed(seq, s.num_tokens)
         if sampled is None:
             return None
         if seq.num_computed_tokens == seq.num_prompt_tokens:  # this step finished the prompt
@@ -426,15 +423,13 @@ class LLMEngine:
         emitted = verify(s.draft, s.targets)
         assert self.drafter is not None
         self.drafter.record(seq, len(s.draft), len(emitted) - 1)
-        seq.num_computed_tokens += 1  # the fed token
-        self.blocks.register_computed(seq)  # (before a finish frees the blocks: they stay cached)
+        self.blocks.mark_computed(seq, 1)  # the fed token (before a finish frees the blocks: they stay cached)
         for j, token in enumerate(emitted):
             self._append_token(seq, token, None, out)
             if out.finished:
                 return out
             if j < len(emitted) - 1:  # an accepted draft: its K/V (computed from it) are valid
-                seq.num_computed_tokens += 1
-                self.blocks.register_computed(seq)
+                self.blocks.mark_computed(seq, 1)
         return out
 
     def _append_token(self, seq: Sequence, token: int, logprob: TokenLogprob | None, out: RequestOutput) -> None:

@@ -78,9 +78,9 @@ def _measure(model: DecoderModel, device: torch.device, dtype: torch.dtype, bloc
     peaks = ActivationPeaks()
     with torch.inference_mode():
         prompt = DraftSeq([(7 * i) % vocab for i in range(chunk_tokens)], list(range(chunk_blocks)))
-        peaks.prefill = _peak(lambda: _step(model, runner, kv, [ScheduledSeq(prompt, chunk_tokens)]), cuda)  # type: ignore[arg-type]
+        peaks.prefill = _peak(lambda: _step(model, runner, kv, [ScheduledSeq(prompt, chunk_tokens)]), cuda)
         seqs = [DraftSeq([(3 * i) % vocab], [chunk_blocks + i]) for i in range(decode_batch)]
-        peaks.decode = _peak(lambda: _step(model, runner, kv, [ScheduledSeq(s, 1) for s in seqs]), cuda)  # type: ignore[arg-type]
+        peaks.decode = _peak(lambda: _step(model, runner, kv, [ScheduledSeq(s, 1) for s in seqs]), cuda)
     return peaks
 
 

@@ -18,6 +18,10 @@ class KVRegion:
     num_blocks: int
     page_bytes: int
 
+    @property
+    def nbytes(self) -> int:
+        return self.num_layers * self.num_blocks * self.page_bytes
+
     def page_address(self, layer: int, block: int) -> int:
         if not (0 <= layer < self.num_layers and 0 <= block < self.num_blocks):
             raise IndexError(f"page (layer={layer}, block={block}) outside {self.num_layers}x{self.num_blocks}")

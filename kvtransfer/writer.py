@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from kvtransfer.descriptors import KVRegion, Run, coalesce, layer_entries
 from kvtransfer.errors import TransferError
-from kvtransfer.mooncake_engine import DONE, FAILED, PENDING, MooncakeEngine
+from kvtransfer.transport import DONE, FAILED, PENDING, MooncakeTransport
 
 POLL_INTERVAL_S = 0.0002
 
@@ -42,7 +42,7 @@ def make_job(request_id: str, target: str, dst: KVRegion, src_blocks: list[int],
 
 
 class KVWriter:
-    def __init__(self, engine: MooncakeEngine, src: KVRegion, max_inflight_entries: int = 1024):
+    def __init__(self, engine: MooncakeTransport, src: KVRegion, max_inflight_entries: int = 1024):
         self.engine = engine
         self.src = src
         self.max_inflight = max_inflight_entries

@@ -49,10 +49,10 @@ PROMPT_BLOCKS = 128  # 2048 tokens
 def receiver() -> None:
     """Child process: registers a KV-sized buffer, prints its segment, serves TCP too."""
     from kvtransfer.config import TransferConfig
-    from kvtransfer.mooncake_engine import MooncakeEngine
+    from kvtransfer.transport import MooncakeTransport
 
     buf = np.zeros(LAYERS * NUM_BLOCKS * PAGE, dtype=np.uint8)
-    eng = MooncakeEngine(TransferConfig())
+    eng = MooncakeTransport(TransferConfig())
     eng.register(buf.ctypes.data, buf.nbytes)
     srv = socket.socket()
     srv.bind(("127.0.0.1", 0))
@@ -101,14 +101,14 @@ def main() -> int:
         return 0
     from kvtransfer.config import TransferConfig
     from kvtransfer.descriptors import KVRegion
-    from kvtransfer.mooncake_engine import MooncakeEngine
+    from kvtransfer.transport import MooncakeTransport
     from kvtransfer.writer import KVWriter, make_job
 
     child = subprocess.Popen([sys.executable, "-m", "loadtest.bench_kvtransfer", "--receiver"], stdout=subprocess.PIPE,
                              text=True, env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)})
     info = json.loads(child.stdout.readline())
     src_buf = np.random.randint(0, 255, LAYERS * NUM_BLOCKS * PAGE, dtype=np.uint8)
-    eng = MooncakeEngine(TransferConfig())
+    eng = MooncakeTransport(TransferConfig())
     eng.register(src_buf.ctypes.data, src_buf.nbytes)
     src = KVRegion(src_buf.ctypes.data, LAYERS, NUM_BLOCKS, PAGE)
     dst = KVRegion(info["base"], LAYERS, NUM_BLOCKS, PAGE)

@@ -1,4 +1,4 @@
-"""`splitfire router` (and the entry for `splitfire up`)."""
+"""`splitfire router`."""
 
 from __future__ import annotations
 
@@ -58,8 +58,3 @@ def add_subcommands(sub) -> None:
     p = sub.add_parser("router", help="run the OpenAI-compatible router")
     add_router_args(p)
     p.set_defaults(func=_router)
-    try:
-        from router import up
-    except ImportError:
-        return
-    up.add_subcommand(sub)

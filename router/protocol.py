@@ -10,6 +10,7 @@ from typing import Any
 
 from common import grammar
 from common.chat_template import TemplateError
+from common.sampling_params import SamplingParams
 from common.tokenizer import Tokenizer
 from router.errors import bad_request, not_found, unavailable
 from router.fields import check_fields
@@ -29,35 +30,12 @@ MAX_STOP = 16
 
 
 @dataclass
-class Sampling:
-    """The sampling settings as the router validated them. They mirror the engine's SamplingParams
-    on purpose: the router reaches workers only through the proto, never the engine's internals."""
-
-    max_tokens: int
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    seed: int | None = None
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
-    ignore_eos: bool = False
-    logprobs: int | None = None
-    grammar: str | None = None  # llguidance grammar the output must match (common/grammar.py)
-    logit_bias: dict[int, float] = field(default_factory=dict)
-    min_tokens: int = 0
-
-
-@dataclass
 class GenRequest:
     id: str
     kind: str  # chat | completion
     model: str
     prompt_token_ids: list[int]
-    sampling: Sampling
+    sampling: SamplingParams  # validated here, field by field, naming the request parameter
     stream: bool
     include_usage: bool
     tenant: str
@@ -250,7 +228,7 @@ class RequestParser:
                 raise bad_request(f"'{name}' must be a string", param=name)
         return model, stream, include_usage
 
-    def _sampling(self, body: dict, prompt_len: int, logprobs: int | None) -> Sampling:
+    def _sampling(self, body: dict, prompt_len: int, logprobs: int | None) -> SamplingParams:
         room = self.max_model_len - prompt_len
         if room < 1:
             raise bad_request(
@@ -270,7 +248,7 @@ class RequestParser:
         if not isinstance(stop_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in stop_ids):
             raise bad_request("'stop_token_ids' must be a list of non-negative integers", param="stop_token_ids")
         min_tokens = _num(body, "min_tokens", 0, max_tokens, 0, integer=True)
-        return Sampling(
+        return SamplingParams(
             max_tokens=max_tokens,
             logit_bias=self._logit_bias(body),
             min_tokens=min_tokens,

@@ -9,12 +9,16 @@ Nothing is stored: `previous_response_id`, `conversation` and `store: true` are 
 
 from __future__ import annotations
 
+import json
 import secrets
 import time
 from typing import Any
 
+from router.chunks import Chunk, Logprob
 from router.errors import bad_request
-from router.reply import Reasoning
+from router.protocol import GenRequest
+from router.reply import Reasoning, ReplyEvent
+from router.sse import ChoiceWriter
 from router.tool_calls import CallArgs, CallStart, Content
 
 _PASS = ("model", "temperature", "top_p", "parallel_tool_calls", "user", "safety_identifier", "prompt_cache_key",
@@ -287,3 +291,64 @@ class ResponseAssembler:
                               "max_output_tokens" if incomplete else None)
         events.append(self._event("response.incomplete" if incomplete else "response.completed", response=final))
         return events, final
+
+
+def sse_events(events: list[dict[str, Any]]) -> bytes:
+    """Responses API events: an `event:` line naming the type, then its JSON."""
+    return b"".join(f"event: {e['type']}\ndata: {json.dumps(e, ensure_ascii=False)}\n\n".encode() for e in events)
+
+
+class ResponsesWriter:
+    """The one choice of a Responses stream, as the Responses API's events (`ChoiceWriter`)."""
+
+    def __init__(self, asm: ResponseAssembler):
+        self.asm = asm
+
+    def role(self) -> bytes:
+        return sse_events(self.asm.start())
+
+    def text(self, text: str, logprobs: list[Logprob] | None = None) -> bytes:
+        return self.events([Content(text)] if text else [])
+
+    def events(self, events: list[ReplyEvent], logprobs: list[Logprob] | None = None) -> bytes:
+        return sse_events(self.asm.feed(events))
+
+    def passthrough(self, text: str, extra: dict[str, Any] | None, logprobs: dict[str, Any] | None) -> bytes:
+        return self.text(text)  # (never reached: /v1/responses is refused in front of upstreams)
+
+    def finish(self, reason: str, last: Chunk) -> bytes:
+        events, _ = self.asm.finish(reason, last.prompt_tokens, last.completion_tokens, last.cached_tokens)
+        return sse_events(events)
+
+    def usage(self, usage: dict[str, Any]) -> bytes:
+        return b""  # usage is in response.completed
+
+
+class ResponsesFormat:
+    """`/v1/responses` on the chat serving path (`sse.ReplyFormat`): one choice, rendered as output items."""
+
+    done = b""  # (a Responses stream ends with response.completed, no [DONE])
+
+    def __init__(self, req: GenRequest, body: dict[str, Any]):
+        self.asm = ResponseAssembler(f"resp_{req.id.removeprefix('chatcmpl-')}", req.model, body)
+
+    def writers(self, reqs: list[GenRequest]) -> list[ChoiceWriter]:
+        return [ResponsesWriter(self.asm)]
+
+    def opening(self, reqs: list[GenRequest], writers: list[ChoiceWriter], early: bool) -> bytes:
+        return writers[0].role()
+
+    def error(self, message: str, type_: str, code: str) -> bytes:
+        return sse_events([{"type": "error", "sequence_number": self.asm.seq, "code": code, "message": message,
+                            "param": None}])
+
+    def body(self, reqs: list[GenRequest], results: list[dict[str, Any]]) -> dict[str, Any]:
+        r, req = results[0], reqs[0]
+        if req.reply is None:
+            events: list[ReplyEvent] = [Content(r["text"])] if r["text"] else []
+        else:
+            parser = req.reply.parser()
+            events = parser.feed(r["text"], r.get("token_ids")) + parser.close()
+        self.asm.feed(events)
+        _, final = self.asm.finish(r["finish_reason"], r["prompt"], r["completion"], r["cached"])
+        return final

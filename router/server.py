@@ -33,9 +33,8 @@ from router.metrics import RouterMetrics
 from router.openai_upstream import OpenAIUpstreamClient
 from router.prefix_index import PrefixIndex
 from router.protocol import GenRequest, RequestParser, parse_messages
-from router.sse import DONE, StreamWriter, error_event, full_response, usage_dict, with_usage
+from router.sse import ChoiceWriter, OpenAIFormat, ReplyFormat, usage_dict, with_usage
 from router.tenants import Tenants
-from router.tool_calls import Content
 from router.worker_client import WorkerClient
 
 log = logging.getLogger("splitfire.router")
@@ -94,6 +93,7 @@ class Router:
         self.dispatcher = Dispatcher(cfg, self.registry, make_policy(cfg.policy), self.affinity,
                                      PrefixIndex(cfg.prefix_index_blocks, cfg.shared_kv_store), self.backends,
                                      self.metrics, tokenizer)
+        self.openai_format = OpenAIFormat(tokenizer)
         self.health = HealthChecker(cfg, self.registry, self.backends, None if model_name else self.model_names)
         self._tasks: list[asyncio.Task] = []
 
@@ -204,53 +204,7 @@ class Router:
             raise bad_request("this router fronts OpenAI-compatible upstreams only; send /v1/responses to them, or "
                               "use /v1/chat/completions here")
         req = self.parser.chat(responses.to_chat(body), tenant, request.headers.get("x-session-affinity"))[0]
-        asm = responses.ResponseAssembler(f"resp_{req.id.removeprefix('chatcmpl-')}", req.model, body)
-        parser = req.reply.parser() if req.reply is not None else None
-
-        def reply_events(c: Chunk) -> list[Any]:
-            if parser is None:
-                return [Content(c.text)] if c.text else []
-            return parser.feed(c.text, c.token_ids) + (parser.close() if c.finish_reason else [])
-
-        self.metrics.prompt_tokens.inc(len(req.prompt_token_ids))
-        async with self.admission.slot():
-            t0 = time.perf_counter()
-            source = self.dispatcher.run(req)
-            resp: web.StreamResponse | None = None
-            final: dict[str, Any] = {}
-            try:
-                first = await anext(source, None)  # failures before any token keep their HTTP status
-                if req.stream:
-                    resp = _SSEResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                                 "X-Request-Id": req.id, **_served_headers(req)})
-                    await resp.prepare(request)
-                    await resp.write(_sse_events(asm.start()))
-                latency = Latency(self.metrics, t0)
-                c = first
-                while c is not None:
-                    latency.observe(c)
-                    events = asm.feed(reply_events(c))
-                    if c.finish_reason:
-                        more, final = asm.finish(c.finish_reason, c.prompt_tokens, c.completion_tokens,
-                                                 c.cached_tokens)
-                        events += more
-                        self._count_usage([{"completion": c.completion_tokens, "cached": c.cached_tokens}])
-                    if resp is not None and events:
-                        await resp.write(_sse_events(events))
-                    c = await anext(source, None)
-            except APIError as e:  # after the stream started: an error event, never a hang
-                if resp is None:
-                    raise
-                await resp.write(_sse_events([{"type": "error", "sequence_number": asm.seq, "code": e.code,
-                                               "message": e.message, "param": None}]))
-            finally:
-                await source.aclose()
-                self.metrics.e2e.observe(time.perf_counter() - t0)
-        if resp is not None:
-            await resp.write_eof()
-            return resp
-        return web.json_response(final, dumps=lambda o: json.dumps(o, ensure_ascii=False),
-                                 headers={"X-Request-Id": req.id, **_served_headers(req)})
+        return await self._serve(request, [req], responses.ResponsesFormat(req, body))
 
     def _model_card(self, name: str) -> dict[str, Any]:
         return {"id": name, "object": "model", "created": self.started, "owned_by": "splitfire",
@@ -356,18 +310,20 @@ class Router:
 
     # -- serving --------------------------------------------------------------------------
 
-    async def _serve(self, request: web.Request, reqs: list[GenRequest]) -> web.StreamResponse:
+    async def _serve(self, request: web.Request, reqs: list[GenRequest],
+                     fmt: ReplyFormat | None = None) -> web.StreamResponse:
+        fmt = fmt or self.openai_format
         self.metrics.prompt_tokens.inc(sum(len(r.prompt_token_ids) for r in reqs))
         async with self.admission.slot():
             t0 = time.perf_counter()
             try:
                 if reqs[0].stream:
-                    return await self._stream(request, reqs, t0)
-                return await self._complete(reqs, t0)
+                    return await self._stream(request, reqs, fmt, t0)
+                return await self._complete(reqs, fmt, t0)
             finally:
                 self.metrics.e2e.observe(time.perf_counter() - t0)
 
-    async def _complete(self, reqs: list[GenRequest], t0: float) -> web.Response:
+    async def _complete(self, reqs: list[GenRequest], fmt: ReplyFormat, t0: float) -> web.Response:
         async def one(req: GenRequest) -> dict[str, Any]:
             r: dict[str, Any] = {"text": [], "logprobs": [], "finish_reason": "stop", "prompt": 0, "completion": 0,
                                  "cached": 0, "token_ids": []}
@@ -395,7 +351,7 @@ class Router:
         self._log_done(reqs[0], results, t0)
         if reqs[0].best_of:
             reqs, results = best_of(reqs, results)
-        return web.json_response(full_response(reqs, reqs[0].model, results, self.tokenizer),
+        return web.json_response(fmt.body(reqs, results),
                                  dumps=lambda o: json.dumps(o, ensure_ascii=False),
                                  headers={"X-Request-Id": reqs[0].id, **_served_headers(reqs[0])})
 
@@ -413,21 +369,22 @@ class Router:
         self.metrics.completion_tokens.inc(sum(r["completion"] for r in results))
         self.metrics.cached_tokens.inc(sum(r["cached"] for r in results))
 
-    async def _stream(self, request: web.Request, reqs: list[GenRequest], t0: float) -> web.StreamResponse:
-        writers = [StreamWriter(r, r.model, self.tokenizer) for r in reqs]
+    async def _stream(self, request: web.Request, reqs: list[GenRequest], fmt: ReplyFormat,
+                      t0: float) -> web.StreamResponse:
+        writers = fmt.writers(reqs)
         if len(reqs) == 1:
             source = self.dispatcher.run(reqs[0])
         else:
             source = _merge([self.dispatcher.run(r) for r in reqs])
         try:
-            return await self._write_stream(request, reqs, writers, source, t0)
+            return await self._write_stream(request, reqs, fmt, writers, source, t0)
         finally:
             # Release the worker call and the load estimates now, not when the GC gets to it
             # (the client may have gone away while we were writing).
             await source.aclose()
 
-    async def _write_stream(self, request: web.Request, reqs: list[GenRequest], writers: list[StreamWriter],
-                            source, t0: float) -> web.StreamResponse:
+    async def _write_stream(self, request: web.Request, reqs: list[GenRequest], fmt: ReplyFormat,
+                            writers: list[ChoiceWriter], source, t0: float) -> web.StreamResponse:
         # By default the head waits for the first chunk, so that failures before any token (bad
         # input found by a worker, no capacity, no workers) get a proper HTTP status. With
         # --early-headers the 200 and the role chunk leave at once (clients with short header
@@ -439,18 +396,18 @@ class Router:
                                      "X-Request-Id": reqs[0].id, **({} if early else _served_headers(reqs[0]))})
         await resp.prepare(request)
         if early:  # the head leaves with the first body bytes: the role chunks, or an SSE comment
-            await resp.write(b"".join(w.role() for w in writers) if reqs[0].kind == "chat" else b": started\n\n")
+            await resp.write(fmt.opening(reqs, writers, early=True))
             try:
                 first = await anext(source, None)
             except APIError as e:
                 log.warning("event=stream_failed rid=%s status=%d error=%r", reqs[0].id, e.status, e.message)
-                await resp.write_eof(error_event(e.message, e.type, e.code or "worker_failed") + DONE)
+                await resp.write_eof(fmt.error(e.message, e.type, e.code or "worker_failed") + fmt.done)
                 return resp
         usage = {"prompt": 0, "completion": 0, "cached": 0}
         # One write per upstream read: the head, the role chunk and the first text leave
         # together, and so do the last text, the finish, usage and [DONE] (a syscall each was
         # most of the router's per-request cost in front of a fast upstream).
-        out: list[bytes] = [w.role() for w in writers] if reqs[0].kind == "chat" and not early else []
+        out: list[bytes] = [] if early else [fmt.opening(reqs, writers, early=False)]
         latencies = [Latency(self.metrics, t0) for _ in reqs]
         # Replies with reasoning or tool calls are parsed as they stream (one parser per choice).
         parsers = [r.reply.parser() if r.reply is not None else None for r in reqs]
@@ -483,7 +440,7 @@ class Router:
                     reason = c.finish_reason
                     if parser is not None and parser.calls and reason == "stop":
                         reason = "tool_calls"
-                    out.append(w.finish(reason))
+                    out.append(w.finish(reason, c))
                     if reqs[i].sample_index == 0:  # a prompt counts once, however many samples
                         usage["prompt"] += c.prompt_tokens
                         usage["cached"] += c.cached_tokens
@@ -503,8 +460,8 @@ class Router:
             self._log_done(reqs[0], [usage], t0)
         except APIError as e:  # failed after the stream started: a final error event, never a hang
             log.warning("event=stream_failed rid=%s status=%d error=%r", reqs[0].id, e.status, e.message)
-            out.append(error_event(e.message, e.type, e.code or "worker_failed"))
-        out.append(DONE)
+            out.append(fmt.error(e.message, e.type, e.code or "worker_failed"))
+        out.append(fmt.done)
         await resp.write_eof(b"".join(out))
         return resp
 
@@ -522,11 +479,6 @@ def _served_headers(req: GenRequest) -> dict[str, str]:
     if pin is None:
         return {}
     return {"X-Splitfire-Decode": pin.decode, "X-Splitfire-Prefill": pin.prefill or "-"}
-
-
-def _sse_events(events: list[dict[str, Any]]) -> bytes:
-    """Responses API events: an `event:` line naming the type, then its JSON."""
-    return b"".join(f"event: {e['type']}\ndata: {json.dumps(e, ensure_ascii=False)}\n\n".encode() for e in events)
 
 
 def best_of(reqs: list[GenRequest], results: list[dict[str, Any]]) -> tuple[list[GenRequest], list[dict[str, Any]]]:

@@ -8,16 +8,73 @@ full JSON serialisation per token.
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Protocol
 
 from common.tokenizer import Tokenizer
-from router.chunks import Logprob
+from router.chunks import Chunk, Logprob
 from router.protocol import GenRequest
 from router.reply import Reasoning, ReplyEvent
 from router.tool_calls import CallStart, Content
 
 DONE = b"data: [DONE]\n\n"
 compact_json = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode  # UTF-8 as is, no spaces
+
+
+class ChoiceWriter(Protocol):
+    """Renders one choice of a streamed reply as it arrives."""
+
+    def role(self) -> bytes: ...
+
+    def text(self, text: str, logprobs: list[Logprob] | None = None) -> bytes: ...
+
+    def events(self, events: list[ReplyEvent], logprobs: list[Logprob] | None = None) -> bytes: ...
+
+    def passthrough(self, text: str, extra: dict[str, Any] | None, logprobs: dict[str, Any] | None) -> bytes: ...
+
+    def finish(self, reason: str, last: Chunk) -> bytes: ...
+
+    def usage(self, usage: dict[str, Any]) -> bytes: ...
+
+
+class ReplyFormat(Protocol):
+    """How a route writes its replies: OpenAI chat/completions chunks (`OpenAIFormat`), or the
+    Responses API's events (`responses.ResponsesFormat`). The serving path is the same for both."""
+
+    done: bytes  # the stream's last bytes
+
+    def writers(self, reqs: list[GenRequest]) -> list[ChoiceWriter]: ...
+
+    def opening(self, reqs: list[GenRequest], writers: list[ChoiceWriter], early: bool) -> bytes:
+        """What a stream starts with: before the first token, or at once with early headers."""
+        ...
+
+    def error(self, message: str, type_: str, code: str) -> bytes:
+        """A stream's final error event (the failure came after the head was sent)."""
+        ...
+
+    def body(self, reqs: list[GenRequest], results: list[dict[str, Any]]) -> dict[str, Any]:
+        """The whole reply of a request that did not stream."""
+        ...
+
+
+class OpenAIFormat:
+    def __init__(self, tokenizer: Tokenizer | None):
+        self.tokenizer = tokenizer
+        self.done = DONE
+
+    def writers(self, reqs: list[GenRequest]) -> list[ChoiceWriter]:
+        return [StreamWriter(r, r.model, self.tokenizer) for r in reqs]
+
+    def opening(self, reqs: list[GenRequest], writers: list[ChoiceWriter], early: bool) -> bytes:
+        if reqs[0].kind == "chat":
+            return b"".join(w.role() for w in writers)
+        return b": started\n\n" if early else b""  # (early: the head leaves with the first body bytes)
+
+    def error(self, message: str, type_: str, code: str) -> bytes:
+        return error_event(message, type_, code)
+
+    def body(self, reqs: list[GenRequest], results: list[dict[str, Any]]) -> dict[str, Any]:
+        return full_response(reqs, reqs[0].model, results, self.tokenizer)
 
 
 class StreamWriter:
@@ -55,7 +112,7 @@ class StreamWriter:
             choice = {"index": i, "text": text, "logprobs": lp, "finish_reason": finish}
         return f"data: {self.head},\"choices\":[{compact_json(choice)}]}}\n\n".encode()
 
-    def finish(self, reason: str) -> bytes:
+    def finish(self, reason: str, last: Chunk | None = None) -> bytes:
         return self._choice("", reason, None)
 
     def events(self, events: list[ReplyEvent], logprobs: list[Logprob] | None = None) -> bytes:

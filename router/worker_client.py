@@ -6,18 +6,18 @@ import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import grpc
 
-from protos import frames, trailers
+from protos import frames, sampling, trailers
 from protos import splitfire_pb2 as pb
 from protos import splitfire_pb2_grpc as pbg
 from router.backend import Probe
 from router.chunks import Chunk, Logprob, WorkerError
 from router.endpoints import Endpoint
 from router.http_client import HTTPClient, HTTPClientError
-from router.protocol import Sampling
 
 if TYPE_CHECKING:
     from router.attempt import Route
@@ -43,19 +43,6 @@ _STATUS = {
     grpc.StatusCode.INTERNAL: (True, 502),
     grpc.StatusCode.UNKNOWN: (True, 502),
 }
-
-
-def sampling_to_proto(s: Sampling, max_tokens: int, resumed_tokens: int = 0) -> pb.SamplingParams:
-    m = pb.SamplingParams(max_tokens=max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-                          min_p=s.min_p, repetition_penalty=s.repetition_penalty,
-                          frequency_penalty=s.frequency_penalty, presence_penalty=s.presence_penalty, stop=s.stop,
-                          stop_token_ids=s.stop_token_ids, ignore_eos=s.ignore_eos, grammar=s.grammar or "",
-                          resumed_tokens=resumed_tokens, logit_bias=s.logit_bias, min_tokens=s.min_tokens)
-    if s.seed is not None:
-        m.seed = s.seed
-    if s.logprobs is not None:
-        m.logprobs = s.logprobs
-    return m
 
 
 def blamed_endpoint(e: grpc.aio.AioRpcError, called: str) -> tuple[str, str]:
@@ -123,7 +110,8 @@ class WorkerClient:
         """`generated`: this request's output from failed attempts (the worker continues after it)."""
         msg = pb.GenerateRequest(request_id=f"{req.id}-{req.prompt_index}-{attempt}",
                                  token_ids=req.prompt_token_ids + generated,
-                                 sampling=sampling_to_proto(req.sampling, max_tokens, len(generated)),
+                                 sampling=sampling.to_proto(replace(req.sampling, max_tokens=max_tokens,
+                                                                               resumed_tokens=len(generated))),
                                  tenant=req.tenant, prefill_endpoint=route.prefill.address if route.prefill else "")
         if self.stream == "http" and route.decode.stream_port:
             return self._generate_http(route.decode, msg, timeout_s)

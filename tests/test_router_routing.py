@@ -11,6 +11,7 @@ import aiohttp
 import pytest
 from procs import address, base_url, start_redis, start_router, start_worker
 
+from common.sampling_params import SamplingParams
 from router.affinity import MemoryPinStore, SessionAffinity
 from router.attempt import Ticket
 from router.balancer import make_policy
@@ -19,7 +20,7 @@ from router.dispatcher import Dispatcher
 from router.endpoints import EndpointRegistry
 from router.metrics import RouterMetrics
 from router.prefix_index import PrefixIndex
-from router.protocol import GenRequest, Sampling
+from router.protocol import GenRequest
 
 MODEL = "tiny"
 
@@ -39,7 +40,7 @@ def _peak_load(policy: str) -> int:
         for t in range(400):
             big = t % 10 == 0  # a few huge prompts among many small ones
             n = 6000 if big else rng.randint(50, 200)
-            req = GenRequest(f"r{t}", "chat", MODEL, [1] * n, Sampling(max_tokens=100), False, False, "t", None,
+            req = GenRequest(f"r{t}", "chat", MODEL, [1] * n, SamplingParams(max_tokens=100), False, False, "t", None,
                              False, {})
             route = await d.place(req, [], set())
             live.append((t + (60 if big else 8), Ticket(route, n, n, 100)))
@@ -241,7 +242,7 @@ def test_round_robin_visits_every_prefill_decode_pair():
         reg.add(a, "decode")
     d = Dispatcher(cfg, reg, make_policy("round_robin"), SessionAffinity(MemoryPinStore(), 60), PrefixIndex(10),
                    None, RouterMetrics(reg), None)
-    req = GenRequest("r", "chat", MODEL, [1] * 20, Sampling(max_tokens=4), False, False, "t", None, False, {})
+    req = GenRequest("r", "chat", MODEL, [1] * 20, SamplingParams(max_tokens=4), False, False, "t", None, False, {})
 
     async def pairs() -> set[tuple[str, str]]:
         out = set()

@@ -43,7 +43,7 @@ async def test_up_serves_a_streamed_chat_and_stops_cleanly(tiny_model_dir, tmp_p
 
 
 def test_core_and_gpu_plans():
-    from router.up import plan_cpus, plan_gpus
+    from splitfire_cli.supervisor import plan_cpus, plan_gpus
 
     assert plan_gpus("auto", 2, 8) == ["0", "1"]
     assert plan_gpus("auto", 4, 2) == ["", "", "", ""]  # not enough GPUs: let them share
@@ -67,7 +67,7 @@ def test_gpu_count_needs_no_torch_without_gpu_device_nodes(tmp_path):
     (dev / "null").touch()
     (dev / "nvidiactl").touch()  # the control node alone is not a GPU
     root = Path(__file__).resolve().parent.parent
-    code = ("import sys; from pathlib import Path; from router.up import gpu_count; "
+    code = ("import sys; from pathlib import Path; from splitfire_cli.supervisor import gpu_count; "
             f"print(gpu_count('auto', Path({str(dev)!r})), gpu_count('cpu'), 'torch' in sys.modules)")
     run = lambda: subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True,  # noqa: E731
                                  check=True).stdout.split()

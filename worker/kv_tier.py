@@ -34,7 +34,7 @@ MAX_PENDING_BLOCKS = 4096
 class KVTier:
     def __init__(self, store: KVStore, aengine: AsyncEngine, metrics: WorkerMetrics,
                  max_pending_blocks: int = MAX_PENDING_BLOCKS):
-        engine = aengine.engine
+        engine = aengine.llm
         layout = engine.kv.layout
         # Quantized weights, and int8-rounded activations, compute different KV than float ones from
         # the same files: workers share blocks only when they compute them the same way.

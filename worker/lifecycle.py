@@ -8,6 +8,7 @@ import os
 import signal
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import grpc
 import torch
@@ -17,9 +18,13 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from common import gc_heap
 from engine.async_engine import AsyncEngine
 from engine.llm_engine import LLMEngine, RequestOutput, StepObserver
+from kvtransfer.descriptors import KVRegion
 from worker.config import WorkerConfig
 from worker.metrics import WorkerMetrics
 from worker.worker_service import WorkerContext
+
+if TYPE_CHECKING:
+    from kvtransfer.transport import MooncakeTransport
 
 log = logging.getLogger("splitfire.worker")
 
@@ -41,6 +46,13 @@ def apply_cpu_affinity(cfg: WorkerConfig) -> None:
         log.info("event=cpu_affinity cpus=%s threads=%d", cfg.cpus, cfg.engine.threads)
     if cfg.engine.threads:
         torch.set_num_threads(cfg.engine.threads)
+
+
+def register_kv(transport: MooncakeTransport, llm: LLMEngine) -> KVRegion:
+    """Make the engine's KV cache writable by peers (prefill workers write into a decode worker's)."""
+    layout, dev = llm.kv.layout, llm.device
+    return transport.register_kv(llm.kv.base_address, layout.num_layers, layout.num_blocks, layout.page_bytes,
+                                 f"cuda:{dev.index or 0}" if dev.type == "cuda" else "cpu:0")
 
 
 def load_context(cfg: WorkerConfig, observer: StepObserver | None = None,

@@ -60,7 +60,7 @@ class WorkerService(pb_grpc.WorkerServicer):
         return pb.ResetPrefixCacheResponse(blocks_dropped=freed, blocks_unshared=unshared)
 
     async def Health(self, request: pb.HealthRequest, context) -> pb.HealthResponse:
-        eng = self.ctx.engine.engine
+        eng = self.ctx.engine.llm
         return pb.HealthResponse(
             status="draining" if self.ctx.draining else "serving",
             role=self.ctx.config.role,

@@ -185,6 +185,12 @@ class BlockManager:
         seq.block_table.extend(self._take_new(needed, after=seq.block_table[-1] if seq.block_table else None))
         return True
 
+    def mark_computed(self, seq: Sequence, num_tokens: int) -> None:
+        """The next `num_tokens` of `seq` have their K/V in its blocks: count them, and enter the blocks
+        that became full into the prefix cache (so they stay cached when the sequence is freed)."""
+        seq.num_computed_tokens += num_tokens
+        self.register_computed(seq)
+
     def register_computed(self, seq: Sequence) -> None:
         """Enter `seq`'s newly completed full blocks into the prefix cache."""
         if not self.enable_prefix_cache:

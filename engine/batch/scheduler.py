@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Generic, Protocol, TypeVar
 
 from engine.batch.block_manager import BlockManager
 from engine.batch.sequence import Sequence, Status
@@ -28,9 +28,29 @@ class SchedulerConfig:
     max_prefill_tokens_while_decoding: int | None = None
 
 
+class Chunked(Protocol):
+    """What `ModelRunner.prepare` reads of a sequence: a `Sequence`, or a drafter's own per-sequence
+    state over its own KV cache (`speculative.PagedDrafter`)."""
+
+    @property
+    def all_token_ids(self) -> list[int]: ...
+
+    @property
+    def block_table(self) -> list[int]: ...
+
+    @property
+    def num_computed_tokens(self) -> int: ...
+
+    @property
+    def num_tokens(self) -> int: ...
+
+
+S = TypeVar("S", bound=Chunked)
+
+
 @dataclass(eq=False)
-class ScheduledSeq:
-    seq: Sequence
+class ScheduledSeq(Generic[S]):
+    seq: S
     num_tokens: int  # tokens computed this step, from seq.num_computed_tokens
     draft: list[int] = field(default_factory=list)  # speculative tokens fed after the sequence's last one
     targets: list[int] = field(default_factory=list)  # the tokens drawn at each drafted row (set by the runner)

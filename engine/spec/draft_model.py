@@ -18,9 +18,9 @@ from pathlib import Path
 import torch
 
 from engine.batch.model_runner import ModelRunner
-from engine.batch.scheduler import ScheduledSeq
 from engine.batch.sequence import Sequence
 from engine.loading.weights import load_model
+from engine.model.attention import AttentionMetadata
 from engine.model.kv_cache import KVCache, KVLayout
 from engine.spec.speculative import PagedDrafter, SpecState
 
@@ -68,37 +68,16 @@ class DraftModelDrafter(PagedDrafter):
         self.device = device
         log.info("event=draft_model_loaded model=%s layers=%d kv_blocks=%d", draft_dir, cfg.num_layers, num_blocks)
 
-    def draft_many(self, seqs: list[Sequence], ks: list[int]) -> list[list[int]]:
-        """Every sequence's drafts together: one forward feeds each one's unseen tokens (the catch-up
-        chunks side by side), then one forward per further draft, batched like the target's decodes."""
-        out: list[list[int]] = [[] for _ in seqs]
-        want: dict[int, tuple[int, int]] = {}  # id(DraftSeq) -> (index in seqs, k)
-        active: list[DraftSeq] = []
-        for i, (seq, k) in enumerate(zip(seqs, ks, strict=True)):
-            d = self._catch_up(seq, k) if k > 0 else None
-            if d is not None:
-                want[id(d)] = (i, k)
-                active.append(d)
-        with torch.inference_mode():
-            while active:
-                batch = [ScheduledSeq(d, d.num_tokens - d.num_computed_tokens) for d in active]  # type: ignore[arg-type]
-                ids, positions, meta, rows = self.runner.prepare(batch)  # reorders `batch`; rows follow it
-                hidden = self.model(ids, positions, self.kv, meta)
-                index = torch.tensor(rows, dtype=torch.long, device=self.device)
-                tokens = self.model.logits(hidden.index_select(0, index))[:, : self.vocab].argmax(-1).tolist()
-                active = []
-                for s, tok in zip(batch, tokens, strict=True):
-                    d: DraftSeq = s.seq  # type: ignore[assignment]
-                    i, k = want[id(d)]
-                    d.num_computed_tokens += s.num_tokens
-                    out[i].append(tok)
-                    if len(out[i]) < k:
-                        d.all_token_ids.append(tok)  # fed next round, at the next position
-                        active.append(d)
-                    else:  # K/V valid for the sequence's tokens, plus the drafts fed after them
-                        d.num_computed_tokens = d.base_len
-                        d.fed_drafts = out[i][:-1]
-        return out
+    def _forward(self, order: list[DraftSeq], ids: torch.Tensor, positions: torch.Tensor,
+                 meta: AttentionMetadata, rows: list[int]) -> tuple[list[int], None]:
+        hidden = self.model(ids, positions, self.kv, meta)
+        index = torch.tensor(rows, dtype=torch.long, device=self.device)
+        return self.model.logits(hidden.index_select(0, index))[:, : self.vocab].argmax(-1).tolist(), None
+
+    def _done(self, d: DraftSeq, drafts: list[int]) -> None:
+        # K/V valid for the sequence's tokens, plus the drafts fed after them
+        d.num_computed_tokens = d.base_len
+        d.fed_drafts = drafts[:-1]
 
     def _catch_up(self, seq: Sequence, k: int) -> DraftSeq | None:
         """The sequence's draft state, ready to feed what the draft cache lacks (None: no room for it)."""

@@ -34,9 +34,9 @@ from torch import nn
 
 from common.errors import ModelLoadError
 from engine.batch.model_runner import ModelRunner
-from engine.batch.scheduler import ScheduledSeq
 from engine.batch.sequence import Sequence
 from engine.loading.checkpoint import Checkpoint
+from engine.model.attention import AttentionMetadata
 from engine.model.decoder import Block, DecoderModel
 from engine.model.kv_cache import KVCache, KVLayout
 from engine.model.layers import Linear, RMSNorm
@@ -199,6 +199,7 @@ class HeadSeq:
     valid: int = 0  # of those, slots fed from the target's features (kept across proposals)
     pending: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # (first position, features) not yet fed
     next_pos: int = 0  # the position after the last one with features (fed or pending)
+    inputs: torch.Tensor | None = None  # the next forward's input hidden states, fc-projected (while drafting)
 
     @property
     def num_tokens(self) -> int:
@@ -249,51 +250,33 @@ class Eagle3Drafter(PagedDrafter):
                 d.pending[0] = (first + excess, f[excess:])
                 excess = 0
 
-    def draft_many(self, seqs: list[Sequence], ks: list[int]) -> list[list[int]]:
-        out: list[list[int]] = [[] for _ in seqs]
-        want: dict[int, tuple[int, int]] = {}
-        active: list[HeadSeq] = []
-        fresh: dict[int, torch.Tensor] = {}  # id(HeadSeq) -> the rows' input hidden states, fc-projected
-        for i, (seq, k) in enumerate(zip(seqs, ks, strict=True)):
-            d = self._catch_up(seq, k) if k > 0 else None
-            if d is None:
-                continue
-            feats = torch.cat([f for _, f in d.pending])
-            d.pending = []
-            fresh[id(d)] = self.head.fc(feats)
-            want[id(d)] = (i, k)
-            active.append(d)
-        with torch.inference_mode():
-            while active:
-                batch = [ScheduledSeq(d, d.num_tokens - d.num_computed_tokens) for d in active]  # type: ignore[arg-type]
-                ids, _, meta, rows = self.runner.prepare(batch)  # reorders `batch`; rows follow it
-                order: list[HeadSeq] = [s.seq for s in batch]  # type: ignore[misc]
-                positions = torch.tensor([p for d in order for p in d.positions[d.num_computed_tokens:]],
-                                         dtype=torch.long, device=self.device)
-                hidden = torch.cat([fresh[id(d)] for d in order])
-                embeds = self.head.embed(ids) if self.head.embed is not None else self.target.embed_tokens(ids)
-                normed, prenorm = self.head(embeds, hidden, positions, self.kv, meta)
-                index = torch.tensor(rows, dtype=torch.long, device=self.device)
-                draft_ids = self.head.lm_head(normed.index_select(0, index)).argmax(-1)
-                tokens = self.head.to_target_ids(draft_ids).tolist()
-                last = prenorm.index_select(0, index)
-                active = []
-                for j, (s, tok) in enumerate(zip(batch, tokens, strict=True)):
-                    d = s.seq  # type: ignore[assignment]
-                    i, k = want[id(d)]
-                    if not out[i]:  # the catch-up chunk: its slots came from the target's features
-                        d.valid = d.num_tokens
-                    d.num_computed_tokens = d.num_tokens
-                    out[i].append(tok)
-                    if len(out[i]) < k:
-                        d.all_token_ids.append(tok)  # fed next round at the next position, with this row's output
-                        d.positions.append(d.positions[-1] + 1)
-                        fresh[id(d)] = last[j : j + 1]
-                        active.append(d)
-                    else:  # keep the slots fed from target features; drop those fed from the head's own outputs
-                        d.num_computed_tokens = d.valid
-                        del d.all_token_ids[d.valid:], d.positions[d.valid:]
-        return out
+    def _forward(self, order: list[HeadSeq], ids: torch.Tensor, positions: torch.Tensor,
+                 meta: AttentionMetadata, rows: list[int]) -> tuple[list[int], torch.Tensor]:
+        """Next tokens, and each row's pre-norm output (the next draft step's input features)."""
+        positions = torch.tensor([p for d in order for p in d.positions[d.num_computed_tokens:]],
+                                 dtype=torch.long, device=self.device)
+        hidden = torch.cat([d.inputs for d in order if d.inputs is not None])
+        embeds = self.head.embed(ids) if self.head.embed is not None else self.target.embed_tokens(ids)
+        normed, prenorm = self.head(embeds, hidden, positions, self.kv, meta)
+        index = torch.tensor(rows, dtype=torch.long, device=self.device)
+        draft_ids = self.head.lm_head(normed.index_select(0, index)).argmax(-1)
+        return self.head.to_target_ids(draft_ids).tolist(), prenorm.index_select(0, index)
+
+    def _computed(self, d: HeadSeq, first: bool) -> None:
+        if first:  # the catch-up chunk: its slots came from the target's features
+            d.valid = d.num_tokens
+        d.num_computed_tokens = d.num_tokens
+
+    def _feed(self, d: HeadSeq, token: int, carry: torch.Tensor, row: int) -> None:
+        d.all_token_ids.append(token)  # fed next round at the next position, with this row's output
+        d.positions.append(d.positions[-1] + 1)
+        d.inputs = carry[row : row + 1]
+
+    def _done(self, d: HeadSeq, drafts: list[int]) -> None:
+        # keep the slots fed from target features; drop those fed from the head's own outputs
+        d.num_computed_tokens = d.valid
+        del d.all_token_ids[d.valid:], d.positions[d.valid:]
+        d.inputs = None
 
     def _catch_up(self, seq: Sequence, k: int) -> HeadSeq | None:
         """The head's state with this sequence's pending features laid out as new slots (None: nothing
@@ -310,4 +293,6 @@ class Eagle3Drafter(PagedDrafter):
             for p in range(start, start + f.shape[0]):
                 d.all_token_ids.append(tokens[p + 1])  # the token after position p: it exists once p's features do
                 d.positions.append(p)
+        d.inputs = self.head.fc(torch.cat([f for _, f in d.pending]))
+        d.pending = []
         return d

@@ -23,7 +23,12 @@ from array import array
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
+from engine.batch.model_runner import ModelRunner
+from engine.batch.scheduler import ScheduledSeq
 from engine.batch.sequence import Mode, Sequence
+from engine.model.attention import AttentionMetadata
 
 NGRAM_SIZES = (3, 2, 1)
 PROBE_EVERY = 8  # steps between drafts while a sequence's acceptance is low
@@ -122,12 +127,68 @@ class Drafter:
 class PagedDrafter(Drafter):
     """A drafter with its own paged KV cache (a draft model's, an EAGLE-3 head's): a free list of its
     blocks, handed to a sequence's draft state (`SpecState.draft_cache`, which has a `block_table`) as
-    its drafts need them and taken back when the sequence ends."""
+    its drafts need them and taken back when the sequence ends.
+
+    `draft_many` is the batched loop both share: one forward feeds every sequence's catch-up chunk
+    side by side, then one forward per further draft, batched like the target's decodes. A subclass
+    says how a state catches up (`_catch_up`), how one forward turns into next tokens (`_forward`), how
+    a draft is fed back (`_feed`) and what stays valid when a sequence's proposal ends (`_done`)."""
+
+    runner: ModelRunner  # over the drafter's own model and KV cache (set by the subclass)
 
     def __init__(self, k: int, max_batch: int, num_blocks: int, block_size: int):
         super().__init__(k, max_batch)
         self.block_size = block_size
         self.free = list(range(num_blocks - 1, -1, -1))  # a stack: the most recently freed block is reused first
+
+    def draft_many(self, seqs: list[Sequence], ks: list[int]) -> list[list[int]]:
+        out: list[list[int]] = [[] for _ in seqs]
+        want: dict[int, tuple[int, int]] = {}  # id(draft state) -> (index in seqs, k)
+        active: list[Any] = []
+        for i, (seq, k) in enumerate(zip(seqs, ks, strict=True)):
+            d = self._catch_up(seq, k) if k > 0 else None
+            if d is not None:
+                want[id(d)] = (i, k)
+                active.append(d)
+        with torch.inference_mode():
+            while active:
+                batch = [ScheduledSeq(d, d.num_tokens - d.num_computed_tokens) for d in active]
+                ids, positions, meta, rows = self.runner.prepare(batch)  # reorders `batch`; rows follow it
+                order = [s.seq for s in batch]
+                tokens, carry = self._forward(order, ids, positions, meta, rows)
+                active = []
+                for j, (d, tok) in enumerate(zip(order, tokens, strict=True)):
+                    i, k = want[id(d)]
+                    self._computed(d, first=not out[i])
+                    out[i].append(tok)
+                    if len(out[i]) < k:
+                        self._feed(d, tok, carry, j)  # fed next round, at the next position
+                        active.append(d)
+                    else:
+                        self._done(d, out[i])
+        return out
+
+    def _catch_up(self, seq: Sequence, k: int) -> Any:
+        """The sequence's draft state ready to feed what the draft cache lacks (None: nothing to feed,
+        or no room for it)."""
+        raise NotImplementedError
+
+    def _forward(self, order: list[Any], ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                 rows: list[int]) -> tuple[list[int], Any]:
+        """One forward over the states' chunks (in `order`): the next token of each, and what `_feed`
+        needs of this forward."""
+        raise NotImplementedError
+
+    def _computed(self, d: Any, first: bool) -> None:
+        """The forward computed `d`'s chunk (`first`: its catch-up chunk)."""
+        d.num_computed_tokens = d.num_tokens
+
+    def _feed(self, d: Any, token: int, carry: Any, row: int) -> None:
+        d.all_token_ids.append(token)
+
+    def _done(self, d: Any, drafts: list[int]) -> None:
+        """`d`'s proposal is complete: keep in the draft cache only what stays valid."""
+        raise NotImplementedError
 
     def _cover(self, d: Any, slots: int) -> bool:
         """Give `d` blocks for `slots` cache slots in all; False (and nothing taken) when too few are free."""

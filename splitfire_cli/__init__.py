@@ -84,6 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
         router_cli = None
     if router_cli is not None:
         router_cli.add_subcommands(sub)
+    from splitfire_cli import supervisor
+
+    supervisor.add_subcommand(sub)
     return p
 
 
@@ -120,7 +123,3 @@ def cli() -> None:
     from here, before the imports, until the command is ready (common/gc_heap.py); `main` alone,
     called inside another program, leaves that program's collector alone."""
     sys.exit(main(gc_held=gc_heap.hold()))
-
-
-if __name__ == "__main__":
-    cli()

@@ -17,6 +17,7 @@ import threading
 from contextlib import contextmanager
 
 from kvtransfer.config import TransferConfig
+from kvtransfer.descriptors import KVRegion
 from kvtransfer.errors import TransferError, TransferSetupError
 
 log = logging.getLogger("splitfire.kvtransfer")
@@ -44,7 +45,7 @@ def _filtered_stderr():
                     print(line, file=sys.stderr)
 
 
-class MooncakeEngine:
+class MooncakeTransport:
     def __init__(self, config: TransferConfig):
         self.config = config.validate()
         # Must be set before the engine exists: the constructor reads them.
@@ -81,6 +82,14 @@ class MooncakeEngine:
         if rc != 0:
             raise TransferSetupError(f"Mooncake register_memory({nbytes} bytes at {address:#x}, {location}) failed: {rc}")
         self._registered.append(address)
+
+    def register_kv(self, base_address: int, num_layers: int, num_blocks: int, page_bytes: int,
+                    location: str = "cpu:0") -> KVRegion:
+        """Register a KV cache buffer (layer-major pages, a page = one block's K and V in one layer) so
+        peers can write into it, and describe it page by page."""
+        region = KVRegion(base_address, num_layers, num_blocks, page_bytes)
+        self.register(base_address, region.nbytes, location)
+        return region
 
     def submit_write(self, target: str, local: int, remote: int, length: int) -> int:
         batch_id = self._engine.transfer_submit_write(target, local, remote, length)
