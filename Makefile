@@ -37,8 +37,12 @@ run: setup
 	$(VENV)/bin/splitfire model fetch
 	$(VENV)/bin/splitfire up
 
+# Style (ruff), the layers' import contracts (lint-imports: pyproject's [tool.importlinter]), and
+# types in the torch-free layers (mypy: pyproject's [tool.mypy]).
 lint: setup
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/lint-imports --no-cache
+	$(VENV)/bin/mypy
 
 # The whole suite, slow SmolLM2 tests included.
 test: setup lint

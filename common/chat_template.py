@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from datetime import datetime
 from functools import lru_cache
-from typing import Any, ClassVar
+from typing import Any
 
 import jinja2
 from jinja2 import nodes
@@ -28,7 +28,7 @@ class TemplateError(RequestError):
 class _GenerationTag(Extension):
     """Accepts `{% generation %}...{% endgeneration %}` (used for assistant masks) and renders the body."""
 
-    tags: ClassVar[set[str]] = {"generation"}
+    tags = {"generation"}  # noqa: RUF012  (jinja2's Extension declares it)
 
     def parse(self, parser: jinja2.parser.Parser) -> nodes.Node:
         lineno = next(parser.stream).lineno

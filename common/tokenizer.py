@@ -44,7 +44,8 @@ class Tokenizer:
                 eos.add(src)
             elif isinstance(src, list):
                 eos.update(int(x) for x in src)
-        if (e := self.special_tokens.get("eos_token")) is not None and (tid := self.hf.token_to_id(e)) is not None:
+        if (eos_text := self.special_tokens.get("eos_token")) is not None and (
+                tid := self.hf.token_to_id(eos_text)) is not None:
             eos.add(tid)
         self.eos_token_ids: frozenset[int] = frozenset(eos)
         self.vocab_size = self.hf.get_vocab_size(with_added_tokens=True)

@@ -27,8 +27,8 @@ from common.sampling_params import SamplingParams
 from engine.engine_config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.loading.model_store import DEFAULT_MODEL, fetch_builtin
-from loadtest.bench_engine import decode_rate, prompt_ids
 from loadtest.bench_quant import cpu_flags
+from loadtest.engine_runs import decode_rate, prompt_ids
 
 
 def _engine(path: str, threads: int, packed: bool) -> LLMEngine:

@@ -24,7 +24,7 @@ from common.sampling_params import SamplingParams
 from engine.engine_config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.model.mla import MLAttention
-from loadtest.bench_engine import prefill_all, random_ids
+from loadtest.engine_runs import prefill_all, random_ids
 
 BATCHES = (1, 16)
 

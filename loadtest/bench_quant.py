@@ -30,6 +30,8 @@ from engine.loading.model_store import DEFAULT_MODEL, builtin_gguf, fetch_builti
 from engine.model import quant
 from engine.model.kernels import cpu_ops
 from loadtest import quality
+from loadtest.engine_runs import decode_rate as batch_decode_rate
+from loadtest.engine_runs import ours_prefill, prompt_ids, random_ids
 
 
 def cpu_flags() -> str:
@@ -58,15 +60,12 @@ def weight_bytes(engine: LLMEngine) -> int:
 
 
 def decode_rate(engine: LLMEngine, batch: int, tag: str, tokens: int = 48) -> float:
-    from loadtest.bench_engine import decode_rate as rate
-    from loadtest.bench_engine import prompt_ids
 
     prompts = [prompt_ids(engine.tokenizer, 64, salt=i) for i in range(batch)]
-    return rate(engine, prompts, SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True), tag)
+    return batch_decode_rate(engine, prompts, SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True), tag)
 
 
 def prefill_rate(engine: LLMEngine, n: int, salt: int) -> float:
-    from loadtest.bench_engine import ours_prefill, random_ids
 
     return ours_prefill(engine, random_ids(engine.model_config.vocab_size, n, salt), salt)
 
@@ -141,8 +140,6 @@ def main_kv(args: argparse.Namespace) -> int:
     stored), interleaved rounds in one run: decode tok/s once every sequence decodes, at batch 1 and
     16 after 256-token prompts (the contexts of `vs_llama_server`) and at batch 1 after 1,024;
     cache bytes per token; perplexity on prose.txt (prefill's attention reads the cache too)."""
-    from loadtest.bench_engine import decode_rate as rate
-    from loadtest.bench_engine import random_ids
 
     path = fetch_builtin(args.model or DEFAULT_MODEL)
     engines = {dt: LLMEngine(EngineConfig(model=str(path), device="cpu", threads=args.threads, kv_cache_gb=1.0,
@@ -155,7 +152,7 @@ def main_kv(args: argparse.Namespace) -> int:
         for dt, engine in engines.items():
             for batch, ctx in cases:
                 prompts = [random_ids(engine.model_config.vocab_size, ctx, 1000 * r + i) for i in range(batch)]
-                found[dt].setdefault(f"b{batch}@{ctx}", []).append(rate(engine, prompts, sp, f"{dt}-{r}-{batch}-{ctx}"))
+                found[dt].setdefault(f"b{batch}@{ctx}", []).append(batch_decode_rate(engine, prompts, sp, f"{dt}-{r}-{batch}-{ctx}"))
     ppl = {dt: quality.perplexity(engine)[0] for dt, engine in engines.items()}
     print(f"\nSmolLM2-135M-Instruct (Q4_1 weights), CPU: {cpu_flags()}; decode tok/s, medians of {args.rounds} "
           "interleaved rounds")

@@ -15,10 +15,7 @@ from typing import Any
 from common.sampling_params import SamplingParams
 from protos import splitfire_pb2 as pb
 
-_DEFAULTS: dict[str, Any] = {
-    f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
-    for f in dataclasses.fields(SamplingParams)
-}
+_DEFAULTS: dict[str, Any] = {f.name: getattr(SamplingParams(), f.name) for f in dataclasses.fields(SamplingParams)}
 _PROTO = {f.name: f for f in pb.SamplingParams.DESCRIPTOR.fields}
 if set(_DEFAULTS) != set(_PROTO):
     raise ImportError(f"SamplingParams and the proto's SamplingParams differ: only in the dataclass "

@@ -9,27 +9,9 @@ prefill charge moves to it at once: the prefill endpoint is then left with nothi
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-from router.affinity import Pin
+from router.backend import Backend, Route
 from router.endpoints import Endpoint, EndpointRegistry
 from router.prefix_index import PrefixIndex
-
-if TYPE_CHECKING:
-    from router.backend import Backend
-
-
-@dataclass
-class Route:
-    decode: Endpoint  # decode, colocated or OpenAI upstream: where the stream comes from
-    prefill: Endpoint | None  # None: the decode endpoint prefills itself
-
-    def pin(self) -> Pin:
-        return Pin(self.prefill.address if self.prefill else "", self.decode.address)
-
-    def endpoints(self) -> tuple[Endpoint, ...]:
-        return (self.decode,) if self.prefill is None else (self.decode, self.prefill)
 
 
 class Ticket:

@@ -7,12 +7,24 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
+from router.affinity import Pin
 from router.chunks import Chunk
 from router.endpoints import Endpoint
 
 if TYPE_CHECKING:
-    from router.attempt import Route
     from router.protocol import GenRequest
+
+
+@dataclass
+class Route:
+    decode: Endpoint  # decode, colocated or OpenAI upstream: where the stream comes from
+    prefill: Endpoint | None  # None: the decode endpoint prefills itself
+
+    def pin(self) -> Pin:
+        return Pin(self.prefill.address if self.prefill else "", self.decode.address)
+
+    def endpoints(self) -> tuple[Endpoint, ...]:
+        return (self.decode,) if self.prefill is None else (self.decode, self.prefill)
 
 
 @dataclass

@@ -100,4 +100,6 @@ class RandomPolicy(_Independent):
 
 
 def make_policy(name: str) -> Policy:
-    return {"token": TokenPolicy, "round_robin": RoundRobinPolicy, "random": RandomPolicy}[name]()
+    policies: dict[str, Callable[[], Policy]] = {"token": TokenPolicy, "round_robin": RoundRobinPolicy,
+                                                 "random": RandomPolicy}
+    return policies[name]()

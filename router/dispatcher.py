@@ -10,13 +10,13 @@ from __future__ import annotations
 import logging
 import statistics
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 
 from common.block_hash import block_hashes
 from common.tokenizer import Tokenizer
 from router.affinity import SessionAffinity
-from router.attempt import Attempt, Route
-from router.backend import Backends
+from router.attempt import Attempt
+from router.backend import Backends, Route
 from router.balancer import Placement, Policy
 from router.chunks import Chunk, WorkerError
 from router.config import RouterConfig
@@ -100,7 +100,7 @@ class Dispatcher:
 
     # -- the request ------------------------------------------------------------------
 
-    async def run(self, req: GenRequest) -> AsyncIterator[Chunk]:
+    async def run(self, req: GenRequest) -> AsyncGenerator[Chunk, None]:
         """Yields the request's chunks; the last carries finish_reason and usage for the whole request."""
         hashes = (block_hashes(req.tenant, req.prompt_token_ids, self.registry.block_size)
                   if self.cfg.prefix_aware and self.tokenizer is not None else [])

@@ -387,16 +387,17 @@ class HTTPClient:
         while True:
             if conn is None:
                 conn = await self._connect(origin)
-            assert conn.transport is not None
+            transport = conn.transport
+            assert transport is not None
             if timeout_s is not None:
                 conn.arm(timeout_s)
-            conn.transport.write(msg)
+            transport.write(msg)
             try:
                 await conn.head()
                 return conn
             except HTTPClientError:
                 conn.disarm()
-                conn.transport.close()
+                transport.close()
                 # An idle keep-alive socket the server had closed: retry once on a fresh one.
                 if reused and not conn.received_any:
                     conn, reused = None, False
@@ -404,7 +405,7 @@ class HTTPClient:
                 raise
             except BaseException:
                 conn.disarm()
-                conn.transport.close()
+                transport.close()
                 raise
 
     def release(self, conn: Response) -> None:

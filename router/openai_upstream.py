@@ -8,7 +8,7 @@ import json
 import logging
 import re
 from collections.abc import AsyncIterator, Callable
-from json.decoder import scanstring
+from json.decoder import scanstring  # type: ignore[attr-defined]  # (public, missing from the stubs)
 from operator import itemgetter
 from typing import TYPE_CHECKING, Any
 
@@ -19,7 +19,7 @@ from router.http_client import HTTPClient, HTTPClientError
 from router.sse import compact_json
 
 if TYPE_CHECKING:
-    from router.attempt import Route
+    from router.backend import Route
     from router.protocol import GenRequest
 
 log = logging.getLogger("splitfire.router")
@@ -248,28 +248,28 @@ class OpenAIUpstreamClient:
         payload = compact_json(body).encode()
         resp = None
         try:
-            resp = await self.http.request("POST", base_url, path, payload, self._post_headers, timeout_s)
-            if resp.status != 200:
-                text = (await resp.read_all())[:500].decode(errors="replace")
+            resp = r = await self.http.request("POST", base_url, path, payload, self._post_headers, timeout_s)
+            if r.status != 200:
+                text = (await r.read_all())[:500].decode(errors="replace")
                 # Refused credentials are this router's misconfiguration, not the client's: 502,
                 # and another upstream may accept them.
                 auth = resp.status in (401, 403)
-                raise WorkerError(f"upstream {base_url} answered {resp.status}: {text}"
+                raise WorkerError(f"upstream {base_url} answered {r.status}: {text}"
                                   + (" (check --openai-upstream-api-key)" if auth else ""),
-                                  retryable=resp.status >= 500 or resp.status == 429 or auth,
-                                  status=502 if auth else resp.status, failed=base_url, failed_role="openai")
+                                  retryable=r.status >= 500 or r.status == 429 or auth,
+                                  status=502 if auth else r.status, failed=base_url, failed_role="openai")
             # One Chunk per network read, not per SSE line: when the upstream is ahead of us,
             # its lines arrive together and leave as one write (a syscall per token was the
             # router's largest per-chunk cost).
             events = EventParser()
-            while data := await resp.read_some():
+            while data := await r.read_some():
                 c, done = events.feed(data)
                 if c is None:
                     continue
                 if done:
                     # Everything is here; the body's last bytes may still be in flight: pool the
                     # connection when they arrive instead of waiting for them.
-                    self.http.release_after_end(resp)
+                    self.http.release_after_end(r)
                     resp = None
                 if c.has_output or c.finish_reason or c.prompt_tokens or c.completion_tokens:
                     yield c

@@ -230,6 +230,7 @@ class ResponseAssembler:
         events: list[dict[str, Any]] = []
         if self._open is None or self._open["type"] != kind:
             events += self._close_open()
+            item: dict[str, Any]
             if kind == "message":
                 item = {"type": "message", "id": _new_id("msg"), "status": "in_progress", "role": "assistant",
                         "content": [{"type": "output_text", "text": "", "annotations": [], "logprobs": []}]}
@@ -244,10 +245,11 @@ class ResponseAssembler:
                 events.append(self._event("response.content_part.added", item_id=item["id"], output_index=i,
                                           content_index=0, part=item["content"][0]))
         item = self._open
+        assert item is not None
         item["content"][0]["text"] += text
         i = self.output.index(item)
         name = "response.output_text.delta" if kind == "message" else "response.reasoning_text.delta"
-        extra = {"logprobs": []} if kind == "message" else {}
+        extra: dict[str, Any] = {"logprobs": []} if kind == "message" else {}
         return [*events, self._event(name, item_id=item["id"], output_index=i, content_index=0, delta=text, **extra)]
 
     def feed(self, events: list[Any]) -> list[dict[str, Any]]:

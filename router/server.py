@@ -9,6 +9,7 @@ import json
 import logging
 import re
 import time
+from collections.abc import AsyncGenerator
 from pathlib import Path
 from typing import Any
 
@@ -372,6 +373,7 @@ class Router:
     async def _stream(self, request: web.Request, reqs: list[GenRequest], fmt: ReplyFormat,
                       t0: float) -> web.StreamResponse:
         writers = fmt.writers(reqs)
+        source: AsyncGenerator[Any, None]
         if len(reqs) == 1:
             source = self.dispatcher.run(reqs[0])
         else:

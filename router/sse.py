@@ -198,6 +198,7 @@ def reply_message(req: GenRequest, text: str, token_ids: list[int] | None, finis
                   extra: dict[str, Any] | None = None) -> tuple[dict[str, Any], str]:
     """The assistant message of a whole reply, and its finish reason (`tool_calls` when it called).
     `extra`: an upstream's own tool calls / reasoning, merged over the reply."""
+    message: dict[str, Any]
     if extra:
         message = {"role": "assistant", "content": text or None, **extra}
         for tc in message.get("tool_calls", []):
@@ -209,7 +210,7 @@ def reply_message(req: GenRequest, text: str, token_ids: list[int] | None, finis
     events = parser.feed(text, token_ids) + parser.close()
     content = "".join(e.text for e in events if isinstance(e, Content))
     reasoning = "".join(e.text for e in events if isinstance(e, Reasoning))
-    message: dict[str, Any] = {"role": "assistant", "content": content or (None if parser.calls else "")}
+    message = {"role": "assistant", "content": content or (None if parser.calls else "")}
     if reasoning:
         message["reasoning_content"] = reasoning
     if parser.calls:

@@ -215,7 +215,7 @@ class _CallScanner:
             return False
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
             return False
-        args = next((obj[k] for k in self.args_keys if k in obj), {})
+        args: Any = next((obj[k] for k in self.args_keys if k in obj), {})
         if not self.started:  # keys out of order (or no arguments): everything now
             self.name = obj["name"]
             self._start(out)

@@ -20,7 +20,7 @@ from router.endpoints import Endpoint
 from router.http_client import HTTPClient, HTTPClientError
 
 if TYPE_CHECKING:
-    from router.attempt import Route
+    from router.backend import Route
     from router.protocol import GenRequest
 
 log = logging.getLogger("splitfire.router")

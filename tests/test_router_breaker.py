@@ -13,7 +13,8 @@ import pytest
 from aiohttp import web
 from procs import base_url, free_port, spawn
 
-from router.attempt import Attempt, Route
+from router.attempt import Attempt
+from router.backend import Route
 from router.breaker import CLOSED, HALF_OPEN, OPEN, BreakerConfig, CircuitBreaker
 from router.endpoints import EndpointRegistry
 from router.prefix_index import PrefixIndex

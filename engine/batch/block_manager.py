@@ -211,6 +211,17 @@ class BlockManager:
                 self.hash_to_block[h] = b
         seq.num_registered_blocks = full
 
+    def _drop_ref(self, b: int, holder: str) -> None:
+        """`holder` lets go of block `b`; the last reference sends a cached block to the LRU, any other
+        to the free set."""
+        self.ref_counts[b] -= 1
+        assert self.ref_counts[b] >= 0, f"block {b} released twice ({holder})"
+        if self.ref_counts[b] == 0:
+            if self.block_hash[b] is not None:
+                self.lru[b] = None
+            else:
+                self.free.add(b)
+
     def pin(self, blocks: list[int]) -> None:
         """Take an extra reference (a copy of the blocks is being read out, e.g. published to the
         cluster-wide KV store): they cannot be reused until `unpin`."""
@@ -219,24 +230,12 @@ class BlockManager:
 
     def unpin(self, blocks: list[int]) -> None:
         for b in blocks:
-            self.ref_counts[b] -= 1
-            assert self.ref_counts[b] >= 0, f"block {b} unpinned twice"
-            if self.ref_counts[b] == 0:
-                if self.block_hash[b] is not None:
-                    self.lru[b] = None
-                else:
-                    self.free.add(b)
+            self._drop_ref(b, "a pin")
 
     def free_seq(self, seq: Sequence) -> None:
         # Tail blocks go into the LRU first (older), so eviction takes a prompt's end
         # before its shared beginning.
         for b in reversed(seq.block_table):
-            self.ref_counts[b] -= 1
-            assert self.ref_counts[b] >= 0, f"block {b} freed twice ({seq.request_id})"
-            if self.ref_counts[b] == 0:
-                if self.block_hash[b] is not None:
-                    self.lru[b] = None
-                else:
-                    self.free.add(b)
+            self._drop_ref(b, seq.request_id)
         seq.block_table = []
         seq.num_registered_blocks = 0

@@ -11,13 +11,24 @@ The torch reference is `moe.grouped_experts_reference`; tests hold the two equal
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
 import triton
 import triton.language as tl
 
 from engine.model.kernels.quant_triton import dequant_tile
-from engine.model.quant import QuantizedStack
+
+
+class QuantizedStack(Protocol):
+    """What the kernel reads of `quant.QuantizedStack` (kernels import nothing above them): a layer's
+    experts' int8/int4 matrices stacked, codes [E, N, K or K/2], scales and mins [E, N, G]."""
+
+    kind: str
+    q: torch.Tensor
+    scales: torch.Tensor
+    mins: torch.Tensor | None
+    group_size: int
 
 
 @triton.jit
@@ -96,7 +107,7 @@ def _gemm(a: torch.Tensor, w: torch.Tensor | QuantizedStack, rows: torch.Tensor,
           out_rows: int, gather: bool, scale: torch.Tensor | None, block_m: int, block_n: int,
           block_k: int) -> torch.Tensor:
     c_dtype = a.dtype
-    if isinstance(w, QuantizedStack):
+    if not isinstance(w, torch.Tensor):
         n, k = w.scales.shape[1], w.q.shape[2] * (2 if w.kind == "int4" else 1)
         groups = w.scales.shape[2]
         ptrs = (w.q, w.scales, w.mins if w.mins is not None else w.scales)
@@ -123,7 +134,7 @@ def fused_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_g
     """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]). x: [T, H]; w_gate_up: [E, 2I, H]; w_down: [E, H, I]
     (float, or each a `QuantizedStack` of the experts' int8/int4 matrices)."""
     t, k = ids.shape
-    stacked = w_gate_up.scales if isinstance(w_gate_up, QuantizedStack) else w_gate_up
+    stacked = w_gate_up if isinstance(w_gate_up, torch.Tensor) else w_gate_up.scales
     num_experts, inter = stacked.shape[0], stacked.shape[1] // 2
     slot_of, tile_expert, _ = align_to_experts(ids, num_experts, block_m)
     token_rows = torch.where(slot_of >= 0, slot_of // k, slot_of)
