@@ -57,8 +57,8 @@ def load_memory(model_dir, env: dict[str, str] | None = None) -> LoadMemory:
 
     code = (
         "import re, torch\n"
-        "from engine.weights import load_model\n"
-        "from engine.layers import cpu_packing_supported\n"
+        "from engine.loading.weights import load_model\n"
+        "from engine.model.layers import cpu_packing_supported\n"
         "def status(key): return int(re.search(key + r':\\s+(\\d+)', open('/proc/self/status').read()).group(1))\n"
         "cpu_packing_supported(torch.float32)  # oneDNN's one-time set-up is not the model's memory\n"
         "open('/proc/self/clear_refs', 'w').write('5')  # resets the peak (VmHWM) to the current RSS\n"

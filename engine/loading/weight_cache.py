@@ -41,8 +41,8 @@ log = logging.getLogger("splitfire.engine")
 
 FORMAT = 2
 # Whatever decides the loaded tensors' values and layout.
-_SOURCES = ("weights.py", "quant.py", "gguf_quants.py", "model.py", "layers.py", "moe.py", "mla.py",
-            "model_config.py", "checkpoint.py", "weight_cache.py")
+_SOURCES = ("loading/weights.py", "model/quant.py", "loading/gguf_quants.py", "model/decoder.py", "model/layers.py",
+            "model/moe.py", "model/mla.py", "model/model_config.py", "loading/checkpoint.py", "loading/weight_cache.py")
 
 
 def enabled(model_dir: Path) -> bool:
@@ -56,7 +56,7 @@ def enabled(model_dir: Path) -> bool:
 
 def cache_path(model_dir: Path, dtype: torch.dtype, quantization: str | None) -> Path:
     h = hashlib.sha256(f"format {FORMAT} {dtype} {quantization} {torch.__version__}".encode())
-    here = Path(__file__).parent
+    here = Path(__file__).parent.parent  # engine/
     for name in _SOURCES:
         h.update((here / name).read_bytes())
     h.update((model_dir / "config.json").read_bytes())
