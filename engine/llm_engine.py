@@ -26,6 +26,7 @@ from engine.batch.graph_runner import DecodeGraphs
 from engine.batch.model_runner import ModelRunner
 from engine.batch.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
 from engine.batch.sequence import Mode, Sequence, Status, TokenLogprob
+from engine.batch.step_times import StepTimes
 from engine.engine_config import EngineConfig
 from engine.loading import weight_cache
 from engine.loading.model_store import resolve_model
@@ -151,6 +152,7 @@ class LLMEngine:
         self.scheduler.max_model_len = self.max_model_len
         self.seqs: dict[str, Sequence] = {}
         self._arrival = itertools.count()
+        self.times: StepTimes | None = None  # per-phase host time, when a benchmark asks (and on the runner)
         # Cluster-wide KV tier (set by a worker that has one): full blocks this engine computed are
         # pinned and handed out for publishing, released by `unpin_published` once copied out.
         self.kv_tier = False
@@ -163,6 +165,11 @@ class LLMEngine:
             self.kv.nbytes / 2**20, time.perf_counter() - t0, weights_s, kv_s,
             weight_cache.nbytes(self.model) / 2**20, self.model.weight_mapping is not None, rss_start, rss_weights,
         )
+
+    def time_steps(self) -> StepTimes:
+        """Start summing each step's host time per phase (benchmarks: `loadtest/bench_host.py`)."""
+        self.times = self.runner.times = StepTimes()
+        return self.times
 
     def _kv_layout(self, graphs: bool) -> KVLayout:
         c = self.config
@@ -375,6 +382,8 @@ class LLMEngine:
         return self.scheduler.has_work
 
     def step(self, observer: StepObserver | None = None) -> list[RequestOutput]:
+        times = self.times
+        t0 = time.perf_counter() if times is not None else 0.0
         batch = self.scheduler.schedule()
         if not batch:  # (admissions for fetching from the KV tier compute nothing yet)
             return []
@@ -382,8 +391,12 @@ class LLMEngine:
         if observer is not None:
             observer.before_forward(batch)
             hook = observer.after_layer
+        if times is not None:
+            times.steps += 1
+            times.schedule += time.perf_counter() - t0
         samples = self.runner.run(batch, hook)
         failed = observer.after_forward() if observer is not None else {}
+        t1 = time.perf_counter() if times is not None else 0.0
         outputs: list[RequestOutput] = []
         it = iter(samples)
         for s in batch:
@@ -395,6 +408,8 @@ class LLMEngine:
                 # EAGLE-3: the target's features of the positions this step committed (a verification's
                 # rows past the accepted drafts are not)
                 self.eagle.observe(seq, start, s.features[: seq.num_computed_tokens - start])
+        if times is not None:
+            times.commit += time.perf_counter() - t1
         return outputs
 
     def _commit(self, s: ScheduledSeq, sampled: tuple[int, TokenLogprob | None] | None,
@@ -452,7 +467,15 @@ class LLMEngine:
             self._finish(seq, "stop", out)
             return
         assert seq.detok is not None
-        text, hit_stop = seq.detok.push(token)
+        if self.times is not None:
+            t0 = time.perf_counter()
+            text, hit_stop = seq.detok.push(token)
+            spent = time.perf_counter() - t0
+            self.times.detokenize += spent
+            self.times.commit -= spent  # (commit's time is measured around this)
+            self.times.tokens += 1
+        else:
+            text, hit_stop = seq.detok.push(token)
         out.text += text
         if hit_stop or (seq.matcher is not None and seq.matcher.is_stopped()):
             # A completed grammar admits nothing but EOS: end now rather than spend a step on it.

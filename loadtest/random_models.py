@@ -79,6 +79,38 @@ def model_dir(family: str) -> Path:
     return target
 
 
+def host_model_dir() -> Path:
+    """A random Llama whose compute is negligible (hidden 64, 2 layers, a 512-token vocabulary) with
+    SmolLM2's tokenizer and chat template: serving it measures the host's work per token (scheduling,
+    bookkeeping, detokenizing, streaming), not the model's (`bench_host.py`)."""
+    target = home() / "bench-models" / "host-llama"
+    if (target / "config.json").is_file():
+        return target
+    import torch
+    import transformers
+
+    from engine.loading.model_store import resolve_model
+
+    smol = resolve_model(None)
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
+                                      max_position_embeddings=8192, tie_word_embeddings=True,
+                                      bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".host-llama."))
+    try:
+        model.save_pretrained(tmp)
+        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+            if (smol / name).is_file():
+                shutil.copy(smol / name, tmp / name)
+        tmp.rename(target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
 def write_eagle3_head(out: Path, target_dir: Path, *, aux: tuple[int, ...] | None = None, draft_vocab: int = 150,
                       seed: int = 3, embed: bool = False, norm_before_residual: bool = False,
                       extra: dict[str, Any] | None = None) -> Path:

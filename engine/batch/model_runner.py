@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from engine.batch.constrained import GrammarEngine
@@ -9,6 +11,7 @@ from engine.batch.graph_runner import DecodeGraphs
 from engine.batch.sampler import sample, speculative_targets
 from engine.batch.scheduler import ScheduledSeq
 from engine.batch.sequence import TokenLogprob
+from engine.batch.step_times import StepTimes
 from engine.model.attention import AttentionMetadata, DecodeBatch, PrefillSegment, kernels_enabled
 from engine.model.decoder import DecoderModel, LayerHook
 from engine.model.kv_cache import KVCache
@@ -49,6 +52,8 @@ class ModelRunner:
         self.block_size = kv.layout.block_size
         self.planes = kv.layout.planes
         self.graphs: DecodeGraphs | None = None  # set by the engine when decode steps replay from buckets
+        self.times: StepTimes | None = None  # per-phase host time (a benchmark's)
+        self._lap_at = 0.0
 
     def prepare(self, batch: list[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         """Flatten the batch: prompt chunks first (one attention segment each), then decodes."""
@@ -121,15 +126,31 @@ class ModelRunner:
             ctx.append(p + 1)
         return self.graphs.run(ids, pos, k_rows, tables, ctx)
 
+    def _lap(self, phase: str) -> None:
+        """With `times` on: the time since the last lap goes to `phase`."""
+        if self.times is not None:
+            now = time.perf_counter()
+            setattr(self.times, phase, getattr(self.times, phase) + now - self._lap_at)
+            self._lap_at = now
+
     @torch.inference_mode()
     def run(self, batch: list[ScheduledSeq], layer_hook: LayerHook | None = None) -> list[tuple[int, TokenLogprob | None]]:
         """Runs one step. Reorders `batch` in place; returns one sample per entry with `samples` and
         no draft (a speculative entry gets its greedy tokens in `targets`)."""
+        if self.times is not None:
+            self._lap_at = time.perf_counter()
+        out = self._run(batch, layer_hook)
+        self._lap("sample")
+        return out
+
+    def _run(self, batch: list[ScheduledSeq], layer_hook: LayerHook | None) -> list[tuple[int, TokenLogprob | None]]:
         if layer_hook is None and self.graphable(batch):
             hidden = self._run_graph(batch)
             logits = self.model.logits(hidden)
+            self._lap("forward")
             return sample(logits, [s.seq for s in batch], self.grammar, self.eos_token_ids)
         input_ids, positions, meta, sample_rows = self.prepare(batch)
+        self._lap("prepare")
         hidden = self.model(input_ids, positions, self.kv, meta, layer_hook)
         aux = self.model.aux_out if self.model.aux_layers else None
         if aux is not None:  # EAGLE-3: each entry's rows of the captured hidden states, in batch order
@@ -138,9 +159,11 @@ class ModelRunner:
                 s.features = aux[row : row + s.num_tokens]
                 row += s.num_tokens
         if not sample_rows:
+            self._lap("forward")
             return []
         rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
         logits = self.model.logits(hidden.index_select(0, rows))
+        self._lap("forward")
         plain: list[int] = []  # logits rows of ordinary samples
         row = 0
         for s in batch:
