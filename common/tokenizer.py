@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from tokenizers import Tokenizer as HFTokenizer
+from tokenizers.decoders import ByteLevel as ByteLevelDecoder
 
 from common.chat_template import render_chat
 from common.errors import ModelLoadError, RequestError
@@ -16,6 +17,33 @@ def _token_str(v: Any) -> str | None:
     if isinstance(v, dict):  # AddedToken serialised as {"content": ...}
         return v.get("content")
     return v
+
+
+def _byte_level_chars() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, inverted: the character standing for each byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars = {chr(b): b for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+def _byte_pieces(hf: HFTokenizer) -> list[bytes]:
+    """What the ByteLevel decoder makes of each token: its characters mapped back to bytes (a
+    character outside the alphabet, in an added token, stands for its own UTF-8), special tokens
+    skipped as `decode(..., skip_special_tokens=True)` skips them."""
+    chars = _byte_level_chars()
+    special = {a.content for a in hf.get_added_tokens_decoder().values() if a.special}
+    size = hf.get_vocab_size(with_added_tokens=True)
+    pieces = [b""] * size
+    for token, i in hf.get_vocab(with_added_tokens=True).items():
+        if i >= size or token in special:
+            continue
+        pieces[i] = b"".join(bytes((chars[c],)) if c in chars else c.encode() for c in token)
+    return pieces
 
 
 class Tokenizer:
@@ -35,6 +63,7 @@ class Tokenizer:
         if isinstance(self.chat_template, list):  # named templates: take "default"
             named = {t["name"]: t["template"] for t in self.chat_template}
             self.chat_template = named.get("default") or next(iter(named.values()))
+        self._pieces: list[bytes] | None = None
         self.special_tokens = {
             k: s for k in ("bos_token", "eos_token", "unk_token", "pad_token") if (s := _token_str(cfg.get(k)))
         }
@@ -58,6 +87,13 @@ class Tokenizer:
             return json.loads(path.read_text())
         except json.JSONDecodeError as e:
             raise ModelLoadError(f"{path}: corrupt JSON: {e}") from e
+
+    def byte_pieces(self) -> list[bytes] | None:
+        """Each token id's bytes as `decode` renders them (special tokens: none), for byte-level BPE
+        tokenizers (a plain ByteLevel decoder); None for any other decoder. Made once, on first use."""
+        if self._pieces is None:
+            self._pieces = _byte_pieces(self.hf) if isinstance(self.hf.decoder, ByteLevelDecoder) else []
+        return self._pieces or None
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.hf.encode(text, add_special_tokens=add_special_tokens).ids

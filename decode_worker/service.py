@@ -219,6 +219,7 @@ class DecodeService(pb_grpc.DecodeServicer):
             last = None
             pending = None
             interval = ctx.config.stream_interval
+            itl = m.itl.labels(**lbl)  # (per token: the child once, not a label lookup each)
             async for got in stream:
                 if pending is None:
                     pending = got
@@ -242,7 +243,7 @@ class DecodeService(pb_grpc.DecodeServicer):
                 elif out.token_ids:
                     per = (now - last) / len(out.token_ids)
                     for _ in out.token_ids:
-                        m.itl.labels(**lbl).observe(per)
+                        itl.observe(per)
                 last = now
                 if out.finished:
                     done = True

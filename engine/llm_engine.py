@@ -15,7 +15,7 @@ from typing import Protocol
 
 import torch
 
-from common.detokenizer import IncrementalDetokenizer
+from common.detokenizer import detokenizer
 from common.errors import ModelLoadError, RequestError
 from common.sampling_params import SamplingParams
 from common.tokenizer import Tokenizer
@@ -213,7 +213,7 @@ class LLMEngine:
             seq.matcher = self.grammar.matcher(sampling.grammar)
             self.grammar.advance(seq.matcher, seq.generated_token_ids)
         if mode == Mode.FULL:
-            seq.detok = IncrementalDetokenizer(self.tokenizer, prompt, sampling.stop)
+            seq.detok = detokenizer(self.tokenizer, prompt, sampling.stop)
         return seq
 
     def add_request(

@@ -9,9 +9,9 @@ Two tables, one run:
 
 1. **Whole stack** (`splitfire up`, colocated and 1 prefill + 1 decode): N streams of M tokens
    (`ignore_eos`, token-id prompts), CPU-seconds (user + system, from /proc) per 1,000 generated
-   tokens for every process of the stack — router, each worker split into its engine thread and
-   the rest (the serving shell: gRPC, HTTP frames, the event loop) — and output tokens/s. The load
-   generator runs in this process and is not counted.
+   tokens for every process of the stack — router, each worker split into its engine (its thread and
+   torch's compute threads) and the rest (the serving shell: gRPC, HTTP frames, the event loop) — and
+   output tokens/s. The load generator runs in this process and is not counted.
 2. **Engine in process**: host time per decode step at batch 1, 16, 64 and 256, split into the
    engine's phases (`engine/batch/step_times.py`: schedule, prepare, forward, sample, commit,
    detokenize). On a CPU "forward" is the model's compute; on a GPU it is the launch.
@@ -49,7 +49,9 @@ ROLES = ("router", "serve", "prefill", "decode")
 class Proc:
     pid: int
     role: str
-    engine_tid: int | None = None  # the worker's engine thread (named "sf-engine")
+    # The worker's engine thread (named "sf-engine") and the threads it started (torch's compute
+    # threads inherit the name): the engine's CPU, apart from the serving shell's.
+    engine_tids: list[int] = field(default_factory=list)
 
 
 def _cpu_s(path: str) -> float:
@@ -95,7 +97,7 @@ def stack_procs(stack: Stack) -> list[Proc]:
         p = Proc(pid, role)
         for tid in os.listdir(f"/proc/{pid}/task"):
             if Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip() == "sf-engine":
-                p.engine_tid = int(tid)
+                p.engine_tids.append(int(tid))
         procs.append(p)
     return sorted(procs, key=lambda p: ROLES.index(p.role))
 
@@ -105,8 +107,8 @@ def snapshot(procs: list[Proc]) -> dict[str, float]:
     for p in procs:
         name = f"{p.role}-{p.pid}"
         out[name] = _cpu_s(f"/proc/{p.pid}/stat")
-        if p.engine_tid is not None:
-            out[f"{name}:engine"] = _cpu_s(f"/proc/{p.pid}/task/{p.engine_tid}/stat")
+        if p.engine_tids:
+            out[f"{name}:engine"] = sum(_cpu_s(f"/proc/{p.pid}/task/{t}/stat") for t in p.engine_tids)
     return out
 
 
@@ -169,12 +171,12 @@ def bench_stack(args: argparse.Namespace, layout: str, model_dir: Path, log_dir:
     up = ["--model", str(model_dir), "--device", "cpu", "--no-redis", "--served-model-name", "host"]
     up += ["--colocated"] if layout == "colocated" else ["--prefill", "1", "--decode", "1"]
     up += [f"--worker-arg=--max-num-seqs={max(args.streams, 64)}", "--worker-arg=--speculative=off",
-           "--worker-arg=--kv-cache-gb=0.5"]
+           "--worker-arg=--kv-cache-gb=0.5", *(f"--worker-arg={a}" for a in args.worker_arg)]
     with Stack(f"host-{layout}", up, log_dir) as stack:
         stack.wait_ready()
-        procs = stack_procs(stack)
-        # Warm-up: connections, the first steps of every batch size, the allocator.
+        # Warm-up: connections, the first steps of every batch size, the allocator, torch's threads.
         asyncio.run(run_load(stack.url, "host", args.streams, 16, args.prompt_len, 0))
+        procs = stack_procs(stack)
         rows: dict[str, list[float]] = {}
         for r in range(args.rounds):
             recs = flame(procs, Path(args.flame), layout, args.flame_seconds) if args.flame and r == 0 else []
@@ -259,6 +261,7 @@ def main() -> int:
     p.add_argument("--no-engine", action="store_true", help="skip the in-process engine table")
     p.add_argument("--flame", default="", metavar="DIR", help="record every stack process with py-spy into DIR")
     p.add_argument("--flame-seconds", type=float, default=8.0)
+    p.add_argument("--worker-arg", action="append", default=[], help="extra worker flag (e.g. --threads=1)")
     p.add_argument("--json", default="", help="also write the numbers here")
     args = p.parse_args()
 
@@ -272,7 +275,7 @@ def main() -> int:
     print(f"\n{results['machine']}; {args.streams} streams x {args.tokens} tokens, medians of {args.rounds} rounds")
     if stacks:
         names = sorted({n for s in stacks.values() for n in s} - {"tok/s", "itl_p50_ms", "stack"})
-        print("\nWhole stack: CPU-seconds per 1,000 generated tokens (engine = the worker's engine thread)")
+        print("\nWhole stack: CPU-seconds per 1,000 generated tokens (engine = the worker's engine thread and torch's threads)")
         print(f"{'process':<20}" + "".join(f"{lay:>14}" for lay in stacks))
         for n in [*names, "stack"]:
             print(f"{n:<20}" + "".join(f"{s.get(n, float('nan')):>14.4f}" for s in stacks.values()))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from common.chat_template import TemplateError, render_chat
-from common.detokenizer import IncrementalDetokenizer
+from common.detokenizer import ByteDetokenizer, IncrementalDetokenizer, detokenizer
 from common.tokenizer import Tokenizer
 
 MESSAGES = [
@@ -94,6 +94,60 @@ def test_stop_string_split_across_tokens_is_held_back(tiny_model_dir):
         if stopped:
             break
     assert stopped and emitted == "The quick brown fox jumps over the "
+
+
+def _run(detok, ids: list[int]) -> tuple[list[str], bool]:
+    out, stopped = [], False
+    for t in ids:
+        delta, stopped = detok.push(t)
+        out.append(delta)
+        if stopped:
+            break
+    if not stopped:
+        out.append(detok.flush())
+    return out, stopped
+
+
+def _byte_table_equals_the_reference(tok: Tokenizer, seed: int) -> None:
+    import random
+
+    rng = random.Random(seed)
+    assert tok.byte_pieces() is not None, "a byte-level BPE tokenizer has a byte table"
+    specials = sorted(tok.hf.get_added_tokens_decoder())
+    texts = ["naïve café 日本語のテキスト 🚀🔥 done", "The quick brown fox jumps over the lazy dog.",
+             "def main():\n    return 42\n", "Héllo wörld — émoji 🔥🔥🔥 über"]
+    cases: list[tuple[list[int], list[str]]] = []
+    for text in texts:
+        cases.append((tok.encode(text, add_special_tokens=False), []))
+        cases.append((tok.encode(text, add_special_tokens=False), ["lazy", "🔥", "\n "]))
+    for _ in range(40):  # random ids: torn characters, invalid byte runs, special tokens in between
+        ids = [rng.randrange(tok.vocab_size) for _ in range(rng.randrange(1, 40))]
+        ids += [rng.choice(specials)] if specials and rng.random() < 0.5 else []
+        cases.append((ids, [] if rng.random() < 0.5 else [tok.decode(ids[2:4]) or "x"]))
+    # (A prompt ending in a torn character is where the two differ: the reference lets the first output
+    # bytes complete it and drops them; the byte table decodes the output on its own, as decode(output).)
+    prompt = tok.encode("Question: what follows? Answer:", add_special_tokens=False)
+    for ids, stop in cases:
+        ref, ref_stopped = _run(IncrementalDetokenizer(tok, prompt, stop), ids)
+        fast_detok = detokenizer(tok, prompt, stop)
+        assert isinstance(fast_detok, ByteDetokenizer)
+        fast, fast_stopped = _run(fast_detok, ids)
+        assert "".join(fast) == "".join(ref), (ids, stop)
+        assert fast_stopped == ref_stopped
+        # Deltas may come earlier (a whole character is not held behind a torn one), never later.
+        for n in range(len(ref)):
+            assert len("".join(fast[: n + 1])) >= len("".join(ref[: n + 1])), (ids, stop, n)
+        if not stop:
+            assert "".join(fast) == tok.decode(ids), "no stop string: the whole decode"
+
+
+def test_byte_table_detokenizer_equals_the_reference(tiny_model_dir):
+    _byte_table_equals_the_reference(Tokenizer(tiny_model_dir), seed=1)
+
+
+@pytest.mark.slow
+def test_byte_table_detokenizer_equals_the_reference_on_smollm2(smollm2_dir):
+    _byte_table_equals_the_reference(Tokenizer(smollm2_dir), seed=2)
 
 
 @pytest.mark.slow

@@ -70,7 +70,7 @@ class ModelRunner:
             seq, start = s.seq, s.seq.num_computed_tokens
             end = start + s.num_tokens
             row0 = len(ids)
-            ids.extend(seq.all_token_ids[start:end] if not s.draft else [seq.all_token_ids[start], *s.draft])
+            ids.extend(seq.tokens(start, end) if not s.draft else [*seq.tokens(start, start + 1), *s.draft])
             pos.extend(range(start, end))
             table = seq.block_table
             k_rows.extend(kv_row(table, p, bs, self.planes) for p in range(start, end))
@@ -119,7 +119,7 @@ class ModelRunner:
         ids, pos, k_rows, tables, ctx = [], [], [], [], []
         for s in batch:
             seq, p = s.seq, s.seq.num_computed_tokens
-            ids.append(seq.all_token_ids[p])
+            ids.extend(seq.tokens(p, p + 1))
             pos.append(p)
             k_rows.append(kv_row(seq.block_table, p, bs, self.planes))
             tables.append(seq.block_table)

@@ -44,6 +44,8 @@ class Chunked(Protocol):
     @property
     def num_tokens(self) -> int: ...
 
+    def tokens(self, start: int, end: int) -> list[int]: ...
+
 
 S = TypeVar("S", bound=Chunked)
 

@@ -6,7 +6,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-from common.detokenizer import IncrementalDetokenizer
+from common.detokenizer import Detokenizer
 from common.sampling_params import SamplingParams
 
 
@@ -50,13 +50,22 @@ class Sequence:
     finish_reason: str | None = None
     error: str | None = None
     matcher: Any = None  # llguidance matcher when the request is constrained by a grammar
-    detok: IncrementalDetokenizer | None = None
+    detok: Detokenizer | None = None
     num_preemptions: int = 0
     spec: Any = None  # engine.speculative.SpecState once the sequence has been drafted for
 
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        """`all_token_ids[start:end]` without building the whole list (a decode step reads one token)."""
+        n = len(self.prompt_token_ids)
+        if end <= n:
+            return self.prompt_token_ids[start:end]
+        if start >= n:
+            return self.output_token_ids[start - n : end - n]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - n]
 
     @property
     def num_tokens(self) -> int:

@@ -41,6 +41,9 @@ class DraftSeq:
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
 
+    def tokens(self, start: int, end: int) -> list[int]:
+        return self.all_token_ids[start:end]
+
 
 def same_tokenizer(target_dir: Path, draft_dir: Path) -> str | None:
     """None when both directories' tokenizers map every token to the same id, else what differs."""

@@ -205,6 +205,9 @@ class HeadSeq:
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
 
+    def tokens(self, start: int, end: int) -> list[int]:
+        return self.all_token_ids[start:end]
+
 
 class Eagle3Drafter(PagedDrafter):
     def __init__(self, head_dir: Path, target: DecoderModel, k: int, max_batch: int, device: torch.device,
