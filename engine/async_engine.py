@@ -100,6 +100,7 @@ class AsyncEngine:
         self._wake.set()
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, 10)
+        self.llm.close()
 
     # -- commands (called from the event loop) ----------------------------------------
 

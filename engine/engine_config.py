@@ -44,6 +44,9 @@ class EngineConfig:
     draft_model: str | None = None  # draft: built-in name, HF directory or .gguf; eagle3: the head's directory
     num_speculative_tokens: int = 4  # drafts per verification step at most
     speculative_max_batch: int = 4  # no drafting above this many running sequences (verification costs more)
+    tensor_parallel_size: int = 1  # ranks the model is split across (engine/ranks.py, engine/model/parallel.py)
+    pipeline_parallel_size: int = 1  # stages of layers (not implemented: refused above 1)
+    enable_expert_parallel: bool = False  # experts partitioned over the ranks (not implemented: refused)
 
     def validate(self) -> EngineConfig:
         if self.device not in ("auto", "cpu", "cuda"):
@@ -88,6 +91,16 @@ class EngineConfig:
                              "--draft-model is only read with one of them")
         if not 1 <= self.num_speculative_tokens <= 16:
             raise ValueError(f"--num-speculative-tokens must be in 1..16, got {self.num_speculative_tokens}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"--tensor-parallel-size must be >= 1, got {self.tensor_parallel_size}")
+        if self.pipeline_parallel_size != 1:
+            raise ValueError("--pipeline-parallel-size above 1 is not implemented yet; split the model with "
+                             "--tensor-parallel-size")
+        if self.enable_expert_parallel:
+            raise ValueError("--enable-expert-parallel is not implemented yet: experts are not split across ranks")
+        if self.tensor_parallel_size > 1 and self.speculative == "eagle3":
+            raise ValueError("--speculative eagle3 with --tensor-parallel-size above 1 is not supported: the head "
+                             "reads the target's embedding, which is split across the ranks; use ngram or draft")
         return self
 
     @property

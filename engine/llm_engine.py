@@ -33,6 +33,8 @@ from engine.loading.model_store import resolve_model
 from engine.loading.weights import load_model
 from engine.model.kv_cache import KVCache, KVLayout
 from engine.model.model_config import ModelConfig
+from engine.model.parallel import ONE
+from engine.ranks import RankGroup, threads_per_rank
 from engine.spec.eagle3 import Eagle3Drafter
 from engine.spec.speculative import Drafter, NgramDrafter, verify
 
@@ -112,9 +114,15 @@ class LLMEngine:
         self.model_dir = resolve_model(config.model)
         self.model_config = ModelConfig.from_dir(self.model_dir)
         self.tokenizer = Tokenizer(self.model_dir)
+        # Tensor parallel: the other ranks start loading their shards while this one loads its own.
+        self.ranks = RankGroup(config, self.model_dir, config.tensor_parallel_size) if (
+            config.tensor_parallel_size > 1) else None
+        shard = self.ranks.shard if self.ranks is not None else ONE
+        if self.ranks is not None and self.device.type == "cpu":
+            torch.set_num_threads(threads_per_rank(config, config.tensor_parallel_size))
         t0 = time.perf_counter()
         rss_before = _rss_mib()
-        self.model = load_model(self.model_dir, self.device, self.dtype, config.quantization)
+        self.model = load_model(self.model_dir, self.device, self.dtype, config.quantization, shard=shard)
         rss_weights = _rss_mib() - rss_before
         self.model.set_int8_activations(config.cpu_activations == "int8")
         weights_s = time.perf_counter() - t0
@@ -123,6 +131,7 @@ class LLMEngine:
         self.model.build_rope_cache(self.max_model_len + 1, self.device, self.dtype)
         graphs = config.decode_graphs == "on" or (config.decode_graphs == "auto" and self.device.type == "cuda")
         graphs = graphs and config.speculative != "eagle3"  # (its steps need the features a graph does not return)
+        graphs = graphs and self.ranks is None  # (a step's inputs go to the other ranks first)
         t_kv = time.perf_counter()
         self.kv = KVCache(self._kv_layout(graphs), self.device)
         kv_s = time.perf_counter() - t_kv
@@ -135,6 +144,9 @@ class LLMEngine:
         self.grammar = GrammarEngine(self.model_dir / "tokenizer.json", self.model_config.vocab_size,
                                      sorted(self.eos_token_ids), config.threads)
         self.runner = ModelRunner(self.model, self.kv, self.device, self.grammar, frozenset(self.eos_token_ids))
+        if self.ranks is not None:
+            self.ranks.setup(self.kv.layout, self.max_model_len + 1, config.cpu_activations == "int8")
+            self.runner.broadcast = self.ranks.step
         if graphs:
             self.runner.graphs = DecodeGraphs(
                 lambda ids, pos, meta: self.model(ids, pos, self.kv, meta), config.max_num_seqs,
@@ -166,6 +178,11 @@ class LLMEngine:
             weight_cache.nbytes(self.model) / 2**20, self.model.weight_mapping is not None, rss_start, rss_weights,
         )
 
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks (nothing to do on one rank)."""
+        if self.ranks is not None:
+            self.ranks.close()
+
     def time_steps(self) -> StepTimes:
         """Start summing each step's host time per phase (benchmarks: `loadtest/bench_host.py`)."""
         self.times = self.runner.times = StepTimes()
@@ -181,7 +198,7 @@ class LLMEngine:
                                            c.max_num_seqs if graphs else 1)
             free, _ = torch.cuda.mem_get_info(self.device)
             budget = memory_profile.kv_budget(free, c.gpu_memory_fraction, peaks, graphs)
-        return KVLayout.for_budget(self.model_config, budget, c.block_size, c.torch_kv_dtype)
+        return KVLayout.for_budget(self.model_config, budget, c.block_size, c.torch_kv_dtype, self.model.kv_entry)
 
     # -- requests -------------------------------------------------------------------
 

@@ -46,8 +46,11 @@ def _generate(args: argparse.Namespace) -> int:
     gc_heap.release("generate")
     src = open(args.input, encoding="utf-8") if args.input != "-" else sys.stdin
     dst = open(args.output, "w", encoding="utf-8") if args.output != "-" else sys.stdout
-    with src, dst:
-        errors = generate(engine, src, dst, progress=not args.quiet)
+    try:
+        with src, dst:
+            errors = generate(engine, src, dst, progress=not args.quiet)
+    finally:
+        engine.close()
     if errors:
         print(f"{errors} request(s) failed; see their 'error' fields", file=sys.stderr)
     return 1 if errors else 0

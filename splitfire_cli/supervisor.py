@@ -88,15 +88,16 @@ def gpu_count(device: str, dev: Path = Path("/dev")) -> int:
     return torch.cuda.device_count()
 
 
-def plan_gpus(spec: str, n_workers: int, device_count: int) -> list[str]:
-    """CUDA_VISIBLE_DEVICES per worker, in start order: 'auto' gives each worker its own GPU when
-    there are enough (else all share what there is), 'none' leaves it unset, or 'LIST;LIST;...'."""
+def plan_gpus(spec: str, n_workers: int, device_count: int, per_worker: int = 1) -> list[str]:
+    """CUDA_VISIBLE_DEVICES per worker, in start order: 'auto' gives each worker its own `per_worker`
+    GPUs (its tensor-parallel ranks) when there are enough (else all share what there is), 'none'
+    leaves it unset, or 'LIST;LIST;...' (e.g. '0,1;2,3')."""
     if spec == "none" or device_count == 0:
         return [""] * n_workers
     if spec != "auto":
         return _explicit(spec, n_workers, "--gpus", "device")
-    if device_count >= n_workers:
-        return [str(i) for i in range(n_workers)]
+    if device_count >= n_workers * per_worker:
+        return [",".join(str(w * per_worker + r) for r in range(per_worker)) for w in range(n_workers)]
     return [""] * n_workers
 
 
@@ -179,8 +180,14 @@ async def up(args: argparse.Namespace) -> int:
         children.append(Child("kv-store", master_command(mport, metrics), "", ready_port=mport))
         kv_store = ["--kv-store", f"127.0.0.1:{mport}", "--kv-store-gb", str(args.kv_store_gb)]
     roles = ["both"] if args.colocated else ["prefill"] * args.prefill + ["decode"] * args.decode
-    cpus = plan_cpus(args.cpus, len(roles))
-    gpus = plan_gpus(args.gpus, len(roles), gpu_count(args.device))
+    tp = args.tensor_parallel_size
+    if tp > 1 and not args.colocated:
+        print("splitfire up: --tensor-parallel-size above 1 is served colocated for now (add --colocated)", flush=True)
+        return 2
+    cpus = plan_cpus(args.cpus, len(roles))  # (a worker's ranks share its cores: engine/ranks.threads_per_rank)
+    gpus = plan_gpus(args.gpus, len(roles), gpu_count(args.device), tp)
+    if tp > 1:
+        common += ["--tensor-parallel-size", str(tp)]
     router_args = ["--served-model-name", args.served_model_name] if args.served_model_name else []
     addrs: dict[str, list[str]] = {"prefill": [], "decode": [], "both": []}
     workers = []
@@ -287,6 +294,9 @@ def add_subcommand(sub) -> None:
     p.add_argument("--prefill", type=int, default=1, help="prefill workers")
     p.add_argument("--decode", type=int, default=1, help="decode workers")
     p.add_argument("--colocated", action="store_true", help="one colocated worker instead of prefill + decode")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="each worker splits the model across this many ranks (GPUs, or CPU processes sharing "
+                        "its cores); colocated only for now")
     p.add_argument("--cpus", default="auto", help="auto (split cores across workers), none, or 'LIST;LIST;...'")
     p.add_argument("--gpus", default="auto", help="auto (one GPU per worker when there are enough), none, or "
                    "'LIST;LIST;...' of CUDA_VISIBLE_DEVICES values")

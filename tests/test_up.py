@@ -49,6 +49,8 @@ def test_core_and_gpu_plans():
     assert plan_gpus("auto", 4, 2) == ["", "", "", ""]  # not enough GPUs: let them share
     assert plan_gpus("auto", 2, 0) == ["", ""]
     assert plan_gpus("0,1;2,3", 2, 4) == ["0,1", "2,3"]
+    assert plan_gpus("auto", 2, 8, per_worker=4) == ["0,1,2,3", "4,5,6,7"]  # tensor parallel: a worker's ranks
+    assert plan_gpus("auto", 2, 4, per_worker=4) == ["", ""]
     assert plan_cpus("0;1", 2) == ["0", "1"]
     assert plan_cpus("none", 3) == ["", "", ""]
     with pytest.raises(ValueError):

@@ -62,6 +62,12 @@ class WorkerConfig:
         if not self.advertise:
             self.advertise = f"{self.transfer.hostname}:{self.grpc_port}"
         self.engine.validate()
+        if self.engine.tensor_parallel_size > 1 and self.role != "both":
+            raise ValueError("--tensor-parallel-size above 1 is served colocated only (splitfire serve) for now: a "
+                             "prefill or decode worker's KV transfer does not yet split KV heads across ranks")
+        if self.engine.tensor_parallel_size > 1 and self.kv_store:
+            raise ValueError("--tensor-parallel-size above 1 with --kv-store: the cluster KV tier does not yet "
+                             "address pages split across ranks; drop --kv-store")
         if self.role != "both":
             self.transfer.validate()
         return self
@@ -118,7 +124,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "cost of time to first token")
     g.add_argument("--max-model-len", type=int, default=_env("max_model_len", None), help="context limit (default: the model's)")
     g.add_argument("--no-prefix-cache", action="store_true", help="disable prefix caching")
-    g.add_argument("--threads", type=int, default=_env("threads", None), help="torch CPU threads")
+    g.add_argument("--threads", type=int, default=_env("threads", None),
+                   help="torch CPU threads (per rank with --tensor-parallel-size; default: the cores shared out)")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=int(_env("tensor_parallel_size", 1)),
+                   help="split the model across this many ranks (one process each; gloo on CPU, NCCL on CUDA)")
+    g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=int(_env("pipeline_parallel_size", 1)),
+                   help="stages of layers (not implemented yet: only 1)")
+    g.add_argument("--enable-expert-parallel", action="store_true",
+                   default=_env("enable_expert_parallel", "") not in ("", "0"),
+                   help="partition routed experts over the ranks (not implemented yet)")
     g.add_argument("--speculative", default=_env("speculative", "off"), choices=["off", "ngram", "draft", "eagle3"],
                    help="speculative decoding: ngram = prompt lookup (drafts copied from earlier "
                         "text), draft = a smaller model of the same tokenizer (--draft-model), eagle3 = an EAGLE-3 "
@@ -158,6 +172,9 @@ def engine_config_from(args: argparse.Namespace) -> EngineConfig:
         draft_model=args.draft_model,
         num_speculative_tokens=args.num_speculative_tokens,
         speculative_max_batch=args.speculative_max_batch,
+        tensor_parallel_size=args.tensor_parallel_size,
+        pipeline_parallel_size=args.pipeline_parallel_size,
+        enable_expert_parallel=args.enable_expert_parallel,
     )
 
 

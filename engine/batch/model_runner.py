@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -53,6 +54,9 @@ class ModelRunner:
         self.planes = kv.layout.planes
         self.graphs: DecodeGraphs | None = None  # set by the engine when decode steps replay from buckets
         self.times: StepTimes | None = None  # per-phase host time (a benchmark's)
+        # Tensor parallel: sends each step's inputs to the other ranks before this one runs it
+        # (engine/ranks.py); they run the same forward and logits on their shards.
+        self.broadcast: Callable[[tuple], None] | None = None
         self._lap_at = 0.0
 
     def prepare(self, batch: list[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
@@ -150,6 +154,8 @@ class ModelRunner:
             self._lap("forward")
             return sample(logits, [s.seq for s in batch], self.grammar, self.eos_token_ids)
         input_ids, positions, meta, sample_rows = self.prepare(batch)
+        if self.broadcast is not None:
+            self.broadcast((input_ids, positions, meta, sample_rows))
         self._lap("prepare")
         hidden = self.model(input_ids, positions, self.kv, meta, layer_hook)
         aux = self.model.aux_out if self.model.aux_layers else None

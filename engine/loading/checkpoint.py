@@ -17,6 +17,7 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from common.errors import ModelLoadError
@@ -147,6 +148,26 @@ class Checkpoint:
             self._read(name, dst)
         else:
             dst.copy_(self.get(name))
+
+    def read_part(self, name: str, rows: range | None, cols: range | None) -> torch.Tensor:
+        """Rows and columns of a 1-D or 2-D tensor as stored (a tensor-parallel rank's slice): only those
+        bytes are read (a row slice is one contiguous range; a column slice one range per row)."""
+        t = self.info(name)
+        if len(t.shape) not in (1, 2) or (cols is not None and len(t.shape) != 2):
+            raise ModelLoadError(f"{t.path}: tensor {name!r} of shape {t.shape} cannot be sliced this way")
+        n_rows, n_cols = t.shape[0], (t.shape[1] if len(t.shape) == 2 else 1)
+        r, c = rows or range(n_rows), cols or range(n_cols)
+        if r.stop > n_rows or c.stop > n_cols:
+            raise ModelLoadError(f"{t.path}: tensor {name!r} of shape {t.shape} has no rows {r} / columns {c}")
+        esz = t.dtype.itemsize
+        try:
+            mm = np.memmap(t.path, dtype=np.uint8, mode="r", offset=t.offset, shape=(n_rows, n_cols * esz))
+            part = np.array(mm[r.start : r.stop, c.start * esz : c.stop * esz])  # (a writable copy)
+        except (OSError, ValueError) as e:
+            raise ModelLoadError(f"{t.path}: cannot read tensor {name!r}: {e}") from e
+        self.unread.discard(name)
+        out = torch.from_numpy(part).view(t.dtype)
+        return out.reshape(len(r), len(c)) if len(t.shape) == 2 else out.reshape(len(r))
 
     def _stage(self, name: str, dst: torch.Tensor) -> None:
         assert self.staging is not None

@@ -36,6 +36,7 @@ from engine.loading.checkpoint import read_header
 from engine.model import quant
 from engine.model.layers import Linear
 from engine.model.moe import Experts
+from engine.model.parallel import ONE, Shard
 
 log = logging.getLogger("splitfire.engine")
 
@@ -54,8 +55,11 @@ def enabled(model_dir: Path) -> bool:
     return sum(f.stat().st_size for f in model_dir.glob("*.safetensors")) >= floor
 
 
-def cache_path(model_dir: Path, dtype: torch.dtype, quantization: str | None) -> Path:
+def cache_path(model_dir: Path, dtype: torch.dtype, quantization: str | None, shard: Shard = ONE) -> Path:
+    """One file per model, dtype, quantization, code version, and tensor-parallel rank (its shard)."""
     h = hashlib.sha256(f"format {FORMAT} {dtype} {quantization} {torch.__version__}".encode())
+    if shard.parallel:
+        h.update(f"tensor parallel {shard.rank}/{shard.size}".encode())
     here = Path(__file__).parent.parent  # engine/
     for name in _SOURCES:
         h.update((here / name).read_bytes())
@@ -64,7 +68,8 @@ def cache_path(model_dir: Path, dtype: torch.dtype, quantization: str | None) ->
         st = f.stat()
         h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
     dt = str(dtype).removeprefix("torch.")
-    return cache_dir() / f"{model_dir.name}-{dt}-{quantization or 'asis'}-{h.hexdigest()[:16]}.safetensors"
+    tp = f"-tp{shard.rank}of{shard.size}" if shard.parallel else ""
+    return cache_dir() / f"{model_dir.name}-{dt}-{quantization or 'asis'}{tp}-{h.hexdigest()[:16]}.safetensors"
 
 
 def cache_dir() -> Path:
@@ -74,7 +79,8 @@ def cache_dir() -> Path:
 def _stale(path: Path) -> list[Path]:
     """Earlier caches of the same model, dtype and quantization (older checkpoint or code)."""
     prefix = path.name[: path.name.rindex("-") + 1]
-    return [p for p in path.parent.glob(prefix + "*.safetensors") if p != path]
+    dashes = path.name.count("-")  # (a one-rank cache and a tensor-parallel rank's share a prefix)
+    return [p for p in path.parent.glob(prefix + "*.safetensors") if p != path and p.name.count("-") == dashes]
 
 
 def _state(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict]:

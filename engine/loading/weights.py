@@ -13,6 +13,7 @@ import ctypes
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
@@ -29,11 +30,28 @@ from engine.model.layers import MLP, Linear, RMSNorm
 from engine.model.mla import MLAttention
 from engine.model.model_config import VISION_PREFIXES, ModelConfig
 from engine.model.moe import MoE
+from engine.model.parallel import ONE, Shard
 
 log = logging.getLogger("splitfire.engine")
 
 # Tensors some checkpoints carry that hold nothing a forward pass reads.
 _INERT_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+@dataclass(frozen=True)
+class Part:
+    """The slice of a stored tensor a tensor-parallel rank loads: `full` is the whole tensor's shape as
+    the config implies it (checked against the checkpoint); rows past `full[0]` (the last rank's share
+    of a vocabulary that does not divide evenly) load as zeros."""
+
+    full: tuple[int, ...]
+    rows: range | None = None
+    cols: range | None = None
+
+    def clipped(self) -> Part:
+        if self.rows is None or self.rows.stop <= self.full[0]:
+            return self
+        return Part(self.full, range(self.rows.start, min(self.rows.stop, self.full[0])), self.cols)
 
 
 class _Loader:
@@ -91,17 +109,45 @@ class _Loader:
             qw = qw.map_rows(lambda t: interleave_rope_rows(t, rope_heads))
         return qw
 
-    def as_quantized(self, name: str, shape: tuple[int, int], rope_heads: int = 0) -> quant.QuantizedWeight:
-        """Tensor `name` as stored if quantized, else (a float tensor among quantized ones) at int8."""
+    def as_quantized(self, name: str, shape: tuple[int, int], rope_heads: int = 0,
+                     part: Part | None = None) -> quant.QuantizedWeight:
+        """Tensor `name` as stored if quantized, else (a float tensor among quantized ones) at int8.
+        With `part`, `shape` is the slice's."""
         if self.is_quantized(name):
-            return self.quantized(name, shape, rope_heads)
+            if part is None:
+                return self.quantized(name, shape, rope_heads)
+            clip = part.clipped()
+            qw = self.quantized(name, part.full).narrow(clip.rows, clip.cols)
+            qw = _pad_rows(qw, shape[0])
+            return qw.map_rows(lambda t: interleave_rope_rows(t, rope_heads)) if rope_heads else qw
         w = torch.empty(shape)
-        self.copy(w, name, rope_heads)
+        self.copy(w, name, rope_heads, part)
         return quant.quantize(w, "int8", quant.group_size_for(shape[1], "int8"))
 
-    def copy(self, dst: torch.Tensor, name: str, rope_heads: int = 0) -> None:
-        """dst <- tensor `name`; with `rope_heads`, its rows are then reordered for interleaved RoPE.
-        A quantized tensor landing here (experts, routers) is dequantized into the float parameter."""
+    def sliced(self, name: str, part: Part, rope_heads: int = 0) -> torch.Tensor:
+        """A tensor-parallel rank's slice of tensor `name` (quantized and FP8 ones dequantized), rows
+        reordered for interleaved RoPE with `rope_heads` (whole heads per rank: the order is per head)."""
+        clip = part.clipped()
+        if self.is_quantized(name):
+            w = self.quantized(name, part.full).narrow(clip.rows, clip.cols).dequantize()
+        elif self.is_fp8(name):
+            w = self.fp8(name, part.full)
+            w = w[clip.rows.start : clip.rows.stop] if clip.rows is not None else w
+            w = w[:, clip.cols.start : clip.cols.stop] if clip.cols is not None else w
+        else:
+            self._check(name, part.full)
+            w = self.ckpt.read_part(name, clip.rows, clip.cols)
+        return interleave_rope_rows(w, rope_heads) if rope_heads else w
+
+    def copy(self, dst: torch.Tensor, name: str, rope_heads: int = 0, part: Part | None = None) -> None:
+        """dst <- tensor `name` (or its `part`); with `rope_heads`, its rows are then reordered for
+        interleaved RoPE. A quantized tensor landing here (experts, routers) is dequantized into the
+        float parameter."""
+        if part is not None:
+            w = self.sliced(name, part, rope_heads)
+            dst[: w.shape[0]].copy_(w)
+            dst[w.shape[0] :].zero_()  # (past the vocabulary: see Part)
+            return
         if self.is_quantized(name):
             dst.copy_(self.quantized(name, tuple(dst.shape), rope_heads).dequantize())
             return
@@ -115,15 +161,17 @@ class _Loader:
             dst.copy_(interleave_rope_rows(dst, rope_heads))
 
     def linear(self, lin: Linear, names: list[str], rows: list[int] | None = None,
-               rope_heads: list[int] | None = None) -> None:
-        """A linear layer's weight from one tensor or row blocks of several (fused q/k/v, gate/up).
-        Quantized in the checkpoint: kept quantized (a float block among them is quantized to int8)."""
+               rope_heads: list[int] | None = None, parts: list[Part] | None = None) -> None:
+        """A linear layer's weight from one tensor or row blocks of several (fused q/k/v, gate/up), or
+        of their `parts` (tensor parallel). Quantized in the checkpoint: kept quantized (a float block
+        among them is quantized to int8)."""
         if not any(self.is_quantized(n) for n in names):
-            self.fused(lin.weight, names, rows, rope_heads)
+            self.fused(lin.weight, names, rows, rope_heads, parts)
             return
         k = lin.weight.shape[1]
         rows = rows or [lin.weight.shape[0] // len(names)] * len(names)
-        lin.set_quantized([self.as_quantized(name, (n, k), rope_heads[i] if rope_heads else 0)
+        lin.set_quantized([self.as_quantized(name, (n, k), rope_heads[i] if rope_heads else 0,
+                                             parts[i] if parts else None)
                            for i, (name, n) in enumerate(zip(names, rows, strict=True))])
 
     def norm(self, norm: RMSNorm | None, name: str, rope_interleaved: bool = False) -> None:
@@ -133,38 +181,66 @@ class _Loader:
         norm.load(interleave_rope_rows(w, 1) if rope_interleaved else w, name)
 
     def fused(self, dst: torch.Tensor, names: list[str], rows: list[int] | None = None,
-              rope_heads: list[int] | None = None) -> None:
+              rope_heads: list[int] | None = None, parts: list[Part] | None = None) -> None:
         """Consecutive row blocks of `dst` (a fused q/k/v or gate/up weight or bias) from several
-        tensors, `rows[i]` rows each (default: equal parts)."""
+        tensors (or their `parts`), `rows[i]` rows each (default: equal parts)."""
         rows = rows or [dst.shape[0] // len(names)] * len(names)
         start = 0
         for i, (name, n) in enumerate(zip(names, rows, strict=True)):
-            self.copy(dst[start : start + n], name, rope_heads[i] if rope_heads else 0)
+            self.copy(dst[start : start + n], name, rope_heads[i] if rope_heads else 0, parts[i] if parts else None)
             start += n
 
-    def mlp(self, mlp: MLP, prefix: str, names: tuple[str, str, str], bias: bool = False) -> None:
+    def mlp(self, mlp: MLP, prefix: str, names: tuple[str, str, str], bias: bool = False,
+            shard: Shard = ONE) -> None:
+        """Tensor parallel: gate and up rows, and down columns, of this rank's `mlp.columns`."""
         gate, up, down = (prefix + n for n in names)
-        self.linear(mlp.gate_up, [f"{gate}.weight", f"{up}.weight"])
-        self.linear(mlp.down, [down + ".weight"])
+        cols = mlp.columns
+        inter, hidden = len(cols) * shard.size, mlp.gate_up.weight.shape[1]
+        if shard.parallel:
+            rows_part = Part((inter, hidden), rows=cols)
+            self.linear(mlp.gate_up, [f"{gate}.weight", f"{up}.weight"], parts=[rows_part, rows_part])
+            self.linear(mlp.down, [down + ".weight"], parts=[Part((hidden, inter), cols=cols)])
+        else:
+            self.linear(mlp.gate_up, [f"{gate}.weight", f"{up}.weight"])
+            self.linear(mlp.down, [down + ".weight"])
         if bias:
-            assert mlp.gate_up.bias is not None and mlp.down.bias is not None
-            self.fused(mlp.gate_up.bias, [f"{gate}.bias", f"{up}.bias"])
-            self.copy(mlp.down.bias, down + ".bias")
+            assert mlp.gate_up.bias is not None
+            self.fused(mlp.gate_up.bias, [f"{gate}.bias", f"{up}.bias"],
+                       parts=[Part((inter,), rows=cols)] * 2 if shard.parallel else None)
+            if mlp.down.bias is not None:
+                self.copy(mlp.down.bias, down + ".bias")
+            else:  # (row-parallel: the bias is added once, on rank 0)
+                self.ckpt.skip(down + ".bias")
+
+
+def _pad_rows(qw: quant.QuantizedWeight, rows: int) -> quant.QuantizedWeight:
+    """`qw` with zero rows appended up to `rows` (the last rank's share past the vocabulary)."""
+    extra = rows - qw.shape[0]
+    if extra <= 0:
+        return qw
+
+    def pad(x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([x, x.new_zeros(extra, *x.shape[1:])])
+
+    return quant.QuantizedWeight(qw.kind, pad(qw.q), pad(qw.scales), None if qw.mins is None else pad(qw.mins),
+                                 qw.group_size)
 
 
 def load_model(model_dir: str | Path, device: torch.device, dtype: torch.dtype,
-               quantization: str | None = None, staging: Staging | Literal[False] | None = None) -> DecoderModel:
+               quantization: str | None = None, staging: Staging | Literal[False] | None = None,
+               shard: Shard = ONE) -> DecoderModel:
     """`quantization` (int8 | int4) quantizes a float checkpoint's matmul weights after loading; a
     checkpoint stored quantized (`engine.model.quant`'s layout, e.g. a converted GGUF) stays as stored.
     Loads to a device go through pinned `staging` buffers (made here unless given; False: through
     pageable temporaries, the benchmark's baseline); a CPU load reads straight into its parameters
-    unless a `Staging` is given."""
+    unless a `Staging` is given. `shard`: a tensor-parallel rank's part only (`parallel.py`), read as
+    slices of the checkpoint's tensors."""
     model_dir = Path(model_dir)
     cfg = ModelConfig.from_dir(model_dir)
-    cached = weight_cache.cache_path(model_dir, dtype, quantization) if (
+    cached = weight_cache.cache_path(model_dir, dtype, quantization, shard) if (
         device.type == "cpu" and weight_cache.enabled(model_dir)) else None
     if cached is not None and cached.is_file():
-        model = _allocate(cfg, device, dtype)
+        model = _allocate(cfg, device, dtype, shard)
         try:
             model.weight_mapping = weight_cache.restore(model, cached)
         except (ModelLoadError, OSError, ValueError, RuntimeError, KeyError, TypeError) as e:
@@ -179,24 +255,29 @@ def load_model(model_dir: str | Path, device: torch.device, dtype: torch.dtype,
         staging = Staging(device)
     staging = staging or None
     ckpt = Checkpoint(model_dir, staging)
-    model = _allocate(cfg, device, dtype)
+    model = _allocate(cfg, device, dtype, shard)
     load = _Loader(ckpt, cfg.fp8_weight_block)
     root, head = _text_model_prefixes(ckpt, cfg)
+    # Tensor parallel: the embedding's and LM head's rows of this rank's slice of the vocabulary.
+    vocab = Part((cfg.vocab_size, cfg.hidden_size), rows=model.vocab_rows) if shard.parallel else None
     with torch.no_grad():
         embed = root + "embed_tokens.weight"
         if load.is_quantized(embed):
-            model.set_embedding_quantized(load.quantized(embed, tuple(model.embed.weight.shape)).to(device))
+            qw = (load.as_quantized(embed, tuple(model.embed.weight.shape), part=vocab) if vocab is not None
+                  else load.quantized(embed, tuple(model.embed.weight.shape)))
+            model.set_embedding_quantized(qw.to(device))
         else:
-            load.copy(model.embed.weight, embed)
+            load.copy(model.embed.weight, embed, part=vocab)
         load.norm(model.norm, root + "norm.weight")
         if cfg.tie_word_embeddings:
             ckpt.skip(head)  # some tied checkpoints store a copy; the embedding is what runs
             for suffix in quant.SUFFIXES:
                 ckpt.skip(head + suffix)
         else:
-            load.linear(model.lm_head, [head if ckpt.has(head) or ckpt.has(head + ".qweight") else embed])
+            load.linear(model.lm_head, [head if ckpt.has(head) or ckpt.has(head + ".qweight") else embed],
+                        parts=[vocab] if vocab is not None else None)
         for i, layer in enumerate(tqdm(model.layers, desc=f"loading {model_dir.name}", unit="layer", disable=None)):
-            _load_block(load, cfg, layer, f"{root}layers.{i}.")
+            _load_block(load, cfg, layer, f"{root}layers.{i}.", shard)
         _skip_mtp_layers(ckpt, cfg, root)
         if quantization is not None:
             model.quantize(quantization)
@@ -264,19 +345,19 @@ def _text_model_prefixes(ckpt: Checkpoint, cfg: ModelConfig) -> tuple[str, str]:
     return f"{p}model.", f"{p}lm_head.weight"
 
 
-def _allocate(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> DecoderModel:
+def _allocate(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, shard: Shard = ONE) -> DecoderModel:
     """The model's parameters, uninitialised, made directly on `device` in `dtype` (no module runs a
     random init; building on "meta" and moving would touch every page twice)."""
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            return DecoderModel(cfg)
+            return DecoderModel(cfg, shard)
     finally:
         torch.set_default_dtype(default)
 
 
-def _load_block(load: _Loader, cfg: ModelConfig, layer: Block, p: str) -> None:
+def _load_block(load: _Loader, cfg: ModelConfig, layer: Block, p: str, shard: Shard = ONE) -> None:
     load.norm(layer.attn_norm, p + "input_layernorm.weight")
     if cfg.sandwich_norm:
         load.norm(layer.attn_post_norm, p + "post_attention_layernorm.weight")
@@ -288,26 +369,39 @@ def _load_block(load: _Loader, cfg: ModelConfig, layer: Block, p: str) -> None:
     if isinstance(layer.attn, MLAttention):
         _load_mla(load, cfg, layer.attn, p + "self_attn.")
     else:
-        _load_attention(load, cfg, layer, p)
+        _load_attention(load, cfg, layer, p, shard)
     if isinstance(layer.mlp, MoE):
         _load_moe(load, cfg, layer.mlp, p)
     else:
         assert isinstance(layer.mlp, MLP)
-        load.mlp(layer.mlp, p + "mlp.", ("gate_proj", "up_proj", "down_proj"), bias=cfg.mlp_bias)
+        load.mlp(layer.mlp, p + "mlp.", ("gate_proj", "up_proj", "down_proj"), bias=cfg.mlp_bias, shard=shard)
 
 
-def _load_attention(load: _Loader, cfg: ModelConfig, layer: Block, p: str) -> None:
-    a, h, kvh = layer.attn, cfg.num_heads, cfg.num_kv_heads
+def _load_attention(load: _Loader, cfg: ModelConfig, layer: Block, p: str, shard: Shard = ONE) -> None:
+    """Tensor parallel: the q rows of this rank's heads and the k/v rows of their KV heads; o's columns
+    of its heads."""
+    a, d, hidden = layer.attn, cfg.head_dim, cfg.hidden_size
     assert isinstance(a, Attention)
+    h, kvh = a.num_heads, a.num_kv_heads  # (this rank's)
     names = [f"{p}self_attn.{n}_proj" for n in "qkv"]
-    load.linear(a.qkv, [n + ".weight" for n in names], list(a.split), rope_heads=[h, kvh, 0])
+    q_rows = range(a.q_heads.start * d, a.q_heads.stop * d)
+    kv_rows = range(a.kv_heads.start * d, a.kv_heads.stop * d)
+    q_full, kv_full = cfg.num_heads * d, cfg.num_kv_heads * d
+    parts = ([Part((q_full, hidden), q_rows), Part((kv_full, hidden), kv_rows), Part((kv_full, hidden), kv_rows)]
+             if shard.parallel else None)
+    load.linear(a.qkv, [n + ".weight" for n in names], list(a.split), rope_heads=[h, kvh, 0], parts=parts)
     if cfg.qkv_bias:
         assert a.qkv.bias is not None
-        load.fused(a.qkv.bias, [n + ".bias" for n in names], list(a.split), rope_heads=[h, kvh, 0])
-    load.linear(a.o, [p + "self_attn.o_proj.weight"])
+        bias_parts = ([Part((q_full,), q_rows), Part((kv_full,), kv_rows), Part((kv_full,), kv_rows)]
+                      if shard.parallel else None)
+        load.fused(a.qkv.bias, [n + ".bias" for n in names], list(a.split), rope_heads=[h, kvh, 0], parts=bias_parts)
+    load.linear(a.o, [p + "self_attn.o_proj.weight"],
+                parts=[Part((hidden, q_full), cols=q_rows)] if shard.parallel else None)
     if cfg.o_bias:
-        assert a.o.bias is not None
-        load.copy(a.o.bias, p + "self_attn.o_proj.bias")
+        if a.o.bias is not None:
+            load.copy(a.o.bias, p + "self_attn.o_proj.bias")
+        else:  # (row-parallel: the bias is added once, on rank 0)
+            load.ckpt.skip(p + "self_attn.o_proj.bias")
     if cfg.qk_norm:
         load.norm(a.q_norm, p + "self_attn.q_norm.weight", rope_interleaved=True)
         load.norm(a.k_norm, p + "self_attn.k_norm.weight", rope_interleaved=True)

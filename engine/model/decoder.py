@@ -18,6 +18,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from common.errors import ModelLoadError
 from engine.model import quant
 from engine.model.attention import AttentionMetadata, kernels_enabled, paged_attention, write_kv
 from engine.model.cpu_decode import CpuDecodeLayers, supported
@@ -27,6 +28,7 @@ from engine.model.layers import MLP, Linear, RMSNorm, cpu_packing_supported
 from engine.model.mla import MLAttention
 from engine.model.model_config import LayerConfig, ModelConfig
 from engine.model.moe import Experts, MoE
+from engine.model.parallel import ONE, Shard
 from engine.model.rope import RopeSpec, apply_rope, rope_cache
 
 # Called after layer `i`'s K/V for this step are in the cache: the prefill worker uses it
@@ -52,14 +54,19 @@ def interleave_rope_rows(w: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: LayerConfig):
+    def __init__(self, cfg: ModelConfig, layer: LayerConfig, shard: Shard = ONE):
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        q_out, kv_out = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        # Tensor parallel: this rank's query heads and the KV heads they read (parallel.py).
+        self.q_heads = shard.even(cfg.num_heads, "the attention heads")
+        self.kv_heads = shard.kv_heads(cfg.num_heads, cfg.num_kv_heads)
+        self.num_heads, self.num_kv_heads, self.head_dim = len(self.q_heads), len(self.kv_heads), cfg.head_dim
+        q_out, kv_out = self.num_heads * cfg.head_dim, self.num_kv_heads * cfg.head_dim
         self.split = (q_out, kv_out, kv_out)
         # q, k and v fused into one matmul; the loader concatenates the checkpoint's three.
         self.qkv = Linear(cfg.hidden_size, sum(self.split), bias=cfg.qkv_bias)
-        self.o = Linear(q_out, cfg.hidden_size, bias=cfg.o_bias)
+        self.o = Linear(q_out, cfg.hidden_size, bias=cfg.o_bias and shard.rank == 0)
+        if shard.parallel:
+            self.o.reduce = shard
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.gemma_norm) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.gemma_norm) if cfg.qk_norm else None
         self.scale = cfg.scale
@@ -90,15 +97,19 @@ class Attention(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: LayerConfig):
+    def __init__(self, cfg: ModelConfig, layer: LayerConfig, shard: Shard = ONE):
         super().__init__()
         eps, gemma = cfg.rms_norm_eps, cfg.gemma_norm
         self.rope = layer.rope
+        if shard.parallel and (cfg.mla is not None or layer.moe):
+            raise ModelLoadError(f"tensor parallel: {'latent attention' if cfg.mla is not None else 'routed experts'} "
+                                 f"({cfg.architecture}) cannot be split across ranks yet; serve it with "
+                                 "--tensor-parallel-size 1")
         self.attn_norm = RMSNorm(cfg.hidden_size, eps, gemma)
-        self.attn: nn.Module = MLAttention(cfg, layer) if cfg.mla is not None else Attention(cfg, layer)
+        self.attn: nn.Module = MLAttention(cfg, layer) if cfg.mla is not None else Attention(cfg, layer, shard)
         self.mlp_norm = RMSNorm(cfg.hidden_size, eps, gemma)
         self.mlp: nn.Module = (MoE(cfg) if layer.moe
-                               else MLP(cfg.hidden_size, cfg.intermediate_size, cfg.activation, cfg.mlp_bias))
+                               else MLP(cfg.hidden_size, cfg.intermediate_size, cfg.activation, cfg.mlp_bias, shard))
         # Gemma's "sandwich": the attention and MLP outputs are normed again before the residual add.
         self.attn_post_norm = RMSNorm(cfg.hidden_size, eps, gemma) if cfg.sandwich_norm else None
         self.mlp_post_norm = RMSNorm(cfg.hidden_size, eps, gemma) if cfg.sandwich_norm else None
@@ -123,15 +134,19 @@ class Block(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, shard: Shard = ONE):
         super().__init__()
         self.cfg = cfg
+        self.shard = shard
+        # Tensor parallel: the embedding and LM head rows of this rank's slice of the vocabulary.
+        self.vocab_rows = shard.vocab(cfg.vocab_size)
+        rows = len(self.vocab_rows)
         # Given its weight, Embedding skips its random init: on the meta device that init imports
         # torch._dynamo (2.5 s of every worker start, measured).
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
-        self.layers = nn.ModuleList(Block(cfg, layer) for layer in cfg.layers)
+        self.embed = nn.Embedding(rows, cfg.hidden_size, _weight=torch.empty(rows, cfg.hidden_size))
+        self.layers = nn.ModuleList(Block(cfg, layer, shard) for layer in cfg.layers)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.gemma_norm)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, rows, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed.weight
         self.requires_grad_(False)
@@ -147,6 +162,13 @@ class DecoderModel(nn.Module):
         self.aux_layers: tuple[int, ...] = ()
         self.aux_out: torch.Tensor | None = None
         self.weight_mapping: object | None = None  # the weight cache's mapping the parameters view (weight_cache.py)
+
+    @property
+    def kv_entry(self) -> tuple[int, int, int]:
+        """What this rank's paged cache holds per token and layer: (planes, heads, dim) of its KV heads."""
+        planes, heads, dim = self.cfg.kv_entry
+        attn = self.layers[0].attn
+        return planes, (len(attn.kv_heads) if isinstance(attn, Attention) else heads), dim
 
     def build_rope_cache(self, max_positions: int, device: torch.device, dtype: torch.dtype) -> None:
         self.rope_caches = {spec: rope_cache(spec, self.cfg.head_dim, max_positions, device) for spec in self.cfg.ropes}
@@ -189,13 +211,23 @@ class DecoderModel(nn.Module):
         if self.cpu_layers is not None and self.cpu_layers.kv is kv:
             return self.cpu_layers
         if self.cpu_layers_off is None:
-            self.cpu_layers_off = "Triton kernels on CPU" if kernels_enabled(kv.buffer.device) else supported(self, kv.layout.dtype)
+            self.cpu_layers_off = ("Triton kernels on CPU" if kernels_enabled(kv.buffer.device) else
+                                   "tensor parallel" if self.shard.parallel else supported(self, kv.layout.dtype))
         if self.cpu_layers_off:
             return None
         self.cpu_layers = CpuDecodeLayers(self, kv)
         return self.cpu_layers
 
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.shard.parallel:  # vocab-parallel: this rank's rows, zeros elsewhere, summed over the ranks
+            first = self.vocab_rows.start
+            mine = (ids >= first) & (ids < self.vocab_rows.stop)
+            local = torch.where(mine, ids - first, torch.zeros_like(ids))
+            x = self._lookup(local) * mine.unsqueeze(-1).to(self.dtype)
+            return self.shard.all_reduce(x)
+        return self._lookup(ids)
+
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
         if self.embed_quantized is not None:
             return self.embed_quantized.dequantize(ids).to(self.dtype)
         return self.embed(ids)
@@ -216,9 +248,9 @@ class DecoderModel(nn.Module):
         for m in self.modules():
             if isinstance(m, MoE):
                 skip |= {id(m.router), id(m.shared_gate)}
-        for m in self.modules():
+        for name, m in self.named_modules():
             if isinstance(m, Linear) and id(m) not in skip and m.quantized is None and m is not self.lm_head:
-                m.set_quantized([quant.quantize(m.weight, kind, quant.group_size_for(m.weight.shape[1], kind))])
+                m.set_quantized([quant.quantize(m.weight, kind, self._group_size(name, m, kind))])
             elif isinstance(m, Experts):
                 m.quantize(kind)
         if self.lm_head.quantized is None:
@@ -230,6 +262,18 @@ class DecoderModel(nn.Module):
                 self.set_embedding_quantized(qw)
             else:
                 self.lm_head.set_quantized([qw])
+
+    def _group_size(self, name: str, m: Linear, kind: str) -> int:
+        """The group the whole model's weight would be quantized in: a row-parallel rank's columns are
+        a slice of the whole row, and whole groups of it, so every rank quantizes what one device would."""
+        k = m.weight.shape[1]
+        if m.reduce is None:
+            return quant.group_size_for(k, kind)
+        g = quant.group_size_for(k * self.shard.size, kind)
+        if k % g:
+            raise ModelLoadError(f"--quantization {kind} with tensor parallel size {self.shard.size}: {name}'s "
+                                 f"{k * self.shard.size} columns split {k} per rank, not whole {g}-column groups")
+        return g
 
     def set_int8_activations(self, on: bool) -> None:
         """Quantized matmuls at batch 1-2 on CPU take int8-rounded activations (see quant.linear)."""
@@ -260,6 +304,8 @@ class DecoderModel(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden).float()
+        if self.shard.parallel:  # vocab-parallel: every rank's slice, the padding past the vocabulary cut
+            logits = self.shard.all_gather(logits)[:, : self.cfg.vocab_size]
         cap = self.cfg.final_logit_softcap
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap

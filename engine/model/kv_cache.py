@@ -59,9 +59,12 @@ class KVLayout:
 
     @classmethod
     def for_budget(
-        cls, cfg: ModelConfig, budget_bytes: int, block_size: int, dtype: torch.dtype
+        cls, cfg: ModelConfig, budget_bytes: int, block_size: int, dtype: torch.dtype,
+        entry: tuple[int, int, int] | None = None,
     ) -> KVLayout:
-        planes, heads, dim = cfg.kv_entry
+        """`entry`: (planes, heads, dim) per token and layer when not the whole model's (a tensor-parallel
+        rank holds its KV heads only)."""
+        planes, heads, dim = entry or cfg.kv_entry
         probe = cls(cfg.num_layers, 1, block_size, heads, dim, dtype, planes)
         num_blocks = budget_bytes // (probe.page_bytes * cfg.num_layers)
         if num_blocks < 2:

@@ -13,6 +13,7 @@ from torch import nn
 from common.errors import ModelLoadError
 from engine.model import quant
 from engine.model.kernels import cpu_ops
+from engine.model.parallel import ONE, Shard
 
 log = logging.getLogger("splitfire.engine")
 
@@ -61,6 +62,9 @@ class Linear(nn.Module):
         # Weight-only quantized: row blocks (one, or one per format when a checkpoint mixes them).
         self.quantized: list[quant.QuantizedWeight] | None = None
         self.int8_activations = False  # see quant.linear; set for the whole model by the engine
+        # Row-parallel (tensor parallel): this rank multiplies its slice of the input; the partial
+        # outputs are summed over the ranks (the bias, on rank 0 only, is added once).
+        self.reduce: Shard | None = None
 
     def pack_for_cpu(self, keep_original: bool = False) -> None:
         if self.quantized is not None:
@@ -83,10 +87,12 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quantized is not None:
-            return quant.linear(x, self.quantized, self.bias, self.int8_activations)
-        if self.packed is not None:
-            return cpu_linear(x, self.packed, self.bias)
-        return F.linear(x, self.weight, self.bias)
+            out = quant.linear(x, self.quantized, self.bias, self.int8_activations)
+        elif self.packed is not None:
+            out = cpu_linear(x, self.packed, self.bias)
+        else:
+            out = F.linear(x, self.weight, self.bias)
+        return out if self.reduce is None else self.reduce.all_reduce(out)
 
 
 class RMSNorm(nn.Module):
@@ -147,12 +153,17 @@ def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
 
 
 class MLP(nn.Module):
-    """Gated MLP: down(act(gate(x)) * up(x)), gate and up fused into one matmul."""
+    """Gated MLP: down(act(gate(x)) * up(x)), gate and up fused into one matmul. Tensor parallel: this
+    rank's slice of the intermediate size (`columns`), down row-parallel."""
 
-    def __init__(self, hidden: int, intermediate: int, act: str, bias: bool = False):
+    def __init__(self, hidden: int, intermediate: int, act: str, bias: bool = False, shard: Shard = ONE):
         super().__init__()
-        self.gate_up = Linear(hidden, 2 * intermediate, bias=bias)
-        self.down = Linear(intermediate, hidden, bias=bias)
+        self.columns = shard.even(intermediate, "the MLP's intermediate size")
+        local = len(self.columns)
+        self.gate_up = Linear(hidden, 2 * local, bias=bias)
+        self.down = Linear(local, hidden, bias=bias and shard.rank == 0)
+        if shard.parallel:
+            self.down.reduce = shard
         self.act = activation(act)
         self.silu = act == "silu"
 

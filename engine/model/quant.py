@@ -88,6 +88,23 @@ class QuantizedWeight:
         return cls(kind, q.contiguous(), scales.float().contiguous(),
                    None if mins is None else mins.float().contiguous(), k // scales.shape[1])
 
+    def narrow(self, rows: range | None, cols: range | None) -> QuantizedWeight:
+        """Rows and/or columns of the weight (a tensor-parallel rank's slice), still quantized. Columns
+        must fall on group boundaries (whole groups of codes and their scales)."""
+        q, s, m = self.q, self.scales, self.mins
+        if rows is not None:
+            q, s, m = q[rows.start : rows.stop], s[rows.start : rows.stop], None if m is None else m[rows.start : rows.stop]
+        if cols is not None:
+            gs = self.group_size
+            if cols.start % gs or len(cols) % gs:
+                raise ModelLoadError(f"{self.kind} weight {self.shape}: columns {cols.start}..{cols.stop} do not fall on "
+                                     f"its {gs}-column groups (tensor parallel needs whole groups per rank)")
+            per = 2 if self.kind == "int4" else 1  # int4: two codes a byte, 32 columns in 16 bytes
+            q = q[:, cols.start // per : cols.stop // per]
+            s, m = s[:, cols.start // gs : cols.stop // gs], None if m is None else m[:, cols.start // gs : cols.stop // gs]
+        return QuantizedWeight(self.kind, q.contiguous(), s.contiguous(), None if m is None else m.contiguous(),
+                               self.group_size)
+
     def dequantize(self, rows: torch.Tensor | None = None) -> torch.Tensor:
         """float32 [len(rows) or N, K]."""
         n, k = self.shape

@@ -1,0 +1,190 @@
+"""One model across several ranks (tensor parallel, gloo on CPU): every split family equals transformers
+token for token and in its logits, through the whole engine; a rank holds its share of the weights; a rank
+that dies takes its group down at once."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import pytest
+import torch
+from engine_helpers import drain, make_engine
+from grpc_client import generate, greedy
+from hf_models import HFModel, make_hf_model
+from procs import address, start_worker, stop_all
+
+from common.errors import ModelLoadError
+from common.sampling_params import SamplingParams
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+N = 8
+DENSE = ["llama3", "mistral", "qwen2", "qwen3", "gemma3"]
+
+
+def prompts() -> list[list[int]]:
+    # 5, 40 and 90 tokens: inside one block, a few blocks, and longer than every tiny sliding window.
+    return [[(7 * j + 31 * i) % 390 + 3 for j in range(n)] for i, n in enumerate((5, 40, 90))]
+
+
+@pytest.fixture(scope="module", params=DENSE)
+def family(request, tmp_path_factory) -> HFModel:
+    return make_hf_model(request.param, tmp_path_factory.mktemp(request.param) / "model")
+
+
+@pytest.fixture
+def engines():
+    """Engines made in a test, their ranks stopped after it."""
+    made = []
+
+    def make(model_dir, **kw):
+        kw.setdefault("threads", 1)
+        e = make_engine(model_dir, **kw)
+        made.append(e)
+        return e
+
+    yield make
+    for e in made:
+        e.close()
+
+
+def engine_logits(engine, prompt: list[int]) -> torch.Tensor:
+    """Last-position logits of `prompt` through the engine's batch preparation and model, every rank
+    taking part (the step's inputs go to the other ranks as the runner sends them)."""
+    engine.add_request("logits", prompt, SamplingParams(max_tokens=1, temperature=0.0))
+    batch = engine.scheduler.schedule()
+    ids, positions, meta, rows = engine.runner.prepare(batch)
+    if engine.runner.broadcast is not None:
+        engine.runner.broadcast((ids, positions, meta, rows))
+    with torch.inference_mode():
+        hidden = engine.model(ids, positions, engine.kv, meta)
+        out = engine.model.logits(hidden.index_select(0, torch.tensor(rows)))[0]
+    engine.abort("logits")
+    return out
+
+
+def test_two_ranks_equal_transformers_tokens_and_logits(family, engines):
+    engine = engines(family.path, tensor_parallel_size=2)
+    ps = prompts()
+    for i, p in enumerate(ps):
+        engine.add_request(f"r{i}", p, SamplingParams(max_tokens=N, **GREEDY))
+    out = drain(engine)
+    for i, p in enumerate(ps):
+        assert out[f"r{i}"].token_ids == family.greedy(p, N), f"{family.name}: prompt {i} ({len(p)} tokens)"
+    for p in ps:
+        torch.testing.assert_close(engine_logits(engine, p), family.logits(p), atol=1e-4, rtol=1e-4)
+
+
+def test_four_ranks_with_fewer_kv_heads_than_ranks(tmp_path, engines):
+    """2 KV heads over 4 ranks: each KV head is replicated on two ranks, each rank has one query head."""
+    fam = make_hf_model("llama3", tmp_path / "m")
+    engine = engines(fam.path, tensor_parallel_size=4)
+    attn = engine.model.layers[0].attn
+    assert (attn.num_heads, attn.num_kv_heads) == (1, 1)
+    for i, p in enumerate(prompts()):
+        engine.add_request(f"r{i}", p, SamplingParams(max_tokens=N, **GREEDY))
+    out = drain(engine)
+    assert [out[f"r{i}"].token_ids for i in range(3)] == [fam.greedy(p, N) for p in prompts()]
+
+
+def test_chunked_prefill_prefix_hits_and_speculation_under_two_ranks(tmp_path, engines):
+    fam = make_hf_model("qwen3", tmp_path / "m")
+    engine = engines(fam.path, tensor_parallel_size=2, max_num_seqs=4, max_num_batched_tokens=16,
+                     speculative="ngram")
+    first = prompts()[2]
+    engine.add_request("first", first, SamplingParams(max_tokens=N, **GREEDY))
+    assert drain(engine)["first"].token_ids == fam.greedy(first, N)
+    second = first[:60] + [9, 8, 7, 6, 5]  # 3 cached blocks, then new tokens in 16-token chunks
+    repetitive = [11, 12, 13, 14] * 10  # prompt lookup drafts here
+    engine.add_request("second", second, SamplingParams(max_tokens=N, **GREEDY))
+    engine.add_request("rep", repetitive, SamplingParams(max_tokens=N, **GREEDY))
+    out = drain(engine)
+    assert out["second"].cached_tokens == 48
+    assert out["second"].token_ids == fam.greedy(second, N)
+    assert out["rep"].token_ids == fam.greedy(repetitive, N)
+    assert engine.drafter is not None and engine.drafter.drafted > 0
+
+
+def test_quantized_two_ranks_equal_one_rank(tmp_path, engines):
+    """int8 weights quantized per rank (group-wise along each rank's columns) compute what the whole
+    int8 model computes: the same groups, the same codes."""
+    # o: 256 columns, down: 256 columns: 128 a rank, whole groups of the whole row's 128
+    fam = make_hf_model("llama3", tmp_path / "m", intermediate_size=256, head_dim=64)
+    one = engines(fam.path, quantization="int8")
+    two = engines(fam.path, quantization="int8", tensor_parallel_size=2)
+    for e in (one, two):
+        for i, p in enumerate(prompts()):
+            e.add_request(f"r{i}", p, SamplingParams(max_tokens=N, **GREEDY))
+    assert {k: v.token_ids for k, v in drain(one).items()} == {k: v.token_ids for k, v in drain(two).items()}
+
+
+def test_a_rank_holds_its_share_of_the_weights(tmp_path, engines):
+    fam = make_hf_model("llama3", tmp_path / "m", intermediate_size=128, hidden_size=128)
+
+    def nbytes(model) -> tuple[int, int]:
+        total = replicated = 0
+        for name, p in model.named_parameters():
+            n = p.numel() * p.element_size()
+            total += n
+            replicated += n if "norm" in name else 0
+        for m in model.modules():  # oneDNN-packed weights replace their parameters
+            packed = getattr(m, "packed", None)
+            total += packed.numel() * packed.element_size() if packed is not None else 0
+        return total, replicated
+
+    whole, _ = nbytes(engines(fam.path).model)
+    part, replicated = nbytes(engines(fam.path, tensor_parallel_size=2).model)
+    assert part <= whole / 2 + replicated + 64, (part, whole, replicated)
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "deepseek_v3"])
+def test_families_not_split_yet_are_refused_by_name(tmp_path, engines, name):
+    fam = make_hf_model(name, tmp_path / "m")
+    with pytest.raises(ModelLoadError, match="tensor parallel"):
+        engines(fam.path, tensor_parallel_size=2)
+
+
+def test_splitfire_generate_with_two_ranks(tmp_path):
+    from splitfire_cli import main
+
+    fam = make_hf_model("gemma3", tmp_path / "m")
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("".join(json.dumps({"prompt_token_ids": p, "max_tokens": N, **GREEDY}) + "\n" for p in prompts()))
+    rc = main(["generate", "--model", str(fam.path), "--device", "cpu", "--kv-cache-gb", "0.01", "-tp", "2",
+               "--input", str(src), "--output", str(dst), "--quiet"])
+    assert rc == 0
+    assert [json.loads(line)["token_ids"] for line in dst.read_text().splitlines()] == [
+        fam.greedy(p, N) for p in prompts()]
+
+
+async def test_a_served_two_rank_worker_streams_and_dies_with_a_rank(tmp_path):
+    """`splitfire serve -tp 2` answers as transformers does; killing rank 1 mid-decode takes the worker
+    down within seconds, with a log line naming the rank, and the stream fails instead of hanging (the
+    router fails such streams over, as after a kill -9 of the worker)."""
+    import asyncio
+
+    import grpc
+
+    fam = make_hf_model("llama3", tmp_path / "m")
+    worker = start_worker("both", fam.path, tmp_path, "--tensor-parallel-size", "2")
+    try:
+        p = prompts()[1]
+        got = await generate(address(worker), p, greedy(N, ignore_eos=True))
+        assert got.token_ids == fam.greedy(p, N)
+        children = [int(c) for c in open(f"/proc/{worker.popen.pid}/task/{worker.popen.pid}/children").read().split()]
+        ranks = [c for c in children if b"engine.ranks" in open(f"/proc/{c}/cmdline", "rb").read()]
+        assert len(ranks) == 1
+        long = asyncio.create_task(generate(address(worker), p, greedy(900, ignore_eos=True)))
+        await asyncio.sleep(0.5)
+        assert not long.done()
+        os.kill(ranks[0], signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises(grpc.aio.AioRpcError):
+            await asyncio.wait_for(long, 15)
+        assert await asyncio.to_thread(worker.popen.wait, 15) != 0
+        assert time.monotonic() - t0 < 10
+        assert "event=rank_failed rank=1" in worker.log()
+    finally:
+        stop_all(worker)
