@@ -63,6 +63,24 @@ def _fetch(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plan(args: argparse.Namespace) -> int:
+    from common import sizing
+
+    model = sizing.read_model(args.model)
+    device = sizing.DEVICES[args.gpu]
+    if args.tp:
+        layout = sizing.Layout(args.tp, args.pp, args.enable_expert_parallel)
+        print(sizing.render(sizing.plan(model, device, layout, args.quantization, args.kv_cache_dtype)))
+        print()
+    best = sizing.smallest(model, device, args.quantization, args.kv_cache_dtype, args.min_kv_tokens)
+    if best is None:
+        print(f"no layout of up to 64 {device.name} holds {args.min_kv_tokens:,} KV tokens per device")
+        return 1
+    print(f"smallest layout holding {args.min_kv_tokens:,} KV tokens per device:")
+    print(sizing.render(best))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     # Flags only: the worker modules (and torch) are imported by the command that runs one.
     from worker.config import add_engine_args, add_worker_args
@@ -87,6 +105,22 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--output", default="-", help="JSONL file (default stdout)")
     sp.add_argument("--quiet", action="store_true", help="no progress bar")
     sp.set_defaults(func=_generate)
+
+    from common.sizing import DEVICES
+
+    pp = sub.add_parser("plan", help="size a deployment from a model's config.json alone (no weights loaded)")
+    pp.add_argument("--model", required=True, help="a model directory, its config.json, or a built-in name "
+                    "(deepseek-v3, kimi-k2, llama-3.1-70b, llama-3.1-405b, qwen3-235b-a22b, llama-4-scout)")
+    pp.add_argument("--gpu", default="h100-80gb", choices=sorted(DEVICES))
+    pp.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=0,
+                    help="also print this layout (default: only the smallest that fits)")
+    pp.add_argument("--pp", "--pipeline-parallel-size", dest="pp", type=int, default=1)
+    pp.add_argument("--enable-expert-parallel", action="store_true")
+    pp.add_argument("--quantization", choices=["bfloat16", "fp8", "int8", "int4"], default=None,
+                    help="weight format (default: as published: FP8 checkpoints in FP8, else their dtype)")
+    pp.add_argument("--kv-cache-dtype", choices=["bfloat16", "float16", "fp8"], default=None)
+    pp.add_argument("--min-kv-tokens", type=int, default=32768, help="what 'fits' means: KV tokens per device")
+    pp.set_defaults(func=_plan)
 
     mp = sub.add_parser("model", help="model management")
     msub = mp.add_subparsers(dest="model_command", required=True)
