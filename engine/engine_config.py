@@ -46,7 +46,7 @@ class EngineConfig:
     speculative_max_batch: int = 4  # no drafting above this many running sequences (verification costs more)
     tensor_parallel_size: int = 1  # ranks the model is split across (engine/ranks.py, engine/model/parallel.py)
     pipeline_parallel_size: int = 1  # stages of layers (not implemented: refused above 1)
-    enable_expert_parallel: bool = False  # experts partitioned over the ranks (not implemented: refused)
+    enable_expert_parallel: bool = False  # routed experts placed whole over the ranks (else each one split)
 
     def validate(self) -> EngineConfig:
         if self.device not in ("auto", "cpu", "cuda"):
@@ -96,8 +96,9 @@ class EngineConfig:
         if self.pipeline_parallel_size != 1:
             raise ValueError("--pipeline-parallel-size above 1 is not implemented yet; split the model with "
                              "--tensor-parallel-size")
-        if self.enable_expert_parallel:
-            raise ValueError("--enable-expert-parallel is not implemented yet: experts are not split across ranks")
+        if self.enable_expert_parallel and self.tensor_parallel_size == 1:
+            raise ValueError("--enable-expert-parallel places experts over the tensor-parallel ranks: it needs "
+                             "--tensor-parallel-size above 1")
         if self.tensor_parallel_size > 1 and self.speculative == "eagle3":
             raise ValueError("--speculative eagle3 with --tensor-parallel-size above 1 is not supported: the head "
                              "reads the target's embedding, which is split across the ranks; use ngram or draft")

@@ -102,7 +102,7 @@ class RankGroup:
         self.conns: list[Connection] = []
         self._accept(size - 1)
         self.group, self.store = _process_group(self.device, 0, size, port)
-        self.shard = Shard(0, size, self.group)
+        self.shard = Shard(0, size, self.group, config.enable_expert_parallel)
         log.info("event=ranks_started tensor_parallel=%d pids=%s", size, [p.pid for p in self.procs])
 
     def _accept(self, n: int) -> None:
@@ -210,7 +210,7 @@ def follower(rank: int) -> None:
     group, store = _process_group(device, rank, size, spec["port"])
     try:
         model = load_model(spec["model_dir"], device, config.torch_dtype, config.quantization,
-                           shard=Shard(rank, size, group))
+                           shard=Shard(rank, size, group, config.enable_expert_parallel))
     except Exception as e:
         conn.send_bytes(pickle.dumps(f"cannot load its shard: {type(e).__name__}: {e}"))
         raise

@@ -16,12 +16,14 @@ every number comes from this one run.
     python -m loadtest.bench_engine --gemm              # one quantized matmul: C tiles vs panel GEMM vs float GEMM
     python -m loadtest.bench_engine --kv-dtypes         # float32 vs float16 KV cache: decode speed, perplexity
     python -m loadtest.bench_engine --mla               # DeepSeek-V3 latent attention: absorbed vs up-projecting
+    python -m loadtest.bench_engine --parallel          # tensor parallel: TP=2 (a thread a rank) vs TP=1
     python -m loadtest.bench_engine --quant --vs-llama-server /path/to/llama-server
 """
 
 from __future__ import annotations
 
 import argparse
+import random
 import statistics
 import sys
 import time
@@ -182,6 +184,46 @@ def weight_bytes(model: torch.nn.Module) -> int:
         if isinstance(m, Experts) and m.packed is not None:
             total += sum(size(w) for w in m.packed[0] + m.packed[1])
     return total
+
+
+def main_parallel(args: argparse.Namespace) -> int:
+    """Tensor parallel on this machine's cores: decode tok/s at batch 1 and 16 of TP=2 (one thread a
+    rank, two processes) against TP=1 (the same threads in one process), on the same-size random Llama
+    (`random_models.SHAPE`), rounds interleaved; and the bytes all-reduced per token beside the minimum."""
+    from loadtest.random_models import SHAPE, model_dir
+
+    path = model_dir("llama")
+    threads = args.threads
+    layouts = {"TP=1": dict(threads=threads), f"TP={threads}": dict(threads=1, tensor_parallel_size=threads)}
+    engines = {name: LLMEngine(EngineConfig(model=str(path), device="cpu", max_num_seqs=32, kv_cache_gb=1.0,
+                                            speculative="off", **kw)) for name, kw in layouts.items()}
+    batches = [1, 16]
+    rng = random.Random(0)
+    samples: dict[str, dict[int, list[float]]] = {n: {b: [] for b in batches} for n in engines}
+    try:
+        for r in tqdm(range(args.rounds), desc="rounds", file=sys.stderr):
+            for b in batches:
+                prompts = [[rng.randrange(3, 30000) for _ in range(64)] for _ in range(b)]
+                for name, eng in engines.items():
+                    sp = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+                    samples[name][b].append(decode_rate(eng, prompts, sp, f"{name}-{r}-{b}"))
+    finally:
+        for eng in engines.values():
+            eng.close()
+    hidden, layers = SHAPE["hidden_size"], SHAPE["num_hidden_layers"]
+    n = threads
+    minimum = 2 * layers * hidden * 4  # two all-reduces of a float32 hidden state per layer
+    ring = minimum * 2 * (n - 1) / n + hidden * 4 * 2 * (n - 1) / n  # + the embedding's; each a ring all-reduce
+    print(f"\nrandom Llama (hidden {hidden}, {layers} layers, float32), {threads} cores, medians of {args.rounds}")
+    print(f"{'decode tok/s':<16}" + "".join(f"{n:>12}" for n in engines) + f"{'ratio':>10}")
+    names = list(engines)
+    for b in batches:
+        med = [statistics.median(samples[nm][b]) for nm in names]
+        print(f"{'batch ' + str(b):<16}" + "".join(f"{m:>12.1f}" for m in med) + f"{med[1] / med[0]:>10.2f}")
+    print(f"bytes all-reduced per token per rank: {ring:,.0f} sent (ring), minimum 2 x layers x hidden x 4 = "
+          f"{minimum:,}; plus the logits' all-gather ({SHAPE['vocab_size'] // n * 4 * (n - 1):,} B received "
+          "per sampled token)")
+    return 0
 
 
 def main_families(args: argparse.Namespace) -> int:
@@ -370,6 +412,7 @@ def main() -> int:
     p.add_argument("--dtypes", default="float32", help="our engine's dtypes, comma-separated")
     p.add_argument("--no-transformers", action="store_true")
     p.add_argument("--families", action="store_true", help="every family on same-size random weights")
+    p.add_argument("--parallel", action="store_true", help="tensor parallel: TP=threads (a thread a rank) vs TP=1")
     p.add_argument("--family-list", default="", help="with --families: a comma-separated subset")
     p.add_argument("--quantizations", default="none", help="with --families: none,int8,int4 variants of each family")
     p.add_argument("--grammar", action="store_true", help="json_schema-constrained vs free decode, compile time")
@@ -420,6 +463,8 @@ def main() -> int:
         return main_grammar(args)
     if args.speculative:
         return main_speculative(args)
+    if args.parallel:
+        return main_parallel(args)
 
     cols: dict[str, dict[str, float]] = {}
     model_dir = ""

@@ -120,6 +120,29 @@ def test_quantized_two_ranks_equal_one_rank(tmp_path, engines):
     assert {k: v.token_ids for k, v in drain(one).items()} == {k: v.token_ids for k, v in drain(two).items()}
 
 
+def test_quantized_gguf_two_ranks_equal_one_rank(tmp_path, engines, monkeypatch):
+    """A Q4_0 GGUF (Q8_0 embedding) split in whole 32-weight blocks computes what it computes on one
+    device, its codes never inflated to float."""
+    pytest.importorskip("gguf")
+    from gguf_writer import write_gguf
+
+    from engine.loading.model_store import resolve_model
+
+    monkeypatch.setenv("SPLITFIRE_HOME", str(tmp_path / "home"))
+    fam = make_hf_model("qwen3", tmp_path / "hf", intermediate_size=128)  # down: 64 columns a rank, 2 blocks
+    path = tmp_path / "q4.gguf"
+    write_gguf(fam.path, path, quantize="Q4_0", embedding_quantize="Q8_0")
+    model_dir = resolve_model(str(path))
+    one = engines(model_dir, cpu_activations="float")
+    two = engines(model_dir, cpu_activations="float", tensor_parallel_size=2)
+    assert two.model.layers[0].mlp.down.quantized[0].kind == "int4"
+    assert two.model.embed_quantized is not None
+    for e in (one, two):
+        for i, p in enumerate(prompts()):
+            e.add_request(f"r{i}", p, SamplingParams(max_tokens=N, **GREEDY))
+    assert {k: v.token_ids for k, v in drain(one).items()} == {k: v.token_ids for k, v in drain(two).items()}
+
+
 def test_a_rank_holds_its_share_of_the_weights(tmp_path, engines):
     fam = make_hf_model("llama3", tmp_path / "m", intermediate_size=128, hidden_size=128)
 
@@ -139,7 +162,27 @@ def test_a_rank_holds_its_share_of_the_weights(tmp_path, engines):
     assert part <= whole / 2 + replicated + 64, (part, whole, replicated)
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe", "deepseek_v3"])
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("expert_parallel", [False, True])
+def test_mixture_of_experts_over_two_ranks_equals_transformers(tmp_path, engines, name, expert_parallel):
+    """Every expert split across the ranks, or (expert parallel) each rank holding half of the experts
+    whole; shared experts (Qwen2-MoE's, gated) split; routing identical to one device."""
+    fam = make_hf_model(name, tmp_path / "m")
+    engine = engines(fam.path, tensor_parallel_size=2, enable_expert_parallel=expert_parallel)
+    moe = next(layer.mlp for layer in engine.model.layers if hasattr(layer.mlp, "local"))
+    if expert_parallel:
+        assert len(moe.local) == moe.cfg.num_experts // 2
+    else:
+        assert len(moe.columns) == moe.cfg.intermediate_size // 2
+    for i, p in enumerate(prompts()):
+        engine.add_request(f"r{i}", p, SamplingParams(max_tokens=N, **GREEDY))
+    out = drain(engine)
+    assert [out[f"r{i}"].token_ids for i in range(3)] == [fam.greedy(p, N) for p in prompts()]
+    for p in prompts()[:2]:
+        torch.testing.assert_close(engine_logits(engine, p), fam.logits(p), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["deepseek_v3", "deepseek_v2"])
 def test_families_not_split_yet_are_refused_by_name(tmp_path, engines, name):
     fam = make_hf_model(name, tmp_path / "m")
     with pytest.raises(ModelLoadError, match="tensor parallel"):

@@ -132,7 +132,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="stages of layers (not implemented yet: only 1)")
     g.add_argument("--enable-expert-parallel", action="store_true",
                    default=_env("enable_expert_parallel", "") not in ("", "0"),
-                   help="partition routed experts over the ranks (not implemented yet)")
+                   help="place routed experts whole over the tensor-parallel ranks (default: split each expert)")
     g.add_argument("--speculative", default=_env("speculative", "off"), choices=["off", "ngram", "draft", "eagle3"],
                    help="speculative decoding: ngram = prompt lookup (drafts copied from earlier "
                         "text), draft = a smaller model of the same tokenizer (--draft-model), eagle3 = an EAGLE-3 "

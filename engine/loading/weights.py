@@ -371,7 +371,7 @@ def _load_block(load: _Loader, cfg: ModelConfig, layer: Block, p: str, shard: Sh
     else:
         _load_attention(load, cfg, layer, p, shard)
     if isinstance(layer.mlp, MoE):
-        _load_moe(load, cfg, layer.mlp, p)
+        _load_moe(load, cfg, layer.mlp, p, shard)
     else:
         assert isinstance(layer.mlp, MLP)
         load.mlp(layer.mlp, p + "mlp.", ("gate_proj", "up_proj", "down_proj"), bias=cfg.mlp_bias, shard=shard)
@@ -445,42 +445,61 @@ def _permute_rows(lin: Linear, rows: torch.Tensor, p: str) -> None:
     lin.weight.copy_(lin.weight[rows])
 
 
-def _load_moe(load: _Loader, cfg: ModelConfig, moe: MoE, p: str) -> None:
+def _load_moe(load: _Loader, cfg: ModelConfig, moe: MoE, p: str, shard: Shard = ONE) -> None:
     """Experts as checkpoints store them: one tensor per expert and projection (Qwen: gate/up/down_proj,
     Mixtral: w1/w3/w2 under block_sparse_moe), or already stacked (`experts.gate_up_proj` [E, 2I, H],
-    `experts.down_proj` [E, H, I], as transformers 5 holds them in memory)."""
+    `experts.down_proj` [E, H, I], as transformers 5 holds them in memory). Tensor parallel: this rank's
+    experts (`moe.local`, expert parallel) or every expert's slice of the intermediate size (`moe.columns`)."""
     ckpt = load.ckpt
     mixtral = ckpt.has(p + "block_sparse_moe.gate.weight")
     prefix = p + ("block_sparse_moe." if mixtral else "mlp.")
     load.copy(moe.router.weight, prefix + "gate.weight")
     ex = moe.experts
+    hidden, inter = cfg.hidden_size, moe.cfg.intermediate_size
+    cols = moe.columns
+    split = len(cols) < inter  # (each expert's intermediate size split across the ranks)
     if ckpt.has(prefix + "experts.gate_up_proj"):
-        load.copy(ex.gate_up, prefix + "experts.gate_up_proj")
-        load.copy(ex.down, prefix + "experts.down_proj")
+        if not shard.parallel:
+            load.copy(ex.gate_up, prefix + "experts.gate_up_proj")
+            load.copy(ex.down, prefix + "experts.down_proj")
+        else:  # (stacked: read whole, this rank's experts / columns kept)
+            gu, dn = ckpt.get(prefix + "experts.gate_up_proj"), ckpt.get(prefix + "experts.down_proj")
+            local = slice(moe.local.start, moe.local.stop)
+            gu, dn = gu[local], dn[local]
+            ex.gate_up.copy_(torch.cat([gu[:, cols.start : cols.stop], gu[:, inter + cols.start : inter + cols.stop]], 1))
+            ex.down.copy_(dn[:, :, cols.start : cols.stop])
     else:
         gate, up, down = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
-        names = [tuple(f"{prefix}experts.{e}.{n}.weight" for n in (gate, up, down)) for e in range(ex.num_experts)]
+        names = [tuple(f"{prefix}experts.{e}.{n}.weight" for n in (gate, up, down)) for e in moe.local]
+        rows_part = Part((inter, hidden), rows=cols) if split else None
+        down_part = Part((hidden, inter), cols=cols) if split else None
+        for e in range(moe.cfg.num_experts):  # another rank's experts: deliberately not read here
+            if e not in moe.local:
+                for n in (gate, up, down):
+                    for suffix in ("", *quant.SUFFIXES):
+                        ckpt.skip(f"{prefix}experts.{e}.{n}.weight{suffix}")
         if any(load.is_quantized(n) for trio in names for n in trio):
             # Stored quantized (a converted GGUF): kept quantized, expert by expert.
-            inter, hidden = ex.down.shape[2], ex.down.shape[1]
+            local_inter = len(cols)
             gate_up = []
             for g, u, _ in names:
-                parts = [load.as_quantized(g, (inter, hidden)), load.as_quantized(u, (inter, hidden))]
+                parts = [load.as_quantized(g, (local_inter, hidden), part=rows_part),
+                         load.as_quantized(u, (local_inter, hidden), part=rows_part)]
                 merged = quant.concat_rows(parts)
                 if merged is None:  # gate and up in different formats: one int8 weight for both
                     w = torch.cat([p.dequantize() for p in parts])
                     merged = quant.quantize(w, "int8", quant.group_size_for(hidden, "int8"))
                 gate_up.append(merged)
-            ex.set_quantized(gate_up, [load.as_quantized(d, (hidden, inter)) for _, _, d in names])
+            ex.set_quantized(gate_up, [load.as_quantized(d, (hidden, local_inter), part=down_part) for _, _, d in names])
         else:
             for e, (g, u, d) in enumerate(names):
-                load.fused(ex.gate_up[e], [g, u])
-                load.copy(ex.down[e], d)
+                load.fused(ex.gate_up[e], [g, u], parts=[rows_part, rows_part] if split else None)
+                load.copy(ex.down[e], d, part=down_part)
     if moe.score_bias is not None:
         load.copy(moe.score_bias, prefix + "gate.e_score_correction_bias")
     if moe.shared is not None:
         # Qwen2-MoE: one gated shared expert; DeepSeek-V3: `n_shared_experts` fused into one MLP, ungated.
         load.mlp(moe.shared, prefix + ("shared_expert." if moe.shared_gate is not None else "shared_experts."),
-                 ("gate_proj", "up_proj", "down_proj"))
+                 ("gate_proj", "up_proj", "down_proj"), shard=shard)
     if moe.shared_gate is not None:
         load.copy(moe.shared_gate.weight, prefix + "shared_expert_gate.weight")

@@ -156,13 +156,16 @@ class MLP(nn.Module):
     """Gated MLP: down(act(gate(x)) * up(x)), gate and up fused into one matmul. Tensor parallel: this
     rank's slice of the intermediate size (`columns`), down row-parallel."""
 
-    def __init__(self, hidden: int, intermediate: int, act: str, bias: bool = False, shard: Shard = ONE):
+    def __init__(self, hidden: int, intermediate: int, act: str, bias: bool = False, shard: Shard = ONE,
+                 reduce: bool = True):
+        """`reduce` False: a row-parallel down's partial output is left for the caller to sum (a MoE's
+        shared expert, summed with the routed experts' part in one all-reduce)."""
         super().__init__()
         self.columns = shard.even(intermediate, "the MLP's intermediate size")
         local = len(self.columns)
         self.gate_up = Linear(hidden, 2 * local, bias=bias)
         self.down = Linear(local, hidden, bias=bias and shard.rank == 0)
-        if shard.parallel:
+        if shard.parallel and reduce:
             self.down.reduce = shard
         self.act = activation(act)
         self.silu = act == "silu"

@@ -21,6 +21,7 @@ from engine.model import quant
 from engine.model.kernels import kernels
 from engine.model.layers import MLP, Linear, activation, cpu_linear, pack_weight
 from engine.model.model_config import ModelConfig
+from engine.model.parallel import ONE, Shard
 
 
 def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -58,10 +59,11 @@ def route_grouped(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, n
 
 
 def sort_by_expert(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, list[int]]:
-    """Order of the flattened (token, choice) pairs grouped by expert, and each expert's count."""
+    """Order of the flattened (token, choice) pairs grouped by expert, and each expert's count. An id of
+    `num_experts` (expert parallel: another rank's expert) sorts last, into a count of its own."""
     flat = ids.flatten()
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=num_experts).tolist()  # the step's one host sync
+    counts = torch.bincount(flat, minlength=num_experts + 1).tolist()  # the step's one host sync
     return order, counts
 
 
@@ -76,12 +78,13 @@ def grouped_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, n
     """
     k = ids.shape[1]
     order, counts = sort_by_expert(ids, num_experts)
+    order = order[: len(order) - counts[num_experts]]  # (pairs of experts another rank holds: not here)
     token_of = order // k
     rows = x.index_select(0, token_of)
     w = weights.flatten().index_select(0, order).unsqueeze(1).to(x.dtype)
     out_rows = torch.empty_like(rows)
     start = 0
-    for e, n in enumerate(counts):
+    for e, n in enumerate(counts[:num_experts]):
         if n == 0:
             continue
         gate, up = gate_up(e, rows[start : start + n]).chunk(2, dim=-1)
@@ -114,6 +117,9 @@ class Experts(nn.Module):
         self.quantized: tuple[list[quant.QuantizedWeight], list[quant.QuantizedWeight]] | None = None
         # The same quantized experts stacked per projection, where the grouped GPU kernel runs them.
         self.stacked: tuple[quant.QuantizedStack, quant.QuantizedStack] | None = None
+        # Expert parallel: some tokens' choices are another rank's experts (the grouped torch path skips
+        # them; the Triton kernel does not know them yet, so it is not used).
+        self.partial = False
 
     def set_quantized(self, gate_up: list[quant.QuantizedWeight], down: list[quant.QuantizedWeight]) -> None:
         """Run from quantized experts; the stacked float weights are freed."""
@@ -153,7 +159,7 @@ class Experts(nn.Module):
         self.gate_up = self.down = None  # type: ignore[assignment]
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        fused = kernels("moe_triton", x.device.type)
+        fused = kernels("moe_triton", x.device.type) if not self.partial else None
         if self.stacked is not None and fused is not None:
             return fused.fused_experts(x, ids, weights, *self.stacked, self.act)
         if self.quantized is not None:
@@ -170,19 +176,32 @@ class Experts(nn.Module):
 
 
 class MoE(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    """Tensor parallel (every rank holds every token's hidden state): each rank computes its part —
+    with expert parallel its `local` experts whole, else every expert's slice of the intermediate
+    size (and of the shared experts') — and one all-reduce sums the parts. With expert parallel the
+    dispatch is a rank keeping the (token, expert) pairs of its experts, and the combine is that
+    all-reduce: an all-to-all would only pay off with data-parallel attention (tokens not replicated)."""
+
+    def __init__(self, cfg: ModelConfig, shard: Shard = ONE, expert_parallel: bool = False):
         super().__init__()
         m = cfg.moe
         assert m is not None
         self.cfg = m
+        self.shard = shard
+        self.local = shard.even(m.num_experts, "the routed experts") if expert_parallel else range(m.num_experts)
+        self.columns = range(m.intermediate_size) if expert_parallel else shard.even(
+            m.intermediate_size, "the experts' intermediate size")
         self.router = Linear(cfg.hidden_size, m.num_experts)
         if m.grouped:
             self.router.float()  # scored in float32 whatever the model dtype, as the reference does
         # DeepSeek-V3's expert-choice bias, kept in float32 (the checkpoint's dtype for it).
         self.score_bias = (nn.Parameter(torch.zeros(m.num_experts, dtype=torch.float32), requires_grad=False)
                            if m.scoring == "sigmoid" else None)
-        self.experts = Experts(m.num_experts, cfg.hidden_size, m.intermediate_size, cfg.activation)
-        self.shared = MLP(cfg.hidden_size, m.shared_intermediate_size, cfg.activation) if m.shared_intermediate_size else None
+        self.experts = Experts(len(self.local), cfg.hidden_size, len(self.columns), cfg.activation)
+        self.experts.partial = expert_parallel and shard.parallel
+        # (The shared expert's down is not reduced on its own: the MoE's one all-reduce sums it too.)
+        self.shared = (MLP(cfg.hidden_size, m.shared_intermediate_size, cfg.activation, shard=shard, reduce=False)
+                       if m.shared_intermediate_size else None)
         self.shared_gate = Linear(cfg.hidden_size, 1) if m.shared_intermediate_size and m.shared_gated else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -192,10 +211,13 @@ class MoE(nn.Module):
                                          m.renormalize, m.routed_scale, m.scoring)
         else:
             weights, ids = route(self.router(x), m.top_k, m.renormalize)
+        if len(self.local) < m.num_experts:  # expert parallel: another rank's experts sort past this rank's
+            first, n = self.local.start, len(self.local)
+            ids = torch.where((ids >= first) & (ids < first + n), ids - first, torch.full_like(ids, n))
         # Routing weights are applied in the activations' dtype (Qwen's order; Mixtral's transformers
         # code multiplies in float32: the difference is within bfloat16's own rounding).
         out = self.experts(x, ids, weights.to(x.dtype))
         if self.shared is not None:
             shared = self.shared(x)
             out = out + (torch.sigmoid(self.shared_gate(x)) * shared if self.shared_gate is not None else shared)
-        return out
+        return self.shard.all_reduce(out) if self.shard.parallel else out

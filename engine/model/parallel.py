@@ -28,6 +28,7 @@ class Shard:
     rank: int = 0
     size: int = 1
     group: Any = None  # the ranks' torch.distributed ProcessGroup object (None when size is 1; `engine/ranks.py`)
+    expert_parallel: bool = False  # routed experts placed whole on the ranks, instead of each split (moe.MoE)
 
     @property
     def parallel(self) -> bool:
