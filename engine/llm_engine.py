@@ -115,8 +115,8 @@ class LLMEngine:
         self.model_config = ModelConfig.from_dir(self.model_dir)
         self.tokenizer = Tokenizer(self.model_dir)
         # Tensor parallel: the other ranks start loading their shards while this one loads its own.
-        self.ranks = RankGroup(config, self.model_dir, config.tensor_parallel_size) if (
-            config.tensor_parallel_size > 1) else None
+        self.ranks = RankGroup(config, self.model_dir, config.tensor_parallel_size, self.model_config.hidden_size,
+                               self.model_config.vocab_size) if config.tensor_parallel_size > 1 else None
         shard = self.ranks.shard if self.ranks is not None else ONE
         if self.ranks is not None and self.device.type == "cpu":
             torch.set_num_threads(threads_per_rank(config, config.tensor_parallel_size))

@@ -40,6 +40,12 @@ import torch
 
 from common.errors import EngineError
 from engine.engine_config import EngineConfig
+from engine.model.collectives import (
+    Collectives,
+    ProcessGroupCollectives,
+    SharedMemoryCollectives,
+    shared_memory_supported,
+)
 from engine.model.kv_cache import KVCache, KVLayout
 from engine.model.parallel import Shard
 
@@ -75,6 +81,36 @@ def _process_group(device: torch.device, rank: int, size: int, port: int) -> tup
     return group, store
 
 
+class _NotYet:
+    """A shared-memory group's fallback until the process group exists (nothing runs before it does)."""
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("collective before the process group exists")
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("collective before the process group exists")
+
+
+def _collectives(group: Any, size: int, shm: SharedMemoryCollectives | None) -> Collectives:
+    reference = ProcessGroupCollectives(group, size)
+    if shm is None:
+        return reference
+    shm.fallback = reference
+    return shm
+
+
+def _shared_memory_slot(config: EngineConfig, size: int, hidden: int, vocab: int) -> int:
+    """Bytes of a rank's slot for the shared-memory collectives (0: use the process group): the largest
+    all-reduce (a step's tokens x hidden) or logits all-gather (a step's sampled rows x the rank's
+    vocabulary slice) in float32, capped at 64 MiB (larger ones go through the process group).
+    SPLITFIRE_TP_COLLECTIVES=gloo turns them off."""
+    if (config.torch_device.type != "cpu" or not shared_memory_supported() or not hidden
+            or os.environ.get("SPLITFIRE_TP_COLLECTIVES", "shm") == "gloo"):
+        return 0
+    rows = config.max_num_batched_tokens
+    return min(max(rows * hidden, config.max_num_seqs * -(-vocab // size)) * 4, 64 * 2**20)
+
+
 def threads_per_rank(config: EngineConfig, size: int) -> int:
     """CPU threads each rank computes with: --threads, else this process's cores shared out evenly."""
     if config.threads:
@@ -85,7 +121,8 @@ def threads_per_rank(config: EngineConfig, size: int) -> int:
 class RankGroup:
     """Rank 0's side: starts the other ranks, sends them each step, stops them."""
 
-    def __init__(self, config: EngineConfig, model_dir: Path, size: int):
+    def __init__(self, config: EngineConfig, model_dir: Path, size: int, hidden: int = 0, vocab: int = 0):
+        """`hidden`, `vocab`: the model's, to size the shared-memory collectives' slots."""
         self.size = size
         self.device = config.torch_device
         self.closing = False
@@ -93,8 +130,18 @@ class RankGroup:
         self.key = secrets.token_bytes(16)
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.listener.settimeout(1.0)
+        self.shm: SharedMemoryCollectives | None = None
+        shm = _shared_memory_slot(config, size, hidden, vocab)
+        if shm:
+            name = f"sf-tp-{os.getpid()}-{secrets.token_hex(4)}"
+            try:
+                self.shm = SharedMemoryCollectives(name, 0, size, shm, _NotYet(), create=True)
+            except OSError as e:  # (a small /dev/shm, e.g. a container's 64 MB)
+                log.warning("event=tp_shared_memory_off bytes=%d error=%s (collectives through gloo)",
+                            2 * size * shm, e)
         spec = {"config": dataclasses.asdict(config), "model_dir": str(model_dir), "size": size, "port": port,
-                "address": list(self.listener.getsockname()), "key": self.key.hex()}
+                "address": list(self.listener.getsockname()), "key": self.key.hex(),
+                "shm": [self.shm.shm.name, self.shm.slot_bytes] if self.shm is not None else None}
         env = {**os.environ, "SPLITFIRE_RANK_SPEC": json.dumps(spec)}
         self.procs: list[subprocess.Popen] = []
         for rank in range(1, size):
@@ -102,7 +149,7 @@ class RankGroup:
         self.conns: list[Connection] = []
         self._accept(size - 1)
         self.group, self.store = _process_group(self.device, 0, size, port)
-        self.shard = Shard(0, size, self.group, config.enable_expert_parallel)
+        self.shard = Shard(0, size, _collectives(self.group, size, self.shm), config.enable_expert_parallel)
         log.info("event=ranks_started tensor_parallel=%d pids=%s", size, [p.pid for p in self.procs])
 
     def _accept(self, n: int) -> None:
@@ -186,6 +233,8 @@ class RankGroup:
             except subprocess.TimeoutExpired:
                 p.kill()
         self.listener.close()
+        if self.shm is not None:
+            self.shm.close()
         self.group = self.store = None
 
 
@@ -208,9 +257,11 @@ def follower(rank: int) -> None:
     device = config.torch_device
     torch.set_num_threads(threads_per_rank(config, size))
     group, store = _process_group(device, rank, size, spec["port"])
+    shm = (SharedMemoryCollectives(spec["shm"][0], rank, size, spec["shm"][1], _NotYet(), create=False)
+           if spec["shm"] else None)
     try:
         model = load_model(spec["model_dir"], device, config.torch_dtype, config.quantization,
-                           shard=Shard(rank, size, group, config.enable_expert_parallel))
+                           shard=Shard(rank, size, _collectives(group, size, shm), config.enable_expert_parallel))
     except Exception as e:
         conn.send_bytes(pickle.dumps(f"cannot load its shard: {type(e).__name__}: {e}"))
         raise
@@ -232,6 +283,8 @@ def follower(rank: int) -> None:
             hidden = model(ids, positions, kv, meta)
             if rows:
                 model.logits(hidden.index_select(0, torch.tensor(rows, dtype=torch.long, device=device)))
+    if shm is not None:
+        shm.close()
     del group, store
 
 

@@ -77,6 +77,61 @@ def test_two_ranks_equal_transformers_tokens_and_logits(family, engines):
         torch.testing.assert_close(engine_logits(engine, p), family.logits(p), atol=1e-4, rtol=1e-4)
 
 
+def test_shared_memory_collectives_equal_the_process_group(tmp_path, engines, monkeypatch):
+    """The fast path (shared memory, the default on CPU) and its reference (gloo) give the same tokens and
+    logits, chunked prefill included."""
+    fam = make_hf_model("llama3", tmp_path / "m")
+    from engine.model.collectives import ProcessGroupCollectives, SharedMemoryCollectives
+
+    shm = engines(fam.path, tensor_parallel_size=2, max_num_seqs=2, max_num_batched_tokens=8)
+    assert isinstance(shm.model.shard.group, SharedMemoryCollectives)
+    monkeypatch.setenv("SPLITFIRE_TP_COLLECTIVES", "gloo")
+    ref = engines(fam.path, tensor_parallel_size=2, max_num_seqs=2, max_num_batched_tokens=8)
+    assert isinstance(ref.model.shard.group, ProcessGroupCollectives)
+    for e in (shm, ref):
+        for i, p in enumerate(prompts()):
+            e.add_request(f"r{i}", p, SamplingParams(max_tokens=N, **GREEDY))
+    assert {k: v.token_ids for k, v in drain(shm).items()} == {k: v.token_ids for k, v in drain(ref).items()}
+    for p in (prompts()[0], prompts()[1][:8]):
+        torch.testing.assert_close(engine_logits(shm, p), engine_logits(ref, p), atol=1e-5, rtol=1e-5)
+
+
+RANK_1 = """
+import sys, torch
+from engine.model.collectives import ProcessGroupCollectives, SharedMemoryCollectives
+from engine.ranks import _process_group
+group, store = _process_group(torch.device("cpu"), 1, 2, int(sys.argv[1]))
+c = SharedMemoryCollectives(sys.argv[2], 1, 2, 4096, ProcessGroupCollectives(group, 2), create=False)
+for n in (3, 1000, 5000):  # 5000 floats: past the 4096-byte slot, through gloo
+    x = torch.arange(n, dtype=torch.float32) * 2
+    c.all_reduce(x)
+    g = c.all_gather(torch.full((2, n % 7 + 1), 5.0))
+c.close()
+"""
+
+
+def test_shared_memory_collectives_sum_and_gather_with_the_fallback_past_a_slot(tmp_path):
+    import subprocess
+    import sys
+
+    from engine.model.collectives import ProcessGroupCollectives, SharedMemoryCollectives
+    from engine.ranks import _free_port, _process_group
+
+    port, name = _free_port(), f"sf-test-{os.getpid()}"
+    c = SharedMemoryCollectives(name, 0, 2, 4096, None, create=True)  # type: ignore[arg-type]
+    other = subprocess.Popen([sys.executable, "-c", RANK_1, str(port), name])
+    group, _store = _process_group(torch.device("cpu"), 0, 2, port)  # (the store must outlive the group)
+    c.fallback = ProcessGroupCollectives(group, 2)
+    for n in (3, 1000, 5000):
+        x = torch.arange(n, dtype=torch.float32)
+        assert c.all_reduce(x) is x
+        assert torch.equal(x, torch.arange(n, dtype=torch.float32) * 3)
+        g = c.all_gather(torch.full((2, n % 7 + 1), 1.0))
+        assert torch.equal(g, torch.cat([torch.full((2, n % 7 + 1), 1.0), torch.full((2, n % 7 + 1), 5.0)], -1))
+    assert other.wait(30) == 0
+    c.close()
+
+
 def test_four_ranks_with_fewer_kv_heads_than_ranks(tmp_path, engines):
     """2 KV heads over 4 ranks: each KV head is replicated on two ranks, each rank has one query head."""
     fam = make_hf_model("llama3", tmp_path / "m")

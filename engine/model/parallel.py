@@ -14,11 +14,11 @@ replicated on `size / kv_heads` ranks (a rank's query heads all read one KV head
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from common.errors import ModelLoadError
+from engine.model.collectives import Collectives
 
 
 @dataclass(frozen=True)
@@ -27,7 +27,7 @@ class Shard:
 
     rank: int = 0
     size: int = 1
-    group: Any = None  # the ranks' torch.distributed ProcessGroup object (None when size is 1; `engine/ranks.py`)
+    group: Collectives | None = None  # the ranks' collectives (None when size is 1; `collectives.py`, `engine/ranks.py`)
     expert_parallel: bool = False  # routed experts placed whole on the ranks, instead of each split (moe.MoE)
 
     @property
@@ -63,17 +63,13 @@ class Shard:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum of `x` over the ranks, in place (`x` contiguous)."""
-        if self.size > 1:
-            self.group.allreduce([x]).wait()
+        if self.group is not None:
+            self.group.all_reduce(x)
         return x
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         """The ranks' `x` side by side along the last dimension (rank order)."""
-        if self.size == 1:
-            return x
-        parts = [torch.empty_like(x) for _ in range(self.size)]
-        self.group.allgather([parts], [x.contiguous()]).wait()
-        return torch.cat(parts, dim=-1)
+        return x if self.group is None else self.group.all_gather(x)
 
 
 ONE = Shard()
