@@ -238,10 +238,25 @@ def test_mixture_of_experts_over_two_ranks_equals_transformers(tmp_path, engines
 
 
 @pytest.mark.parametrize("name", ["deepseek_v3", "deepseek_v2"])
-def test_families_not_split_yet_are_refused_by_name(tmp_path, engines, name):
+@pytest.mark.parametrize("expert_parallel", [False, True])
+def test_latent_attention_over_two_ranks_equals_transformers(tmp_path, engines, name, expert_parallel):
+    """DeepSeek-V3 (q LoRA, sigmoid grouped routing, shared expert) and V2 (plain q projection, softmax
+    groups): heads split, the latent cache whole on each rank, experts split or placed."""
     fam = make_hf_model(name, tmp_path / "m")
-    with pytest.raises(ModelLoadError, match="tensor parallel"):
-        engines(fam.path, tensor_parallel_size=2)
+    engine = engines(fam.path, tensor_parallel_size=2, enable_expert_parallel=expert_parallel)
+    assert engine.model.layers[0].attn.heads == fam.config["num_attention_heads"] // 2
+    for i, p in enumerate(prompts()):
+        engine.add_request(f"r{i}", p, SamplingParams(max_tokens=N, **GREEDY))
+    out = drain(engine)
+    assert [out[f"r{i}"].token_ids for i in range(3)] == [fam.greedy(p, N) for p in prompts()]
+    for p in prompts()[:2]:
+        torch.testing.assert_close(engine_logits(engine, p), fam.logits(p), atol=1e-4, rtol=1e-4)
+
+
+def test_a_split_that_does_not_divide_is_refused_by_name(tmp_path, engines):
+    fam = make_hf_model("llama3", tmp_path / "m")  # 4 heads
+    with pytest.raises(ModelLoadError, match="tensor parallel size 3 does not divide the attention heads"):
+        engines(fam.path, tensor_parallel_size=3)
 
 
 def test_splitfire_generate_with_two_ranks(tmp_path):

@@ -367,7 +367,7 @@ def _load_block(load: _Loader, cfg: ModelConfig, layer: Block, p: str, shard: Sh
         load.norm(layer.mlp_norm, p + "post_attention_layernorm.weight")
 
     if isinstance(layer.attn, MLAttention):
-        _load_mla(load, cfg, layer.attn, p + "self_attn.")
+        _load_mla(load, cfg, layer.attn, p + "self_attn.", shard)
     else:
         _load_attention(load, cfg, layer, p, shard)
     if isinstance(layer.mlp, MoE):
@@ -407,30 +407,46 @@ def _load_attention(load: _Loader, cfg: ModelConfig, layer: Block, p: str, shard
         load.norm(a.k_norm, p + "self_attn.k_norm.weight", rope_interleaved=True)
 
 
-def _load_mla(load: _Loader, cfg: ModelConfig, a: MLAttention, p: str) -> None:
+def _load_mla(load: _Loader, cfg: ModelConfig, a: MLAttention, p: str, shard: Shard = ONE) -> None:
     """q_a (or q) and kv_a_proj_with_mqa fused into one matmul; RoPE rows reordered to interleaved pairs
-    unless the checkpoint has them so (`rope_interleave`)."""
+    unless the checkpoint has them so (`rope_interleave`). Tensor parallel: this rank's heads' rows of a
+    plain q projection, q_b and kv_b, and their columns of o; q_a and kv_a whole."""
     m = cfg.mla
     assert m is not None
     qk = m.qk_nope_head_dim + m.qk_rope_head_dim
     half_split = not m.rope_interleaved
+    heads, hidden = a.head_range, cfg.hidden_size
+
+    def head_rows(per_head: int) -> range:
+        return range(heads.start * per_head, heads.stop * per_head)
 
     q_name = p + ("q_a_proj.weight" if m.q_lora_rank else "q_proj.weight")
     kv_name = p + "kv_a_proj_with_mqa.weight"
-    load.linear(a.qkv_a, [q_name, kv_name], [a.q_rows, m.kv_lora_rank + m.qk_rope_head_dim])
+    kv_rows = m.kv_lora_rank + m.qk_rope_head_dim
+    parts = None
+    if shard.parallel:
+        q_part = (Part((m.q_lora_rank, hidden)) if m.q_lora_rank
+                  else Part((cfg.num_heads * qk, hidden), rows=head_rows(qk)))
+        parts = [q_part, Part((kv_rows, hidden))]
+    load.linear(a.qkv_a, [q_name, kv_name], [a.q_rows, kv_rows], parts=parts)
     if half_split:
         # q_a's rows hold no RoPE dims; a plain q projection's do, per head, as q_b's.
-        q_rows = torch.arange(a.q_rows) if m.q_lora_rank else _rope_rows_perm(cfg.num_heads, qk, m.qk_rope_head_dim)
-        kv_rows = a.q_rows + _rope_rows_perm(1, m.kv_lora_rank + m.qk_rope_head_dim, m.qk_rope_head_dim)
-        _permute_rows(a.qkv_a, torch.cat((q_rows, kv_rows)), p)
+        q_rows = torch.arange(a.q_rows) if m.q_lora_rank else _rope_rows_perm(a.heads, qk, m.qk_rope_head_dim)
+        kv_perm = a.q_rows + _rope_rows_perm(1, kv_rows, m.qk_rope_head_dim)
+        _permute_rows(a.qkv_a, torch.cat((q_rows, kv_perm)), p)
     if a.q_b is not None:
         load.norm(a.q_a_norm, p + "q_a_layernorm.weight")
-        load.linear(a.q_b, [p + "q_b_proj.weight"])
+        load.linear(a.q_b, [p + "q_b_proj.weight"],
+                    parts=[Part((cfg.num_heads * qk, m.q_lora_rank), rows=head_rows(qk))] if shard.parallel else None)
         if half_split:
-            _permute_rows(a.q_b, _rope_rows_perm(cfg.num_heads, qk, m.qk_rope_head_dim), p)
+            _permute_rows(a.q_b, _rope_rows_perm(a.heads, qk, m.qk_rope_head_dim), p)
     load.norm(a.kv_a_norm, p + "kv_a_layernorm.weight")
-    load.copy(a.kv_b, p + "kv_b_proj.weight")
-    load.linear(a.o, [p + "o_proj.weight"])
+    per_head = m.qk_nope_head_dim + m.v_head_dim
+    load.copy(a.kv_b, p + "kv_b_proj.weight",
+              part=Part((cfg.num_heads * per_head, m.kv_lora_rank), rows=head_rows(per_head)) if shard.parallel else None)
+    load.linear(a.o, [p + "o_proj.weight"],
+                parts=[Part((hidden, cfg.num_heads * m.v_head_dim), cols=head_rows(m.v_head_dim))]
+                if shard.parallel else None)
 
 
 def _rope_rows_perm(heads: int, head_rows: int, rope: int) -> torch.Tensor:

@@ -101,11 +101,8 @@ class Block(nn.Module):
         super().__init__()
         eps, gemma = cfg.rms_norm_eps, cfg.gemma_norm
         self.rope = layer.rope
-        if shard.parallel and cfg.mla is not None:
-            raise ModelLoadError(f"tensor parallel: latent attention ({cfg.architecture}) cannot be split across "
-                                 "ranks yet; serve it with --tensor-parallel-size 1")
         self.attn_norm = RMSNorm(cfg.hidden_size, eps, gemma)
-        self.attn: nn.Module = MLAttention(cfg, layer) if cfg.mla is not None else Attention(cfg, layer, shard)
+        self.attn: nn.Module = MLAttention(cfg, layer, shard) if cfg.mla is not None else Attention(cfg, layer, shard)
         self.mlp_norm = RMSNorm(cfg.hidden_size, eps, gemma)
         self.mlp: nn.Module = (MoE(cfg, shard, shard.expert_parallel) if layer.moe
                                else MLP(cfg.hidden_size, cfg.intermediate_size, cfg.activation, cfg.mlp_bias, shard))

@@ -28,17 +28,23 @@ from engine.model.attention import AttentionMetadata, DecodeBatch
 from engine.model.kernels import kernels
 from engine.model.layers import Linear, RMSNorm
 from engine.model.model_config import LayerConfig, ModelConfig
+from engine.model.parallel import ONE, Shard
 from engine.model.rope import apply_rope
 
 
 class MLAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: LayerConfig):
+    """Tensor parallel: the heads are split (q_b or a plain q projection, kv_b and o by head); the
+    latent projection, its norm and the q LoRA's first half are replicated, and so is the latent cache:
+    every rank's heads read every cached latent (its bytes per token do not shrink with the ranks)."""
+
+    def __init__(self, cfg: ModelConfig, layer: LayerConfig, shard: Shard = ONE):
         super().__init__()
         m = cfg.mla
         assert m is not None
         if layer.window is not None:
             raise ValueError("sliding-window layers with latent attention are not implemented")
-        self.heads, self.rank = cfg.num_heads, m.kv_lora_rank
+        self.head_range = shard.even(cfg.num_heads, "the attention heads")
+        self.heads, self.rank = len(self.head_range), m.kv_lora_rank
         self.nope, self.rope, self.v_dim = m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim
         qk = self.nope + self.rope
         # The query's first projection and the latent's share their input: one matmul (vLLM fuses them too).
@@ -50,6 +56,8 @@ class MLAttention(nn.Module):
         # [heads * (nope + v), rank], kept a plain float tensor: the absorbed path reads it per head.
         self.kv_b = nn.Parameter(torch.empty(self.heads * (self.nope + self.v_dim), self.rank), requires_grad=False)
         self.o = Linear(self.heads * self.v_dim, cfg.hidden_size)
+        if shard.parallel:
+            self.o.reduce = shard
         self.scale = cfg.scale
         self.absorb = True  # decode rows attend against the latents (False: up-project, the reference)
         self.absorb_chunks = True  # short chunks too, by the cost rule in `absorbs`
