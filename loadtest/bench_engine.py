@@ -190,11 +190,14 @@ def main_parallel(args: argparse.Namespace) -> int:
     """Tensor parallel on this machine's cores: decode tok/s at batch 1 and 16 of TP=2 (one thread a
     rank, two processes) against TP=1 (the same threads in one process), on the same-size random Llama
     (`random_models.SHAPE`), rounds interleaved; and the bytes all-reduced per token beside the minimum."""
-    from loadtest.random_models import SHAPE, model_dir
+    from loadtest.random_models import FAMILIES, SHAPE, model_dir
 
-    path = model_dir("llama")
+    family = args.family_list or "llama"
+    path = model_dir(family)
     threads = args.threads
     layouts = {"TP=1": dict(threads=threads), f"TP={threads}": dict(threads=1, tensor_parallel_size=threads)}
+    if "num_experts" in FAMILIES[family][1] or "num_local_experts" in FAMILIES[family][1]:
+        layouts[f"EP={threads}"] = dict(threads=1, tensor_parallel_size=threads, enable_expert_parallel=True)
     engines = {name: LLMEngine(EngineConfig(model=str(path), device="cpu", max_num_seqs=32, kv_cache_gb=1.0,
                                             speculative="off", **kw)) for name, kw in layouts.items()}
     batches = [1, 16]
@@ -214,12 +217,14 @@ def main_parallel(args: argparse.Namespace) -> int:
     n = threads
     minimum = 2 * layers * hidden * 4  # two all-reduces of a float32 hidden state per layer
     ring = minimum * 2 * (n - 1) / n + hidden * 4 * 2 * (n - 1) / n  # + the embedding's; each a ring all-reduce
-    print(f"\nrandom Llama (hidden {hidden}, {layers} layers, float32), {threads} cores, medians of {args.rounds}")
-    print(f"{'decode tok/s':<16}" + "".join(f"{n:>12}" for n in engines) + f"{'ratio':>10}")
+    print(f"\nrandom {family} (hidden {hidden}, {layers} layers, float32), {threads} cores, medians of {args.rounds}")
     names = list(engines)
+    print(f"{'decode tok/s':<16}" + "".join(f"{n:>12}" for n in names)
+          + "".join(f"{n + ' / TP=1':>14}" for n in names[1:]))
     for b in batches:
         med = [statistics.median(samples[nm][b]) for nm in names]
-        print(f"{'batch ' + str(b):<16}" + "".join(f"{m:>12.1f}" for m in med) + f"{med[1] / med[0]:>10.2f}")
+        print(f"{'batch ' + str(b):<16}" + "".join(f"{m:>12.1f}" for m in med)
+              + "".join(f"{m / med[0]:>14.2f}" for m in med[1:]))
     print(f"bytes all-reduced per token per rank: {ring:,.0f} sent (ring), minimum 2 x layers x hidden x 4 = "
           f"{minimum:,}; plus the logits' all-gather ({SHAPE['vocab_size'] // n * 4 * (n - 1):,} B received "
           "per sampled token)")
@@ -413,7 +418,8 @@ def main() -> int:
     p.add_argument("--no-transformers", action="store_true")
     p.add_argument("--families", action="store_true", help="every family on same-size random weights")
     p.add_argument("--parallel", action="store_true", help="tensor parallel: TP=threads (a thread a rank) vs TP=1")
-    p.add_argument("--family-list", default="", help="with --families: a comma-separated subset")
+    p.add_argument("--family-list", default="", help="with --families: a comma-separated subset; with --parallel: one "
+                   "family (default llama; a MoE family adds an expert-parallel column)")
     p.add_argument("--quantizations", default="none", help="with --families: none,int8,int4 variants of each family")
     p.add_argument("--grammar", action="store_true", help="json_schema-constrained vs free decode, compile time")
     p.add_argument("--speculative", action="store_true", help="prompt-lookup speculation vs none, greedy decode")
