@@ -249,7 +249,7 @@ def _step_ms(model: Model, device: Device, layout: Layout, wb: float, kv_per_tok
     the experts its tokens chose: E(1 - (1 - k/E)^batch) of them) and the batch's KV at HBM speed, plus
     the collectives at link speed. Pipeline stages run one after another for one micro-batch."""
     p = model.params()
-    read = sum(p.values())
+    read = float(sum(p.values()))
     if model.experts:
         touched = model.experts * (1 - (1 - model.experts_per_token / model.experts) ** batch)
         read = read - p["experts"] + p["experts"] * touched / model.experts
