@@ -17,7 +17,7 @@ from router.fields import check_fields
 from router.reasoning import template_reasons
 from router.reply import ReplyPlan
 from router.tool_calls import (
-    JSON_ARRAY,
+    GENERIC,
     ToolChoice,
     detect_format,
     parse_tool_choice,
@@ -156,21 +156,29 @@ def parse_messages(body: dict) -> list[dict[str, Any]]:
     return out
 
 
-def tools_as_text(messages: list[dict[str, Any]], tools: list[dict[str, Any]], with_system: bool) -> list[dict[str, Any]]:
-    """For a chat template with no tool support: the tools are described in a system message and
-    earlier calls and results become ordinary turns, in the JSON shape the grammar produces."""
+GENERIC_TOOLS_PROMPT = (
+    "You can call these functions:\n{specs}\n\nTo call functions, reply with only a JSON list of calls, "
+    '[{{"name": <function name>, "arguments": <arguments object>}}{many}]. A function\'s result comes back to '
+    "you between <tool_response> and </tool_response>. If no function is needed, answer in plain text.")
+
+
+def tools_as_text(messages: list[dict[str, Any]], tools: list[dict[str, Any]], with_system: bool,
+                  parallel: bool = True) -> list[dict[str, Any]]:
+    """For a chat template with no tool support (the generic format, `tool_calls.GENERIC`): the tools
+    are described in a system message, earlier calls become the assistant's JSON list of calls and
+    results come back as the user's `<tool_response>` blocks: the shapes the grammar produces."""
     out = []
     for m in messages:
         if m["role"] == "assistant" and m.get("tool_calls"):
             calls = [{"name": c["function"]["name"], "arguments": c["function"]["arguments"]} for c in m["tool_calls"]]
-            m = {"role": "assistant", "content": (m["content"] + "\n" if m["content"] else "") + json.dumps(calls)}
+            m = {"role": "assistant",
+                 "content": (m["content"] + "\n" if m["content"] else "") + json.dumps(calls, ensure_ascii=False)}
         elif m["role"] == "tool":
-            m = {"role": "user", "content": f"Result of tool call {m['tool_call_id']}: {m['content']}"}
+            m = {"role": "user", "content": f"<tool_response>\n{m['content']}\n</tool_response>"}
         out.append(m)
     if with_system:
-        specs = json.dumps([t["function"] for t in tools], ensure_ascii=False)
-        note = ("You can call these functions. To call functions, reply with only a JSON list of calls, "
-                '[{"name": <function name>, "arguments": <arguments object>}, ...].\n\nFunctions: ' + specs)
+        specs = "\n".join(json.dumps(t["function"], ensure_ascii=False) for t in tools)
+        note = GENERIC_TOOLS_PROMPT.format(specs=specs, many=", ..." if parallel else "")
         if out and out[0]["role"] == "system":
             out[0] = {**out[0], "content": out[0]["content"] + "\n\n" + note}
         else:
@@ -362,17 +370,18 @@ class RequestParser:
             choice = ToolChoice("none", (), choice.parallel)  # the upstream's own tool handling applies
             constraint = None
         if choice.mode != "none":
-            fmt = self.tool_format
-            if fmt is None and choice.mode == "auto":
-                raise bad_request("tool_choice 'auto' needs the model's own tool-call format, and this model's chat "
-                                  "template has none; use tool_choice 'required' or a named function (the call is "
-                                  "then produced under a grammar), or 'none'", param="tool_choice")
-            fmt = fmt or JSON_ARRAY
+            fmt = self.tool_format or GENERIC
             if choice.mode in ("required", "named"):
                 if constraint is not None:
                     raise bad_request("'response_format' and a required or named 'tool_choice' both constrain the "
                                       "reply; send one of them", param="response_format")
                 constraint = fmt.grammar(choice)
+            elif fmt is GENERIC:  # auto without a format of the model's own: free text | calls
+                if constraint is not None:
+                    raise bad_request("'response_format' with tools under tool_choice 'auto': this model's chat "
+                                      "template has no tool-call format, and its generic one constrains the reply "
+                                      "too; send one of them, or tool_choice 'none'", param="response_format")
+                constraint = fmt.auto_grammar(choice)
         if self.tokenizer is None:
             ids = self._estimate(sum(len(m["content"]) for m in messages))
         else:
@@ -380,7 +389,8 @@ class RequestParser:
             if self.template_has_tools:
                 rendered = messages
             else:
-                rendered = tools_as_text(messages, raw_tools or [], with_system=bool(raw_tools))
+                rendered = tools_as_text(messages, raw_tools or [], with_system=bool(raw_tools),
+                                         parallel=choice.parallel)
                 raw_tools = None
             try:
                 ids = self.tokenizer.encode_chat(rendered, add_generation_prompt=True, tools=raw_tools)

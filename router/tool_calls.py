@@ -5,9 +5,14 @@ Formats (one per model family, found in the chat template):
 - `hermes`: `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`, repeated (Qwen2.5, Qwen3, Hermes).
 - `llama3_json`: the whole reply is `{"name": ..., "parameters": {...}}` (Llama 3.1+ custom tools).
 - `mistral`: the `[TOOL_CALLS]` token, then `[{"name": ..., "arguments": {...}}, ...]`.
-- `json`: for models without one: the reply is `[{"name": ..., "arguments": {...}}, ...]`. Only
-  usable with `tool_choice` `required` or a named function, where the grammar produces it; for
-  `auto` the model would have to choose it unprompted, so that is refused.
+- `generic`: for models whose chat template has none (SmolLM2, the default model): the reply is a JSON
+  list of calls, `[{"name": ..., "arguments": {...}}, ...]`, taught in a system message that lists the
+  tools (`protocol.tools_as_text`, llama.cpp's generic approach). Under `auto` the reply is constrained
+  by a union grammar, *free text | tool calls*: free text is any text that does not open with `[` (so
+  prose is unchanged), and once the reply opens with `[` the calls' JSON is grammar-constrained from
+  its first token; the list's `]` ends the reply. `required` / named: the calls only. (Hermes-style
+  `<tool_call>` blocks were tried first: a block can always be followed by another, and SmolLM2 kept
+  adding calls until max_tokens; a list closes.)
 
 A call is `{"name": "...", "arguments": <object>}` in every format (Llama says `parameters`);
 under a grammar the keys come in that order, so the name is known first and the arguments
@@ -254,11 +259,19 @@ class ToolFormat:
             return grammar.lark(f"start: {body}", "tools")
         return grammar.lark(f"start: {call}", "tools")  # llama3_json: one call
 
+    def auto_grammar(self, choice: ToolChoice) -> str:
+        """`auto` in the generic format: free text (anything not opening with `[`) or a list of calls."""
+        call = grammar.lark_json(call_schema(choice.tools, self.args_keys[0]))
+        items = f'{call} (", " {call})*' if choice.parallel else call
+        return grammar.lark(f'start: TEXT | calls\ncalls: "[" {items} "]"\n'
+                            "TEXT: /(.|\\n)*/ & ~/[ \\t\\n]*\\[(.|\\n)*/", "tools")
+
     def extractor(self) -> ToolCallExtractor:
         return ToolCallExtractor(self)
 
 
 HERMES = ToolFormat("hermes", "<tool_call>", "</tool_call>")
+GENERIC = ToolFormat("generic", "", "", first="[", array=True)
 LLAMA3_JSON = ToolFormat("llama3_json", "", "", first="{", args_keys=("parameters", "arguments"))
 JSON_ARRAY = ToolFormat("json", "", "", first="[", array=True)
 

@@ -206,15 +206,29 @@ def test_auto_tool_choice_reads_the_models_format(stack):
     assert r.choices[0].finish_reason in ("stop", "length") and r.choices[0].message.tool_calls is None
 
 
-def test_auto_tool_choice_without_a_format_is_a_400(tiny_model_dir, tmp_path):
-    router = start_router(tiny_model_dir, tmp_path, "--served-model-name", "tiny", "--colocated", "127.0.0.1:1")
+def test_auto_tool_choice_without_a_format_uses_the_generic_one(tiny_model_dir, tmp_path):
+    """A model whose template has no tool format (the tiny ChatML one): tool_choice auto is served in
+    the generic format — the tools described in a system message, the reply free text or calls."""
+    from common.tokenizer import Tokenizer
+    from router.protocol import RequestParser
+
+    worker = start_worker("both", tiny_model_dir, tmp_path)
+    router = start_router(tiny_model_dir, tmp_path, "--served-model-name", "tiny", "--colocated", address(worker))
     try:
-        with pytest.raises(openai.BadRequestError) as e:
-            openai.OpenAI(base_url=base_url(router) + "/v1", api_key="x", max_retries=0).chat.completions.create(
-                model="tiny", messages=ask(0), tools=TOOLS, max_tokens=5)
-        assert "tool_choice 'auto'" in e.value.message and e.value.body["param"] == "tool_choice"
+        c = openai.OpenAI(base_url=base_url(router) + "/v1", api_key="x", max_retries=0)
+        r = c.chat.completions.create(model="tiny", messages=ask(0), tools=TOOLS, max_tokens=12, temperature=0)
+        assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
+        req = RequestParser(Tokenizer(tiny_model_dir), {"tiny"}, 1024).chat(
+            {"model": "tiny", "messages": ask(0), "tools": TOOLS}, "", None)[0]
+        prompt = Tokenizer(tiny_model_dir).decode(req.prompt_token_ids, skip_special_tokens=False)
+        assert "You can call these functions" in prompt and '"name": "get_weather"' in prompt
+        assert req.sampling.grammar is not None and req.reply is not None and req.reply.tools.name == "generic"
+        with pytest.raises(openai.BadRequestError) as e:  # two constraints at once: named
+            c.chat.completions.create(model="tiny", messages=ask(0), tools=TOOLS, max_tokens=5,
+                                      response_format=JSON_SCHEMA)
+        assert e.value.body["param"] == "response_format"
     finally:
-        router.stop()
+        stop_all(router, worker)
 
 
 @pytest.mark.parametrize("kw", [dict(response_format=JSON_SCHEMA, max_tokens=60),

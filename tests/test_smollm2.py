@@ -42,7 +42,8 @@ def test_greedy_chat_continuation_equals_transformers(smollm2_dir, smollm2_float
 
 def test_agent_api_on_smollm2_through_splitfire_up(smollm2_dir, tmp_path):
     """SmolLM2 has no tool-call format of its own: required and named tool choices still produce
-    valid calls (under a grammar built from the tools' schemas), and json_schema replies validate."""
+    valid calls (under a grammar built from the tools' schemas), json_schema replies validate, and an
+    agent's next turn (the result, tool_choice auto) is answered in the generic format."""
     import json
     import signal
 
@@ -81,6 +82,22 @@ def test_agent_api_on_smollm2_through_splitfire_up(smollm2_dir, tmp_path):
                                       response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": person}},
                                       max_tokens=60, temperature=0.7, seed=1)
         jsonschema.validate(json.loads(r.choices[0].message.content), person)
+        # An agent's second turn: the tool's result and the same tools, tool_choice left at its default
+        # (auto): the generic format (free text | calls) answers instead of refusing, streamed and not.
+        history = ask + [r0.model_dump(exclude_none=True) for r0 in [c.chat.completions.create(
+            model="smol", messages=ask, tools=tools, tool_choice="required", max_tokens=80, temperature=0
+        ).choices[0].message]]
+        history.append({"role": "tool", "tool_call_id": history[-1]["tool_calls"][0]["id"],
+                        "content": '{"temperature": 21, "unit": "celsius", "sky": "sunny"}'})
+        final = c.chat.completions.create(model="smol", messages=history, tools=tools, max_tokens=60, temperature=0)
+        m = final.choices[0].message
+        assert final.choices[0].finish_reason in ("stop", "length", "tool_calls")
+        assert m.content or m.tool_calls
+        for tc in m.tool_calls or []:
+            jsonschema.validate(json.loads(tc.function.arguments), weather)
+        text = "".join(ch.choices[0].delta.content or "" for ch in c.chat.completions.create(
+            model="smol", messages=history, tools=tools, max_tokens=60, temperature=0, stream=True) if ch.choices)
+        assert text == (m.content or "")
     finally:
         p.popen.send_signal(signal.SIGTERM)
         assert p.popen.wait(60) == 0, p.log()[-3000:]

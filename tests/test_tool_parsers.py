@@ -127,3 +127,64 @@ def test_a_reply_without_thinking_is_all_content():
     p = ReplyPlan(None, reasoning=True).parser()
     events = p.feed("Plain answer, no <think> here.") + p.close()
     assert events == [Content("Plain answer, no <think> here.")]
+
+
+def _matcher(grammar_text: str, tokenizer_dir):
+    import llguidance
+
+    from common.tokenizer import Tokenizer
+
+    tok = Tokenizer(tokenizer_dir)
+    llt = llguidance.LLTokenizer((tokenizer_dir / "tokenizer.json").read_text(), n_vocab=tok.vocab_size,
+                                 eos_token=sorted(tok.eos_token_ids))
+    return tok, llguidance.LLMatcher(llt, grammar_text, log_level=0)
+
+
+def test_the_generic_auto_grammar_is_free_text_or_calls(tiny_model_dir):
+    """A model without a tool format of its own, under tool_choice auto: any text that does not open with
+    `[`, or a list of calls whose JSON the schema shapes from its first token."""
+    from router.tool_calls import GENERIC, Tool, ToolChoice
+
+    weather = Tool("get_weather", {"type": "object", "properties": {"city": {"type": "string"}},
+                                   "required": ["city"], "additionalProperties": False})
+    g = GENERIC.auto_grammar(ToolChoice("auto", (weather,), parallel=True))
+    cases = {
+        "The capital of France is Paris. <b>HTML</b>, [links] and {json} are fine.": True,
+        '[{"name": "get_weather", "arguments": {"city": "Paris"}}]': True,
+        '[{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "get_weather", "arguments": '
+        '{"city": "Oslo"}}]': True,
+        '[{"name": "get_time", "arguments": {}}]': False,  # not a tool
+        '[{"name": "get_weather", "arguments": {"town": "Paris"}}]': False,  # not its schema
+        '[{"name": "get_weather", "arguments": {"city": "Paris"}}] and more': False,  # the list ends the reply
+        " [1] a reply opening with a bracket is read as calls, so it must be calls": False,
+    }
+    for text, ok in cases.items():
+        tok, m = _matcher(g, tiny_model_dir)
+        consumed = m.consume_tokens(tok.encode(text, add_special_tokens=False))
+        assert (consumed and m.is_accepting()) == ok, text
+    parsed = parse_reply(GENERIC, list(cases)[2])
+    assert [(c.name, json.loads(c.arguments)) for c in parsed.tool_calls] == [("get_weather", {"city": "Paris"}),
+                                                                           ("get_weather", {"city": "Oslo"})]
+
+
+@pytest.mark.slow
+def test_free_text_under_the_generic_auto_grammar_is_unchanged(smollm2_dir):
+    """The union grammar leaves prose alone: SmolLM2's greedy answers with it equal the unconstrained
+    ones, token for token (the grammar's only other effect is keeping the bytes valid UTF-8, which a
+    trained model's prose is anyway)."""
+    from engine_helpers import drain, make_engine
+
+    from common.sampling_params import SamplingParams
+    from router.tool_calls import GENERIC, Tool, ToolChoice
+
+    g = GENERIC.auto_grammar(ToolChoice("auto", (Tool("get_weather", {"type": "object"}),), parallel=False))
+    engine = make_engine(smollm2_dir, kv_cache_gb=0.05)
+    questions = ["What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers.",
+                 "Explain what a <div> tag is in HTML."]
+    for i, q in enumerate(questions):
+        ids = engine.tokenizer.encode_chat([{"role": "user", "content": q}])
+        engine.add_request(f"free{i}", ids, SamplingParams(max_tokens=40, temperature=0))
+        engine.add_request(f"tools{i}", ids, SamplingParams(max_tokens=40, temperature=0, grammar=g))
+    out = drain(engine)
+    for i in range(len(questions)):
+        assert out[f"tools{i}"].token_ids == out[f"free{i}"].token_ids, questions[i]
