@@ -229,6 +229,13 @@ class LLMEngine:
         if sampling.grammar is not None:
             seq.matcher = self.grammar.matcher(sampling.grammar)
             self.grammar.advance(seq.matcher, seq.generated_token_ids)
+            if sampling.grammar_release is not None and sampling.resumed_tokens:
+                # A failover resuming: the branch was chosen by the output before it.
+                opened = self.tokenizer.decode(seq.generated_token_ids).lstrip()
+                if opened:
+                    seq.grammar_branch_known = True
+                    if opened[0] not in sampling.grammar_release:
+                        seq.matcher = None
         if mode == Mode.FULL:
             seq.detok = detokenizer(self.tokenizer, prompt, sampling.stop)
         return seq
@@ -493,6 +500,12 @@ class LLMEngine:
             self.times.tokens += 1
         else:
             text, hit_stop = seq.detok.push(token)
+        if seq.matcher is not None and sp.grammar_release is not None and not seq.grammar_branch_known:
+            opened = seq.detok.text.lstrip()
+            if opened:
+                seq.grammar_branch_known = True
+                if opened[0] not in sp.grammar_release:
+                    seq.matcher = None  # the free-text branch: nothing left to constrain
         out.text += text
         if hit_stop or (seq.matcher is not None and seq.matcher.is_stopped()):
             # A completed grammar admits nothing but EOS: end now rather than spend a step on it.

@@ -4,6 +4,11 @@ batch's token masks, apply them to random logits, sample, advance every matcher)
 `engine/batch/constrained.py`; xgrammar is optional (`pip install xgrammar` to compare).
 
     python -m loadtest.bench_grammar            # SmolLM2's tokenizer (49k vocabulary)
+    python -m loadtest.bench_grammar --tools    # the generic tool format's union grammar on free text
+
+`--tools`: SmolLM2 decoding free text (chat answers, greedy) in process, with the generic tool
+format's `auto` grammar (free text | calls, router/tool_calls.py) against unconstrained, batch 1
+and 16, rounds interleaved: tokens/s and the tokens themselves (the grammar must leave prose unchanged).
 """
 
 from __future__ import annotations
@@ -77,11 +82,64 @@ def xgrammar_run(tok_json: str, vocab: int, eos: int, schema: dict, batch: int) 
     return statistics.median(per) * 1e3, compile_ms
 
 
+# Questions whose answers run past 48 tokens: every row decodes all of them, with and without the grammar.
+QUESTIONS = ["Write a long story about a dragon who learns to bake.", "Explain in detail how a CPU executes code.",
+             "Describe the history of Rome in several paragraphs.", "Explain what HTML <div> and <span> tags do.",
+             "Give me a detailed recipe for pancakes, step by step.", "Why is the sky blue? Explain at length.",
+             "Summarise the plot of Hamlet scene by scene.", "Write a long letter to a friend about your holiday."]
+
+
+def main_tools(args: argparse.Namespace) -> int:
+    from common.sampling_params import SamplingParams
+    from engine.engine_config import EngineConfig
+    from engine.llm_engine import LLMEngine
+    from loadtest.engine_runs import decode_rate
+    from router.tool_calls import GENERIC, Tool, ToolChoice
+
+    weather = Tool("get_weather", {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]})
+    g = GENERIC.auto_grammar(ToolChoice("auto", (weather,), parallel=True))
+    engine = LLMEngine(EngineConfig(model=args.model, device="cpu", threads=2, speculative="off"))
+    variants = {"free": (None, None), "union grammar": (g, None), "as served": (g, "[")}  # (grammar, release)
+    rows: dict[str, dict[int, list[float]]] = {name: {1: [], 16: []} for name in variants}
+    same = total = 0
+    for r in range(args.rounds):
+        for b in (1, 16):
+            prompts = [engine.tokenizer.encode_chat([{"role": "user", "content": QUESTIONS[(i + r) % len(QUESTIONS)]}])
+                       for i in range(b)]
+            for name, (grammar_text, release) in variants.items():
+                sp = SamplingParams(max_tokens=48, temperature=0, grammar=grammar_text, grammar_release=release)
+                rows[name][b].append(decode_rate(engine, prompts, sp, f"{name}-{r}-{b}"))
+        for q in QUESTIONS[:4] if r == 0 else []:
+            ids = engine.tokenizer.encode_chat([{"role": "user", "content": q}])
+            outs = []
+            for grammar_text in (None, g):
+                engine.add_request("cmp", ids, SamplingParams(max_tokens=48, temperature=0, grammar=grammar_text))
+                toks = []
+                while engine.has_work:
+                    for o in engine.step():
+                        toks += o.token_ids
+                outs.append(toks)
+            same += outs[0] == outs[1]
+            total += 1
+    print(f"\nSmolLM2 free text, greedy, 48 tokens, 2 threads, medians of {args.rounds} rounds")
+    print("('as served': the router's request, the grammar released once the reply opens as prose)")
+    print(f"{'decode tok/s':<16}{'free':>12}{'union grammar':>16}{'cost':>8}{'as served':>12}{'cost':>8}")
+    for b in (1, 16):
+        free, union, served = (statistics.median(rows[n][b]) for n in variants)
+        print(f"{'batch ' + str(b):<16}{free:>12.1f}{union:>16.1f}{1 - union / free:>8.1%}{served:>12.1f}"
+              f"{1 - served / free:>8.1%}")
+    print(f"greedy answers identical with and without the grammar: {same} of {total}")
+    return 0
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="model whose tokenizer to use (default SmolLM2)")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--tools", action="store_true", help="the generic tool format's auto grammar vs none, on free text")
     args = p.parse_args()
+    if args.tools:
+        return main_tools(args)
     torch.set_num_threads(2)
     model_dir = resolve_model(args.model)
     tok_json = (model_dir / "tokenizer.json").read_text()

@@ -365,6 +365,7 @@ class RequestParser:
         tools = parse_tools(body)
         choice = parse_tool_choice(body, tools)
         constraint = _response_format(body)
+        release: str | None = None
         fmt = None
         if self.upstream_only:
             choice = ToolChoice("none", (), choice.parallel)  # the upstream's own tool handling applies
@@ -382,6 +383,7 @@ class RequestParser:
                                       "template has no tool-call format, and its generic one constrains the reply "
                                       "too; send one of them, or tool_choice 'none'", param="response_format")
                 constraint = fmt.auto_grammar(choice)
+                release = "["  # (the calls branch opens with the list)
         if self.tokenizer is None:
             ids = self._estimate(sum(len(m["content"]) for m in messages))
         else:
@@ -399,6 +401,7 @@ class RequestParser:
             ids = self._check_ids(ids, "messages")
         sampling = self._sampling(body, len(ids), (top or 0) if lp else None)
         sampling.grammar = constraint
+        sampling.grammar_release = release
         plan = None
         if fmt is not None or (self.reasoning and not self.upstream_only):
             opened = self.reasoning and self.tokenizer is not None and self.tokenizer.decode(

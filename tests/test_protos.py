@@ -32,7 +32,8 @@ def test_sampling_params_cross_the_proto_unchanged():
     every = SamplingParams(max_tokens=7, temperature=0.5, top_p=0.75, top_k=3, min_p=0.125, repetition_penalty=1.25,
                            frequency_penalty=-0.5, presence_penalty=0.25, seed=2**40 + 3, stop=["x", "yz"],
                            stop_token_ids=[4, 9], ignore_eos=True, logprobs=2, grammar="start: /a+/", resumed_tokens=5,
-                           logit_bias={11: -2.5, 12: 100.0}, min_tokens=6)
+                           logit_bias={11: -2.5, 12: 100.0}, min_tokens=6,
+                           grammar_release="[")
     wire = pb.SamplingParams.FromString(sampling.to_proto(every).SerializeToString())
     assert sampling.from_proto(wire) == every
     # Defaults, including the ones the proto spells as "unset" (temperature 1.0, top_p 1.0, no seed,

@@ -172,7 +172,7 @@ def test_free_text_under_the_generic_auto_grammar_is_unchanged(smollm2_dir):
     """The union grammar leaves prose alone: SmolLM2's greedy answers with it equal the unconstrained
     ones, token for token (the grammar's only other effect is keeping the bytes valid UTF-8, which a
     trained model's prose is anyway)."""
-    from engine_helpers import drain, make_engine
+    from engine_helpers import make_engine
 
     from common.sampling_params import SamplingParams
     from router.tool_calls import GENERIC, Tool, ToolChoice
@@ -185,6 +185,19 @@ def test_free_text_under_the_generic_auto_grammar_is_unchanged(smollm2_dir):
         ids = engine.tokenizer.encode_chat([{"role": "user", "content": q}])
         engine.add_request(f"free{i}", ids, SamplingParams(max_tokens=40, temperature=0))
         engine.add_request(f"tools{i}", ids, SamplingParams(max_tokens=40, temperature=0, grammar=g))
-    out = drain(engine)
+        # As the router sends it: the grammar released once the reply has opened as prose.
+        engine.add_request(f"released{i}", ids, SamplingParams(max_tokens=40, temperature=0, grammar=g,
+                                                               grammar_release="["))
+    released: dict[str, bool] = {}  # once a reply has 3 tokens: is its matcher gone?
+    held: dict[str, bool] = {}
+    outputs: dict[str, list[int]] = {}
+    while engine.has_work:
+        for o in engine.step():
+            outputs.setdefault(o.request_id, []).extend(o.token_ids)
+        for rid, seq in engine.seqs.items():
+            if len(seq.output_token_ids) >= 3:
+                (released if rid.startswith("released") else held).setdefault(rid, seq.matcher is None)
+    assert released == {f"released{i}": True for i in range(len(questions))}
+    assert {k: v for k, v in held.items() if k.startswith("tools")} == {f"tools{i}": False for i in range(len(questions))}
     for i in range(len(questions)):
-        assert out[f"tools{i}"].token_ids == out[f"free{i}"].token_ids, questions[i]
+        assert outputs[f"tools{i}"] == outputs[f"free{i}"] == outputs[f"released{i}"], questions[i]

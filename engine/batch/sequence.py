@@ -50,6 +50,7 @@ class Sequence:
     finish_reason: str | None = None
     error: str | None = None
     matcher: Any = None  # llguidance matcher when the request is constrained by a grammar
+    grammar_branch_known: bool = False  # (SamplingParams.grammar_release) the output has opened
     detok: Detokenizer | None = None
     num_preemptions: int = 0
     spec: Any = None  # engine.speculative.SpecState once the sequence has been drafted for
