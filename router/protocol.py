@@ -14,6 +14,7 @@ from common.sampling_params import SamplingParams
 from common.tokenizer import Tokenizer
 from router.errors import bad_request, not_found, unavailable
 from router.fields import check_fields
+from router.marked_calls import MarkedFormat, detect_marked, marker_pieces
 from router.reasoning import template_reasons
 from router.reply import ReplyPlan
 from router.tool_calls import (
@@ -196,7 +197,14 @@ class RequestParser:
         # parse their own replies; here those fields are validated and passed through.
         self.upstream_only = upstream_only
         template = tokenizer.chat_template if tokenizer else None
-        self.tool_format = detect_format(template, tokenizer.hf.token_to_id if tokenizer else lambda _: None)
+        token_to_id = tokenizer.hf.token_to_id if tokenizer else lambda _: None
+        marked = detect_marked(template or "", token_to_id)
+        pieces = tokenizer.byte_pieces() if tokenizer is not None else None
+        # DeepSeek / Kimi: their markers are special tokens the worker's text leaves out, so the reply
+        # is read back from its token ids (a byte-level tokenizer's table, markers spelled out).
+        self.marker_pieces = marker_pieces(pieces, marked) if marked is not None and pieces is not None else None
+        self.tool_format: Any = (marked if self.marker_pieces is not None
+                                 else detect_format(template, token_to_id))
         self.template_has_tools = template_supports_tools(template)
         self.reasoning = template_reasons(template)
 
@@ -406,7 +414,8 @@ class RequestParser:
         if fmt is not None or (self.reasoning and not self.upstream_only):
             opened = self.reasoning and self.tokenizer is not None and self.tokenizer.decode(
                 ids[-4:], skip_special_tokens=False).rstrip().endswith("<think>")
-            plan = ReplyPlan(fmt, self.reasoning, opened)
+            pieces = self.marker_pieces if isinstance(fmt, MarkedFormat) else None
+            plan = ReplyPlan(fmt, self.reasoning, opened, tuple(pieces) if pieces is not None else None)
         req = GenRequest(f"chatcmpl-{secrets.token_hex(12)}", "chat", model, ids, sampling, stream, include_usage,
                          tenant, session, lp, body, reply=plan)
         return self.fan_out(req, n, n)

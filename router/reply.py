@@ -4,7 +4,9 @@ streams, for the OpenAI response (`message.reasoning_content`, `message.tool_cal
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
+from router.marked_calls import MarkedFormat, MarkerDecoder
 from router.reasoning import ReasoningSplitter
 from router.tool_calls import CallArgs, CallStart, Content, ToolCall, ToolFormat, coalesce
 
@@ -21,9 +23,11 @@ ReplyEvent = Reasoning | Content | CallStart | CallArgs
 class ReplyPlan:
     """How to read one request's reply; None on a GenRequest means plain text."""
 
-    tools: ToolFormat | None  # read tool calls in this format (tool_choice auto, required or named)
+    tools: ToolFormat | MarkedFormat | None  # read tool calls in this format (tool_choice auto, required or named)
     reasoning: bool  # split off `<think>` reasoning
     reasoning_open: bool = False  # the prompt ended inside `<think>`: the reply starts as reasoning
+    # Marked formats: the reply's text is its token ids decoded with these pieces (markers kept).
+    marker_pieces: tuple[bytes, ...] | None = None
 
     def parser(self) -> ReplyParser:
         return ReplyParser(self)
@@ -32,7 +36,8 @@ class ReplyPlan:
 class ReplyParser:
     def __init__(self, plan: ReplyPlan):
         self.splitter = ReasoningSplitter(plan.reasoning_open) if plan.reasoning else None
-        self.extractor = plan.tools.extractor() if plan.tools is not None else None
+        self.extractor: Any = plan.tools.extractor() if plan.tools is not None else None
+        self.decoder = MarkerDecoder(list(plan.marker_pieces)) if plan.marker_pieces is not None else None
 
     @property
     def calls(self) -> list[ToolCall]:
@@ -40,6 +45,8 @@ class ReplyParser:
 
     def feed(self, text: str, token_ids: list[int] | None = None) -> list[ReplyEvent]:
         out: list[ReplyEvent] = []
+        if self.decoder is not None:
+            text = self.decoder.decode(token_ids or [])
         content = text
         if self.splitter is not None:
             reasoning, content = self.splitter.feed(text)
@@ -51,9 +58,11 @@ class ReplyParser:
 
     def close(self) -> list[ReplyEvent]:
         out: list[ReplyEvent] = []
-        content = ""
+        content = self.decoder.flush() if self.decoder is not None else ""
         if self.splitter is not None:
-            reasoning, content = self.splitter.close()
+            reasoning, head = self.splitter.feed(content) if content else ("", "")
+            more, tail = self.splitter.close()
+            reasoning, content = reasoning + more, head + tail
             if reasoning:
                 out.append(Reasoning(reasoning))
         self._content(content, None, out)

@@ -281,7 +281,8 @@ def mistral_format(tool_calls_token: int) -> ToolFormat:
 
 
 def detect_format(chat_template: str | None, token_to_id) -> ToolFormat | None:
-    """The model's own tool-call format, read off its chat template; None if it has none."""
+    """The model's own tool-call format, read off its chat template; None if it has none (the DeepSeek
+    and Kimi families' marked formats: `marked_calls.detect_marked`)."""
     if not chat_template:
         return None
     if "<tool_call>" in chat_template:

@@ -201,3 +201,121 @@ def test_free_text_under_the_generic_auto_grammar_is_unchanged(smollm2_dir):
     assert {k: v for k, v in held.items() if k.startswith("tools")} == {f"tools{i}": False for i in range(len(questions))}
     for i in range(len(questions)):
         assert outputs[f"tools{i}"] == outputs[f"free{i}"] == outputs[f"released{i}"], questions[i]
+
+
+# -- the DeepSeek and Kimi families' marked formats ------------------------------------------------
+
+from router.marked_calls import DEEPSEEK_V3, DEEPSEEK_V31, KIMI_K2, detect_marked  # noqa: E402
+
+MARKED = [
+    ("deepseek-v3", DEEPSEEK_V3,
+     "Let me look.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n"
+     '{"city": "Paris", "days": [1, 2]}\n```<｜tool▁call▁end｜>\n<｜tool▁call▁begin｜>function<｜tool▁sep｜>get_time\n'
+     '```json\n{"zone": "a } and ``` in a string"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>',
+     "Let me look.", [("get_weather", {"city": "Paris", "days": [1, 2]}), ("get_time", {"zone": "a } and ``` in a string"})]),
+    ("deepseek-v3.1", DEEPSEEK_V31,
+     '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Oslo"}<｜tool▁call▁end｜>'
+     "<｜tool▁calls▁end｜>", None, [("get_weather", {"city": "Oslo"})]),
+    ("kimi-k2", KIMI_K2,
+     '<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>'
+     '{"city": "Kyiv"}<|tool_call_end|><|tool_call_begin|>functions.get_time:1<|tool_call_argument_begin|>'
+     '{"zone": "EET"}<|tool_call_end|><|tool_calls_section_end|>',
+     None, [("get_weather", {"city": "Kyiv"}), ("get_time", {"zone": "EET"})]),
+    ("deepseek-plain", DEEPSEEK_V3, "Paris is the capital. <b>no</b> tools; a fence ```json {} ``` is text.",
+     "Paris is the capital. <b>no</b> tools; a fence ```json {} ``` is text.", []),
+]
+
+
+def _marked(fmt, pieces):
+    ex = fmt.extractor()
+    events = []
+    for piece in pieces:
+        events += ex.feed(piece)
+    return events + ex.close(), ex.calls
+
+
+@pytest.mark.parametrize("name, fmt, text, content, calls", MARKED, ids=[m[0] for m in MARKED])
+def test_marked_formats_parse_whole_and_split_anywhere(name, fmt, text, content, calls):
+    for pieces in splits(text):
+        events, got = _marked(fmt, pieces)
+        assert [(c.name, json.loads(c.arguments)) for c in got] == calls, pieces
+        streamed = "".join(e.text for e in events if isinstance(e, Content))
+        assert (streamed or None) == content, pieces
+        for i, call in enumerate(got):
+            starts = [e for e in events if isinstance(e, CallStart) and e.index == i]
+            assert [(s.id, s.name) for s in starts] == [(call.id, call.name)]
+            assert "".join(e.fragment for e in events if isinstance(e, CallArgs) and e.index == i) == call.arguments
+    if fmt is KIMI_K2:  # Kimi's call ids are its own `functions.NAME:INDEX`
+        assert [c.id for c in _marked(fmt, [text])[1]] == ["functions.get_weather:0", "functions.get_time:1"]
+
+
+def test_marked_formats_are_read_off_chat_templates():
+    ids = {"<｜tool▁calls▁begin｜>": 7, "<|tool_calls_section_begin|>": 9}.get
+    v3 = "{{'<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>' + tool['type'] + '<｜tool▁sep｜>' + tool['function']['name'] + '\\n' + '```json' }}"
+    v31 = "{{'<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>' + tool['function']['name'] + '<｜tool▁sep｜>' + args }}"
+    kimi = "{{ '<|tool_calls_section_begin|>' }}{% for tc in message.tool_calls %}..."
+    assert detect_marked(v3, ids).name == "deepseek_v3"
+    assert detect_marked(v31, ids).name == "deepseek_v31"
+    assert detect_marked(kimi, ids).name == "kimi_k2" and dict(detect_marked(kimi, ids).marker_ids) == {
+        "<|tool_calls_section_begin|>": 9}
+    assert detect_marked("<|im_start|>{{ m.content }}", ids) is None
+
+
+DS_MARKERS = ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>",
+              "<｜tool▁sep｜>")
+KIMI_MARKERS = ("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>",
+                "<|tool_call_end|>", "<|tool_call_argument_begin|>")
+DS_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+               "{% if tools %}{# <｜tool▁calls▁begin｜> function<｜tool▁sep｜> ```json #}{% endif %}<|im_start|>assistant\n")
+KIMI_TEMPLATE = DS_TEMPLATE.replace("<｜tool▁calls▁begin｜> function<｜tool▁sep｜> ```json", "<|tool_calls_section_begin|>")
+
+
+@pytest.mark.parametrize("markers, template, name", [(DS_MARKERS, DS_TEMPLATE, "deepseek_v3"),
+                                                     (KIMI_MARKERS, KIMI_TEMPLATE, "kimi_k2")])
+def test_constrained_marked_calls_parse_from_the_reply_token_ids(tmp_path, markers, template, name):
+    """A model whose vocabulary has the markers as special tokens: under tool_choice required the grammar
+    writes them as tokens; the worker's text drops them; the router reads the reply back from its token ids
+    and gets schema-valid calls, whole and streamed a token at a time."""
+    import jsonschema
+    from engine_helpers import drain, make_engine
+    from tiny_model import make_tiny_llama
+
+    from common.tokenizer import Tokenizer
+    from router.protocol import RequestParser
+
+    model = make_tiny_llama(tmp_path / "m", extra_special=markers)
+    cfg = json.loads((model / "tokenizer_config.json").read_text())
+    (model / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": template}))
+    weather = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"],
+               "additionalProperties": False}
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": weather}}]
+    parser = RequestParser(Tokenizer(model), {"m"}, 1024)
+    assert parser.tool_format.name == name
+    req = parser.chat({"model": "m", "messages": [{"role": "user", "content": "Weather in Paris?"}], "tools": tools,
+                       "tool_choice": "required", "parallel_tool_calls": False, "max_tokens": 60}, "", None)[0]
+    engine = make_engine(model)
+    engine.add_request("r", req.prompt_token_ids, req.sampling)
+    out = drain(engine)["r"]
+    assert not any(m in out.text for m in markers)  # (what the worker's text carries)
+    for pieces in ([out.token_ids], [[t] for t in out.token_ids]):
+        p = req.reply.parser()
+        events = []
+        for ids in pieces:
+            events += p.feed("", ids)
+        events += p.close()
+        assert [c.name for c in p.calls] == ["get_weather"], events
+        jsonschema.validate(json.loads(p.calls[0].arguments), weather)
+
+
+def test_reasoning_before_a_marked_call_stays_reasoning():
+    """DeepSeek-R1: the `<think>` block before the calls is reasoning_content, the calls are calls."""
+    text = ("<think>\nThe user wants the weather.\n</think>\n\n" + MARKED[0][2].removeprefix("Let me look."))
+    for pieces in splits(text):
+        p = ReplyPlan(DEEPSEEK_V3, reasoning=True).parser()
+        events = []
+        for piece in pieces:
+            events += p.feed(piece)
+        events += p.close()
+        assert "".join(e.text for e in events if isinstance(e, Reasoning)) == "The user wants the weather."
+        assert not "".join(e.text for e in events if isinstance(e, Content)).strip()
+        assert [c.name for c in p.calls] == ["get_weather", "get_time"]

@@ -24,7 +24,7 @@ CORPUS = [
 ] * 20
 
 
-def make_tokenizer(out: Path) -> int:
+def make_tokenizer(out: Path, extra_special: tuple[str, ...] = ()) -> int:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     tok = Tokenizer(models.BPE())
@@ -33,7 +33,7 @@ def make_tokenizer(out: Path) -> int:
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
     trainer = trainers.BpeTrainer(
         vocab_size=400,
-        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>", *extra_special],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     tok.train_from_iterator(CORPUS, trainer)
@@ -63,9 +63,10 @@ def make_tiny_llama(
     tie: bool = True,
     architecture: str = "LlamaForCausalLM",
     seed: int = 0,
+    extra_special: tuple[str, ...] = (),
 ) -> Path:
     out.mkdir(parents=True, exist_ok=True)
-    vocab = make_tokenizer(out)
+    vocab = make_tokenizer(out, extra_special)
     head_dim = hidden // heads
     g = torch.Generator().manual_seed(seed)
 
