@@ -45,7 +45,7 @@ class EngineConfig:
     num_speculative_tokens: int = 4  # drafts per verification step at most
     speculative_max_batch: int = 4  # no drafting above this many running sequences (verification costs more)
     tensor_parallel_size: int = 1  # ranks the model is split across (engine/ranks.py, engine/model/parallel.py)
-    pipeline_parallel_size: int = 1  # stages of layers (not implemented: refused above 1)
+    pipeline_parallel_size: int = 1  # stages of layers, one process each (CPU hosts; engine/ranks.py)
     enable_expert_parallel: bool = False  # routed experts placed whole over the ranks (else each one split)
 
     def validate(self) -> EngineConfig:
@@ -93,15 +93,18 @@ class EngineConfig:
             raise ValueError(f"--num-speculative-tokens must be in 1..16, got {self.num_speculative_tokens}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"--tensor-parallel-size must be >= 1, got {self.tensor_parallel_size}")
-        if self.pipeline_parallel_size != 1:
-            raise ValueError("--pipeline-parallel-size above 1 is not implemented yet; split the model with "
-                             "--tensor-parallel-size")
+        if self.pipeline_parallel_size < 1:
+            raise ValueError(f"--pipeline-parallel-size must be >= 1, got {self.pipeline_parallel_size}")
+        if self.pipeline_parallel_size > 1 and self.device == "cuda":
+            raise ValueError("--pipeline-parallel-size above 1 runs on CPU hosts only for now: stages hand their "
+                             "hidden states on through shared memory (on CUDA that would be NCCL send/recv)")
         if self.enable_expert_parallel and self.tensor_parallel_size == 1:
             raise ValueError("--enable-expert-parallel places experts over the tensor-parallel ranks: it needs "
                              "--tensor-parallel-size above 1")
-        if self.tensor_parallel_size > 1 and self.speculative == "eagle3":
-            raise ValueError("--speculative eagle3 with --tensor-parallel-size above 1 is not supported: the head "
-                             "reads the target's embedding, which is split across the ranks; use ngram or draft")
+        if self.tensor_parallel_size * self.pipeline_parallel_size > 1 and self.speculative == "eagle3":
+            raise ValueError("--speculative eagle3 with model parallelism is not supported: the head reads the "
+                             "target's embedding and hidden states, which are split across the ranks; use ngram "
+                             "or draft")
         return self
 
     @property

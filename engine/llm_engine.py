@@ -6,6 +6,7 @@ thread for the gRPC workers, `splitfire generate` drives it directly.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -33,7 +34,7 @@ from engine.loading.model_store import resolve_model
 from engine.loading.weights import load_model
 from engine.model.kv_cache import KVCache, KVLayout
 from engine.model.model_config import ModelConfig
-from engine.model.parallel import ONE
+from engine.model.parallel import ONE, WHOLE, split_layers
 from engine.ranks import RankGroup, threads_per_rank
 from engine.spec.eagle3 import Eagle3Drafter
 from engine.spec.speculative import Drafter, NgramDrafter, verify
@@ -114,15 +115,19 @@ class LLMEngine:
         self.model_dir = resolve_model(config.model)
         self.model_config = ModelConfig.from_dir(self.model_dir)
         self.tokenizer = Tokenizer(self.model_dir)
-        # Tensor parallel: the other ranks start loading their shards while this one loads its own.
-        self.ranks = RankGroup(config, self.model_dir, config.tensor_parallel_size, self.model_config.hidden_size,
-                               self.model_config.vocab_size) if config.tensor_parallel_size > 1 else None
+        # Model parallel: the other ranks start loading their parts while this one loads its own.
+        tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
+        stages = split_layers(self.model_config, pp) if pp > 1 else None
+        self.ranks = RankGroup(config, self.model_dir, tp, pp, self.model_config.hidden_size,
+                               self.model_config.vocab_size, stages) if tp * pp > 1 else None
         shard = self.ranks.shard if self.ranks is not None else ONE
+        stage = self.ranks.stage if self.ranks is not None else WHOLE
         if self.ranks is not None and self.device.type == "cpu":
-            torch.set_num_threads(threads_per_rank(config, config.tensor_parallel_size))
+            torch.set_num_threads(threads_per_rank(config, tp * pp))
         t0 = time.perf_counter()
         rss_before = _rss_mib()
-        self.model = load_model(self.model_dir, self.device, self.dtype, config.quantization, shard=shard)
+        self.model = load_model(self.model_dir, self.device, self.dtype, config.quantization, shard=shard,
+                                stage=stage)
         rss_weights = _rss_mib() - rss_before
         self.model.set_int8_activations(config.cpu_activations == "int8")
         weights_s = time.perf_counter() - t0
@@ -146,7 +151,11 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.kv, self.device, self.grammar, frozenset(self.eos_token_ids))
         if self.ranks is not None:
             self.ranks.setup(self.kv.layout, self.max_model_len + 1, config.cpu_activations == "int8")
-            self.runner.broadcast = self.ranks.step
+            if pp > 1:
+                self.runner.pipeline = self.ranks.pipeline(self.model, self.kv)
+                self.runner.micro_batches = pp  # (enough for every stage to have one in flight)
+            else:
+                self.runner.broadcast = self.ranks.step
         if graphs:
             self.runner.graphs = DecodeGraphs(
                 lambda ids, pos, meta: self.model(ids, pos, self.kv, meta), config.max_num_seqs,
@@ -198,7 +207,11 @@ class LLMEngine:
                                            c.max_num_seqs if graphs else 1)
             free, _ = torch.cuda.mem_get_info(self.device)
             budget = memory_profile.kv_budget(free, c.gpu_memory_fraction, peaks, graphs)
-        return KVLayout.for_budget(self.model_config, budget, c.block_size, c.torch_kv_dtype, self.model.kv_entry)
+        # Pipeline parallel: blocks sized for the stage with the most layers, this stage's own layers held.
+        most = max(len(s) for s in self.ranks.stages) if self.ranks is not None and self.ranks.pp > 1 else None
+        layout = KVLayout.for_budget(self.model_config, budget, c.block_size, c.torch_kv_dtype, self.model.kv_entry,
+                                     most)
+        return dataclasses.replace(layout, num_layers=len(self.model.layers))
 
     # -- requests -------------------------------------------------------------------
 

@@ -1,14 +1,20 @@
-"""Tensor-parallel ranks: one process per rank, rank 0 leading (vLLM's multiprocessing executor, no Ray).
+"""Model-parallel ranks: one process per rank, rank 0 leading (vLLM's multiprocessing executor, no Ray).
 
-Rank 0 is the process that serves (a worker, or `splitfire generate`): it owns the scheduler, the
-block manager and the services, and loads its own shard of the model. The other ranks are child
-processes (`python -m engine.ranks`) that load theirs and then only run forwards. Each step, once
-rank 0 has prepared the batch, it sends the step's inputs — token ids, positions, the attention
-metadata (block tables, KV rows) and the rows to sample — to every other rank over a local
-connection (one pickled message; an idle rank blocks on it for as long as the server is idle), and
-every rank runs the same forward on its shard. The collectives inside it (two all-reduces per block,
-the logits' all-gather) run over a torch.distributed process group made for this group alone (gloo
-on CPU; NCCL on CUDA), so several groups can live in one process (tests) without global state.
+Ranks are laid out `pp` pipeline stages of `tp` tensor-parallel ranks (rank = stage * tp + tp rank).
+Rank 0 — the first stage's first rank — is the process that serves (a worker, or `splitfire
+generate`): it owns the scheduler, the block manager and the services, and loads its own part of the
+model. The other ranks are child processes (`python -m engine.ranks`) that load theirs and then only
+run forwards. Each step, once rank 0 has prepared the batch, it sends the step's inputs — token ids,
+positions, the attention metadata (block tables, KV rows) and the rows to sample — to every other
+rank over a local connection (one pickled message; an idle rank blocks on it for as long as the
+server is idle). Tensor parallel: every rank of a stage runs the same forward on its shard; the
+collectives inside it (two all-reduces per block, the logits' all-gather) run within the stage
+(`engine/model/collectives.py`: shared memory on a CPU host, a private gloo process group beside it;
+NCCL on CUDA), so several groups can live in one process (tests) without global state. Pipeline
+parallel: the step's batch goes in micro-batches; each stage takes a micro-batch's hidden states and
+residual stream from the stage before (shared-memory channels), runs its layers and hands them on,
+so every stage has a micro-batch to work on while the next takes the previous; the last stage sends
+the sampled rows' logits back to rank 0, which samples.
 
 Failure: rank 0 watches its children; one that dies takes the group down at once — rank 0 logs which
 and exits, so the router fails the endpoint's streams over as after a `kill -9`. The children die
@@ -32,6 +38,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -43,11 +51,13 @@ from engine.engine_config import EngineConfig
 from engine.model.collectives import (
     Collectives,
     ProcessGroupCollectives,
+    SharedMemoryChannel,
     SharedMemoryCollectives,
     shared_memory_supported,
 )
+from engine.model.decoder import DecoderModel
 from engine.model.kv_cache import KVCache, KVLayout
-from engine.model.parallel import Shard
+from engine.model.parallel import Shard, Stage
 
 log = logging.getLogger("splitfire.engine")
 
@@ -56,7 +66,7 @@ START_TIMEOUT_S = 600.0  # every rank connected and its shard loaded
 
 
 class RankFailed(EngineError):
-    """A rank of the tensor-parallel group died or stopped answering."""
+    """A rank of the model-parallel group died or stopped answering."""
 
 
 def _free_port() -> int:
@@ -65,20 +75,29 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _process_group(device: torch.device, rank: int, size: int, port: int) -> tuple[Any, Any]:
-    """A process group of its own (not torch.distributed's global one) over a TCP store on rank 0, and
-    the store (which must outlive the group)."""
+def _process_group(device: torch.device, rank: int, size: int, store: Any) -> Any:
+    """A process group of its own (not torch.distributed's global one) over `store`."""
     import torch.distributed as dist
 
     timeout = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
-    store = dist.TCPStore("127.0.0.1", port, size, rank == 0, timeout=datetime.timedelta(seconds=START_TIMEOUT_S))
     if device.type == "cuda":
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timeout
-        group = dist.ProcessGroupNCCL(store, rank, size, opts)
-    else:
-        group = dist.ProcessGroupGloo(store, rank, size, timeout)
-    return group, store
+        return dist.ProcessGroupNCCL(store, rank, size, opts)
+    return dist.ProcessGroupGloo(store, rank, size, timeout)
+
+
+def _store(rank: int, world: int, port: int) -> Any:
+    """The world's TCP store (served by rank 0; it must outlive every group made over it)."""
+    import torch.distributed as dist
+
+    return dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=datetime.timedelta(seconds=START_TIMEOUT_S))
+
+
+def _stage_group(device: torch.device, store: Any, stage: int, tp_rank: int, tp: int) -> Any:
+    import torch.distributed as dist
+
+    return _process_group(device, tp_rank, tp, dist.PrefixStore(f"stage{stage}", store)) if tp > 1 else None
 
 
 class _NotYet:
@@ -104,11 +123,28 @@ def _shared_memory_slot(config: EngineConfig, size: int, hidden: int, vocab: int
     all-reduce (a step's tokens x hidden) or logits all-gather (a step's sampled rows x the rank's
     vocabulary slice) in float32, capped at 64 MiB (larger ones go through the process group).
     SPLITFIRE_TP_COLLECTIVES=gloo turns them off."""
-    if (config.torch_device.type != "cpu" or not shared_memory_supported() or not hidden
+    if (config.torch_device.type != "cpu" or not shared_memory_supported() or not hidden or size < 2
             or os.environ.get("SPLITFIRE_TP_COLLECTIVES", "shm") == "gloo"):
         return 0
     rows = config.max_num_batched_tokens
     return min(max(rows * hidden, config.max_num_seqs * -(-vocab // size)) * 4, 64 * 2**20)
+
+
+def _sampled_rows(config: EngineConfig) -> int:
+    """The most rows a step samples: one per sequence, or a verification's k + 1 per drafting one."""
+    return max(config.max_num_seqs, config.speculative_max_batch * (config.num_speculative_tokens + 1))
+
+
+@dataclass(frozen=True)
+class Names:
+    """The shared-memory segments a group's ranks meet in (made by rank 0, named in the spec)."""
+
+    collectives: list[str | None]  # per stage (tensor parallel within it)
+    slot: int  # bytes per rank's collective slot
+    hand_offs: list[list[str]]  # [stage][tp rank] -> to the same tp rank of the next stage
+    hand_off_bytes: int
+    logits: str  # the last stage's first rank -> rank 0
+    logits_bytes: int
 
 
 def threads_per_rank(config: EngineConfig, size: int) -> int:
@@ -121,36 +157,71 @@ def threads_per_rank(config: EngineConfig, size: int) -> int:
 class RankGroup:
     """Rank 0's side: starts the other ranks, sends them each step, stops them."""
 
-    def __init__(self, config: EngineConfig, model_dir: Path, size: int, hidden: int = 0, vocab: int = 0):
-        """`hidden`, `vocab`: the model's, to size the shared-memory collectives' slots."""
-        self.size = size
+    def __init__(self, config: EngineConfig, model_dir: Path, tp: int, pp: int = 1, hidden: int = 0,
+                 vocab: int = 0, stages: list[range] | None = None):
+        """`hidden`, `vocab`: the model's, to size the shared-memory slots; `stages`: each pipeline
+        stage's layers (`parallel.split_layers`)."""
+        self.tp, self.pp, self.size = tp, pp, tp * pp
         self.device = config.torch_device
         self.closing = False
+        self.segments: list[Any] = []  # shared memory this process made (unlinked on close)
         port = _free_port()
         self.key = secrets.token_bytes(16)
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.listener.settimeout(1.0)
-        self.shm: SharedMemoryCollectives | None = None
-        shm = _shared_memory_slot(config, size, hidden, vocab)
-        if shm:
-            name = f"sf-tp-{os.getpid()}-{secrets.token_hex(4)}"
-            try:
-                self.shm = SharedMemoryCollectives(name, 0, size, shm, _NotYet(), create=True)
-            except OSError as e:  # (a small /dev/shm, e.g. a container's 64 MB)
-                log.warning("event=tp_shared_memory_off bytes=%d error=%s (collectives through gloo)",
-                            2 * size * shm, e)
-        spec = {"config": dataclasses.asdict(config), "model_dir": str(model_dir), "size": size, "port": port,
+        names = self._segments(config, hidden, vocab)
+        self.stages = stages or [range(0)]
+        spec = {"config": dataclasses.asdict(config), "model_dir": str(model_dir), "tp": tp, "pp": pp, "port": port,
                 "address": list(self.listener.getsockname()), "key": self.key.hex(),
-                "shm": [self.shm.shm.name, self.shm.slot_bytes] if self.shm is not None else None}
+                "stages": [[s.start, s.stop] for s in self.stages] if stages else None,
+                "names": dataclasses.asdict(names)}
         env = {**os.environ, "SPLITFIRE_RANK_SPEC": json.dumps(spec)}
         self.procs: list[subprocess.Popen] = []
-        for rank in range(1, size):
+        for rank in range(1, self.size):
             self.procs.append(subprocess.Popen([sys.executable, "-m", "engine.ranks", str(rank)], env=env))
         self.conns: list[Connection] = []
-        self._accept(size - 1)
-        self.group, self.store = _process_group(self.device, 0, size, port)
-        self.shard = Shard(0, size, _collectives(self.group, size, self.shm), config.enable_expert_parallel)
-        log.info("event=ranks_started tensor_parallel=%d pids=%s", size, [p.pid for p in self.procs])
+        self._accept(self.size - 1)
+        self.store = _store(0, self.size, port)
+        self.group = _stage_group(self.device, self.store, 0, 0, tp)
+        shm = self._shm_collectives
+        self.shard = (Shard(0, tp, _collectives(self.group, tp, shm), config.enable_expert_parallel) if tp > 1
+                      else Shard())
+        self.stage = Stage(0, pp, self.stages[0]) if pp > 1 else Stage()
+        self.hand_off = self._channels.get(names.hand_offs[0][0]) if pp > 1 else None
+        self.logits_in = self._channels.get(names.logits) if pp > 1 else None
+        log.info("event=ranks_started tensor_parallel=%d pipeline_parallel=%d stages=%s pids=%s", tp, pp,
+                 [f"{s.start}-{s.stop - 1}" for s in self.stages] if stages else "-", [p.pid for p in self.procs])
+
+    def _segments(self, config: EngineConfig, hidden: int, vocab: int) -> Names:
+        """Make the shared memory the ranks meet in: each stage's collectives, the stage hand-offs, the
+        logits' way back."""
+        base = f"sf-mp-{os.getpid()}-{secrets.token_hex(4)}"
+        slot = _shared_memory_slot(config, self.tp, hidden, vocab)
+        collectives: list[str | None] = []
+        self._shm_collectives: SharedMemoryCollectives | None = None
+        for s in range(self.pp):
+            name = f"{base}-c{s}" if slot else None
+            if name is not None:
+                try:
+                    seg = SharedMemoryCollectives(name, 0, self.tp, slot, _NotYet(), create=True)
+                except OSError as e:  # (a small /dev/shm, e.g. a container's 64 MB)
+                    log.warning("event=tp_shared_memory_off bytes=%d error=%s (collectives through gloo)",
+                                2 * self.tp * slot, e)
+                    name = None
+                else:
+                    self.segments.append(seg)
+                    if s == 0:
+                        self._shm_collectives = seg  # (rank 0's own: it is stage 0's rank 0)
+            collectives.append(name)
+        hand_bytes = 2 * config.max_num_batched_tokens * hidden * 4
+        logit_bytes = _sampled_rows(config) * vocab * 4
+        hand_offs = [[f"{base}-h{s}-{r}" for r in range(self.tp)] for s in range(self.pp - 1)]
+        self._channels: dict[str, SharedMemoryChannel] = {}
+        if self.pp > 1:
+            for name, size in [*((n, hand_bytes) for row in hand_offs for n in row), (f"{base}-logits", logit_bytes)]:
+                self._channels[name] = SharedMemoryChannel(name, size, create=True)
+                self.segments.append(self._channels[name])
+        return Names(collectives, slot, hand_offs, hand_bytes, f"{base}-logits", logit_bytes)
 
     def _accept(self, n: int) -> None:
         """The other ranks' connections, in rank order: each first sends the group's key and its rank
@@ -181,7 +252,7 @@ class RankGroup:
         rc = proc.wait()
         if self.closing:
             return
-        log.error("event=rank_failed rank=%d pid=%d rc=%s: the tensor-parallel group goes down with it", rank,
+        log.error("event=rank_failed rank=%d pid=%d rc=%s: the model-parallel group goes down with it", rank,
                   proc.pid, rc)
         for p in self.procs:
             if p.poll() is None:
@@ -189,8 +260,8 @@ class RankGroup:
         os._exit(70)  # (EX_SOFTWARE) every stream on this endpoint fails over; nothing can finish here
 
     def setup(self, layout: KVLayout, max_positions: int, int8_activations: bool) -> None:
-        """Every rank allocates its KV cache (rank 0 sized it) and builds its RoPE tables; returns once all are
-        ready to step."""
+        """Every rank allocates its KV cache (rank 0 sized its blocks; a stage holds its own layers) and
+        builds its RoPE tables; returns once all are ready to step."""
         self._send(("setup", layout, max_positions, int8_activations))
         for r, conn in enumerate(self.conns, start=1):
             try:
@@ -206,8 +277,29 @@ class RankGroup:
             threading.Thread(target=self._watch_rank, args=(r, p), daemon=True, name=f"rank-{r}-watch").start()
 
     def step(self, plan: tuple) -> None:
-        """This step's inputs to every other rank (`ModelRunner.broadcast`)."""
-        self._send(plan)
+        """This step's inputs to every other rank (`ModelRunner.broadcast`; tensor parallel only)."""
+        self._send(("step", plan))
+
+    def pipeline(self, model: DecoderModel, kv: KVCache) -> Callable[[list[tuple]], list[torch.Tensor]]:
+        """`ModelRunner.pipeline`: the first stage's part of a step's micro-batches, and their logits back."""
+        assert self.hand_off is not None and self.logits_in is not None
+        out, back = self.hand_off, self.logits_in
+
+        def run(plans: list[tuple]) -> list[torch.Tensor]:
+            self._send(("pp", plans))
+            expected = sum(1 for plan in plans if plan[3])
+            logits: list[torch.Tensor] = []
+            for ids, positions, meta, _ in plans:
+                x, residual = model(ids, positions, kv, meta)
+                while not out.free():  # (the last stage may be waiting for rank 0 to take its logits)
+                    if back.ready():
+                        logits.append(back.recv()[0])
+                out.send([x, residual])
+            while len(logits) < expected:
+                logits.append(back.recv()[0])
+            return logits
+
+        return run
 
     def _send(self, msg: Any) -> None:
         data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
@@ -233,13 +325,13 @@ class RankGroup:
             except subprocess.TimeoutExpired:
                 p.kill()
         self.listener.close()
-        if self.shm is not None:
-            self.shm.close()
+        for seg in self.segments:
+            seg.close()
         self.group = self.store = None
 
 
 def follower(rank: int) -> None:
-    """A rank other than 0: load this rank's shard, then run forwards as rank 0 sends them."""
+    """A rank other than 0: load this rank's part, then run forwards as rank 0 sends them."""
     spec = json.loads(os.environ["SPLITFIRE_RANK_SPEC"])
     if sys.platform == "linux":  # die with rank 0, whatever kills it
         import ctypes
@@ -250,41 +342,69 @@ def follower(rank: int) -> None:
 
     setup_logging()
     config = EngineConfig(**spec["config"])
-    size = spec["size"]
+    tp, pp = spec["tp"], spec["pp"]
+    names = Names(**spec["names"])
+    s, tp_rank = divmod(rank, tp)
     sock = socket.create_connection(tuple(spec["address"]))
     conn = Connection(sock.detach())
     conn.send_bytes(bytes.fromhex(spec["key"]) + rank.to_bytes(4, "big"))
     device = config.torch_device
-    torch.set_num_threads(threads_per_rank(config, size))
-    group, store = _process_group(device, rank, size, spec["port"])
-    shm = (SharedMemoryCollectives(spec["shm"][0], rank, size, spec["shm"][1], _NotYet(), create=False)
-           if spec["shm"] else None)
+    torch.set_num_threads(threads_per_rank(config, tp * pp))
+    store = _store(rank, tp * pp, spec["port"])
+    group = _stage_group(device, store, s, tp_rank, tp)
+    shm = (SharedMemoryCollectives(names.collectives[s], tp_rank, tp, names.slot, _NotYet(), create=False)
+           if names.collectives[s] else None)
+    shard = Shard(tp_rank, tp, _collectives(group, tp, shm), config.enable_expert_parallel) if tp > 1 else Shard()
+    stage = Stage(s, pp, range(*spec["stages"][s])) if pp > 1 else Stage()
+    take = SharedMemoryChannel(names.hand_offs[s - 1][tp_rank], names.hand_off_bytes, False) if s > 0 else None
+    give = SharedMemoryChannel(names.hand_offs[s][tp_rank], names.hand_off_bytes, False) if s < pp - 1 else None
+    logits_out = (SharedMemoryChannel(names.logits, names.logits_bytes, False) if pp > 1 and stage.last
+                  and tp_rank == 0 else None)
     try:
-        model = load_model(spec["model_dir"], device, config.torch_dtype, config.quantization,
-                           shard=Shard(rank, size, _collectives(group, size, shm), config.enable_expert_parallel))
+        model = load_model(spec["model_dir"], device, config.torch_dtype, config.quantization, shard=shard,
+                           stage=stage)
     except Exception as e:
-        conn.send_bytes(pickle.dumps(f"cannot load its shard: {type(e).__name__}: {e}"))
+        conn.send_bytes(pickle.dumps(f"cannot load its part: {type(e).__name__}: {e}"))
         raise
     _, layout, max_positions, int8_activations = pickle.loads(conn.recv_bytes())
+    layout = dataclasses.replace(layout, num_layers=len(model.layers))
     model.build_rope_cache(max_positions, device, config.torch_dtype)
     model.set_int8_activations(int8_activations)
     kv = KVCache(layout, device)
     conn.send_bytes(pickle.dumps("ready"))
-    log.info("event=rank_ready rank=%d of=%d kv_blocks=%d", rank, size, layout.num_blocks)
+    log.info("event=rank_ready rank=%d of=%d stage=%d layers=%s kv_blocks=%d", rank, tp * pp, s,
+             f"{model.layer_ids.start}-{model.layer_ids.stop - 1}", layout.num_blocks)
+
+    def rows_of(rows: list[int]) -> torch.Tensor:
+        return torch.tensor(rows, dtype=torch.long, device=device)
+
     with torch.inference_mode():
         while True:
             try:
-                plan = pickle.loads(conn.recv_bytes())
+                msg = pickle.loads(conn.recv_bytes())
             except EOFError:
-                return  # rank 0 closed the group
-            if plan is None:
+                break  # rank 0 closed the group
+            if msg is None:
                 break
-            ids, positions, meta, rows = plan
-            hidden = model(ids, positions, kv, meta)
-            if rows:
-                model.logits(hidden.index_select(0, torch.tensor(rows, dtype=torch.long, device=device)))
-    if shm is not None:
-        shm.close()
+            kind, plan = msg
+            if kind == "step":  # tensor parallel only: the stage is the whole model
+                ids, positions, meta, rows = plan
+                hidden = model(ids, positions, kv, meta)
+                if rows:
+                    model.logits(hidden.index_select(0, rows_of(rows)))
+                continue
+            for ids, positions, meta, rows in plan:  # "pp": the step's micro-batches, in order
+                carry = tuple(take.recv()) if take is not None else None
+                out = model(ids, positions, kv, meta, carry=carry)
+                if give is not None:
+                    give.send(list(out))
+                elif rows:
+                    logits = model.logits(out.index_select(0, rows_of(rows)))
+                    if logits_out is not None:
+                        logits_out.send([logits])
+    for seg in (shm, take, give, logits_out):
+        if seg is not None:
+            seg.close()
     del group, store
 
 

@@ -180,14 +180,17 @@ async def up(args: argparse.Namespace) -> int:
         children.append(Child("kv-store", master_command(mport, metrics), "", ready_port=mport))
         kv_store = ["--kv-store", f"127.0.0.1:{mport}", "--kv-store-gb", str(args.kv_store_gb)]
     roles = ["both"] if args.colocated else ["prefill"] * args.prefill + ["decode"] * args.decode
-    tp = args.tensor_parallel_size
-    if tp > 1 and not args.colocated:
-        print("splitfire up: --tensor-parallel-size above 1 is served colocated for now (add --colocated)", flush=True)
+    tp, pp = args.tensor_parallel_size, args.pipeline_parallel_size
+    if tp * pp > 1 and not args.colocated:
+        print("splitfire up: --tensor-parallel-size / --pipeline-parallel-size above 1 are served colocated for now "
+              "(add --colocated)", flush=True)
         return 2
     cpus = plan_cpus(args.cpus, len(roles))  # (a worker's ranks share its cores: engine/ranks.threads_per_rank)
-    gpus = plan_gpus(args.gpus, len(roles), gpu_count(args.device), tp)
+    gpus = plan_gpus(args.gpus, len(roles), gpu_count(args.device), tp * pp)
     if tp > 1:
         common += ["--tensor-parallel-size", str(tp)]
+    if pp > 1:
+        common += ["--pipeline-parallel-size", str(pp)]
     router_args = ["--served-model-name", args.served_model_name] if args.served_model_name else []
     addrs: dict[str, list[str]] = {"prefill": [], "decode": [], "both": []}
     workers = []
@@ -297,6 +300,9 @@ def add_subcommand(sub) -> None:
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="each worker splits the model across this many ranks (GPUs, or CPU processes sharing "
                         "its cores); colocated only for now")
+    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
+                   help="each worker splits the layers into this many stages, one process each (CPU hosts; "
+                        "colocated only for now)")
     p.add_argument("--cpus", default="auto", help="auto (split cores across workers), none, or 'LIST;LIST;...'")
     p.add_argument("--gpus", default="auto", help="auto (one GPU per worker when there are enough), none, or "
                    "'LIST;LIST;...' of CUDA_VISIBLE_DEVICES values")

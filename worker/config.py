@@ -62,12 +62,14 @@ class WorkerConfig:
         if not self.advertise:
             self.advertise = f"{self.transfer.hostname}:{self.grpc_port}"
         self.engine.validate()
-        if self.engine.tensor_parallel_size > 1 and self.role != "both":
-            raise ValueError("--tensor-parallel-size above 1 is served colocated only (splitfire serve) for now: a "
-                             "prefill or decode worker's KV transfer does not yet split KV heads across ranks")
-        if self.engine.tensor_parallel_size > 1 and self.kv_store:
-            raise ValueError("--tensor-parallel-size above 1 with --kv-store: the cluster KV tier does not yet "
-                             "address pages split across ranks; drop --kv-store")
+        ranks = self.engine.tensor_parallel_size * self.engine.pipeline_parallel_size
+        if ranks > 1 and self.role != "both":
+            raise ValueError("--tensor-parallel-size / --pipeline-parallel-size above 1 are served colocated only "
+                             "(splitfire serve) for now: a prefill or decode worker's KV transfer does not yet "
+                             "address KV split across ranks")
+        if ranks > 1 and self.kv_store:
+            raise ValueError("--tensor-parallel-size / --pipeline-parallel-size above 1 with --kv-store: the cluster "
+                             "KV tier does not yet address pages split across ranks; drop --kv-store")
         if self.role != "both":
             self.transfer.validate()
         return self
@@ -129,7 +131,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=int(_env("tensor_parallel_size", 1)),
                    help="split the model across this many ranks (one process each; gloo on CPU, NCCL on CUDA)")
     g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=int(_env("pipeline_parallel_size", 1)),
-                   help="stages of layers (not implemented yet: only 1)")
+                   help="split the layers into this many stages, one process each (CPU hosts; with -tp, each "
+                        "stage tensor parallel)")
     g.add_argument("--enable-expert-parallel", action="store_true",
                    default=_env("enable_expert_parallel", "") not in ("", "0"),
                    help="place routed experts whole over the tensor-parallel ranks (default: split each expert)")

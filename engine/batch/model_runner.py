@@ -57,6 +57,9 @@ class ModelRunner:
         # Tensor parallel: sends each step's inputs to the other ranks before this one runs it
         # (engine/ranks.py); they run the same forward and logits on their shards.
         self.broadcast: Callable[[tuple], None] | None = None
+        # Pipeline parallel: runs the step's micro-batches through the stages, returns their logits.
+        self.pipeline: Callable[[list[tuple]], list[torch.Tensor]] | None = None
+        self.micro_batches = 1
         self._lap_at = 0.0
 
     def prepare(self, batch: list[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
@@ -153,6 +156,8 @@ class ModelRunner:
             logits = self.model.logits(hidden)
             self._lap("forward")
             return sample(logits, [s.seq for s in batch], self.grammar, self.eos_token_ids)
+        if self.pipeline is not None:
+            return self._run_pipelined(batch)
         input_ids, positions, meta, sample_rows = self.prepare(batch)
         if self.broadcast is not None:
             self.broadcast((input_ids, positions, meta, sample_rows))
@@ -170,6 +175,27 @@ class ModelRunner:
         rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
         logits = self.model.logits(hidden.index_select(0, rows))
         self._lap("forward")
+        return self._sample(batch, logits)
+
+    def _run_pipelined(self, batch: list[ScheduledSeq]) -> list[tuple[int, TokenLogprob | None]]:
+        """Pipeline parallel: the batch in micro-batches, each prepared on its own; the stages (rank 0
+        the first) work on them one after another, so every stage has one to work on while the next
+        takes the previous (`engine/ranks.py`). Logits come back from the last stage in batch order."""
+        assert self.pipeline is not None
+        count = min(self.micro_batches, len(batch))
+        size = -(-len(batch) // count)
+        micro = [batch[i : i + size] for i in range(0, len(batch), size)]
+        plans = [self.prepare(mb) for mb in micro]  # (each reorders its micro-batch)
+        batch[:] = [s for mb in micro for s in mb]
+        self._lap("prepare")
+        parts = self.pipeline(plans)
+        self._lap("forward")
+        if not parts:
+            return []
+        return self._sample(batch, torch.cat(parts))
+
+    def _sample(self, batch: list[ScheduledSeq], logits: torch.Tensor) -> list[tuple[int, TokenLogprob | None]]:
+        """Tokens from the logits of the batch's sampled rows (in batch order)."""
         plain: list[int] = []  # logits rows of ordinary samples
         row = 0
         for s in batch:

@@ -36,7 +36,7 @@ from engine.loading.checkpoint import read_header
 from engine.model import quant
 from engine.model.layers import Linear
 from engine.model.moe import Experts
-from engine.model.parallel import ONE, Shard
+from engine.model.parallel import ONE, WHOLE, Shard, Stage
 
 log = logging.getLogger("splitfire.engine")
 
@@ -55,11 +55,15 @@ def enabled(model_dir: Path) -> bool:
     return sum(f.stat().st_size for f in model_dir.glob("*.safetensors")) >= floor
 
 
-def cache_path(model_dir: Path, dtype: torch.dtype, quantization: str | None, shard: Shard = ONE) -> Path:
-    """One file per model, dtype, quantization, code version, and tensor-parallel rank (its shard)."""
+def cache_path(model_dir: Path, dtype: torch.dtype, quantization: str | None, shard: Shard = ONE,
+               stage: Stage = WHOLE) -> Path:
+    """One file per model, dtype, quantization, code version, tensor-parallel rank (its shard) and
+    pipeline stage (its layers)."""
     h = hashlib.sha256(f"format {FORMAT} {dtype} {quantization} {torch.__version__}".encode())
     if shard.parallel:
         h.update(f"tensor parallel {shard.rank}/{shard.size}".encode())
+    if stage.count > 1:
+        h.update(f"pipeline stage {stage.index}/{stage.count} layers {stage.layers}".encode())
     here = Path(__file__).parent.parent  # engine/
     for name in _SOURCES:
         h.update((here / name).read_bytes())
@@ -69,6 +73,7 @@ def cache_path(model_dir: Path, dtype: torch.dtype, quantization: str | None, sh
         h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
     dt = str(dtype).removeprefix("torch.")
     tp = f"-tp{shard.rank}of{shard.size}" if shard.parallel else ""
+    tp += f"-pp{stage.index}of{stage.count}" if stage.count > 1 else ""
     return cache_dir() / f"{model_dir.name}-{dt}-{quantization or 'asis'}{tp}-{h.hexdigest()[:16]}.safetensors"
 
 

@@ -30,7 +30,7 @@ from engine.model.layers import MLP, Linear, RMSNorm
 from engine.model.mla import MLAttention
 from engine.model.model_config import VISION_PREFIXES, ModelConfig
 from engine.model.moe import MoE
-from engine.model.parallel import ONE, Shard
+from engine.model.parallel import ONE, WHOLE, Shard, Stage
 
 log = logging.getLogger("splitfire.engine")
 
@@ -228,19 +228,19 @@ def _pad_rows(qw: quant.QuantizedWeight, rows: int) -> quant.QuantizedWeight:
 
 def load_model(model_dir: str | Path, device: torch.device, dtype: torch.dtype,
                quantization: str | None = None, staging: Staging | Literal[False] | None = None,
-               shard: Shard = ONE) -> DecoderModel:
+               shard: Shard = ONE, stage: Stage = WHOLE) -> DecoderModel:
     """`quantization` (int8 | int4) quantizes a float checkpoint's matmul weights after loading; a
     checkpoint stored quantized (`engine.model.quant`'s layout, e.g. a converted GGUF) stays as stored.
     Loads to a device go through pinned `staging` buffers (made here unless given; False: through
     pageable temporaries, the benchmark's baseline); a CPU load reads straight into its parameters
     unless a `Staging` is given. `shard`: a tensor-parallel rank's part only (`parallel.py`), read as
-    slices of the checkpoint's tensors."""
+    slices of the checkpoint's tensors; `stage`: a pipeline stage's layers only (the rest not read)."""
     model_dir = Path(model_dir)
     cfg = ModelConfig.from_dir(model_dir)
-    cached = weight_cache.cache_path(model_dir, dtype, quantization, shard) if (
+    cached = weight_cache.cache_path(model_dir, dtype, quantization, shard, stage) if (
         device.type == "cpu" and weight_cache.enabled(model_dir)) else None
     if cached is not None and cached.is_file():
-        model = _allocate(cfg, device, dtype, shard)
+        model = _allocate(cfg, device, dtype, shard, stage)
         try:
             model.weight_mapping = weight_cache.restore(model, cached)
         except (ModelLoadError, OSError, ValueError, RuntimeError, KeyError, TypeError) as e:
@@ -255,29 +255,36 @@ def load_model(model_dir: str | Path, device: torch.device, dtype: torch.dtype,
         staging = Staging(device)
     staging = staging or None
     ckpt = Checkpoint(model_dir, staging)
-    model = _allocate(cfg, device, dtype, shard)
+    model = _allocate(cfg, device, dtype, shard, stage)
     load = _Loader(ckpt, cfg.fp8_weight_block)
     root, head = _text_model_prefixes(ckpt, cfg)
     # Tensor parallel: the embedding's and LM head's rows of this rank's slice of the vocabulary.
     vocab = Part((cfg.vocab_size, cfg.hidden_size), rows=model.vocab_rows) if shard.parallel else None
     with torch.no_grad():
         embed = root + "embed_tokens.weight"
-        if load.is_quantized(embed):
+        if not model.embed.weight.numel():  # (a pipeline stage that neither embeds nor ties the head to it)
+            for suffix in ("", *quant.SUFFIXES):
+                ckpt.skip(embed + suffix)
+        elif load.is_quantized(embed):
             qw = (load.as_quantized(embed, tuple(model.embed.weight.shape), part=vocab) if vocab is not None
                   else load.quantized(embed, tuple(model.embed.weight.shape)))
             model.set_embedding_quantized(qw.to(device))
         else:
             load.copy(model.embed.weight, embed, part=vocab)
         load.norm(model.norm, root + "norm.weight")
-        if cfg.tie_word_embeddings:
+        if cfg.tie_word_embeddings or not stage.last:
             ckpt.skip(head)  # some tied checkpoints store a copy; the embedding is what runs
             for suffix in quant.SUFFIXES:
                 ckpt.skip(head + suffix)
         else:
             load.linear(model.lm_head, [head if ckpt.has(head) or ckpt.has(head + ".qweight") else embed],
                         parts=[vocab] if vocab is not None else None)
-        for i, layer in enumerate(tqdm(model.layers, desc=f"loading {model_dir.name}", unit="layer", disable=None)):
+        for i, layer in zip(model.layer_ids, tqdm(model.layers, desc=f"loading {model_dir.name}", unit="layer",
+                                                  disable=None), strict=True):
             _load_block(load, cfg, layer, f"{root}layers.{i}.", shard)
+        others = tuple(f"{root}layers.{i}." for i in range(cfg.num_layers) if i not in model.layer_ids)
+        for name in [n for n in ckpt.unread if n.startswith(others)] if others else []:
+            ckpt.skip(name)  # (another pipeline stage's layers)
         _skip_mtp_layers(ckpt, cfg, root)
         if quantization is not None:
             model.quantize(quantization)
@@ -345,14 +352,15 @@ def _text_model_prefixes(ckpt: Checkpoint, cfg: ModelConfig) -> tuple[str, str]:
     return f"{p}model.", f"{p}lm_head.weight"
 
 
-def _allocate(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, shard: Shard = ONE) -> DecoderModel:
+def _allocate(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, shard: Shard = ONE,
+              stage: Stage = WHOLE) -> DecoderModel:
     """The model's parameters, uninitialised, made directly on `device` in `dtype` (no module runs a
     random init; building on "meta" and moving would touch every page twice)."""
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            return DecoderModel(cfg, shard)
+            return DecoderModel(cfg, shard, stage)
     finally:
         torch.set_default_dtype(default)
 

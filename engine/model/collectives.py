@@ -115,3 +115,89 @@ class SharedMemoryCollectives:
         self.shm.close()
         if self.owner:
             self.shm.unlink()
+
+
+_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32]
+
+
+class SharedMemoryChannel:
+    """One-way tensors from one rank to another through shared memory (pipeline stages' hand-offs and
+    the last stage's logits): two slots alternate, each with a header naming its tensors' dtypes and
+    shapes; the sender waits until the receiver has read the slot it is about to reuse."""
+
+    HEADER = 512  # bytes: sequence numbers, then the tensors' descriptions
+
+    def __init__(self, name: str, slot_bytes: int, create: bool):
+        self.slot_bytes = slot_bytes
+        total = 128 + 2 * (self.HEADER + slot_bytes)
+        self.shm = (shared_memory.SharedMemory(name=name, create=True, size=total) if create
+                    else shared_memory.SharedMemory(name=name))
+        if create:
+            self.shm.buf[:128] = bytes(128)
+        else:
+            from multiprocessing import resource_tracker
+
+            resource_tracker.unregister(self.shm._name, "shared_memory")  # type: ignore[attr-defined]
+        # [written, read]: sequence numbers, a cache line apart
+        self.seqs = np.ndarray((2, 8), dtype=np.int64, buffer=self.shm.buf)[:, 0]
+        self.owner = create
+        self.sent = self.received = 0
+
+    def _slot(self, k: int) -> tuple[memoryview, int]:
+        start = 128 + k * (self.HEADER + self.slot_bytes)
+        return self.shm.buf, start
+
+    def _wait(self, index: int, at_least: int) -> None:
+        spins = 0
+        while self.seqs[index] < at_least:
+            spins += 1
+            if spins > SPINS_BEFORE_YIELD:
+                os.sched_yield()
+
+    def send(self, tensors: list[torch.Tensor]) -> None:
+        size = sum(t.numel() * t.element_size() for t in tensors)
+        if size > self.slot_bytes or len(tensors) > 8:
+            raise RuntimeError(f"pipeline hand-off of {size} bytes exceeds its {self.slot_bytes}-byte slot")
+        self.sent += 1
+        self._wait(1, self.sent - 2)  # the receiver has read what this slot held last time
+        buf, start = self._slot(self.sent % 2)
+        desc = np.ndarray((self.HEADER // 8,), dtype=np.int64, buffer=buf, offset=start)
+        desc[0] = len(tensors)
+        data = start + self.HEADER
+        for i, t in enumerate(tensors):
+            t = t.contiguous()
+            desc[1 + i * 6 : 1 + i * 6 + 6] = [_DTYPES.index(t.dtype), t.dim(), *list(t.shape) + [0] * (4 - t.dim())]
+            n = t.numel() * t.element_size()
+            torch.frombuffer(buf, dtype=torch.uint8, offset=data, count=n).copy_(t.view(-1).view(torch.uint8))
+            data += n
+        self.seqs[0] = self.sent
+
+    def free(self) -> bool:
+        """A `send` now would not wait (the receiver has read the slot it would reuse)."""
+        return bool(self.seqs[1] >= self.sent + 1 - 2)
+
+    def ready(self) -> bool:
+        """A `recv` now would not wait."""
+        return bool(self.seqs[0] >= self.received + 1)
+
+    def recv(self) -> list[torch.Tensor]:
+        self.received += 1
+        self._wait(0, self.received)
+        buf, start = self._slot(self.received % 2)
+        desc = np.ndarray((self.HEADER // 8,), dtype=np.int64, buffer=buf, offset=start)
+        out, data = [], start + self.HEADER
+        for i in range(int(desc[0])):
+            code, ndim, *dims = (int(v) for v in desc[1 + i * 6 : 1 + i * 6 + 6])
+            dtype, shape = _DTYPES[code], tuple(dims[:ndim])
+            n = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size() if shape else 0
+            out.append(torch.frombuffer(buf, dtype=torch.uint8, offset=data, count=n).clone().view(dtype).view(shape)
+                       if n else torch.empty(shape, dtype=dtype))
+            data += n
+        self.seqs[1] = self.received
+        return out
+
+    def close(self) -> None:
+        del self.seqs
+        self.shm.close()
+        if self.owner:
+            self.shm.unlink()

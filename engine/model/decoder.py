@@ -14,6 +14,7 @@ to know where each sequence starts, and that lives in `attention.py`.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -28,7 +29,7 @@ from engine.model.layers import MLP, Linear, RMSNorm, cpu_packing_supported
 from engine.model.mla import MLAttention
 from engine.model.model_config import LayerConfig, ModelConfig
 from engine.model.moe import Experts, MoE
-from engine.model.parallel import ONE, Shard
+from engine.model.parallel import ONE, WHOLE, Shard, Stage
 from engine.model.rope import RopeSpec, apply_rope, rope_cache
 
 # Called after layer `i`'s K/V for this step are in the cache: the prefill worker uses it
@@ -130,19 +131,24 @@ class Block(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, shard: Shard = ONE):
+    def __init__(self, cfg: ModelConfig, shard: Shard = ONE, stage: Stage = WHOLE):
         super().__init__()
         self.cfg = cfg
         self.shard = shard
+        # Pipeline parallel: this stage's layers (`layer_ids`: their indices in the whole model); the
+        # embedding where the first stage (or a tied LM head on the last) needs it, the LM head on the last.
+        self.stage = stage
+        self.layer_ids = stage.layer_ids(cfg.num_layers)
         # Tensor parallel: the embedding and LM head rows of this rank's slice of the vocabulary.
         self.vocab_rows = shard.vocab(cfg.vocab_size)
         rows = len(self.vocab_rows)
+        embed_rows = rows if stage.first or (stage.last and cfg.tie_word_embeddings) else 0
         # Given its weight, Embedding skips its random init: on the meta device that init imports
         # torch._dynamo (2.5 s of every worker start, measured).
-        self.embed = nn.Embedding(rows, cfg.hidden_size, _weight=torch.empty(rows, cfg.hidden_size))
-        self.layers = nn.ModuleList(Block(cfg, layer, shard) for layer in cfg.layers)
+        self.embed = nn.Embedding(embed_rows, cfg.hidden_size, _weight=torch.empty(embed_rows, cfg.hidden_size))
+        self.layers = nn.ModuleList(Block(cfg, cfg.layers[i], shard) for i in self.layer_ids)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.gemma_norm)
-        self.lm_head = Linear(cfg.hidden_size, rows, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, rows if stage.last else 0, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed.weight
         self.requires_grad_(False)
@@ -179,19 +185,27 @@ class DecoderModel(nn.Module):
         kv: KVCache,
         meta: AttentionMetadata,
         layer_hook: LayerHook | None = None,
-    ) -> torch.Tensor:
-        """Returns final-normed hidden states `[T, hidden]`; logits are taken only where needed."""
+        carry: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> Any:
+        """Returns final-normed hidden states `[T, hidden]`; logits are taken only where needed.
+        Pipeline parallel: a stage after the first starts from the previous stage's `carry` (hidden
+        states and residual stream) instead of the tokens, and a stage before the last returns its own."""
         assert self.rope_caches, "build_rope_cache() first"
         # Once per step and rope variant, shared by every layer that uses it.
         freqs = {spec: cache[positions].unsqueeze(1) for spec, cache in self.rope_caches.items()}
-        x = self.embed_tokens(input_ids)
-        if self.embed_scale is not None:
-            x = x * self.embed_scale
-        fused = self._cpu_layers(kv) if layer_hook is None and CpuDecodeLayers.applies(x, meta) else None
+        residual: torch.Tensor | None
+        if carry is not None:
+            x, residual = carry
+        else:
+            x, residual = self.embed_tokens(input_ids), None
+            if self.embed_scale is not None:
+                x = x * self.embed_scale
+        whole = self.stage is WHOLE or (self.stage.first and self.stage.last)
+        fused = (self._cpu_layers(kv) if whole and layer_hook is None and CpuDecodeLayers.applies(x, meta)
+                 else None)
         if fused is not None:
             x, residual, self.aux_out = fused.run(x, freqs, meta, self.aux_layers)
             return self.norm.add_forward(x, residual)[0]
-        residual = None
         aux: list[torch.Tensor] = []
         for i, layer in enumerate(self.layers):
             if i in self.aux_layers:  # (a copy: later layers update the residual stream in place)
@@ -201,6 +215,8 @@ class DecoderModel(nn.Module):
                 layer_hook(i)
         self.aux_out = torch.cat(aux, dim=-1) if aux else None
         assert residual is not None
+        if not self.stage.last:
+            return x, residual
         return self.norm.add_forward(x, residual)[0]
 
     def _cpu_layers(self, kv: KVCache) -> CpuDecodeLayers | None:
@@ -231,7 +247,7 @@ class DecoderModel(nn.Module):
     def set_embedding_quantized(self, qw: quant.QuantizedWeight) -> None:
         """Lookups read `qw`'s rows; the float table is freed. Tied: the LM head multiplies by it too."""
         self.embed_quantized = qw
-        if self.cfg.tie_word_embeddings:
+        if self.cfg.tie_word_embeddings and self.lm_head.weight is not None and self.lm_head.weight.numel():
             self.lm_head.set_quantized([qw])
         self.embed.weight = nn.Parameter(self.embed.weight.new_empty(0, self.cfg.hidden_size), requires_grad=False)
 
@@ -245,14 +261,18 @@ class DecoderModel(nn.Module):
             if isinstance(m, MoE):
                 skip |= {id(m.router), id(m.shared_gate)}
         for name, m in self.named_modules():
-            if isinstance(m, Linear) and id(m) not in skip and m.quantized is None and m is not self.lm_head:
+            if (isinstance(m, Linear) and id(m) not in skip and m.quantized is None and m is not self.lm_head
+                    and m.weight.numel()):
                 m.set_quantized([quant.quantize(m.weight, kind, self._group_size(name, m, kind))])
             elif isinstance(m, Experts):
                 m.quantize(kind)
-        if self.lm_head.quantized is None:
+        # (Pipeline parallel: a first stage without the LM head still quantizes a tied embedding the same way.)
+        tied_table = self.cfg.tie_word_embeddings and self.embed_quantized is None and self.embed.weight.numel()
+        if self.lm_head.quantized is None and (self.lm_head.weight.numel() or tied_table):
             # The LM head (and a tied embedding) stays at 8 bits under int4, as llama.cpp's 4-bit files
             # keep theirs at Q8_0/Q6_K: on SmolLM2 a 4-bit head cost 6% perplexity, 4-bit layers ~1%.
-            head, head_kind = self.lm_head.weight, "int8"
+            head = self.lm_head.weight if self.lm_head.weight.numel() else self.embed.weight
+            head_kind = "int8"
             qw = quant.quantize(head, head_kind, quant.group_size_for(head.shape[1], head_kind))
             if self.cfg.tie_word_embeddings:
                 self.set_embedding_quantized(qw)
@@ -286,7 +306,7 @@ class DecoderModel(nn.Module):
         if dtype not in (torch.float32, torch.bfloat16) or not cpu_packing_supported(dtype):
             return
         for m in self.modules():
-            if isinstance(m, Linear):
+            if isinstance(m, Linear) and m.weight is not None and m.weight.numel():
                 original = m.weight
                 m.pack_for_cpu(keep_original=m is self.lm_head and self.cfg.tie_word_embeddings)
                 if dropped is not None and m.weight is None and original is not None:

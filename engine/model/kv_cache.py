@@ -60,19 +60,20 @@ class KVLayout:
     @classmethod
     def for_budget(
         cls, cfg: ModelConfig, budget_bytes: int, block_size: int, dtype: torch.dtype,
-        entry: tuple[int, int, int] | None = None,
+        entry: tuple[int, int, int] | None = None, layers: int | None = None,
     ) -> KVLayout:
         """`entry`: (planes, heads, dim) per token and layer when not the whole model's (a tensor-parallel
-        rank holds its KV heads only)."""
+        rank holds its KV heads only); `layers`: how many layers the budget holds (a pipeline stage's)."""
         planes, heads, dim = entry or cfg.kv_entry
-        probe = cls(cfg.num_layers, 1, block_size, heads, dim, dtype, planes)
-        num_blocks = budget_bytes // (probe.page_bytes * cfg.num_layers)
+        n = layers or cfg.num_layers
+        probe = cls(n, 1, block_size, heads, dim, dtype, planes)
+        num_blocks = budget_bytes // (probe.page_bytes * n)
         if num_blocks < 2:
             raise ValueError(
                 f"KV cache budget of {budget_bytes / 2**20:.1f} MiB holds fewer than 2 blocks "
-                f"({probe.page_bytes * cfg.num_layers / 2**20:.2f} MiB each); raise --kv-cache-gb"
+                f"({probe.page_bytes * n / 2**20:.2f} MiB each); raise --kv-cache-gb"
             )
-        return cls(cfg.num_layers, num_blocks, block_size, heads, dim, dtype, planes)
+        return cls(n, num_blocks, block_size, heads, dim, dtype, planes)
 
 
 class KVCache:

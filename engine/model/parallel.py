@@ -19,6 +19,7 @@ import torch
 
 from common.errors import ModelLoadError
 from engine.model.collectives import Collectives
+from engine.model.model_config import ModelConfig
 
 
 @dataclass(frozen=True)
@@ -73,3 +74,85 @@ class Shard:
 
 
 ONE = Shard()
+
+
+@dataclass(frozen=True)
+class Stage:
+    """This rank's pipeline stage: a contiguous run of the layers (`layers`; None: all of them). The first
+    stage embeds the tokens, the last one norms and takes logits; hidden states (and the residual
+    stream) go from one stage to the next (`engine/ranks.py`)."""
+
+    index: int = 0
+    count: int = 1
+    layers: range | None = None
+
+    @property
+    def first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def last(self) -> bool:
+        return self.index == self.count - 1
+
+    def layer_ids(self, num_layers: int) -> range:
+        return self.layers if self.layers is not None else range(num_layers)
+
+
+WHOLE = Stage()
+
+
+def layer_costs(cfg: ModelConfig) -> tuple[list[float], float, float]:
+    """What each layer costs a decode step, and the embedding's and the LM head's, in weights read per
+    token (a decode step is bandwidth-bound): attention and a dense MLP read all of theirs, a MoE layer
+    its top-k experts and shared ones; the LM head reads vocabulary x hidden, the embedding one row."""
+    h = cfg.hidden_size
+    costs = []
+    for layer in cfg.layers:
+        if cfg.mla is not None:
+            m = cfg.mla
+            qk = m.qk_nope_head_dim + m.qk_rope_head_dim
+            q = (h * m.q_lora_rank + m.q_lora_rank * cfg.num_heads * qk) if m.q_lora_rank else h * cfg.num_heads * qk
+            attn = q + h * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank * cfg.num_heads * (
+                m.qk_nope_head_dim + m.v_head_dim) + cfg.num_heads * m.v_head_dim * h
+        else:
+            attn = 2 * h * cfg.num_heads * cfg.head_dim + 2 * h * cfg.num_kv_heads * cfg.head_dim
+        if layer.moe and cfg.moe is not None:
+            mlp = 3 * h * cfg.moe.intermediate_size * cfg.moe.top_k + 3 * h * cfg.moe.shared_intermediate_size
+        else:
+            mlp = 3 * h * cfg.intermediate_size
+        costs.append(float(attn + mlp))
+    return costs, float(h), float(cfg.vocab_size * h)
+
+
+def split_layers(cfg: ModelConfig, stages: int) -> list[range]:
+    """Contiguous layer ranges, one per stage, that make the costliest stage as cheap as possible
+    (`layer_costs`; the first stage also pays the embedding, the last the LM head). Every stage gets
+    at least one layer."""
+    costs, embed, head = layer_costs(cfg)
+    n = len(costs)
+    if not 1 <= stages <= n:
+        raise ModelLoadError(f"pipeline parallel size {stages} must be between 1 and the model's {n} layers")
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+
+    def cost(a: int, b: int, s: int) -> float:
+        return prefix[b] - prefix[a] + (embed if s == 0 else 0.0) + (head if s == stages - 1 else 0.0)
+
+    # best[s][i]: the smallest max stage cost placing layers i.. on stages s..; cut[s][i]: where stage s ends.
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(stages + 1)]
+    best[stages][n] = 0.0
+    for s in range(stages - 1, -1, -1):
+        for i in range(n - 1, -1, -1):
+            left = stages - s - 1  # stages after this one, each needing a layer
+            for j in range(i + 1, n - left + 1):
+                v = max(cost(i, j, s), best[s + 1][j])
+                if v < best[s][i]:
+                    best[s][i], cut[s][i] = v, j
+    out, i = [], 0
+    for s in range(stages):
+        out.append(range(i, cut[s][i]))
+        i = cut[s][i]
+    return out
