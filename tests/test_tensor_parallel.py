@@ -99,8 +99,9 @@ def test_shared_memory_collectives_equal_the_process_group(tmp_path, engines, mo
 RANK_1 = """
 import sys, torch
 from engine.model.collectives import ProcessGroupCollectives, SharedMemoryCollectives
-from engine.ranks import _process_group
-group, store = _process_group(torch.device("cpu"), 1, 2, int(sys.argv[1]))
+from engine.ranks import _process_group, _store
+store = _store(1, 2, int(sys.argv[1]))
+group = _process_group(torch.device("cpu"), 1, 2, store)
 c = SharedMemoryCollectives(sys.argv[2], 1, 2, 4096, ProcessGroupCollectives(group, 2), create=False)
 for n in (3, 1000, 5000):  # 5000 floats: past the 4096-byte slot, through gloo
     x = torch.arange(n, dtype=torch.float32) * 2
@@ -115,12 +116,13 @@ def test_shared_memory_collectives_sum_and_gather_with_the_fallback_past_a_slot(
     import sys
 
     from engine.model.collectives import ProcessGroupCollectives, SharedMemoryCollectives
-    from engine.ranks import _free_port, _process_group
+    from engine.ranks import _free_port, _process_group, _store
 
     port, name = _free_port(), f"sf-test-{os.getpid()}"
     c = SharedMemoryCollectives(name, 0, 2, 4096, None, create=True)  # type: ignore[arg-type]
     other = subprocess.Popen([sys.executable, "-c", RANK_1, str(port), name])
-    group, _store = _process_group(torch.device("cpu"), 0, 2, port)  # (the store must outlive the group)
+    store = _store(0, 2, port)  # (the store must outlive the group)
+    group = _process_group(torch.device("cpu"), 0, 2, store)
     c.fallback = ProcessGroupCollectives(group, 2)
     for n in (3, 1000, 5000):
         x = torch.arange(n, dtype=torch.float32)
@@ -301,3 +303,49 @@ async def test_a_served_two_rank_worker_streams_and_dies_with_a_rank(tmp_path):
         assert "event=rank_failed rank=1" in worker.log()
     finally:
         stop_all(worker)
+
+
+async def test_a_stream_on_a_worker_whose_rank_dies_fails_over_through_the_router(tiny_model_dir, tmp_path):
+    """Two colocated TP=2 workers behind a router: rank 1 of the one serving a stream is killed mid-decode;
+    its worker exits, the router resumes the stream on the other, the client's text equals an uninterrupted
+    reply, and the survivor holds no KV blocks afterwards."""
+    import asyncio
+
+    import aiohttp
+    from grpc_client import stats, wait_blocks_free
+    from procs import base_url, start_router
+    from test_router_routing import MODEL, chat, sse_text
+
+    workers = [start_worker("both", tiny_model_dir, tmp_path, "--tensor-parallel-size", "2", name=f"tp{i}")
+               for i in range(2)]
+    router = start_router(tiny_model_dir, tmp_path, "--served-model-name", MODEL, "--colocated",
+                          *(address(w) for w in workers))
+    try:
+        messages = [{"role": "user", "content": "Count forever"}]
+        reference, _ = await chat(router, messages, max_tokens=400)
+        body = {"model": MODEL, "messages": messages, "max_tokens": 400, "temperature": 0, "stream": True,
+                "ignore_eos": True}
+        serving: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+
+        async def read_stream() -> str:
+            async with aiohttp.ClientSession() as s, s.post(base_url(router) + "/v1/chat/completions", json=body) as r:
+                serving.set_result(r.headers["X-Splitfire-Decode"])
+                return await sse_text(r)
+
+        reader = asyncio.create_task(read_stream())
+        served = await serving
+        victim = next(w for w in workers if address(w) == served)
+        for _ in range(1000):  # mid-decode: fewer than 360 of the 400 tokens left
+            if 0 < (await stats(address(victim))).decode_tokens_remaining < 360:
+                break
+            await asyncio.sleep(0.003)
+        pid = victim.popen.pid
+        rank = next(int(c) for c in open(f"/proc/{pid}/task/{pid}/children").read().split()
+                    if b"engine.ranks" in open(f"/proc/{c}/cmdline", "rb").read())
+        os.kill(rank, signal.SIGKILL)
+        assert await reader == reference
+        assert await asyncio.to_thread(victim.popen.wait, 15) != 0
+        survivor = next(w for w in workers if w is not victim)
+        await wait_blocks_free(address(survivor))
+    finally:
+        stop_all(router, *workers)
