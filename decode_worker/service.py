@@ -97,13 +97,14 @@ class DecodeService(pb_grpc.DecodeServicer):
 
     # -- getting the prompt's K/V -----------------------------------------------------
 
-    async def _reserve(self, rid: str, ids: list[int], sampling: SamplingParams, tenant: str) -> tuple[int, list[int]]:
+    async def _reserve(self, rid: str, ids: list[int], sampling: SamplingParams, tenant: str,
+                       weight: float = 1.0) -> tuple[int, list[int]]:
         aeng = self.ctx.engine
         deadline = time.monotonic() + self.ctx.config.reserve_timeout_s
 
         while True:
             try:
-                got = await aeng.reserve(rid, ids, sampling, tenant)
+                got = await aeng.reserve(rid, ids, sampling, tenant, weight)
             except RequestError as e:
                 raise GenerateError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from e
             if got is not None:
@@ -123,7 +124,8 @@ class DecodeService(pb_grpc.DecodeServicer):
             block_ids=blocks[first:],
         )
         preq = pb.PrefillRequest(request_id=rid, token_ids=request.token_ids, sampling=request.sampling,
-                                 tenant=request.tenant, destination=dest)
+                                 tenant=request.tenant, destination=dest,
+                                 tenant_weight=request.tenant_weight)
         endpoint = request.prefill_endpoint
         call = self._stub(endpoint).Prefill(preq, timeout=self.ctx.config.prefill_timeout_s)
         self._remote_calls[rid] = call
@@ -162,11 +164,12 @@ class DecodeService(pb_grpc.DecodeServicer):
             # scheduler admits it (its turn in the queue, like any other) and computes the rest.
             fetch = tier is not None and await tier.held(request.tenant, ids) > 0
             try:
-                await aeng.add_request(rid, ids, sampling, request.tenant, fetch=fetch)
+                await aeng.add_request(rid, ids, sampling, request.tenant, fetch=fetch,
+                                       weight=request.tenant_weight or 1.0)
             except RequestError as e:
                 raise GenerateError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from e
             return PrefillDecision(False, "colocated"), 0, []
-        cached, blocks = await self._reserve(rid, ids, sampling, request.tenant)
+        cached, blocks = await self._reserve(rid, ids, sampling, request.tenant, request.tenant_weight or 1.0)
         if tier is not None:  # consult the cluster-wide KV store before asking a prefill worker
             cached = await tier.fill(rid)
         decision = decide_prefill(len(ids), cached, bool(request.prefill_endpoint),

@@ -215,7 +215,8 @@ class LLMEngine:
 
     # -- requests -------------------------------------------------------------------
 
-    def _new_seq(self, request_id: str, prompt: list[int], sampling: SamplingParams, tenant: str, mode: Mode) -> Sequence:
+    def _new_seq(self, request_id: str, prompt: list[int], sampling: SamplingParams, tenant: str, mode: Mode,
+                 weight: float = 1.0) -> Sequence:
         if request_id in self.seqs:
             raise RequestError(f"request id {request_id!r} is already in flight")
         if not prompt:
@@ -224,6 +225,8 @@ class LLMEngine:
         if min(prompt) < 0 or max(prompt) >= vocab:
             raise RequestError(f"prompt token ids must be in [0, {vocab})")
         sampling.validate()
+        if not 0 < weight < float("inf"):
+            raise RequestError(f"tenant weight must be a positive number, got {weight}")
         if len(prompt) >= self.max_model_len:
             raise RequestError(
                 f"prompt is {len(prompt)} tokens; this model's context is {self.max_model_len} "
@@ -238,7 +241,8 @@ class LLMEngine:
         if sampling.resumed_tokens >= len(prompt):
             raise RequestError(f"resumed_tokens ({sampling.resumed_tokens}) must leave at least one prompt token "
                                f"(prompt: {len(prompt)})")
-        seq = Sequence(request_id, list(prompt), sampling, tenant=tenant, mode=mode, arrival=next(self._arrival))
+        seq = Sequence(request_id, list(prompt), sampling, tenant=tenant, weight=weight, mode=mode,
+                       arrival=next(self._arrival))
         if sampling.grammar is not None:
             seq.matcher = self.grammar.matcher(sampling.grammar)
             self.grammar.advance(seq.matcher, seq.generated_token_ids)
@@ -255,11 +259,11 @@ class LLMEngine:
 
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
-        tenant: str = "", mode: Mode = Mode.FULL, fetch: bool = False,
+        tenant: str = "", mode: Mode = Mode.FULL, fetch: bool = False, weight: float = 1.0,
     ) -> Sequence:
         """Queue a prompt. `fetch`: the KV tier holds part of it; when the scheduler admits it, it is
         handed out (`take_fetches`) to be filled, and computes the rest after `resume_after_fill`."""
-        seq = self._new_seq(request_id, prompt_token_ids, sampling, tenant, mode)
+        seq = self._new_seq(request_id, prompt_token_ids, sampling, tenant, mode, weight)
         seq.fetch = fetch and self.kv_tier
         self.seqs[request_id] = seq
         self.scheduler.add(seq)
@@ -325,13 +329,13 @@ class LLMEngine:
     # -- disaggregated decode: KV filled by another process --------------------------
 
     def reserve(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, tenant: str = "",
-                mode: Mode = Mode.FULL) -> Sequence | None:
+                mode: Mode = Mode.FULL, weight: float = 1.0) -> Sequence | None:
         """Take blocks for a prompt whose K/V another process will write (a prefill worker, or the
         cluster-wide KV store). None = no blocks now.
 
         Reuses this worker's own cached prefix: `seq.num_cached_tokens` tokens need no transfer.
         """
-        seq = self._new_seq(request_id, prompt_token_ids, sampling, tenant, mode)
+        seq = self._new_seq(request_id, prompt_token_ids, sampling, tenant, mode, weight)
         if not self.blocks.allocate(seq, seq.num_tokens):
             return None
         seq.status = Status.RESERVED

@@ -69,7 +69,8 @@ class PrefillService(pb_grpc.PrefillServicer):
             def admit(engine) -> None:
                 self.sender.add_plan(plan)
                 try:
-                    engine.add_request(rid, ids, sampling, request.tenant, Mode.PREFILL_ONLY, fetch=fetch)
+                    engine.add_request(rid, ids, sampling, request.tenant, Mode.PREFILL_ONLY, fetch=fetch,
+                                       weight=request.tenant_weight or 1.0)
                 except BaseException:
                     self.sender.remove_plan(rid)
                     raise

@@ -39,6 +39,8 @@ async def run(cfg: RouterConfig) -> None:
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    # Keys and their settings are read again on SIGHUP; admitted streams keep going.
+    loop.add_signal_handler(signal.SIGHUP, router.tenants.reload)
     await stop.wait()
     await runner.cleanup()
 

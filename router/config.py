@@ -129,7 +129,8 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-queue", type=int, default=int(_env("max_queue", "512")))
     p.add_argument("--max-retries", type=int, default=int(_env("max_retries", "2")))
     p.add_argument("--max-body-bytes", type=int, default=int(_env("max_body_bytes", str(4 * 2**20))))
-    p.add_argument("--api-keys", default=_env("api_keys", ""), help="file of 'key tenant' lines; enables auth")
+    p.add_argument("--api-keys", default=_env("api_keys", ""), help="API keys: 'key tenant' lines, or JSON {\"keys\": {KEY: {tenant, weight, max_concurrent, "
+                   "requests_per_minute, tokens_per_minute, models, admin}}}; enables auth; re-read on SIGHUP")
     p.add_argument("--health-interval", type=float, default=float(_env("health_interval", "2.0")))
     p.add_argument("--enable-cache-reset", action="store_true", default=_env("enable_cache_reset", "") == "1",
                    help="serve POST /reset_prefix_cache (every worker forgets its cached prefixes; for benchmarks)")

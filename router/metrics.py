@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.utils import floatToGoString
 
@@ -87,10 +87,19 @@ class RouterMetrics:
         self.completion_tokens = Counter("splitfire_router_completion_tokens", "Tokens streamed back", registry=r)
         self.cached_tokens = Counter("splitfire_router_cached_prompt_tokens", "Prompt tokens workers served from "
                                      "their prefix caches", registry=r)
+        # Per tenant (tenants are named in --api-keys: a bounded set of series).
+        self.tenant_requests = Counter("splitfire_tenant_requests", "Requests admitted, by tenant", ["tenant"],
+                                       registry=r)
+        self.tenant_tokens = Counter("splitfire_tenant_tokens", "Tokens by tenant: prompt, completion",
+                                     ["tenant", "kind"], registry=r)
+        self.tenant_queue = Histogram("splitfire_tenant_queue_seconds", "Time waiting for an admission slot, by "
+                                      "tenant", ["tenant"], buckets=LATENCY, registry=r)
+        self.tenant_throttled = Counter("splitfire_tenant_throttled", "Requests refused with 429 by the tenant's "
+                                        "quotas, by the limit reached", ["tenant", "limit"], registry=r)
         r.register(_EndpointCollector(self.endpoints))
         self._children: dict[tuple, Any] = {}
 
-    def child(self, metric: Counter, *labels: str) -> Any:
+    def child(self, metric: Counter | Histogram, *labels: str) -> Any:
         """`metric.labels(*labels)`, memoized: labels() validates and locks on every call, and the
         router asks for the same few children on every request."""
         key = (metric, *labels)

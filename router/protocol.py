@@ -50,6 +50,7 @@ class GenRequest:
     best_of: int = 0  # completions: one of best_of candidates (choice p * best_of + j until the best n are kept)
     served_by: Any = None  # the (prefill, decode) pin of the latest attempt, for response headers
     reply: ReplyPlan | None = None  # reasoning / tool calls to read out of the reply; None = plain text
+    weight: float = 1.0  # the tenant's share of a worker's batch (router/tenants.py)
 
 
 MAX_LOGIT_BIAS = 1024

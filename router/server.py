@@ -34,8 +34,9 @@ from router.metrics import RouterMetrics
 from router.openai_upstream import OpenAIUpstreamClient
 from router.prefix_index import PrefixIndex
 from router.protocol import GenRequest, RequestParser, parse_messages
+from router.quotas import Quotas
 from router.sse import ChoiceWriter, OpenAIFormat, ReplyFormat, usage_dict, with_usage
-from router.tenants import Tenants
+from router.tenants import Caller, Tenants
 from router.worker_client import WorkerClient
 
 log = logging.getLogger("splitfire.router")
@@ -89,6 +90,7 @@ class Router:
             import redis.asyncio as aioredis
 
             self.redis = aioredis.from_url(cfg.redis_url)
+        self.quotas = Quotas(self.redis)
         store = RedisPinStore(self.redis) if self.redis is not None else MemoryPinStore()
         self.affinity = SessionAffinity(store, cfg.affinity_ttl_s)
         self.dispatcher = Dispatcher(cfg, self.registry, make_policy(cfg.policy), self.affinity,
@@ -131,6 +133,8 @@ class Router:
             self._tasks.append(asyncio.create_task(redis_discovery(self.redis, self.registry)))
         if self.cfg.discover_dns:
             self._tasks.append(asyncio.create_task(dns_discovery(self.cfg.discover_dns, self.registry)))
+        if self.tenants.path:
+            self._tasks.append(asyncio.create_task(self.tenants.watch()))
 
     async def _stop(self, app: web.Application) -> None:
         for t in self._tasks:
@@ -186,26 +190,39 @@ class Router:
     # -- routes -------------------------------------------------------------------------
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
-        tenant = self.tenants.tenant_of(request)
-        body = await self._body(request)
-        reqs = self.parser.chat(body, tenant, request.headers.get("x-session-affinity"))
-        return await self._serve(request, reqs)
+        caller = self.tenants.caller(request)
+        body = self._scoped(caller, await self._body(request))
+        reqs = self.parser.chat(body, caller.tenant, request.headers.get("x-session-affinity"))
+        return await self._serve(request, reqs, caller)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        tenant = self.tenants.tenant_of(request)
-        body = await self._body(request)
-        reqs = self.parser.completions(body, tenant, request.headers.get("x-session-affinity"))
-        return await self._serve(request, reqs)
+        caller = self.tenants.caller(request)
+        body = self._scoped(caller, await self._body(request))
+        reqs = self.parser.completions(body, caller.tenant, request.headers.get("x-session-affinity"))
+        return await self._serve(request, reqs, caller)
 
     async def responses(self, request: web.Request) -> web.StreamResponse:
         """The Responses API (router/responses.py): the chat path underneath, Responses shapes out."""
-        tenant = self.tenants.tenant_of(request)
-        body = await self._body(request)
+        caller = self.tenants.caller(request)
+        body = self._scoped(caller, await self._body(request))
         if self.parser.upstream_only:
             raise bad_request("this router fronts OpenAI-compatible upstreams only; send /v1/responses to them, or "
                               "use /v1/chat/completions here")
-        req = self.parser.chat(responses.to_chat(body), tenant, request.headers.get("x-session-affinity"))[0]
-        return await self._serve(request, [req], responses.ResponsesFormat(req, body))
+        req = self.parser.chat(responses.to_chat(body), caller.tenant, request.headers.get("x-session-affinity"))[0]
+        return await self._serve(request, [req], caller, responses.ResponsesFormat(req, body))
+
+    def _visible(self, caller: Caller) -> list[str]:
+        return sorted(n for n in self.model_names if caller.policy.may_use(n))
+
+    def _scoped(self, caller: Caller, body: Any) -> Any:
+        """A key limited to some models asking for another gets the 404 of a model that does not
+        exist, naming only the models it may use (other names do not leak)."""
+        if caller.policy.models is not None and isinstance(body, dict) and isinstance(body.get("model"), str):
+            model = body["model"]
+            if model not in self.model_names or not caller.policy.may_use(model):
+                raise not_found(f"model '{model}' does not exist; available: {self._visible(caller)}",
+                                code="model_not_found")
+        return body
 
     def _model_card(self, name: str) -> dict[str, Any]:
         return {"id": name, "object": "model", "created": self.started, "owned_by": "splitfire",
@@ -213,23 +230,23 @@ class Router:
                 "permission": []}
 
     async def models(self, request: web.Request) -> web.Response:
-        self.tenants.tenant_of(request)
-        return web.json_response({"object": "list", "data": [self._model_card(n) for n in sorted(self.model_names)]})
+        caller = self.tenants.caller(request)
+        return web.json_response({"object": "list", "data": [self._model_card(n) for n in self._visible(caller)]})
 
     async def model(self, request: web.Request) -> web.Response:
-        self.tenants.tenant_of(request)
+        caller = self.tenants.caller(request)
         name = request.match_info["model_id"]
-        if name not in self.model_names:
-            raise not_found(f"model '{name}' does not exist; available: {sorted(self.model_names)}",
+        if name not in self.model_names or not caller.policy.may_use(name):
+            raise not_found(f"model '{name}' does not exist; available: {self._visible(caller)}",
                             code="model_not_found")
         return web.json_response(self._model_card(name))
 
-    def _tokenizer_for(self, body: Any) -> Tokenizer:
+    def _tokenizer_for(self, caller: Caller, body: Any) -> Tokenizer:
         if not isinstance(body, dict):
             raise bad_request("request body must be a JSON object")
         model = body.get("model")
-        if model is not None and model not in self.model_names:
-            raise not_found(f"model '{model}' does not exist; available: {sorted(self.model_names)}",
+        if model is not None and (model not in self.model_names or not caller.policy.may_use(model)):
+            raise not_found(f"model '{model}' does not exist; available: {self._visible(caller)}",
                             code="model_not_found")
         if self.tokenizer is None:
             raise bad_request("this router has no tokenizer (it fronts OpenAI-compatible upstreams without --model); "
@@ -238,9 +255,9 @@ class Router:
 
     async def tokenize(self, request: web.Request) -> web.Response:
         """vLLM's /tokenize: {prompt} or {messages, add_generation_prompt}; add_special_tokens."""
-        self.tenants.tenant_of(request)
+        caller = self.tenants.caller(request)
         body = await self._body(request)
-        tok = self._tokenizer_for(body)
+        tok = self._tokenizer_for(caller, body)
         special = body.get("add_special_tokens", "messages" not in body)
         if not isinstance(special, bool):
             raise bad_request("'add_special_tokens' must be a boolean", param="add_special_tokens")
@@ -260,9 +277,9 @@ class Router:
                                   "token_strs": None})
 
     async def detokenize(self, request: web.Request) -> web.Response:
-        self.tenants.tenant_of(request)
+        caller = self.tenants.caller(request)
         body = await self._body(request)
-        tok = self._tokenizer_for(body)
+        tok = self._tokenizer_for(caller, body)
         ids = body.get("tokens")
         if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool)
                                                 and 0 <= t < tok.vocab_size for t in ids):
@@ -271,8 +288,9 @@ class Router:
 
     async def reset_prefix_cache(self, request: web.Request) -> web.Response:
         """Every endpoint forgets its cached prefixes (benchmarks reset between runs). Off unless
-        --enable-cache-reset: any client could otherwise wipe every tenant's cache."""
-        self.tenants.tenant_of(request)
+        --enable-cache-reset (any client could otherwise wipe every tenant's cache); with --api-keys,
+        only for keys marked admin."""
+        self.tenants.admin(request)
         if not self.cfg.enable_cache_reset:
             raise APIError(403, "resetting the prefix cache is disabled; start the router with --enable-cache-reset",
                            type_="permission_error", code="cache_reset_disabled")
@@ -311,26 +329,53 @@ class Router:
 
     # -- serving --------------------------------------------------------------------------
 
-    async def _serve(self, request: web.Request, reqs: list[GenRequest],
+    async def _serve(self, request: web.Request, reqs: list[GenRequest], caller: Caller,
                      fmt: ReplyFormat | None = None) -> web.StreamResponse:
         fmt = fmt or self.openai_format
+        tenant, policy = caller.tenant, caller.policy
         self.metrics.prompt_tokens.inc(sum(len(r.prompt_token_ids) for r in reqs))
-        async with self.admission.slot():
-            t0 = time.perf_counter()
-            try:
-                if reqs[0].stream:
-                    return await self._stream(request, reqs, fmt, t0)
-                return await self._complete(reqs, fmt, t0)
-            finally:
-                self.metrics.e2e.observe(time.perf_counter() - t0)
+        # What the request will use, as far as it is known: the prompt now, the completion at the end
+        # (a request that fails part-way is charged its prompt).
+        used = {"prompt": sum(len(r.prompt_token_ids) for r in reqs if r.sample_index == 0), "completion": 0}
+        budget = sum(r.sampling.max_tokens for r in reqs) if any(
+            r.body.get("max_tokens") is not None or r.body.get("max_completion_tokens") is not None
+            for r in reqs[:1]) else 0
+        try:
+            reservation = await self.quotas.admit(caller, used["prompt"], budget)
+        except APIError as e:
+            self.metrics.child(self.metrics.tenant_throttled, tenant, e.param or "").inc()
+            log.info("event=request_throttled tenant=%s key=%s limit=%s", tenant, caller.key_id, e.param)
+            raise
+        if policy.weight != 1.0:
+            for r in reqs:
+                r.weight = policy.weight
+        try:
+            queued = time.perf_counter()
+            async with self.admission.slot(tenant, policy.weight):
+                t0 = time.perf_counter()
+                self.metrics.child(self.metrics.tenant_queue, tenant).observe(t0 - queued)
+                self.metrics.child(self.metrics.tenant_requests, tenant).inc()
+                try:
+                    if reqs[0].stream:
+                        return await self._stream(request, reqs, fmt, t0, used)
+                    return await self._complete(reqs, fmt, t0, used)
+                finally:
+                    self.metrics.e2e.observe(time.perf_counter() - t0)
+                    self.metrics.child(self.metrics.tenant_tokens, tenant, "prompt").inc(used["prompt"])
+                    self.metrics.child(self.metrics.tenant_tokens, tenant, "completion").inc(used["completion"])
+        finally:
+            if reservation is not None:
+                await self.quotas.release(reservation, used["prompt"] + used["completion"])
 
-    async def _complete(self, reqs: list[GenRequest], fmt: ReplyFormat, t0: float) -> web.Response:
+    async def _complete(self, reqs: list[GenRequest], fmt: ReplyFormat, t0: float,
+                        used: dict[str, int]) -> web.Response:
         async def one(req: GenRequest) -> dict[str, Any]:
             r: dict[str, Any] = {"text": [], "logprobs": [], "finish_reason": "stop", "prompt": 0, "completion": 0,
                                  "cached": 0, "token_ids": []}
             latency = Latency(self.metrics, t0)
             async for c in self.dispatcher.run(req):
                 latency.observe(c)
+                used["completion"] += len(c.token_ids)  # so far (the quota's count if it ends early)
                 r["text"].append(c.text)
                 r["logprobs"] += c.logprobs
                 if req.reply is not None:
@@ -348,7 +393,7 @@ class Router:
             return r
 
         results = await asyncio.gather(*(one(r) for r in reqs))
-        self._count_usage(results)
+        self._count_usage(results, used)
         self._log_done(reqs[0], results, t0)
         if reqs[0].best_of:
             reqs, results = best_of(reqs, results)
@@ -366,12 +411,13 @@ class Router:
                  sum(r["cached"] for r in results), pin.decode if pin else "-",
                  (pin.prefill or "-") if pin else "-", (time.perf_counter() - t0) * 1000)
 
-    def _count_usage(self, results: list[dict[str, Any]]) -> None:
-        self.metrics.completion_tokens.inc(sum(r["completion"] for r in results))
+    def _count_usage(self, results: list[dict[str, Any]], used: dict[str, int]) -> None:
+        used["completion"] = completion = sum(r["completion"] for r in results)
+        self.metrics.completion_tokens.inc(completion)
         self.metrics.cached_tokens.inc(sum(r["cached"] for r in results))
 
     async def _stream(self, request: web.Request, reqs: list[GenRequest], fmt: ReplyFormat,
-                      t0: float) -> web.StreamResponse:
+                      t0: float, used: dict[str, int]) -> web.StreamResponse:
         writers = fmt.writers(reqs)
         source: AsyncGenerator[Any, None]
         if len(reqs) == 1:
@@ -379,14 +425,15 @@ class Router:
         else:
             source = _merge([self.dispatcher.run(r) for r in reqs])
         try:
-            return await self._write_stream(request, reqs, fmt, writers, source, t0)
+            return await self._write_stream(request, reqs, fmt, writers, source, t0, used)
         finally:
             # Release the worker call and the load estimates now, not when the GC gets to it
             # (the client may have gone away while we were writing).
             await source.aclose()
 
     async def _write_stream(self, request: web.Request, reqs: list[GenRequest], fmt: ReplyFormat,
-                            writers: list[ChoiceWriter], source, t0: float) -> web.StreamResponse:
+                            writers: list[ChoiceWriter], source, t0: float,
+                            used: dict[str, int]) -> web.StreamResponse:
         # By default the head waits for the first chunk, so that failures before any token (bad
         # input found by a worker, no capacity, no workers) get a proper HTTP status. With
         # --early-headers the 200 and the role chunk leave at once (clients with short header
@@ -424,6 +471,7 @@ class Router:
             while item is not None:
                 i, c = item if tagged else (0, item)
                 latencies[i].observe(c)
+                used["completion"] += len(c.token_ids)  # so far (the quota's count if it ends early)
                 if continuous:
                     produced[i] = c.completion_tokens or produced[i] + len(c.token_ids)
                     mark = len(out)
@@ -458,7 +506,7 @@ class Router:
                 item = await anext(source, None)
             if reqs[0].include_usage:
                 out.append(writers[0].usage(usage_dict(usage["prompt"], usage["completion"], usage["cached"])))
-            self._count_usage([usage])
+            self._count_usage([usage], used)
             self._log_done(reqs[0], [usage], t0)
         except APIError as e:  # failed after the stream started: a final error event, never a hang
             log.warning("event=stream_failed rid=%s status=%d error=%r", reqs[0].id, e.status, e.message)

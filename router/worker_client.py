@@ -112,7 +112,8 @@ class WorkerClient:
                                  token_ids=req.prompt_token_ids + generated,
                                  sampling=sampling.to_proto(replace(req.sampling, max_tokens=max_tokens,
                                                                                resumed_tokens=len(generated))),
-                                 tenant=req.tenant, prefill_endpoint=route.prefill.address if route.prefill else "")
+                                 tenant=req.tenant, prefill_endpoint=route.prefill.address if route.prefill else "",
+                                 tenant_weight=req.weight)
         if self.stream == "http" and route.decode.stream_port:
             return self._generate_http(route.decode, msg, timeout_s)
         return self._generate_grpc(route.decode.address, msg, timeout_s)

@@ -6,6 +6,15 @@ delays running decodes by at most one budget's worth of compute, and a prompt in
 progress leaves part of the budget to newly arrived ones. When a decode needs
 a block and none is free, the newest sequence is preempted: its blocks are freed (full
 ones stay in the prefix cache) and it is recomputed later.
+
+Tenants (`Sequence.tenant`, `Sequence.weight`): once sequences of more than one tenant have been
+seen, a tenant's share is its running sequences over its weight. Waiting prompts are admitted, and
+prompts under way get their chunks, in order of share (the smallest first; arrival breaks ties);
+preemption for blocks takes the newest sequence of the tenant most over its share; and a tenant
+under its share that cannot be admitted (no sequence slot or blocks left) preempts the newest
+sequence of the tenant most over its share, when the swap leaves that tenant still at or above
+it — so a tenant is never queued behind another's backlog, and two saturating tenants of weights
+2 and 1 hold the batch 2:1. With one tenant, all of this is first come, first served.
 """
 
 from __future__ import annotations
@@ -78,13 +87,24 @@ class Scheduler:
         self.admitted_for_fetch: list[Sequence] = []  # admitted with blocks, to be filled from the KV tier
         self.drafter: Any = None  # engine.speculative.NgramDrafter when speculation is on
         self.max_model_len = 1 << 30
+        self.first_tenant: str | None = None
+        self.tenanted = False  # sequences of more than one tenant have been seen: scheduling is fair
+        self.num_fair_preemptions = 0  # preemptions that made room for a tenant under its share
+
+    def _seen(self, seq: Sequence) -> None:
+        if self.first_tenant is None:
+            self.first_tenant = seq.tenant
+        elif seq.tenant != self.first_tenant or seq.weight != 1.0:
+            self.tenanted = True
 
     def add(self, seq: Sequence) -> None:
+        self._seen(seq)
         seq.status = Status.WAITING
         self.waiting.append(seq)
 
     def add_running(self, seq: Sequence) -> None:
         """A sequence that already holds its blocks and computed K/V (disaggregated decode)."""
+        self._seen(seq)
         seq.status = Status.RUNNING
         self.running.append(seq)
 
@@ -98,8 +118,23 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def _preempt_newest(self) -> Sequence:
-        victim = max(self.running, key=lambda s: s.arrival)
+    def shares(self) -> dict[str, float]:
+        """Each tenant with running sequences: their number over its weight."""
+        out: dict[str, float] = {}
+        for s in self.running:
+            out[s.tenant] = out.get(s.tenant, 0.0) + 1.0 / s.weight
+        return out
+
+    def _victim(self) -> Sequence:
+        """The sequence to preempt: the newest, of the tenant most over its share when tenanted."""
+        pool = self.running
+        if self.tenanted:
+            shares = self.shares()
+            most = max(shares, key=lambda t: shares[t])
+            pool = [s for s in self.running if s.tenant == most]
+        return max(pool, key=lambda s: s.arrival)
+
+    def _preempt(self, victim: Sequence) -> Sequence:
         self.running.remove(victim)
         self.blocks.register_computed(victim)
         self.blocks.free_seq(victim)
@@ -111,6 +146,8 @@ class Scheduler:
         return victim
 
     def schedule(self) -> list[ScheduledSeq]:
+        if self.tenanted and self.waiting:
+            self._make_room()
         budget = self.config.max_num_batched_tokens
         out: list[ScheduledSeq] = []
         # 1. Decodes, oldest first; a decode that needs a block preempts the newest sequence.
@@ -119,10 +156,12 @@ class Scheduler:
             if seq not in self.running or seq.num_remaining != 1:
                 continue
             while not self.blocks.grow(seq, seq.num_tokens):
-                if self._preempt_newest() is seq:
+                if self._preempt(self._victim()) is seq:
                     break
             if seq in self.running:
-                decodes.append(seq)  # a later decode's preemption takes only sequences newer than itself
+                decodes.append(seq)
+        if self.tenanted:  # a later decode's preemption may have taken an earlier one of another tenant
+            decodes = [s for s in decodes if s.status == Status.RUNNING]
         drafts = self._drafts(decodes, budget)
         for seq, draft in zip(decodes, drafts, strict=True):
             out.append(ScheduledSeq(seq, 1 + len(draft), draft))
@@ -134,7 +173,9 @@ class Scheduler:
         #    wait, they leave up to half the budget to them: a short prompt arriving behind a long
         #    one starts at the next step instead of after the whole long prefill.
         reserve = min(budget // 2, sum(s.num_remaining for s in self.waiting)) if self.waiting else 0
-        for seq in sorted(self.running, key=lambda s: s.arrival):
+        shares = self.shares() if self.tenanted else None
+        for seq in sorted(self.running, key=(lambda s: s.arrival) if shares is None
+                          else (lambda s: (shares[s.tenant], s.arrival))):
             if budget - reserve <= 0:
                 break
             if seq.num_remaining > 1:
@@ -146,15 +187,16 @@ class Scheduler:
         #    requests sharing a new system prompt computes it once, not once per request).
         computing = self._prefix_in_progress() if self.waiting and self.blocks.enable_prefix_cache else set()
         deferred: list[Sequence] = []
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting[0]
+        queue = self.waiting if shares is None else _FairQueue(self.waiting, shares)
+        while queue and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = queue[0]
             if computing and self.blocks.first_uncached(seq) in computing:
-                deferred.append(self.waiting.popleft())
+                deferred.append(queue.popleft())
                 self.num_prefix_waits += 1
                 continue
             if not self.blocks.allocate(seq, seq.num_tokens):
                 break
-            self.waiting.popleft()
+            queue.popleft()
             if seq.fetch:  # its turn came: blocks now, filled from the KV tier before it computes
                 seq.fetch = False
                 seq.status = Status.RESERVED
@@ -167,8 +209,32 @@ class Scheduler:
             budget -= n
             if self.blocks.enable_prefix_cache:
                 computing.update(seq.block_hashes[seq.num_registered_blocks :])
+        if isinstance(queue, _FairQueue):
+            self.waiting = queue.rest()
         self.waiting.extendleft(reversed(deferred))
         return out
+
+    def _make_room(self) -> None:
+        """Preempt for the waiting tenant with the smallest share, while it cannot be admitted (no
+        sequence slot, or too few blocks for its next prompt) and the tenant most over its share
+        would, one sequence fewer, still be at or above it with one more."""
+        weights = {s.tenant: s.weight for s in self.waiting}
+        heads: dict[str, Sequence] = {}
+        for s in self.waiting:
+            heads.setdefault(s.tenant, s)
+        while self.running:
+            shares = self.shares()
+            tenant = min(weights, key=lambda t: (shares.get(t, 0.0), heads[t].arrival))
+            head = heads[tenant]
+            if (len(self.running) < self.config.max_num_seqs
+                    and self.blocks.num_available >= self.blocks.blocks_for(head.num_tokens)):
+                return
+            most = max(shares, key=lambda t: shares[t])
+            pool = [s for s in self.running if s.tenant == most]
+            if shares[most] - 1.0 / pool[0].weight < shares.get(tenant, 0.0) + 1.0 / head.weight:
+                return
+            self._preempt(max(pool, key=lambda s: s.arrival))
+            self.num_fair_preemptions += 1
 
     def _drafts(self, decodes: list[Sequence], budget: int) -> list[list[int]]:
         """Speculative tokens for each decode, proposed together (a draft model batches them), never at
@@ -193,3 +259,41 @@ class Scheduler:
             if seq.num_remaining > 1:
                 out.update(seq.block_hashes[seq.num_registered_blocks :])
         return out
+
+
+class _FairQueue:
+    """The waiting prompts in the order a tenanted step admits them: each next one from the tenant
+    whose share, counting it, would be smallest (first come, first served within a tenant). Holds
+    the deque's interface that step 3 uses; `rest()` is what was not taken, in arrival order."""
+
+    def __init__(self, waiting: deque[Sequence], shares: dict[str, float]):
+        self.queues: dict[str, deque[Sequence]] = {}
+        for s in waiting:
+            self.queues.setdefault(s.tenant, deque()).append(s)
+        self.shares = dict(shares)
+        self.taken: set[int] = set()
+        self.waiting = waiting
+        self._pick()
+
+    def _pick(self) -> None:
+        live = [t for t, q in self.queues.items() if q]
+        self.tenant = (min(live, key=lambda t: (self.shares.get(t, 0.0) + 1.0 / self.queues[t][0].weight,
+                                                self.queues[t][0].arrival)) if live else None)
+
+    def __bool__(self) -> bool:
+        return self.tenant is not None
+
+    def __getitem__(self, i: int) -> Sequence:
+        assert i == 0 and self.tenant is not None
+        return self.queues[self.tenant][0]
+
+    def popleft(self) -> Sequence:
+        assert self.tenant is not None
+        seq = self.queues[self.tenant].popleft()
+        self.taken.add(id(seq))
+        self.shares[seq.tenant] = self.shares.get(seq.tenant, 0.0) + 1.0 / seq.weight
+        self._pick()
+        return seq
+
+    def rest(self) -> deque[Sequence]:
+        return deque(s for s in self.waiting if id(s) not in self.taken)

@@ -35,6 +35,7 @@ class Sequence:
     prompt_token_ids: list[int]
     sampling: SamplingParams
     tenant: str = ""
+    weight: float = 1.0  # the tenant's share of the batch against other tenants (scheduler.py)
     mode: Mode = Mode.FULL
     arrival: int = 0  # admission order; preemption takes the newest first
     output_token_ids: list[int] = field(default_factory=list)
