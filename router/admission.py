@@ -47,6 +47,8 @@ class Admission:
             self.waiting -= 1
             if not self.queues[tenant]:
                 del self.queues[tenant]
+            if fut.done():  # its waiter was cancelled, and has not run since to withdraw
+                continue
             self._charge(tenant, weight)
             fut.set_result(None)
         self.metrics.queue.set(self.waiting)
@@ -81,24 +83,29 @@ class _Slot:
             return
         if a.waiting >= a.max_queue:
             raise overloaded(f"server is at capacity ({a.running} running, {a.waiting} queued); retry shortly")
-        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[None] = loop.create_future()
         entry = (fut, self.weight)
         a.queues.setdefault(self.tenant, deque()).append(entry)
         a.waiting += 1
         a.metrics.queue.set(a.waiting)
+        # A timer instead of asyncio.wait_for + shield: this runs for every queued request.
+        expiry = loop.call_later(a.queue_timeout_s, self._expire, fut, entry)
         try:
-            await asyncio.wait_for(asyncio.shield(fut), a.queue_timeout_s)
-        except TimeoutError:
-            if fut.done():
-                return  # granted as the wait ran out: the slot is ours
-            a._withdraw(self.tenant, entry)
-            raise overloaded(f"no capacity within {a.queue_timeout_s:.0f}s; retry shortly") from None
+            await fut
         except asyncio.CancelledError:
-            if fut.done():
+            if fut.done() and not fut.cancelled():
                 a._release()  # granted, but the client went away: hand the slot on
             else:
                 a._withdraw(self.tenant, entry)
             raise
+        finally:
+            expiry.cancel()
+
+    def _expire(self, fut: asyncio.Future[None], entry: tuple[asyncio.Future[None], float]) -> None:
+        if not fut.done():
+            self.adm._withdraw(self.tenant, entry)
+            fut.set_exception(overloaded(f"no capacity within {self.adm.queue_timeout_s:.0f}s; retry shortly"))
 
     async def __aexit__(self, *exc: object) -> None:
         self.adm._release()

@@ -7,8 +7,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.utils import floatToGoString
 
 from router.endpoints import EndpointRegistry
@@ -41,6 +41,54 @@ class LoopHistogram:
             cumulative += count
             out.append((floatToGoString(bound), cumulative))
         yield HistogramMetricFamily(self.name, self.documentation, buckets=out, sum_value=self.sum)
+
+
+class TenantStats:
+    """Per-tenant counters for code on the event loop only, as `LoopHistogram`: plain additions per
+    request (prometheus_client's labelled children lock on every update), scraped through `collect`.
+    Tenants are named in --api-keys: a bounded set of series."""
+
+    def __init__(self) -> None:
+        self.requests: dict[str, int] = {}
+        self.tokens: dict[tuple[str, str], int] = {}
+        self.throttled: dict[tuple[str, str], int] = {}
+        self.queue: dict[str, LoopHistogram] = {}
+
+    def admitted(self, tenant: str, queued_s: float) -> None:
+        self.requests[tenant] = self.requests.get(tenant, 0) + 1
+        h = self.queue.get(tenant)
+        if h is None:
+            h = self.queue[tenant] = LoopHistogram("", "", LATENCY)
+        h.observe(queued_s)
+
+    def used(self, tenant: str, prompt: int, completion: int) -> None:
+        for kind, n in (("prompt", prompt), ("completion", completion)):
+            self.tokens[tenant, kind] = self.tokens.get((tenant, kind), 0) + n
+
+    def throttle(self, tenant: str, limit: str) -> None:
+        self.throttled[tenant, limit] = self.throttled.get((tenant, limit), 0) + 1
+
+    def collect(self) -> Iterator[Any]:
+        req = CounterMetricFamily("splitfire_tenant_requests", "Requests admitted, by tenant", labels=["tenant"])
+        for t, n in self.requests.items():
+            req.add_metric([t], n)
+        tok = CounterMetricFamily("splitfire_tenant_tokens", "Tokens by tenant: prompt, completion",
+                                  labels=["tenant", "kind"])
+        for (t, kind), n in self.tokens.items():
+            tok.add_metric([t, kind], n)
+        thr = CounterMetricFamily("splitfire_tenant_throttled", "Requests refused with 429 by the tenant's quotas, "
+                                  "by the limit reached", labels=["tenant", "limit"])
+        for (t, limit), n in self.throttled.items():
+            thr.add_metric([t, limit], n)
+        queue = HistogramMetricFamily("splitfire_tenant_queue_seconds", "Time waiting for an admission slot, by "
+                                      "tenant", labels=["tenant"])
+        for t, h in self.queue.items():
+            cumulative, buckets = 0, []
+            for bound, count in zip([*h.bounds, float("inf")], h.counts, strict=True):
+                cumulative += count
+                buckets.append((floatToGoString(bound), cumulative))
+            queue.add_metric([t], buckets, h.sum)
+        yield from (req, tok, thr, queue)
 
 
 class _EndpointCollector:
@@ -87,19 +135,12 @@ class RouterMetrics:
         self.completion_tokens = Counter("splitfire_router_completion_tokens", "Tokens streamed back", registry=r)
         self.cached_tokens = Counter("splitfire_router_cached_prompt_tokens", "Prompt tokens workers served from "
                                      "their prefix caches", registry=r)
-        # Per tenant (tenants are named in --api-keys: a bounded set of series).
-        self.tenant_requests = Counter("splitfire_tenant_requests", "Requests admitted, by tenant", ["tenant"],
-                                       registry=r)
-        self.tenant_tokens = Counter("splitfire_tenant_tokens", "Tokens by tenant: prompt, completion",
-                                     ["tenant", "kind"], registry=r)
-        self.tenant_queue = Histogram("splitfire_tenant_queue_seconds", "Time waiting for an admission slot, by "
-                                      "tenant", ["tenant"], buckets=LATENCY, registry=r)
-        self.tenant_throttled = Counter("splitfire_tenant_throttled", "Requests refused with 429 by the tenant's "
-                                        "quotas, by the limit reached", ["tenant", "limit"], registry=r)
+        self.tenants = TenantStats()
+        r.register(self.tenants)
         r.register(_EndpointCollector(self.endpoints))
         self._children: dict[tuple, Any] = {}
 
-    def child(self, metric: Counter | Histogram, *labels: str) -> Any:
+    def child(self, metric: Counter, *labels: str) -> Any:
         """`metric.labels(*labels)`, memoized: labels() validates and locks on every call, and the
         router asks for the same few children on every request."""
         key = (metric, *labels)

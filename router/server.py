@@ -34,7 +34,8 @@ from router.metrics import RouterMetrics
 from router.openai_upstream import OpenAIUpstreamClient
 from router.prefix_index import PrefixIndex
 from router.protocol import GenRequest, RequestParser, parse_messages
-from router.quotas import Quotas
+from router.quotas import PipelinedCounters, Quotas
+from router.redis_pipe import PipelinedRedis
 from router.sse import ChoiceWriter, OpenAIFormat, ReplyFormat, usage_dict, with_usage
 from router.tenants import Caller, Tenants
 from router.worker_client import WorkerClient
@@ -90,7 +91,8 @@ class Router:
             import redis.asyncio as aioredis
 
             self.redis = aioredis.from_url(cfg.redis_url)
-        self.quotas = Quotas(self.redis)
+        self.quota_redis = PipelinedRedis(cfg.redis_url) if cfg.redis_url else None
+        self.quotas = Quotas(PipelinedCounters(self.quota_redis) if self.quota_redis is not None else None)
         store = RedisPinStore(self.redis) if self.redis is not None else MemoryPinStore()
         self.affinity = SessionAffinity(store, cfg.affinity_ttl_s)
         self.dispatcher = Dispatcher(cfg, self.registry, make_policy(cfg.policy), self.affinity,
@@ -143,6 +145,8 @@ class Router:
         await self.backends.close()
         if self.redis is not None:
             await self.redis.aclose()
+        if self.quota_redis is not None:
+            await self.quota_redis.aclose()
 
     @web.middleware
     async def _errors(self, request: web.Request, handler) -> web.StreamResponse:
@@ -337,15 +341,17 @@ class Router:
         # What the request will use, as far as it is known: the prompt now, the completion at the end
         # (a request that fails part-way is charged its prompt).
         used = {"prompt": sum(len(r.prompt_token_ids) for r in reqs if r.sample_index == 0), "completion": 0}
-        budget = sum(r.sampling.max_tokens for r in reqs) if any(
-            r.body.get("max_tokens") is not None or r.body.get("max_completion_tokens") is not None
-            for r in reqs[:1]) else 0
-        try:
-            reservation = await self.quotas.admit(caller, used["prompt"], budget)
-        except APIError as e:
-            self.metrics.child(self.metrics.tenant_throttled, tenant, e.param or "").inc()
-            log.info("event=request_throttled tenant=%s key=%s limit=%s", tenant, caller.key_id, e.param)
-            raise
+        reservation = None
+        if policy.limited:
+            body = reqs[0].body
+            budget = (sum(r.sampling.max_tokens for r in reqs) if body.get("max_tokens") is not None
+                      or body.get("max_completion_tokens") is not None else 0)
+            try:
+                reservation = await self.quotas.admit(caller, used["prompt"], budget)
+            except APIError as e:
+                self.metrics.tenants.throttle(tenant, e.param or "")
+                log.info("event=request_throttled tenant=%s key=%s limit=%s", tenant, caller.key_id, e.param)
+                raise
         if policy.weight != 1.0:
             for r in reqs:
                 r.weight = policy.weight
@@ -353,16 +359,14 @@ class Router:
             queued = time.perf_counter()
             async with self.admission.slot(tenant, policy.weight):
                 t0 = time.perf_counter()
-                self.metrics.child(self.metrics.tenant_queue, tenant).observe(t0 - queued)
-                self.metrics.child(self.metrics.tenant_requests, tenant).inc()
+                self.metrics.tenants.admitted(tenant, t0 - queued)
                 try:
                     if reqs[0].stream:
                         return await self._stream(request, reqs, fmt, t0, used)
                     return await self._complete(reqs, fmt, t0, used)
                 finally:
                     self.metrics.e2e.observe(time.perf_counter() - t0)
-                    self.metrics.child(self.metrics.tenant_tokens, tenant, "prompt").inc(used["prompt"])
-                    self.metrics.child(self.metrics.tenant_tokens, tenant, "completion").inc(used["completion"])
+                    self.metrics.tenants.used(tenant, used["prompt"], used["completion"])
         finally:
             if reservation is not None:
                 await self.quotas.release(reservation, used["prompt"] + used["completion"])

@@ -21,6 +21,7 @@ import json
 import logging
 import os
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +44,11 @@ class KeyPolicy:
     tokens_per_minute: int | None = None  # prompt + completion tokens
     models: frozenset[str] | None = None  # the models and adapters this key may name (None: all)
     admin: bool = False  # may call the admin routes (prefix-cache reset, adapter loading)
+
+    @cached_property
+    def limited(self) -> bool:
+        """Any quota set (else the request skips the quota checks)."""
+        return not (self.max_concurrent is None and self.requests_per_minute is None and self.tokens_per_minute is None)
 
     def may_use(self, model: str) -> bool:
         return self.models is None or model in self.models

@@ -210,7 +210,7 @@ async def up(args: argparse.Namespace) -> int:
                               *(["--decode", *addrs["decode"]] if addrs["decode"] else []),
                               *(["--colocated", *addrs["both"]] if addrs["both"] else []),
                               *(["--redis-url", redis_url] if redis_url else []),
-                              *(["--shared-kv-store"] if kv_store else [])], "router ready")
+                              *(["--shared-kv-store"] if kv_store else []), *args.router_arg], "router ready")
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -319,6 +319,8 @@ def add_subcommand(sub) -> None:
     p.add_argument("--worker-arg", action="append", default=[], metavar="FLAG",
                    help="extra flag for every worker, e.g. --worker-arg=--max-num-seqs=32 (repeatable)")
     p.add_argument("--prefill-arg", action="append", default=[], metavar="FLAG", help="extra flag for prefill workers")
+    p.add_argument("--router-arg", action="append", default=[], metavar="FLAG",
+                   help="extra flag for the router, e.g. --router-arg=--api-keys=keys.json (repeatable)")
     p.add_argument("--decode-arg", action="append", default=[], metavar="FLAG",
                    help="extra flag for decode and colocated workers")
     p.set_defaults(func=lambda a: asyncio.run(up(a)))

@@ -104,13 +104,13 @@ def address(p: Proc) -> str:
     return f"127.0.0.1:{p.ports['grpc']}"
 
 
-def start_redis(log_dir: Path) -> Proc:
+def start_redis(log_dir: Path, port: int | None = None) -> Proc:
     import shutil
 
     exe = shutil.which("redis-server")
     if exe is None:
         raise RuntimeError("redis-server is not installed (make setup installs Debian's redis-server)")
-    port = free_port()
+    port = port or free_port()
     log_path = log_dir / f"redis-{port}.log"
     f = open(log_path, "w")
     popen = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],

@@ -22,7 +22,8 @@ from router.admission import Admission
 from router.endpoints import EndpointRegistry
 from router.errors import APIError
 from router.metrics import RouterMetrics
-from router.quotas import Quotas
+from router.quotas import PipelinedCounters, Quotas, RedisCounters
+from router.redis_pipe import PipelinedRedis, RedisError
 from router.tenants import Caller, KeyPolicy, Tenants, key_id, read_keys
 
 MODEL = "tiny"
@@ -247,13 +248,28 @@ def _caller(**limits) -> Caller:
     return Caller(key_id("sk-q"), KeyPolicy("q", **limits))
 
 
-async def test_quotas_trip_exactly_at_their_limits_across_two_replicas(tmp_path):
+@pytest.mark.parametrize("impl", ["redis-py", "pipelined", "both"])
+async def test_quotas_trip_exactly_at_their_limits_across_two_replicas(tmp_path, impl):
+    """Two replicas' quotas over one Redis: through redis-py (the reference), the pipelined client
+    (what the router runs), and one of each — the same answers every time."""
     import redis.asyncio as aioredis
 
     server = start_redis(tmp_path)
     url = f"redis://127.0.0.1:{server.ports['port']}/0"
     clients = [aioredis.from_url(url) for _ in range(2)]
-    replicas = [Quotas(c) for c in clients]
+    pipes = [PipelinedRedis(url) for _ in range(2)]
+    kinds = {"redis-py": ["r", "r"], "pipelined": ["p", "p"], "both": ["r", "p"]}[impl]
+    replicas = [Quotas(RedisCounters(clients[i]) if k == "r" else PipelinedCounters(pipes[i]))
+                for i, k in enumerate(kinds)]
+    real_release = Quotas.release
+
+    async def release(self, r, used) -> None:  # the pipelined client sends releases without waiting
+        await real_release(self, r, used)
+        for pipe in pipes:
+            await pipe.drain()
+
+    for q in replicas:
+        q.release = release.__get__(q)
     try:
         # Requests per minute: 5 in all, taken alternately through two replicas.
         rpm = _caller(requests_per_minute=5)
@@ -302,6 +318,8 @@ async def test_quotas_trip_exactly_at_their_limits_across_two_replicas(tmp_path)
     finally:
         for c in clients:
             await c.aclose()
+        for pipe in pipes:
+            await pipe.aclose()
         server.stop()
 
 
@@ -421,3 +439,42 @@ async def test_keys_file_watch_picks_up_a_new_file(tiny_model_dir, tmp_path):
     finally:
         router.stop()
         worker.stop()
+
+
+async def test_pipelined_redis_client_orders_replies_reloads_scripts_and_reconnects(tmp_path):
+    server = start_redis(tmp_path)
+    port = server.ports["port"]
+    pipe = PipelinedRedis(f"redis://127.0.0.1:{port}/3", timeout_s=1.0, retry_s=0.5)
+    try:
+        # Many calls in flight at once: each gets its own reply, in order, off one connection.
+        got = await asyncio.gather(*(pipe.call("INCRBY", f"k{i}", i + 1) for i in range(300)))
+        assert got == list(range(1, 301))
+        assert await pipe.call("GET", "k9") == b"10" and await pipe.call("GET", "nothing") is None
+        with pytest.raises(RedisError, match="WRONGTYPE"):
+            await pipe.call("LPUSH", "k1", "x")
+        # Database 3 was selected: database 0 has none of it.
+        import redis.asyncio as aioredis
+
+        other = aioredis.from_url(f"redis://127.0.0.1:{port}/0")
+        assert await other.get("k9") is None
+        await other.aclose()
+        # A script Redis has forgotten (a restart, SCRIPT FLUSH) is loaded again.
+        sha = pipe.script("return tonumber(ARGV[1]) * 2")
+        assert await pipe.evalsha(sha, [], [21]) == 42
+        await pipe.call("SCRIPT", "FLUSH")
+        assert await pipe.evalsha(sha, [], [5]) == 10
+        # Redis gone: calls fail with ConnectionError, at once while the retry interval lasts.
+        server.stop()
+        with pytest.raises(ConnectionError):
+            await pipe.call("PING")
+        t0 = time.monotonic()
+        with pytest.raises(ConnectionError, match="failed under"):
+            await pipe.call("PING")
+        assert time.monotonic() - t0 < 0.05
+        # Back on the same port: the next call after the interval reconnects.
+        server = start_redis(tmp_path, port)
+        await asyncio.sleep(0.6)
+        assert await pipe.call("PING") == "PONG"
+    finally:
+        await pipe.aclose()
+        server.stop()
