@@ -93,13 +93,15 @@ async def stream(session: aiohttp.ClientSession, url: str, key: str, prompt: lis
 
 
 async def flood(url: str, key: str, streams: int, prompt: int, tokens: int, stop: asyncio.Event, seed: int,
-                sink: list[tuple[float, int]] | None = None) -> None:
+                sink: list[tuple[float, int]] | None = None, itl: list[float] | None = None) -> None:
     rng = random.Random(seed)
     conn = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=None)) as s:
         async def one() -> None:
             while not stop.is_set():
-                await stream(s, url, key, _ids(rng, prompt), tokens, sink)
+                got = await stream(s, url, key, _ids(rng, prompt), tokens, sink)
+                if itl is not None:
+                    itl.extend(got.itl_s)
 
         tasks = [asyncio.create_task(one()) for _ in range(streams)]
         await stop.wait()
@@ -122,14 +124,19 @@ async def quiet_run(url: str, key: str, args: argparse.Namespace, seed: int) -> 
 async def noisy_neighbour(url: str, args: argparse.Namespace) -> dict[str, dict[str, float]]:
     rows = {"alone": await quiet_run(url, "sk-quiet-as-flood", args, 1)}
     # One tenant first: a worker schedules fairly from the moment it has seen two tenants.
-    for label, key in (("beside the flood, one tenant (FIFO)", "sk-quiet-as-flood"),
-                       ("beside the flood, own tenant (fair)", "sk-quiet")):
+    modes = args.modes.split(",")
+    for label, key in ((("beside the flood, one tenant (FIFO)", "sk-quiet-as-flood"),) * ("fifo" in modes)
+                       + (("beside the flood, own tenant (fair)", "sk-quiet"),) * ("fair" in modes)):
         stop = asyncio.Event()
-        task = asyncio.create_task(flood(url, "sk-flood", args.flood, args.flood_prompt, args.flood_tokens, stop, 2))
+        itl: list[float] = []
+        task = asyncio.create_task(flood(url, "sk-flood", args.flood, args.flood_prompt, args.flood_tokens, stop, 2,
+                                         itl=itl))
         await asyncio.sleep(args.warmup)
+        itl.clear()
         rows[label] = await quiet_run(url, key, args, 3)
         stop.set()
         await task
+        rows[label]["flood_itl_ms"] = statistics.median(itl) * 1e3 if itl else float("nan")
     return rows
 
 
@@ -258,6 +265,7 @@ def main() -> int:
     p.add_argument("--quiet-tokens", type=int, default=16)
     p.add_argument("--quiet-requests", type=int, default=12)
     p.add_argument("--warmup", type=float, default=15.0, help="seconds of flood before measuring")
+    p.add_argument("--modes", default="fifo,fair", help="part 1: the rows beside the flood (besides 'alone')")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--weight-streams", type=int, default=48, help="part 2: streams per tenant")
     p.add_argument("--weights-seconds", type=float, default=60.0)
@@ -279,9 +287,10 @@ def main() -> int:
             print(f"\nNoisy neighbour ({args.model}, 1 colocated worker): {args.flood} flood streams of "
                   f"{args.flood_prompt}-token prompts x {args.flood_tokens} tokens; the quiet tenant: "
                   f"{args.quiet_requests} requests of {args.quiet_prompt} -> {args.quiet_tokens} tokens, one at a time")
-            print(f"{'quiet tenant':<40}{'TTFT p50 ms':>13}{'x alone':>9}{'ITL p50 ms':>12}")
+            print(f"{'quiet tenant':<40}{'TTFT p50 ms':>13}{'x alone':>9}{'ITL p50 ms':>12}{'flood ITL p50 ms':>18}")
             for label, r in noisy.items():
-                print(f"{label:<40}{r['ttft_ms']:>13.1f}{r['ttft_ms'] / alone:>9.2f}{r['itl_ms']:>12.1f}")
+                print(f"{label:<40}{r['ttft_ms']:>13.1f}{r['ttft_ms'] / alone:>9.2f}{r['itl_ms']:>12.1f}"
+                      f"{r.get('flood_itl_ms', float('nan')):>18.1f}")
         if shares:
             results["weights"] = shares
             print(f"\nWeights 2:1, both saturating ({args.weight_streams} streams each, --max-num-seqs "

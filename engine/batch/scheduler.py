@@ -13,8 +13,10 @@ prompts under way get their chunks, in order of share (the smallest first; arriv
 preemption for blocks takes the newest sequence of the tenant most over its share; and a tenant
 under its share that cannot be admitted (no sequence slot or blocks left) preempts the newest
 sequence of the tenant most over its share, when the swap leaves that tenant still at or above
-it — so a tenant is never queued behind another's backlog, and two saturating tenants of weights
-2 and 1 hold the batch 2:1. With one tenant, all of this is first come, first served.
+it; and the prompt of a tenant under its share is not held to the cap on prompt tokens while
+others decode (`max_prefill_tokens_while_decoding`): it takes what is left of the step's budget.
+So a tenant is never queued behind another's backlog, and two saturating tenants of weights 2 and 1
+hold the batch 2:1. With one tenant, all of this is first come, first served.
 """
 
 from __future__ import annotations
@@ -90,6 +92,7 @@ class Scheduler:
         self.first_tenant: str | None = None
         self.tenanted = False  # sequences of more than one tenant have been seen: scheduling is fair
         self.num_fair_preemptions = 0  # preemptions that made room for a tenant under its share
+        self.last_for_newcomers = False  # the last step was given to tenants with nothing running
 
     def _seen(self, seq: Sequence) -> None:
         if self.first_tenant is None:
@@ -146,13 +149,20 @@ class Scheduler:
         return victim
 
     def schedule(self) -> list[ScheduledSeq]:
+        newcomers: set[str] = set()
         if self.tenanted and self.waiting:
             self._make_room()
+            if not self.last_for_newcomers:
+                newcomers = self._newcomers()
+        # Tenanted, a tenant with prompts waiting and nothing running gets a step of its own
+        # (never two in a row): its first token does not wait on a step stretched by everyone
+        # else's batch; their streams wait that one step.
+        self.last_for_newcomers = bool(newcomers)
         budget = self.config.max_num_batched_tokens
         out: list[ScheduledSeq] = []
         # 1. Decodes, oldest first; a decode that needs a block preempts the newest sequence.
         decodes: list[Sequence] = []
-        for seq in sorted(self.running, key=lambda s: s.arrival):
+        for seq in sorted(self.running, key=lambda s: s.arrival) if not newcomers else ():
             if seq not in self.running or seq.num_remaining != 1:
                 continue
             while not self.blocks.grow(seq, seq.num_tokens):
@@ -166,30 +176,41 @@ class Scheduler:
         for seq, draft in zip(decodes, drafts, strict=True):
             out.append(ScheduledSeq(seq, 1 + len(draft), draft))
             budget -= 1 + len(draft)
+        full = budget
         cap = self.config.max_prefill_tokens_while_decoding
         if out and cap is not None:
             budget = min(budget, cap)
+        # Tenanted: prompts of a tenant under its share are not held to the cap on prompt tokens
+        # while others decode (their streams wait one longer step; its prompt does not wait behind
+        # their backlog for several).
+        shares = self.shares() if self.tenanted else None
+        favoured = self._favoured(shares) if shares is not None and budget < full else set()
         # 2. Prompts already under way (their blocks were allocated at admission). While others
         #    wait, they leave up to half the budget to them: a short prompt arriving behind a long
         #    one starts at the next step instead of after the whole long prefill.
         reserve = min(budget // 2, sum(s.num_remaining for s in self.waiting)) if self.waiting else 0
-        shares = self.shares() if self.tenanted else None
+        used = 0  # prompt tokens scheduled so far
         for seq in sorted(self.running, key=(lambda s: s.arrival) if shares is None
-                          else (lambda s: (shares[s.tenant], s.arrival))):
-            if budget - reserve <= 0:
-                break
+                          else (lambda s: (shares[s.tenant], s.arrival))) if not newcomers else ():
             if seq.num_remaining > 1:
-                n = min(seq.num_remaining, budget - reserve)
+                room = full - used if seq.tenant in favoured else budget - reserve - used
+                if room <= 0:
+                    break  # (in share order: the favoured come first)
+                n = min(seq.num_remaining, room)
                 out.append(ScheduledSeq(seq, n))
-                budget -= n
-        # 3. New (or preempted) sequences, first come first served, while blocks last. One whose
-        #    next uncached block another prompt is computing right now waits for it (a burst of
-        #    requests sharing a new system prompt computes it once, not once per request).
+                used += n
+        # 3. New (or preempted) sequences, first come first served (tenanted: in share order), while
+        #    blocks last. One whose next uncached block another prompt is computing right now waits
+        #    for it (a burst of requests sharing a new system prompt computes it once, not once per
+        #    request).
         computing = self._prefix_in_progress() if self.waiting and self.blocks.enable_prefix_cache else set()
         deferred: list[Sequence] = []
-        queue = self.waiting if shares is None else _FairQueue(self.waiting, shares)
-        while queue and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        queue = self.waiting if shares is None else _FairQueue(self.waiting, shares, newcomers or None)
+        while queue and len(self.running) < self.config.max_num_seqs:
             seq = queue[0]
+            room = (full if seq.tenant in favoured else budget) - used
+            if room <= 0:
+                break
             if computing and self.blocks.first_uncached(seq) in computing:
                 deferred.append(queue.popleft())
                 self.num_prefix_waits += 1
@@ -204,14 +225,33 @@ class Scheduler:
                 continue
             seq.status = Status.RUNNING
             self.running.append(seq)
-            n = min(seq.num_remaining, budget)
+            n = min(seq.num_remaining, room)
             out.append(ScheduledSeq(seq, n))
-            budget -= n
+            used += n
             if self.blocks.enable_prefix_cache:
                 computing.update(seq.block_hashes[seq.num_registered_blocks :])
         if isinstance(queue, _FairQueue):
             self.waiting = queue.rest()
         self.waiting.extendleft(reversed(deferred))
+        return out
+
+    def _newcomers(self) -> set[str]:
+        """Tenants with prompts waiting and no sequence running, when others have some running."""
+        if not self.running:
+            return set()
+        active = {s.tenant for s in self.running}
+        return {s.tenant for s in self.waiting if s.tenant not in active}
+
+    def _favoured(self, shares: dict[str, float]) -> set[str]:
+        """Tenants with work here whose share, one sequence more, is still at most the largest."""
+        top = max(shares.values(), default=0.0)
+        out = set()
+        for s in self.waiting:
+            if s.tenant not in out and shares.get(s.tenant, 0.0) + 1.0 / s.weight <= top:
+                out.add(s.tenant)
+        for s in self.running:
+            if s.tenant not in out and s.num_remaining > 1 and shares[s.tenant] + 1.0 / s.weight <= top:
+                out.add(s.tenant)
         return out
 
     def _make_room(self) -> None:
@@ -266,10 +306,11 @@ class _FairQueue:
     whose share, counting it, would be smallest (first come, first served within a tenant). Holds
     the deque's interface that step 3 uses; `rest()` is what was not taken, in arrival order."""
 
-    def __init__(self, waiting: deque[Sequence], shares: dict[str, float]):
+    def __init__(self, waiting: deque[Sequence], shares: dict[str, float], only: set[str] | None = None):
         self.queues: dict[str, deque[Sequence]] = {}
         for s in waiting:
-            self.queues.setdefault(s.tenant, deque()).append(s)
+            if only is None or s.tenant in only:
+                self.queues.setdefault(s.tenant, deque()).append(s)
         self.shares = dict(shares)
         self.taken: set[int] = set()
         self.waiting = waiting
