@@ -181,9 +181,6 @@ class Tenants:
             raise APIError(401, "invalid or missing API key", type_="authentication_error", code="invalid_api_key")
         return caller
 
-    def tenant_of(self, request: web.Request) -> str:
-        return self.caller(request).tenant
-
     def admin(self, request: web.Request) -> Caller:
         """The caller of an admin route: refused unless its key is marked admin."""
         caller = self.caller(request)
