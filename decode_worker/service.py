@@ -50,6 +50,9 @@ class DecodeService(pb_grpc.DecodeServicer):
         self.ctx = ctx
         self.region = region  # None in the colocated role: no remote prefill
         self.segment = segment
+        # Tensor parallel: the other ranks' KV caches, which the prefill worker's other ranks fill.
+        ranks = ctx.engine.llm.ranks if region is not None else None
+        self.peer_ranks = [pb.KVRank(segment=seg, base_address=base) for seg, base in ranks.rank_info] if ranks else []
         self._stubs: dict[str, pb_grpc.PrefillStub] = {}
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._settling: set[asyncio.Task] = set()
@@ -121,7 +124,7 @@ class DecodeService(pb_grpc.DecodeServicer):
         dest = pb.KVDestination(
             segment=self.segment, base_address=self.region.base_address, num_blocks=self.region.num_blocks,
             num_layers=self.region.num_layers, page_bytes=self.region.page_bytes, first_block=first,
-            block_ids=blocks[first:],
+            block_ids=blocks[first:], ranks=self.peer_ranks,
         )
         preq = pb.PrefillRequest(request_id=rid, token_ids=request.token_ids, sampling=request.sampling,
                                  tenant=request.tenant, destination=dest,

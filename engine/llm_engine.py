@@ -35,7 +35,7 @@ from engine.loading.weights import load_model
 from engine.model.kv_cache import KVCache, KVLayout
 from engine.model.model_config import ModelConfig
 from engine.model.parallel import ONE, WHOLE, split_layers
-from engine.ranks import RankGroup, threads_per_rank
+from engine.ranks import RankGroup, RankMain, threads_per_rank
 from engine.spec.eagle3 import Eagle3Drafter
 from engine.spec.speculative import Drafter, NgramDrafter, verify
 
@@ -105,7 +105,9 @@ def _rss_mib() -> float:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, rank_main: RankMain | None = None):
+        """`rank_main`: what the model-parallel ranks other than 0 run (`engine/ranks.py`; a prefill or
+        decode worker's adds its KV transfer)."""
         self.config = config.validate()
         rss_start = _rss_mib()  # (for the start-up log line: what loading the model adds)
         self.device = config.torch_device
@@ -119,7 +121,7 @@ class LLMEngine:
         tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
         stages = split_layers(self.model_config, pp) if pp > 1 else None
         self.ranks = RankGroup(config, self.model_dir, tp, pp, self.model_config.hidden_size,
-                               self.model_config.vocab_size, stages) if tp * pp > 1 else None
+                               self.model_config.vocab_size, stages, rank_main) if tp * pp > 1 else None
         shard = self.ranks.shard if self.ranks is not None else ONE
         stage = self.ranks.stage if self.ranks is not None else WHOLE
         if self.ranks is not None and self.device.type == "cpu":

@@ -42,7 +42,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -67,6 +67,25 @@ START_TIMEOUT_S = 600.0  # every rank connected and its shard loaded
 
 class RankFailed(EngineError):
     """A rank of the model-parallel group died or stopped answering."""
+
+
+class RankExtension(Protocol):
+    """What a serving role adds to the ranks other than 0 (a prefill or decode worker's KV transfer:
+    `worker/kv_rank.py`, `prefill_worker/kv_sender.py`). Rank 0 sends a step's `payload` beside its
+    inputs (`RankGroup.attach`); a rank that got one runs the step with these hooks and answers with
+    `after_forward`'s result (`RankGroup.collect`)."""
+
+    def on_ready(self, kv: KVCache) -> Any:
+        """The rank's KV cache exists: returns what rank 0 should know of it (`RankGroup.rank_info`)."""
+        ...
+
+    def before_forward(self, payload: Any) -> None: ...
+
+    def after_layer(self, layer: int) -> None: ...
+
+    def after_forward(self) -> Any: ...
+
+    def close(self) -> None: ...
 
 
 def _free_port() -> int:
@@ -136,6 +155,15 @@ def _sampled_rows(config: EngineConfig) -> int:
 
 
 @dataclass(frozen=True)
+class RankMain:
+    """What the ranks other than 0 run: `python -m module RANK` with `env` added to the environment
+    (this module's `follower`, or a serving role's main that gives it a `RankExtension`)."""
+
+    module: str = "engine.ranks"
+    env: dict[str, str] = dataclasses.field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class Names:
     """The shared-memory segments a group's ranks meet in (made by rank 0, named in the spec)."""
 
@@ -158,9 +186,9 @@ class RankGroup:
     """Rank 0's side: starts the other ranks, sends them each step, stops them."""
 
     def __init__(self, config: EngineConfig, model_dir: Path, tp: int, pp: int = 1, hidden: int = 0,
-                 vocab: int = 0, stages: list[range] | None = None):
+                 vocab: int = 0, stages: list[range] | None = None, main: RankMain | None = None):
         """`hidden`, `vocab`: the model's, to size the shared-memory slots; `stages`: each pipeline
-        stage's layers (`parallel.split_layers`)."""
+        stage's layers (`parallel.split_layers`); `main`: what the other ranks run."""
         self.tp, self.pp, self.size = tp, pp, tp * pp
         self.device = config.torch_device
         self.closing = False
@@ -175,11 +203,15 @@ class RankGroup:
                 "address": list(self.listener.getsockname()), "key": self.key.hex(),
                 "stages": [[s.start, s.stop] for s in self.stages] if stages else None,
                 "names": dataclasses.asdict(names)}
-        env = {**os.environ, "SPLITFIRE_RANK_SPEC": json.dumps(spec)}
+        main = main or RankMain()
+        env = {**os.environ, **main.env, "SPLITFIRE_RANK_SPEC": json.dumps(spec)}
         self.procs: list[subprocess.Popen] = []
         for rank in range(1, self.size):
-            self.procs.append(subprocess.Popen([sys.executable, "-m", "engine.ranks", str(rank)], env=env))
+            self.procs.append(subprocess.Popen([sys.executable, "-m", main.module, str(rank)], env=env))
         self.conns: list[Connection] = []
+        self.rank_info: list[Any] = []  # per rank from 1: its extension's `on_ready` (None without one)
+        self._payload: Any = None  # the next step's, for the ranks' extensions
+        self._answers_due = False
         self._accept(self.size - 1)
         self.store = _store(0, self.size, port)
         self.group = _stage_group(self.device, self.store, 0, 0, tp)
@@ -269,16 +301,38 @@ class RankGroup:
             except (EOFError, OSError) as e:
                 self.close()
                 raise RankFailed(f"tensor parallel rank {r} exited while loading (see its log above)") from e
-            if ready != "ready":
+            if not (isinstance(ready, tuple) and ready[0] == "ready"):
                 self.close()
                 raise RankFailed(f"tensor parallel rank {r}: {ready}")
+            self.rank_info.append(ready[1])
         # From here on a rank's death is fatal (during start-up it is an error the caller reports).
         for r, p in enumerate(self.procs, start=1):
             threading.Thread(target=self._watch_rank, args=(r, p), daemon=True, name=f"rank-{r}-watch").start()
 
     def step(self, plan: tuple) -> None:
-        """This step's inputs to every other rank (`ModelRunner.broadcast`; tensor parallel only)."""
-        self._send(("step", plan))
+        """This step's inputs to every other rank (`ModelRunner.broadcast`; tensor parallel only), with
+        the payload attached for their extensions, if any."""
+        payload, self._payload = self._payload, None
+        self._send(("step", plan, payload))
+        self._answers_due = payload is not None
+
+    def attach(self, payload: Any) -> None:
+        """Send `payload` with the next step (before the step runs: a `StepObserver.before_forward`)."""
+        self._payload = payload
+
+    def collect(self) -> list[Any]:
+        """The other ranks' extensions' answers to the step that carried a payload (in rank order),
+        once each has finished it; [] when the last step carried none."""
+        if not self._answers_due:
+            return []
+        self._answers_due = False
+        out = []
+        for r, conn in enumerate(self.conns, start=1):
+            try:
+                out.append(pickle.loads(conn.recv_bytes()))
+            except (EOFError, OSError) as e:
+                raise RankFailed(f"tensor parallel rank {r} is gone: {e}") from e
+        return out
 
     def pipeline(self, model: DecoderModel, kv: KVCache) -> Callable[[list[tuple]], list[torch.Tensor]]:
         """`ModelRunner.pipeline`: the first stage's part of a step's micro-batches, and their logits back."""
@@ -330,8 +384,9 @@ class RankGroup:
         self.group = self.store = None
 
 
-def follower(rank: int) -> None:
-    """A rank other than 0: load this rank's part, then run forwards as rank 0 sends them."""
+def follower(rank: int, extension: RankExtension | None = None) -> None:
+    """A rank other than 0: load this rank's part, then run forwards as rank 0 sends them (with
+    `extension`'s hooks around a step that carries a payload for it)."""
     spec = json.loads(os.environ["SPLITFIRE_RANK_SPEC"])
     if sys.platform == "linux":  # die with rank 0, whatever kills it
         import ctypes
@@ -371,7 +426,12 @@ def follower(rank: int) -> None:
     model.build_rope_cache(max_positions, device, config.torch_dtype)
     model.set_int8_activations(int8_activations)
     kv = KVCache(layout, device)
-    conn.send_bytes(pickle.dumps("ready"))
+    try:
+        info = extension.on_ready(kv) if extension is not None else None
+    except Exception as e:
+        conn.send_bytes(pickle.dumps(f"cannot start its KV transfer: {type(e).__name__}: {e}"))
+        raise
+    conn.send_bytes(pickle.dumps(("ready", info)))
     log.info("event=rank_ready rank=%d of=%d stage=%d layers=%s kv_blocks=%d", rank, tp * pp, s,
              f"{model.layer_ids.start}-{model.layer_ids.stop - 1}", layout.num_blocks)
 
@@ -386,12 +446,19 @@ def follower(rank: int) -> None:
                 break  # rank 0 closed the group
             if msg is None:
                 break
-            kind, plan = msg
+            kind, plan = msg[0], msg[1]
             if kind == "step":  # tensor parallel only: the stage is the whole model
                 ids, positions, meta, rows = plan
-                hidden = model(ids, positions, kv, meta)
+                payload = msg[2]
+                if payload is None or extension is None:
+                    hidden = model(ids, positions, kv, meta)
+                else:
+                    extension.before_forward(payload)
+                    hidden = model(ids, positions, kv, meta, extension.after_layer)
                 if rows:
                     model.logits(hidden.index_select(0, rows_of(rows)))
+                if payload is not None:  # (answered after the logits' collective: rank 0 is past it)
+                    conn.send_bytes(pickle.dumps(extension.after_forward() if extension is not None else None))
                 continue
             for ids, positions, meta, rows in plan:  # "pp": the step's micro-batches, in order
                 carry = tuple(take.recv()) if take is not None else None
@@ -405,6 +472,8 @@ def follower(rank: int) -> None:
     for seg in (shm, take, give, logits_out):
         if seg is not None:
             seg.close()
+    if extension is not None:
+        extension.close()
     del group, store
 
 

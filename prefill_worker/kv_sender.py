@@ -4,19 +4,26 @@ Plugs into the engine as its `StepObserver`. For a request whose chunk runs this
 the blocks to send are those from the first block the decode worker lacks (or the
 first not yet sent) up to the last block the chunk completes; the prompt's final,
 partly filled block goes with the last chunk. Every block is sent exactly once.
+
+Tensor parallel: every rank holds its own heads of each page; rank r writes its pages into rank r of
+the decode worker (the same layout split the same way). Rank 0 plans the step's jobs and sends them
+to the other ranks with the step's inputs (`RankGroup.attach`); each runs them on its own pages
+(`worker/kv_rank.py`) and answers with what it wrote once its writes are done.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from engine.batch.scheduler import ScheduledSeq
+from engine.ranks import RankGroup
 from kvtransfer.descriptors import KVRegion
 from kvtransfer.writer import KVWriter, TransferJob, make_job
-from prefill_worker.layer_events import LayerEvents, event_factory
+from worker.kv_rank import JobSpec
+from worker.layer_writes import LayerWrites
 
 
 @dataclass
@@ -26,6 +33,7 @@ class TransferPlan:
     dst: KVRegion
     first_block: int  # prompt block index of dst_blocks[0]
     dst_blocks: list[int]
+    peers: list[tuple[str, int]] = field(default_factory=list)  # the decode worker's other TP ranks: segment, base
     next_block: int = 0  # first prompt block not yet completely sent
     bytes: int = 0
     entries: int = 0
@@ -42,17 +50,21 @@ class TransferPlan:
 
 
 class LayerwiseKVSender:
-    def __init__(self, writer: KVWriter, block_size: int, device: torch.device):
-        self.writer = writer
+    def __init__(self, writer: KVWriter, block_size: int, device: torch.device, ranks: RankGroup | None = None):
+        self.writes = LayerWrites(writer, device)
         self.block_size = block_size
-        # Each layer's writes are submitted by a sender thread once that layer's event has fired.
-        self.layers = LayerEvents(event_factory(device))
+        self.ranks = ranks  # the other tensor-parallel ranks, which send their own heads
         self.plans: dict[str, TransferPlan] = {}  # engine thread only
         # Requests with a write that failed or timed out: Mooncake may still complete it later, so
         # their destination blocks are never declared settled (the decode side quarantines them).
         self.unsettled: dict[str, float] = {}
         self._jobs: list[tuple[TransferPlan, TransferJob, int]] = []
         self._t0 = 0.0
+
+    @property
+    def peer_ranks(self) -> int:
+        """The other ranks a decode worker must offer, one for each of this worker's."""
+        return self.ranks.size - 1 if self.ranks is not None else 0
 
     def add_plan(self, plan: TransferPlan) -> None:
         self.plans[plan.request_id] = plan
@@ -85,24 +97,20 @@ class LayerwiseKVSender:
             dst = plan.dst_blocks[lo - plan.first_block : hi - plan.first_block]
             job = make_job(plan.request_id, plan.target, plan.dst, src, dst)
             self._jobs.append((plan, job, hi))
+        self.writes.start([job for _, job, _ in self._jobs])
+        if self.ranks is not None and self._jobs:
+            self.ranks.attach([JobSpec(job.request_id, [(r.src_block, r.dst_block, r.count) for r in job.runs],
+                                       plan.peers, (plan.dst.num_layers, plan.dst.num_blocks, plan.dst.page_bytes))
+                               for plan, job, _ in self._jobs])
 
     def after_layer(self, layer: int) -> None:
-        if not self._jobs:
-            return
-        jobs = [job for _, job, _ in self._jobs]
-
-        def submit() -> None:  # on the sender thread, once the layer's K/V are in memory
-            for job in jobs:
-                self.writer.submit_layer(job, layer)
-
-        self.layers.layer_done(submit)
+        self.writes.after_layer(layer)
 
     def after_forward(self) -> dict[str, str]:
         compute_s = time.perf_counter() - self._t0
-        jobs = [job for _, job, _ in self._jobs]
-        if jobs:
-            self.layers.drain()  # every layer's writes submitted (happens-before: the queue's join)
-        self.writer.wait(jobs)
+        self.writes.finish()
+        # The other ranks' writes of the same jobs: (bytes, entries, error) per request each.
+        answers: list[dict[str, tuple[int, int, str | None]]] = self.ranks.collect() if self.ranks is not None else []
         errors: dict[str, str] = {}
         for plan, job, full_blocks in self._jobs:
             plan.compute_s += compute_s
@@ -112,8 +120,15 @@ class LayerwiseKVSender:
                 plan.started = job.started
             plan.finished = job.finished
             plan.next_block = max(plan.next_block, full_blocks)
-            if job.error is not None:
-                errors[plan.request_id] = job.error
+            error = job.error
+            for rank, answer in enumerate(answers, start=1):
+                nbytes, entries, rank_error = answer.get(plan.request_id, (0, 0, None))
+                plan.bytes += nbytes
+                plan.entries += entries
+                if rank_error is not None and error is None:
+                    error = f"rank {rank}: {rank_error}"
+            if error is not None:
+                errors[plan.request_id] = error
                 self.unsettled[plan.request_id] = time.monotonic()
         self._jobs = []
         return errors

@@ -20,7 +20,7 @@ async def run(cfg: WorkerConfig) -> None:
     llm = ctx.engine.llm
     region = register_kv(mooncake, llm)
     sender = LayerwiseKVSender(KVWriter(mooncake, region, cfg.transfer.max_inflight_entries),
-                               llm.config.block_size, llm.device)
+                               llm.config.block_size, llm.device, llm.ranks)
     ctx.engine.observer = sender
     server = new_server()
     pb_grpc.add_PrefillServicer_to_server(PrefillService(ctx, sender, region), server)

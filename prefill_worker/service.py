@@ -22,10 +22,17 @@ from worker.worker_service import WorkerContext
 log = logging.getLogger("splitfire.prefill")
 
 
-def plan_from_request(request: pb.PrefillRequest, rid: str, own: KVRegion, block_size: int, n: int) -> TransferPlan:
+def plan_from_request(request: pb.PrefillRequest, rid: str, own: KVRegion, block_size: int, n: int,
+                      peer_ranks: int = 0) -> TransferPlan:
+    """`peer_ranks`: this worker's tensor-parallel ranks beyond the first (the destination must have
+    as many: rank r writes into rank r)."""
     d = request.destination
     if not d.segment:
         raise RequestError("destination.segment is empty")
+    if len(d.ranks) != peer_ranks:
+        raise RequestError(f"decode worker's KV is split over {len(d.ranks) + 1} tensor-parallel rank(s), this "
+                           f"prefill worker's over {peer_ranks + 1}: pair workers of the same "
+                           "--tensor-parallel-size")
     dst = KVRegion(d.base_address, d.num_layers, d.num_blocks, d.page_bytes)
     why = own.compatible_with(dst)
     if why is not None:
@@ -38,7 +45,8 @@ def plan_from_request(request: pb.PrefillRequest, rid: str, own: KVRegion, block
     bad = [b for b in d.block_ids if b >= d.num_blocks]
     if bad:
         raise RequestError(f"destination block ids {bad[:5]} outside the decode worker's {d.num_blocks} blocks")
-    return TransferPlan(rid, d.segment, dst, d.first_block, list(d.block_ids))
+    return TransferPlan(rid, d.segment, dst, d.first_block, list(d.block_ids),
+                        [(r.segment, r.base_address) for r in d.ranks])
 
 
 class PrefillService(pb_grpc.PrefillServicer):
@@ -55,7 +63,7 @@ class PrefillService(pb_grpc.PrefillServicer):
         try:
             ids = token_ids_from_proto(request.token_ids)
             sampling = sampling_from_proto(request.sampling)
-            plan = plan_from_request(request, rid, self.region, aeng.block_size, len(ids))
+            plan = plan_from_request(request, rid, self.region, aeng.block_size, len(ids), self.sender.peer_ranks)
         except RequestError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         stream = aeng.open_stream(rid)

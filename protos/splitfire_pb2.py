@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16protos/splitfire.proto\x12\x0csplitfire.v1\"\xba\x04\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x02H\x02\x88\x01\x01\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x08 \x01(\x02\x12\x11\n\x04seed\x18\t \x01(\x04H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\r\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x15\n\x08logprobs\x18\r \x01(\rH\x04\x88\x01\x01\x12\x0f\n\x07grammar\x18\x0e \x01(\t\x12\x16\n\x0eresumed_tokens\x18\x0f \x01(\r\x12?\n\nlogit_bias\x18\x10 \x03(\x0b\x32+.splitfire.v1.SamplingParams.LogitBiasEntry\x12\x12\n\nmin_tokens\x18\x11 \x01(\r\x12\x17\n\x0fgrammar_release\x18\x12 \x01(\t\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x15\n\x13_repetition_penaltyB\x07\n\x05_seedB\x0b\n\t_logprobs\"X\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0f\n\x07top_ids\x18\x03 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\xa9\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.splitfire.v1.SamplingParams\x12\x0e\n\x06tenant\x18\x04 \x01(\t\x12\x18\n\x10prefill_endpoint\x18\x05 \x01(\t\x12\x15\n\rtenant_weight\x18\x06 \x01(\x01\"\xc7\x01\n\rGenerateEvent\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12,\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1a.splitfire.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\"\n\x05usage\x18\x05 \x01(\x0b\x32\x13.splitfire.v1.Usage\x12\x14\n\x0cprefill_mode\x18\x06 \x01(\t\x12\x16\n\x0eprefill_reason\x18\x07 \x01(\t\"\x9a\x01\n\rKVDestination\x12\x0f\n\x07segment\x18\x01 \x01(\t\x12\x14\n\x0c\x62\x61se_address\x18\x02 \x01(\x04\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\x12\x12\n\nnum_layers\x18\x04 \x01(\r\x12\x12\n\npage_bytes\x18\x05 \x01(\x04\x12\x13\n\x0b\x66irst_block\x18\x06 \x01(\r\x12\x11\n\tblock_ids\x18\x07 \x03(\r\"\xc0\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.splitfire.v1.SamplingParams\x12\x0e\n\x06tenant\x18\x04 \x01(\t\x12\x30\n\x0b\x64\x65stination\x18\x05 \x01(\x0b\x32\x1b.splitfire.v1.KVDestination\x12\x15\n\rtenant_weight\x18\x06 \x01(\x01\"\xff\x01\n\x0fPrefillResponse\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\r\x12+\n\x07logprob\x18\x02 \x01(\x0b\x32\x1a.splitfire.v1.TokenLogprob\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\x12\x17\n\x0f\x63omputed_tokens\x18\x04 \x01(\r\x12\x16\n\x0etransfer_bytes\x18\x05 \x01(\x04\x12\x18\n\x10transfer_entries\x18\x06 \x01(\r\x12\x18\n\x10transfer_seconds\x18\x07 \x01(\x01\x12\x17\n\x0f\x63ompute_seconds\x18\x08 \x01(\x01\x12\x15\n\rqueue_seconds\x18\t \x01(\x01\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"6\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x12\x16\n\x0ewrites_settled\x18\x02 \x01(\x08\"\x0f\n\rHealthRequest\"}\n\x0eHealthResponse\x12\x0e\n\x06status\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x15\n\rmax_model_len\x18\x05 \x01(\r\x12\x13\n\x0bstream_port\x18\x06 \x01(\r\"\x0e\n\x0cStatsRequest\"\xd2\x02\n\rStatsResponse\x12\x1f\n\x17prompt_tokens_in_flight\x18\x01 \x01(\x04\x12\x0f\n\x07running\x18\x02 \x01(\r\x12\x0f\n\x07waiting\x18\x03 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x04 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x05 \x01(\r\x12\x16\n\x0ekv_blocks_free\x18\x06 \x01(\r\x12\x18\n\x10kv_blocks_cached\x18\x07 \x01(\r\x12\x16\n\x0ekv_tokens_held\x18\x08 \x01(\x04\x12\x1b\n\x13prefix_query_tokens\x18\t \x01(\x04\x12\x19\n\x11prefix_hit_tokens\x18\n \x01(\x04\x12\x1f\n\x17\x64\x65\x63ode_tokens_remaining\x18\x0b \x01(\x04\x12\x10\n\x08reserved\x18\x0c \x01(\r\x12\x18\n\x10store_hit_tokens\x18\r \x01(\x04\"\x19\n\x17ResetPrefixCacheRequest\"K\n\x18ResetPrefixCacheResponse\x12\x16\n\x0e\x62locks_dropped\x18\x01 \x01(\r\x12\x17\n\x0f\x62locks_unshared\x18\x02 \x01(\r2R\n\x06\x44\x65\x63ode\x12H\n\x08Generate\x12\x1d.splitfire.v1.GenerateRequest\x1a\x1b.splitfire.v1.GenerateEvent0\x01\x32Q\n\x07Prefill\x12\x46\n\x07Prefill\x12\x1c.splitfire.v1.PrefillRequest\x1a\x1d.splitfire.v1.PrefillResponse2\xb4\x02\n\x06Worker\x12@\n\x05\x41\x62ort\x12\x1a.splitfire.v1.AbortRequest\x1a\x1b.splitfire.v1.AbortResponse\x12\x43\n\x06Health\x12\x1b.splitfire.v1.HealthRequest\x1a\x1c.splitfire.v1.HealthResponse\x12@\n\x05Stats\x12\x1a.splitfire.v1.StatsRequest\x1a\x1b.splitfire.v1.StatsResponse\x12\x61\n\x10ResetPrefixCache\x12%.splitfire.v1.ResetPrefixCacheRequest\x1a&.splitfire.v1.ResetPrefixCacheResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16protos/splitfire.proto\x12\x0csplitfire.v1\"\xba\x04\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x02H\x02\x88\x01\x01\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x08 \x01(\x02\x12\x11\n\x04seed\x18\t \x01(\x04H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\r\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x15\n\x08logprobs\x18\r \x01(\rH\x04\x88\x01\x01\x12\x0f\n\x07grammar\x18\x0e \x01(\t\x12\x16\n\x0eresumed_tokens\x18\x0f \x01(\r\x12?\n\nlogit_bias\x18\x10 \x03(\x0b\x32+.splitfire.v1.SamplingParams.LogitBiasEntry\x12\x12\n\nmin_tokens\x18\x11 \x01(\r\x12\x17\n\x0fgrammar_release\x18\x12 \x01(\t\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x15\n\x13_repetition_penaltyB\x07\n\x05_seedB\x0b\n\t_logprobs\"X\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0f\n\x07top_ids\x18\x03 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\xa9\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.splitfire.v1.SamplingParams\x12\x0e\n\x06tenant\x18\x04 \x01(\t\x12\x18\n\x10prefill_endpoint\x18\x05 \x01(\t\x12\x15\n\rtenant_weight\x18\x06 \x01(\x01\"\xc7\x01\n\rGenerateEvent\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12,\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1a.splitfire.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\"\n\x05usage\x18\x05 \x01(\x0b\x32\x13.splitfire.v1.Usage\x12\x14\n\x0cprefill_mode\x18\x06 \x01(\t\x12\x16\n\x0eprefill_reason\x18\x07 \x01(\t\"\xbf\x01\n\rKVDestination\x12\x0f\n\x07segment\x18\x01 \x01(\t\x12\x14\n\x0c\x62\x61se_address\x18\x02 \x01(\x04\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\x12\x12\n\nnum_layers\x18\x04 \x01(\r\x12\x12\n\npage_bytes\x18\x05 \x01(\x04\x12\x13\n\x0b\x66irst_block\x18\x06 \x01(\r\x12\x11\n\tblock_ids\x18\x07 \x03(\r\x12#\n\x05ranks\x18\x08 \x03(\x0b\x32\x14.splitfire.v1.KVRank\"/\n\x06KVRank\x12\x0f\n\x07segment\x18\x01 \x01(\t\x12\x14\n\x0c\x62\x61se_address\x18\x02 \x01(\x04\"\xc0\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.splitfire.v1.SamplingParams\x12\x0e\n\x06tenant\x18\x04 \x01(\t\x12\x30\n\x0b\x64\x65stination\x18\x05 \x01(\x0b\x32\x1b.splitfire.v1.KVDestination\x12\x15\n\rtenant_weight\x18\x06 \x01(\x01\"\xff\x01\n\x0fPrefillResponse\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\r\x12+\n\x07logprob\x18\x02 \x01(\x0b\x32\x1a.splitfire.v1.TokenLogprob\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\x12\x17\n\x0f\x63omputed_tokens\x18\x04 \x01(\r\x12\x16\n\x0etransfer_bytes\x18\x05 \x01(\x04\x12\x18\n\x10transfer_entries\x18\x06 \x01(\r\x12\x18\n\x10transfer_seconds\x18\x07 \x01(\x01\x12\x17\n\x0f\x63ompute_seconds\x18\x08 \x01(\x01\x12\x15\n\rqueue_seconds\x18\t \x01(\x01\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"6\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x12\x16\n\x0ewrites_settled\x18\x02 \x01(\x08\"\x0f\n\rHealthRequest\"}\n\x0eHealthResponse\x12\x0e\n\x06status\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x15\n\rmax_model_len\x18\x05 \x01(\r\x12\x13\n\x0bstream_port\x18\x06 \x01(\r\"\x0e\n\x0cStatsRequest\"\xd2\x02\n\rStatsResponse\x12\x1f\n\x17prompt_tokens_in_flight\x18\x01 \x01(\x04\x12\x0f\n\x07running\x18\x02 \x01(\r\x12\x0f\n\x07waiting\x18\x03 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x04 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x05 \x01(\r\x12\x16\n\x0ekv_blocks_free\x18\x06 \x01(\r\x12\x18\n\x10kv_blocks_cached\x18\x07 \x01(\r\x12\x16\n\x0ekv_tokens_held\x18\x08 \x01(\x04\x12\x1b\n\x13prefix_query_tokens\x18\t \x01(\x04\x12\x19\n\x11prefix_hit_tokens\x18\n \x01(\x04\x12\x1f\n\x17\x64\x65\x63ode_tokens_remaining\x18\x0b \x01(\x04\x12\x10\n\x08reserved\x18\x0c \x01(\r\x12\x18\n\x10store_hit_tokens\x18\r \x01(\x04\"\x19\n\x17ResetPrefixCacheRequest\"K\n\x18ResetPrefixCacheResponse\x12\x16\n\x0e\x62locks_dropped\x18\x01 \x01(\r\x12\x17\n\x0f\x62locks_unshared\x18\x02 \x01(\r2R\n\x06\x44\x65\x63ode\x12H\n\x08Generate\x12\x1d.splitfire.v1.GenerateRequest\x1a\x1b.splitfire.v1.GenerateEvent0\x01\x32Q\n\x07Prefill\x12\x46\n\x07Prefill\x12\x1c.splitfire.v1.PrefillRequest\x1a\x1d.splitfire.v1.PrefillResponse2\xb4\x02\n\x06Worker\x12@\n\x05\x41\x62ort\x12\x1a.splitfire.v1.AbortRequest\x1a\x1b.splitfire.v1.AbortResponse\x12\x43\n\x06Health\x12\x1b.splitfire.v1.HealthRequest\x1a\x1c.splitfire.v1.HealthResponse\x12@\n\x05Stats\x12\x1a.splitfire.v1.StatsRequest\x1a\x1b.splitfire.v1.StatsResponse\x12\x61\n\x10ResetPrefixCache\x12%.splitfire.v1.ResetPrefixCacheRequest\x1a&.splitfire.v1.ResetPrefixCacheResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -46,31 +46,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GENERATEEVENT']._serialized_start=958
   _globals['_GENERATEEVENT']._serialized_end=1157
   _globals['_KVDESTINATION']._serialized_start=1160
-  _globals['_KVDESTINATION']._serialized_end=1314
-  _globals['_PREFILLREQUEST']._serialized_start=1317
-  _globals['_PREFILLREQUEST']._serialized_end=1509
-  _globals['_PREFILLRESPONSE']._serialized_start=1512
-  _globals['_PREFILLRESPONSE']._serialized_end=1767
-  _globals['_ABORTREQUEST']._serialized_start=1769
-  _globals['_ABORTREQUEST']._serialized_end=1803
-  _globals['_ABORTRESPONSE']._serialized_start=1805
-  _globals['_ABORTRESPONSE']._serialized_end=1859
-  _globals['_HEALTHREQUEST']._serialized_start=1861
-  _globals['_HEALTHREQUEST']._serialized_end=1876
-  _globals['_HEALTHRESPONSE']._serialized_start=1878
-  _globals['_HEALTHRESPONSE']._serialized_end=2003
-  _globals['_STATSREQUEST']._serialized_start=2005
-  _globals['_STATSREQUEST']._serialized_end=2019
-  _globals['_STATSRESPONSE']._serialized_start=2022
-  _globals['_STATSRESPONSE']._serialized_end=2360
-  _globals['_RESETPREFIXCACHEREQUEST']._serialized_start=2362
-  _globals['_RESETPREFIXCACHEREQUEST']._serialized_end=2387
-  _globals['_RESETPREFIXCACHERESPONSE']._serialized_start=2389
-  _globals['_RESETPREFIXCACHERESPONSE']._serialized_end=2464
-  _globals['_DECODE']._serialized_start=2466
-  _globals['_DECODE']._serialized_end=2548
-  _globals['_PREFILL']._serialized_start=2550
-  _globals['_PREFILL']._serialized_end=2631
-  _globals['_WORKER']._serialized_start=2634
-  _globals['_WORKER']._serialized_end=2942
+  _globals['_KVDESTINATION']._serialized_end=1351
+  _globals['_KVRANK']._serialized_start=1353
+  _globals['_KVRANK']._serialized_end=1400
+  _globals['_PREFILLREQUEST']._serialized_start=1403
+  _globals['_PREFILLREQUEST']._serialized_end=1595
+  _globals['_PREFILLRESPONSE']._serialized_start=1598
+  _globals['_PREFILLRESPONSE']._serialized_end=1853
+  _globals['_ABORTREQUEST']._serialized_start=1855
+  _globals['_ABORTREQUEST']._serialized_end=1889
+  _globals['_ABORTRESPONSE']._serialized_start=1891
+  _globals['_ABORTRESPONSE']._serialized_end=1945
+  _globals['_HEALTHREQUEST']._serialized_start=1947
+  _globals['_HEALTHREQUEST']._serialized_end=1962
+  _globals['_HEALTHRESPONSE']._serialized_start=1964
+  _globals['_HEALTHRESPONSE']._serialized_end=2089
+  _globals['_STATSREQUEST']._serialized_start=2091
+  _globals['_STATSREQUEST']._serialized_end=2105
+  _globals['_STATSRESPONSE']._serialized_start=2108
+  _globals['_STATSRESPONSE']._serialized_end=2446
+  _globals['_RESETPREFIXCACHEREQUEST']._serialized_start=2448
+  _globals['_RESETPREFIXCACHEREQUEST']._serialized_end=2473
+  _globals['_RESETPREFIXCACHERESPONSE']._serialized_start=2475
+  _globals['_RESETPREFIXCACHERESPONSE']._serialized_end=2550
+  _globals['_DECODE']._serialized_start=2552
+  _globals['_DECODE']._serialized_end=2634
+  _globals['_PREFILL']._serialized_start=2636
+  _globals['_PREFILL']._serialized_end=2717
+  _globals['_WORKER']._serialized_start=2720
+  _globals['_WORKER']._serialized_end=3028
 # @@protoc_insertion_point(module_scope)

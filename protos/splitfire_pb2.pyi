@@ -110,7 +110,7 @@ class GenerateEvent(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., prefill_mode: _Optional[str] = ..., prefill_reason: _Optional[str] = ...) -> None: ...
 
 class KVDestination(_message.Message):
-    __slots__ = ("segment", "base_address", "num_blocks", "num_layers", "page_bytes", "first_block", "block_ids")
+    __slots__ = ("segment", "base_address", "num_blocks", "num_layers", "page_bytes", "first_block", "block_ids", "ranks")
     SEGMENT_FIELD_NUMBER: _ClassVar[int]
     BASE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -118,6 +118,7 @@ class KVDestination(_message.Message):
     PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
     segment: str
     base_address: int
     num_blocks: int
@@ -125,7 +126,16 @@ class KVDestination(_message.Message):
     page_bytes: int
     first_block: int
     block_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, segment: _Optional[str] = ..., base_address: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_layers: _Optional[int] = ..., page_bytes: _Optional[int] = ..., first_block: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    ranks: _containers.RepeatedCompositeFieldContainer[KVRank]
+    def __init__(self, segment: _Optional[str] = ..., base_address: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_layers: _Optional[int] = ..., page_bytes: _Optional[int] = ..., first_block: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., ranks: _Optional[_Iterable[_Union[KVRank, _Mapping]]] = ...) -> None: ...
+
+class KVRank(_message.Message):
+    __slots__ = ("segment", "base_address")
+    SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    BASE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    segment: str
+    base_address: int
+    def __init__(self, segment: _Optional[str] = ..., base_address: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "token_ids", "sampling", "tenant", "destination", "tenant_weight")

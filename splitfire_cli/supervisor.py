@@ -172,19 +172,22 @@ async def up(args: argparse.Namespace) -> int:
     elif not redis_url:
         print("splitfire up: redis-server not found (or --no-redis): session affinity lives in the router's memory",
               flush=True)
+    tp, pp = args.tensor_parallel_size, args.pipeline_parallel_size
+    if pp > 1 and not args.colocated:
+        print("splitfire up: --pipeline-parallel-size above 1 is served colocated for now (add --colocated)",
+              flush=True)
+        return 2
     kv_store = []
-    if not args.no_kv_store:
+    if tp * pp > 1 and not args.no_kv_store:
+        print("splitfire up: no cluster KV store with model-parallel workers (it does not yet address KV split "
+              "across ranks); each worker keeps its own prefix cache", flush=True)
+    elif not args.no_kv_store:
         from kvtransfer.store import master_command
 
         mport, metrics = _pick_port(50055, taken), _pick_port(9003, taken)
         children.append(Child("kv-store", master_command(mport, metrics), "", ready_port=mport))
         kv_store = ["--kv-store", f"127.0.0.1:{mport}", "--kv-store-gb", str(args.kv_store_gb)]
     roles = ["both"] if args.colocated else ["prefill"] * args.prefill + ["decode"] * args.decode
-    tp, pp = args.tensor_parallel_size, args.pipeline_parallel_size
-    if tp * pp > 1 and not args.colocated:
-        print("splitfire up: --tensor-parallel-size / --pipeline-parallel-size above 1 are served colocated for now "
-              "(add --colocated)", flush=True)
-        return 2
     cpus = plan_cpus(args.cpus, len(roles))  # (a worker's ranks share its cores: engine/ranks.threads_per_rank)
     gpus = plan_gpus(args.gpus, len(roles), gpu_count(args.device), tp * pp)
     if tp > 1:

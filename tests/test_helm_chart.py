@@ -130,3 +130,19 @@ def test_routers_may_reach_the_decode_workers_token_stream_port(helm):
                    if any(p.get("podSelector", {}).get("matchLabels", {}).get("splitfire.io/router") == "true"
                           for p in rule["from"])]
     assert any(p["port"] == port for rule in from_router for p in rule["ports"]), from_router
+
+
+def test_tensor_parallel_workers_get_one_gpu_per_rank(helm):
+    tp = ["--set", "workers.tensorParallelSize=8", "--set", "prefill.gpus=8", "--set", "decode.gpus=8",
+          "--set", "kvStore.enabled=false"]
+    out = render(helm, ROOT / "helm/ci/gpu-8decode-4prefill-rdma-values.yaml", *tp)
+    assert out.returncode == 0, out.stderr
+    deps = {d["metadata"]["name"]: d for d in yaml.safe_load_all(out.stdout) if d and d["kind"] == "Deployment"}
+    for role in ("prefill", "decode"):
+        c = deps[f"rel-splitfire-{role}"]["spec"]["template"]["spec"]["containers"][0]
+        assert "--tensor-parallel-size=8" in c["args"] and c["resources"]["limits"]["nvidia.com/gpu"] == 8
+    # Refused at template time, by name: the KV store with split KV, and fewer GPUs than ranks.
+    kv = render(helm, ROOT / "helm/ci/gpu-8decode-4prefill-rdma-values.yaml", *tp[:6])
+    assert kv.returncode != 0 and "kvStore.enabled=false" in kv.stderr
+    gpus = render(helm, ROOT / "helm/ci/gpu-8decode-4prefill-rdma-values.yaml", *tp[:4], *tp[6:])
+    assert gpus.returncode != 0 and "one GPU per rank" in gpus.stderr

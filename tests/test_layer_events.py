@@ -9,7 +9,7 @@ from typing import ClassVar
 
 import pytest
 
-from prefill_worker.layer_events import LayerEvents
+from worker.layer_events import LayerEvents
 
 
 class FakeEvent:

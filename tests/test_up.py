@@ -16,7 +16,8 @@ def _listening(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) == 0
 
 
-@pytest.mark.parametrize("layout", [["--prefill", "1", "--decode", "1"], ["--colocated"]])
+@pytest.mark.parametrize("layout", [["--prefill", "1", "--decode", "1"], ["--colocated"],
+                                    ["--prefill", "1", "--decode", "1", "--tensor-parallel-size", "2"]])
 async def test_up_serves_a_streamed_chat_and_stops_cleanly(tiny_model_dir, tmp_path, layout):
     openai = pytest.importorskip("openai")
     port = free_port()
@@ -33,6 +34,12 @@ async def test_up_serves_a_streamed_chat_and_stops_cleanly(tiny_model_dir, tmp_p
         children = subprocess.run(["pgrep", "-P", str(p.popen.pid)], capture_output=True, text=True)
         pids = [int(x) for x in children.stdout.split()]
         assert len(pids) >= (3 if "--colocated" in layout else 4)  # redis, worker(s), router
+        if "--tensor-parallel-size" in layout:  # each worker's second rank, and no KV store to address them
+            ranks = [int(x) for x in subprocess.run(["pgrep", "-f", "worker.kv_rank"], capture_output=True,
+                                                     text=True).stdout.split()
+                     if int(open(f"/proc/{x}/stat").read().split()[3]) in pids]
+            assert len(ranks) == 2 and "no cluster KV store with model-parallel workers" in p.log()
+            pids += ranks
     finally:
         p.popen.send_signal(signal.SIGTERM)
         assert p.popen.wait(60) == 0, p.log()[-3000:]

@@ -20,6 +20,7 @@ from engine.async_engine import AsyncEngine
 from engine.llm_engine import LLMEngine, RequestOutput, StepObserver
 from kvtransfer.descriptors import KVRegion
 from worker.config import WorkerConfig
+from worker.kv_rank import rank_main, register_cache
 from worker.metrics import WorkerMetrics
 from worker.worker_service import WorkerContext
 
@@ -50,15 +51,15 @@ def apply_cpu_affinity(cfg: WorkerConfig) -> None:
 
 def register_kv(transport: MooncakeTransport, llm: LLMEngine) -> KVRegion:
     """Make the engine's KV cache writable by peers (prefill workers write into a decode worker's)."""
-    layout, dev = llm.kv.layout, llm.device
-    return transport.register_kv(llm.kv.base_address, layout.num_layers, layout.num_blocks, layout.page_bytes,
-                                 f"cuda:{dev.index or 0}" if dev.type == "cuda" else "cpu:0")
+    return register_cache(transport, llm.kv)
 
 
 def load_context(cfg: WorkerConfig, observer: StepObserver | None = None,
                  engine: LLMEngine | None = None) -> WorkerContext:
     apply_cpu_affinity(cfg)
-    engine = engine or LLMEngine(cfg.engine)
+    if engine is None:
+        # A prefill or decode worker's other tensor-parallel ranks take part in the KV transfer.
+        engine = LLMEngine(cfg.engine, rank_main(cfg.transfer) if cfg.role != "both" else None)
     metrics = WorkerMetrics(cfg.role)
     ctx = WorkerContext(cfg, AsyncEngine(engine, observer), metrics, model_name=engine.model_dir.name)
     metrics.kv_total.labels(**metrics.labels).set(engine.blocks.num_blocks)
