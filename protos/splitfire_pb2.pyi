@@ -194,20 +194,22 @@ class HealthRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HealthResponse(_message.Message):
-    __slots__ = ("status", "role", "model", "block_size", "max_model_len", "stream_port")
+    __slots__ = ("status", "role", "model", "block_size", "max_model_len", "stream_port", "stream_mux")
     STATUS_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     STREAM_PORT_FIELD_NUMBER: _ClassVar[int]
+    STREAM_MUX_FIELD_NUMBER: _ClassVar[int]
     status: str
     role: str
     model: str
     block_size: int
     max_model_len: int
     stream_port: int
-    def __init__(self, status: _Optional[str] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., stream_port: _Optional[int] = ...) -> None: ...
+    stream_mux: bool
+    def __init__(self, status: _Optional[str] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., stream_port: _Optional[int] = ..., stream_mux: _Optional[bool] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()

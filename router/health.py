@@ -31,9 +31,11 @@ class HealthChecker:
         ok = probe.ok
         if ok and probe.block_size:
             ok = self.registry.admit_block_size(ep, probe.block_size)
-            if probe.stream_port != ep.stream_port:
-                log.info("event=endpoint_stream role=%s address=%s http_port=%d", ep.role, ep.address, probe.stream_port)
+            if (probe.stream_port, probe.stream_mux) != (ep.stream_port, ep.stream_mux):
+                log.info("event=endpoint_stream role=%s address=%s http_port=%d mux=%s", ep.role, ep.address,
+                         probe.stream_port, probe.stream_mux)
             ep.block_size, ep.max_model_len, ep.stream_port = probe.block_size, probe.max_model_len, probe.stream_port
+            ep.stream_mux = probe.stream_mux
         if ok and probe.load is not None:
             ep.reconcile(*probe.load)
         elif not ok:

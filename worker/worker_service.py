@@ -67,7 +67,7 @@ class WorkerService(pb_grpc.WorkerServicer):
             model=self.ctx.model_name,
             block_size=eng.config.block_size,
             max_model_len=eng.max_model_len,
-            stream_port=self.ctx.stream_port,
+            stream_port=self.ctx.stream_port, stream_mux=bool(self.ctx.stream_port),
         )
 
     async def Stats(self, request: pb.StatsRequest, context) -> pb.StatsResponse:
