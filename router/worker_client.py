@@ -17,6 +17,7 @@ from protos import splitfire_pb2_grpc as pbg
 from router.backend import Probe
 from router.chunks import Chunk, Logprob, WorkerError
 from router.endpoints import Endpoint
+from router.errors import bad_request
 from router.http_client import HTTPClient, HTTPClientError
 from router.mux_client import MuxClient
 
@@ -117,7 +118,7 @@ class WorkerClient:
                                  sampling=sampling.to_proto(replace(req.sampling, max_tokens=max_tokens,
                                                                                resumed_tokens=len(generated))),
                                  tenant=req.tenant, prefill_endpoint=route.prefill.address if route.prefill else "",
-                                 tenant_weight=req.weight)
+                                 tenant_weight=req.weight, adapter=req.adapter)
         ep = route.decode
         if self.stream == "mux" and ep.stream_port and ep.stream_mux:
             return self._generate_mux(ep, msg, timeout_s)
@@ -214,6 +215,22 @@ class WorkerClient:
             timer.cancel()
             conn.finish(sid, cancel=not ended)  # a stream left early is cancelled on the worker
 
+    async def load_adapter(self, ep: Endpoint, name: str, path: str, timeout_s: float) -> None:
+        """A worker loads a LoRA adapter; its refusal (INVALID_ARGUMENT) becomes a 400 naming the problem."""
+        try:
+            await pbg.WorkerStub(self.channel(ep.address)).LoadAdapter(pb.LoadAdapterRequest(name=name, path=path),
+                                                                       timeout=timeout_s)
+        except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                raise bad_request(e.details() or "the worker refused the adapter", param="lora_path") from e
+            raise
+
+    async def unload_adapter(self, ep: Endpoint, name: str, timeout_s: float) -> bool:
+        """True: gone at once; False: requests still run under it on this worker."""
+        r = await pbg.WorkerStub(self.channel(ep.address)).UnloadAdapter(pb.UnloadAdapterRequest(name=name),
+                                                                         timeout=timeout_s)
+        return not r.pending
+
     async def reset_prefix_cache(self, ep: Endpoint, timeout_s: float) -> str:
         r = await pbg.WorkerStub(self.channel(ep.address)).ResetPrefixCache(pb.ResetPrefixCacheRequest(),
                                                                            timeout=timeout_s)
@@ -223,7 +240,7 @@ class WorkerClient:
         stub = pbg.WorkerStub(self.channel(ep.address))
         h = await stub.Health(pb.HealthRequest(), timeout=timeout_s)
         probe = Probe(h.status == "serving", h.block_size, h.max_model_len, stream_port=h.stream_port,
-                      stream_mux=h.stream_mux)
+                      stream_mux=h.stream_mux, adapters=list(h.adapters))
         if probe.ok:
             # Load reconciliation is best effort: a slow Stats answer is not a sick worker.
             try:
