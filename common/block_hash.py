@@ -1,6 +1,6 @@
 """Block identities shared across processes: a full block's hash is chained from its parent's
-(so it commits to every token before it) and rooted at the tenant (so two tenants never share a
-block). The engine's prefix cache, the KV store's keys and the router's prefix-aware placement
+(so it commits to every token before it) and rooted at the tenant and LoRA adapter (`cache_scope`:
+two tenants, or two adapters, never share a block). The engine's prefix cache, the KV store's keys and the router's prefix-aware placement
 all use this one function; torch-free, so the router can import it.
 """
 
@@ -8,6 +8,12 @@ from __future__ import annotations
 
 import hashlib
 from array import array
+
+
+def cache_scope(tenant: str, adapter: str = "") -> str:
+    """What a prompt's KV is shared within: its tenant, and the LoRA adapter it runs under (the same
+    tokens under two adapters have different K/V)."""
+    return f"{tenant}\x00adapter:{adapter}" if adapter else tenant
 
 
 def tenant_root(tenant: str) -> bytes:

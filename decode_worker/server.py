@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import argparse
 
+from aiohttp import web
+
 from decode_worker.http_stream import add_routes
+from decode_worker.mux_stream import add_mux_route
 from decode_worker.service import DecodeService
 from protos import splitfire_pb2_grpc as pb_grpc
 from worker.config import WorkerConfig, worker_config_from
@@ -26,8 +29,13 @@ async def run(cfg: WorkerConfig) -> None:
     server = new_server()
     pb_grpc.add_DecodeServicer_to_server(decode, server)
     pb_grpc.add_WorkerServicer_to_server(WorkerService(ctx, extra_abort=decode.cancel_remote), server)
+
+    def routes(app: web.Application) -> None:  # the token streams on the HTTP port: plain and multiplexed
+        add_routes(app, decode)
+        add_mux_route(app, decode)
+
     try:
-        await serve(ctx, server, lambda app: add_routes(app, decode))
+        await serve(ctx, server, routes)
     finally:
         if mooncake is not None:
             mooncake.close()

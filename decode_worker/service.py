@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from common.block_hash import cache_scope
 from common.errors import RequestError
 from common.sampling_params import SamplingParams
 from decode_worker.prefill_policy import PrefillDecision, decide_prefill
@@ -101,13 +102,13 @@ class DecodeService(pb_grpc.DecodeServicer):
     # -- getting the prompt's K/V -----------------------------------------------------
 
     async def _reserve(self, rid: str, ids: list[int], sampling: SamplingParams, tenant: str,
-                       weight: float = 1.0) -> tuple[int, list[int]]:
+                       weight: float = 1.0, adapter: str = "") -> tuple[int, list[int]]:
         aeng = self.ctx.engine
         deadline = time.monotonic() + self.ctx.config.reserve_timeout_s
 
         while True:
             try:
-                got = await aeng.reserve(rid, ids, sampling, tenant, weight)
+                got = await aeng.reserve(rid, ids, sampling, tenant, weight, adapter)
             except RequestError as e:
                 raise GenerateError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from e
             if got is not None:
@@ -128,7 +129,7 @@ class DecodeService(pb_grpc.DecodeServicer):
         )
         preq = pb.PrefillRequest(request_id=rid, token_ids=request.token_ids, sampling=request.sampling,
                                  tenant=request.tenant, destination=dest,
-                                 tenant_weight=request.tenant_weight)
+                                 tenant_weight=request.tenant_weight, adapter=request.adapter)
         endpoint = request.prefill_endpoint
         call = self._stub(endpoint).Prefill(preq, timeout=self.ctx.config.prefill_timeout_s)
         self._remote_calls[rid] = call
@@ -165,14 +166,15 @@ class DecodeService(pb_grpc.DecodeServicer):
         if cfg.role == "both" or self.region is None:
             # With blocks in the cluster-wide KV store, the prompt is filled from it when the
             # scheduler admits it (its turn in the queue, like any other) and computes the rest.
-            fetch = tier is not None and await tier.held(request.tenant, ids) > 0
+            fetch = tier is not None and await tier.held(cache_scope(request.tenant, request.adapter), ids) > 0
             try:
                 await aeng.add_request(rid, ids, sampling, request.tenant, fetch=fetch,
-                                       weight=request.tenant_weight or 1.0)
+                                       weight=request.tenant_weight or 1.0, adapter=request.adapter)
             except RequestError as e:
                 raise GenerateError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from e
             return PrefillDecision(False, "colocated"), 0, []
-        cached, blocks = await self._reserve(rid, ids, sampling, request.tenant, request.tenant_weight or 1.0)
+        cached, blocks = await self._reserve(rid, ids, sampling, request.tenant, request.tenant_weight or 1.0,
+                                             request.adapter)
         if tier is not None:  # consult the cluster-wide KV store before asking a prefill worker
             cached = await tier.fill(rid)
         decision = decide_prefill(len(ids), cached, bool(request.prefill_endpoint),

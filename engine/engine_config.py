@@ -4,7 +4,7 @@ router (which never loads a model) should not pay ~1 s and ~200 MB for it."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import ModuleType
 from typing import TYPE_CHECKING
 
@@ -47,6 +47,15 @@ class EngineConfig:
     tensor_parallel_size: int = 1  # ranks the model is split across (engine/ranks.py, engine/model/parallel.py)
     pipeline_parallel_size: int = 1  # stages of layers, one process each (CPU hosts; engine/ranks.py)
     enable_expert_parallel: bool = False  # routed experts placed whole over the ranks (else each one split)
+    # LoRA adapters (PEFT layout) served beside the base model: name -> directory, loaded at start.
+    lora_modules: dict[str, str] = field(default_factory=dict)
+    enable_lora: bool = False  # room for adapters even with none at start (loaded at run time)
+    max_loras: int = 4  # adapters resident at once
+    max_lora_rank: int = 16  # the highest rank an adapter may have
+
+    @property
+    def lora(self) -> bool:
+        return self.enable_lora or bool(self.lora_modules)
 
     def validate(self) -> EngineConfig:
         if self.device not in ("auto", "cpu", "cuda"):
@@ -105,6 +114,17 @@ class EngineConfig:
             raise ValueError("--speculative eagle3 with model parallelism is not supported: the head reads the "
                              "target's embedding and hidden states, which are split across the ranks; use ngram "
                              "or draft")
+        if self.lora:
+            if not 1 <= self.max_loras <= 256:
+                raise ValueError(f"--max-loras must be in 1..256, got {self.max_loras}")
+            if not 1 <= self.max_lora_rank <= 512:
+                raise ValueError(f"--max-lora-rank must be in 1..512, got {self.max_lora_rank}")
+            if len(self.lora_modules) > self.max_loras:
+                raise ValueError(f"--lora-modules names {len(self.lora_modules)} adapters; --max-loras is "
+                                 f"{self.max_loras}")
+            if self.tensor_parallel_size * self.pipeline_parallel_size > 1:
+                raise ValueError("LoRA adapters with model parallelism are not supported yet: serve them with "
+                                 "--tensor-parallel-size 1 --pipeline-parallel-size 1")
         return self
 
     @property

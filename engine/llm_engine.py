@@ -30,8 +30,10 @@ from engine.batch.sequence import Mode, Sequence, Status, TokenLogprob
 from engine.batch.step_times import StepTimes
 from engine.engine_config import EngineConfig
 from engine.loading import weight_cache
+from engine.loading.lora_adapters import LoRAAdapter, LoRAError
 from engine.loading.model_store import resolve_model
 from engine.loading.weights import load_model
+from engine.loras import LoRAManager
 from engine.model.kv_cache import KVCache, KVLayout
 from engine.model.model_config import ModelConfig
 from engine.model.parallel import ONE, WHOLE, split_layers
@@ -139,6 +141,7 @@ class LLMEngine:
         graphs = config.decode_graphs == "on" or (config.decode_graphs == "auto" and self.device.type == "cuda")
         graphs = graphs and config.speculative != "eagle3"  # (its steps need the features a graph does not return)
         graphs = graphs and self.ranks is None  # (a step's inputs go to the other ranks first)
+        graphs = graphs and not config.lora  # (a step's adapter rows change what runs)
         t_kv = time.perf_counter()
         self.kv = KVCache(self._kv_layout(graphs), self.device)
         kv_s = time.perf_counter() - t_kv
@@ -169,6 +172,14 @@ class LLMEngine:
             except RuntimeError as e:  # e.g. a model path with a host sync, which a graph cannot hold
                 log.warning("event=decode_graphs_off reason=capture_failed error=%s", str(e).splitlines()[0])
                 self.runner.graphs = None
+        self.loras: LoRAManager | None = None  # resident LoRA adapters, when enabled (`loras.py`)
+        if config.lora:
+            self.loras = LoRAManager(self.model, config.max_loras, config.max_lora_rank)
+            for name, path in config.lora_modules.items():
+                try:
+                    self.loras.load(name, path)
+                except LoRAError as e:
+                    raise ModelLoadError(f"--lora-modules {name}={path}: {e}") from e
         self.eagle: Eagle3Drafter | None = None  # the drafter, when it reads the target's hidden states
         self.drafter = self._drafter()
         self.scheduler.drafter = self.drafter
@@ -218,9 +229,15 @@ class LLMEngine:
     # -- requests -------------------------------------------------------------------
 
     def _new_seq(self, request_id: str, prompt: list[int], sampling: SamplingParams, tenant: str, mode: Mode,
-                 weight: float = 1.0) -> Sequence:
+                 weight: float = 1.0, adapter: str = "") -> Sequence:
         if request_id in self.seqs:
             raise RequestError(f"request id {request_id!r} is already in flight")
+        slot = -1
+        if adapter:
+            if self.loras is None:
+                raise RequestError(f"LoRA adapter {adapter!r} asked for, but this worker serves none "
+                                   "(--lora-modules / --enable-lora)")
+            slot = self.loras.slot(adapter)
         if not prompt:
             raise RequestError("prompt is empty")
         vocab = self.model_config.vocab_size
@@ -243,8 +260,8 @@ class LLMEngine:
         if sampling.resumed_tokens >= len(prompt):
             raise RequestError(f"resumed_tokens ({sampling.resumed_tokens}) must leave at least one prompt token "
                                f"(prompt: {len(prompt)})")
-        seq = Sequence(request_id, list(prompt), sampling, tenant=tenant, weight=weight, mode=mode,
-                       arrival=next(self._arrival))
+        seq = Sequence(request_id, list(prompt), sampling, tenant=tenant, weight=weight, adapter=adapter,
+                       lora_slot=slot, mode=mode, arrival=next(self._arrival))
         if sampling.grammar is not None:
             seq.matcher = self.grammar.matcher(sampling.grammar)
             self.grammar.advance(seq.matcher, seq.generated_token_ids)
@@ -261,11 +278,12 @@ class LLMEngine:
 
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
-        tenant: str = "", mode: Mode = Mode.FULL, fetch: bool = False, weight: float = 1.0,
+        tenant: str = "", mode: Mode = Mode.FULL, fetch: bool = False, weight: float = 1.0, adapter: str = "",
     ) -> Sequence:
         """Queue a prompt. `fetch`: the KV tier holds part of it; when the scheduler admits it, it is
-        handed out (`take_fetches`) to be filled, and computes the rest after `resume_after_fill`."""
-        seq = self._new_seq(request_id, prompt_token_ids, sampling, tenant, mode, weight)
+        handed out (`take_fetches`) to be filled, and computes the rest after `resume_after_fill`.
+        `adapter`: a resident LoRA adapter's name to run it under ("" = the base model)."""
+        seq = self._new_seq(request_id, prompt_token_ids, sampling, tenant, mode, weight, adapter)
         seq.fetch = fetch and self.kv_tier
         self.seqs[request_id] = seq
         self.scheduler.add(seq)
@@ -331,13 +349,13 @@ class LLMEngine:
     # -- disaggregated decode: KV filled by another process --------------------------
 
     def reserve(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, tenant: str = "",
-                mode: Mode = Mode.FULL, weight: float = 1.0) -> Sequence | None:
+                mode: Mode = Mode.FULL, weight: float = 1.0, adapter: str = "") -> Sequence | None:
         """Take blocks for a prompt whose K/V another process will write (a prefill worker, or the
         cluster-wide KV store). None = no blocks now.
 
         Reuses this worker's own cached prefix: `seq.num_cached_tokens` tokens need no transfer.
         """
-        seq = self._new_seq(request_id, prompt_token_ids, sampling, tenant, mode, weight)
+        seq = self._new_seq(request_id, prompt_token_ids, sampling, tenant, mode, weight, adapter)
         if not self.blocks.allocate(seq, seq.num_tokens):
             return None
         seq.status = Status.RESERVED
@@ -453,7 +471,36 @@ class LLMEngine:
                 self.eagle.observe(seq, start, s.features[: seq.num_computed_tokens - start])
         if times is not None:
             times.commit += time.perf_counter() - t1
+        if self.loras is not None and self.loras.unloading:
+            self.loras.sweep(self.adapter_in_use)
         return outputs
+
+    # -- LoRA adapters ---------------------------------------------------------------
+
+    def adapter_in_use(self, name: str) -> bool:
+        return any(seq.adapter == name for seq in self.seqs.values())
+
+    def load_adapter(self, name: str, path: str) -> None:
+        self._lora_manager().load(name, path)
+
+    def install_adapter(self, adapter: LoRAAdapter) -> None:
+        """An adapter read off the engine thread (`read_adapter`), placed between steps."""
+        self._lora_manager().install(adapter)
+
+    def _lora_manager(self) -> LoRAManager:
+        if self.loras is None:
+            raise RequestError("this worker serves no LoRA adapters: start it with --enable-lora or --lora-modules")
+        return self.loras
+
+    def unload_adapter(self, name: str) -> bool:
+        """True: gone now; False: requests still run under it (it takes no new ones, freed when they end)."""
+        if self.loras is None:
+            raise RequestError("this worker serves no LoRA adapters")
+        return self.loras.unload(name, self.adapter_in_use)
+
+    @property
+    def adapters(self) -> list[str]:
+        return self.loras.names() if self.loras is not None else []
 
     def _commit(self, s: ScheduledSeq, sampled: tuple[int, TokenLogprob | None] | None,
                 error: str | None) -> RequestOutput | None:

@@ -21,6 +21,7 @@ Two tables, one run:
 
     python -m loadtest.bench_host                                   # 64 streams x 256 tokens
     python -m loadtest.bench_host --streams 16 --tokens 128 --layouts colocated --flame loadtest/results/flame
+    python -m loadtest.bench_host --worker-streams mux,http --no-engine     # one connection vs one per stream
 """
 
 from __future__ import annotations
@@ -167,12 +168,14 @@ def flame(procs: list[Proc], out_dir: Path, tag: str, seconds: float) -> list[su
     return recs
 
 
-def bench_stack(args: argparse.Namespace, layout: str, model_dir: Path, log_dir: Path) -> dict[str, float]:
-    up = ["--model", str(model_dir), "--device", "cpu", "--no-redis", "--served-model-name", "host"]
+def bench_stack(args: argparse.Namespace, layout: str, model_dir: Path, log_dir: Path,
+                worker_stream: str = "mux") -> dict[str, float]:
+    up = ["--model", str(model_dir), "--device", "cpu", "--no-redis", "--served-model-name", "host",
+          f"--router-arg=--worker-stream={worker_stream}"]
     up += ["--colocated"] if layout == "colocated" else ["--prefill", "1", "--decode", "1"]
     up += [f"--worker-arg=--max-num-seqs={max(args.streams, 64)}", "--worker-arg=--speculative=off",
            "--worker-arg=--kv-cache-gb=0.5", *(f"--worker-arg={a}" for a in args.worker_arg)]
-    with Stack(f"host-{layout}", up, log_dir) as stack:
+    with Stack(f"host-{layout}-{worker_stream}", up, log_dir) as stack:
         stack.wait_ready()
         # Warm-up: connections, the first steps of every batch size, the allocator, torch's threads.
         asyncio.run(run_load(stack.url, "host", args.streams, 16, args.prompt_len, 0))
@@ -262,6 +265,8 @@ def main() -> int:
     p.add_argument("--flame", default="", metavar="DIR", help="record every stack process with py-spy into DIR")
     p.add_argument("--flame-seconds", type=float, default=8.0)
     p.add_argument("--worker-arg", action="append", default=[], help="extra worker flag (e.g. --threads=1)")
+    p.add_argument("--worker-streams", default="mux", help="the router's --worker-stream for each layout: "
+                   "mux, http and/or grpc (several: side by side)")
     p.add_argument("--json", default="", help="also write the numbers here")
     args = p.parse_args()
 
@@ -270,7 +275,9 @@ def main() -> int:
     model_dir = host_model_dir()
     results: dict[str, object] = {"machine": cpu_flags(), "streams": args.streams, "tokens": args.tokens}
     log_dir = Path(tempfile.mkdtemp(prefix="bench-host-"))
-    stacks = {layout: bench_stack(args, layout, model_dir, log_dir) for layout in args.layouts.split(",") if layout}
+    modes = [m for m in args.worker_streams.split(",") if m]
+    stacks = {(layout if len(modes) == 1 else f"{layout}/{mode}"): bench_stack(args, layout, model_dir, log_dir, mode)
+              for layout in args.layouts.split(",") if layout for mode in modes}
     results["stack"] = stacks
     print(f"\n{results['machine']}; {args.streams} streams x {args.tokens} tokens, medians of {args.rounds} rounds")
     if stacks:
@@ -281,8 +288,11 @@ def main() -> int:
             print(f"{n:<20}" + "".join(f"{s.get(n, float('nan')):>14.4f}" for s in stacks.values()))
         print(f"{'output tok/s':<20}" + "".join(f"{s['tok/s']:>14.0f}" for s in stacks.values()))
         print(f"{'ITL p50 ms':<20}" + "".join(f"{s['itl_p50_ms']:>14.2f}" for s in stacks.values()))
-        if "colocated" in stacks and "pd" in stacks:
-            print(f"{'pd / colocated':<20}{stacks['pd']['stack'] / stacks['colocated']['stack']:>28.2f}")
+        for mode in modes:
+            tag = "" if len(modes) == 1 else f"/{mode}"
+            if f"colocated{tag}" in stacks and f"pd{tag}" in stacks:
+                print(f"{'pd / colocated' + tag:<20}"
+                      f"{stacks[f'pd{tag}']['stack'] / stacks[f'colocated{tag}']['stack']:>14.2f}")
     if not args.no_engine:
         eng = bench_engine(args, model_dir)
         results["engine"] = eng

@@ -10,6 +10,7 @@ import uuid
 
 import grpc
 
+from common.block_hash import cache_scope
 from common.errors import RequestError
 from engine.batch.sequence import Mode
 from kvtransfer.descriptors import KVRegion
@@ -72,13 +73,14 @@ class PrefillService(pb_grpc.PrefillServicer):
         try:
             # With blocks in the cluster-wide KV store past this worker's own hit, the prompt is
             # filled from it when admitted, and only the rest is computed (and sent on).
-            fetch = ctx.kv_tier is not None and await ctx.kv_tier.held(request.tenant, ids) > 0
+            fetch = ctx.kv_tier is not None and await ctx.kv_tier.held(cache_scope(request.tenant, request.adapter),
+                                                                       ids) > 0
 
             def admit(engine) -> None:
                 self.sender.add_plan(plan)
                 try:
                     engine.add_request(rid, ids, sampling, request.tenant, Mode.PREFILL_ONLY, fetch=fetch,
-                                       weight=request.tenant_weight or 1.0)
+                                       weight=request.tenant_weight or 1.0, adapter=request.adapter)
                 except BaseException:
                     self.sender.remove_plan(rid)
                     raise

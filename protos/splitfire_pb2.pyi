@@ -76,20 +76,22 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "sampling", "tenant", "prefill_endpoint", "tenant_weight")
+    __slots__ = ("request_id", "token_ids", "sampling", "tenant", "prefill_endpoint", "tenant_weight", "adapter")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     PREFILL_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     TENANT_WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
     tenant: str
     prefill_endpoint: str
     tenant_weight: float
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., tenant: _Optional[str] = ..., prefill_endpoint: _Optional[str] = ..., tenant_weight: _Optional[float] = ...) -> None: ...
+    adapter: str
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., tenant: _Optional[str] = ..., prefill_endpoint: _Optional[str] = ..., tenant_weight: _Optional[float] = ..., adapter: _Optional[str] = ...) -> None: ...
 
 class GenerateEvent(_message.Message):
     __slots__ = ("token_ids", "text", "logprobs", "finish_reason", "usage", "prefill_mode", "prefill_reason")
@@ -138,20 +140,22 @@ class KVRank(_message.Message):
     def __init__(self, segment: _Optional[str] = ..., base_address: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "sampling", "tenant", "destination", "tenant_weight")
+    __slots__ = ("request_id", "token_ids", "sampling", "tenant", "destination", "tenant_weight", "adapter")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     DESTINATION_FIELD_NUMBER: _ClassVar[int]
     TENANT_WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
     tenant: str
     destination: KVDestination
     tenant_weight: float
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., tenant: _Optional[str] = ..., destination: _Optional[_Union[KVDestination, _Mapping]] = ..., tenant_weight: _Optional[float] = ...) -> None: ...
+    adapter: str
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., tenant: _Optional[str] = ..., destination: _Optional[_Union[KVDestination, _Mapping]] = ..., tenant_weight: _Optional[float] = ..., adapter: _Optional[str] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("first_token", "logprob", "cached_tokens", "computed_tokens", "transfer_bytes", "transfer_entries", "transfer_seconds", "compute_seconds", "queue_seconds")
@@ -194,20 +198,52 @@ class HealthRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HealthResponse(_message.Message):
-    __slots__ = ("status", "role", "model", "block_size", "max_model_len", "stream_port")
+    __slots__ = ("status", "role", "model", "block_size", "max_model_len", "stream_port", "stream_mux", "adapters")
     STATUS_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     STREAM_PORT_FIELD_NUMBER: _ClassVar[int]
+    STREAM_MUX_FIELD_NUMBER: _ClassVar[int]
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     status: str
     role: str
     model: str
     block_size: int
     max_model_len: int
     stream_port: int
-    def __init__(self, status: _Optional[str] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., stream_port: _Optional[int] = ...) -> None: ...
+    stream_mux: bool
+    adapters: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, status: _Optional[str] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., stream_port: _Optional[int] = ..., stream_mux: _Optional[bool] = ..., adapters: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class LoadAdapterRequest(_message.Message):
+    __slots__ = ("name", "path")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    path: str
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ...) -> None: ...
+
+class LoadAdapterResponse(_message.Message):
+    __slots__ = ("rank", "load_seconds")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    LOAD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    load_seconds: float
+    def __init__(self, rank: _Optional[int] = ..., load_seconds: _Optional[float] = ...) -> None: ...
+
+class UnloadAdapterRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class UnloadAdapterResponse(_message.Message):
+    __slots__ = ("pending",)
+    PENDING_FIELD_NUMBER: _ClassVar[int]
+    pending: bool
+    def __init__(self, pending: _Optional[bool] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()

@@ -198,6 +198,16 @@ class WorkerStub:
                 request_serializer=protos_dot_splitfire__pb2.ResetPrefixCacheRequest.SerializeToString,
                 response_deserializer=protos_dot_splitfire__pb2.ResetPrefixCacheResponse.FromString,
                 _registered_method=True)
+        self.LoadAdapter = channel.unary_unary(
+                '/splitfire.v1.Worker/LoadAdapter',
+                request_serializer=protos_dot_splitfire__pb2.LoadAdapterRequest.SerializeToString,
+                response_deserializer=protos_dot_splitfire__pb2.LoadAdapterResponse.FromString,
+                _registered_method=True)
+        self.UnloadAdapter = channel.unary_unary(
+                '/splitfire.v1.Worker/UnloadAdapter',
+                request_serializer=protos_dot_splitfire__pb2.UnloadAdapterRequest.SerializeToString,
+                response_deserializer=protos_dot_splitfire__pb2.UnloadAdapterResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -227,6 +237,18 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadAdapter(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadAdapter(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -249,6 +271,16 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.ResetPrefixCache,
                     request_deserializer=protos_dot_splitfire__pb2.ResetPrefixCacheRequest.FromString,
                     response_serializer=protos_dot_splitfire__pb2.ResetPrefixCacheResponse.SerializeToString,
+            ),
+            'LoadAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadAdapter,
+                    request_deserializer=protos_dot_splitfire__pb2.LoadAdapterRequest.FromString,
+                    response_serializer=protos_dot_splitfire__pb2.LoadAdapterResponse.SerializeToString,
+            ),
+            'UnloadAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadAdapter,
+                    request_deserializer=protos_dot_splitfire__pb2.UnloadAdapterRequest.FromString,
+                    response_serializer=protos_dot_splitfire__pb2.UnloadAdapterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -359,6 +391,60 @@ class Worker:
             '/splitfire.v1.Worker/ResetPrefixCache',
             protos_dot_splitfire__pb2.ResetPrefixCacheRequest.SerializeToString,
             protos_dot_splitfire__pb2.ResetPrefixCacheResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitfire.v1.Worker/LoadAdapter',
+            protos_dot_splitfire__pb2.LoadAdapterRequest.SerializeToString,
+            protos_dot_splitfire__pb2.LoadAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitfire.v1.Worker/UnloadAdapter',
+            protos_dot_splitfire__pb2.UnloadAdapterRequest.SerializeToString,
+            protos_dot_splitfire__pb2.UnloadAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -41,7 +41,8 @@ class RouterConfig:
     health_interval_s: float = 2.0
     health_timeout_s: float = 1.0
     unhealthy_after: int = 2  # consecutive failed checks
-    worker_stream: str = "http"  # token streams from workers: "http" (their HTTP port, when served) or "grpc"
+    worker_stream: str = "mux"  # token streams from workers: "mux" (all on one connection to their HTTP port),
+    # "http" (one HTTP stream each) or "grpc"; a worker that serves no mux or HTTP stream is read over the next
     breaker_error_rate: float = 0.5  # eject an endpoint when this share of its recent requests failed
     breaker_open_s: float = 2.0  # how long an ejected endpoint waits before a probe request (doubles per failed probe)
     stats_interval_s: float = 1.0
@@ -83,8 +84,8 @@ class RouterConfig:
             raise ValueError("--prefix-index-blocks must be >= 1")
         if self.keepalive_timeout_s <= 0:
             raise ValueError("--keepalive-timeout must be > 0")
-        if self.worker_stream not in ("http", "grpc"):
-            raise ValueError(f"--worker-stream must be http or grpc, got {self.worker_stream!r}")
+        if self.worker_stream not in ("mux", "http", "grpc"):
+            raise ValueError(f"--worker-stream must be mux, http or grpc, got {self.worker_stream!r}")
         if not 0 < self.breaker_error_rate <= 1 or self.breaker_open_s <= 0:
             raise ValueError("--breaker-error-rate must be in (0, 1] and --breaker-open-s > 0")
         if self.max_concurrency < 1 or self.max_queue < 0 or self.max_retries < 0:
@@ -140,9 +141,9 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--keepalive-timeout", type=float, default=float(_env("keepalive_timeout", "15")),
                    help="seconds an idle client connection is kept, and the most a new one may take to send its "
                         "request head (slow-header clients are dropped)")
-    p.add_argument("--worker-stream", default=_env("worker_stream", "http"), choices=("http", "grpc"),
-                   help="read workers' token streams over their HTTP port (length-prefixed frames; less router CPU "
-                        "per token) or over gRPC")
+    p.add_argument("--worker-stream", default=_env("worker_stream", "mux"), choices=("mux", "http", "grpc"),
+                   help="read workers' token streams all on one connection to each worker's HTTP port (mux: a "
+                        "step's tokens in one read), one HTTP stream each (length-prefixed frames), or over gRPC")
     p.add_argument("--breaker-error-rate", type=float, default=float(_env("breaker_error_rate", "0.5")),
                    help="eject an endpoint when this share of its last 20 requests failed (or 3 in a row)")
     p.add_argument("--breaker-open-s", type=float, default=float(_env("breaker_open_s", "2.0")),

@@ -12,7 +12,7 @@ import statistics
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
 
-from common.block_hash import block_hashes
+from common.block_hash import block_hashes, cache_scope
 from common.tokenizer import Tokenizer
 from router.affinity import SessionAffinity
 from router.attempt import Attempt
@@ -75,6 +75,11 @@ class Dispatcher:
     async def place(self, req: GenRequest, hashes: list[bytes], exclude: set[str]) -> Route:
         decodes = self.registry.healthy("decode", exclude) + self.registry.healthy("colocated", exclude)
         prefills = self.registry.healthy("prefill", exclude)
+        if req.adapter:  # a LoRA adapter: the workers that have it resident
+            decodes = [e for e in decodes if req.adapter in e.adapters]
+            prefills = [e for e in prefills if req.adapter in e.adapters]
+            if not decodes:
+                raise unavailable(f"no healthy worker holds adapter '{req.adapter}' now; retry shortly")
         if not decodes:  # upstreams that list their models serve only those
             decodes = [e for e in self.registry.healthy("openai", exclude) if not e.models or req.model in e.models]
             prefills = []
@@ -102,7 +107,7 @@ class Dispatcher:
 
     async def run(self, req: GenRequest) -> AsyncGenerator[Chunk, None]:
         """Yields the request's chunks; the last carries finish_reason and usage for the whole request."""
-        hashes = (block_hashes(req.tenant, req.prompt_token_ids, self.registry.block_size)
+        hashes = (block_hashes(cache_scope(req.tenant, req.adapter), req.prompt_token_ids, self.registry.block_size)
                   if self.cfg.prefix_aware and self.tokenizer is not None else [])
         progress, retry = Progress(), Retry(self.cfg, self.metrics, req.id)
         while True:
@@ -164,7 +169,8 @@ class Dispatcher:
         if attempt.backend.token_level:  # the router counted the tokens itself
             if hashes and progress.generated:  # the output is the next turn's prompt prefix
                 self.index.insert(attempt.route.decode.address,
-                                  block_hashes(req.tenant, prompt + progress.generated, self.registry.block_size))
+                                  block_hashes(cache_scope(req.tenant, req.adapter), prompt + progress.generated,
+                                               self.registry.block_size))
             last.prompt_tokens, last.completion_tokens = len(prompt), len(progress.generated)
         else:
             last.prompt_tokens, last.completion_tokens = progress.usage[0] or len(prompt), progress.usage[1]

@@ -29,6 +29,8 @@ class Endpoint:
     block_size: int = 16
     max_model_len: int = 0
     stream_port: int = 0  # workers: their HTTP port serving the token stream (0: gRPC only)
+    stream_mux: bool = False  # workers: that port also serves all streams on one connection
+    adapters: set[str] = field(default_factory=set)  # workers: LoRA adapters resident (from health checks)
     models: set[str] = field(default_factory=set)  # OpenAI upstreams: what their /v1/models lists
     # local estimates
     prefill_tokens: int = 0  # uncached prompt tokens sent here and not yet prefilled

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 
 from router.backend import Backends, Probe
 from router.config import RouterConfig
@@ -15,12 +16,13 @@ log = logging.getLogger("splitfire.router")
 
 class HealthChecker:
     def __init__(self, cfg: RouterConfig, registry: EndpointRegistry, backends: Backends,
-                 learned_models: set[str] | None = None):
+                 learned_models: set[str] | None = None, on_adapters: Callable[[], None] | None = None):
         self.cfg = cfg
         self.registry = registry
         self.backends = backends
         # Served model names learned from upstreams' /v1/models (None: the names are configured).
         self.learned_models = learned_models
+        self.on_adapters = on_adapters  # a worker's resident LoRA adapters changed
 
     async def check(self, ep: Endpoint) -> bool:
         try:
@@ -31,9 +33,17 @@ class HealthChecker:
         ok = probe.ok
         if ok and probe.block_size:
             ok = self.registry.admit_block_size(ep, probe.block_size)
-            if probe.stream_port != ep.stream_port:
-                log.info("event=endpoint_stream role=%s address=%s http_port=%d", ep.role, ep.address, probe.stream_port)
+            if (probe.stream_port, probe.stream_mux) != (ep.stream_port, ep.stream_mux):
+                log.info("event=endpoint_stream role=%s address=%s http_port=%d mux=%s", ep.role, ep.address,
+                         probe.stream_port, probe.stream_mux)
             ep.block_size, ep.max_model_len, ep.stream_port = probe.block_size, probe.max_model_len, probe.stream_port
+            ep.stream_mux = probe.stream_mux
+            if set(probe.adapters) != ep.adapters:
+                log.info("event=endpoint_adapters role=%s address=%s adapters=%s", ep.role, ep.address,
+                         ",".join(sorted(probe.adapters)) or "-")
+                ep.adapters = set(probe.adapters)
+                if self.on_adapters is not None:
+                    self.on_adapters()
         if ok and probe.load is not None:
             ep.reconcile(*probe.load)
         elif not ok:

@@ -51,6 +51,7 @@ class GenRequest:
     served_by: Any = None  # the (prefill, decode) pin of the latest attempt, for response headers
     reply: ReplyPlan | None = None  # reasoning / tool calls to read out of the reply; None = plain text
     weight: float = 1.0  # the tenant's share of a worker's batch (router/tenants.py)
+    adapter: str = ""  # the LoRA adapter `model` names ("" = the base model)
 
 
 MAX_LOGIT_BIAS = 1024

@@ -28,7 +28,7 @@ from router.config import RouterConfig
 from router.discovery import dns_discovery, redis_discovery
 from router.dispatcher import Dispatcher, Latency
 from router.endpoints import EndpointRegistry
-from router.errors import APIError, bad_request, not_found
+from router.errors import APIError, bad_request, not_found, unavailable
 from router.health import HealthChecker
 from router.metrics import RouterMetrics
 from router.openai_upstream import OpenAIUpstreamClient
@@ -75,6 +75,8 @@ class Router:
         self.started = int(time.time())
         # The names clients may ask for; learned from the upstreams when none is configured.
         self.model_names: set[str] = {model_name} if model_name else set()
+        self.base_name = model_name
+        self.adapter_names: set[str] = set()  # LoRA adapters resident on some worker (also in model_names)
         self.registry = EndpointRegistry(cfg.block_size, cfg.breaker())
         for role, addrs in (("prefill", cfg.prefill), ("decode", cfg.decode), ("colocated", cfg.colocated),
                             ("openai", cfg.openai_upstream)):
@@ -85,7 +87,8 @@ class Router:
         upstream_only = bool(cfg.openai_upstream) and not (cfg.decode or cfg.colocated or cfg.prefill)
         self.parser = RequestParser(tokenizer, self.model_names, max_model_len, upstream_only)
         self.admission = Admission(cfg.max_concurrency, cfg.max_queue, cfg.queue_timeout_s, self.metrics)
-        self.backends = Backends(WorkerClient(cfg.worker_stream), OpenAIUpstreamClient(cfg.openai_upstream_api_key))
+        self.workers = WorkerClient(cfg.worker_stream)
+        self.backends = Backends(self.workers, OpenAIUpstreamClient(cfg.openai_upstream_api_key))
         self.redis = None
         if cfg.redis_url:
             import redis.asyncio as aioredis
@@ -99,7 +102,8 @@ class Router:
                                      PrefixIndex(cfg.prefix_index_blocks, cfg.shared_kv_store), self.backends,
                                      self.metrics, tokenizer)
         self.openai_format = OpenAIFormat(tokenizer)
-        self.health = HealthChecker(cfg, self.registry, self.backends, None if model_name else self.model_names)
+        self.health = HealthChecker(cfg, self.registry, self.backends, None if model_name else self.model_names,
+                                    on_adapters=self._refresh_adapters)
         self._tasks: list[asyncio.Task] = []
 
     # -- app ----------------------------------------------------------------------------
@@ -115,6 +119,8 @@ class Router:
         app.router.add_post("/detokenize", self.detokenize)
         app.router.add_get("/version", self.version)
         app.router.add_post("/reset_prefix_cache", self.reset_prefix_cache)
+        app.router.add_post("/v1/load_lora_adapter", self.load_lora_adapter)
+        app.router.add_post("/v1/unload_lora_adapter", self.unload_lora_adapter)
         app.router.add_get("/ping", self.ping)
         app.router.add_post("/ping", self.ping)
         app.router.add_get("/health", self.health_route)
@@ -229,9 +235,85 @@ class Router:
         return body
 
     def _model_card(self, name: str) -> dict[str, Any]:
+        adapter = name in self.adapter_names
         return {"id": name, "object": "model", "created": self.started, "owned_by": "splitfire",
-                "root": self.model_root or name, "parent": None, "max_model_len": self.max_model_len,
-                "permission": []}
+                "root": name if adapter else self.model_root or name, "parent": self.base_name if adapter else None,
+                "max_model_len": self.max_model_len, "permission": []}
+
+    # -- LoRA adapters ------------------------------------------------------------------
+
+    def _refresh_adapters(self) -> None:
+        """The adapters some worker holds become model names (a request naming one runs under it)."""
+        names: set[str] = set()
+        for ep in self.registry.all():
+            if ep.role != "openai":
+                names |= ep.adapters
+        names.discard(self.base_name)
+        self.model_names -= self.adapter_names - names
+        self.model_names |= names
+        self.adapter_names = names
+
+    def _adapter_body(self, body: Any, fields: tuple[str, ...]) -> list[str]:
+        if not isinstance(body, dict):
+            raise bad_request("request body must be a JSON object")
+        unknown = sorted(set(body) - set(fields))
+        if unknown:
+            raise bad_request(f"unknown field '{unknown[0]}'; this route takes {', '.join(fields)}", param=unknown[0])
+        out = []
+        for f in fields:
+            v = body.get(f)
+            if not isinstance(v, str) or not v:
+                raise bad_request(f"'{f}' must be a non-empty string", param=f)
+            out.append(v)
+        return out
+
+    async def load_lora_adapter(self, request: web.Request) -> web.Response:
+        """vLLM's route: every worker (prefill, decode, colocated) loads the adapter from `lora_path`, which
+        must lie under the workers' --lora-root; with --api-keys only admin keys may. All or none: a
+        worker refusing it (a 400 naming why) unloads it from those that took it."""
+        self.tenants.admin(request)
+        name, path = self._adapter_body(await self._body(request), ("lora_name", "lora_path"))
+        if name in self.model_names:
+            raise bad_request(f"'{name}' is already served (the base model or a loaded adapter)", param="lora_name")
+        eps = [ep for ep in self.registry.all() if ep.role != "openai"]
+        if not eps:
+            raise unavailable("no workers to load the adapter on")
+        timeout = self.cfg.health_timeout_s * 20
+        results = await asyncio.gather(*(self.workers.load_adapter(ep, name, path, timeout) for ep in eps),
+                                       return_exceptions=True)
+        failed = [(ep, r) for ep, r in zip(eps, results, strict=True) if isinstance(r, BaseException)]
+        if failed:
+            took = [ep for ep, r in zip(eps, results, strict=True) if not isinstance(r, BaseException)]
+            await asyncio.gather(*(self.workers.unload_adapter(ep, name, timeout) for ep in took),
+                                 return_exceptions=True)
+            ep, err = failed[0]
+            log.warning("event=lora_load_failed name=%s path=%s endpoint=%s error=%s", name, path, ep.address, err)
+            if isinstance(err, APIError):
+                raise err
+            raise APIError(502, f"worker {ep.address} could not load adapter '{name}': {err}", type_="upstream_error")
+        for ep in eps:
+            ep.adapters.add(name)
+        self._refresh_adapters()
+        log.info("event=lora_loaded name=%s path=%s endpoints=%d", name, path, len(eps))
+        return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
+
+    async def unload_lora_adapter(self, request: web.Request) -> web.Response:
+        """Every worker holding it stops taking requests for it; requests running under it finish."""
+        self.tenants.admin(request)
+        (name,) = self._adapter_body(await self._body(request), ("lora_name",))
+        if name not in self.adapter_names:
+            raise not_found(f"LoRA adapter '{name}' is not loaded", code="model_not_found")
+        eps = [ep for ep in self.registry.all() if name in ep.adapters]
+        timeout = self.cfg.health_timeout_s * 20
+        results = await asyncio.gather(*(self.workers.unload_adapter(ep, name, timeout) for ep in eps),
+                                       return_exceptions=True)
+        for ep, r in zip(eps, results, strict=True):
+            if isinstance(r, BaseException):
+                log.warning("event=lora_unload_failed name=%s endpoint=%s error=%s", name, ep.address, r)
+            ep.adapters.discard(name)
+        self._refresh_adapters()
+        log.info("event=lora_unloaded name=%s endpoints=%d", name, len(eps))
+        return web.Response(text=f"Success: LoRA adapter '{name}' removed successfully.")
 
     async def models(self, request: web.Request) -> web.Response:
         caller = self.tenants.caller(request)
@@ -355,6 +437,9 @@ class Router:
         if policy.weight != 1.0:
             for r in reqs:
                 r.weight = policy.weight
+        if reqs[0].model in self.adapter_names:
+            for r in reqs:
+                r.adapter = r.model
         try:
             queued = time.perf_counter()
             async with self.admission.slot(tenant, policy.weight):

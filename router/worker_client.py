@@ -17,7 +17,9 @@ from protos import splitfire_pb2_grpc as pbg
 from router.backend import Probe
 from router.chunks import Chunk, Logprob, WorkerError
 from router.endpoints import Endpoint
+from router.errors import bad_request
 from router.http_client import HTTPClient, HTTPClientError
+from router.mux_client import MuxClient
 
 if TYPE_CHECKING:
     from router.backend import Route
@@ -87,11 +89,13 @@ def frame_error(payload: bytes, called: str) -> WorkerError:
 class WorkerClient:
     token_level = True
 
-    def __init__(self, stream: str = "http") -> None:
+    def __init__(self, stream: str = "mux") -> None:
         self._channels: dict[str, grpc.aio.Channel] = {}
-        # "http": token streams over the workers' HTTP port when they serve one; "grpc": always gRPC.
+        # "mux": every token stream to a worker on one connection to its HTTP port when it serves that,
+        # else "http": one HTTP stream each; "grpc": always gRPC.
         self.stream = stream
         self.http = HTTPClient()
+        self.mux = MuxClient()
 
     def channel(self, address: str) -> grpc.aio.Channel:
         ch = self._channels.get(address)
@@ -104,6 +108,7 @@ class WorkerClient:
             await ch.close()
         self._channels.clear()
         await self.http.close()
+        await self.mux.close()
 
     def generate(self, route: Route, req: GenRequest, generated: list[int], max_tokens: int, attempt: int,
                  timeout_s: float) -> AsyncIterator[Chunk]:
@@ -113,10 +118,13 @@ class WorkerClient:
                                  sampling=sampling.to_proto(replace(req.sampling, max_tokens=max_tokens,
                                                                                resumed_tokens=len(generated))),
                                  tenant=req.tenant, prefill_endpoint=route.prefill.address if route.prefill else "",
-                                 tenant_weight=req.weight)
-        if self.stream == "http" and route.decode.stream_port:
-            return self._generate_http(route.decode, msg, timeout_s)
-        return self._generate_grpc(route.decode.address, msg, timeout_s)
+                                 tenant_weight=req.weight, adapter=req.adapter)
+        ep = route.decode
+        if self.stream == "mux" and ep.stream_port and ep.stream_mux:
+            return self._generate_mux(ep, msg, timeout_s)
+        if self.stream in ("mux", "http") and ep.stream_port:
+            return self._generate_http(ep, msg, timeout_s)
+        return self._generate_grpc(ep.address, msg, timeout_s)
 
     async def _generate_grpc(self, decode: str, msg: pb.GenerateRequest, timeout_s: float) -> AsyncIterator[Chunk]:
         call = pbg.DecodeStub(self.channel(decode)).Generate(msg, timeout=timeout_s)
@@ -171,6 +179,58 @@ class WorkerClient:
             if resp is not None:
                 self.http.release(resp)  # closes it unless the stream ended: the worker cancels the request
 
+    async def _generate_mux(self, ep: Endpoint, msg: pb.GenerateRequest, timeout_s: float) -> AsyncIterator[Chunk]:
+        """The same stream on the worker's one multiplexed connection (`router/mux_client.py`): one
+        Chunk per read of the connection that carried frames of this stream."""
+        try:
+            conn = await self.mux.connection(ep.address.rpartition(":")[0], ep.stream_port)
+        except HTTPClientError as e:
+            raise WorkerError(f"UNAVAILABLE: decode worker {ep.address}: {e}", retryable=True, status=503,
+                              failed=ep.address, failed_role="decode") from e
+        sid, stream = conn.open(msg.SerializeToString())
+        timer = asyncio.get_running_loop().call_later(
+            timeout_s, conn.fail, sid, HTTPClientError(f"no complete response within {timeout_s:g} s"))
+        ended = False
+        try:
+            while True:
+                try:
+                    got = await stream.take()
+                except HTTPClientError as e:
+                    raise WorkerError(f"UNAVAILABLE: decode worker {ep.address}: {e}", retryable=True, status=503,
+                                      failed=ep.address, failed_role="decode") from e
+                c = None
+                for kind, payload in got:
+                    if kind == frames.ERROR:
+                        ended = True
+                        raise frame_error(payload, ep.address)
+                    ev = pb.GenerateEvent.FromString(payload)
+                    c = add_event(c, ev)
+                    if ev.finish_reason:
+                        ended = True
+                        yield c
+                        return
+                if c is not None:
+                    yield c
+        finally:
+            timer.cancel()
+            conn.finish(sid, cancel=not ended)  # a stream left early is cancelled on the worker
+
+    async def load_adapter(self, ep: Endpoint, name: str, path: str, timeout_s: float) -> None:
+        """A worker loads a LoRA adapter; its refusal (INVALID_ARGUMENT) becomes a 400 naming the problem."""
+        try:
+            await pbg.WorkerStub(self.channel(ep.address)).LoadAdapter(pb.LoadAdapterRequest(name=name, path=path),
+                                                                       timeout=timeout_s)
+        except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                raise bad_request(e.details() or "the worker refused the adapter", param="lora_path") from e
+            raise
+
+    async def unload_adapter(self, ep: Endpoint, name: str, timeout_s: float) -> bool:
+        """True: gone at once; False: requests still run under it on this worker."""
+        r = await pbg.WorkerStub(self.channel(ep.address)).UnloadAdapter(pb.UnloadAdapterRequest(name=name),
+                                                                         timeout=timeout_s)
+        return not r.pending
+
     async def reset_prefix_cache(self, ep: Endpoint, timeout_s: float) -> str:
         r = await pbg.WorkerStub(self.channel(ep.address)).ResetPrefixCache(pb.ResetPrefixCacheRequest(),
                                                                            timeout=timeout_s)
@@ -179,7 +239,8 @@ class WorkerClient:
     async def probe(self, ep: Endpoint, timeout_s: float) -> Probe:
         stub = pbg.WorkerStub(self.channel(ep.address))
         h = await stub.Health(pb.HealthRequest(), timeout=timeout_s)
-        probe = Probe(h.status == "serving", h.block_size, h.max_model_len, stream_port=h.stream_port)
+        probe = Probe(h.status == "serving", h.block_size, h.max_model_len, stream_port=h.stream_port,
+                      stream_mux=h.stream_mux, adapters=list(h.adapters))
         if probe.ok:
             # Load reconciliation is best effort: a slow Stats answer is not a sick worker.
             try:

@@ -190,6 +190,11 @@ async def up(args: argparse.Namespace) -> int:
     roles = ["both"] if args.colocated else ["prefill"] * args.prefill + ["decode"] * args.decode
     cpus = plan_cpus(args.cpus, len(roles))  # (a worker's ranks share its cores: engine/ranks.threads_per_rank)
     gpus = plan_gpus(args.gpus, len(roles), gpu_count(args.device), tp * pp)
+    if args.lora_modules or args.lora_root:
+        common += ["--max-loras", str(args.max_loras), "--max-lora-rank", str(args.max_lora_rank)]
+        common += ["--lora-modules", *args.lora_modules] if args.lora_modules else ["--enable-lora"]
+        for root in args.lora_root:
+            common += ["--lora-root", root]
     if tp > 1:
         common += ["--tensor-parallel-size", str(tp)]
     if pp > 1:
@@ -302,7 +307,7 @@ def add_subcommand(sub) -> None:
     p.add_argument("--colocated", action="store_true", help="one colocated worker instead of prefill + decode")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="each worker splits the model across this many ranks (GPUs, or CPU processes sharing "
-                        "its cores); colocated only for now")
+                        "its cores); prefill rank r writes into decode rank r")
     p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
                    help="each worker splits the layers into this many stages, one process each (CPU hosts; "
                         "colocated only for now)")
@@ -318,6 +323,12 @@ def add_subcommand(sub) -> None:
     p.add_argument("--no-kv-store", action="store_true",
                    help="do not start mooncake_master: no KV cache shared between workers")
     p.add_argument("--kv-store-gb", type=float, default=1.0, help="memory each worker lends to the shared KV store")
+    p.add_argument("--lora-modules", nargs="+", action="extend", default=[], metavar="NAME=PATH",
+                   help="LoRA adapters every worker serves beside the model (a request names one as its model)")
+    p.add_argument("--lora-root", action="append", default=[], metavar="DIR",
+                   help="adapters may be loaded at run time (POST /v1/load_lora_adapter) from under this directory")
+    p.add_argument("--max-loras", type=int, default=4, help="adapters resident at once per worker")
+    p.add_argument("--max-lora-rank", type=int, default=16)
     p.add_argument("--start-timeout", type=float, default=300.0)
     p.add_argument("--worker-arg", action="append", default=[], metavar="FLAG",
                    help="extra flag for every worker, e.g. --worker-arg=--max-num-seqs=32 (repeatable)")

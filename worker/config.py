@@ -34,6 +34,18 @@ class WorkerConfig:
     stream_interval: int = 1  # send a stream event every N new tokens (first token and the end: at once)
     kv_store: str = ""  # host:port of mooncake_master: the cluster-wide KV tier ("" = none)
     kv_store_gb: float = 0.0  # memory this worker lends to that tier
+    lora_roots: list[str] = field(default_factory=list)  # run-time adapter loads only from under these
+
+    def lora_path(self, path: str) -> str:
+        """`path` resolved, if it lies under a --lora-root; ValueError naming the rule otherwise."""
+        if not self.lora_roots:
+            raise ValueError("loading adapters at run time is off on this worker: start it with --lora-root DIR")
+        real = os.path.realpath(path)
+        for root in self.lora_roots:
+            r = os.path.realpath(root)
+            if os.path.commonpath([real, r]) == r:
+                return real
+        raise ValueError(f"lora_path {path!r} is outside the adapter roots (--lora-root: {', '.join(self.lora_roots)})")
 
     def validate(self) -> WorkerConfig:
         if self.role not in ROLES:
@@ -46,6 +58,9 @@ class WorkerConfig:
             raise ValueError(f"--metrics-port must be in 1..65535 and differ from --grpc-port, got {self.metrics_port}")
         if self.local_prefill_max_tokens < 0 or not 0 <= self.local_prefill_max_fraction <= 1:
             raise ValueError("--local-prefill-max-tokens must be >= 0 and --local-prefill-max-fraction in [0, 1]")
+        for root in self.lora_roots:
+            if not os.path.isdir(root):
+                raise ValueError(f"--lora-root {root} is not a directory")
         if self.stream_interval < 1:
             raise ValueError(f"--stream-interval must be >= 1, got {self.stream_interval}")
         for name in ("prefill_timeout_s", "kv_quarantine_s", "reserve_timeout_s", "drain_timeout_s"):
@@ -150,6 +165,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="drafts per verification step at most")
     g.add_argument("--speculative-max-batch", type=int, default=int(_env("speculative_max_batch", 4)),
                    help="no drafting while more sequences than this are running (verification then costs more)")
+    lo = p.add_argument_group("LoRA adapters")
+    lo.add_argument("--lora-modules", nargs="+", action="extend", default=[], metavar="NAME=PATH",
+                    help="serve these PEFT LoRA adapters beside the base model (a request names one as its model)")
+    lo.add_argument("--enable-lora", action="store_true", default=_env("enable_lora", "") not in ("", "0"),
+                    help="room for adapters even with none at start (loaded at run time)")
+    lo.add_argument("--max-loras", type=int, default=int(_env("max_loras", 4)), help="adapters resident at once")
+    lo.add_argument("--max-lora-rank", type=int, default=int(_env("max_lora_rank", 16)),
+                    help="the highest rank an adapter may have")
 
 
 def engine_config_from(args: argparse.Namespace) -> EngineConfig:
@@ -178,7 +201,23 @@ def engine_config_from(args: argparse.Namespace) -> EngineConfig:
         tensor_parallel_size=args.tensor_parallel_size,
         pipeline_parallel_size=args.pipeline_parallel_size,
         enable_expert_parallel=args.enable_expert_parallel,
+        lora_modules=parse_lora_modules(args.lora_modules),
+        enable_lora=args.enable_lora,
+        max_loras=args.max_loras,
+        max_lora_rank=args.max_lora_rank,
     )
+
+
+def parse_lora_modules(items: list[str]) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for item in items:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--lora-modules takes NAME=PATH, got {item!r}")
+        if name in out:
+            raise ValueError(f"--lora-modules names {name!r} twice")
+        out[name] = path
+    return out
 
 
 def add_worker_args(p: argparse.ArgumentParser, role: str) -> None:
@@ -193,6 +232,9 @@ def add_worker_args(p: argparse.ArgumentParser, role: str) -> None:
     g.add_argument("--redis-url", default=os.environ.get("REDIS_URL", ""), help="self-register here for router discovery (env REDIS_URL)")
     g.add_argument("--cpus", default=_env("cpus", ""), help="pin to these cores, e.g. 0 or 0-3 (also sets torch threads)")
     g.add_argument("--drain-timeout", type=float, default=float(_env("drain_timeout", 30.0)), help="SIGTERM: seconds to finish in-flight requests")
+    g.add_argument("--lora-root", action="append", default=[], metavar="DIR",
+                   help="adapters may be loaded at run time (POST /v1/load_lora_adapter) from under this directory "
+                        "only (repeatable; none: run-time loading is refused)")
     m = p.add_argument_group("KV transfer (Mooncake)")
     m.add_argument("--mooncake-protocol", default=_env("mooncake_protocol", "tcp"), choices=["tcp", "rdma"])
     m.add_argument("--mooncake-metadata", default=_env("mooncake_metadata", "P2PHANDSHAKE"),
@@ -235,6 +277,7 @@ def worker_config_from(args: argparse.Namespace, role: str) -> WorkerConfig:
         drain_timeout_s=args.drain_timeout,
         kv_store=args.kv_store,
         kv_store_gb=args.kv_store_gb,
+        lora_roots=list(args.lora_root),
     )
     if role in ("decode", "both"):
         cfg.local_prefill_max_tokens = args.local_prefill_max_tokens

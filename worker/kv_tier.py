@@ -75,11 +75,11 @@ class KVTier:
 
     # -- fetching (the request path) ----------------------------------------------------
 
-    async def held(self, tenant: str, token_ids: list[int]) -> int:
+    async def held(self, scope: str, token_ids: list[int]) -> int:
         """How many reusable blocks of a prompt past the local cache's hit the store holds: a
         cheap question (one hash pass, one lookup RPC) to ask before taking the fetch path."""
         last = (len(token_ids) - 1) // self.block_size
-        hashes = block_hashes(tenant, token_ids[: last * self.block_size], self.block_size)
+        hashes = block_hashes(scope, token_ids[: last * self.block_size], self.block_size)
         local = await self.aengine.cached_prefix_blocks(hashes)
         if local >= last:
             return 0

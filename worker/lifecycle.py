@@ -61,7 +61,8 @@ def load_context(cfg: WorkerConfig, observer: StepObserver | None = None,
         # A prefill or decode worker's other tensor-parallel ranks take part in the KV transfer.
         engine = LLMEngine(cfg.engine, rank_main(cfg.transfer) if cfg.role != "both" else None)
     metrics = WorkerMetrics(cfg.role)
-    ctx = WorkerContext(cfg, AsyncEngine(engine, observer), metrics, model_name=engine.model_dir.name)
+    ctx = WorkerContext(cfg, AsyncEngine(engine, observer), metrics, model_name=engine.model_dir.name,
+                        adapters=engine.adapters)
     metrics.kv_total.labels(**metrics.labels).set(engine.blocks.num_blocks)
     if cfg.kv_store:
         from kvtransfer.store import KVStore, StoreConfig

@@ -8,6 +8,7 @@ from typing import Any
 
 import grpc
 
+from common.errors import RequestError
 from engine.async_engine import AsyncEngine
 from protos import splitfire_pb2 as pb
 from protos import splitfire_pb2_grpc as pb_grpc
@@ -27,6 +28,7 @@ class WorkerContext:
     inflight: set[str] = field(default_factory=set)  # request ids with an open RPC
     kv_tier: Any = None  # worker.kv_tier.KVTier when a cluster-wide KV store is configured
     stream_port: int = 0  # the HTTP port serving Decode.Generate as frames (0: gRPC only)
+    adapters: list[str] = field(default_factory=list)  # LoRA adapters taking requests (as of the last change)
 
     async def refuse_if_draining(self, context: grpc.aio.ServicerContext) -> None:
         if self.draining:
@@ -67,8 +69,40 @@ class WorkerService(pb_grpc.WorkerServicer):
             model=self.ctx.model_name,
             block_size=eng.config.block_size,
             max_model_len=eng.max_model_len,
-            stream_port=self.ctx.stream_port,
+            stream_port=self.ctx.stream_port, stream_mux=bool(self.ctx.stream_port), adapters=self.ctx.adapters,
         )
+
+    async def LoadAdapter(self, request: pb.LoadAdapterRequest, context) -> pb.LoadAdapterResponse:
+        """A LoRA adapter from under a --lora-root, read off the engine thread and placed between steps;
+        anything wrong is INVALID_ARGUMENT naming it, and nothing already loaded is touched."""
+        import asyncio
+        import time
+
+        from engine.loading.lora_adapters import read_adapter
+
+        ctx, t0 = self.ctx, time.perf_counter()
+        llm = ctx.engine.llm
+        try:
+            if llm.loras is None:
+                raise RequestError("this worker serves no LoRA adapters: start it with --enable-lora or "
+                                   "--lora-modules")
+            llm.loras.check_name(request.name)
+            path = ctx.config.lora_path(request.path)
+            adapter = await asyncio.to_thread(read_adapter, request.name, path, llm.model, llm.config.max_lora_rank)
+            await ctx.engine.call(lambda e: e.install_adapter(adapter))
+        except (RequestError, ValueError) as e:
+            log.warning("event=lora_load_refused name=%s path=%s error=%s", request.name, request.path, e)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        ctx.adapters = await ctx.engine.call(lambda e: e.adapters)
+        return pb.LoadAdapterResponse(rank=adapter.rank, load_seconds=time.perf_counter() - t0)
+
+    async def UnloadAdapter(self, request: pb.UnloadAdapterRequest, context) -> pb.UnloadAdapterResponse:
+        try:
+            gone = await self.ctx.engine.call(lambda e: e.unload_adapter(request.name))
+        except RequestError as e:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(e))
+        self.ctx.adapters = await self.ctx.engine.call(lambda e: e.adapters)
+        return pb.UnloadAdapterResponse(pending=not gone)
 
     async def Stats(self, request: pb.StatsRequest, context) -> pb.StatsResponse:
         st = self.ctx.engine.stats  # as of the last step: no waiting behind the one running now

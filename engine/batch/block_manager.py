@@ -136,7 +136,7 @@ class BlockManager:
     def _ensure_hashes(self, seq: Sequence) -> None:
         tokens = seq.all_token_ids
         if len(seq.block_hashes) < len(tokens) // self.block_size:
-            seq.block_hashes = block_hashes(seq.tenant, tokens, self.block_size)
+            seq.block_hashes = block_hashes(seq.scope, tokens, self.block_size)
 
     def first_uncached(self, seq: Sequence) -> bytes | None:
         """The hash of the first block of a waiting `seq` that the cache cannot serve (None: all
@@ -201,7 +201,7 @@ class BlockManager:
         if len(seq.block_hashes) < full:
             parent = seq.block_hashes[-1] if seq.block_hashes else None
             seq.block_hashes.extend(
-                block_hashes(seq.tenant, seq.all_token_ids[: full * self.block_size], self.block_size,
+                block_hashes(seq.scope, seq.all_token_ids[: full * self.block_size], self.block_size,
                              start=len(seq.block_hashes), parent=parent)
             )
         for i in range(seq.num_registered_blocks, full):

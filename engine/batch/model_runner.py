@@ -16,6 +16,7 @@ from engine.batch.step_times import StepTimes
 from engine.model.attention import AttentionMetadata, DecodeBatch, PrefillSegment, kernels_enabled
 from engine.model.decoder import DecoderModel, LayerHook
 from engine.model.kv_cache import KVCache
+from engine.model.lora import LoRARows
 
 
 def kv_row(block_table: list[int], pos: int, block_size: int, planes: int = 2) -> int:
@@ -106,6 +107,11 @@ class ModelRunner:
             meta.prefill_info = torch.tensor([(seg.start, seg.length, seg.context_len) for seg in segments], device=dev)
             meta.max_prefill_len = max(seg.length for seg in segments)
         order = prefills + decodes
+        if any(s.seq.lora_slot >= 0 for s in order):  # LoRA adapters: each row's slot (-1: the base model)
+            row_slots: list[int] = []
+            for s in order:
+                row_slots += [s.seq.lora_slot] * s.num_tokens
+            meta.lora = LoRARows.build(row_slots, dev)
         batch[:] = order  # callers read results in this order
         return (
             torch.tensor(ids, dtype=torch.long, device=dev),

@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
+from common.block_hash import cache_scope
 from common.detokenizer import Detokenizer
 from common.sampling_params import SamplingParams
 
@@ -36,6 +37,8 @@ class Sequence:
     sampling: SamplingParams
     tenant: str = ""
     weight: float = 1.0  # the tenant's share of the batch against other tenants (scheduler.py)
+    adapter: str = ""  # the LoRA adapter it runs under ("" = the base model)
+    lora_slot: int = -1  # that adapter's slot in the model's LoRA factors (-1: the base model)
     mode: Mode = Mode.FULL
     arrival: int = 0  # admission order; preemption takes the newest first
     output_token_ids: list[int] = field(default_factory=list)
@@ -55,6 +58,11 @@ class Sequence:
     detok: Detokenizer | None = None
     num_preemptions: int = 0
     spec: Any = None  # engine.speculative.SpecState once the sequence has been drafted for
+
+    @property
+    def scope(self) -> str:
+        """What its KV blocks are shared within (`common.block_hash.cache_scope`)."""
+        return cache_scope(self.tenant, self.adapter)
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.model.kernels import cpu_ops, kernels
+from engine.model.lora import LoRARows
 
 
 @dataclass
@@ -74,6 +75,7 @@ class AttentionMetadata:
     prefill_tables: torch.Tensor | None = None  # [S, max_blocks]
     prefill_info: torch.Tensor | None = None  # [S, 3]: first row, new tokens, context length
     max_prefill_len: int = 0
+    lora: LoRARows | None = None  # rows of LoRA adapters (`lora.py`); None: every row is the base model's
 
 
 def _use_triton(t: torch.Tensor):

@@ -26,6 +26,7 @@ from engine.model.cpu_decode import CpuDecodeLayers, supported
 from engine.model.kernels import cpu_ops
 from engine.model.kv_cache import KVCache
 from engine.model.layers import MLP, Linear, RMSNorm, cpu_packing_supported
+from engine.model.lora import LoRAState, LoRAWeights
 from engine.model.mla import MLAttention
 from engine.model.model_config import LayerConfig, ModelConfig
 from engine.model.moe import Experts, MoE
@@ -164,6 +165,23 @@ class DecoderModel(nn.Module):
         self.aux_layers: tuple[int, ...] = ()
         self.aux_out: torch.Tensor | None = None
         self.weight_mapping: object | None = None  # the weight cache's mapping the parameters view (weight_cache.py)
+        self.lora: LoRAState | None = None  # resident LoRA adapters (`lora.py`): the step's rows of each
+
+    def enable_lora(self, slots: int, max_rank: int) -> None:
+        """Room for `slots` resident LoRA adapters of rank up to `max_rank` on every attention and MLP
+        projection (q/k/v and gate/up fused: their parts' ranks side by side). Mixture-of-experts and
+        latent-attention layers take none (`engine/loading/lora_adapters.py` refuses adapters for them)."""
+        self.lora = LoRAState()
+        device = self.norm.weight.device
+        for layer in self.layers:
+            targets: list[tuple[Linear, int]] = []
+            if isinstance(layer.attn, Attention):
+                targets += [(layer.attn.qkv, 3), (layer.attn.o, 1)]
+            if isinstance(layer.mlp, MLP):
+                targets += [(layer.mlp.gate_up, 2), (layer.mlp.down, 1)]
+            for lin, parts in targets:
+                lin.lora = LoRAWeights(self.lora, slots, parts * max_rank, lin.in_features, lin.out_features,
+                                       self.dtype, device)
 
     @property
     def kv_entry(self) -> tuple[int, int, int]:
@@ -200,9 +218,11 @@ class DecoderModel(nn.Module):
             x, residual = self.embed_tokens(input_ids), None
             if self.embed_scale is not None:
                 x = x * self.embed_scale
+        if self.lora is not None:
+            self.lora.rows = meta.lora  # (read by every linear layer that carries adapters)
         whole = self.stage is WHOLE or (self.stage.first and self.stage.last)
-        fused = (self._cpu_layers(kv) if whole and layer_hook is None and CpuDecodeLayers.applies(x, meta)
-                 else None)
+        fused = (self._cpu_layers(kv) if whole and layer_hook is None and meta.lora is None
+                 and CpuDecodeLayers.applies(x, meta) else None)
         if fused is not None:
             x, residual, self.aux_out = fused.run(x, freqs, meta, self.aux_layers)
             return self.norm.add_forward(x, residual)[0]

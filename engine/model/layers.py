@@ -13,6 +13,7 @@ from torch import nn
 from common.errors import ModelLoadError
 from engine.model import quant
 from engine.model.kernels import cpu_ops
+from engine.model.lora import LoRAWeights
 from engine.model.parallel import ONE, Shard
 
 log = logging.getLogger("splitfire.engine")
@@ -56,6 +57,7 @@ class Linear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
         super().__init__()
+        self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self.packed: torch.Tensor | None = None
@@ -65,6 +67,7 @@ class Linear(nn.Module):
         # Row-parallel (tensor parallel): this rank multiplies its slice of the input; the partial
         # outputs are summed over the ranks (the bias, on rank 0 only, is added once).
         self.reduce: Shard | None = None
+        self.lora: LoRAWeights | None = None  # resident LoRA adapters' factors (`lora.py`), when enabled
 
     def pack_for_cpu(self, keep_original: bool = False) -> None:
         if self.quantized is not None:
@@ -92,6 +95,8 @@ class Linear(nn.Module):
             out = cpu_linear(x, self.packed, self.bias)
         else:
             out = F.linear(x, self.weight, self.bias)
+        if self.lora is not None:
+            out = self.lora.add_deltas(x, out)
         return out if self.reduce is None else self.reduce.all_reduce(out)
 
 

@@ -1,0 +1,107 @@
+"""The LoRA adapters resident in an engine: which slot each holds, loading and unloading them.
+
+`--max-loras` slots are allocated once (`DecoderModel.enable_lora`); an adapter loaded takes a free
+slot, its factors written into every projection's stack (a projection it does not adapt gets zeros).
+Unloading while requests still run under the adapter lets them finish: the adapter takes no new
+requests and its slot is freed once the last of them is gone (`LLMEngine` calls `sweep` each step).
+Called on the engine thread only (the serving shell goes through `AsyncEngine.call`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from common.errors import RequestError
+from engine.loading.lora_adapters import LoRAAdapter, LoRAError, read_adapter
+from engine.model.decoder import DecoderModel
+
+log = logging.getLogger("splitfire.engine")
+
+
+class LoRAManager:
+    def __init__(self, model: DecoderModel, max_loras: int, max_rank: int):
+        model.enable_lora(max_loras, max_rank)
+        self.model = model
+        self.max_rank = max_rank
+        self.adapters: dict[str, LoRAAdapter] = {}
+        self.slots: dict[str, int] = {}
+        self.free = list(range(max_loras - 1, -1, -1))  # (slot 0 handed out first)
+        self.unloading: set[str] = set()  # no new requests; freed when none runs under it
+
+    def names(self) -> list[str]:
+        return [n for n in self.adapters if n not in self.unloading]
+
+    def load(self, name: str, path: str | Path) -> LoRAAdapter:
+        """Read, check and place an adapter; LoRAError (a RequestError) names what is wrong, and nothing
+        already loaded is touched."""
+        self.check_name(name)
+        t0 = time.perf_counter()
+        return self.install(read_adapter(name, path, self.model, self.max_rank), t0)
+
+    def check_name(self, name: str) -> None:
+        if not name or "\x00" in name:
+            raise LoRAError(f"adapter name {name!r} is empty or holds a NUL")
+        if name in self.adapters:
+            raise LoRAError(f"adapter {name!r} is already loaded" + (" (unloading)" if name in self.unloading else ""))
+
+    def install(self, adapter: LoRAAdapter, t0: float | None = None) -> LoRAAdapter:
+        """Place an adapter read beforehand (`read_adapter`, off the engine thread) in a free slot."""
+        name = adapter.name
+        self.check_name(name)
+        t0 = time.perf_counter() if t0 is None else t0
+        if not self.free:
+            raise LoRAError(f"adapter {name!r}: all {len(self.slots)} adapter slots are taken (--max-loras); "
+                            "unload one first")
+        slot = self.free.pop()
+        self._write(slot, adapter)
+        self.adapters[name], self.slots[name] = adapter, slot
+        log.info("event=lora_loaded name=%s path=%s rank=%d slot=%d projections=%d mib=%.2f load_s=%.3f", name,
+                 adapter.path,
+                 adapter.rank, slot, len(adapter.factors), adapter.nbytes / 2**20, time.perf_counter() - t0)
+        return adapter
+
+    def _write(self, slot: int, adapter: LoRAAdapter) -> None:
+        for i, layer in zip(self.model.layer_ids, self.model.layers, strict=True):
+            for parent, names in ((layer.attn, ("qkv", "o")), (layer.mlp, ("gate_up", "down"))):
+                for n in names:
+                    lin = getattr(parent, n, None)
+                    if lin is None or lin.lora is None:
+                        continue
+                    ab = adapter.factors.get((i, n))
+                    if ab is None:
+                        lin.lora.clear(slot)
+                    else:
+                        lin.lora.set(slot, *ab)
+
+    def slot(self, name: str) -> int:
+        """The slot of an adapter a new request runs under; RequestError when there is none."""
+        if name not in self.slots or name in self.unloading:
+            raise RequestError(f"LoRA adapter {name!r} is not loaded" + (
+                f" (loaded: {', '.join(self.names())})" if self.adapters else ""))
+        return self.slots[name]
+
+    def unload(self, name: str, in_use: Callable[[str], bool]) -> bool:
+        """Take an adapter out of service. True: freed now; False: requests still run under it (it is
+        freed by `sweep` once they are gone)."""
+        if name not in self.adapters or name in self.unloading:
+            raise LoRAError(f"adapter {name!r} is not loaded")
+        if in_use(name):
+            self.unloading.add(name)
+            log.info("event=lora_unloading name=%s (requests still run under it)", name)
+            return False
+        self._free(name)
+        return True
+
+    def sweep(self, in_use: Callable[[str], bool]) -> None:
+        for name in [n for n in self.unloading if not in_use(n)]:
+            self.unloading.discard(name)
+            self._free(name)
+
+    def _free(self, name: str) -> None:
+        slot = self.slots.pop(name)
+        del self.adapters[name]
+        self.free.append(slot)
+        log.info("event=lora_unloaded name=%s slot=%d", name, slot)

@@ -1,0 +1,106 @@
+"""LoRA adapters applied to a mixed batch in one pass (punica / S-LoRA's idea, in torch).
+
+A step's rows may belong to the base model or to any of the resident adapters. Each linear layer an
+adapter targets holds every resident adapter's low-rank factors stacked by slot: A `[slots, R, in]`
+and B `[slots, out, R]` (the scale folded into B, zero padding past an adapter's rank), so the
+base matmul runs once for all rows and each adapter adds `(x A^T) B^T` to its own rows only.
+
+A fused projection (q/k/v, gate/up) keeps its parts' factors side by side: A is the parts' A
+matrices stacked (rank r each), B is block-diagonal — part p's B in its output rows and its own r
+columns — so one pair of matmuls serves every part, and a part the adapter does not target is zero.
+
+Two ways to add the deltas, held equal by a test: `segment_deltas`, the reference, walks the step's
+runs of rows of one adapter (prompt chunks are one run each; decode rows interleave adapters);
+`grouped_deltas` gathers all rows of each adapter present and does one pair of matmuls per adapter
+(the grouped GEMM of punica's SGMV, with torch's index_select / index_add).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class LoRARows:
+    """Which rows of a step use which adapter slot."""
+
+    segments: list[tuple[int, int, int]]  # (first row, end row, slot): runs of one adapter; base rows left out
+    groups: list[tuple[int, torch.Tensor]]  # (slot, its rows): every adapter present, its rows gathered
+
+    @staticmethod
+    def build(row_slots: list[int], device: torch.device) -> LoRARows | None:
+        """`row_slots`: each row's adapter slot, -1 for the base model. None when no row has one."""
+        segments: list[tuple[int, int, int]] = []
+        by_slot: dict[int, list[int]] = {}
+        start = 0
+        for i in range(1, len(row_slots) + 1):
+            if i == len(row_slots) or row_slots[i] != row_slots[start]:
+                slot = row_slots[start]
+                if slot >= 0:
+                    segments.append((start, i, slot))
+                    by_slot.setdefault(slot, []).extend(range(start, i))
+                start = i
+        if not segments:
+            return None
+        groups = [(slot, torch.tensor(rows, dtype=torch.long, device=device)) for slot, rows in by_slot.items()]
+        return LoRARows(segments, groups)
+
+
+class LoRAState:
+    """The model's current step, shared by every layer that carries adapters (set per forward)."""
+
+    def __init__(self, grouped: bool = True):
+        self.rows: LoRARows | None = None
+        self.grouped = grouped  # False: the reference, run by segment
+
+
+def segment_deltas(x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                   segments: list[tuple[int, int, int]]) -> None:
+    """The reference: for each run of rows of one adapter, out[rows] += (x[rows] A^T) B^T."""
+    for start, end, slot in segments:
+        out[start:end] += (x[start:end] @ a[slot].T) @ b[slot].T
+
+
+def grouped_deltas(x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                   groups: list[tuple[int, torch.Tensor]]) -> None:
+    """One pair of matmuls per adapter present, over all of its rows wherever they are in the step."""
+    for slot, rows in groups:
+        out.index_add_(0, rows, (x.index_select(0, rows) @ a[slot].T) @ b[slot].T)
+
+
+class LoRAWeights:
+    """One linear layer's factors for every slot, and its share of the step's deltas."""
+
+    def __init__(self, state: LoRAState, slots: int, rank: int, in_features: int, out_features: int,
+                 dtype: torch.dtype, device: torch.device):
+        """`rank`: the widest adapter this layer takes (the max rank times its fused parts)."""
+        self.state = state
+        self.rank = rank
+        self.a = torch.zeros(slots, rank, in_features, dtype=dtype, device=device)
+        self.b = torch.zeros(slots, out_features, rank, dtype=dtype, device=device)
+
+    def set(self, slot: int, a: torch.Tensor, b: torch.Tensor) -> None:
+        """Adapter factors for `slot`: A `[r, in]`, B `[out, r]` (scaled), r at most `rank`."""
+        r = a.shape[0]
+        if r > self.rank or a.shape[1] != self.a.shape[2] or b.shape != (self.b.shape[1], r):
+            raise ValueError(f"LoRA factors A{tuple(a.shape)} B{tuple(b.shape)} do not fit a layer of "
+                             f"{self.a.shape[2]} -> {self.b.shape[1]} with rank up to {self.rank}")
+        self.clear(slot)
+        self.a[slot, :r] = a.to(self.a.dtype)
+        self.b[slot, :, :r] = b.to(self.b.dtype)
+
+    def clear(self, slot: int) -> None:
+        self.a[slot].zero_()
+        self.b[slot].zero_()
+
+    def add_deltas(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        rows = self.state.rows
+        if rows is None:
+            return out
+        if self.state.grouped:
+            grouped_deltas(x, out, self.a, self.b, rows.groups)
+        else:
+            segment_deltas(x, out, self.a, self.b, rows.segments)
+        return out

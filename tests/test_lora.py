@@ -1,0 +1,189 @@
+"""LoRA adapters with `peft` as the oracle: a tiny random base built by transformers, random adapters made
+by peft (every attention and MLP projection targeted, B not zero); requests of several adapters and the
+base in one batch equal peft's greedy tokens each; the grouped deltas equal the per-segment reference;
+KV is never shared across adapters; bad adapters are refused by name and leave the others serving;
+adapters load and unload at run time, an adapter in use finishing its requests first."""
+
+from __future__ import annotations
+
+import json
+from functools import cache
+from pathlib import Path
+
+import pytest
+import torch
+from engine_helpers import drain, make_engine
+from hf_models import make_hf_model
+
+from common.errors import RequestError
+from common.sampling_params import SamplingParams
+from engine.model.lora import LoRARows, grouped_deltas, segment_deltas
+
+peft = pytest.importorskip("peft")
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    return make_hf_model("llama3", tmp_path_factory.mktemp("base") / "model")
+
+
+@cache
+def _peft_model(base_dir: str, out: str, seed: int, r: int, rslora: bool, targets: tuple[str, ...]):
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).eval()
+    torch.manual_seed(seed)
+    cfg = peft.LoraConfig(r=r, lora_alpha=2 * r, target_modules=list(targets), init_lora_weights=False,
+                          use_rslora=rslora, lora_dropout=0.0)
+    pm = peft.get_peft_model(model, cfg).eval()
+    with torch.no_grad():  # B scaled down: an adapter that moves the logits without swamping the base
+        for name, p in pm.named_parameters():
+            if "lora_B" in name:
+                p.mul_(0.05)
+    pm.save_pretrained(out)
+    return pm
+
+
+def adapter(base, tmp_path_factory, name: str, seed: int, r: int = 8, rslora: bool = False,
+            targets: tuple[str, ...] = tuple(TARGETS)):
+    out = Path(tmp_path_factory.getbasetemp()) / f"adapter-{name}-{seed}-{r}-{rslora}-{len(targets)}"
+    pm = _peft_model(str(base.path), str(out), seed, r, rslora, targets)
+    return out, pm
+
+
+@torch.no_grad()
+def peft_greedy(pm, ids: list[int], n: int) -> list[int]:
+    ids, out = list(ids), []
+    for _ in range(n):
+        tok = int(pm(torch.tensor([ids])).logits[0, -1].argmax())
+        out.append(tok)
+        ids.append(tok)
+    return out
+
+
+def prompt(i: int, n: int) -> list[int]:
+    return [(31 * i + 7 * j) % 390 + 3 for j in range(n)]
+
+
+def test_grouped_deltas_equal_the_segment_reference():
+    torch.manual_seed(0)
+    t, d_in, d_out, r, slots = 23, 40, 56, 12, 4
+    x = torch.randn(t, d_in)
+    a, b = torch.randn(slots, r, d_in), torch.randn(slots, d_out, r)
+    row_slots = [-1, 0, 0, 2, -1, 2, 1, 1, 1, 0, 3, 3, -1, 2, 0, 0, 0, 1, -1, 3, 2, 2, 0]
+    rows = LoRARows.build(row_slots, torch.device("cpu"))
+    assert rows is not None
+    ref, fast = torch.zeros(t, d_out), torch.zeros(t, d_out)
+    segment_deltas(x, ref, a, b, rows.segments)
+    grouped_deltas(x, fast, a, b, rows.groups)
+    torch.testing.assert_close(fast, ref, rtol=1e-5, atol=1e-5)
+    for i, s in enumerate(row_slots):  # and each row is exactly its own adapter's delta (0 for the base)
+        want = (x[i] @ a[s].T) @ b[s].T if s >= 0 else torch.zeros(d_out)
+        torch.testing.assert_close(ref[i], want, rtol=1e-5, atol=1e-5)
+    assert LoRARows.build([-1, -1], torch.device("cpu")) is None
+
+
+@pytest.mark.parametrize("grouped", [True, False], ids=["grouped", "segments"])
+def test_adapters_and_the_base_in_one_batch_equal_peft(base, tmp_path_factory, grouped):
+    a1, pm1 = adapter(base, tmp_path_factory, "one", seed=1)
+    a2, pm2 = adapter(base, tmp_path_factory, "two", seed=2, r=4, rslora=True)
+    a3, pm3 = adapter(base, tmp_path_factory, "attn", seed=3, targets=("q_proj", "v_proj"))
+    eng = make_engine(base.path, lora_modules={"one": str(a1), "two": str(a2), "attn": str(a3)},
+                      max_num_batched_tokens=64, threads=1, quantization=None)
+    assert eng.model.lora is not None
+    eng.model.lora.grouped = grouped
+    which = {"b0": ("", base.model), "o0": ("one", pm1), "t0": ("two", pm2), "b1": ("", base.model),
+             "o1": ("one", pm1), "a0": ("attn", pm3), "t1": ("two", pm2)}
+    prompts = {rid: prompt(i, n) for i, (rid, n) in enumerate(zip(which, [5, 40, 17, 90, 9, 33, 64], strict=True))}
+    for rid, (name, _) in which.items():  # all queued at once: prompt chunks and decodes of every adapter mix
+        eng.add_request(rid, prompts[rid], SamplingParams(max_tokens=8, **GREEDY), adapter=name)
+    got = drain(eng)
+    for rid, (name, model) in which.items():
+        want = peft_greedy(model, prompts[rid], 8) if name else base.greedy(prompts[rid], 8)
+        assert got[rid].token_ids == want, (rid, name)
+    # The adapters do change the output (B is not zero).
+    assert peft_greedy(pm1, prompts["o0"], 8) != base.greedy(prompts["o0"], 8)
+
+
+def test_kv_is_never_shared_across_adapters(base, tmp_path_factory):
+    a1, _ = adapter(base, tmp_path_factory, "one", seed=1)
+    a2, _ = adapter(base, tmp_path_factory, "two", seed=2, r=4, rslora=True)
+    eng = make_engine(base.path, lora_modules={"one": str(a1), "two": str(a2)}, threads=1)
+    p = prompt(9, 70)
+
+    def run(rid: str, name: str) -> int:
+        eng.add_request(rid, p, SamplingParams(max_tokens=2, **GREEDY), adapter=name)
+        return drain(eng)[rid].cached_tokens
+
+    assert run("first", "one") == 0
+    assert run("same-adapter", "one") == 64  # its own blocks are reused
+    assert run("other-adapter", "two") == 0
+    assert run("base", "") == 0
+
+
+def test_bad_adapters_are_refused_by_name_and_the_others_keep_serving(base, tmp_path_factory, tmp_path):
+    good, pm = adapter(base, tmp_path_factory, "one", seed=1)
+    eng = make_engine(base.path, lora_modules={"good": str(good)}, max_lora_rank=8, threads=1)
+
+    def broken(name: str, edit) -> Path:
+        d = tmp_path / name
+        d.mkdir()
+        for f in good.iterdir():
+            (d / f.name).write_bytes(f.read_bytes())
+        edit(d)
+        return d
+
+    def config_edit(**changes):
+        def edit(d: Path) -> None:
+            cfg = json.loads((d / "adapter_config.json").read_text())
+            cfg.update(changes)
+            (d / "adapter_config.json").write_text(json.dumps(cfg))
+        return edit
+
+    high, _ = adapter(base, tmp_path_factory, "high", seed=4, r=16)
+    other = make_hf_model("llama3", tmp_path / "other", hidden_size=96, intermediate_size=160)
+    alien, _ = adapter(other, tmp_path_factory, "alien", seed=5)
+    cases = {
+        "missing": (tmp_path / "nowhere", "no adapter_config.json"),
+        "rank": (high, "rank 16 is above --max-lora-rank 8"),
+        "dora": (broken("dora", config_edit(use_dora=True)), "DoRA"),
+        "weights": (broken("weights", lambda d: (d / "adapter_model.safetensors").unlink()),
+                    "no adapter_model.safetensors"),
+        "corrupt": (broken("corrupt", lambda d: (d / "adapter_model.safetensors").write_bytes(b"\x00" * 64)),
+                    "not a readable safetensors file"),
+        "alien": (alien, "made for another base model"),
+    }
+    for name, (path, message) in cases.items():
+        with pytest.raises(RequestError, match=message):
+            eng.load_adapter(name, str(path))
+    assert eng.adapters == ["good"]
+    with pytest.raises(RequestError, match="not loaded"):
+        eng.add_request("x", prompt(1, 5), SamplingParams(max_tokens=2), adapter="rank")
+    eng.add_request("ok", prompt(3, 20), SamplingParams(max_tokens=6, **GREEDY), adapter="good")
+    assert drain(eng)["ok"].token_ids == peft_greedy(pm, prompt(3, 20), 6)
+
+
+def test_adapters_load_and_unload_at_run_time(base, tmp_path_factory):
+    a1, pm1 = adapter(base, tmp_path_factory, "one", seed=1)
+    a2, pm2 = adapter(base, tmp_path_factory, "two", seed=2, r=4, rslora=True)
+    eng = make_engine(base.path, enable_lora=True, max_loras=1, threads=1)
+    assert eng.adapters == []
+    eng.load_adapter("one", str(a1))
+    with pytest.raises(RequestError, match="slots are taken"):
+        eng.load_adapter("two", str(a2))
+    eng.add_request("r1", prompt(4, 30), SamplingParams(max_tokens=12, **GREEDY), adapter="one")
+    first = [t for _ in range(3) for o in eng.step() for t in o.token_ids]
+    assert eng.unload_adapter("one") is False  # r1 still runs under it: it finishes with its adapter
+    with pytest.raises(RequestError, match="not loaded"):
+        eng.add_request("r2", prompt(5, 10), SamplingParams(max_tokens=2), adapter="one")
+    got = drain(eng)
+    assert eng.adapters == []
+    eng.load_adapter("two", str(a2))  # the freed slot, now the other adapter's factors
+    eng.add_request("r3", prompt(6, 30), SamplingParams(max_tokens=8, **GREEDY), adapter="two")
+    got.update(drain(eng))
+    assert eng.unload_adapter("two") is True
+    assert first + got["r1"].token_ids == peft_greedy(pm1, prompt(4, 30), 12)
+    assert got["r3"].token_ids == peft_greedy(pm2, prompt(6, 30), 8)
