@@ -10,6 +10,13 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import torch  # noqa: E402
+
+if not torch.cuda.is_available():
+    # Triton reads this when it is first imported, and libraries the tests use (peft) import it early:
+    # without a GPU every Triton kernel in the tests runs in the interpreter (tests/test_triton_kernels.py).
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from tiny_model import make_tiny_llama  # noqa: E402
 
 

@@ -107,7 +107,8 @@ class ModelRunner:
             meta.prefill_info = torch.tensor([(seg.start, seg.length, seg.context_len) for seg in segments], device=dev)
             meta.max_prefill_len = max(seg.length for seg in segments)
         order = prefills + decodes
-        if any(s.seq.lora_slot >= 0 for s in order):  # LoRA adapters: each row's slot (-1: the base model)
+        # LoRA adapters: each row's slot (a drafter's own model, e.g. an EAGLE-3 head, carries none)
+        if getattr(self.model, "lora", None) is not None and any(s.seq.lora_slot >= 0 for s in order):
             row_slots: list[int] = []
             for s in order:
                 row_slots += [s.seq.lora_slot] * s.num_tokens
