@@ -17,6 +17,7 @@ every number comes from this one run.
     python -m loadtest.bench_engine --kv-dtypes         # float32 vs float16 KV cache: decode speed, perplexity
     python -m loadtest.bench_engine --mla               # DeepSeek-V3 latent attention: absorbed vs up-projecting
     python -m loadtest.bench_engine --parallel          # tensor parallel: TP=2 (a thread a rank) vs TP=1
+    python -m loadtest.bench_engine --lora              # LoRA: batch 16 over 8 rank-16 adapters vs the base
     python -m loadtest.bench_engine --quant --vs-llama-server /path/to/llama-server
 """
 
@@ -430,6 +431,11 @@ def main() -> int:
     p.add_argument("--eagle3-head", default=None, metavar="DIR|random",
                    help="with --speculative: also an EAGLE-3 column (a head trained for the model, or 'random': "
                         "a random head of the model's shape, which measures what drafting costs, not what it gains)")
+    p.add_argument("--lora", action="store_true", help="LoRA adapters: decode batch 16 over N adapters and "
+                   "prefill 512 under one, against the base alone; adapter load time")
+    p.add_argument("--lora-adapters", type=int, default=8, help="with --lora: adapters (the batch spread over them)")
+    p.add_argument("--lora-rank", type=int, default=16, help="with --lora: their rank")
+    p.add_argument("--lora-tokens", type=int, default=48, help="with --lora: decode steps measured per round")
     p.add_argument("--mla", action="store_true", help="DeepSeek-V3 latent attention: absorbed vs up-projecting decode")
     p.add_argument("--mla-context", type=int, default=1024, help="with --mla: tokens of context per sequence")
     p.add_argument("--mla-tokens", type=int, default=16, help="with --mla: decode steps measured per round")
@@ -461,6 +467,10 @@ def main() -> int:
         return main_quant(args)
     if args.families:
         return main_families(args)
+    if args.lora:
+        from loadtest.bench_lora import main_lora
+
+        return main_lora(args)
     if args.mla:
         from loadtest.bench_mla import main_mla
 

@@ -283,11 +283,11 @@ def main() -> int:
     if stacks:
         names = sorted({n for s in stacks.values() for n in s} - {"tok/s", "itl_p50_ms", "stack"})
         print("\nWhole stack: CPU-seconds per 1,000 generated tokens (engine = the worker's engine thread and torch's threads)")
-        print(f"{'process':<20}" + "".join(f"{lay:>14}" for lay in stacks))
+        print(f"{'process':<20}" + "".join(f"{lay:>16}" for lay in stacks))
         for n in [*names, "stack"]:
-            print(f"{n:<20}" + "".join(f"{s.get(n, float('nan')):>14.4f}" for s in stacks.values()))
-        print(f"{'output tok/s':<20}" + "".join(f"{s['tok/s']:>14.0f}" for s in stacks.values()))
-        print(f"{'ITL p50 ms':<20}" + "".join(f"{s['itl_p50_ms']:>14.2f}" for s in stacks.values()))
+            print(f"{n:<20}" + "".join(f"{s.get(n, float('nan')):>16.4f}" for s in stacks.values()))
+        print(f"{'output tok/s':<20}" + "".join(f"{s['tok/s']:>16.0f}" for s in stacks.values()))
+        print(f"{'ITL p50 ms':<20}" + "".join(f"{s['itl_p50_ms']:>16.2f}" for s in stacks.values()))
         for mode in modes:
             tag = "" if len(modes) == 1 else f"/{mode}"
             if f"colocated{tag}" in stacks and f"pd{tag}" in stacks:

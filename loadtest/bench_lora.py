@@ -100,7 +100,8 @@ def main_lora(args: argparse.Namespace) -> int:
             rows.setdefault(f"prefill|{label}", []).append(
                 prefill_rate(eng, ads[r % len(ads)] if ads else "", 512, 100 + r))
     med = {k: statistics.median(v) for k, v in rows.items()}
-    print(f"\nLoRA: {cfg.num_layers}-layer {model_dir.name}, float32, {args.threads} threads; {n_adapters} adapters of "
+    quant = "quantized weights as stored" if (model_dir / "splitfire_format").exists() else "float weights"
+    print(f"\nLoRA: {cfg.num_layers}-layer {model_dir.name} ({quant}), {args.threads} threads; {n_adapters} adapters of "
           f"rank {rank} on all 7 projections; medians of {args.rounds} rounds")
     print(f"{'':<34}{'base':>12}{'LoRA on, base rows':>20}{f'{n_adapters} adapters':>12}{'adapters/base':>15}")
     for what, label in (("decode", f"decode batch {batch} tok/s"), ("prefill", "prefill 512 tok/s")):

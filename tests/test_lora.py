@@ -17,7 +17,7 @@ from hf_models import make_hf_model
 
 from common.errors import RequestError
 from common.sampling_params import SamplingParams
-from engine.model.lora import LoRARows, grouped_deltas, segment_deltas
+from engine.model.lora import LoRARows, grouped_deltas, padded_deltas, segment_deltas
 
 peft = pytest.importorskip("peft")
 
@@ -76,25 +76,29 @@ def test_grouped_deltas_equal_the_segment_reference():
     row_slots = [-1, 0, 0, 2, -1, 2, 1, 1, 1, 0, 3, 3, -1, 2, 0, 0, 0, 1, -1, 3, 2, 2, 0]
     rows = LoRARows.build(row_slots, torch.device("cpu"))
     assert rows is not None
-    ref, fast = torch.zeros(t, d_out), torch.zeros(t, d_out)
+    ref, fast, padded = torch.zeros(t, d_out), torch.zeros(t, d_out), torch.zeros(t, d_out)
     segment_deltas(x, ref, a, b, rows.segments)
     grouped_deltas(x, fast, a, b, rows.groups)
     torch.testing.assert_close(fast, ref, rtol=1e-5, atol=1e-5)
+    assert rows.rows is not None and rows.padded is not None and rows.width == 7  # slot 0's rows
+    padded_deltas(x, padded, a, b, rows.rows, rows.padded, rows.width)
+    torch.testing.assert_close(padded, ref, rtol=1e-5, atol=1e-5)
+    assert LoRARows.build(row_slots, torch.device("cpu"), max_width=6).padded is None  # too many rows: grouped
     for i, s in enumerate(row_slots):  # and each row is exactly its own adapter's delta (0 for the base)
         want = (x[i] @ a[s].T) @ b[s].T if s >= 0 else torch.zeros(d_out)
         torch.testing.assert_close(ref[i], want, rtol=1e-5, atol=1e-5)
     assert LoRARows.build([-1, -1], torch.device("cpu")) is None
 
 
-@pytest.mark.parametrize("grouped", [True, False], ids=["grouped", "segments"])
-def test_adapters_and_the_base_in_one_batch_equal_peft(base, tmp_path_factory, grouped):
+@pytest.mark.parametrize("mode", ["auto", "grouped", "segments"])
+def test_adapters_and_the_base_in_one_batch_equal_peft(base, tmp_path_factory, mode):
     a1, pm1 = adapter(base, tmp_path_factory, "one", seed=1)
     a2, pm2 = adapter(base, tmp_path_factory, "two", seed=2, r=4, rslora=True)
     a3, pm3 = adapter(base, tmp_path_factory, "attn", seed=3, targets=("q_proj", "v_proj"))
     eng = make_engine(base.path, lora_modules={"one": str(a1), "two": str(a2), "attn": str(a3)},
                       max_num_batched_tokens=64, threads=1, quantization=None)
     assert eng.model.lora is not None
-    eng.model.lora.grouped = grouped
+    eng.model.lora.mode = mode  # auto: padded for decode steps, grouped for steps with prompt chunks
     which = {"b0": ("", base.model), "o0": ("one", pm1), "t0": ("two", pm2), "b1": ("", base.model),
              "o1": ("one", pm1), "a0": ("attn", pm3), "t1": ("two", pm2)}
     prompts = {rid: prompt(i, n) for i, (rid, n) in enumerate(zip(which, [5, 40, 17, 90, 9, 33, 64], strict=True))}

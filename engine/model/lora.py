@@ -9,10 +9,14 @@ A fused projection (q/k/v, gate/up) keeps its parts' factors side by side: A is 
 matrices stacked (rank r each), B is block-diagonal — part p's B in its output rows and its own r
 columns — so one pair of matmuls serves every part, and a part the adapter does not target is zero.
 
-Two ways to add the deltas, held equal by a test: `segment_deltas`, the reference, walks the step's
+Three ways to add the deltas, held equal by a test: `segment_deltas`, the reference, walks the step's
 runs of rows of one adapter (prompt chunks are one run each; decode rows interleave adapters);
 `grouped_deltas` gathers all rows of each adapter present and does one pair of matmuls per adapter
-(the grouped GEMM of punica's SGMV, with torch's index_select / index_add).
+(the grouped GEMM of punica's SGMV, with torch's index_select / index_add); `padded_deltas` puts every
+adapter's rows in a zero-padded `[slots, rows, in]` block and runs two batched matmuls against all
+slots' factors at once — a handful of ops per projection whatever the number of adapters, for steps
+whose adapters have few rows each (decode). Measured on SmolLM2 at batch 16 over 8 adapters, the
+grouped path's ~32 small ops per projection cost more than the matmuls themselves.
 """
 
 from __future__ import annotations
@@ -22,16 +26,23 @@ from dataclasses import dataclass
 import torch
 
 
+PADDED_MAX_ROWS = 16  # an adapter with more rows in a step (a prompt chunk) takes the grouped path
+
+
 @dataclass
 class LoRARows:
     """Which rows of a step use which adapter slot."""
 
     segments: list[tuple[int, int, int]]  # (first row, end row, slot): runs of one adapter; base rows left out
     groups: list[tuple[int, torch.Tensor]]  # (slot, its rows): every adapter present, its rows gathered
+    rows: torch.Tensor | None = None  # padded form: the adapter rows, grouped by slot
+    padded: torch.Tensor | None = None  # ... and each one's place in the [slots * width] padded block
+    width: int = 0  # rows per slot in the padded block (the most any adapter has); 0: no padded form
 
     @staticmethod
-    def build(row_slots: list[int], device: torch.device) -> LoRARows | None:
-        """`row_slots`: each row's adapter slot, -1 for the base model. None when no row has one."""
+    def build(row_slots: list[int], device: torch.device, max_width: int = PADDED_MAX_ROWS) -> LoRARows | None:
+        """`row_slots`: each row's adapter slot, -1 for the base model. None when no row has one. The
+        padded form is built when no adapter has more than `max_width` rows."""
         segments: list[tuple[int, int, int]] = []
         by_slot: dict[int, list[int]] = {}
         start = 0
@@ -45,15 +56,24 @@ class LoRARows:
         if not segments:
             return None
         groups = [(slot, torch.tensor(rows, dtype=torch.long, device=device)) for slot, rows in by_slot.items()]
-        return LoRARows(segments, groups)
+        out = LoRARows(segments, groups)
+        width = max(len(r) for r in by_slot.values())
+        if width <= max_width:
+            flat = [r for rows in by_slot.values() for r in rows]
+            places = [slot * width + j for slot, rows in by_slot.items() for j in range(len(rows))]
+            out.rows = torch.tensor(flat, dtype=torch.long, device=device)
+            out.padded = torch.tensor(places, dtype=torch.long, device=device)
+            out.width = width
+        return out
 
 
 class LoRAState:
     """The model's current step, shared by every layer that carries adapters (set per forward)."""
 
-    def __init__(self, grouped: bool = True):
+    def __init__(self, mode: str = "auto"):
         self.rows: LoRARows | None = None
-        self.grouped = grouped  # False: the reference, run by segment
+        # auto: padded when the step has its form, else grouped; grouped; segments (the reference)
+        self.mode = mode
 
 
 def segment_deltas(x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
@@ -68,6 +88,18 @@ def grouped_deltas(x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, b: torch
     """One pair of matmuls per adapter present, over all of its rows wherever they are in the step."""
     for slot, rows in groups:
         out.index_add_(0, rows, (x.index_select(0, rows) @ a[slot].T) @ b[slot].T)
+
+
+def padded_deltas(x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, rows: torch.Tensor,
+                  padded: torch.Tensor, width: int) -> None:
+    """Every adapter's rows in a zero-padded [slots, width, in] block; two batched matmuls against every
+    slot's factors (an empty slot's rows are zeros), the real rows' results added back."""
+    slots = a.shape[0]
+    block = x.new_zeros(slots * width, x.shape[1])
+    block.index_copy_(0, padded, x.index_select(0, rows))
+    xa = torch.bmm(block.view(slots, width, -1), a.transpose(1, 2))
+    d = torch.bmm(xa, b.transpose(1, 2)).view(slots * width, -1)
+    out.index_add_(0, rows, d.index_select(0, padded))
 
 
 class LoRAWeights:
@@ -99,7 +131,10 @@ class LoRAWeights:
         rows = self.state.rows
         if rows is None:
             return out
-        if self.state.grouped:
+        mode = self.state.mode
+        if mode == "auto" and rows.padded is not None and rows.rows is not None:
+            padded_deltas(x, out, self.a, self.b, rows.rows, rows.padded, rows.width)
+        elif mode in ("auto", "grouped"):
             grouped_deltas(x, out, self.a, self.b, rows.groups)
         else:
             segment_deltas(x, out, self.a, self.b, rows.segments)
