@@ -25,7 +25,6 @@ from dataclasses import dataclass
 
 import torch
 
-
 PADDED_MAX_ROWS = 16  # an adapter with more rows in a step (a prompt chunk) takes the grouped path
 
 
