@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 HAS_CUDA := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 PYTEST_ARGS ?=
 
-.PHONY: setup run test test-fast test-slow lint protos bench clean system-deps
+.PHONY: setup run test test-fast test-slow lint protos bench clean system-deps constraints image test-image
 
 setup: $(STAMP)
 
@@ -21,7 +21,7 @@ system-deps:
 	  else echo ">> missing system packages:$$need (install them as root; without redis-server the router keeps state in-process)"; fi; \
 	fi
 
-$(STAMP): pyproject.toml | system-deps
+$(STAMP): pyproject.toml constraints.txt | system-deps
 	@test -x $(PY) || python3 -m venv $(VENV)
 	@$(PY) -m pip install -q --upgrade pip
 ifeq ($(HAS_CUDA),1)
@@ -29,7 +29,7 @@ ifeq ($(HAS_CUDA),1)
 	$(PY) -m pip install -q -e '.[test,bench,router,mooncake-cuda]'
 else
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[test,bench,router,mooncake]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[test,bench,router,mooncake]'
 endif
 	@touch $(STAMP)
 
@@ -56,6 +56,20 @@ test-slow: setup
 
 protos: setup
 	$(PY) -m grpc_tools.protoc -I . --python_out=. --grpc_python_out=. --pyi_out=. protos/splitfire.proto
+
+# The versions in this venv (after a green `make test`) become the ones every CPU install and image gets.
+constraints: setup
+	@(echo "# The dependency versions CI last tested (make constraints rewrites this from the venv; CPU installs use it)."; \
+	  $(PY) -m pip freeze --exclude-editable 2>/dev/null | sort -f) > constraints.txt
+	@echo "constraints.txt: $$(grep -c == constraints.txt) pinned"
+
+# The chart's CPU images with podman, no registry (helm/tools/build_image.sh); cached in ~/.cache/splitfire/image.
+image: setup
+	PY=$(PY) bash helm/tools/build_image.sh
+
+# Opt-in: the images under podman (the worker image serves a streamed chat). Not part of `make test`.
+test-image: image
+	SPLITFIRE_TEST_IMAGE=1 $(PY) -m pytest -q tests/test_image.py $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info
