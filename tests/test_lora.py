@@ -191,3 +191,37 @@ def test_adapters_load_and_unload_at_run_time(base, tmp_path_factory):
     assert eng.unload_adapter("two") is True
     assert first + got["r1"].token_ids == peft_greedy(pm1, prompt(4, 30), 12)
     assert got["r3"].token_ids == peft_greedy(pm2, prompt(6, 30), 8)
+
+
+def test_adapters_over_an_int8_base_equal_peft_over_the_same_weights(tmp_path, tmp_path_factory):
+    """A base whose every matmul weight is exactly representable in int8 groups (each group's values are
+    its absmax / 127 times integers), so `--quantization int8` holds the same weights: adapters over the
+    quantized base equal peft over the float one."""
+    import transformers
+
+    from engine.model.quant import group_size_for
+
+    hf = make_hf_model("llama3", tmp_path / "float")
+    with torch.no_grad():
+        for module in hf.model.modules():
+            if isinstance(module, torch.nn.Linear):
+                w = module.weight
+                n, k = w.shape
+                g = w.reshape(n, k // group_size_for(k, "int8"), -1)
+                scale = g.abs().amax(-1, keepdim=True) / 127.0
+                w.copy_((torch.round(g / scale) * scale).reshape(n, k))
+    exact = tmp_path / "int8-exact"
+    hf.model.save_pretrained(exact)
+    for f in hf.path.iterdir():
+        if f.name.startswith("tokenizer") or f.name == "special_tokens_map.json":
+            (exact / f.name).write_bytes(f.read_bytes())
+    base = transformers.AutoModelForCausalLM.from_pretrained(exact, dtype=torch.float32).eval()
+    a1, pm1 = adapter(type(hf)(hf.name, exact, base, hf.config), tmp_path_factory, "int8base", seed=7)
+    eng = make_engine(exact, quantization="int8", lora_modules={"one": str(a1)}, threads=1)
+    ps = {"b": prompt(1, 30), "o": prompt(2, 45), "o2": prompt(3, 9)}
+    for rid, p in ps.items():
+        eng.add_request(rid, p, SamplingParams(max_tokens=8, **GREEDY), adapter="" if rid == "b" else "one")
+    got = drain(eng)
+    assert got["b"].token_ids == peft_greedy(base, ps["b"], 8)
+    assert got["o"].token_ids == peft_greedy(pm1, ps["o"], 8)
+    assert got["o2"].token_ids == peft_greedy(pm1, ps["o2"], 8)
