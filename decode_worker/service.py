@@ -256,6 +256,12 @@ class DecodeService(pb_grpc.DecodeServicer):
                 if out.finished:
                     done = True
                     m.requests.labels(role=ctx.config.role, outcome=out.finish_reason or "stop").inc()
+                    if request.adapter:
+                        m.adapter_requests.labels(role=ctx.config.role, adapter=request.adapter).inc()
+                        m.adapter_tokens.labels(role=ctx.config.role, adapter=request.adapter,
+                                                kind="prompt").inc(out.num_prompt_tokens)
+                        m.adapter_tokens.labels(role=ctx.config.role, adapter=request.adapter,
+                                                kind="completion").inc(out.num_output_tokens)
                     log.info("event=generate_done rid=%s mode=%s prompt=%d cached=%d output=%d finish=%s total_s=%.3f",
                              rid, mode, out.num_prompt_tokens, out.num_cached_tokens, out.num_output_tokens,
                              out.finish_reason, now - t0)

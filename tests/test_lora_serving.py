@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+import urllib.request
 
 import aiohttp
 import pytest
@@ -69,7 +70,7 @@ async def test_adapters_served_loaded_and_unloaded_through_the_router(base, adap
             await asyncio.sleep(0.1)
         cards = await model_cards(router)
         assert cards["one"]["parent"] == "base" and cards["base"]["parent"] is None
-        ids = {m: prompt(i, n) for i, (m, n) in enumerate((("base", 20), ("one", 33), ("one", 7)))}
+        ids = {m: prompt(i, n) for i, (m, n) in enumerate((("base", 20), ("one", 33)))}
         got = await asyncio.gather(*(complete(router, m, p) for m, p in ids.items()))
         assert got[0] == (200, tok.decode(base.greedy(ids["base"], 8)))
         assert got[1] == (200, tok.decode(peft_greedy(pm1, ids["one"], 8)))
@@ -100,6 +101,16 @@ async def test_adapters_served_loaded_and_unloaded_through_the_router(base, adap
         assert status == 404 and "does not exist" in text
         assert "two" not in await model_cards(router)
         await wait_blocks_free(address(worker))
+        body = urllib.request.urlopen(f"http://127.0.0.1:{worker.ports['metrics']}/metrics", timeout=5).read().decode()
+        lines = {line for line in body.splitlines() if line.startswith("splitfire_worker_adapter")}
+        want = {'splitfire_worker_adapter_requests_total{adapter="one",role="both"} 2.0',
+                'splitfire_worker_adapter_requests_total{adapter="two",role="both"} 1.0',
+                'splitfire_worker_adapter_tokens_total{adapter="two",kind="completion",role="both"} 8.0',
+                'splitfire_worker_adapter_loads_total{op="ok",role="both"} 1.0',
+                'splitfire_worker_adapter_loads_total{op="refused",role="both"} 2.0',
+                'splitfire_worker_adapter_loads_total{op="unloaded",role="both"} 1.0',
+                'splitfire_worker_adapters_resident{role="both"} 1.0'}
+        assert want <= lines, sorted(x for x in lines if "bucket" not in x)
     finally:
         router.stop()
         worker.stop()

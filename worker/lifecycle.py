@@ -64,6 +64,7 @@ def load_context(cfg: WorkerConfig, observer: StepObserver | None = None,
     ctx = WorkerContext(cfg, AsyncEngine(engine, observer), metrics, model_name=engine.model_dir.name,
                         adapters=engine.adapters)
     metrics.kv_total.labels(**metrics.labels).set(engine.blocks.num_blocks)
+    metrics.adapters_resident.labels(**metrics.labels).set(len(engine.adapters))
     if cfg.kv_store:
         from kvtransfer.store import KVStore, StoreConfig
         from worker.kv_tier import KVTier

@@ -46,4 +46,14 @@ class WorkerMetrics:
                                        ["role", "tier"], registry=r)
         self.kv_store_blocks = Counter("splitfire_worker_kv_store_blocks", "KV blocks published to, fetched from or "
                                        "dropped before the cluster-wide KV store", ["role", "op"], registry=r)
+        self.adapter_requests = Counter("splitfire_worker_adapter_requests", "Requests finished under a LoRA "
+                                        "adapter", ["role", "adapter"], registry=r)
+        self.adapter_tokens = Counter("splitfire_worker_adapter_tokens", "Tokens of requests under a LoRA adapter",
+                                      ["role", "adapter", "kind"], registry=r)
+        self.adapter_loads = Counter("splitfire_worker_adapter_loads", "LoRA adapter loads at run time, by result "
+                                     "(ok, refused) and unloads", ["role", "op"], registry=r)
+        self.adapter_load_seconds = Histogram("splitfire_worker_adapter_load_seconds", "Time to read, check and place "
+                                              "a LoRA adapter", labels, buckets=LATENCY_BUCKETS, registry=r)
+        self.adapters_resident = Gauge("splitfire_worker_adapters_resident", "LoRA adapters taking requests", labels,
+                                       registry=r)
         self.labels = {"role": self.role}

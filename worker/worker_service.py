@@ -92,9 +92,15 @@ class WorkerService(pb_grpc.WorkerServicer):
             await ctx.engine.call(lambda e: e.install_adapter(adapter))
         except (RequestError, ValueError) as e:
             log.warning("event=lora_load_refused name=%s path=%s error=%s", request.name, request.path, e)
+            ctx.metrics.adapter_loads.labels(role=ctx.config.role, op="refused").inc()
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         ctx.adapters = await ctx.engine.call(lambda e: e.adapters)
-        return pb.LoadAdapterResponse(rank=adapter.rank, load_seconds=time.perf_counter() - t0)
+        seconds = time.perf_counter() - t0
+        m = ctx.metrics
+        m.adapter_loads.labels(role=ctx.config.role, op="ok").inc()
+        m.adapter_load_seconds.labels(**m.labels).observe(seconds)
+        m.adapters_resident.labels(**m.labels).set(len(ctx.adapters))
+        return pb.LoadAdapterResponse(rank=adapter.rank, load_seconds=seconds)
 
     async def UnloadAdapter(self, request: pb.UnloadAdapterRequest, context) -> pb.UnloadAdapterResponse:
         try:
@@ -102,6 +108,9 @@ class WorkerService(pb_grpc.WorkerServicer):
         except RequestError as e:
             await context.abort(grpc.StatusCode.NOT_FOUND, str(e))
         self.ctx.adapters = await self.ctx.engine.call(lambda e: e.adapters)
+        m = self.ctx.metrics
+        m.adapter_loads.labels(role=self.ctx.config.role, op="unloaded").inc()
+        m.adapters_resident.labels(**m.labels).set(len(self.ctx.adapters))
         return pb.UnloadAdapterResponse(pending=not gone)
 
     async def Stats(self, request: pb.StatsRequest, context) -> pb.StatsResponse:
