@@ -122,9 +122,9 @@ class EngineConfig:
             if len(self.lora_modules) > self.max_loras:
                 raise ValueError(f"--lora-modules names {len(self.lora_modules)} adapters; --max-loras is "
                                  f"{self.max_loras}")
-            if self.tensor_parallel_size * self.pipeline_parallel_size > 1:
-                raise ValueError("LoRA adapters with model parallelism are not supported yet: serve them with "
-                                 "--tensor-parallel-size 1 --pipeline-parallel-size 1")
+            if self.pipeline_parallel_size > 1:
+                raise ValueError("LoRA adapters with --pipeline-parallel-size above 1 are not supported yet "
+                                 "(tensor parallel is)")
         return self
 
     @property

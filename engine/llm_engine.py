@@ -180,6 +180,10 @@ class LLMEngine:
                     self.loras.load(name, path)
                 except LoRAError as e:
                     raise ModelLoadError(f"--lora-modules {name}={path}: {e}") from e
+            if self.ranks is not None:  # (the other ranks loaded --lora-modules themselves, in the same slots)
+                ranks = self.ranks
+                self.loras.on_install = lambda a, slot: ranks.lora(("install", a.name, str(a.path), slot))
+                self.loras.on_free = lambda name: ranks.lora(("free", name))
         self.eagle: Eagle3Drafter | None = None  # the drafter, when it reads the target's hidden states
         self.drafter = self._drafter()
         self.scheduler.drafter = self.drafter

@@ -30,6 +30,9 @@ class LoRAManager:
         self.slots: dict[str, int] = {}
         self.free = list(range(max_loras - 1, -1, -1))  # (slot 0 handed out first)
         self.unloading: set[str] = set()  # no new requests; freed when none runs under it
+        # Tensor parallel: rank 0 tells the other ranks, which hold their own slices in the same slots.
+        self.on_install: Callable[[LoRAAdapter, int], None] | None = None
+        self.on_free: Callable[[str], None] | None = None
 
     def names(self) -> list[str]:
         return [n for n in self.adapters if n not in self.unloading]
@@ -47,17 +50,23 @@ class LoRAManager:
         if name in self.adapters:
             raise LoRAError(f"adapter {name!r} is already loaded" + (" (unloading)" if name in self.unloading else ""))
 
-    def install(self, adapter: LoRAAdapter, t0: float | None = None) -> LoRAAdapter:
-        """Place an adapter read beforehand (`read_adapter`, off the engine thread) in a free slot."""
+    def install(self, adapter: LoRAAdapter, t0: float | None = None, slot: int | None = None) -> LoRAAdapter:
+        """Place an adapter read beforehand (`read_adapter`, off the engine thread) in a free slot (`slot`:
+        that one — another rank mirroring rank 0)."""
         name = adapter.name
         self.check_name(name)
         t0 = time.perf_counter() if t0 is None else t0
         if not self.free:
             raise LoRAError(f"adapter {name!r}: all {len(self.slots)} adapter slots are taken (--max-loras); "
                             "unload one first")
-        slot = self.free.pop()
+        if slot is None:
+            slot = self.free.pop()
+        else:
+            self.free.remove(slot)
         self._write(slot, adapter)
         self.adapters[name], self.slots[name] = adapter, slot
+        if self.on_install is not None:
+            self.on_install(adapter, slot)
         log.info("event=lora_loaded name=%s path=%s rank=%d slot=%d projections=%d mib=%.2f load_s=%.3f", name,
                  adapter.path,
                  adapter.rank, slot, len(adapter.factors), adapter.nbytes / 2**20, time.perf_counter() - t0)
@@ -105,3 +114,10 @@ class LoRAManager:
         del self.adapters[name]
         self.free.append(slot)
         log.info("event=lora_unloaded name=%s slot=%d", name, slot)
+        if self.on_free is not None:
+            self.on_free(name)
+
+    def free_now(self, name: str) -> None:
+        """Another rank: rank 0 has freed it (no request runs under it any more)."""
+        self.unloading.discard(name)
+        self._free(name)

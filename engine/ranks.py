@@ -316,6 +316,11 @@ class RankGroup:
         self._send(("step", plan, payload))
         self._answers_due = payload is not None
 
+    def lora(self, op: tuple) -> None:
+        """A LoRA adapter placed in or freed from a slot on rank 0: every other rank does the same with
+        its own slices (between steps: the engine thread sends it)."""
+        self._send(("lora", op))
+
     def attach(self, payload: Any) -> None:
         """Send `payload` with the next step (before the step runs: a `StepObserver.before_forward`)."""
         self._payload = payload
@@ -426,6 +431,14 @@ def follower(rank: int, extension: RankExtension | None = None) -> None:
     model.build_rope_cache(max_positions, device, config.torch_dtype)
     model.set_int8_activations(int8_activations)
     kv = KVCache(layout, device)
+    loras = None
+    if config.lora:  # the same adapters in the same slots as rank 0, this rank's slices of them
+        from engine.loading.lora_adapters import read_adapter
+        from engine.loras import LoRAManager
+
+        loras = LoRAManager(model, config.max_loras, config.max_lora_rank)
+        for name, path in config.lora_modules.items():
+            loras.load(name, path)
     try:
         info = extension.on_ready(kv) if extension is not None else None
     except Exception as e:
@@ -447,6 +460,14 @@ def follower(rank: int, extension: RankExtension | None = None) -> None:
             if msg is None:
                 break
             kind, plan = msg[0], msg[1]
+            if kind == "lora":
+                assert loras is not None
+                if plan[0] == "install":
+                    _, name, path, slot = plan
+                    loras.install(read_adapter(name, path, model, config.max_lora_rank), slot=slot)
+                else:
+                    loras.free_now(plan[1])
+                continue
             if kind == "step":  # tensor parallel only: the stage is the whole model
                 ids, positions, meta, rows = plan
                 payload = msg[2]

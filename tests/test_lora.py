@@ -225,3 +225,28 @@ def test_adapters_over_an_int8_base_equal_peft_over_the_same_weights(tmp_path, t
     assert got["b"].token_ids == peft_greedy(base, ps["b"], 8)
     assert got["o"].token_ids == peft_greedy(pm1, ps["o"], 8)
     assert got["o2"].token_ids == peft_greedy(pm1, ps["o2"], 8)
+
+
+def test_adapters_under_two_tensor_parallel_ranks_equal_peft(base, tmp_path_factory):
+    """Each rank holds its slices of the factors (A like the base's input side, B like its output side; a
+    row-parallel projection's partial delta summed with the rest); an adapter loaded and unloaded at run
+    time on rank 0 is mirrored by the other rank in the same slot."""
+    a1, pm1 = adapter(base, tmp_path_factory, "one", seed=1)
+    a2, pm2 = adapter(base, tmp_path_factory, "two", seed=2, r=4, rslora=True)
+    eng = make_engine(base.path, tensor_parallel_size=2, lora_modules={"one": str(a1)}, max_loras=2, threads=1,
+                      quantization=None)
+    try:
+        eng.load_adapter("two", str(a2))
+        which = {"b": ("", base.model), "o": ("one", pm1), "t": ("two", pm2), "o2": ("one", pm1)}
+        ps = {rid: prompt(i, n) for i, (rid, n) in enumerate(zip(which, [12, 40, 25, 7], strict=True))}
+        for rid, (name, _) in which.items():
+            eng.add_request(rid, ps[rid], SamplingParams(max_tokens=8, **GREEDY), adapter=name)
+        got = drain(eng)
+        for rid, (name, model) in which.items():
+            assert got[rid].token_ids == (peft_greedy(model, ps[rid], 8) if name else base.greedy(ps[rid], 8)), rid
+        assert eng.unload_adapter("one") is True
+        eng.load_adapter("one-again", str(a1))  # the freed slot, on both ranks
+        eng.add_request("again", ps["o"], SamplingParams(max_tokens=8, **GREEDY), adapter="one-again")
+        assert drain(eng)["again"].token_ids == got["o"].token_ids
+    finally:
+        eng.close()

@@ -143,33 +143,49 @@ def read_adapter(name: str, path: str | Path, model: DecoderModel, max_rank: int
             raise LoRAError(f"adapter {name!r}: layer {layer}'s MLP is a mixture of experts, which takes no "
                             "LoRA adapters yet")
         target = getattr(block.attn if linear in ("qkv", "o") else block.mlp, linear)
-        if linear == "qkv":
+        # Each part's size in the whole model, the rows of it this rank computes (tensor parallel: a
+        # column-parallel projection's heads or intermediate columns), and the input columns this
+        # rank multiplies (a row-parallel projection's slice; its partial delta is summed with the rest).
+        whole = range(10**9)
+        if linear in ("qkv", "o"):
             att = block.attn
             assert isinstance(att, Attention)
             d = att.head_dim
-            sizes = [cfg.num_heads * d, cfg.num_kv_heads * d, cfg.num_kv_heads * d]
-            heads = [cfg.num_heads, cfg.num_kv_heads, 0]
-        elif linear == "gate_up":
-            sizes, heads = [target.out_features // 2] * 2, [0, 0]
+            q_rows = range(att.q_heads.start * d, att.q_heads.stop * d)
+            kv_rows = range(att.kv_heads.start * d, att.kv_heads.stop * d)
+            if linear == "qkv":
+                sizes, heads = [cfg.num_heads * d, cfg.num_kv_heads * d, cfg.num_kv_heads * d], [cfg.num_heads,
+                                                                                               cfg.num_kv_heads, 0]
+                rows, cols, in_full = [q_rows, kv_rows, kv_rows], whole, cfg.hidden_size
+            else:
+                sizes, heads, rows, cols, in_full = [cfg.hidden_size], [0], [whole], q_rows, cfg.num_heads * d
         else:
-            sizes, heads = [target.out_features], [0]
+            mlp = block.mlp
+            assert isinstance(mlp, MLP)
+            inter = cfg.intermediate_size
+            if linear == "gate_up":
+                sizes, heads, rows, cols, in_full = [inter, inter], [0, 0], [mlp.columns, mlp.columns], whole, \
+                    cfg.hidden_size
+            else:
+                sizes, heads, rows, cols, in_full = [cfg.hidden_size], [0], [whole], mlp.columns, inter
         n_parts = len(sizes)
         a_cat = torch.zeros(n_parts * r, target.in_features, dtype=torch.float32)
         b_full = torch.zeros(target.out_features, n_parts * r, dtype=torch.float32)
         row = 0
-        for p, (size, h) in enumerate(zip(sizes, heads, strict=True)):
+        for p, (size, h, part_rows) in enumerate(zip(sizes, heads, rows, strict=True)):
+            local = min(part_rows.stop, size) - part_rows.start
             if p in parts:
                 a, b = parts[p]
-                if a.shape[1] != target.in_features or b.shape[0] != size:
+                if a.shape[1] != in_full or b.shape[0] != size:
                     proj = next(k for k, v in _PLACE.items() if v == (linear, p))
                     raise LoRAError(f"adapter {name!r}: layer {layer} {proj}_proj factors A{tuple(a.shape)} "
-                                    f"B{tuple(b.shape)} do not fit its {target.in_features} -> {size} projection: "
+                                    f"B{tuple(b.shape)} do not fit its {in_full} -> {size} projection: "
                                     "made for another base model?")
                 b = b.float() * scale
                 if h:
                     b = interleave_rope_rows(b, h)
-                a_cat[p * r : (p + 1) * r] = a.float()
-                b_full[row : row + size, p * r : (p + 1) * r] = b
-            row += size
+                a_cat[p * r : (p + 1) * r] = a.float()[:, cols.start : min(cols.stop, in_full)]
+                b_full[row : row + local, p * r : (p + 1) * r] = b[part_rows.start : min(part_rows.stop, size)]
+            row += local
         adapter.factors[(layer, linear)] = (a_cat.to(device, dtype), b_full.to(device, dtype))
     return adapter
