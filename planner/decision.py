@@ -1,0 +1,146 @@
+"""How many prefill and decode workers the next interval needs: the planner's decision, from a
+per-worker capacity profile, a load prediction and the SLOs actually observed.
+
+Prefill and decode load move apart (long prompts want prefill workers; long answers and many
+concurrent streams want decode workers), so each role is sized on its own:
+
+- **prefill**: prompt tokens to compute per second (request rate x mean prompt x (1 - prefix hit
+  ratio)) over what one prefill worker computes while meeting the TTFT SLO (`Profile.prefill_tps`),
+  at `target_utilization` (queueing makes TTFT climb well before a worker is 100% busy);
+- **decode**: concurrent streams by Little's law (rate x mean output tokens x the inter-token time
+  at the SLO) over the largest batch one decode worker runs within the ITL SLO
+  (`Profile.decode_batch_within`).
+
+The load is predicted as the larger of the latest interval's and an exponentially weighted average
+of the past (`alpha`): a rise is answered at once, a dip is not believed until it lasts — the
+Mooncake conversation trace arrives in bursts of seconds, and scaling down into a burst costs TTFT.
+Feedback corrects the model: a role whose observed p90 misses its SLO although the model says it has
+enough gets one more worker. Scaling up is immediate; scaling down waits `down_after` intervals of
+wanting fewer and then drains one worker per interval; both stay within the role's `[min, max]`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Profile:
+    """What one worker sustains (`splitfire planner profile` measures it on the deployed model)."""
+
+    prefill_tps: float  # prompt tokens/s one prefill worker computes
+    decode_itl: dict[int, float]  # decode batch size -> inter-token seconds at that batch
+
+    def decode_batch_within(self, itl_slo_s: float) -> int:
+        """The largest measured batch whose inter-token time meets the SLO (at least 1)."""
+        ok = [b for b, itl in self.decode_itl.items() if itl <= itl_slo_s]
+        return max(ok) if ok else 1
+
+    def itl_at(self, batch: int) -> float:
+        known = sorted(self.decode_itl)
+        for b in known:
+            if b >= batch:
+                return self.decode_itl[b]
+        return self.decode_itl[known[-1]] if known else 0.0
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """One interval of the fleet, as its metrics tell it."""
+
+    request_rate: float  # requests/s
+    mean_input_tokens: float
+    mean_output_tokens: float
+    prefix_hit_ratio: float  # prompt tokens not computed / prompt tokens
+    ttft_p90_s: float
+    itl_p90_s: float
+    prefill_workers: int
+    decode_workers: int
+
+
+@dataclass(frozen=True)
+class Limits:
+    min_prefill: int = 1
+    max_prefill: int = 64
+    min_decode: int = 1
+    max_decode: int = 64
+
+    def __post_init__(self) -> None:
+        if not (0 <= self.min_prefill <= self.max_prefill and 1 <= self.min_decode <= self.max_decode):
+            raise ValueError(f"planner limits must satisfy 0 <= min <= max (decode min >= 1): {self}")
+
+
+@dataclass
+class Decision:
+    prefill: int
+    decode: int
+    reasons: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Planner:
+    profile: Profile
+    ttft_slo_s: float
+    itl_slo_s: float
+    limits: Limits = field(default_factory=Limits)
+    target_utilization: float = 0.8
+    alpha: float = 0.3  # weight of the latest interval in the load average
+    down_after: int = 3  # intervals of wanting fewer before one worker is drained
+    _rate: float | None = None
+    _below: dict[str, int] = field(default_factory=lambda: {"prefill": 0, "decode": 0})
+
+    def __post_init__(self) -> None:
+        if self.ttft_slo_s <= 0 or self.itl_slo_s <= 0:
+            raise ValueError("--ttft-slo and --itl-slo must be positive")
+        if not 0 < self.target_utilization <= 1 or not 0 < self.alpha <= 1 or self.down_after < 1:
+            raise ValueError("target_utilization and alpha in (0, 1], down_after >= 1")
+        if self.profile.prefill_tps <= 0 or not self.profile.decode_itl:
+            raise ValueError("the profile needs prefill tokens/s and at least one decode batch's ITL")
+
+    def predicted_rate(self, s: Snapshot) -> float:
+        self._rate = s.request_rate if self._rate is None else (
+            self.alpha * s.request_rate + (1 - self.alpha) * self._rate)
+        return max(self._rate, s.request_rate)
+
+    def needed(self, s: Snapshot, rate: float) -> tuple[int, int]:
+        """Workers each role needs for `rate` by the profile alone."""
+        tokens = rate * s.mean_input_tokens * (1.0 - min(max(s.prefix_hit_ratio, 0.0), 1.0))
+        prefill = math.ceil(tokens / (self.profile.prefill_tps * self.target_utilization))
+        batch = self.profile.decode_batch_within(self.itl_slo_s)
+        streams = rate * s.mean_output_tokens * self.profile.itl_at(batch)
+        decode = math.ceil(streams / (batch * self.target_utilization))
+        return prefill, max(decode, 1 if rate > 0 else 0)
+
+    def decide(self, s: Snapshot) -> Decision:
+        rate = self.predicted_rate(s)
+        want_p, want_d = self.needed(s, rate)
+        d = Decision(s.prefill_workers, s.decode_workers)
+        d.reasons.append(f"predicted {rate:.2f} req/s: the profile wants {want_p} prefill, {want_d} decode")
+        if s.ttft_p90_s > self.ttft_slo_s and want_p <= s.prefill_workers:
+            want_p = s.prefill_workers + 1
+            d.reasons.append(f"TTFT p90 {s.ttft_p90_s:.2f} s > {self.ttft_slo_s:.2f} s: one more prefill worker")
+        if s.itl_p90_s > self.itl_slo_s and want_d <= s.decode_workers:
+            want_d = s.decode_workers + 1
+            d.reasons.append(f"ITL p90 {s.itl_p90_s * 1e3:.0f} ms > {self.itl_slo_s * 1e3:.0f} ms: one more decode "
+                             "worker")
+        d.prefill = self._step("prefill", s.prefill_workers, want_p, self.limits.min_prefill, self.limits.max_prefill,
+                               d.reasons)
+        d.decode = self._step("decode", s.decode_workers, want_d, self.limits.min_decode, self.limits.max_decode,
+                              d.reasons)
+        return d
+
+    def _step(self, role: str, have: int, want: int, lo: int, hi: int, reasons: list[str]) -> int:
+        want = min(max(want, lo), hi)
+        if want > have:
+            self._below[role] = 0
+            return want
+        if want < have:
+            self._below[role] += 1
+            if self._below[role] >= self.down_after:
+                self._below[role] = 0
+                reasons.append(f"{role}: fewer wanted for {self.down_after} intervals: drain one")
+                return max(have - 1, lo)
+            return have
+        self._below[role] = 0
+        return max(min(have, hi), lo)

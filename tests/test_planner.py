@@ -1,0 +1,121 @@
+"""The planner's decision: each role sized on its own from the profile and the predicted load, the role
+that misses its SLO scaled, never outside its limits, scale-down gradual, and no oscillation on a noisy
+steady load."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+
+from planner.decision import Limits, Planner, Profile, Snapshot
+
+# One SmolLM2 worker on this 2-core machine, roughly: 600 prompt tokens/s; ITL by decode batch.
+PROFILE = Profile(prefill_tps=600.0, decode_itl={1: 0.011, 8: 0.03, 16: 0.045, 32: 0.08, 64: 0.15})
+
+
+def snap(rate: float = 2.0, inp: float = 400, out: float = 100, hit: float = 0.2, ttft: float = 0.5,
+         itl: float = 0.05, p: int = 2, d: int = 2) -> Snapshot:
+    return Snapshot(rate, inp, out, hit, ttft, itl, p, d)
+
+
+def test_each_role_is_sized_from_the_profile():
+    pl = Planner(PROFILE, ttft_slo_s=2.0, itl_slo_s=0.1)
+    assert PROFILE.decode_batch_within(0.1) == 32
+    # prefill: 2 req/s x 400 x 0.8 = 640 tokens/s over 600 x 0.8 -> 2; decode: 2 x 100 x 0.08 = 16 streams
+    # over 32 x 0.8 -> 1.
+    assert pl.needed(snap(), 2.0) == (2, 1)
+    # Long prompts, short answers: prefill grows, decode does not; and the other way round.
+    assert pl.needed(snap(inp=4000, out=10), 2.0) == (14, 1)
+    assert pl.needed(snap(inp=50, out=2000), 2.0) == (1, 13)
+
+
+def test_the_role_that_misses_its_slo_is_scaled_and_only_it():
+    pl = Planner(PROFILE, ttft_slo_s=1.0, itl_slo_s=0.1)
+    d = pl.decide(snap(ttft=3.0, p=2, d=2))  # the profile says 2 prefill suffice, the TTFT says no
+    assert (d.prefill, d.decode) == (3, 2)
+    assert any("TTFT p90" in r for r in d.reasons)
+    pl = Planner(PROFILE, ttft_slo_s=1.0, itl_slo_s=0.1)
+    d = pl.decide(snap(itl=0.2, p=2, d=2))
+    assert (d.prefill, d.decode) == (2, 3)
+
+
+def test_limits_hold_and_scaling_down_is_gradual():
+    pl = Planner(PROFILE, ttft_slo_s=2.0, itl_slo_s=0.1, limits=Limits(min_prefill=1, max_prefill=4, min_decode=2,
+                                                                        max_decode=3), alpha=1.0)
+    d = pl.decide(snap(rate=50, p=1, d=2))  # far over: capped at the maxima
+    assert (d.prefill, d.decode) == (4, 3)
+    counts = []
+    p, dd = 4, 3
+    for _ in range(9):  # the load is gone: one worker per down_after (3) intervals, never below the minima
+        dec = pl.decide(snap(rate=0.01, p=p, d=dd))
+        p, dd = dec.prefill, dec.decode
+        counts.append((p, dd))
+    assert counts == [(4, 3), (4, 3), (3, 2), (3, 2), (3, 2), (2, 2), (2, 2), (2, 2), (1, 2)]
+    with pytest.raises(ValueError):
+        Limits(min_prefill=3, max_prefill=2)
+
+
+def test_no_oscillation_on_a_noisy_steady_load():
+    rng = random.Random(3)
+    pl = Planner(PROFILE, ttft_slo_s=2.0, itl_slo_s=0.1)
+    p, d = 2, 1
+    history = []
+    for _ in range(200):  # +-25% noise around a steady 2 req/s, SLOs met
+        dec = pl.decide(snap(rate=2.0 * rng.uniform(0.75, 1.25), hit=rng.uniform(0.15, 0.25), p=p, d=d))
+        history.append((dec.prefill, dec.decode))
+        p, d = dec.prefill, dec.decode
+    changes = sum(1 for a, b in itertools.pairwise(history) if a != b)
+    assert changes <= 2, history  # it settles (up once for the peaks) and stays
+    assert history[-1][0] in (2, 3) and history[-1][1] in (1, 2)
+
+
+def test_a_load_step_is_answered_at_once():
+    pl = Planner(PROFILE, ttft_slo_s=2.0, itl_slo_s=0.1)
+    for _ in range(10):
+        pl.decide(snap(rate=1.0, p=1, d=1))
+    d = pl.decide(snap(rate=6.0, p=1, d=1))  # the average lags; the latest interval is believed
+    assert (d.prefill, d.decode) == (4, 2)  # 6 x 400 x 0.8 / 480 tokens/s; 6 x 100 x 0.08 / 25.6 streams
+
+
+async def test_a_snapshot_from_a_live_routers_metrics(tiny_model_dir, tmp_path):
+    """Two scrapes of a real router's /metrics around real requests: the interval's rate, means, hit
+    ratio, percentiles and fleet, which a decision then reads."""
+    import asyncio
+    import time
+
+    import aiohttp
+    from procs import address, base_url, start_router, start_worker
+
+    from planner.metrics import Scrape, snapshot
+
+    worker = start_worker("both", tiny_model_dir, tmp_path)
+    router = start_router(tiny_model_dir, tmp_path, "--served-model-name", "tiny", "--colocated", address(worker))
+    try:
+        async with aiohttp.ClientSession() as s:
+            async def scrape() -> Scrape:
+                async with s.get(base_url(router) + "/metrics") as r:
+                    return Scrape.parse(await r.text(), time.monotonic())
+
+            async def one(i: int) -> None:
+                body = {"model": "tiny", "prompt": [5 + i % 3] * 40, "max_tokens": 10, "ignore_eos": True,
+                        "stream": True}
+                async with s.post(base_url(router) + "/v1/completions", json=body) as r:
+                    assert r.status == 200
+                    await r.read()
+
+            await one(0)  # (before the interval: not counted)
+            before = await scrape()
+            await asyncio.gather(*(one(i) for i in range(1, 7)))
+            after = await scrape()
+        snap = snapshot(before, after)
+        assert snap.request_rate > 0 and snap.mean_input_tokens == 40 and snap.mean_output_tokens == 10
+        assert 0.3 <= snap.prefix_hit_ratio <= 0.8  # the same three prompts again: their full blocks hit
+        assert 0 < snap.ttft_p90_s <= 5 and 0 < snap.itl_p90_s <= 5
+        assert (snap.prefill_workers, snap.decode_workers) == (1, 1)
+        d = Planner(PROFILE, ttft_slo_s=10.0, itl_slo_s=1.0).decide(snap)
+        assert d.prefill >= 1 and d.decode >= 1 and d.reasons
+    finally:
+        router.stop()
+        worker.stop()
