@@ -134,8 +134,10 @@ def build_parser() -> argparse.ArgumentParser:
         router_cli = None
     if router_cli is not None:
         router_cli.add_subcommands(sub)
+    from planner import cli as planner_cli
     from splitfire_cli import supervisor
 
+    planner_cli.add_subcommands(sub)
     supervisor.add_subcommand(sub)
     return p
 

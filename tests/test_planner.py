@@ -119,3 +119,49 @@ async def test_a_snapshot_from_a_live_routers_metrics(tiny_model_dir, tmp_path):
     finally:
         router.stop()
         worker.stop()
+
+
+def test_planner_profile_and_run_through_the_cli(tiny_model_dir, tmp_path):
+    """`splitfire planner profile` measures a live fleet of one worker; `splitfire planner run --once` reads
+    the router's metrics over an interval and prints its recommendation as a JSON line."""
+    import json
+    import subprocess
+    import sys
+    import threading
+    import urllib.request
+
+    from procs import address, base_url, start_router, start_worker
+
+    worker = start_worker("both", tiny_model_dir, tmp_path)
+    router = start_router(tiny_model_dir, tmp_path, "--served-model-name", "tiny", "--colocated", address(worker))
+    try:
+        out = tmp_path / "profile.json"
+        cli = [sys.executable, "-m", "splitfire_cli", "planner"]
+        subprocess.run([*cli, "profile", "--router", base_url(router), "--model", "tiny", "--batches", "1,4",
+                        "--rounds", "2", "--prompt-len", "64", "--decode-tokens", "8", "--vocab", "390", "--out",
+                        str(out)], check=True, capture_output=True, text=True, timeout=120)
+        prof = json.loads(out.read_text())
+        assert prof["prefill_tps"] > 0 and set(prof["decode_itl"]) == {"1", "4"}
+
+        def load() -> None:  # traffic during the planner's interval
+            body = json.dumps({"model": "tiny", "prompt": [7] * 30, "max_tokens": 6, "ignore_eos": True}).encode()
+            for _ in range(4):
+                req = urllib.request.Request(base_url(router) + "/v1/completions", body,
+                                             {"Content-Type": "application/json"})
+                urllib.request.urlopen(req, timeout=30).read()
+
+        t = threading.Timer(0.3, load)
+        t.start()
+        run = subprocess.run([*cli, "run", "--router", base_url(router), "--profile", str(out), "--ttft-slo", "5",
+                              "--itl-slo", "1", "--interval", "2", "--once"], capture_output=True, text=True, timeout=60)
+        t.join()
+        assert run.returncode == 0, run.stderr[-2000:]
+        line = json.loads(run.stdout.strip().splitlines()[-1])
+        assert line["have"] == {"prefill": 1, "decode": 1} and line["snapshot"]["request_rate"] > 0
+        assert line["prefill"] >= 1 and line["decode"] >= 1 and line["reasons"]
+        bad = subprocess.run([*cli, "run", "--router", base_url(router), "--profile", str(tmp_path / "nope.json"),
+                              "--ttft-slo", "5", "--itl-slo", "1", "--once"], capture_output=True, text=True, timeout=60)
+        assert bad.returncode == 2 and "not a planner profile" in bad.stderr
+    finally:
+        router.stop()
+        worker.stop()

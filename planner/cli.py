@@ -1,0 +1,89 @@
+"""`splitfire planner profile` and `splitfire planner run`.
+
+`run` reads the router's /metrics every `--interval` seconds and prints, one JSON line per interval,
+how many prefill and decode workers the next interval needs (`planner/decision.py`) and why. It
+recommends: acting on it (the Kubernetes scale subresource, `splitfire up`'s own processes) is not
+built yet, so the decisions are for an operator or a script to apply.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import time
+
+import aiohttp
+
+from planner.decision import Limits, Planner
+from planner.metrics import Scrape, snapshot
+from planner.profile import load, measure, save
+
+log = logging.getLogger("splitfire.planner")
+
+
+async def _scrape(session: aiohttp.ClientSession, url: str) -> Scrape:
+    async with session.get(url + "/metrics") as r:
+        if r.status != 200:
+            raise OSError(f"{url}/metrics answered {r.status}")
+        return Scrape.parse(await r.text(), time.monotonic())
+
+
+async def run(args: argparse.Namespace) -> int:
+    planner = Planner(load(args.profile), args.ttft_slo, args.itl_slo,
+                      Limits(args.min_prefill, args.max_prefill, args.min_decode, args.max_decode))
+    url = args.router.rstrip("/")
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as s:
+        before = await _scrape(s, url)
+        while True:
+            await asyncio.sleep(args.interval)
+            after = await _scrape(s, url)
+            snap = snapshot(before, after)
+            d = planner.decide(snap)
+            log.info("event=planner_decision prefill=%d decode=%d have_prefill=%d have_decode=%d rate=%.2f "
+                     "ttft_p90_s=%.3f itl_p90_s=%.3f", d.prefill, d.decode, snap.prefill_workers, snap.decode_workers,
+                     snap.request_rate, snap.ttft_p90_s, snap.itl_p90_s)
+            print(json.dumps({"prefill": d.prefill, "decode": d.decode, "have": {"prefill": snap.prefill_workers,
+                              "decode": snap.decode_workers}, "snapshot": snap.__dict__, "reasons": d.reasons}),
+                  flush=True)
+            before = after
+            if args.once:
+                return 0
+
+
+def _profile(args: argparse.Namespace) -> int:
+    batches = [int(b) for b in args.batches.split(",")]
+    p = asyncio.run(measure(args.router.rstrip("/"), args.model, batches, args.prompt_len, args.decode_tokens,
+                            args.rounds, args.vocab))
+    save(p, args.out)
+    print(f"prefill {p.prefill_tps:.0f} prompt tokens/s; decode ITL "
+          + ", ".join(f"batch {b}: {s * 1e3:.1f} ms" for b, s in sorted(p.decode_itl.items())) + f" -> {args.out}")
+    return 0
+
+
+def add_subcommands(sub: argparse._SubParsersAction) -> None:
+    pp = sub.add_parser("planner", help="size the prefill and decode roles from the fleet's metrics and SLOs")
+    psub = pp.add_subparsers(dest="planner_command", required=True)
+    pr = psub.add_parser("profile", help="measure one worker's prompt tokens/s and inter-token time by batch")
+    pr.add_argument("--router", required=True, help="the router's URL, in front of one prefill + one decode worker")
+    pr.add_argument("--model", required=True, help="the served model name")
+    pr.add_argument("--batches", default="1,4,16,32", help="decode batch sizes to measure")
+    pr.add_argument("--prompt-len", type=int, default=512)
+    pr.add_argument("--decode-tokens", type=int, default=32)
+    pr.add_argument("--rounds", type=int, default=3)
+    pr.add_argument("--vocab", type=int, default=32000, help="prompt token ids are drawn below this")
+    pr.add_argument("--out", default="planner-profile.json")
+    pr.set_defaults(func=_profile)
+    rn = psub.add_parser("run", help="print each interval's recommended prefill and decode workers (JSON lines)")
+    rn.add_argument("--router", required=True, help="the router's URL (its /metrics is read)")
+    rn.add_argument("--profile", required=True, help="from `splitfire planner profile`")
+    rn.add_argument("--ttft-slo", type=float, required=True, help="seconds (p90)")
+    rn.add_argument("--itl-slo", type=float, required=True, help="seconds (p90)")
+    rn.add_argument("--interval", type=float, default=30.0, help="seconds between decisions")
+    rn.add_argument("--min-prefill", type=int, default=1)
+    rn.add_argument("--max-prefill", type=int, default=64)
+    rn.add_argument("--min-decode", type=int, default=1)
+    rn.add_argument("--max-decode", type=int, default=64)
+    rn.add_argument("--once", action="store_true", help="one interval, one decision, then exit")
+    rn.set_defaults(func=lambda a: asyncio.run(run(a)))
