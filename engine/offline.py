@@ -24,6 +24,7 @@ class OfflineRequest:
     index: int
     prompt_token_ids: list[int]
     sampling: SamplingParams
+    adapter: str = ""  # a LoRA adapter of --lora-modules ("" = the base model)
 
 
 def parse_line(engine: LLMEngine, index: int, obj: Any) -> OfflineRequest:
@@ -44,10 +45,14 @@ def parse_line(engine: LLMEngine, index: int, obj: Any) -> OfflineRequest:
         ids = obj["prompt_token_ids"]
         if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
             raise RequestError("prompt_token_ids must be a list of integers")
-    unknown = sorted(set(obj) - {"prompt", "messages", "prompt_token_ids", "response_format", *SAMPLING_KEYS})
+    unknown = sorted(set(obj) - {"prompt", "messages", "prompt_token_ids", "response_format", "adapter",
+                                 *SAMPLING_KEYS})
     if unknown:
         raise RequestError(f"unsupported field(s) {unknown}; a line takes prompt | messages | prompt_token_ids, "
-                           f"response_format and {list(SAMPLING_KEYS)}")
+                           f"response_format, adapter and {list(SAMPLING_KEYS)}")
+    adapter = obj.get("adapter") or ""
+    if not isinstance(adapter, str):
+        raise RequestError("adapter must be the name of a --lora-modules adapter")
     kw = {k: obj[k] for k in SAMPLING_KEYS if k in obj and obj[k] is not None}
     kw["grammar"] = grammar.response_format(obj.get("response_format"))
     if isinstance(kw.get("stop"), str):
@@ -60,7 +65,7 @@ def parse_line(engine: LLMEngine, index: int, obj: Any) -> OfflineRequest:
         sampling = SamplingParams(**kw).validate()
     except TypeError as e:
         raise RequestError(f"bad sampling value: {e}") from e
-    return OfflineRequest(index, ids, sampling)
+    return OfflineRequest(index, ids, sampling, adapter)
 
 
 def generate(engine: LLMEngine, lines: Iterable[str], out: TextIO, progress: bool = True) -> int:
@@ -75,7 +80,7 @@ def generate(engine: LLMEngine, lines: Iterable[str], out: TextIO, progress: boo
             continue
         try:
             req = parse_line(engine, i, json.loads(line))
-            engine.add_request(f"line-{i}", req.prompt_token_ids, req.sampling)
+            engine.add_request(f"line-{i}", req.prompt_token_ids, req.sampling, adapter=req.adapter)
             pending[f"line-{i}"] = i
             results[i] = {"token_ids": [], "text": "", "finish_reason": None}
             if req.sampling.logprobs is not None:

@@ -250,3 +250,24 @@ def test_adapters_under_two_tensor_parallel_ranks_equal_peft(base, tmp_path_fact
         assert drain(eng)["again"].token_ids == got["o"].token_ids
     finally:
         eng.close()
+
+
+def test_splitfire_generate_runs_lines_under_their_adapters(base, tmp_path_factory, tmp_path):
+    """`splitfire generate --lora-modules one=DIR`: a JSONL line's `adapter` picks it; an unknown one is that
+    line's error, and the others are unaffected."""
+    import json
+
+    from splitfire_cli import main
+
+    a1, pm1 = adapter(base, tmp_path_factory, "one", seed=1)
+    lines = [{"prompt_token_ids": prompt(1, 20), "max_tokens": 6, "temperature": 0, "ignore_eos": True},
+             {"prompt_token_ids": prompt(2, 20), "max_tokens": 6, "temperature": 0, "ignore_eos": True, "adapter": "one"},
+             {"prompt_token_ids": prompt(3, 20), "max_tokens": 6, "adapter": "nope"}]
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    rc = main(["generate", "--model", str(base.path), "--device", "cpu", "--kv-cache-gb", "0.01", "--quiet",
+               "--lora-modules", f"one={a1}", "--input", str(src), "--output", str(dst)])
+    out = [json.loads(x) for x in dst.read_text().splitlines()]
+    assert rc == 1 and "not loaded" in out[2]["error"]
+    assert out[0]["token_ids"] == base.greedy(prompt(1, 20), 6)
+    assert out[1]["token_ids"] == peft_greedy(pm1, prompt(2, 20), 6)
