@@ -91,6 +91,31 @@ class TenantStats:
         yield from (req, tok, thr, queue)
 
 
+class ModelStats:
+    """Requests and tokens by the model a request named — the base model or a LoRA adapter — on the
+    event loop only, like `TenantStats`; the names are the served models' (a bounded set)."""
+
+    def __init__(self) -> None:
+        self.requests: dict[str, int] = {}
+        self.tokens: dict[tuple[str, str], int] = {}
+
+    def used(self, model: str, prompt: int, completion: int) -> None:
+        self.requests[model] = self.requests.get(model, 0) + 1
+        for kind, n in (("prompt", prompt), ("completion", completion)):
+            self.tokens[model, kind] = self.tokens.get((model, kind), 0) + n
+
+    def collect(self) -> Iterator[Any]:
+        req = CounterMetricFamily("splitfire_router_model_requests", "Requests served, by the model (or LoRA "
+                                  "adapter) named", labels=["model"])
+        for m, n in self.requests.items():
+            req.add_metric([m], n)
+        tok = CounterMetricFamily("splitfire_router_model_tokens", "Tokens by model (or LoRA adapter): prompt, "
+                                  "completion", labels=["model", "kind"])
+        for (m, kind), n in self.tokens.items():
+            tok.add_metric([m, kind], n)
+        yield from (req, tok)
+
+
 class _EndpointCollector:
     def __init__(self, registry: EndpointRegistry):
         self.endpoints = registry
@@ -136,7 +161,9 @@ class RouterMetrics:
         self.cached_tokens = Counter("splitfire_router_cached_prompt_tokens", "Prompt tokens workers served from "
                                      "their prefix caches", registry=r)
         self.tenants = TenantStats()
+        self.models = ModelStats()
         r.register(self.tenants)
+        r.register(self.models)
         r.register(_EndpointCollector(self.endpoints))
         self._children: dict[tuple, Any] = {}
 

@@ -452,6 +452,7 @@ class Router:
                 finally:
                     self.metrics.e2e.observe(time.perf_counter() - t0)
                     self.metrics.tenants.used(tenant, used["prompt"], used["completion"])
+                    self.metrics.models.used(reqs[0].model, used["prompt"], used["completion"])
         finally:
             if reservation is not None:
                 await self.quotas.release(reservation, used["prompt"] + used["completion"])

@@ -111,6 +111,13 @@ async def test_adapters_served_loaded_and_unloaded_through_the_router(base, adap
                 'splitfire_worker_adapter_loads_total{op="unloaded",role="both"} 1.0',
                 'splitfire_worker_adapters_resident{role="both"} 1.0'}
         assert want <= lines, sorted(x for x in lines if "bucket" not in x)
+        async with aiohttp.ClientSession() as s, s.get(base_url(router) + "/metrics") as r:
+            rbody = await r.text()
+        for line in ('splitfire_router_model_requests_total{model="one"} 2.0',
+                     'splitfire_router_model_requests_total{model="two"} 1.0',  # (the 404 after unloading: not served)
+                     'splitfire_router_model_requests_total{model="base"} 1.0',
+                     'splitfire_router_model_tokens_total{kind="completion",model="two"} 8.0'):
+            assert line in rbody, [x for x in rbody.splitlines() if "model_" in x]
     finally:
         router.stop()
         worker.stop()
