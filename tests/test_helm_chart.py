@@ -146,3 +146,25 @@ def test_tensor_parallel_workers_get_one_gpu_per_rank(helm):
     assert kv.returncode != 0 and "kvStore.enabled=false" in kv.stderr
     gpus = render(helm, ROOT / "helm/ci/gpu-8decode-4prefill-rdma-values.yaml", *tp[:4], *tp[6:])
     assert gpus.returncode != 0 and "one GPU per rank" in gpus.stderr
+
+
+def test_lora_adapters_reach_every_worker_as_flags_the_cli_accepts(helm):
+    lora = ["--set", "workers.lora.modules.support=/models/adapters/support", "--set",
+            "workers.lora.modules.sql=/models/adapters/sql", "--set", "workers.lora.root=/models/adapters"]
+    out = render(helm, ROOT / "helm/ci/default-values.yaml", *lora)
+    assert out.returncode == 0, out.stderr
+    deps = {d["metadata"]["name"]: d for d in yaml.safe_load_all(out.stdout) if d and d["kind"] == "Deployment"}
+    from splitfire_cli import build_parser
+    from worker.config import engine_config_from
+
+    for role in ("prefill", "decode"):
+        args = deps[f"rel-splitfire-{role}"]["spec"]["template"]["spec"]["containers"][0]["args"]
+        assert "--lora-root=/models/adapters" in args
+        ns = build_parser().parse_args(args)  # the worker's own parser takes what the chart renders
+        cfg = engine_config_from(ns)
+        assert cfg.lora_modules == {"support": "/models/adapters/support", "sql": "/models/adapters/sql"}
+        assert (cfg.max_loras, cfg.max_lora_rank) == (4, 16)
+    off = render(helm, ROOT / "helm/ci/default-values.yaml")
+    assert "--lora-modules" not in off.stdout and "--enable-lora" not in off.stdout
+    bad = render(helm, ROOT / "helm/ci/default-values.yaml", "--set", "workers.lora.maxLoras=0")
+    assert bad.returncode != 0 and "schema" in bad.stderr
