@@ -21,7 +21,7 @@ from engine.engine_config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.loading.model_store import resolve_model
 from engine.model.model_config import ModelConfig
-from loadtest.engine_runs import prefill_all, random_ids
+from loadtest.engine_runs import decode_rate, ours_prefill, random_ids
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -50,30 +50,6 @@ def write_adapter(out: Path, cfg: ModelConfig, rank: int, seed: int) -> Path:
     return out
 
 
-def decode_rate(engine: LLMEngine, adapters: list[str], batch: int, tokens: int, salt: int) -> float:
-    vocab = engine.model_config.vocab_size
-    for i in range(batch):
-        engine.add_request(f"d{salt}-{i}", random_ids(vocab, 32, salt * 1000 + i),
-                           SamplingParams(max_tokens=tokens + 2, temperature=0, ignore_eos=True),
-                           adapter=adapters[i % len(adapters)] if adapters else "")
-    prefill_all(engine)
-    engine.step()
-    t0, steps = time.perf_counter(), 0
-    while engine.has_work:
-        engine.step()
-        steps += 1
-    return batch * steps / (time.perf_counter() - t0)
-
-
-def prefill_rate(engine: LLMEngine, adapter: str, n: int, salt: int) -> float:
-    engine.add_request(f"p{salt}", random_ids(engine.model_config.vocab_size, n, salt),
-                       SamplingParams(max_tokens=1, temperature=0), adapter=adapter)
-    t0 = time.perf_counter()
-    while engine.has_work:
-        engine.step()
-    return n / (time.perf_counter() - t0)
-
-
 def main_lora(args: argparse.Namespace) -> int:
     model_dir = resolve_model(args.model)
     cfg = ModelConfig.from_dir(model_dir)
@@ -93,12 +69,15 @@ def main_lora(args: argparse.Namespace) -> int:
         lora.load_adapter(name, str(path))
         load_s.append(time.perf_counter() - t0)
     names = list(paths)
+    vocab = cfg.vocab_size
+    sp = SamplingParams(max_tokens=args.lora_tokens + 2, temperature=0, ignore_eos=True)
     rows: dict[str, list[float]] = {}
     for r in range(args.rounds):
         for label, eng, ads in (("base", base, []), ("LoRA on, base rows", lora, []), ("adapters", lora, names)):
-            rows.setdefault(f"decode|{label}", []).append(decode_rate(eng, ads, batch, args.lora_tokens, r))
+            prompts = [random_ids(vocab, 32, r * 1000 + i) for i in range(batch)]
+            rows.setdefault(f"decode|{label}", []).append(decode_rate(eng, prompts, sp, f"d{r}{label}", ads))
             rows.setdefault(f"prefill|{label}", []).append(
-                prefill_rate(eng, ads[r % len(ads)] if ads else "", 512, 100 + r))
+                ours_prefill(eng, random_ids(vocab, 512, 100 + r), 100 + r, ads[r % len(ads)] if ads else ""))
     med = {k: statistics.median(v) for k, v in rows.items()}
     quant = "quantized weights as stored" if (model_dir / "splitfire_format").exists() else "float weights"
     print(f"\nLoRA: {cfg.num_layers}-layer {model_dir.name} ({quant}), {args.threads} threads; {n_adapters} adapters of "

@@ -22,8 +22,8 @@ def random_ids(vocab: int, n: int, salt: int) -> list[int]:
     return [rng.randrange(3, vocab) for _ in range(n)]
 
 
-def ours_prefill(engine: LLMEngine, ids: list[int], salt: int) -> float:
-    engine.add_request(f"p{len(ids)}-{salt}", ids, SamplingParams(max_tokens=1, temperature=0))
+def ours_prefill(engine: LLMEngine, ids: list[int], salt: int, adapter: str = "") -> float:
+    engine.add_request(f"p{len(ids)}-{salt}", ids, SamplingParams(max_tokens=1, temperature=0), adapter=adapter)
     t0 = time.perf_counter()
     while engine.has_work:
         engine.step()
@@ -43,10 +43,13 @@ def prefill_all(engine: LLMEngine, step: Callable[[], object] | None = None) -> 
         cfg.max_prefill_tokens_while_decoding = cap
 
 
-def decode_rate(engine: LLMEngine, prompts: list[list[int]], sp: SamplingParams, tag: str) -> float:
-    """Output tokens per second of the batch once every prompt is decoding (its prefill excluded)."""
+def decode_rate(engine: LLMEngine, prompts: list[list[int]], sp: SamplingParams, tag: str,
+                adapters: list[str] | None = None) -> float:
+    """Output tokens per second of the batch once every prompt is decoding (its prefill excluded).
+    `adapters`: LoRA adapters the prompts run under, in turn."""
     for i, ids in enumerate(prompts):
-        engine.add_request(f"{tag}-{i}", ids, SamplingParams(**{**sp.__dict__}))
+        engine.add_request(f"{tag}-{i}", ids, SamplingParams(**{**sp.__dict__}),
+                           adapter=adapters[i % len(adapters)] if adapters else "")
     prefill_all(engine)
     engine.step()
     t0, tokens = time.perf_counter(), 0

@@ -33,6 +33,8 @@ from pathlib import Path
 
 import aiohttp
 
+from loadtest.workload import pct, sse_events
+
 TRACE_BLOCK = 512  # tokens per trace block (the traces' hash granularity)
 
 
@@ -139,10 +141,7 @@ async def _one(session: aiohttp.ClientSession, url: str, model: str, ids: list[i
             if r.status != 200:
                 out.error = f"HTTP {r.status}: {(await r.text())[:200]}"
                 return
-            async for line in r.content:
-                if not line.startswith(b"data: {"):
-                    continue
-                obj = json.loads(line[6:])
+            async for obj in sse_events(r):
                 if "error" in obj:
                     out.error = str(obj["error"])[:200]
                     return
@@ -183,26 +182,19 @@ async def replay(url: str, model: str, reqs: list[TraceRequest], scale: Scale, s
     return outs
 
 
-def pct(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    s = sorted(values)
-    return s[min(len(s) - 1, int(q * len(s)))]
-
-
 def summarize(outs: list[Outcome], ttft_slo_s: float, itl_slo_s: float) -> dict[str, float]:
     ok = [o for o in outs if o.error is None]
     gaps = [g for o in ok for g in o.gaps_s]
     ttfts = [o.ttft_s for o in ok if o.ttft_s is not None]
     cached, ideal = sum(o.cached_tokens for o in ok), sum(o.ideal_cached for o in ok)
     met = [o for o in ok if o.ttft_s is not None and o.ttft_s <= ttft_slo_s
-           and (not o.gaps_s or pct(o.gaps_s, 0.9) <= itl_slo_s)]
+           and (not o.gaps_s or pct(o.gaps_s, 90) <= itl_slo_s)]
     return {
         "requests": len(outs), "errors": len(outs) - len(ok),
         "prompt_tokens": sum(o.prompt_tokens for o in ok), "cached_tokens": cached, "ideal_cached_tokens": ideal,
         "cached_vs_ideal": cached / ideal if ideal else float("nan"),
-        "ttft_p50_ms": pct(ttfts, 0.5) * 1e3, "ttft_p90_ms": pct(ttfts, 0.9) * 1e3, "ttft_p99_ms": pct(ttfts, 0.99) * 1e3,
-        "itl_p50_ms": pct(gaps, 0.5) * 1e3, "itl_p90_ms": pct(gaps, 0.9) * 1e3, "itl_p99_ms": pct(gaps, 0.99) * 1e3,
+        "ttft_p50_ms": pct(ttfts, 50) * 1e3, "ttft_p90_ms": pct(ttfts, 90) * 1e3, "ttft_p99_ms": pct(ttfts, 99) * 1e3,
+        "itl_p50_ms": pct(gaps, 50) * 1e3, "itl_p90_ms": pct(gaps, 90) * 1e3, "itl_p99_ms": pct(gaps, 99) * 1e3,
         "slo_attainment": len(met) / len(outs) if outs else float("nan"),
     }
 

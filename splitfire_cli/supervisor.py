@@ -172,6 +172,9 @@ async def up(args: argparse.Namespace) -> int:
     elif not redis_url:
         print("splitfire up: redis-server not found (or --no-redis): session affinity lives in the router's memory",
               flush=True)
+    if (args.max_loras is not None or args.max_lora_rank is not None) and not (args.lora_modules or args.lora_root):
+        print("splitfire up: --max-loras / --max-lora-rank need --lora-modules or --lora-root", flush=True)
+        return 2
     tp, pp = args.tensor_parallel_size, args.pipeline_parallel_size
     if pp > 1 and not args.colocated:
         print("splitfire up: --pipeline-parallel-size above 1 is served colocated for now (add --colocated)",
@@ -191,7 +194,9 @@ async def up(args: argparse.Namespace) -> int:
     cpus = plan_cpus(args.cpus, len(roles))  # (a worker's ranks share its cores: engine/ranks.threads_per_rank)
     gpus = plan_gpus(args.gpus, len(roles), gpu_count(args.device), tp * pp)
     if args.lora_modules or args.lora_root:
-        common += ["--max-loras", str(args.max_loras), "--max-lora-rank", str(args.max_lora_rank)]
+        for flag, value in (("--max-loras", args.max_loras), ("--max-lora-rank", args.max_lora_rank)):
+            if value is not None:
+                common += [flag, str(value)]
         common += ["--lora-modules", *args.lora_modules] if args.lora_modules else ["--enable-lora"]
         for root in args.lora_root:
             common += ["--lora-root", root]
@@ -327,8 +332,9 @@ def add_subcommand(sub) -> None:
                    help="LoRA adapters every worker serves beside the model (a request names one as its model)")
     p.add_argument("--lora-root", action="append", default=[], metavar="DIR",
                    help="adapters may be loaded at run time (POST /v1/load_lora_adapter) from under this directory")
-    p.add_argument("--max-loras", type=int, default=4, help="adapters resident at once per worker")
-    p.add_argument("--max-lora-rank", type=int, default=16)
+    p.add_argument("--max-loras", type=int, default=None, help="adapters resident at once per worker (default 4; "
+                   "with --lora-modules or --lora-root)")
+    p.add_argument("--max-lora-rank", type=int, default=None, help="default 16; with --lora-modules or --lora-root")
     p.add_argument("--start-timeout", type=float, default=300.0)
     p.add_argument("--worker-arg", action="append", default=[], metavar="FLAG",
                    help="extra flag for every worker, e.g. --worker-arg=--max-num-seqs=32 (repeatable)")

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -10,6 +12,7 @@ import grpc
 
 from common.errors import RequestError
 from engine.async_engine import AsyncEngine
+from engine.loading.lora_adapters import read_adapter
 from protos import splitfire_pb2 as pb
 from protos import splitfire_pb2_grpc as pb_grpc
 from worker.config import WorkerConfig
@@ -75,11 +78,6 @@ class WorkerService(pb_grpc.WorkerServicer):
     async def LoadAdapter(self, request: pb.LoadAdapterRequest, context) -> pb.LoadAdapterResponse:
         """A LoRA adapter from under a --lora-root, read off the engine thread and placed between steps;
         anything wrong is INVALID_ARGUMENT naming it, and nothing already loaded is touched."""
-        import asyncio
-        import time
-
-        from engine.loading.lora_adapters import read_adapter
-
         ctx, t0 = self.ctx, time.perf_counter()
         llm = ctx.engine.llm
         try:

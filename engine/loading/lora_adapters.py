@@ -146,7 +146,6 @@ def read_adapter(name: str, path: str | Path, model: DecoderModel, max_rank: int
         # Each part's size in the whole model, the rows of it this rank computes (tensor parallel: a
         # column-parallel projection's heads or intermediate columns), and the input columns this
         # rank multiplies (a row-parallel projection's slice; its partial delta is summed with the rest).
-        whole = range(10**9)
         if linear in ("qkv", "o"):
             att = block.attn
             assert isinstance(att, Attention)
@@ -156,24 +155,25 @@ def read_adapter(name: str, path: str | Path, model: DecoderModel, max_rank: int
             if linear == "qkv":
                 sizes, heads = [cfg.num_heads * d, cfg.num_kv_heads * d, cfg.num_kv_heads * d], [cfg.num_heads,
                                                                                                cfg.num_kv_heads, 0]
-                rows, cols, in_full = [q_rows, kv_rows, kv_rows], whole, cfg.hidden_size
+                rows, cols = [q_rows, kv_rows, kv_rows], range(cfg.hidden_size)
             else:
-                sizes, heads, rows, cols, in_full = [cfg.hidden_size], [0], [whole], q_rows, cfg.num_heads * d
+                sizes, heads, rows, cols = [cfg.hidden_size], [0], [range(cfg.hidden_size)], q_rows
+            in_full = cfg.num_heads * d if linear == "o" else cfg.hidden_size
         else:
             mlp = block.mlp
             assert isinstance(mlp, MLP)
             inter = cfg.intermediate_size
             if linear == "gate_up":
-                sizes, heads, rows, cols, in_full = [inter, inter], [0, 0], [mlp.columns, mlp.columns], whole, \
-                    cfg.hidden_size
+                sizes, heads, rows, cols = [inter, inter], [0, 0], [mlp.columns, mlp.columns], range(cfg.hidden_size)
             else:
-                sizes, heads, rows, cols, in_full = [cfg.hidden_size], [0], [whole], mlp.columns, inter
+                sizes, heads, rows, cols = [cfg.hidden_size], [0], [range(cfg.hidden_size)], mlp.columns
+            in_full = inter if linear == "down" else cfg.hidden_size
         n_parts = len(sizes)
         a_cat = torch.zeros(n_parts * r, target.in_features, dtype=torch.float32)
         b_full = torch.zeros(target.out_features, n_parts * r, dtype=torch.float32)
         row = 0
         for p, (size, h, part_rows) in enumerate(zip(sizes, heads, rows, strict=True)):
-            local = min(part_rows.stop, size) - part_rows.start
+            local = len(part_rows)
             if p in parts:
                 a, b = parts[p]
                 if a.shape[1] != in_full or b.shape[0] != size:
@@ -184,8 +184,8 @@ def read_adapter(name: str, path: str | Path, model: DecoderModel, max_rank: int
                 b = b.float() * scale
                 if h:
                     b = interleave_rope_rows(b, h)
-                a_cat[p * r : (p + 1) * r] = a.float()[:, cols.start : min(cols.stop, in_full)]
-                b_full[row : row + local, p * r : (p + 1) * r] = b[part_rows.start : min(part_rows.stop, size)]
+                a_cat[p * r : (p + 1) * r] = a.float()[:, cols.start : cols.stop]
+                b_full[row : row + local, p * r : (p + 1) * r] = b[part_rows.start : part_rows.stop]
             row += local
         adapter.factors[(layer, linear)] = (a_cat.to(device, dtype), b_full.to(device, dtype))
     return adapter
