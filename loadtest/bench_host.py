@@ -170,7 +170,7 @@ def flame(procs: list[Proc], out_dir: Path, tag: str, seconds: float) -> list[su
 
 def bench_stack(args: argparse.Namespace, layout: str, model_dir: Path, log_dir: Path,
                 worker_stream: str = "mux") -> dict[str, float]:
-    up = ["--model", str(model_dir), "--device", "cpu", "--no-redis", "--served-model-name", "host",
+    up = ["--model", str(model_dir), "--device", args.device, "--no-redis", "--served-model-name", "host",
           f"--router-arg=--worker-stream={worker_stream}"]
     up += ["--colocated"] if layout == "colocated" else ["--prefill", "1", "--decode", "1"]
     up += [f"--worker-arg=--max-num-seqs={max(args.streams, 64)}", "--worker-arg=--speculative=off",
@@ -212,7 +212,7 @@ def bench_engine(args: argparse.Namespace, model_dir: Path) -> dict[int, dict[st
 
     torch.set_num_threads(1)
     batches = [int(b) for b in args.batches.split(",")]
-    eng = LLMEngine(EngineConfig(model=str(model_dir), device="cpu", max_num_seqs=max(batches),
+    eng = LLMEngine(EngineConfig(model=str(model_dir), device=args.device, max_num_seqs=max(batches),
                                  max_num_batched_tokens=max(4096, max(batches)), kv_cache_gb=0.5, speculative="off"))
     out: dict[int, dict[str, float]] = {}
     rng = random.Random(0)
@@ -255,6 +255,8 @@ def cpu_flags() -> str:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--streams", type=int, default=64)
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                   help="cuda: the same model on a GPU (bfloat16, decode graphs): 'forward' is then the launch")
     p.add_argument("--tokens", type=int, default=256, help="generated tokens per stream")
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--rounds", type=int, default=3, help="load rounds per layout (medians)")
@@ -273,7 +275,13 @@ def main() -> int:
     from loadtest.random_models import host_model_dir
 
     model_dir = host_model_dir()
-    results: dict[str, object] = {"machine": cpu_flags(), "streams": args.streams, "tokens": args.tokens}
+    machine = cpu_flags()
+    if args.device == "cuda":
+        import torch
+
+        machine += f", {torch.cuda.get_device_name()}"
+    results: dict[str, object] = {"machine": machine, "device": args.device, "streams": args.streams,
+                                  "tokens": args.tokens}
     log_dir = Path(tempfile.mkdtemp(prefix="bench-host-"))
     modes = [m for m in args.worker_streams.split(",") if m]
     stacks = {(layout if len(modes) == 1 else f"{layout}/{mode}"): bench_stack(args, layout, model_dir, log_dir, mode)
@@ -296,8 +304,9 @@ def main() -> int:
     if not args.no_engine:
         eng = bench_engine(args, model_dir)
         results["engine"] = eng
-        cols = ["schedule", "prepare", "forward", "sample", "commit", "detokenize", "step", "host"]
-        print("\nEngine in process: host ms per decode step (host = step - forward; 1 torch thread)")
+        cols = ["schedule", "prepare", "forward", "sample", "commit", "detokenize", "step", "host", "cpu"]
+        print("\nEngine in process: ms per decode step (host = step - forward; cpu = the process's CPU time per step;"
+              " 1 torch thread)")
         print(f"{'batch':<8}" + "".join(f"{c:>12}" for c in cols) + f"{'host us/tok':>13}")
         for b, row in eng.items():
             print(f"{b:<8}" + "".join(f"{row[c]:>12.3f}" for c in cols) + f"{row['host'] * 1e3 / b:>13.1f}")

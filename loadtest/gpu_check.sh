@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# What to run first on a GPU host, as one script with a time limit per step: the Triton kernels
+# compiled, the whole engine on the GPU against transformers (tests/test_cuda_engine.py), the
+# engine benchmark (decode vs roofline, eager vs graphs, prefill MFU), and host CPU per token on the
+# GPU (bench_host --device cuda). Each step's output goes to its own log in OUTDIR; a step that fails
+# or runs past its limit is reported and the next one still runs.
+#
+#   bash loadtest/gpu_check.sh OUTDIR [steps]      # steps: comma list of env,kernels,engine,bench,host,mla
+#
+# Needs the project's Python dependencies importable (pip install -e '.[test]'); on a host with no
+# network, SPLITFIRE_HOME must already hold bench-models/host-llama (loadtest/random_models.py).
+set -u
+OUT=${1:?usage: gpu_check.sh OUTDIR [steps]}
+STEPS=${2:-env,kernels,bench,host,engine}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+PY=${PYTHON:-python3}
+summary="$OUT/summary.txt"
+
+step() {  # step NAME LIMIT_S CMD...
+    local name=$1 limit=$2
+    shift 2
+    case ",$STEPS," in *",$name,"*) ;; *) return 0 ;; esac
+    local t0=$SECONDS
+    timeout -k 10 "$limit" "$@" >"$OUT/$name.log" 2>&1
+    local rc=$?
+    local verdict=ok
+    [ $rc -eq 124 ] && verdict="TIMED OUT after ${limit}s"
+    [ $rc -ne 0 ] && [ $rc -ne 124 ] && verdict="FAILED rc=$rc"
+    echo "$name: $verdict ($((SECONDS - t0)) s)" | tee -a "$summary"
+}
+
+step env 60 bash -c "nvidia-smi; $PY -c 'import torch, triton, sys; print(sys.version); print(torch.__version__, torch.version.cuda, triton.__version__, torch.cuda.get_device_name())'; nproc; grep -m1 'model name' /proc/cpuinfo"
+step kernels 120 $PY -m pytest -q -p no:cacheprovider --timeout 120 tests/test_triton_kernels.py tests/test_staging.py
+step engine 150 $PY -m pytest -q -p no:cacheprovider --timeout 120 tests/test_cuda_engine.py
+step bench 130 $PY -m loadtest.bench_gpu
+step host 120 $PY -m loadtest.bench_host --device cuda --layouts colocated --rounds 2 --json "$OUT/host.json"
+step mla 90 $PY -m loadtest.bench_gpu --preset deepseek-v2-lite --quantization int4 --batches 1,32
+cat "$summary"

@@ -1,0 +1,102 @@
+"""The whole engine on a real GPU (skipped without CUDA): every family in bfloat16, Triton attention
+compiled, decode steps replayed from CUDA graphs, against transformers in float32 on the CPU.
+
+bfloat16 cannot reproduce float32's greedy tokens exactly, so the bar is the one
+tests/test_model_families.py sets for bfloat16: the engine's last-position logits are no further from
+float32 than transformers' own bfloat16 model is (on the same GPU), and every token the engine
+generates is a greedy choice up to that error — teacher-forced through the float32 model, its logit is
+within the bound of the largest one at every position. A wrong kernel (a bad page index, a lost
+softmax rescale, a graph replaying stale inputs) moves logits by far more than bfloat16's rounding.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+CUDA = torch.cuda.is_available()
+pytestmark = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+
+from engine_helpers import drain, make_engine  # noqa: E402
+from hf_models import FAMILIES, HFModel, make_hf_model  # noqa: E402
+
+from common.sampling_params import SamplingParams  # noqa: E402
+
+N = 12
+
+
+def prompts() -> list[list[int]]:
+    # 5, 40 and 90 tokens: inside one block, a few blocks, and longer than every tiny sliding window.
+    return [[(7 * j + 31 * i) % 390 + 3 for j in range(n)] for i, n in enumerate((5, 40, 90))]
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request, tmp_path_factory) -> HFModel:
+    return make_hf_model(request.param, tmp_path_factory.mktemp(request.param) / "model")
+
+
+def engine_logits(engine, prompt: list[int]) -> torch.Tensor:
+    engine.add_request("logits", prompt, SamplingParams(max_tokens=1, temperature=0.0))
+    batch = engine.scheduler.schedule()
+    ids, positions, meta, rows = engine.runner.prepare(batch)
+    with torch.inference_mode():
+        out = engine.model.logits(engine.model(ids, positions, engine.kv, meta)[rows])[0]
+    engine.abort("logits")
+    return out.float().cpu()
+
+
+@torch.no_grad()
+def bf16_bound(family: HFModel, ps: list[list[int]]) -> float:
+    """Twice transformers' own bfloat16 error on this GPU (largest over the prompts), plus a floor."""
+    ref = copy.deepcopy(family.model).to("cuda", torch.bfloat16)
+    worst = 0.0
+    for p in ps:
+        theirs = ref(torch.tensor([p], device="cuda")).logits[0, -1].float().cpu()
+        worst = max(worst, (theirs - family.logits(p)).abs().max().item())
+    return 2 * worst + 0.02
+
+
+def test_bfloat16_logits_on_the_gpu_within_transformers_own_error(family):
+    engine = make_engine(family.path, device="cuda", dtype="bfloat16", kv_cache_gb=0.05)
+    bound = bf16_bound(family, prompts())
+    for p in prompts():
+        err = (engine_logits(engine, p) - family.logits(p)).abs().max().item()
+        assert err <= bound, f"{family.name}: {len(p)}-token prompt, bf16 error {err:.3f} > bound {bound:.3f}"
+
+
+@torch.no_grad()
+def test_graph_decoded_tokens_are_greedy_choices_up_to_bfloat16(family):
+    engine = make_engine(family.path, device="cuda", dtype="bfloat16", kv_cache_gb=0.05)
+    graphs = engine.runner.graphs
+    assert graphs is not None, f"{family.name}: decode graphs were not captured (see event=decode_graphs_off)"
+    ps = prompts()
+    for i, p in enumerate(ps):
+        engine.add_request(f"r{i}", p, SamplingParams(max_tokens=N, temperature=0.0, ignore_eos=True))
+    out = drain(engine)
+    assert graphs.replays > 0, f"{family.name}: no decode step replayed a graph"
+    bound = bf16_bound(family, ps)
+    for i, p in enumerate(ps):
+        toks = out[f"r{i}"].token_ids
+        assert len(toks) == N
+        logits = family.model(torch.tensor([p + toks])).logits[0, len(p) - 1:-1].float()
+        gap = logits.max(dim=-1).values - logits[torch.arange(N), torch.tensor(toks)]
+        worst = int(gap.argmax())
+        assert gap.max().item() <= bound, (
+            f"{family.name}: prompt {i}, token {worst} ({toks[worst]}) is {gap.max().item():.3f} below the "
+            f"float32 argmax ({int(logits[worst].argmax())}); bfloat16 bound {bound:.3f}")
+
+
+@torch.no_grad()
+def test_graph_replay_equals_eager_decode_on_the_gpu(family):
+    """Same device, dtype and kernels, graphs on vs off: the replayed step runs the same kernels on the
+    same inputs (a full bucket, so even the matmuls' shapes match), so the tokens must be identical."""
+    ps = prompts() + [[(5 * j + 3) % 390 + 3 for j in range(17)]]  # 4 streams: a bucket's size, no padding rows
+    runs = []
+    for graphs in ("on", "off"):
+        engine = make_engine(family.path, device="cuda", dtype="bfloat16", kv_cache_gb=0.05, decode_graphs=graphs)
+        for i, p in enumerate(ps):
+            engine.add_request(f"r{i}", p, SamplingParams(max_tokens=N, temperature=0.0, ignore_eos=True))
+        runs.append({k: v.token_ids for k, v in drain(engine).items()})
+    assert runs[0] == runs[1], family.name
