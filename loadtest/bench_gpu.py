@@ -98,8 +98,13 @@ def build(preset: str, dev: torch.device, dtype: torch.dtype, blocks: int, block
     """(config, model, KV cache, parameter counts of the float model, bytes per weight as stored)."""
     cfg = ModelConfig.from_dict({"architectures": ["LlamaForCausalLM"], "rms_norm_eps": 1e-5, **PRESETS[preset]})
     torch.manual_seed(0)
-    with torch.device(dev):
-        model = DecoderModel(cfg).to(dtype)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # as the engine's loader builds it: routers stay float32
+    try:
+        with torch.device(dev):
+            model = DecoderModel(cfg)
+    finally:
+        torch.set_default_dtype(default)
     for p in model.parameters():
         p.normal_(0.0, 0.02)
     counts = ParamCounts.of(model, cfg)

@@ -28,8 +28,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import cProfile
 import json
 import os
+import pstats
 import random
 import shutil
 import statistics
@@ -213,17 +215,22 @@ def bench_engine(args: argparse.Namespace, model_dir: Path) -> dict[int, dict[st
     torch.set_num_threads(1)
     batches = [int(b) for b in args.batches.split(",")]
     eng = LLMEngine(EngineConfig(model=str(model_dir), device=args.device, max_num_seqs=max(batches),
-                                 max_num_batched_tokens=max(4096, max(batches)), kv_cache_gb=0.5, speculative="off"))
+                                 max_num_batched_tokens=max(4096, max(batches)), kv_cache_gb=0.5, speculative="off",
+                                 # every prompt in before timing: the CPU's cap of 24 prompt tokens per step
+                                 # would let the first streams finish before the last start (a smaller batch)
+                                 max_prefill_tokens_while_decoding=0))
     out: dict[int, dict[str, float]] = {}
     rng = random.Random(0)
     for b in batches:
         for i in range(b):
             eng.add_request(f"b{b}-{i}", [rng.randrange(3, 500) for _ in range(args.prompt_len)],
-                            SamplingParams(max_tokens=args.engine_steps + 20, temperature=0, ignore_eos=True))
+                            SamplingParams(max_tokens=2 * args.engine_steps + 20, temperature=0, ignore_eos=True))
         while any(s.num_computed_tokens < s.num_prompt_tokens for s in eng.seqs.values()):
             eng.step()
         for _ in range(5):
             eng.step()
+        running = sum(1 for s in eng.seqs.values() if s.num_computed_tokens >= s.num_prompt_tokens)
+        assert running == b, f"batch {b}: only {running} sequences decoding"
         times = eng.time_steps()
         cpu0, t0 = time.process_time(), time.perf_counter()
         for _ in range(args.engine_steps):
@@ -232,6 +239,14 @@ def bench_engine(args: argparse.Namespace, model_dir: Path) -> dict[int, dict[st
         cpu = (time.process_time() - cpu0) * 1e3 / args.engine_steps
         eng.times = eng.runner.times = None
         row = times.per_step_ms()
+        if args.profile and b == max(batches):  # after the timed steps: cProfile's overhead stays out of them
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(args.engine_steps // 2):
+                eng.step()
+            prof.disable()
+            print(f"\ncProfile of {args.engine_steps // 2} more decode steps at batch {b} (by own time):")
+            pstats.Stats(prof, stream=sys.stdout).sort_stats("tottime").print_stats(25)
         row["step"], row["cpu"] = wall, cpu
         row["host"] = wall - row["forward"]
         out[b] = row
@@ -264,6 +279,7 @@ def main() -> int:
     p.add_argument("--batches", default="1,16,64,256", help="engine table: decode batch sizes")
     p.add_argument("--engine-steps", type=int, default=200, help="engine table: steps measured per batch size")
     p.add_argument("--no-engine", action="store_true", help="skip the in-process engine table")
+    p.add_argument("--profile", action="store_true", help="engine table: cProfile the largest batch's steps")
     p.add_argument("--flame", default="", metavar="DIR", help="record every stack process with py-spy into DIR")
     p.add_argument("--flame-seconds", type=float, default=8.0)
     p.add_argument("--worker-arg", action="append", default=[], help="extra worker flag (e.g. --threads=1)")

@@ -12,6 +12,7 @@ softmax rescale, a graph replaying stale inputs) moves logits by far more than b
 from __future__ import annotations
 
 import copy
+import gc
 
 import pytest
 import torch
@@ -25,6 +26,15 @@ from hf_models import FAMILIES, HFModel, make_hf_model  # noqa: E402
 from common.sampling_params import SamplingParams  # noqa: E402
 
 N = 12
+# Each engine's KV cache: 2% of the free memory (not --gpu-memory-fraction's 85%: a test makes several).
+GPU = dict(device="cuda", dtype="bfloat16", gpu_memory_fraction=0.02)
+
+
+@pytest.fixture(autouse=True)
+def _free_gpu_memory():
+    yield
+    gc.collect()
+    torch.cuda.empty_cache()
 
 
 def prompts() -> list[list[int]]:
@@ -59,7 +69,7 @@ def bf16_bound(family: HFModel, ps: list[list[int]]) -> float:
 
 
 def test_bfloat16_logits_on_the_gpu_within_transformers_own_error(family):
-    engine = make_engine(family.path, device="cuda", dtype="bfloat16", kv_cache_gb=0.05)
+    engine = make_engine(family.path, **GPU)
     bound = bf16_bound(family, prompts())
     for p in prompts():
         err = (engine_logits(engine, p) - family.logits(p)).abs().max().item()
@@ -68,7 +78,7 @@ def test_bfloat16_logits_on_the_gpu_within_transformers_own_error(family):
 
 @torch.no_grad()
 def test_graph_decoded_tokens_are_greedy_choices_up_to_bfloat16(family):
-    engine = make_engine(family.path, device="cuda", dtype="bfloat16", kv_cache_gb=0.05)
+    engine = make_engine(family.path, **GPU)
     graphs = engine.runner.graphs
     assert graphs is not None, f"{family.name}: decode graphs were not captured (see event=decode_graphs_off)"
     ps = prompts()
@@ -95,7 +105,7 @@ def test_graph_replay_equals_eager_decode_on_the_gpu(family):
     ps = prompts() + [[(5 * j + 3) % 390 + 3 for j in range(17)]]  # 4 streams: a bucket's size, no padding rows
     runs = []
     for graphs in ("on", "off"):
-        engine = make_engine(family.path, device="cuda", dtype="bfloat16", kv_cache_gb=0.05, decode_graphs=graphs)
+        engine = make_engine(family.path, **GPU, decode_graphs=graphs)
         for i, p in enumerate(ps):
             engine.add_request(f"r{i}", p, SamplingParams(max_tokens=N, temperature=0.0, ignore_eos=True))
         runs.append({k: v.token_ids for k, v in drain(engine).items()})

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -81,16 +82,30 @@ def buckets_for(max_num_seqs: int) -> list[int]:
 
 @dataclass
 class StaticBatch:
-    """One bucket's fixed tensors; `hidden` is where the forward writes its output."""
+    """One bucket's fixed tensors; `hidden` is where the forward writes its output.
+
+    The inputs are views of one flat device buffer `flat` laid out [input_ids | positions | k_rows |
+    context_lens | tables], filled from its mirror `host` (pinned on CUDA; the same tensor on CPU)
+    through numpy and sent in one copy per step."""
 
     size: int
+    flat: torch.Tensor  # [4B + B * max_blocks] int64
+    host: torch.Tensor
     input_ids: torch.Tensor  # [B] int64
     positions: torch.Tensor  # [B] int64
     k_rows: torch.Tensor  # [B] int64: row of each token's K in the layer cache viewed as [rows, kv_heads, dim]
-    tables: torch.Tensor  # [B, max_blocks] int64
     context_lens: torch.Tensor  # [B] int64
+    tables: torch.Tensor  # [B, max_blocks] int64
+    host_np: Any = None  # numpy view of `host` (made once: on CPU `host` is the device buffer itself)
     hidden: torch.Tensor | None = None
     graph: object | None = None  # torch.cuda.CUDAGraph once captured
+
+    @classmethod
+    def make(cls, b: int, max_blocks: int, device: torch.device) -> StaticBatch:
+        flat = torch.zeros(4 * b + b * max_blocks, dtype=torch.long, device=device)
+        host = flat if device.type == "cpu" else torch.zeros(flat.shape, dtype=torch.long, pin_memory=True)
+        return cls(b, flat, host, flat[:b], flat[b : 2 * b], flat[2 * b : 3 * b], flat[3 * b : 4 * b],
+                   flat[4 * b :].view(b, max_blocks), host.numpy())
 
 
 class DecodeGraphs:
@@ -105,8 +120,7 @@ class DecodeGraphs:
         self.buckets = buckets_for(max_num_seqs)
         self.static: dict[int, StaticBatch] = {}
         for b in self.buckets:
-            z = lambda *shape: torch.zeros(*shape, dtype=torch.long, device=device)  # noqa: E731
-            self.static[b] = StaticBatch(b, z(b), z(b), z(b), z(b, max_blocks), z(b))
+            self.static[b] = StaticBatch.make(b, max_blocks, device)
         self.replays = 0
 
     def bucket(self, n: int) -> int | None:
@@ -173,24 +187,34 @@ class DecodeGraphs:
 
     def run(self, input_ids: list[int], positions: list[int], k_rows: list[int], tables: list[list[int]],
             context_lens: list[int]) -> torch.Tensor:
-        """Hidden states [n, hidden] for n decode rows (n <= the largest bucket)."""
+        """Hidden states [n, hidden] for n decode rows (n <= the largest bucket).
+
+        The rows are written into the bucket's host mirror and sent in one copy. A table's entries past
+        its own length keep whatever an earlier step left there (block ids, so always in range):
+        attention reads only a row's first ceil(context / block_size) entries, the torch path masks the
+        rest. Padding rows get context 1 in the scratch block."""
         n = len(input_ids)
         b = self.bucket(n)
         assert b is not None, "batch larger than the largest bucket: run it eagerly"
         s = self.static[b]
-        dev = self.device
-        s.input_ids[:n].copy_(torch.tensor(input_ids, dtype=torch.long), non_blocking=True)
-        s.positions[:n].copy_(torch.tensor(positions, dtype=torch.long), non_blocking=True)
-        s.k_rows[:n].copy_(torch.tensor(k_rows, dtype=torch.long), non_blocking=True)
-        s.context_lens[:n].copy_(torch.tensor(context_lens, dtype=torch.long), non_blocking=True)
+        h = s.host_np
+        h[0:n], h[b : b + n], h[2 * b : 2 * b + n], h[3 * b : 3 * b + n] = input_ids, positions, k_rows, context_lens
+        h[n:b] = 0
+        h[b + n : 2 * b] = 0
+        h[2 * b + n : 3 * b] = self.scratch_block * self.planes * self.block_size  # slot 0 of the scratch K page
+        h[3 * b + n : 4 * b] = 1
         width = s.tables.shape[1]
-        rows = [t[:width] + [self.scratch_block] * (width - len(t[:width])) for t in tables]
-        s.tables[:n].copy_(torch.tensor(rows, dtype=torch.long), non_blocking=True)
-        self._fill_padding(s, n)
+        t = h[4 * b :].reshape(b, width)
+        for i, row in enumerate(tables):
+            m = min(len(row), width)
+            t[i, :m] = row[:m] if m < len(row) else row
+        t[n:, 0] = self.scratch_block
+        if s.host is not s.flat:
+            s.flat.copy_(s.host, non_blocking=True)
         if s.graph is not None:
             s.graph.replay()  # type: ignore[attr-defined]
         else:
             self._run(s)
         self.replays += 1
-        assert s.hidden is not None and s.hidden.device.type == dev.type
+        assert s.hidden is not None and s.hidden.device.type == self.device.type
         return s.hidden[:n]

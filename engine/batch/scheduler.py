@@ -162,13 +162,15 @@ class Scheduler:
         out: list[ScheduledSeq] = []
         # 1. Decodes, oldest first; a decode that needs a block preempts the newest sequence.
         decodes: list[Sequence] = []
+        # (A preempted sequence leaves `running` with status WAITING: the status is the O(1) membership
+        # test — `in self.running` made every step quadratic in the batch.)
         for seq in sorted(self.running, key=lambda s: s.arrival) if not newcomers else ():
-            if seq not in self.running or seq.num_remaining != 1:
+            if seq.status != Status.RUNNING or seq.num_remaining != 1:
                 continue
             while not self.blocks.grow(seq, seq.num_tokens):
                 if self._preempt(self._victim()) is seq:
                     break
-            if seq in self.running:
+            if seq.status == Status.RUNNING:
                 decodes.append(seq)
         if self.tenanted:  # a later decode's preemption may have taken an earlier one of another tenant
             decodes = [s for s in decodes if s.status == Status.RUNNING]

@@ -14,14 +14,19 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.model.kernels.triton_ops import _store_split, combine_splits, decode_splits, split_buffer
+
 
 @triton.jit
 def _mla_decode_kernel(
-    qc_ptr, qr_ptr, cache_ptr, tables_ptr, ctx_ptr, out_ptr, scale, heads,
+    qc_ptr, qr_ptr, cache_ptr, tables_ptr, ctx_ptr, out_ptr, part_ptr, scale, heads,
     stride_qcb, stride_qch, stride_qrb, stride_qrh, stride_cb, stride_cs, stride_tb, stride_ob, stride_oh,
-    RANK: tl.constexpr, ROPE: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_TILE: tl.constexpr,
+    RANK: tl.constexpr, ROPE: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_TILE: tl.constexpr, SPLITS: tl.constexpr,
 ):
+    """SPLITS > 1: split-KV, as `triton_ops._decode_attention_kernel` (each split's pages from the
+    sequence's context length on the device; partials merged by `combine_splits`)."""
     seq = tl.program_id(0)
+    split = tl.program_id(2)
     h = tl.program_id(1) * HEAD_TILE + tl.arange(0, HEAD_TILE)
     hmask = h < heads
     r = tl.arange(0, RANK)
@@ -33,7 +38,9 @@ def _mla_decode_kernel(
     m_i = tl.full([HEAD_TILE], float("-inf"), tl.float32)
     l_i = tl.zeros([HEAD_TILE], tl.float32)
     acc = tl.zeros([HEAD_TILE, RANK], tl.float32)
-    for j in range(0, tl.cdiv(ctx, BLOCK_SIZE)):
+    pages = tl.cdiv(ctx, BLOCK_SIZE)
+    per_split = tl.cdiv(pages, SPLITS)
+    for j in range(split * per_split, tl.minimum((split + 1) * per_split, pages)):
         blk = tl.load(tables_ptr + seq * stride_tb + j)
         page = cache_ptr + blk * stride_cb + s_off[:, None] * stride_cs
         valid = j * BLOCK_SIZE + s_off < ctx
@@ -47,9 +54,12 @@ def _mla_decode_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c)
         m_i = m_new
-    out = acc / l_i[:, None]
-    tl.store(out_ptr + seq * stride_ob + h[:, None] * stride_oh + r[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=hmask[:, None])
+    if SPLITS == 1:
+        out = acc / l_i[:, None]
+        tl.store(out_ptr + seq * stride_ob + h[:, None] * stride_oh + r[None, :], out.to(out_ptr.dtype.element_ty),
+                 mask=hmask[:, None])
+    else:
+        _store_split(part_ptr, seq, h, split, m_i, l_i, acc, hmask, heads, SPLITS, RANK)
 
 
 def supported(rank: int, rope: int, block_size: int) -> bool:
@@ -58,18 +68,24 @@ def supported(rank: int, rope: int, block_size: int) -> bool:
 
 
 def mla_decode(q_c: torch.Tensor, q_r: torch.Tensor, layer_cache: torch.Tensor, block_tables: torch.Tensor,
-               context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+               context_lens: torch.Tensor, scale: float, splits: int | None = None) -> torch.Tensor:
     """q_c: [B, heads, rank] (W_UK folded in), q_r: [B, heads, rope] (roped); layer_cache:
-    [num_blocks, 1, block_size, 1, rank + rope]. Returns Σ p c: [B, heads, rank]."""
+    [num_blocks, 1, block_size, 1, rank + rope]; splits: split-KV programs per (sequence, head tile)
+    (None: `triton_ops.decode_splits`). Returns Σ p c: [B, heads, rank]."""
     b, heads, rank = q_c.shape
     rope, block_size = q_r.shape[-1], layer_cache.shape[2]
     q_c, q_r = q_c.contiguous(), q_r.contiguous()
     out = torch.empty_like(q_c)
     head_tile = 16
-    _mla_decode_kernel[(b, triton.cdiv(heads, head_tile))](
-        q_c, q_r, layer_cache, block_tables, context_lens, out, scale, heads,
+    tiles = triton.cdiv(heads, head_tile)
+    splits = splits or decode_splits(q_c.device, b * tiles)
+    part = split_buffer(b, heads, splits, rank, q_c.device) if splits > 1 else out
+    _mla_decode_kernel[(b, tiles, splits)](
+        q_c, q_r, layer_cache, block_tables, context_lens, out, part, scale, heads,
         q_c.stride(0), q_c.stride(1), q_r.stride(0), q_r.stride(1), layer_cache.stride(0), layer_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
-        RANK=rank, ROPE=rope, BLOCK_SIZE=block_size, HEAD_TILE=head_tile,
+        RANK=rank, ROPE=rope, BLOCK_SIZE=block_size, HEAD_TILE=head_tile, SPLITS=splits,
     )
+    if splits > 1:
+        combine_splits(part, out, splits)
     return out

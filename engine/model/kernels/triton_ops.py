@@ -15,64 +15,137 @@ import triton.language as tl
 
 @triton.jit
 def _decode_attention_kernel(
-    q_ptr, cache_ptr, tables_ptr, ctx_ptr, out_ptr, scale,
+    q_ptr, cache_ptr, tables_ptr, ctx_ptr, out_ptr, part_ptr, scale,
     stride_qt, stride_qh, stride_cb, stride_ckv, stride_cs, stride_ch, stride_tb, stride_ot, stride_oh,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
-    WINDOW: tl.constexpr,
+    WINDOW: tl.constexpr, KEYS: tl.constexpr, SPLITS: tl.constexpr,
 ):
-    """One program per (sequence, kv head): the GROUP query heads sharing that kv head read each
-    page once; online softmax over the sequence's pages, straight from its block table. With a
-    WINDOW (> 0), only the last WINDOW keys count and pages before them are not read."""
+    """One program per (sequence, kv head, split of its keys): the GROUP query heads sharing that kv
+    head read each key once, KEYS keys per tile gathered through the block table (a tile spans pages),
+    scores and the weighted sum as tensor-core dots (the group padded to 16 rows), softmax online.
+    With a WINDOW (> 0), only the last WINDOW keys count and keys before them are not read.
+
+    SPLITS > 1 is split-KV ("flash decoding"): a sequence's tiles are shared out over SPLITS programs,
+    so a small batch still fills the GPU; each writes its running max, sum and unnormalized output to
+    `part` and `_combine_splits_kernel` merges them. The split sizes come from each sequence's own
+    context length on the device, so a captured CUDA graph replays correctly at any length."""
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
+    split = tl.program_id(2)
     g = tl.arange(0, GROUP_PAD)
     d = tl.arange(0, HEAD_DIM)
-    s_off = tl.arange(0, BLOCK_SIZE)
+    t_off = tl.arange(0, KEYS)
     gmask = g < GROUP
     q = tl.load(q_ptr + seq * stride_qt + (kvh * GROUP + g)[:, None] * stride_qh + d[None, :],
-                mask=gmask[:, None], other=0.0).to(tl.float32)
+                mask=gmask[:, None], other=0.0)
     ctx = tl.load(ctx_ptr + seq)
-    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-    l_i = tl.zeros([GROUP_PAD], tl.float32)
-    acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
     first_key = 0
     if WINDOW > 0:
         first_key = tl.maximum(ctx - WINDOW, 0)
-    for j in range(first_key // BLOCK_SIZE, tl.cdiv(ctx, BLOCK_SIZE)):
-        blk = tl.load(tables_ptr + seq * stride_tb + j)
-        base = cache_ptr + blk * stride_cb + kvh * stride_ch
-        valid = (j * BLOCK_SIZE + s_off < ctx) & (j * BLOCK_SIZE + s_off >= first_key)
-        k = tl.load(base + s_off[:, None] * stride_cs + d[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
-        v = tl.load(base + stride_ckv + s_off[:, None] * stride_cs + d[None, :], mask=valid[:, None],
-                    other=0.0).to(tl.float32)
-        s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [GROUP_PAD, BLOCK_SIZE]
+    tiles = tl.cdiv(ctx - first_key, KEYS)
+    per_split = tl.cdiv(tiles, SPLITS)
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+    for j in range(split * per_split, tl.minimum((split + 1) * per_split, tiles)):
+        t = first_key + j * KEYS + t_off
+        valid = t < ctx
+        blk = tl.load(tables_ptr + seq * stride_tb + t // BLOCK_SIZE, mask=valid, other=0)
+        row = cache_ptr + blk.to(tl.int64) * stride_cb + kvh * stride_ch + (t % BLOCK_SIZE) * stride_cs
+        k = tl.load(row[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+        v = tl.load(row[:, None] + stride_ckv + d[None, :], mask=valid[:, None], other=0.0)
+        s = tl.dot(q.to(k.dtype), tl.trans(k)) * scale  # [GROUP_PAD, KEYS], float32
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         p = tl.exp(s - m_new[:, None])
         alpha = tl.exp(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
-    out = acc / l_i[:, None]
-    tl.store(out_ptr + seq * stride_ot + (kvh * GROUP + g)[:, None] * stride_oh + d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=gmask[:, None])
+    heads = kvh * GROUP + g
+    if SPLITS == 1:
+        out = acc / l_i[:, None]
+        tl.store(out_ptr + seq * stride_ot + heads[:, None] * stride_oh + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=gmask[:, None])
+    else:
+        _store_split(part_ptr, seq, heads, split, m_i, l_i, acc, gmask, tl.num_programs(1) * GROUP, SPLITS,
+                     HEAD_DIM)
+
+
+@triton.jit
+def _store_split(part_ptr, seq, heads, split, m_i, l_i, acc, hmask, num_heads, SPLITS: tl.constexpr,
+                 DIM: tl.constexpr):
+    """A split's partial result: [m, l, acc[DIM]] per (sequence, head, split), float32."""
+    d = tl.arange(0, DIM)
+    base = part_ptr + ((seq * num_heads + heads) * SPLITS + split) * (DIM + 2)
+    tl.store(base, m_i, mask=hmask)
+    tl.store(base + 1, l_i, mask=hmask)
+    tl.store(base[:, None] + 2 + d[None, :], acc, mask=hmask[:, None])
+
+
+@triton.jit
+def _combine_splits_kernel(part_ptr, out_ptr, stride_ot, stride_oh, SPLITS: tl.constexpr, DIM: tl.constexpr):
+    """One program per (sequence, head): the splits' partial softmaxes merged by their maxima."""
+    seq = tl.program_id(0)
+    h = tl.program_id(1)
+    sp = tl.arange(0, SPLITS)
+    d = tl.arange(0, DIM)
+    base = part_ptr + ((seq * tl.num_programs(1) + h) * SPLITS + sp) * (DIM + 2)
+    m = tl.load(base)
+    l_s = tl.load(base + 1)
+    acc = tl.load(base[:, None] + 2 + d[None, :])
+    m_max = tl.max(m, axis=0)
+    w = tl.where(m > float("-inf"), tl.exp(m - m_max), 0.0)  # an empty split (short context) weighs nothing
+    out = tl.sum(w[:, None] * acc, axis=0) / tl.sum(w * l_s, axis=0)
+    tl.store(out_ptr + seq * stride_ot + h * stride_oh + d, out.to(out_ptr.dtype.element_ty))
+
+
+_SM_COUNT: dict[int, int] = {}
+
+
+def decode_splits(device: torch.device, programs: int) -> int:
+    """How many splits of each sequence's keys fill the GPU: enough programs for two waves over its
+    multiprocessors, a power of two up to 16 (none on CPU, where the interpreter runs one program at a
+    time). Fixed per batch shape, so a captured graph keeps it."""
+    if device.type != "cuda":
+        return 1
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    want = -(-2 * _SM_COUNT[idx] // max(programs, 1))
+    return min(16, triton.next_power_of_2(want)) if want > 1 else 1
+
+
+def split_buffer(b: int, heads: int, splits: int, dim: int, device: torch.device) -> torch.Tensor:
+    return torch.empty(b * heads * splits * (dim + 2), dtype=torch.float32, device=device)
+
+
+def combine_splits(part: torch.Tensor, out: torch.Tensor, splits: int) -> None:
+    b, heads, dim = out.shape
+    _combine_splits_kernel[(b, heads)](part, out, out.stride(0), out.stride(1), SPLITS=splits, DIM=dim)
 
 
 def paged_decode_attention(q: torch.Tensor, layer_cache: torch.Tensor, block_tables: torch.Tensor,
-                           context_lens: torch.Tensor, scale: float, window: int = 0) -> torch.Tensor:
+                           context_lens: torch.Tensor, scale: float, window: int = 0,
+                           splits: int | None = None) -> torch.Tensor:
     """q: [B, heads, dim]; block_tables: [B, max_blocks] int32/64; context_lens: [B]; window: sliding
-    window in tokens (0 = none). Returns [B, heads, dim]."""
+    window in tokens (0 = none); splits: split-KV programs per sequence (None: `decode_splits`).
+    Returns [B, heads, dim]."""
     b, heads, dim = q.shape
     kv_heads, block_size = layer_cache.shape[3], layer_cache.shape[2]
     group = heads // kv_heads
+    splits = splits or decode_splits(q.device, b * kv_heads)
     out = torch.empty_like(q)
-    _decode_attention_kernel[(b, kv_heads)](
-        q, layer_cache, block_tables, context_lens, out, scale,
+    part = split_buffer(b, heads, splits, dim, q.device) if splits > 1 else out
+    _decode_attention_kernel[(b, kv_heads, splits)](
+        q, layer_cache, block_tables, context_lens, out, part, scale,
         q.stride(0), q.stride(1), layer_cache.stride(0), layer_cache.stride(1), layer_cache.stride(2),
         layer_cache.stride(3), block_tables.stride(0), out.stride(0), out.stride(1),
-        GROUP=group, GROUP_PAD=max(triton.next_power_of_2(group), 2), BLOCK_SIZE=block_size, HEAD_DIM=dim,
-        WINDOW=window,
+        GROUP=group, GROUP_PAD=max(triton.next_power_of_2(group), 16), BLOCK_SIZE=block_size, HEAD_DIM=dim,
+        WINDOW=window, KEYS=max(block_size, 64), SPLITS=splits,
     )
+    if splits > 1:
+        combine_splits(part, out, splits)
     return out
 
 
