@@ -34,6 +34,6 @@ step env 60 bash -c "nvidia-smi; $PY -c 'import torch, triton, sys; print(sys.ve
 step kernels 120 $PY -m pytest -q -p no:cacheprovider --timeout 120 tests/test_triton_kernels.py tests/test_staging.py
 step engine 150 $PY -m pytest -q -p no:cacheprovider --timeout 120 tests/test_cuda_engine.py
 step bench 130 $PY -m loadtest.bench_gpu
-step host 120 $PY -m loadtest.bench_host --device cuda --layouts colocated --rounds 2 --json "$OUT/host.json"
+step host 120 $PY -m loadtest.bench_host --device cuda --layouts colocated --rounds 2 --profile --json "$OUT/host.json"
 step mla 90 $PY -m loadtest.bench_gpu --preset deepseek-v2-lite --quantization int4 --batches 1,32
 cat "$summary"
