@@ -1,0 +1,639 @@
+"""A discrete-event simulation of a whole fleet serving a Mooncake trace (`../shared/data/mooncake_traces/`):
+the full hour, real arrivals and lengths, real prefix sharing (the trace's 512-token block hashes).
+
+Placement is the router's own code: `router.balancer` policies over `router.endpoints.Endpoint` load
+estimates (charged and released as the router does) and `router.prefix_index.PrefixIndex` for the
+expected cache hit. Workers are a cost model (`CostModel`):
+
+- **prefill worker**: FIFO; a prompt takes `overhead + uncached / prefill_tps` (blocks fetched from the
+  cluster KV store cost `store_fetch_cost` of computing them); its prefix cache is an LRU of trace
+  blocks (`cache_blocks` per worker); the KV store, when on, an LRU shared by the fleet.
+- **decode worker**: continuous batching, at most `max_batch` streams; a step takes the measured
+  step time at that batch (interpolated) plus reading the batch's extra context beyond the profiled one
+  at `kv_bytes_per_token / kv_bandwidth`. Between events the batch is constant, so every stream
+  advances by elapsed / step tokens at once (events are arrivals, prefills and completions — not
+  steps: the hour simulates in seconds).
+- **colocated worker** (`--layout colocated`): both, in one step loop: a step carries up to
+  `chunk_tokens` of queued prompts beside the decodes and lasts decode step + chunk / prefill_tps —
+  the interference disaggregation removes.
+
+A request meets its SLO when its TTFT <= `--ttft-slo` and its mean inter-token time <= `--itl-slo`.
+`itl_p50/p90_ms` are over requests' mean inter-token times; `token_itl_p90/p99_ms` over every generated
+token's (a colocated step carrying a prompt chunk is a long gap for every stream in it).
+
+`--compare-planner` sizes the fleet three ways over the trace and writes
+`{"planner": {"slo_attainment", "worker_hours", ...}, "best_static": {...}, "cpu_hpa": {...}}`:
+`planner.decision.Planner` every `--interval` seconds on the interval's metrics (new workers ready
+after `--startup` seconds, drained ones leave when empty); every static prefill:decode split up to
+`--max-workers`, the best chosen in hindsight (the fewest worker-hours with attainment at least the
+planner's, else the best attainment); and a CPU-utilization HPA per role (target 70%, 10% tolerance,
+5-minute scale-down stabilization, as Kubernetes' defaults), where a worker's utilization is the time
+it is busy — which a decode worker is whenever it holds a stream.
+
+    python -m loadtest.fleet_sim --trace ../shared/data/mooncake_traces/conversation_trace.jsonl \\
+        --prefill 4 --decode 4 --policy token --store
+    python -m loadtest.fleet_sim --trace FILE --compare-planner --json OUT.json --plot OUT.png
+    python -m loadtest.fleet_sim --trace FILE --layout colocated --workers 8     # vs --prefill 4 --decode 4
+
+Calibration (`COST_MODELS`): `h200-llama3-8b` from this project's own H200 run (`loadtest/bench_gpu`,
+2026-11-26: decode step 5.87 / 6.64 / 7.87 / 12.22 ms at batch 1 / 8 / 32 / 128 with 1,024 tokens of
+context each, prefill 37,223 tokens/s at 2,048 tokens; `loadtest/results/gpu_h200/bench_gpu.txt`).
+What it leaves out: attention cost growing with a prompt's length in prefill (its tokens/s is the
+2k-token figure), preemption, network time other than `transfer_s_per_token`, failures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import heapq
+import itertools
+import json
+import math
+import statistics
+import sys
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from loadtest.trace_replay import TRACE_BLOCK, TraceRequest, read_trace
+from planner.decision import Limits, Planner, Profile, Snapshot
+from router.balancer import Placement, make_policy
+from router.endpoints import Endpoint
+from router.prefix_index import PrefixIndex
+
+
+@dataclass(frozen=True)
+class CostModel:
+    prefill_tps: float  # prompt tokens/s one prefill worker computes
+    decode_step_s: dict[int, float]  # batch -> seconds per decode step at `profiled_context` tokens each
+    profiled_context: int
+    kv_bytes_per_token: float
+    kv_bandwidth: float  # bytes/s a decode step reads the KV cache at
+    prefill_overhead_s: float = 0.005
+    max_batch: int = 256
+    kv_tokens: int = 2_000_000  # KV cache per worker, tokens (decode admission)
+    cache_blocks: int = 2_000  # prefix cache per worker, in trace blocks (512 tokens)
+    store_blocks: int = 200_000  # cluster KV store, trace blocks
+    store_fetch_cost: float = 0.2  # a block fetched from the store costs this share of computing it
+    transfer_s_per_token: float = 2e-7  # prefill -> decode KV transfer
+    chunk_tokens: int = 2048  # colocated: prompt tokens a step may carry beside its decodes
+
+    def step_s(self, batch: int, context_tokens: float) -> float:
+        """One decode step of `batch` streams holding `context_tokens` in all."""
+        sizes = sorted(self.decode_step_s)
+        i = bisect.bisect_left(sizes, batch)
+        if i == 0:
+            base = self.decode_step_s[sizes[0]]
+        elif i == len(sizes):  # beyond the largest measured batch: linear in the last segment's slope
+            a, b = sizes[-2], sizes[-1]
+            slope = (self.decode_step_s[b] - self.decode_step_s[a]) / (b - a)
+            base = self.decode_step_s[b] + slope * (batch - b)
+        else:
+            a, b = sizes[i - 1], sizes[i]
+            base = self.decode_step_s[a] + (self.decode_step_s[b] - self.decode_step_s[a]) * (batch - a) / (b - a)
+        extra = max(context_tokens - batch * self.profiled_context, 0.0)
+        return base + extra * self.kv_bytes_per_token / self.kv_bandwidth
+
+    def profile(self) -> Profile:
+        """The planner's view of one worker (what `splitfire planner profile` would measure)."""
+        return Profile(self.prefill_tps, {b: self.step_s(b, b * 12_000) for b in (1, 8, 32, 64, 128, 256)})
+
+
+COST_MODELS = {
+    # Llama-3-8B shape in bfloat16 on one H200 (measured here; see the module docstring). KV: 32 layers x 2 x
+    # 8 heads x 128 x 2 bytes; the step's extra context read at 60% of the 4.2 TB/s copy bandwidth measured.
+    "h200-llama3-8b": CostModel(prefill_tps=37_223.0, decode_step_s={1: 5.87e-3, 8: 6.64e-3, 32: 7.87e-3, 128: 12.22e-3},
+                                profiled_context=1024, kv_bytes_per_token=131_072.0, kv_bandwidth=0.6 * 4.22e12,
+                                kv_tokens=800_000, cache_blocks=1_500),
+}
+
+
+# -- the simulated fleet ------------------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class Stream:
+    req: int
+    remaining: float  # decode tokens still to produce
+    context: float
+    started: float
+    first_token_at: float
+
+
+@dataclass(eq=False)
+class SimWorker:
+    ep: Endpoint
+    role: str
+    cache: OrderedDict[int, None] = field(default_factory=OrderedDict)
+    queue: list[int] = field(default_factory=list)  # prefill: request ids waiting (FIFO)
+    busy_until: float = 0.0
+    streams: list[Stream] = field(default_factory=list)
+    waiting: list[Stream] = field(default_factory=list)  # decode: admitted when room
+    step: float = 0.0  # current decode step time
+    last: float = 0.0  # when streams last advanced
+    version: int = 0  # invalidates scheduled decode events
+    busy_s: float = 0.0
+    ready_at: float = 0.0
+    draining: bool = False
+    added_at: float = 0.0
+    removed_at: float | None = None
+    chunk_left: float = 0.0  # colocated: prompt tokens of the running prefill still to compute
+    current: int | None = None  # colocated: the request whose prompt is being computed
+    current_computed: int = 0
+
+
+@dataclass
+class Outcome:
+    at: float
+    ttft: float = math.nan
+    itl: float = math.nan
+    done_at: float = math.nan
+    cached_blocks: int = 0
+    prompt_blocks: int = 0
+
+
+class Fleet:
+    def __init__(self, reqs: list[TraceRequest], model: CostModel, *, prefill: int, decode: int, layout: str,
+                 policy: str, store: bool, ttft_slo: float, itl_slo: float):
+        self.reqs, self.m, self.layout = reqs, model, layout
+        self.policy = make_policy(policy)
+        self.index = PrefixIndex(model.cache_blocks, shared_store=store)
+        self.store: OrderedDict[int, None] | None = OrderedDict() if store else None
+        self.ttft_slo, self.itl_slo = ttft_slo, itl_slo
+        self.events: list[tuple[float, int, str, object]] = []
+        self.seq = itertools.count()
+        self.now = 0.0
+        self.workers: list[SimWorker] = []
+        self.out = [Outcome(r.at_s, prompt_blocks=len(r.hash_ids)) for r in reqs]
+        self.pending: dict[int, SimWorker] = {}  # request -> its decode worker (disaggregated)
+        self.ids = itertools.count()
+        self.token_itl: list[tuple[float, float]] = []  # (step seconds, tokens produced at it): every token's ITL
+        if layout == "colocated":
+            for _ in range(prefill + decode):
+                self.add("colocated", 0.0)
+        else:
+            for _ in range(prefill):
+                self.add("prefill", 0.0)
+            for _ in range(decode):
+                self.add("decode", 0.0)
+
+    # -- workers ---------------------------------------------------------------------------
+
+    def add(self, role: str, ready_at: float) -> SimWorker:
+        w = SimWorker(Endpoint(f"{role}-{next(self.ids)}", role), role, ready_at=ready_at, added_at=self.now,
+                      last=self.now)
+        self.workers.append(w)
+        return w
+
+    def live(self, role: str) -> list[SimWorker]:
+        return [w for w in self.workers if w.role == role and w.removed_at is None]
+
+    def placeable(self, role: str) -> list[SimWorker]:
+        return [w for w in self.live(role) if not w.draining and w.ready_at <= self.now]
+
+    def drain(self, role: str) -> None:
+        """The newest ready worker stops taking requests; it leaves once empty."""
+        cands = self.placeable(role)
+        if len(cands) > 1 or (role == "prefill" and cands):
+            w = max(cands, key=lambda w: w.added_at)
+            w.draining = True
+            self._maybe_remove(w)
+
+    def _maybe_remove(self, w: SimWorker) -> None:
+        if w.draining and not w.queue and not w.streams and not w.waiting and w.busy_until <= self.now \
+                and not any(d is w for d in self.pending.values()):
+            w.removed_at = self.now
+
+    # -- the event loop --------------------------------------------------------------------
+
+    def push(self, t: float, kind: str, data: object) -> None:
+        heapq.heappush(self.events, (t, next(self.seq), kind, data))
+
+    def run(self, until: float | None = None, tick: float | None = None, on_tick=None) -> None:
+        for i, r in enumerate(self.reqs):
+            self.push(r.at_s, "arrive", i)
+        if tick is not None:
+            self.push(tick, "tick", None)
+        while self.events:
+            t, _, kind, data = heapq.heappop(self.events)
+            if until is not None and t > until:
+                break
+            self.now = t
+            if kind == "arrive":
+                self.arrive(data)  # type: ignore[arg-type]
+            elif kind == "prefilled":
+                self.prefilled(*data)  # type: ignore[misc]
+            elif kind == "decode":
+                w, version = data  # type: ignore[misc]
+                if w.version == version:
+                    self.advance(w)
+            elif kind == "tick":
+                assert on_tick is not None and tick is not None
+                on_tick(self)
+                if any(k == "arrive" or k in ("prefilled", "decode") for _, _, k, _ in self.events):
+                    self.push(t + tick, "tick", None)
+
+    # -- placement (the router's code) -----------------------------------------------------
+
+    def _hashes(self, i: int) -> list[bytes]:
+        return [h.to_bytes(8, "little") for h in self.reqs[i].hash_ids]
+
+    def arrive(self, i: int) -> None:
+        r = self.reqs[i]
+        hashes = self._hashes(i)
+        max_blocks = max(len(hashes) - 1, 0)
+        placement = Placement(r.input_length, lambda ep: self.index.cached_tokens(ep.address, hashes, max_blocks,
+                                                                                  TRACE_BLOCK))
+        if self.layout == "colocated":
+            ws = self.placeable("colocated") or self.live("colocated")
+            by_ep = {w.ep.address: w for w in ws}
+            dw = by_ep[self.policy.pick([w.ep for w in ws], placement).address]
+            pw = dw
+        else:
+            ds = self.placeable("decode") or self.live("decode")
+            ps = self.placeable("prefill") or self.live("prefill")
+            by_ep = {w.ep.address: w for w in ds + ps}
+            d, p = self.policy.pick_route([w.ep for w in ds], [w.ep for w in ps], placement)
+            dw = by_ep[d.address]
+            pw = by_ep[p.address] if p is not None else dw
+        self.index.insert(pw.ep.address, hashes)
+        cached = self._cached(pw, r)
+        uncached = max(r.input_length - cached * TRACE_BLOCK, 1)
+        pw.ep.charge(uncached, 0, 0, 1)
+        dw.ep.charge(0, r.input_length, r.output_length, 0 if dw is pw else 1)
+        self.out[i].cached_blocks = cached
+        self.pending[i] = dw
+        if pw.role == "colocated":
+            pw.queue.append(i)
+            self._colocated_kick(pw)
+        else:
+            pw.queue.append(i)
+            self._prefill_next(pw)
+
+    def _cached(self, w: SimWorker, r: TraceRequest) -> int:
+        """Blocks of `r`'s prompt `w` will not compute: its own cache, then the store (at most all but the last)."""
+        n = 0
+        limit = max(len(r.hash_ids) - 1, 0)
+        while n < limit and r.hash_ids[n] in w.cache:
+            n += 1
+        local = n
+        if self.store is not None:
+            while n < limit and r.hash_ids[n] in self.store:
+                n += 1
+        self._fetched = n - local
+        return n
+
+    def _remember(self, w: SimWorker, r: TraceRequest) -> None:
+        for cache, cap in ((w.cache, self.m.cache_blocks), (self.store, self.m.store_blocks)):
+            if cache is None:
+                continue
+            for h in r.hash_ids:
+                if h in cache:
+                    cache.move_to_end(h)
+                else:
+                    cache[h] = None
+            while len(cache) > cap:
+                cache.popitem(last=False)
+
+    def _prefill_time(self, w: SimWorker, r: TraceRequest) -> tuple[float, int]:
+        cached = self._cached(w, r)
+        fetched = self._fetched
+        computed = max(r.input_length - cached * TRACE_BLOCK, 1)
+        t = self.m.prefill_overhead_s + (computed + fetched * TRACE_BLOCK * self.m.store_fetch_cost) / self.m.prefill_tps
+        return t, computed
+
+    # -- prefill workers -------------------------------------------------------------------
+
+    def _prefill_next(self, w: SimWorker) -> None:
+        if w.busy_until > self.now or not w.queue:
+            return
+        i = w.queue.pop(0)
+        t, computed = self._prefill_time(w, self.reqs[i])
+        self._remember(w, self.reqs[i])
+        w.busy_until = self.now + t
+        w.busy_s += t
+        self.push(w.busy_until, "prefilled", (w, i, computed))
+
+    def prefilled(self, w: SimWorker, i: int, computed: int) -> None:
+        r = self.reqs[i]
+        w.ep.charge(-computed, 0, 0, -1)
+        first = self.now + computed * self.m.transfer_s_per_token
+        self.out[i].ttft = first - r.at_s
+        dw = self.pending.pop(i)
+        if w.role == "colocated":
+            self.advance(w)
+        else:
+            self._prefill_next(w)
+            self._maybe_remove(w)
+        if r.output_length <= 1:
+            self._finish(dw, i, first, 0.0)
+            return
+        self._join(dw, Stream(i, r.output_length - 1, r.input_length + r.output_length / 2, first, first))
+
+    # -- decode (and colocated) workers ----------------------------------------------------
+
+    def _join(self, w: SimWorker, s: Stream) -> None:
+        self.advance(w)
+        w.waiting.append(s)
+        self._admit(w)
+        self._schedule(w)
+
+    def _admit(self, w: SimWorker) -> None:
+        held = sum(s.context for s in w.streams)
+        while w.waiting and len(w.streams) < self.m.max_batch and held + w.waiting[0].context <= self.m.kv_tokens:
+            s = w.waiting.pop(0)
+            s.started = self.now
+            held += s.context
+            w.streams.append(s)
+
+    def advance(self, w: SimWorker) -> None:
+        """Every stream of `w` progresses by the time since the last event; finished ones leave."""
+        dt = self.now - w.last
+        w.last = self.now
+        if w.streams and w.step > 0 and dt > 0:
+            w.busy_s += dt
+            tokens = dt / w.step
+            self.token_itl.append((w.step, tokens * len(w.streams)))
+            for s in w.streams:
+                s.remaining -= tokens
+            if w.role == "colocated" and w.chunk_left > 0:
+                w.chunk_left -= tokens * self.m.chunk_tokens
+                if w.chunk_left < 1e-6:
+                    w.chunk_left = 0.0
+        done = [s for s in w.streams if s.remaining <= 1e-9]
+        for s in done:
+            w.streams.remove(s)
+            r = self.reqs[s.req]
+            span = self.now - s.first_token_at
+            self._finish(w, s.req, self.now, span / max(r.output_length - 1, 1))
+        if w.role == "colocated":
+            self._colocated_prefills(w)
+        self._admit(w)
+        self._schedule(w)
+        self._maybe_remove(w)
+
+    def _finish(self, w: SimWorker, i: int, at: float, itl: float) -> None:
+        r = self.reqs[i]
+        self.out[i].itl, self.out[i].done_at = itl, at
+        w.ep.charge(0, -r.input_length, -r.output_length, -1)
+
+    def _schedule(self, w: SimWorker) -> None:
+        w.version += 1
+        if not w.streams:
+            w.step = 0.0
+            return
+        ctx = sum(s.context for s in w.streams)
+        w.step = self.m.step_s(len(w.streams), ctx)
+        steps = min(s.remaining for s in w.streams)
+        if w.role == "colocated" and w.chunk_left > 0:
+            w.step += self.m.chunk_tokens / self.m.prefill_tps  # a step carrying a prompt chunk
+            steps = min(steps, w.chunk_left / self.m.chunk_tokens)
+        self.push(self.now + steps * w.step, "decode", (w, w.version))
+
+    # colocated: prompts computed in chunks inside the decode steps; with no stream running, a prompt
+    # runs alone at the prefill rate (as a prefill worker would).
+    def _colocated_kick(self, w: SimWorker) -> None:
+        self.advance(w)
+
+    def _colocated_prefills(self, w: SimWorker) -> None:
+        while w.queue and w.busy_until <= self.now:
+            i = w.queue[0]
+            t = 0.0
+            if w.current != i:
+                t, computed = self._prefill_time(w, self.reqs[i])
+                self._remember(w, self.reqs[i])
+                w.current, w.current_computed, w.chunk_left = i, computed, float(computed)
+            if not w.streams and w.chunk_left > 0:  # alone: (the rest of) the prompt at the prefill rate
+                if w.chunk_left < w.current_computed:
+                    t = self.m.prefill_overhead_s + w.chunk_left / self.m.prefill_tps
+                w.queue.pop(0)
+                w.current, w.chunk_left = None, 0.0
+                w.busy_until = self.now + t
+                w.busy_s += t
+                self.push(w.busy_until, "prefilled", (w, i, w.current_computed))
+                return
+            if w.chunk_left > 0:
+                return  # carried by the decode steps; `_schedule` wakes us when it is done
+            w.queue.pop(0)
+            w.current = None
+            self.push(self.now, "prefilled", (w, i, w.current_computed))
+
+    # -- results ---------------------------------------------------------------------------
+
+    def worker_hours(self, end: float) -> float:
+        return sum(((w.removed_at if w.removed_at is not None else end) - w.added_at) for w in self.workers) / 3600
+
+
+def attainment(outs: list[Outcome], ttft_slo: float, itl_slo: float) -> float:
+    ok = sum(1 for o in outs if not math.isnan(o.done_at) and o.ttft <= ttft_slo and o.itl <= itl_slo)
+    return ok / max(len(outs), 1)
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(x for x in xs if not math.isnan(x))
+    return xs[min(int(q * len(xs)), len(xs) - 1)] if xs else math.nan
+
+
+def weighted_pct(pairs: list[tuple[float, float]], q: float) -> float:
+    """The q-quantile of values weighted by counts: here, of every generated token's inter-token time."""
+    pairs = sorted(pairs)
+    total = sum(c for _, c in pairs)
+    acc = 0.0
+    for v, c in pairs:
+        acc += c
+        if acc >= q * total:
+            return v
+    return pairs[-1][0] if pairs else math.nan
+
+
+def summary(fleet: Fleet, end: float) -> dict[str, float]:
+    o = fleet.out
+    done = [x for x in o if not math.isnan(x.done_at)]
+    return {
+        "requests": len(o), "completed": len(done),
+        "slo_attainment": attainment(o, fleet.ttft_slo, fleet.itl_slo),
+        "worker_hours": fleet.worker_hours(end),
+        "ttft_p50_s": pct([x.ttft for x in o], 0.5), "ttft_p90_s": pct([x.ttft for x in o], 0.9),
+        "itl_p50_ms": pct([x.itl for x in o], 0.5) * 1e3, "itl_p90_ms": pct([x.itl for x in o], 0.9) * 1e3,
+        "token_itl_p90_ms": weighted_pct(fleet.token_itl, 0.9) * 1e3,
+        "token_itl_p99_ms": weighted_pct(fleet.token_itl, 0.99) * 1e3,
+        "cached_blocks_share": sum(x.cached_blocks for x in o) / max(sum(x.prompt_blocks for x in o), 1),
+    }
+
+
+def simulate(reqs: list[TraceRequest], model: CostModel, **kw) -> tuple[Fleet, dict[str, float]]:
+    fleet = Fleet(reqs, model, **kw)
+    fleet.run()
+    end = max((o.done_at for o in fleet.out if not math.isnan(o.done_at)), default=0.0)
+    return fleet, summary(fleet, end)
+
+
+# -- autoscaling ------------------------------------------------------------------------------
+
+
+@dataclass
+class Scaler:
+    """Runs every interval inside the simulation: the planner or a CPU HPA deciding each role's size."""
+
+    kind: str  # planner | cpu_hpa
+    interval: float
+    startup: float
+    limits: Limits
+    planner: Planner | None = None
+    history: list[tuple[float, int, int]] = field(default_factory=list)
+    _last: dict[str, float] = field(default_factory=dict)
+    _busy: dict[int, float] = field(default_factory=dict)
+    _recs: dict[str, list[tuple[float, int]]] = field(default_factory=lambda: {"prefill": [], "decode": []})
+
+    def __call__(self, fleet: Fleet) -> None:
+        now = fleet.now
+        since = now - self.interval
+        arrived = [i for i, r in enumerate(fleet.reqs) if since < r.at_s <= now]
+        firsts = [o.ttft for o in fleet.out if not math.isnan(o.ttft) and since < o.at + o.ttft <= now]
+        done = [o.itl for o in fleet.out if since < o.done_at <= now]
+        have = {role: len(fleet.live(role)) - sum(1 for w in fleet.live(role) if w.draining) for role in
+                ("prefill", "decode")}
+        if self.kind == "planner":
+            assert self.planner is not None
+            rs = [fleet.reqs[i] for i in arrived]
+            blocks = sum(len(r.hash_ids) for r in rs)
+            snap = Snapshot(request_rate=len(rs) / self.interval,
+                            mean_input_tokens=statistics.fmean([r.input_length for r in rs]) if rs else 0.0,
+                            mean_output_tokens=statistics.fmean([r.output_length for r in rs]) if rs else 0.0,
+                            prefix_hit_ratio=(sum(fleet.out[i].cached_blocks for i in arrived) / blocks) if blocks else 0.0,
+                            ttft_p90_s=pct(firsts, 0.9) if firsts else 0.0, itl_p90_s=pct(done, 0.9) if done else 0.0,
+                            prefill_workers=have["prefill"], decode_workers=have["decode"])
+            d = self.planner.decide(snap)
+            want = {"prefill": d.prefill, "decode": d.decode}
+        else:
+            want = {}
+            for role in ("prefill", "decode"):
+                ws = fleet.live(role)
+                util = statistics.fmean([(w.busy_s - self._busy.get(id(w), 0.0)) / self.interval for w in ws]) if ws else 0
+                for w in ws:
+                    self._busy[id(w)] = w.busy_s
+                desired = have[role] if abs(util / 0.7 - 1) <= 0.1 else math.ceil(have[role] * util / 0.7)
+                lo = self.limits.min_prefill if role == "prefill" else self.limits.min_decode
+                hi = self.limits.max_prefill if role == "prefill" else self.limits.max_decode
+                desired = min(max(desired, lo), hi)
+                # scale-down stabilization: the highest recommendation of the last 5 minutes
+                recs = self._recs[role]
+                recs.append((now, desired))
+                recs[:] = [(t, n) for t, n in recs if t > now - 300]
+                want[role] = max(n for _, n in recs) if desired < have[role] else desired
+        for role in ("prefill", "decode"):
+            while want[role] > have[role]:
+                fleet.add(role, now + self.startup)
+                have[role] += 1
+            while want[role] < have[role]:
+                fleet.drain(role)
+                have[role] -= 1
+        self.history.append((now, len(fleet.live("prefill")), len(fleet.live("decode"))))
+
+
+def run_scaled(reqs: list[TraceRequest], model: CostModel, scaler: Scaler, start: tuple[int, int], policy: str,
+               store: bool, ttft_slo: float, itl_slo: float) -> tuple[dict[str, float], Scaler]:
+    fleet = Fleet(reqs, model, prefill=start[0], decode=start[1], layout="disaggregated", policy=policy,
+                  store=store, ttft_slo=ttft_slo, itl_slo=itl_slo)
+    fleet.run(tick=scaler.interval, on_tick=scaler)
+    end = max((o.done_at for o in fleet.out if not math.isnan(o.done_at)), default=0.0)
+    return summary(fleet, end), scaler
+
+
+def compare_planner(reqs: list[TraceRequest], model: CostModel, args: argparse.Namespace) -> dict[str, object]:
+    limits = Limits(min_prefill=1, max_prefill=args.max_workers, min_decode=1, max_decode=args.max_workers)
+    planner = Planner(model.profile(), args.ttft_slo, args.itl_slo, limits)
+    kw = dict(policy=args.policy, store=args.store, ttft_slo=args.ttft_slo, itl_slo=args.itl_slo)
+    p_sum, p_scaler = run_scaled(reqs, model, Scaler("planner", args.interval, args.startup, limits, planner),
+                                 (1, 1), **kw)
+    h_sum, h_scaler = run_scaled(reqs, model, Scaler("cpu_hpa", args.interval, args.startup, limits), (1, 1), **kw)
+    statics: dict[str, dict[str, float]] = {}
+    for p in range(1, args.max_workers + 1):
+        for d in range(1, args.max_workers + 1):
+            if p + d > args.max_workers:
+                continue
+            _, s = simulate(reqs, model, prefill=p, decode=d, layout="disaggregated", **kw)
+            statics[f"{p}P{d}D"] = s
+            print(f"static {p}P+{d}D: attainment {s['slo_attainment']:.3f}, {s['worker_hours']:.2f} worker-hours",
+                  file=sys.stderr, flush=True)
+    good = {k: v for k, v in statics.items() if v["slo_attainment"] >= p_sum["slo_attainment"]}
+    best = min(good, key=lambda k: statics[k]["worker_hours"]) if good else \
+        max(statics, key=lambda k: statics[k]["slo_attainment"])
+    return {"planner": {**p_sum, "replicas": p_scaler.history},
+            "best_static": {**statics[best], "split": best},
+            "cpu_hpa": {**h_sum, "replicas": h_scaler.history},
+            "statics": statics,
+            "settings": {"ttft_slo_s": args.ttft_slo, "itl_slo_s": args.itl_slo, "interval_s": args.interval,
+                         "startup_s": args.startup, "max_workers": args.max_workers, "cost_model": args.cost_model,
+                         "policy": args.policy, "store": args.store, "requests": len(reqs)}}
+
+
+def plot(result: dict[str, object], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 4))
+    for name, style in (("planner", "-"), ("cpu_hpa", "--")):
+        hist = result[name]["replicas"]  # type: ignore[index]
+        t = [h[0] / 60 for h in hist]
+        ax.step(t, [h[1] for h in hist], style, label=f"{name} prefill", where="post")
+        ax.step(t, [h[2] for h in hist], style, label=f"{name} decode", where="post")
+    ax.set_xlabel("minutes into the trace")
+    ax.set_ylabel("workers")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--trace", required=True)
+    p.add_argument("--limit", type=int, default=None, help="first N requests only")
+    p.add_argument("--window", type=float, default=None, help="first S seconds of the trace only")
+    p.add_argument("--cost-model", default="h200-llama3-8b", choices=sorted(COST_MODELS))
+    p.add_argument("--layout", default="disaggregated", choices=("disaggregated", "colocated"))
+    p.add_argument("--prefill", type=int, default=2)
+    p.add_argument("--decode", type=int, default=2)
+    p.add_argument("--workers", type=int, default=None, help="colocated: workers (default prefill + decode)")
+    p.add_argument("--policy", default="token", choices=("token", "round_robin", "random"))
+    p.add_argument("--store", action="store_true", help="a cluster KV store shared by the prefill workers")
+    p.add_argument("--ttft-slo", type=float, default=2.0, help="seconds")
+    p.add_argument("--itl-slo", type=float, default=0.05, help="seconds (mean inter-token time per request)")
+    p.add_argument("--compare-planner", action="store_true")
+    p.add_argument("--interval", type=float, default=60.0, help="autoscaling interval, seconds")
+    p.add_argument("--startup", type=float, default=60.0, help="seconds before a new worker takes requests")
+    p.add_argument("--max-workers", type=int, default=12, help="autoscaling: most workers per role; static: in all")
+    p.add_argument("--json", default="")
+    p.add_argument("--plot", default="")
+    args = p.parse_args()
+    reqs = read_trace(args.trace, limit=args.limit, window_s=args.window)
+    model = COST_MODELS[args.cost_model]
+    if args.compare_planner:
+        result: dict[str, object] = compare_planner(reqs, model, args)
+        for name in ("planner", "best_static", "cpu_hpa"):
+            r = result[name]
+            print(f"{name:<12} attainment {r['slo_attainment']:.3f}  worker-hours {r['worker_hours']:.2f}  "  # type: ignore[index]
+                  f"TTFT p90 {r['ttft_p90_s']:.2f} s  ITL p90 {r['itl_p90_ms']:.1f} ms"  # type: ignore[index]
+                  + (f"  ({r['split']})" if name == "best_static" else ""))  # type: ignore[index]
+        if args.plot:
+            plot(result, args.plot)
+    else:
+        layout = args.layout
+        if layout == "colocated":
+            n = args.workers or args.prefill + args.decode
+            kw = dict(prefill=n, decode=0)
+        else:
+            kw = dict(prefill=args.prefill, decode=args.decode)
+        _, result = simulate(reqs, model, layout=layout, policy=args.policy, store=args.store,
+                             ttft_slo=args.ttft_slo, itl_slo=args.itl_slo, **kw)
+        print(json.dumps(result, indent=1))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1, default=list))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
