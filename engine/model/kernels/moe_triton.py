@@ -60,7 +60,7 @@ def _grouped_gemm_kernel(
         if QUANT:
             w = dequant_tile(w_ptr + e * stride_we, s_ptr + e * stride_se, m_ptr + e * stride_se, n, k, N, K,
                              groups, GROUP, INT4)
-            acc += tl.dot(a.to(tl.float32), tl.trans(w))
+            acc += tl.dot(a, tl.trans(w.to(a.dtype)))  # in the activations' dtype: bf16 tensor cores on CUDA
         else:
             w = tl.load(w_ptr + e * stride_we + n[None, :] * stride_wn + k[:, None] * stride_wk,
                         mask=(k[:, None] < K) & (n[None, :] < N), other=0.0)

@@ -35,41 +35,77 @@ def dequant_tile(q_ptr, s_ptr, m_ptr, rn, kk, N, K, groups, GROUP: tl.constexpr,
 
 @triton.jit
 def _wo_gemm_kernel(
-    x_ptr, q_ptr, s_ptr, m_ptr, bias_ptr, y_ptr,
+    x_ptr, q_ptr, s_ptr, m_ptr, bias_ptr, y_ptr, part_ptr,
     M, N, K, stride_xm, stride_ym, groups,
     GROUP: tl.constexpr, INT4: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
 ):
+    """SPLIT_K > 1: program (m, n, s) covers the s-th share of K and writes its float32 partial sums
+    to `part` [SPLIT_K, M, N] (the caller sums them): a few rows (decode) then still fill the GPU."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    k_per = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
+    k_start = pid_k * k_per
+    for k0 in range(k_start, tl.minimum(k_start + k_per, K), BLOCK_K):
         kk = k0 + rk
         x = tl.load(x_ptr + rm[:, None] * stride_xm + kk[None, :], mask=(rm[:, None] < M) & (kk[None, :] < K),
-                    other=0.0).to(tl.float32)
-        w = dequant_tile(q_ptr, s_ptr, m_ptr, rn, kk, N, K, groups, GROUP, INT4)
+                    other=0.0)
+        # Dequantized in float32, multiplied in the activations' dtype (bfloat16 tensor cores on CUDA).
+        w = dequant_tile(q_ptr, s_ptr, m_ptr, rn, kk, N, K, groups, GROUP, INT4).to(x.dtype)
         acc += tl.dot(x, tl.trans(w))
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
-    tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
-             mask=(rm[:, None] < M) & (rn[None, :] < N))
+    mask = (rm[:, None] < M) & (rn[None, :] < N)
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+        tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(part_ptr + pid_k * M * N + rm[:, None] * N + rn[None, :], acc, mask=mask)
+
+
+_SM_COUNT: dict[int, int] = {}
+
+
+def split_k_for(device: torch.device, programs: int, k_tiles: int) -> int:
+    """K splits that give about two waves of programs over the GPU's multiprocessors (a power of two,
+    at most 8 and at most one per K tile); 1 on CPU."""
+    if device.type != "cuda":
+        return 1
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    want = -(-2 * _SM_COUNT[idx] // max(programs, 1))
+    split = 1
+    while split * 2 <= min(want, 8, k_tiles):
+        split *= 2
+    return split
 
 
 def wo_gemm(x: torch.Tensor, kind: str, q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
-            group_size: int, bias: torch.Tensor | None, out: torch.Tensor) -> None:
-    """out [M, N] (row-strided view allowed) = x [M, K] @ dequant(W)^T (+ bias)."""
+            group_size: int, bias: torch.Tensor | None, out: torch.Tensor, split_k: int | None = None) -> None:
+    """out [M, N] (row-strided view allowed) = x [M, K] @ dequant(W)^T (+ bias). `split_k`: None picks
+    (`split_k_for`: only when few rows leave the GPU idle)."""
     m, k = x.shape
     n = q.shape[0]
     x = x.contiguous()
     block_m = 16 if m <= 16 else 64
-    block_n, block_k = 64, 64
-    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
-    _wo_gemm_kernel[grid](
-        x, q, scales, mins if mins is not None else scales, bias if bias is not None else scales, out,
+    block_n = 64
+    block_k = 128 if m <= 16 else 64
+    grid_mn = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+    split = split_k or split_k_for(x.device, grid_mn, triton.cdiv(k, block_k))
+    part = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else scales
+    _wo_gemm_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, block_n), split)](
+        x, q, scales, mins if mins is not None else scales, bias if bias is not None else scales, out, part,
         m, n, k, x.stride(0), out.stride(0), scales.shape[1],
         GROUP=group_size, INT4=kind == "int4", HAS_BIAS=bias is not None,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split,
     )
+    if split > 1:
+        total = part.sum(0)
+        if bias is not None:
+            total += bias.float()
+        out.copy_(total)
