@@ -40,6 +40,7 @@ class Probe:
     # workers: (prompt tokens in flight, KV tokens held, decode tokens remaining), for reconciliation
     load: tuple[int, int, int] | None = None
     models: list[str] = field(default_factory=list)  # upstreams: what /v1/models lists
+    model: str = ""  # workers: the name of the model directory they serve
 
 
 class Backend(Protocol):

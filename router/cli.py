@@ -15,10 +15,13 @@ log = logging.getLogger("splitfire.router")
 
 
 async def run(cfg: RouterConfig) -> None:
-    from router.server import Router, load_model_info
+    from router.server import Router, load_extra_models, load_model_info
 
     tokenizer, name, max_len = load_model_info(cfg)
-    router = Router(cfg, tokenizer, name, max_len)
+    extra = load_extra_models(cfg)
+    router = Router(cfg, tokenizer, name, max_len, extra)
+    if extra:
+        name = ", ".join([name, *(e[0] for e in extra)])
     try:
         import uvloop  # noqa: F401  (installed: the loop policy is set by main())
     except ImportError:

@@ -17,6 +17,9 @@ class RouterConfig:
     port: int = 8000
     model: str | None = None  # for the tokenizer and chat template; default $SPLITFIRE_MODEL
     served_model_name: str = ""  # name clients use; default the model directory's name
+    # More models behind the same router, NAME=MODEL each: requests naming one go to the workers that report
+    # its directory's name (router/model_pools.py).
+    extra_models: list[str] = field(default_factory=list)
     prefill: list[str] = field(default_factory=list)
     decode: list[str] = field(default_factory=list)
     colocated: list[str] = field(default_factory=list)
@@ -56,7 +59,23 @@ class RouterConfig:
         return BreakerConfig(error_rate=self.breaker_error_rate, open_s=self.breaker_open_s,
                              unhealthy_after=self.unhealthy_after)
 
+    def extra_model_specs(self) -> list[tuple[str, str]]:
+        out = []
+        for spec in self.extra_models:
+            name, sep, model = spec.partition("=")
+            if not sep or not name or not model:
+                raise ValueError(f"--extra-model expects NAME=MODEL (a served name and a model directory or built-in "
+                                 f"name), got {spec!r}")
+            out.append((name, model))
+        names = [n for n, _ in out]
+        if len(set(names)) != len(names) or (self.served_model_name and self.served_model_name in names):
+            raise ValueError(f"--extra-model names must differ from each other and from --served-model-name: {names}")
+        return out
+
     def validate(self) -> RouterConfig:
+        self.extra_model_specs()
+        if self.extra_models and self.model is None:
+            raise ValueError("--extra-model needs --model (the first model) as well")
         if self.policy not in POLICIES:
             raise ValueError(f"--policy must be one of {POLICIES}, got {self.policy!r}")
         if not 0 < self.port < 65536:
@@ -107,6 +126,9 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=int(_env("port", "8000")))
     p.add_argument("--model", default=os.environ.get("SPLITFIRE_MODEL"), help="model whose tokenizer and chat template to use (env SPLITFIRE_MODEL)")
     p.add_argument("--served-model-name", default=_env("served_model_name", ""), help="model name clients send (default: the model's)")
+    p.add_argument("--extra-model", action="append", default=[], metavar="NAME=MODEL",
+                   help="another model behind this router (repeatable): requests naming NAME go to the workers "
+                        "that serve MODEL (they report its directory's name)")
     p.add_argument("--prefill", nargs="*", action="extend", default=_list_env("prefill"), metavar="HOST:PORT", help="prefill workers")
     p.add_argument("--decode", nargs="*", action="extend", default=_list_env("decode"), metavar="HOST:PORT", help="decode workers")
     p.add_argument("--colocated", nargs="*", action="extend", default=_list_env("colocated"), metavar="HOST:PORT", help="colocated (serve) workers")
@@ -153,6 +175,7 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
 def router_config_from(args: argparse.Namespace) -> RouterConfig:
     return RouterConfig(
         host=args.host, port=args.port, model=args.model, served_model_name=args.served_model_name,
+        extra_models=list(args.extra_model),
         prefill=list(args.prefill), decode=list(args.decode), colocated=list(args.colocated),
         openai_upstream=list(args.openai_upstream), openai_upstream_api_key=args.openai_upstream_api_key,
         discover_dns=list(args.discover_dns), redis_url=args.redis_url,

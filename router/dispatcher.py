@@ -31,6 +31,12 @@ from router.retry import Retry, counts_against_endpoint
 log = logging.getLogger("splitfire.router")
 
 
+def index_scope(req: GenRequest) -> str:
+    """The prefix index's scope of a request: the workers' own (tenant, adapter) and, with several
+    models behind the router, the model (the index never credits one model's blocks to another)."""
+    return cache_scope(req.tenant, req.adapter) + (f"\x00model:{req.pool}" if req.pool else "")
+
+
 class Dispatcher:
     def __init__(self, cfg: RouterConfig, registry: EndpointRegistry, policy: Policy, affinity: SessionAffinity,
                  index: PrefixIndex, backends: Backends | None, metrics: RouterMetrics, tokenizer: Tokenizer | None):
@@ -42,6 +48,7 @@ class Dispatcher:
         self.backends = backends
         self.metrics = metrics
         self.tokenizer = tokenizer
+        self.pool_tokenizers: dict[str, Tokenizer | None] = {}  # a router serving several models: each one's
 
     # -- placement --------------------------------------------------------------------
 
@@ -75,6 +82,11 @@ class Dispatcher:
     async def place(self, req: GenRequest, hashes: list[bytes], exclude: set[str]) -> Route:
         decodes = self.registry.healthy("decode", exclude) + self.registry.healthy("colocated", exclude)
         prefills = self.registry.healthy("prefill", exclude)
+        if req.pool:  # a router serving several models: that model's workers
+            decodes = [e for e in decodes if e.served_model == req.pool]
+            prefills = [e for e in prefills if e.served_model == req.pool]
+            if not decodes:
+                raise unavailable(f"no healthy worker serves model '{req.model}' now; retry shortly")
         if req.adapter:  # a LoRA adapter: the workers that have it resident
             decodes = [e for e in decodes if req.adapter in e.adapters]
             prefills = [e for e in prefills if req.adapter in e.adapters]
@@ -107,7 +119,7 @@ class Dispatcher:
 
     async def run(self, req: GenRequest) -> AsyncGenerator[Chunk, None]:
         """Yields the request's chunks; the last carries finish_reason and usage for the whole request."""
-        hashes = (block_hashes(cache_scope(req.tenant, req.adapter), req.prompt_token_ids, self.registry.block_size)
+        hashes = (block_hashes(index_scope(req), req.prompt_token_ids, self.registry.block_size)
                   if self.cfg.prefix_aware and self.tokenizer is not None else [])
         progress, retry = Progress(), Retry(self.cfg, self.metrics, req.id)
         while True:
@@ -122,7 +134,8 @@ class Dispatcher:
                     break
                 self._blame(attempt, e)
                 attempt.close()
-                await retry.after(e, attempt.backend.token_level, progress, self.tokenizer)
+                await retry.after(e, attempt.backend.token_level, progress,
+                                  self.pool_tokenizers.get(req.pool, self.tokenizer))
             finally:
                 attempt.close()  # also when the client disconnects mid-stream (GeneratorExit/CancelledError)
         yield self._final(req, attempt, progress, hashes)
@@ -169,7 +182,7 @@ class Dispatcher:
         if attempt.backend.token_level:  # the router counted the tokens itself
             if hashes and progress.generated:  # the output is the next turn's prompt prefix
                 self.index.insert(attempt.route.decode.address,
-                                  block_hashes(cache_scope(req.tenant, req.adapter), prompt + progress.generated,
+                                  block_hashes(index_scope(req), prompt + progress.generated,
                                                self.registry.block_size))
             last.prompt_tokens, last.completion_tokens = len(prompt), len(progress.generated)
         else:

@@ -32,6 +32,7 @@ class Endpoint:
     stream_mux: bool = False  # workers: that port also serves all streams on one connection
     adapters: set[str] = field(default_factory=set)  # workers: LoRA adapters resident (from health checks)
     models: set[str] = field(default_factory=set)  # OpenAI upstreams: what their /v1/models lists
+    served_model: str = ""  # workers: the model directory's name they report (a router serving several models)
     # local estimates
     prefill_tokens: int = 0  # uncached prompt tokens sent here and not yet prefilled
     held_tokens: int = 0  # KV tokens our running requests hold here (decode / colocated)

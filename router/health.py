@@ -38,6 +38,9 @@ class HealthChecker:
                          probe.stream_port, probe.stream_mux)
             ep.block_size, ep.max_model_len, ep.stream_port = probe.block_size, probe.max_model_len, probe.stream_port
             ep.stream_mux = probe.stream_mux
+            if probe.model != ep.served_model:
+                log.info("event=endpoint_model role=%s address=%s model=%s", ep.role, ep.address, probe.model)
+                ep.served_model = probe.model
             if set(probe.adapters) != ep.adapters:
                 log.info("event=endpoint_adapters role=%s address=%s adapters=%s", ep.role, ep.address,
                          ",".join(sorted(probe.adapters)) or "-")

@@ -52,6 +52,7 @@ class GenRequest:
     reply: ReplyPlan | None = None  # reasoning / tool calls to read out of the reply; None = plain text
     weight: float = 1.0  # the tenant's share of a worker's batch (router/tenants.py)
     adapter: str = ""  # the LoRA adapter `model` names ("" = the base model)
+    pool: str = ""  # a router serving several models: the model directory its workers report ("" = any worker)
 
 
 MAX_LOGIT_BIAS = 1024

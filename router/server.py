@@ -31,6 +31,7 @@ from router.endpoints import EndpointRegistry
 from router.errors import APIError, bad_request, not_found, unavailable
 from router.health import HealthChecker
 from router.metrics import RouterMetrics
+from router.model_pools import ModelPool, check_distinct, load_model
 from router.openai_upstream import OpenAIUpstreamClient
 from router.prefix_index import PrefixIndex
 from router.protocol import GenRequest, RequestParser, parse_messages
@@ -59,15 +60,21 @@ def load_model_info(cfg: RouterConfig) -> tuple[Tokenizer | None, str, int]:
     model; without --served-model-name they serve what the upstreams' /v1/models list ("")."""
     if cfg.model is None and cfg.openai_upstream and not (cfg.decode or cfg.colocated or cfg.prefill):
         return None, cfg.served_model_name, 1 << 30
-    from engine.loading.model_store import resolve_model
+    model_dir, tokenizer, max_len = load_model(cfg.model)
+    if cfg.extra_models:
+        cfg.model = model_dir  # (its workers are known by the resolved directory's name)
+    return tokenizer, cfg.served_model_name or Path(model_dir).name, max_len
 
-    model_dir = resolve_model(cfg.model)
-    max_len = json.loads((Path(model_dir) / "config.json").read_text()).get("max_position_embeddings", 4096)
-    return Tokenizer(model_dir), cfg.served_model_name or Path(model_dir).name, int(max_len)
+
+def load_extra_models(cfg: RouterConfig) -> list[tuple[str, str, Tokenizer, int]]:
+    """--extra-model NAME=MODEL: (served name, directory, tokenizer, context length) each."""
+    return [(name, *load_model(model)) for name, model in cfg.extra_model_specs()]
 
 
 class Router:
-    def __init__(self, cfg: RouterConfig, tokenizer: Tokenizer | None, model_name: str, max_model_len: int):
+    def __init__(self, cfg: RouterConfig, tokenizer: Tokenizer | None, model_name: str, max_model_len: int,
+                 extra: list[tuple[str, str, Tokenizer, int]] | None = None):
+        """`extra`: more models behind this router, (served name, directory, tokenizer, context length) each."""
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
@@ -102,6 +109,19 @@ class Router:
                                      PrefixIndex(cfg.prefix_index_blocks, cfg.shared_kv_store), self.backends,
                                      self.metrics, tokenizer)
         self.openai_format = OpenAIFormat(tokenizer)
+        self.default_pool = ModelPool(model_name, self.model_root, tokenizer, max_model_len, self.parser,
+                                      self.openai_format)
+        self.pools: dict[str, ModelPool] = {model_name: self.default_pool}
+        for name, root, tok, max_len in extra or []:
+            self.pools[name] = ModelPool(name, root, tok, max_len,
+                                         RequestParser(tok, self.model_names, max_len, upstream_only), OpenAIFormat(tok))
+            self.model_names.add(name)
+        check_distinct(list(self.pools.values()))
+        # Several models: each request carries its pool (the workers reporting its model), and a LoRA
+        # adapter belongs to the pool whose workers hold it.
+        self.multi = len(self.pools) > 1
+        self.adapter_pool: dict[str, str] = {}
+        self.dispatcher.pool_tokenizers = {p.worker_model: p.tokenizer for p in self.pools.values()}
         self.health = HealthChecker(cfg, self.registry, self.backends, None if model_name else self.model_names,
                                     on_adapters=self._refresh_adapters)
         self._tasks: list[asyncio.Task] = []
@@ -202,14 +222,17 @@ class Router:
     async def chat(self, request: web.Request) -> web.StreamResponse:
         caller = self.tenants.caller(request)
         body = self._scoped(caller, await self._body(request))
-        reqs = self.parser.chat(body, caller.tenant, request.headers.get("x-session-affinity"))
-        return await self._serve(request, reqs, caller)
+        pool = self._pool_for(body)
+        reqs = self._pooled(pool, pool.parser.chat(body, caller.tenant, request.headers.get("x-session-affinity")))
+        return await self._serve(request, reqs, caller, pool.openai_format)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         caller = self.tenants.caller(request)
         body = self._scoped(caller, await self._body(request))
-        reqs = self.parser.completions(body, caller.tenant, request.headers.get("x-session-affinity"))
-        return await self._serve(request, reqs, caller)
+        pool = self._pool_for(body)
+        reqs = self._pooled(pool, pool.parser.completions(body, caller.tenant,
+                                                          request.headers.get("x-session-affinity")))
+        return await self._serve(request, reqs, caller, pool.openai_format)
 
     async def responses(self, request: web.Request) -> web.StreamResponse:
         """The Responses API (router/responses.py): the chat path underneath, Responses shapes out."""
@@ -218,8 +241,28 @@ class Router:
         if self.parser.upstream_only:
             raise bad_request("this router fronts OpenAI-compatible upstreams only; send /v1/responses to them, or "
                               "use /v1/chat/completions here")
-        req = self.parser.chat(responses.to_chat(body), caller.tenant, request.headers.get("x-session-affinity"))[0]
+        chat_body = responses.to_chat(body)
+        pool = self._pool_for(chat_body)
+        req = self._pooled(pool, pool.parser.chat(chat_body, caller.tenant,
+                                                  request.headers.get("x-session-affinity")))[0]
         return await self._serve(request, [req], caller, responses.ResponsesFormat(req, body))
+
+    def _pool_for(self, body: Any) -> ModelPool:
+        """The model a body names (an adapter: the model whose workers hold it); any other name gets the
+        first model's parser, which answers it with the 404 naming what exists."""
+        model = body.get("model") if isinstance(body, dict) else None
+        if isinstance(model, str) and self.multi:
+            if model in self.pools:
+                return self.pools[model]
+            if model in self.adapter_pool:
+                return self.pools[self.adapter_pool[model]]
+        return self.default_pool
+
+    def _pooled(self, pool: ModelPool, reqs: list[GenRequest]) -> list[GenRequest]:
+        if self.multi:
+            for r in reqs:
+                r.pool = pool.worker_model
+        return reqs
 
     def _visible(self, caller: Caller) -> list[str]:
         return sorted(n for n in self.model_names if caller.policy.may_use(n))
@@ -236,9 +279,10 @@ class Router:
 
     def _model_card(self, name: str) -> dict[str, Any]:
         adapter = name in self.adapter_names
+        pool = self.pools.get(self.adapter_pool.get(name, self.base_name) if adapter else name, self.default_pool)
         return {"id": name, "object": "model", "created": self.started, "owned_by": "splitfire",
-                "root": name if adapter else self.model_root or name, "parent": self.base_name if adapter else None,
-                "max_model_len": self.max_model_len, "permission": []}
+                "root": name if adapter else pool.root or name, "parent": pool.name if adapter else None,
+                "max_model_len": pool.max_model_len, "permission": []}
 
     # -- LoRA adapters ------------------------------------------------------------------
 
@@ -248,10 +292,30 @@ class Router:
         for ep in self.registry.all():
             if ep.role != "openai":
                 names |= ep.adapters
-        names.discard(self.base_name)
+        names -= set(self.pools)
         self.model_names -= self.adapter_names - names
         self.model_names |= names
         self.adapter_names = names
+        if self.multi:
+            by_worker = {p.worker_model: p.name for p in self.pools.values()}
+            self.adapter_pool = {a: by_worker[ep.served_model] for ep in self.registry.all()
+                                 if ep.role != "openai" and ep.served_model in by_worker for a in ep.adapters}
+
+    def _adapter_body_model(self, body: Any) -> str | None:
+        return body.pop("model", None) if isinstance(body, dict) else None
+
+    def _adapter_base(self, body: Any) -> ModelPool | None:
+        """With several models, the load route's `model` names the adapter's base model (its workers
+        load it); with one it may be left out."""
+        model = self._adapter_body_model(body)
+        if model is None:
+            if self.multi:
+                raise bad_request(f"'model' is required: this router serves several models; name the adapter's base "
+                                  f"model, one of {sorted(self.pools)}", param="model")
+            return None
+        if not isinstance(model, str) or model not in self.pools:
+            raise bad_request(f"'model' must name a served base model, one of {sorted(self.pools)}", param="model")
+        return self.pools[model]
 
     def _adapter_body(self, body: Any, fields: tuple[str, ...]) -> list[str]:
         if not isinstance(body, dict):
@@ -272,10 +336,13 @@ class Router:
         must lie under the workers' --lora-root; with --api-keys only admin keys may. All or none: a
         worker refusing it (a 400 naming why) unloads it from those that took it."""
         self.tenants.admin(request)
-        name, path = self._adapter_body(await self._body(request), ("lora_name", "lora_path"))
+        body = await self._body(request)
+        base = self._adapter_base(body)
+        name, path = self._adapter_body(body, ("lora_name", "lora_path"))
         if name in self.model_names:
             raise bad_request(f"'{name}' is already served (the base model or a loaded adapter)", param="lora_name")
-        eps = [ep for ep in self.registry.all() if ep.role != "openai"]
+        eps = [ep for ep in self.registry.all() if ep.role != "openai"
+               and (base is None or ep.served_model == base.worker_model)]
         if not eps:
             raise unavailable("no workers to load the adapter on")
         timeout = self.cfg.health_timeout_s * 20
@@ -334,10 +401,11 @@ class Router:
         if model is not None and (model not in self.model_names or not caller.policy.may_use(model)):
             raise not_found(f"model '{model}' does not exist; available: {self._visible(caller)}",
                             code="model_not_found")
-        if self.tokenizer is None:
+        tok = self._pool_for(body).tokenizer
+        if tok is None:
             raise bad_request("this router has no tokenizer (it fronts OpenAI-compatible upstreams without --model); "
                               "ask the upstreams, or start the router with --model")
-        return self.tokenizer
+        return tok
 
     async def tokenize(self, request: web.Request) -> web.Response:
         """vLLM's /tokenize: {prompt} or {messages, add_generation_prompt}; add_special_tokens."""
@@ -359,7 +427,7 @@ class Router:
             ids = tok.encode(body["prompt"], add_special_tokens=special)
         else:
             raise bad_request("give 'prompt' (a string) or 'messages'", param="prompt")
-        return web.json_response({"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids,
+        return web.json_response({"count": len(ids), "max_model_len": self._pool_for(body).max_model_len, "tokens": ids,
                                   "token_strs": None})
 
     async def detokenize(self, request: web.Request) -> web.Response:
@@ -673,4 +741,4 @@ async def _merge(iters: list) -> Any:
             t.cancel()
 
 
-__all__ = ["Chunk", "Router", "load_model_info"]
+__all__ = ["Chunk", "Router", "load_extra_models", "load_model_info"]

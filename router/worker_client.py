@@ -240,7 +240,7 @@ class WorkerClient:
         stub = pbg.WorkerStub(self.channel(ep.address))
         h = await stub.Health(pb.HealthRequest(), timeout=timeout_s)
         probe = Probe(h.status == "serving", h.block_size, h.max_model_len, stream_port=h.stream_port,
-                      stream_mux=h.stream_mux, adapters=list(h.adapters))
+                      stream_mux=h.stream_mux, adapters=list(h.adapters), model=h.model)
         if probe.ok:
             # Load reconciliation is best effort: a slow Stats answer is not a sick worker.
             try:

@@ -157,11 +157,19 @@ async def _probe(c: Child) -> None:
 async def up(args: argparse.Namespace) -> int:
     from engine.loading.model_store import resolve_model
 
-    model_dir = str(resolve_model(args.model))  # fetch once, before any child would race to
+    # Each model fetched once, before any child would race to; several --model: each its own workers
+    # (the same layout), one router in front (requests go to the workers of the model they name).
+    model_dirs = [str(resolve_model(m)) for m in (args.model or [os.environ.get("SPLITFIRE_MODEL")])]
+    names = [Path(d).name for d in model_dirs]
+    if len(set(names)) != len(names):
+        print(f"splitfire up: two models in directories of the same name ({names}): the router tells their "
+              "workers apart by it", flush=True)
+        return 2
+    model_dir = model_dirs[0]
     exe = [sys.executable, "-m", "splitfire_cli"]
     taken: set[int] = set()
-    common = ["--model", model_dir, "--device", args.device, "--dtype", args.dtype, "--kv-cache-gb",
-              str(args.kv_cache_gb), "--host", "127.0.0.1"]
+    common = ["--device", args.device, "--dtype", args.dtype, "--kv-cache-gb", str(args.kv_cache_gb),
+              "--host", "127.0.0.1"]
     children: list[Child] = []
     redis_url = os.environ.get("REDIS_URL", "")
     if not redis_url and not args.no_redis and shutil.which("redis-server"):
@@ -180,17 +188,22 @@ async def up(args: argparse.Namespace) -> int:
         print("splitfire up: --pipeline-parallel-size above 1 is served colocated for now (add --colocated)",
               flush=True)
         return 2
-    kv_store = []
+    kv_stores: list[list[str]] = [[] for _ in model_dirs]  # one store per model: blocks of two models never mix
     if tp * pp > 1 and not args.no_kv_store:
         print("splitfire up: no cluster KV store with model-parallel workers (it does not yet address KV split "
               "across ranks); each worker keeps its own prefix cache", flush=True)
     elif not args.no_kv_store:
         from kvtransfer.store import master_command
 
-        mport, metrics = _pick_port(50055, taken), _pick_port(9003, taken)
-        children.append(Child("kv-store", master_command(mport, metrics), "", ready_port=mport))
-        kv_store = ["--kv-store", f"127.0.0.1:{mport}", "--kv-store-gb", str(args.kv_store_gb)]
-    roles = ["both"] if args.colocated else ["prefill"] * args.prefill + ["decode"] * args.decode
+        for m in range(len(model_dirs)):
+            mport, metrics = _pick_port(50055, taken), _pick_port(9003, taken)
+            children.append(Child("kv-store" + (f"-{m}" if m else ""), master_command(mport, metrics), "",
+                                  ready_port=mport))
+            kv_stores[m] = ["--kv-store", f"127.0.0.1:{mport}", "--kv-store-gb", str(args.kv_store_gb)]
+    kv_store = kv_stores[0]
+    per_model = ["both"] if args.colocated else ["prefill"] * args.prefill + ["decode"] * args.decode
+    roles = per_model * len(model_dirs)
+    which = [m for m in range(len(model_dirs)) for _ in per_model]  # each worker's model
     cpus = plan_cpus(args.cpus, len(roles))  # (a worker's ranks share its cores: engine/ranks.threads_per_rank)
     gpus = plan_gpus(args.gpus, len(roles), gpu_count(args.device), tp * pp)
     if args.lora_modules or args.lora_root:
@@ -207,10 +220,11 @@ async def up(args: argparse.Namespace) -> int:
     router_args = ["--served-model-name", args.served_model_name] if args.served_model_name else []
     addrs: dict[str, list[str]] = {"prefill": [], "decode": [], "both": []}
     workers = []
-    for i, (role, cores, devices) in enumerate(zip(roles, cpus, gpus, strict=True)):
+    for i, (role, cores, devices, m) in enumerate(zip(roles, cpus, gpus, which, strict=True)):
         port = _pick_port({"prefill": 50061, "decode": 50051, "both": 50051}[role], taken)
         name = {"both": "serve"}.get(role, role) + f"-{sum(1 for r in roles[:i] if r == role)}"
-        argv = [*exe, {"both": "serve"}.get(role, role), *common, *kv_store, "--grpc-port", str(port)]
+        argv = [*exe, {"both": "serve"}.get(role, role), "--model", model_dirs[m], *common, *kv_stores[m],
+                "--grpc-port", str(port)]
         if cores:
             argv += ["--cpus", cores]
         argv += args.worker_arg + (args.prefill_arg if role == "prefill" else args.decode_arg)
@@ -219,6 +233,7 @@ async def up(args: argparse.Namespace) -> int:
     children += workers
     router = Child("router", [*exe, "router", "--model", model_dir, "--port", str(args.port), "--policy", args.policy,
                               *router_args,
+                              *(f"--extra-model={n}={d}" for n, d in zip(names[1:], model_dirs[1:], strict=True)),
                               *(["--prefill", *addrs["prefill"]] if addrs["prefill"] else []),
                               *(["--decode", *addrs["decode"]] if addrs["decode"] else []),
                               *(["--colocated", *addrs["both"]] if addrs["both"] else []),
@@ -232,7 +247,8 @@ async def up(args: argparse.Namespace) -> int:
     code = 0
     try:
         t0 = time.monotonic()
-        for group in ([c for c in children if c.name in ("redis", "kv-store")], workers, [router]):
+        for group in ([c for c in children if c.name == "redis" or c.name.startswith("kv-store")], workers,
+                      [router]):
             for c in group:
                 await _start(c)
                 started.append(c)
@@ -261,7 +277,7 @@ async def up(args: argparse.Namespace) -> int:
     finally:
         print("splitfire up: stopping ...", flush=True)
         for group in ([c for c in started if c.name == "router"], [c for c in started if c in workers],
-                      [c for c in started if c.name in ("redis", "kv-store")]):
+                      [c for c in started if c.name == "redis" or c.name.startswith("kv-store")]):
             await asyncio.gather(*(_stop(c) for c in group))
         for c in started:
             if c.log_task is not None:
@@ -305,7 +321,10 @@ def _ready_banner(port: int, model: str, took: float, addrs: dict[str, list[str]
 
 def add_subcommand(sub) -> None:
     p = sub.add_parser("up", help="run the whole system locally: Redis, workers, router")
-    p.add_argument("--model", default=os.environ.get("SPLITFIRE_MODEL"), help="default: smollm2-135m-instruct")
+    p.add_argument("--model", action="append", default=None,
+                   help="default: $SPLITFIRE_MODEL or smollm2-135m-instruct; repeat to serve several models, each with "
+                        "its own workers in the layout below, one router in front (a request's `model` picks them: "
+                        "the first as --served-model-name says, the others by their directory's name)")
     p.add_argument("--port", type=int, default=8000, help="router port")
     p.add_argument("--prefill", type=int, default=1, help="prefill workers")
     p.add_argument("--decode", type=int, default=1, help="decode workers")
