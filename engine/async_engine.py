@@ -89,8 +89,12 @@ class AsyncEngine:
         self.on_publish: Callable[[list[tuple[list[bytes], list[int]]]], None] | None = None
         # Requests admitted to be filled from the KV tier before computing (loop thread).
         self.on_fetch: Callable[[list[str]], None] | None = None
+        # The prefix cache's KV events (last event number, events) after each step (loop thread; set before start()).
+        self.on_kv_events: Callable[[int, bytes], None] | None = None
 
     def start(self) -> None:
+        if self.on_kv_events is not None:
+            self.llm.blocks.enable_kv_events()
         self._loop = asyncio.get_running_loop()
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._thread.start()
@@ -297,7 +301,12 @@ class AsyncEngine:
                 dt = time.perf_counter() - t0
                 loop.call_soon_threadsafe(self._after_step, outputs, dt)
 
+    def kv_snapshot(self) -> asyncio.Future[tuple[int, list[bytes]]]:
+        return self.call(lambda e: e.blocks.kv_snapshot())
+
     def _hand_out_published(self) -> None:
+        if self.llm.blocks.kv_events and self.on_kv_events is not None and self._loop is not None:
+            self._loop.call_soon_threadsafe(self.on_kv_events, *self.llm.blocks.take_kv_events())
         if self.llm.to_publish and self.on_publish is not None and self._loop is not None:
             self._loop.call_soon_threadsafe(self.on_publish, self.llm.take_published())
         if self.llm.scheduler.admitted_for_fetch and self.on_fetch is not None and self._loop is not None:

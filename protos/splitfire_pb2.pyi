@@ -217,6 +217,24 @@ class HealthResponse(_message.Message):
     adapters: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, status: _Optional[str] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., stream_port: _Optional[int] = ..., stream_mux: _Optional[bool] = ..., adapters: _Optional[_Iterable[str]] = ...) -> None: ...
 
+class KVBlocksRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class KVBlocksResponse(_message.Message):
+    __slots__ = ("seq", "hashes", "epoch", "enabled", "stream")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    HASHES_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    ENABLED_FIELD_NUMBER: _ClassVar[int]
+    STREAM_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    hashes: bytes
+    epoch: str
+    enabled: bool
+    stream: str
+    def __init__(self, seq: _Optional[int] = ..., hashes: _Optional[bytes] = ..., epoch: _Optional[str] = ..., enabled: _Optional[bool] = ..., stream: _Optional[str] = ...) -> None: ...
+
 class LoadAdapterRequest(_message.Message):
     __slots__ = ("name", "path")
     NAME_FIELD_NUMBER: _ClassVar[int]

@@ -208,6 +208,11 @@ class WorkerStub:
                 request_serializer=protos_dot_splitfire__pb2.UnloadAdapterRequest.SerializeToString,
                 response_deserializer=protos_dot_splitfire__pb2.UnloadAdapterResponse.FromString,
                 _registered_method=True)
+        self.KVBlocks = channel.unary_unary(
+                '/splitfire.v1.Worker/KVBlocks',
+                request_serializer=protos_dot_splitfire__pb2.KVBlocksRequest.SerializeToString,
+                response_deserializer=protos_dot_splitfire__pb2.KVBlocksResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -249,6 +254,14 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def KVBlocks(self, request, context):
+        """What the prefix cache holds now, for a router starting (or resyncing) its exact index from the
+        worker's KV events (worker/kv_events.py).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -281,6 +294,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.UnloadAdapter,
                     request_deserializer=protos_dot_splitfire__pb2.UnloadAdapterRequest.FromString,
                     response_serializer=protos_dot_splitfire__pb2.UnloadAdapterResponse.SerializeToString,
+            ),
+            'KVBlocks': grpc.unary_unary_rpc_method_handler(
+                    servicer.KVBlocks,
+                    request_deserializer=protos_dot_splitfire__pb2.KVBlocksRequest.FromString,
+                    response_serializer=protos_dot_splitfire__pb2.KVBlocksResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -445,6 +463,33 @@ class Worker:
             '/splitfire.v1.Worker/UnloadAdapter',
             protos_dot_splitfire__pb2.UnloadAdapterRequest.SerializeToString,
             protos_dot_splitfire__pb2.UnloadAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def KVBlocks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitfire.v1.Worker/KVBlocks',
+            protos_dot_splitfire__pb2.KVBlocksRequest.SerializeToString,
+            protos_dot_splitfire__pb2.KVBlocksResponse.FromString,
             options,
             channel_credentials,
             insecure,

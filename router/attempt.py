@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from router.backend import Backend, Route
 from router.endpoints import Endpoint, EndpointRegistry
-from router.prefix_index import PrefixIndex
+from router.prefix_index import PrefixLookup
 
 
 class Ticket:
@@ -63,7 +63,7 @@ class Ticket:
 
 class Attempt:
     def __init__(self, number: int, route: Route, backend: Backend, registry: EndpointRegistry,
-                 index: PrefixIndex, hashes: list[bytes], prompt_tokens: int, resumed_tokens: int, max_tokens: int):
+                 index: PrefixLookup, hashes: list[bytes], prompt_tokens: int, resumed_tokens: int, max_tokens: int):
         self.number = number
         self.route = route
         self.backend = backend

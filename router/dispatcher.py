@@ -23,7 +23,7 @@ from router.config import RouterConfig
 from router.endpoints import Endpoint, EndpointRegistry
 from router.errors import APIError, unavailable
 from router.metrics import RouterMetrics
-from router.prefix_index import PrefixIndex
+from router.prefix_index import PrefixLookup
 from router.protocol import GenRequest
 from router.resume import Progress
 from router.retry import Retry, counts_against_endpoint
@@ -32,14 +32,15 @@ log = logging.getLogger("splitfire.router")
 
 
 def index_scope(req: GenRequest) -> str:
-    """The prefix index's scope of a request: the workers' own (tenant, adapter) and, with several
-    models behind the router, the model (the index never credits one model's blocks to another)."""
-    return cache_scope(req.tenant, req.adapter) + (f"\x00model:{req.pool}" if req.pool else "")
+    """The prefix index's scope of a request: the workers' own (tenant, adapter), so the hashes are the
+    ones their KV events carry (router/kv_events.py). With several models, each endpoint serves one
+    model, so its map never mixes them; only the fleet-wide estimate of the shared store could."""
+    return cache_scope(req.tenant, req.adapter)
 
 
 class Dispatcher:
     def __init__(self, cfg: RouterConfig, registry: EndpointRegistry, policy: Policy, affinity: SessionAffinity,
-                 index: PrefixIndex, backends: Backends | None, metrics: RouterMetrics, tokenizer: Tokenizer | None):
+                 index: PrefixLookup, backends: Backends | None, metrics: RouterMetrics, tokenizer: Tokenizer | None):
         self.cfg = cfg
         self.registry = registry
         self.policy = policy

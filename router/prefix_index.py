@@ -9,11 +9,28 @@ worse placement, never a wrong answer.
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import Protocol
 
 # Fetching a block from the workers' shared KV store costs about this fraction of computing it
 # (bench_kvtransfer's store row: a 2,048-token prefix fetched >= 5x faster than recomputed).
 STORE_HIT_COST = 0.2
 _FLEET = ""  # the map of blocks sent anywhere: what the shared KV store has likely seen
+
+
+class PrefixLookup(Protocol):
+    """What placement asks of an index: this approximate one, or the exact one built from the workers'
+    KV events (`router/kv_events.py`)."""
+
+    @property
+    def shared_store(self) -> bool: ...
+
+    def cached_tokens(self, endpoint: str, hashes: list[bytes], max_blocks: int, block_size: int) -> int: ...
+
+    def matched_blocks(self, endpoint: str, hashes: list[bytes]) -> int: ...
+
+    def insert(self, endpoint: str, hashes: list[bytes]) -> None: ...
+
+    def clear(self) -> None: ...
 
 
 class PrefixIndex:

@@ -30,10 +30,11 @@ from router.dispatcher import Dispatcher, Latency
 from router.endpoints import EndpointRegistry
 from router.errors import APIError, bad_request, not_found, unavailable
 from router.health import HealthChecker
+from router.kv_events import ExactPrefixIndex
 from router.metrics import RouterMetrics
 from router.model_pools import ModelPool, check_distinct, load_model
 from router.openai_upstream import OpenAIUpstreamClient
-from router.prefix_index import PrefixIndex
+from router.prefix_index import PrefixIndex, PrefixLookup
 from router.protocol import GenRequest, RequestParser, parse_messages
 from router.quotas import PipelinedCounters, Quotas
 from router.redis_pipe import PipelinedRedis
@@ -105,8 +106,16 @@ class Router:
         self.quotas = Quotas(PipelinedCounters(self.quota_redis) if self.quota_redis is not None else None)
         store = RedisPinStore(self.redis) if self.redis is not None else MemoryPinStore()
         self.affinity = SessionAffinity(store, cfg.affinity_ttl_s)
-        self.dispatcher = Dispatcher(cfg, self.registry, make_policy(cfg.policy), self.affinity,
-                                     PrefixIndex(cfg.prefix_index_blocks, cfg.shared_kv_store), self.backends,
+        approximate = PrefixIndex(cfg.prefix_index_blocks, cfg.shared_kv_store)
+        index: PrefixLookup = approximate
+        self.kv_index: ExactPrefixIndex | None = None
+        if cfg.redis_url and cfg.kv_events and cfg.prefix_aware:
+            import redis.asyncio as aioredis
+
+            # Its own connection: the stream reads block for a moment at a time.
+            self.kv_index = index = ExactPrefixIndex(approximate, self.registry, self.workers,
+                                                     aioredis.from_url(cfg.redis_url), cfg.health_timeout_s)
+        self.dispatcher = Dispatcher(cfg, self.registry, make_policy(cfg.policy), self.affinity, index, self.backends,
                                      self.metrics, tokenizer)
         self.openai_format = OpenAIFormat(tokenizer)
         self.default_pool = ModelPool(model_name, self.model_root, tokenizer, max_model_len, self.parser,
@@ -163,6 +172,8 @@ class Router:
             self._tasks.append(asyncio.create_task(dns_discovery(self.cfg.discover_dns, self.registry)))
         if self.tenants.path:
             self._tasks.append(asyncio.create_task(self.tenants.watch()))
+        if self.kv_index is not None:
+            self._tasks.append(asyncio.create_task(self.kv_index.run()))
 
     async def _stop(self, app: web.Application) -> None:
         for t in self._tasks:
@@ -173,6 +184,8 @@ class Router:
             await self.redis.aclose()
         if self.quota_redis is not None:
             await self.quota_redis.aclose()
+        if self.kv_index is not None:
+            await self.kv_index.redis.aclose()
 
     @web.middleware
     async def _errors(self, request: web.Request, handler) -> web.StreamResponse:
@@ -473,9 +486,14 @@ class Router:
     async def health_route(self, request: web.Request) -> web.Response:
         eps = self.registry.all()
         ready = any(e.healthy and e.role in ("decode", "colocated", "openai") for e in eps)
-        body = {"status": "ok" if ready else "no_healthy_workers",
-                "endpoints": [{"role": e.role, "address": e.address, "healthy": e.healthy, "load": e.load()}
-                              for e in eps]}
+        body: dict[str, Any] = {"status": "ok" if ready else "no_healthy_workers",
+                                "endpoints": [{"role": e.role, "address": e.address, "healthy": e.healthy,
+                                               "load": e.load()} for e in eps]}
+        if self.kv_index is not None:  # the exact index's view of each worker (router/kv_events.py)
+            for e in body["endpoints"]:
+                v = self.kv_index.views.get(e["address"])
+                e["kv_index"] = {"synced": bool(v and v.synced), "blocks": len(v.blocks) if v else 0,
+                                 "seq": v.seq if v else 0}
         return web.json_response(body, status=200 if ready else 503)
 
     async def metrics_route(self, request: web.Request) -> web.Response:

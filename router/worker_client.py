@@ -6,7 +6,7 @@ import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import grpc
@@ -84,6 +84,14 @@ def frame_error(payload: bytes, called: str) -> WorkerError:
     role = (err.get("failed_role") or "prefill") if err.get("failed_endpoint") else "decode"
     return WorkerError(f"{code.name}: {err.get('details') or code.name}", retryable=retryable, status=status,
                        failed=failed, failed_role=role)
+
+
+@dataclass
+class KVSnapshot:
+    stream: str  # the Redis stream of the worker's KV events
+    epoch: str
+    seq: int  # the last event the hashes include
+    hashes: list[bytes]
 
 
 class WorkerClient:
@@ -235,6 +243,13 @@ class WorkerClient:
         r = await pbg.WorkerStub(self.channel(ep.address)).ResetPrefixCache(pb.ResetPrefixCacheRequest(),
                                                                            timeout=timeout_s)
         return f"{r.blocks_dropped} cached blocks dropped, {r.blocks_unshared} in-use blocks unshared"
+
+    async def kv_blocks(self, ep: Endpoint, timeout_s: float) -> KVSnapshot | None:
+        """What the worker's prefix cache holds and where its KV events go (None: it publishes none)."""
+        r = await pbg.WorkerStub(self.channel(ep.address)).KVBlocks(pb.KVBlocksRequest(), timeout=timeout_s)
+        if not r.enabled:
+            return None
+        return KVSnapshot(r.stream, r.epoch, r.seq, [r.hashes[i : i + 16] for i in range(0, len(r.hashes), 16)])
 
     async def probe(self, ep: Endpoint, timeout_s: float) -> Probe:
         stub = pbg.WorkerStub(self.channel(ep.address))

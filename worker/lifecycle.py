@@ -63,6 +63,12 @@ def load_context(cfg: WorkerConfig, observer: StepObserver | None = None,
     metrics = WorkerMetrics(cfg.role)
     ctx = WorkerContext(cfg, AsyncEngine(engine, observer), metrics, model_name=engine.model_dir.name,
                         adapters=engine.adapters)
+    if cfg.redis_url:
+        # Routers build an exact prefix index from these (router/kv_events.py).
+        from worker.kv_events import KVEventPublisher
+
+        ctx.kv_events = KVEventPublisher(cfg.redis_url, cfg.advertise)
+        ctx.engine.on_kv_events = ctx.kv_events.on_kv_events
     metrics.kv_total.labels(**metrics.labels).set(engine.blocks.num_blocks)
     metrics.adapters_resident.labels(**metrics.labels).set(len(engine.adapters))
     if cfg.kv_store:
@@ -141,6 +147,8 @@ async def serve(ctx: WorkerContext, server: grpc.aio.Server,
     ctx.stream_port = cfg.metrics_port if http_routes is not None else 0
     if ctx.kv_tier is not None:
         ctx.kv_tier.start()
+    if ctx.kv_events is not None:
+        ctx.kv_events.start()
     heartbeat = None
     if cfg.redis_url:
         from worker.registration import heartbeat_loop
@@ -164,6 +172,8 @@ async def serve(ctx: WorkerContext, server: grpc.aio.Server,
         log.warning("event=drain_timeout abandoned=%d", len(ctx.inflight))
     if heartbeat is not None:
         heartbeat.cancel()
+    if ctx.kv_events is not None:
+        await ctx.kv_events.stop()
     await server.stop(grace=1.0)
     await metrics_runner.cleanup()
     if ctx.kv_tier is not None:

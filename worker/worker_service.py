@@ -32,6 +32,7 @@ class WorkerContext:
     kv_tier: Any = None  # worker.kv_tier.KVTier when a cluster-wide KV store is configured
     stream_port: int = 0  # the HTTP port serving Decode.Generate as frames (0: gRPC only)
     adapters: list[str] = field(default_factory=list)  # LoRA adapters taking requests (as of the last change)
+    kv_events: Any = None  # worker.kv_events.KVEventPublisher with --redis-url
 
     async def refuse_if_draining(self, context: grpc.aio.ServicerContext) -> None:
         if self.draining:
@@ -63,6 +64,13 @@ class WorkerService(pb_grpc.WorkerServicer):
         freed, unshared = await self.ctx.engine.reset_prefix_cache()
         log.info("event=prefix_cache_reset freed=%d unshared=%d", freed, unshared)
         return pb.ResetPrefixCacheResponse(blocks_dropped=freed, blocks_unshared=unshared)
+
+    async def KVBlocks(self, request: pb.KVBlocksRequest, context) -> pb.KVBlocksResponse:
+        pub = self.ctx.kv_events
+        if pub is None:
+            return pb.KVBlocksResponse(enabled=False)
+        seq, hashes = await self.ctx.engine.kv_snapshot()
+        return pb.KVBlocksResponse(seq=seq, hashes=b"".join(hashes), epoch=pub.epoch, enabled=True, stream=pub.key)
 
     async def Health(self, request: pb.HealthRequest, context) -> pb.HealthResponse:
         eng = self.ctx.engine.llm

@@ -41,6 +41,33 @@ class BlockManager:
         self.lru: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced; oldest first
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
+        # KV events (router/kv_events.py builds an exact index from them): every hash entering or
+        # leaving the prefix cache, numbered; None until someone listens (`enable_kv_events`).
+        self.kv_events: bytearray | None = None
+        self.kv_event_seq = 0
+
+    # -- KV events --------------------------------------------------------------------
+
+    def enable_kv_events(self) -> None:
+        if self.kv_events is None:
+            self.kv_events = bytearray()
+
+    def _kv_event(self, op: bytes, h: bytes) -> None:
+        if self.kv_events is not None:
+            self.kv_events += op
+            self.kv_events += h
+            self.kv_event_seq += 1
+
+    def take_kv_events(self) -> tuple[int, bytes]:
+        """(the last event's number, the events since the last take: b"+" or b"-" and a 16-byte hash each)."""
+        assert self.kv_events is not None
+        out = bytes(self.kv_events)
+        self.kv_events.clear()
+        return self.kv_event_seq, out
+
+    def kv_snapshot(self) -> tuple[int, list[bytes]]:
+        """(the last event's number, every hash the prefix cache holds now): what a listener starts from."""
+        return self.kv_event_seq, list(self.hash_to_block)
 
     # -- capacity -------------------------------------------------------------------
 
@@ -70,6 +97,7 @@ class BlockManager:
         h = self.block_hash[b]
         if h is not None and self.hash_to_block.get(h) == b:
             del self.hash_to_block[h]
+            self._kv_event(b"-", h)
         self.block_hash[b] = None
         self.free.add(b)
 
@@ -84,6 +112,7 @@ class BlockManager:
             if h is not None:
                 if self.hash_to_block.get(h) == b:
                     del self.hash_to_block[h]
+                    self._kv_event(b"-", h)
                 self.block_hash[b] = None
                 unshared += 1
         return freed, unshared
@@ -209,6 +238,7 @@ class BlockManager:
             if self.block_hash[b] is None and h not in self.hash_to_block:
                 self.block_hash[b] = h
                 self.hash_to_block[h] = b
+                self._kv_event(b"+", h)
         seq.num_registered_blocks = full
 
     def _drop_ref(self, b: int, holder: str) -> None:
