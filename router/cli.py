@@ -31,7 +31,7 @@ async def run(cfg: RouterConfig) -> None:
     runner = web.AppRunner(router.app(), access_log=None, handler_cancellation=True,
                            keepalive_timeout=cfg.keepalive_timeout_s)
     await runner.setup()
-    await web.TCPSite(runner, cfg.host, cfg.port, backlog=1024).start()
+    await web.TCPSite(runner, cfg.host, cfg.port, backlog=1024, reuse_port=cfg.reuse_port or None).start()
     log.info("event=router_ready port=%d model=%s policy=%s endpoints=%d redis=%s", cfg.port, name, cfg.policy,
              len(router.registry.all()), bool(cfg.redis_url))
     print(f"splitfire router ready on http://{cfg.host}:{cfg.port} (model {name})", flush=True)

@@ -34,6 +34,7 @@ class RouterConfig:
     prefix_aware: bool = True
     prefix_index_blocks: int = 65_536  # block hashes remembered per endpoint (~1M tokens, ~6 MB)
     shared_kv_store: bool = False  # workers share a KV store: a block cached anywhere is cheap everywhere
+    reuse_port: bool = False  # several replicas on one port (SO_REUSEPORT; `splitfire up --routers N`)
     kv_events: bool = True  # with --redis-url: an exact prefix index from the workers' KV events (router/kv_events.py)
     block_size: int = 16
     max_concurrency: int = 256  # requests being served
@@ -143,6 +144,9 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--redis-url", default=os.environ.get("REDIS_URL", ""), help="affinity pins and worker registry (env REDIS_URL)")
     p.add_argument("--policy", default=_env("policy", "token"), choices=POLICIES)
     p.add_argument("--no-prefix-aware", action="store_true", help="ignore prefix-cache locality when placing")
+    p.add_argument("--reuse-port", action="store_true",
+                   help="bind with SO_REUSEPORT so several router replicas share the port (the kernel spreads "
+                        "connections over them)")
     p.add_argument("--no-kv-events", action="store_true",
                    help="with --redis-url, do not build the exact prefix index from the workers' KV events (keep the "
                         "per-replica approximation)")
@@ -184,7 +188,7 @@ def router_config_from(args: argparse.Namespace) -> RouterConfig:
         openai_upstream=list(args.openai_upstream), openai_upstream_api_key=args.openai_upstream_api_key,
         discover_dns=list(args.discover_dns), redis_url=args.redis_url,
         policy=args.policy, prefix_aware=not args.no_prefix_aware, prefix_index_blocks=args.prefix_index_blocks,
-        shared_kv_store=args.shared_kv_store, kv_events=not args.no_kv_events, affinity_ttl_s=args.affinity_ttl,
+        shared_kv_store=args.shared_kv_store, kv_events=not args.no_kv_events, reuse_port=args.reuse_port, affinity_ttl_s=args.affinity_ttl,
         max_concurrency=args.max_concurrency, max_queue=args.max_queue, max_retries=args.max_retries,
         max_body_bytes=args.max_body_bytes, api_keys_file=args.api_keys, health_interval_s=args.health_interval,
         keepalive_timeout_s=args.keepalive_timeout, early_headers=args.early_headers,

@@ -225,20 +225,32 @@ async def up(args: argparse.Namespace) -> int:
         name = {"both": "serve"}.get(role, role) + f"-{sum(1 for r in roles[:i] if r == role)}"
         argv = [*exe, {"both": "serve"}.get(role, role), "--model", model_dirs[m], *common, *kv_stores[m],
                 "--grpc-port", str(port)]
+        if redis_url:  # KV events for the routers' exact prefix index (and self-registration, same address)
+            argv += ["--redis-url", redis_url, "--advertise", f"127.0.0.1:{port}"]
         if cores:
             argv += ["--cpus", cores]
         argv += args.worker_arg + (args.prefill_arg if role == "prefill" else args.decode_arg)
         workers.append(Child(name, argv, "worker ready", {"CUDA_VISIBLE_DEVICES": devices} if devices else {}))
         addrs[role].append(f"127.0.0.1:{port}")
     children += workers
-    router = Child("router", [*exe, "router", "--model", model_dir, "--port", str(args.port), "--policy", args.policy,
+    router_argv = [*exe, "router", "--model", model_dir, "--port", str(args.port), "--policy", args.policy,
                               *router_args,
                               *(f"--extra-model={n}={d}" for n, d in zip(names[1:], model_dirs[1:], strict=True)),
                               *(["--prefill", *addrs["prefill"]] if addrs["prefill"] else []),
                               *(["--decode", *addrs["decode"]] if addrs["decode"] else []),
                               *(["--colocated", *addrs["both"]] if addrs["both"] else []),
                               *(["--redis-url", redis_url] if redis_url else []),
-                              *(["--shared-kv-store"] if kv_store else []), *args.router_arg], "router ready")
+                              *(["--shared-kv-store"] if kv_store else []), *args.router_arg]
+    if args.routers < 1:
+        print("splitfire up: --routers must be at least 1", flush=True)
+        return 2
+    if args.routers > 1 and not redis_url:
+        print("splitfire up: --routers above 1 without Redis: each replica keeps its own affinity pins, quotas and "
+              "prefix index", flush=True)
+    # Several replicas share the port (SO_REUSEPORT: the kernel spreads connections over them).
+    routers = [Child("router" if args.routers == 1 else f"router-{i}",
+                     router_argv + (["--reuse-port"] if args.routers > 1 else []), "router ready")
+               for i in range(args.routers)]
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -248,7 +260,7 @@ async def up(args: argparse.Namespace) -> int:
     try:
         t0 = time.monotonic()
         for group in ([c for c in children if c.name == "redis" or c.name.startswith("kv-store")], workers,
-                      [router]):
+                      routers):
             for c in group:
                 await _start(c)
                 started.append(c)
@@ -276,7 +288,7 @@ async def up(args: argparse.Namespace) -> int:
         code = 1
     finally:
         print("splitfire up: stopping ...", flush=True)
-        for group in ([c for c in started if c.name == "router"], [c for c in started if c in workers],
+        for group in ([c for c in started if c in routers], [c for c in started if c in workers],
                       [c for c in started if c.name == "redis" or c.name.startswith("kv-store")]):
             await asyncio.gather(*(_stop(c) for c in group))
         for c in started:
@@ -326,6 +338,9 @@ def add_subcommand(sub) -> None:
                         "its own workers in the layout below, one router in front (a request's `model` picks them: "
                         "the first as --served-model-name says, the others by their directory's name)")
     p.add_argument("--port", type=int, default=8000, help="router port")
+    p.add_argument("--routers", type=int, default=1,
+                   help="router replicas sharing the port (SO_REUSEPORT); with Redis they share affinity pins, quotas "
+                        "and the exact prefix index built from the workers' KV events")
     p.add_argument("--prefill", type=int, default=1, help="prefill workers")
     p.add_argument("--decode", type=int, default=1, help="decode workers")
     p.add_argument("--colocated", action="store_true", help="one colocated worker instead of prefill + decode")

@@ -83,3 +83,29 @@ def test_gpu_count_needs_no_torch_without_gpu_device_nodes(tmp_path):
     assert run() == ["0", "0", "False"]
     (dev / "nvidia0").touch()
     assert run()[2] == "True"  # a GPU node: torch decides (CUDA_VISIBLE_DEVICES, MIG and UUIDs are its to read)
+
+
+async def test_up_runs_router_replicas_on_one_port(tiny_model_dir, tmp_path):
+    """`--routers 2`: both replicas bind the port (SO_REUSEPORT) and the kernel spreads connections over
+    them; with Redis they share pins, quotas and the exact prefix index from the workers' KV events."""
+    import aiohttp
+
+    port = free_port()
+    p = spawn("up", ["up", "--model", str(tiny_model_dir), "--port", str(port), "--kv-cache-gb", "0.01",
+                     "--served-model-name", "tiny", "--colocated", "--no-kv-store", "--routers", "2"], tmp_path)
+    try:
+        p.wait_for("splitfire is ready", timeout=120)
+        for _ in range(24):  # a new connection each: each lands on one replica or the other
+            async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as s, \
+                    s.post(f"http://127.0.0.1:{port}/v1/completions",
+                           json={"model": "tiny", "prompt": "hi", "max_tokens": 2}) as r:
+                assert r.status == 200, await r.text()
+        log = p.log()
+        served = {name: sum(1 for line in log.splitlines() if line.startswith(f"[{name}]")
+                            and "event=request_done" in line) for name in ("router-0", "router-1")}
+        assert sum(served.values()) == 24 and all(served.values()), served
+        assert "event=kv_index_synced" in log  # (the workers publish KV events to the Redis up started)
+    finally:
+        p.popen.send_signal(signal.SIGTERM)
+        assert p.popen.wait(60) == 0, p.log()[-3000:]
+    assert not _listening(port)
