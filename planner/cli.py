@@ -1,9 +1,10 @@
 """`splitfire planner profile` and `splitfire planner run`.
 
 `run` reads the router's /metrics every `--interval` seconds and prints, one JSON line per interval,
-how many prefill and decode workers the next interval needs (`planner/decision.py`) and why. It
-recommends: acting on it (the Kubernetes scale subresource, `splitfire up`'s own processes) is not
-built yet, so the decisions are for an operator or a script to apply.
+how many prefill and decode workers the next interval needs (`planner/decision.py`) and why: advice
+for an operator or a script. `splitfire up --planner` applies the same decisions to its own worker
+processes (`splitfire_cli/supervisor.LocalScaler`); a Kubernetes actuator (the Deployments' scale
+subresource) is not built yet.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from planner.profile import load, measure, save
 log = logging.getLogger("splitfire.planner")
 
 
-async def _scrape(session: aiohttp.ClientSession, url: str) -> Scrape:
+async def scrape(session: aiohttp.ClientSession, url: str) -> Scrape:
     async with session.get(url + "/metrics") as r:
         if r.status != 200:
             raise OSError(f"{url}/metrics answered {r.status}")
@@ -35,10 +36,10 @@ async def run(args: argparse.Namespace) -> int:
                       Limits(args.min_prefill, args.max_prefill, args.min_decode, args.max_decode))
     url = args.router.rstrip("/")
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as s:
-        before = await _scrape(s, url)
+        before = await scrape(s, url)
         while True:
             await asyncio.sleep(args.interval)
-            after = await _scrape(s, url)
+            after = await scrape(s, url)
             snap = snapshot(before, after)
             d = planner.decide(snap)
             log.info("event=planner_decision prefill=%d decode=%d have_prefill=%d have_decode=%d rate=%.2f "

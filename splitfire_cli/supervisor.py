@@ -16,6 +16,7 @@ import signal
 import socket
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -220,9 +221,12 @@ async def up(args: argparse.Namespace) -> int:
     router_args = ["--served-model-name", args.served_model_name] if args.served_model_name else []
     addrs: dict[str, list[str]] = {"prefill": [], "decode": [], "both": []}
     workers = []
-    for i, (role, cores, devices, m) in enumerate(zip(roles, cpus, gpus, which, strict=True)):
+    count: dict[str, int] = {}
+
+    def worker_child(role: str, m: int, cores: str, devices: str) -> tuple[Child, str]:
         port = _pick_port({"prefill": 50061, "decode": 50051, "both": 50051}[role], taken)
-        name = {"both": "serve"}.get(role, role) + f"-{sum(1 for r in roles[:i] if r == role)}"
+        count[role] = count.get(role, -1) + 1
+        name = {"both": "serve"}.get(role, role) + f"-{count[role]}"
         argv = [*exe, {"both": "serve"}.get(role, role), "--model", model_dirs[m], *common, *kv_stores[m],
                 "--grpc-port", str(port)]
         if redis_url:  # KV events for the routers' exact prefix index (and self-registration, same address)
@@ -230,8 +234,13 @@ async def up(args: argparse.Namespace) -> int:
         if cores:
             argv += ["--cpus", cores]
         argv += args.worker_arg + (args.prefill_arg if role == "prefill" else args.decode_arg)
-        workers.append(Child(name, argv, "worker ready", {"CUDA_VISIBLE_DEVICES": devices} if devices else {}))
-        addrs[role].append(f"127.0.0.1:{port}")
+        return Child(name, argv, "worker ready", {"CUDA_VISIBLE_DEVICES": devices} if devices else {}), \
+            f"127.0.0.1:{port}"
+
+    for role, cores, devices, m in zip(roles, cpus, gpus, which, strict=True):
+        child, addr = worker_child(role, m, cores, devices)
+        workers.append(child)
+        addrs[role].append(addr)
     children += workers
     router_argv = [*exe, "router", "--model", model_dir, "--port", str(args.port), "--policy", args.policy,
                               *router_args,
@@ -243,6 +252,11 @@ async def up(args: argparse.Namespace) -> int:
                               *(["--shared-kv-store"] if kv_store else []), *args.router_arg]
     if args.routers < 1:
         print("splitfire up: --routers must be at least 1", flush=True)
+        return 2
+    if args.planner and (args.colocated or len(model_dirs) > 1 or not redis_url or not args.planner_profile):
+        print("splitfire up: --planner sizes one model's prefill and decode workers: it needs --planner-profile, "
+              "Redis (new workers join the router through it) and neither --colocated nor several --model",
+              flush=True)
         return 2
     if args.routers > 1 and not redis_url:
         print("splitfire up: --routers above 1 without Redis: each replica keeps its own affinity pins, quotas and "
@@ -274,15 +288,27 @@ async def up(args: argparse.Namespace) -> int:
             waiter.result()
         name = (await _served_name(args.port)) or "MODEL"
         print(_ready_banner(args.port, name, time.monotonic() - t0, addrs), flush=True)
-        died = [asyncio.create_task(c.proc.wait()) for c in started if c.proc is not None]
-        stopper = asyncio.create_task(stop.wait())
-        done, _ = await asyncio.wait({stopper, *died}, return_when=asyncio.FIRST_COMPLETED)
-        if stopper not in done:
-            dead = [c.name for c in started if c.proc is not None and c.proc.returncode is not None]
-            print(f"splitfire up: {', '.join(dead)} exited; stopping everything", flush=True)
-            code = 1
-        for t in (stopper, *died):
-            t.cancel()
+        drained: set[int] = set()  # workers the planner drained: their exit is expected
+        planner_task = None
+        if args.planner:
+            scaler = LocalScaler(args, workers, started, drained,
+                                 lambda role: worker_child(role, 0, "", "")[0])
+            planner_task = asyncio.create_task(scaler.run())
+        while not stop.is_set():  # until Ctrl-C, or a child exits that nobody asked to
+            dead = [c.name for c in started if c.proc is not None and c.proc.returncode is not None
+                    and id(c) not in drained]
+            if dead:
+                print(f"splitfire up: {', '.join(dead)} exited; stopping everything", flush=True)
+                code = 1
+                break
+            if planner_task is not None and planner_task.done():
+                planner_task.result()  # (a planner that failed says why)
+            try:
+                await asyncio.wait_for(stop.wait(), timeout=0.5)
+            except TimeoutError:
+                pass
+        if planner_task is not None:
+            planner_task.cancel()
     except RuntimeError as e:
         print(f"splitfire up: {e}", flush=True)
         code = 1
@@ -296,6 +322,60 @@ async def up(args: argparse.Namespace) -> int:
                 await asyncio.wait({c.log_task}, timeout=2)
         print("splitfire up: stopped", flush=True)
     return code
+
+
+class LocalScaler:
+    """`splitfire up --planner`: every interval, the planner's decision (`planner/decision.py`, from the
+    router's /metrics) applied to this machine's worker processes — a new worker joins the router through
+    Redis once ready; the newest worker of a role drains on SIGTERM (finishes its requests, leaves)."""
+
+    def __init__(self, args: argparse.Namespace, workers: list[Child], started: list[Child], drained: set[int],
+                 new_worker: Callable[[str], Child]) -> None:
+        self.args, self.workers, self.started, self.drained = args, workers, started, drained
+        self.new_worker = new_worker
+
+    def live(self, role: str) -> list[Child]:
+        return [c for c in self.workers if c.name.startswith(role) and id(c) not in self.drained
+                and c.proc is not None and c.proc.returncode is None]
+
+    async def run(self) -> None:
+        import dataclasses
+
+        import aiohttp
+
+        from planner.cli import scrape
+        from planner.decision import Limits, Planner
+        from planner.metrics import snapshot
+        from planner.profile import load
+
+        a = self.args
+        planner = Planner(load(a.planner_profile), a.ttft_slo, a.itl_slo,
+                          Limits(a.min_prefill, a.max_prefill, a.min_decode, a.max_decode))
+        url = f"http://127.0.0.1:{a.port}"
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as s:
+            before = await scrape(s, url)
+            while True:
+                await asyncio.sleep(a.planner_interval)
+                after = await scrape(s, url)
+                # The workers this process runs (a starting one counts: no second start for the same need).
+                snap = dataclasses.replace(snapshot(before, after), prefill_workers=len(self.live("prefill")),
+                                           decode_workers=len(self.live("decode")))
+                before = after
+                d = planner.decide(snap)
+                for role, want in (("prefill", d.prefill), ("decode", d.decode)):
+                    have = self.live(role)
+                    if want != len(have):
+                        print(f"splitfire up: event=planner_scale role={role} from={len(have)} to={want} "
+                              f"reasons={'; '.join(d.reasons)}", flush=True)
+                    for _ in range(want - len(have)):
+                        c = self.new_worker(role)
+                        self.workers.append(c)
+                        await _start(c)
+                        self.started.append(c)
+                    for c in sorted(have, key=lambda c: -self.workers.index(c))[: max(len(have) - want, 0)]:
+                        self.drained.add(id(c))
+                        assert c.proc is not None
+                        c.proc.send_signal(signal.SIGTERM)  # drains: no new requests, the running ones finish
 
 
 async def _served_name(port: int) -> str | None:
@@ -338,6 +418,17 @@ def add_subcommand(sub) -> None:
                         "its own workers in the layout below, one router in front (a request's `model` picks them: "
                         "the first as --served-model-name says, the others by their directory's name)")
     p.add_argument("--port", type=int, default=8000, help="router port")
+    p.add_argument("--planner", action="store_true",
+                   help="size the prefill and decode workers from the router's metrics and the SLOs below "
+                        "(`planner/decision.py`): add worker processes, drain them (needs Redis, --planner-profile)")
+    p.add_argument("--planner-profile", default="", help="from `splitfire planner profile`")
+    p.add_argument("--planner-interval", type=float, default=30.0, help="seconds between decisions")
+    p.add_argument("--ttft-slo", type=float, default=2.0, help="--planner: seconds (p90)")
+    p.add_argument("--itl-slo", type=float, default=0.1, help="--planner: seconds (p90)")
+    p.add_argument("--min-prefill", type=int, default=1)
+    p.add_argument("--max-prefill", type=int, default=4)
+    p.add_argument("--min-decode", type=int, default=1)
+    p.add_argument("--max-decode", type=int, default=4)
     p.add_argument("--routers", type=int, default=1,
                    help="router replicas sharing the port (SO_REUSEPORT); with Redis they share affinity pins, quotas "
                         "and the exact prefix index built from the workers' KV events")

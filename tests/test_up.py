@@ -109,3 +109,50 @@ async def test_up_runs_router_replicas_on_one_port(tiny_model_dir, tmp_path):
         p.popen.send_signal(signal.SIGTERM)
         assert p.popen.wait(60) == 0, p.log()[-3000:]
     assert not _listening(port)
+
+
+async def test_up_planner_adds_a_decode_worker_under_load_and_drains_it_after(tiny_model_dir, tmp_path):
+    """`--planner`: a load step makes the planner (`planner/decision.py`, from the router's /metrics) add a
+    decode worker process, which joins the router through Redis; when the load falls it drains one (the
+    newest) and no request fails."""
+    import asyncio
+    import json
+
+    import aiohttp
+
+    profile = tmp_path / "profile.json"  # one stream per decode worker within the ITL SLO
+    profile.write_text(json.dumps({"prefill_tps": 1e6, "decode_itl": {"1": 0.01, "2": 0.5}}))
+    port = free_port()
+    p = spawn("up", ["up", "--model", str(tiny_model_dir), "--port", str(port), "--kv-cache-gb", "0.01",
+                     "--served-model-name", "tiny", "--prefill", "1", "--decode", "1", "--no-kv-store",
+                     "--planner", "--planner-profile", str(profile), "--planner-interval", "1", "--itl-slo", "0.1",
+                     "--max-decode", "2", "--max-prefill", "1"], tmp_path)
+    statuses: list[int] = []
+
+    async def one(s: aiohttp.ClientSession) -> None:
+        async with s.post(f"http://127.0.0.1:{port}/v1/completions",
+                          json={"model": "tiny", "prompt": "hi there", "max_tokens": 16, "ignore_eos": True}) as r:
+            await r.read()
+            statuses.append(r.status)
+
+    async def load(rate: float, seconds: float, s: aiohttp.ClientSession) -> None:
+        tasks = []
+        for _ in range(int(rate * seconds)):
+            tasks.append(asyncio.create_task(one(s)))
+            await asyncio.sleep(1 / rate)
+        await asyncio.gather(*tasks)
+
+    try:
+        p.wait_for("splitfire is ready", timeout=120)
+        async with aiohttp.ClientSession() as s:
+            await load(12, 6, s)
+            p.wait_for("role=decode from=1 to=2", timeout=30)
+            p.wait_for("[decode-1] splitfire decode worker ready", timeout=60)
+            await load(1, 12, s)  # light load while the planner scales back down
+            p.wait_for("role=decode from=2 to=1", timeout=60)
+            await load(1, 3, s)
+        assert statuses and all(st == 200 for st in statuses), statuses
+        assert "exited; stopping everything" not in p.log()  # the drained worker's exit was expected
+    finally:
+        p.popen.send_signal(signal.SIGTERM)
+        assert p.popen.wait(60) == 0, p.log()[-3000:]
