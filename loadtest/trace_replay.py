@@ -167,7 +167,10 @@ async def replay(url: str, model: str, reqs: list[TraceRequest], scale: Scale, s
     ideal = ideal_cached(reqs, scale)
     outs = [Outcome(i, ideal_cached=ideal[i]) for i in range(len(reqs))]
     slots = asyncio.Semaphore(max_inflight)
-    conn = aiohttp.TCPConnector(limit=0)
+    # Idle connections are dropped after 5 s (httpx's default, the OpenAI SDK's): aiohttp's default of 15 s
+    # equals the router's keep-alive timeout, so a reused connection could be the one the router is closing
+    # right then (the request then fails with "Server disconnected" without reaching it).
+    conn = aiohttp.TCPConnector(limit=0, keepalive_timeout=5.0)
     async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=timeout_s)) as session:
         t0 = time.perf_counter()
 

@@ -63,6 +63,26 @@ def _fetch(args: argparse.Namespace) -> int:
     return 0
 
 
+def _compress(args: argparse.Namespace) -> int:
+    import time
+    from pathlib import Path
+
+    from engine.loading.compress import compress_dir
+    from engine.loading.compressed import CHUNK
+    from engine.loading.model_store import resolve_model
+
+    t0 = time.perf_counter()
+    stats = compress_dir(Path(resolve_model(args.model_dir)), Path(args.out_dir), args.chunk or CHUNK, progress=True)
+    took = time.perf_counter() - t0
+    for kind, (orig, stored, ent) in sorted(stats.by_kind.items()):
+        # 16-bit weights: n = orig / 2 of them, 8 raw bits each plus the coded plane's order-0 entropy `ent` bits
+        bound = f", order-0 entropy bound {(4 * orig + ent) / (8 * orig):.3f}" if ent else ""
+        print(f"{kind}: {orig / 2**20:.1f} MiB -> {stored / 2**20:.1f} MiB ({stored / orig:.3f}{bound})")
+    print(f"total: {stats.original_bytes / 2**20:.1f} MiB -> {stats.stored_bytes / 2**20:.1f} MiB "
+          f"({stats.stored_bytes / max(stats.original_bytes, 1):.3f}) in {took:.1f} s -> {args.out_dir}")
+    return 0
+
+
 def _plan(args: argparse.Namespace) -> int:
     from common import sizing
 
@@ -121,6 +141,13 @@ def build_parser() -> argparse.ArgumentParser:
     pp.add_argument("--kv-cache-dtype", choices=["bfloat16", "float16", "fp8"], default=None)
     pp.add_argument("--min-kv-tokens", type=int, default=32768, help="what 'fits' means: KV tokens per device")
     pp.set_defaults(func=_plan)
+
+    cp = sub.add_parser("compress", help="losslessly compress a model's bfloat16/float16 weights (exponents "
+                        "Huffman-coded; loads bit-exact)")
+    cp.add_argument("model_dir", help="a model directory (safetensors) or a built-in name")
+    cp.add_argument("out_dir")
+    cp.add_argument("--chunk", type=int, default=None, help="weights per independently decodable chunk (default 1M)")
+    cp.set_defaults(func=_compress)
 
     mp = sub.add_parser("model", help="model management")
     msub = mp.add_subparsers(dest="model_command", required=True)

@@ -16,11 +16,13 @@ import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
 from common.errors import ModelLoadError
+from engine.loading import compressed
 from engine.loading.staging import Staging
 
 DTYPES = {
@@ -83,7 +85,14 @@ class Checkpoint:
 
     def __init__(self, model_dir: Path, staging: Staging | None = None):
         self.model_dir = model_dir
-        self.tensors = self._index(model_dir)
+        # A compressed directory (`splitfire compress`): tensors decoded bit-exact at read (compressed.py).
+        self.compressed: dict[str, Any] = {}
+        if (model_dir / compressed.MANIFEST).is_file():
+            self.compressed = compressed.read_manifest(model_dir)
+            self.tensors = {n: TensorInfo(model_dir / e.file, DTYPES[e.dtype], tuple(e.shape), e.plane[0],
+                                          e.numel * DTYPES[e.dtype].itemsize) for n, e in self.compressed.items()}
+        else:
+            self.tensors = self._index(model_dir)
         self.unread = set(self.tensors)
         self.staging = staging  # device loads: through pinned buffers, copies overlapped with reads
 
@@ -155,6 +164,13 @@ class Checkpoint:
         t = self.info(name)
         if len(t.shape) not in (1, 2) or (cols is not None and len(t.shape) != 2):
             raise ModelLoadError(f"{t.path}: tensor {name!r} of shape {t.shape} cannot be sliced this way")
+        if name in self.compressed:  # decoded whole, then sliced
+            whole = torch.empty(t.shape, dtype=t.dtype)
+            self._read(name, whole)
+            part = whole[rows.start : rows.stop] if rows is not None else whole
+            if cols is not None:
+                part = part[:, cols.start : cols.stop]
+            return part.contiguous()
         n_rows, n_cols = t.shape[0], (t.shape[1] if len(t.shape) == 2 else 1)
         r, c = rows or range(n_rows), cols or range(n_cols)
         if r.stop > n_rows or c.stop > n_cols:
@@ -172,11 +188,20 @@ class Checkpoint:
     def _stage(self, name: str, dst: torch.Tensor) -> None:
         assert self.staging is not None
         t = self.info(name)
+        if name in self.compressed:  # decoded on the host, then copied (and converted) on the device
+            host = torch.empty(t.shape, dtype=t.dtype)
+            self._read(name, host)
+            dst.copy_(host)
+            return
         self.staging.upload(str(t.path), t.offset, t.nbytes, t.dtype, dst)
         self.unread.discard(name)
 
     def _read(self, name: str, out: torch.Tensor) -> None:
         t = self.info(name)
+        if name in self.compressed:
+            compressed.decode_into(self.model_dir, self.compressed[name], out)
+            self.unread.discard(name)
+            return
         buf = memoryview(out.reshape(-1).view(torch.uint8).numpy()) if t.nbytes else memoryview(bytearray())
         try:
             with open(t.path, "rb") as f:
@@ -201,6 +226,10 @@ def model_fingerprint(model_dir: Path) -> str:
 
     h = hashlib.sha256()
     h.update((model_dir / "config.json").read_bytes())
+    if (model_dir / compressed.MANIFEST).is_file():  # the original tensors' checksums name the weights
+        for part in compressed.fingerprint_parts(model_dir):
+            h.update(part.encode())
+        return h.hexdigest()[:16]
     for f in sorted(model_dir.glob("*.safetensors")):
         size = f.stat().st_size
         h.update(f"{f.name}:{size}".encode())

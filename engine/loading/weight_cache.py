@@ -52,7 +52,12 @@ def enabled(model_dir: Path) -> bool:
     if os.environ.get("SPLITFIRE_WEIGHT_CACHE", "1") == "0":
         return False
     floor = float(os.environ.get("SPLITFIRE_WEIGHT_CACHE_MIN_MB", "32")) * 2**20
-    return sum(f.stat().st_size for f in model_dir.glob("*.safetensors")) >= floor
+    return sum(f.stat().st_size for f in weight_files(model_dir)) >= floor
+
+
+def weight_files(model_dir: Path) -> list[Path]:
+    """The files holding a model's weights: safetensors, or a compressed directory's data files."""
+    return sorted([*model_dir.glob("*.safetensors"), *model_dir.glob("*.sfz")])
 
 
 def cache_path(model_dir: Path, dtype: torch.dtype, quantization: str | None, shard: Shard = ONE,
@@ -68,7 +73,7 @@ def cache_path(model_dir: Path, dtype: torch.dtype, quantization: str | None, sh
     for name in _SOURCES:
         h.update((here / name).read_bytes())
     h.update((model_dir / "config.json").read_bytes())
-    for f in sorted(model_dir.glob("*.safetensors")):
+    for f in weight_files(model_dir):
         st = f.stat()
         h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
     dt = str(dtype).removeprefix("torch.")

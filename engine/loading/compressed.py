@@ -1,0 +1,162 @@
+"""Lossless weight compression: bfloat16 (and float16) tensors stored as a raw sign+mantissa plane and an
+entropy-coded exponent plane, decoded bit-exact at load.
+
+A bfloat16 weight is 1 sign bit, 8 exponent bits and 7 mantissa bits. Trained weights use a handful of
+exponents (a few bits of entropy where 8 are stored) while sign and mantissa are close to uniform, so
+only the exponents are worth coding (DFloat11's observation). Here each tensor becomes
+
+- the **sign+mantissa plane**: one byte per weight (bfloat16: sign << 7 | mantissa), stored as is;
+- the **exponent plane**: one byte per weight, Huffman-coded (zlib's Huffman-only deflate: canonical
+  Huffman codes decoded in C, no LZ77 matching) in chunks of `CHUNK` weights, each decodable on its own,
+  so a load decodes chunks on several threads.
+
+float16 (5 exponent bits) splits at the byte instead: its high byte (sign, exponent, 2 mantissa bits) is
+the coded plane and its low byte the raw one.
+
+Every other tensor (float32, integers, FP8, quantized codes) is stored as is. `splitfire compress
+MODEL_DIR OUT_DIR` (`compress.py`) writes `weights-NNNNN.sfz` data files and `splitfire_compressed.json` (the
+manifest: per tensor its dtype, shape, codec, byte ranges and the CRC-32 of its original bytes) beside
+copies of the model's other files; `engine/loading/checkpoint.Checkpoint` reads such a directory like
+a safetensors one. A chunk that fails to decode or a tensor whose CRC does not match is a
+`ModelLoadError` naming the tensor: never wrong weights.
+"""
+
+from __future__ import annotations
+
+import json
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from common.errors import ModelLoadError
+
+MANIFEST = "splitfire_compressed.json"
+FORMAT = 1
+CHUNK = 1 << 20  # weights per exponent chunk
+CODEC_BF16 = "bf16-exponent-huffman"
+CODEC_F16 = "f16-exponent-huffman"
+CODEC_RAW = "raw"
+_THREADS = 4
+
+
+@dataclass
+class Entry:
+    name: str
+    dtype: str  # a checkpoint.DTYPES key
+    shape: list[int]
+    codec: str
+    file: str
+    plane: list[int]  # [offset, length] of the raw plane (the whole tensor for "raw")
+    chunks: list[list[int]] = field(default_factory=list)  # [offset, length, weights] per exponent chunk
+    crc32: int = 0  # of the original tensor's bytes
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+# -- planes -----------------------------------------------------------------------------------
+
+
+def split(u: np.ndarray, codec: str) -> tuple[np.ndarray, np.ndarray]:
+    """(raw plane, exponent plane) of uint16 bit patterns."""
+    if codec == CODEC_BF16:
+        return (((u >> 8) & 0x80) | (u & 0x7F)).astype(np.uint8), ((u >> 7) & 0xFF).astype(np.uint8)
+    return (u & 0xFF).astype(np.uint8), (u >> 8).astype(np.uint8)
+
+
+def join(plane: np.ndarray, exp: np.ndarray, codec: str, out: np.ndarray) -> None:
+    """The uint16 bit patterns back into `out` (the reference: `split`'s inverse, tested bit for bit)."""
+    if codec == CODEC_BF16:
+        sm = plane.astype(np.uint16)
+        np.bitwise_or((sm & 0x80) << 8, exp.astype(np.uint16) << 7, out=out)
+        out |= sm & 0x7F
+    else:
+        np.bitwise_or(plane.astype(np.uint16), exp.astype(np.uint16) << 8, out=out)
+
+
+def _encoder() -> Any:
+    # Raw deflate, Huffman only: the exponents' order-0 entropy is what there is to take.
+    return zlib.compressobj(9, zlib.DEFLATED, -15, 9, zlib.Z_HUFFMAN_ONLY)
+
+
+def encode_chunk(exp: np.ndarray) -> bytes:
+    c = _encoder()
+    return c.compress(exp.tobytes()) + c.flush()
+
+
+def entropy_bits(exp: np.ndarray) -> float:
+    """Order-0 entropy of the exponent symbols, bits per weight: the bound any per-symbol coder meets."""
+    counts = np.bincount(exp.reshape(-1), minlength=256).astype(np.float64)
+    p = counts[counts > 0] / counts.sum()
+    return float(-(p * np.log2(p)).sum())
+
+
+# -- reading ----------------------------------------------------------------------------------
+
+
+def read_manifest(model_dir: Path) -> dict[str, Entry]:
+    path = model_dir / MANIFEST
+    try:
+        d = json.loads(path.read_text())
+        if d.get("format") != FORMAT:
+            raise ModelLoadError(f"{path}: compressed format {d.get('format')!r}; this build reads {FORMAT}")
+        entries = {t["name"]: Entry(**t) for t in d["tensors"]}
+    except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
+        raise ModelLoadError(f"{path}: not a readable compressed-weights manifest: {e}") from e
+    for e in entries.values():
+        if not (model_dir / e.file).is_file():
+            raise ModelLoadError(f"{model_dir}: data file {e.file} of tensor {e.name!r} is missing")
+    return entries
+
+
+def _read(f: Any, offset: int, length: int) -> bytes:
+    f.seek(offset)
+    data = f.read(length)
+    if len(data) != length:
+        raise EOFError(f"{length - len(data)} bytes short at offset {offset}")
+    return data
+
+
+def decode_into(model_dir: Path, e: Entry, out: torch.Tensor) -> None:
+    """Fill `out` (contiguous, CPU, e's dtype and shape) with the tensor, checked against its CRC."""
+    dst = out.reshape(-1).view(torch.uint8).numpy() if out.numel() else np.zeros(0, np.uint8)
+    try:
+        with open(model_dir / e.file, "rb") as f:
+            if e.codec == CODEC_RAW:
+                dst[:] = np.frombuffer(_read(f, *e.plane), np.uint8)
+            else:
+                if e.codec not in (CODEC_BF16, CODEC_F16):
+                    raise ModelLoadError(f"tensor {e.name!r}: unknown codec {e.codec!r}")
+                plane = np.frombuffer(_read(f, *e.plane), np.uint8)
+                coded = [_read(f, off, length) for off, length, _ in e.chunks]
+                u16 = dst.view(np.uint16)
+                starts = np.cumsum([0] + [n for _, _, n in e.chunks]).tolist()
+
+                def one(i: int) -> None:
+                    start, n = starts[i], e.chunks[i][2]
+                    exp = np.frombuffer(zlib.decompress(coded[i], -15), np.uint8)
+                    if exp.size != n:
+                        raise ValueError(f"chunk {i} decoded to {exp.size} exponents, not {n}")
+                    join(plane[start : start + n], exp, e.codec, u16[start : start + n])
+
+                with ThreadPoolExecutor(_THREADS) as pool:
+                    list(pool.map(one, range(len(e.chunks))))
+    except (OSError, EOFError, ValueError, zlib.error) as err:
+        raise ModelLoadError(f"{model_dir}: compressed tensor {e.name!r} is corrupt ({err})") from err
+    if zlib.crc32(dst) != e.crc32:
+        raise ModelLoadError(f"{model_dir}: compressed tensor {e.name!r} fails its checksum: the data file is "
+                             "corrupt (its weights were not used)")
+
+
+def fingerprint_parts(model_dir: Path) -> list[str]:
+    """The weights' identity for `checkpoint.model_fingerprint`: each tensor's name, shape and CRC."""
+    return [f"{e.name}:{e.dtype}:{e.shape}:{e.crc32}" for e in read_manifest(model_dir).values()]

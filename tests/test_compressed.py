@@ -1,0 +1,134 @@
+"""Lossless weight compression (engine/loading/compressed.py, compress.py, `splitfire compress`): every
+tensor reads back bit for bit, a corrupt chunk is refused naming its tensor, and a compressed model's
+greedy tokens and logits equal the uncompressed model's exactly."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from engine_helpers import drain, make_engine
+from hf_models import make_hf_model
+from safetensors.torch import save_file
+
+from common.errors import ModelLoadError
+from common.sampling_params import SamplingParams
+from engine.loading import compressed
+from engine.loading.checkpoint import Checkpoint
+from engine.loading.compress import compress_dir
+
+
+def special_bf16(n: int, dtype: torch.dtype) -> torch.Tensor:
+    """Weights with NaN, +-Inf, +-0, subnormals and every exponent, beside normal values."""
+    g = torch.Generator().manual_seed(n)
+    t = (torch.randn(n, generator=g) * 0.05).to(dtype)
+    bits = torch.arange(0, 1 << 16, 97, dtype=torch.int32).to(torch.int16)  # a sweep of bit patterns
+    t[: bits.numel()] = bits.view(dtype)
+    t[-6:] = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 1e-40], dtype=torch.float32).to(dtype)
+    return t
+
+
+def test_planes_split_and_join_every_16_bit_pattern():
+    u = np.arange(1 << 16, dtype=np.uint16)
+    for codec in (compressed.CODEC_BF16, compressed.CODEC_F16):
+        plane, exp = compressed.split(u, codec)
+        out = np.empty_like(u)
+        compressed.join(plane, exp, codec, out)
+        assert np.array_equal(out, u), codec
+
+
+def test_round_trip_is_bit_exact(tmp_path):
+    src, dst = tmp_path / "m", tmp_path / "z"
+    src.mkdir()
+    tensors = {
+        "odd.bf16": special_bf16(3 * 1031 * 7, torch.bfloat16).reshape(3, 1031, 7),
+        "odd.f16": special_bf16(5 * 999, torch.float16).reshape(5, 999),
+        "big.bf16": (torch.randn(700, 3001) * 0.02).to(torch.bfloat16),  # several 64k-weight chunks
+        "f32": torch.randn(17, 3),
+        "i64": torch.arange(10),
+        "empty": torch.zeros(0, 4, dtype=torch.bfloat16),
+        "scalar": torch.tensor(1.5, dtype=torch.bfloat16),
+    }
+    save_file(tensors, str(src / "model.safetensors"))
+    (src / "config.json").write_text("{}")
+    stats = compress_dir(src, dst, chunk=1 << 16)
+    assert (dst / "config.json").read_text() == "{}" and not list(dst.glob("*.safetensors"))
+    assert stats.by_kind["bfloat16"][1] < 0.8 * stats.by_kind["bfloat16"][0]  # normal weights: ~2.7 bits of exponent
+    ck = Checkpoint(dst)
+    for name, t in tensors.items():
+        got = ck.get(name)
+        assert got.dtype == t.dtype and got.shape == t.shape
+        assert torch.equal(got.reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8)), name
+    part = ck.read_part("big.bf16", range(10, 20), range(5, 9))  # a tensor-parallel rank's slice
+    assert torch.equal(part.view(torch.int16), tensors["big.bf16"][10:20, 5:9].view(torch.int16))
+
+
+def test_a_corrupt_chunk_is_refused_naming_its_tensor(tmp_path):
+    src, dst = tmp_path / "m", tmp_path / "z"
+    src.mkdir()
+    b = torch.randn(4, 4).to(torch.bfloat16)
+    save_file({"a": (torch.randn(300, 300) * 0.02).to(torch.bfloat16), "b": b}, str(src / "model.safetensors"))
+    compress_dir(src, dst, chunk=1 << 14)
+    entry = compressed.read_manifest(dst)["a"]
+    data = bytearray((dst / entry.file).read_bytes())
+    off, length, _ = entry.chunks[2]
+    data[off + length // 2] ^= 0x5A  # one flipped byte inside the third exponent chunk
+    (dst / entry.file).write_bytes(bytes(data))
+    ck = Checkpoint(dst)
+    with pytest.raises(ModelLoadError, match="'a'"):
+        ck.get("a")
+    assert torch.equal(ck.get("b").view(torch.int16), b.view(torch.int16))  # the other tensor is untouched
+    # A flipped byte in the raw plane decodes, but the checksum catches it.
+    data = bytearray((dst / entry.file).read_bytes())
+    data[off + length // 2] ^= 0x5A
+    data[entry.plane[0] + 7] ^= 0x01
+    (dst / entry.file).write_bytes(bytes(data))
+    with pytest.raises(ModelLoadError, match="checksum"):
+        Checkpoint(dst).get("a")
+
+
+@pytest.fixture(scope="module", params=["llama3", "qwen3_moe", "deepseek_v3", "gemma3"])
+def bf16_pair(request, tmp_path_factory):
+    """A transformers-built model saved in bfloat16, and its compressed copy."""
+    root = tmp_path_factory.mktemp(request.param)
+    hf = make_hf_model(request.param, root / "fp32")
+    plain = root / "bf16"
+    hf.model.to(torch.bfloat16).save_pretrained(plain)
+    for f in (hf.path / "tokenizer.json", hf.path / "tokenizer_config.json"):
+        if f.is_file():
+            (plain / f.name).write_bytes(f.read_bytes())
+    cfg = json.loads((hf.path / "config.json").read_text())  # (as make_hf_model wrote it)
+    (plain / "config.json").write_text(json.dumps({**cfg, "torch_dtype": "bfloat16"}))
+    compress_dir(plain, root / "z")
+    return request.param, plain, root / "z"
+
+
+def test_compressed_model_gives_identical_tokens_and_logits(bf16_pair):
+    name, plain, packed = bf16_pair
+    prompts = [[(7 * j + 31 * i) % 390 + 3 for j in range(n)] for i, n in enumerate((5, 40))]
+    outs = []
+    for d in (plain, packed):
+        engine = make_engine(d, dtype="bfloat16")
+        for i, p in enumerate(prompts):
+            engine.add_request(f"r{i}", p, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=3))
+        outs.append(drain(engine))
+    for rid in outs[0]:
+        assert outs[0][rid].token_ids == outs[1][rid].token_ids, name
+        assert outs[0][rid].logprobs == outs[1][rid].logprobs, name  # the same floats, not close ones
+
+
+def test_splitfire_compress_cli(tmp_path, capsys):
+    from splitfire_cli import main
+
+    src = tmp_path / "m"
+    src.mkdir()
+    save_file({"w": (torch.randn(256, 256) * 0.02).to(torch.bfloat16)}, str(src / "model.safetensors"))
+    (src / "config.json").write_text("{}")
+    assert main(["compress", str(src), str(tmp_path / "z")]) == 0
+    out = capsys.readouterr().out
+    assert "bfloat16:" in out and "entropy bound" in out
+    assert compressed.MANIFEST in {p.name for p in (tmp_path / "z").iterdir()}
+    with pytest.raises(ModelLoadError, match="already compressed"):
+        compress_dir(tmp_path / "z", tmp_path / "zz")
