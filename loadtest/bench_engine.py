@@ -436,6 +436,9 @@ def main() -> int:
     p.add_argument("--lora-adapters", type=int, default=8, help="with --lora: adapters (the batch spread over them)")
     p.add_argument("--lora-rank", type=int, default=16, help="with --lora: their rank")
     p.add_argument("--lora-tokens", type=int, default=48, help="with --lora: decode steps measured per round")
+    p.add_argument("--json", default="", help="with --compression: write the numbers here")
+    p.add_argument("--compression", action="store_true", help="lossless bf16 weight compression: size vs the entropy "
+                   "bound, compress/decode GB/s, cold load vs the plain checkpoint (loadtest/bench_compression.py)")
     p.add_argument("--mla", action="store_true", help="DeepSeek-V3 latent attention: absorbed vs up-projecting decode")
     p.add_argument("--mla-context", type=int, default=1024, help="with --mla: tokens of context per sequence")
     p.add_argument("--mla-tokens", type=int, default=16, help="with --mla: decode steps measured per round")
@@ -471,6 +474,10 @@ def main() -> int:
         from loadtest.bench_lora import main_lora
 
         return main_lora(args)
+    if args.compression:
+        from loadtest.bench_compression import main_compression
+
+        return main_compression(args)
     if args.mla:
         from loadtest.bench_mla import main_mla
 

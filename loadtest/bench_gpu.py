@@ -147,6 +147,14 @@ def active_params(counts: ParamCounts, cfg: ModelConfig, tokens: int) -> float:
     return total
 
 
+def params_per_token(counts: ParamCounts, cfg: ModelConfig) -> float:
+    """Parameters one token multiplies through (its FLOPs are twice this): routed experts only its top-k."""
+    total = float(counts.layers_and_head)
+    if cfg.moe is not None:
+        total -= counts.experts * (1 - cfg.moe.top_k / cfg.moe.num_experts)
+    return total
+
+
 def attention_flops(cfg: ModelConfig, n: int) -> float:
     """Causal QK^T and PV of an n-token prompt (half of n^2 each)."""
     if cfg.mla is not None:
@@ -257,7 +265,8 @@ def main() -> int:
             assert bm.allocate(s, n)
             wall, cpu = time_forward(runner, [ScheduledSeq(s, n)], dev, max(2, args.iters // 3))
             # Linear layers for every token, the LM head for the last one, causal QK^T + PV (half of n^2 each).
-            flops = (2 * (active_params(counts, cfg, n) - cfg.vocab_size * cfg.hidden_size) * n
+            # (Per token: its own top-k experts, not every expert the batch touches: that count is for bytes.)
+            flops = (2 * (params_per_token(counts, cfg) - cfg.vocab_size * cfg.hidden_size) * n
                      + 2 * cfg.vocab_size * cfg.hidden_size + attention_flops(cfg, n))
             print(f"{preset:<14}{backend:<8}{f'prefill {n}':<18}{wall * 1e3:>9.2f}{cpu * 1e3:>9.2f}"
                   f"{flops / wall / peak:>17.0%}  ({n / wall:.0f} tok/s)", flush=True)
