@@ -74,7 +74,19 @@ def split(u: np.ndarray, codec: str) -> tuple[np.ndarray, np.ndarray]:
 
 
 def join(plane: np.ndarray, exp: np.ndarray, codec: str, out: np.ndarray) -> None:
-    """The uint16 bit patterns back into `out` (the reference: `split`'s inverse, tested bit for bit)."""
+    """The uint16 bit patterns back into `out`: the C kernel (`cpu_ops.c` sf_join16, one pass) where it is
+    built, else `join_reference`; a test holds the two equal over every 16-bit pattern."""
+    from engine.model.kernels import cpu_ops
+
+    lib = cpu_ops.library()
+    if lib is None or not (plane.flags.c_contiguous and exp.flags.c_contiguous and out.flags.c_contiguous):
+        join_reference(plane, exp, codec, out)
+        return
+    lib.sf_join16(plane.ctypes.data, exp.ctypes.data, out.ctypes.data, out.size, int(codec == CODEC_BF16))
+
+
+def join_reference(plane: np.ndarray, exp: np.ndarray, codec: str, out: np.ndarray) -> None:
+    """`split`'s inverse in numpy (the plain reference)."""
     if codec == CODEC_BF16:
         sm = plane.astype(np.uint16)
         np.bitwise_or((sm & 0x80) << 8, exp.astype(np.uint16) << 7, out=out)
@@ -118,6 +130,16 @@ def read_manifest(model_dir: Path) -> dict[str, Entry]:
     return entries
 
 
+_POOL: list[ThreadPoolExecutor] = []
+
+
+def _pool() -> ThreadPoolExecutor:
+    """One pool for every tensor's chunks (a pool per tensor cost more than small tensors' decoding)."""
+    if not _POOL or _POOL[0]._max_workers != _THREADS:
+        _POOL[:] = [ThreadPoolExecutor(_THREADS, thread_name_prefix="sf-decode")]
+    return _POOL[0]
+
+
 def _read(f: Any, offset: int, length: int) -> bytes:
     f.seek(offset)
     data = f.read(length)
@@ -148,8 +170,10 @@ def decode_into(model_dir: Path, e: Entry, out: torch.Tensor) -> None:
                         raise ValueError(f"chunk {i} decoded to {exp.size} exponents, not {n}")
                     join(plane[start : start + n], exp, e.codec, u16[start : start + n])
 
-                with ThreadPoolExecutor(_THREADS) as pool:
-                    list(pool.map(one, range(len(e.chunks))))
+                if len(e.chunks) == 1:
+                    one(0)
+                else:
+                    list(_pool().map(one, range(len(e.chunks))))
     except (OSError, EOFError, ValueError, zlib.error) as err:
         raise ModelLoadError(f"{model_dir}: compressed tensor {e.name!r} is corrupt ({err})") from err
     if zlib.crc32(dst) != e.crc32:

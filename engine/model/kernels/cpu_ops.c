@@ -1015,3 +1015,15 @@ int sf_decode_layers(const SfDims *d, const SfLayer *layers, int n_layers, float
     free(buf);
     return rc;
 }
+
+/* Lossless weight compression (engine/loading/compressed.py): 16-bit weights back from their two byte
+ * planes. bfloat16: raw = sign << 7 | mantissa, coded = the exponent; float16: raw = the low byte, coded
+ * = the high byte. One pass at memory speed; compressed.join's numpy expressions are the reference. */
+void sf_join16(const uint8_t *raw, const uint8_t *coded, uint16_t *out, int64_t n, int bf16) {
+    if (bf16) {
+        for (int64_t i = 0; i < n; i++)
+            out[i] = (uint16_t)(((raw[i] & 0x80u) << 8) | ((uint32_t)coded[i] << 7) | (raw[i] & 0x7Fu));
+    } else {
+        for (int64_t i = 0; i < n; i++) out[i] = (uint16_t)(((uint32_t)coded[i] << 8) | raw[i]);
+    }
+}

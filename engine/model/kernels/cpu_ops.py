@@ -99,6 +99,8 @@ def build(arch: tuple[str, ...] = NATIVE, cache_dir: Path | None = None) -> ctyp
     for f in (lib.sf_gemm_i8, lib.sf_gemm_i4, lib.sf_dequant_i8, lib.sf_dequant_i4, lib.sf_add_rmsnorm,
               lib.sf_silu_mul):
         f.restype = None
+    lib.sf_join16.argtypes = [_P, _P, _P, ctypes.c_int64, _I]
+    lib.sf_join16.restype = None
     lib.sf_has_avx2.restype = _I
     lib.sf_set_panel_min_rows.argtypes = [_I]
     lib.sf_set_panel_min_rows.restype = None
