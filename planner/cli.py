@@ -1,23 +1,26 @@
 """`splitfire planner profile` and `splitfire planner run`.
 
 `run` reads the router's /metrics every `--interval` seconds and prints, one JSON line per interval,
-how many prefill and decode workers the next interval needs (`planner/decision.py`) and why: advice
-for an operator or a script. `splitfire up --planner` applies the same decisions to its own worker
-processes (`splitfire_cli/supervisor.LocalScaler`); a Kubernetes actuator (the Deployments' scale
-subresource) is not built yet.
+how many prefill and decode workers the next interval needs (`planner/decision.py`) and why; with
+`--scale-deployments P,D` it also sets those Deployments' replicas (`planner/kubernetes.py`, the scale
+subresource). `splitfire up --planner` applies the same decisions to its own worker processes
+(`splitfire_cli/supervisor.LocalScaler`).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import logging
+import os
 import time
 
 import aiohttp
 
 from planner.decision import Limits, Planner
+from planner.kubernetes import DeploymentScaler, KubeAPI
 from planner.metrics import Scrape, snapshot
 from planner.profile import load, measure, save
 
@@ -31,9 +34,20 @@ async def scrape(session: aiohttp.ClientSession, url: str) -> Scrape:
         return Scrape.parse(await r.text(), time.monotonic())
 
 
+def scaler_from(args: argparse.Namespace) -> DeploymentScaler | None:
+    if not args.scale_deployments:
+        return None
+    prefill, sep, decode = args.scale_deployments.partition(",")
+    if not sep or not prefill or not decode:
+        raise ValueError(f"--scale-deployments expects PREFILL,DECODE Deployment names, got {args.scale_deployments!r}")
+    api = KubeAPI.from_kubeconfig(args.kubeconfig) if args.kubeconfig else KubeAPI.in_cluster()
+    return DeploymentScaler(api, args.namespace, {"prefill": prefill, "decode": decode})
+
+
 async def run(args: argparse.Namespace) -> int:
     planner = Planner(load(args.profile), args.ttft_slo, args.itl_slo,
                       Limits(args.min_prefill, args.max_prefill, args.min_decode, args.max_decode))
+    scaler = scaler_from(args)
     url = args.router.rstrip("/")
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as s:
         before = await scrape(s, url)
@@ -41,7 +55,17 @@ async def run(args: argparse.Namespace) -> int:
             await asyncio.sleep(args.interval)
             after = await scrape(s, url)
             snap = snapshot(before, after)
+            if scaler is not None:  # the Deployments' own counts (pods starting count: no second start)
+                snap = dataclasses.replace(snap, prefill_workers=await scaler.replicas(s, "prefill"),
+                                           decode_workers=await scaler.replicas(s, "decode"))
             d = planner.decide(snap)
+            if scaler is not None:
+                for role, want, have in (("prefill", d.prefill, snap.prefill_workers),
+                                         ("decode", d.decode, snap.decode_workers)):
+                    if want != have:
+                        await scaler.scale(s, role, want)
+                        log.info("event=planner_scaled role=%s deployment=%s from=%d to=%d", role,
+                                 scaler.deployments[role], have, want)
             log.info("event=planner_decision prefill=%d decode=%d have_prefill=%d have_decode=%d rate=%.2f "
                      "ttft_p90_s=%.3f itl_p90_s=%.3f", d.prefill, d.decode, snap.prefill_workers, snap.decode_workers,
                      snap.request_rate, snap.ttft_p90_s, snap.itl_p90_s)
@@ -87,4 +111,8 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     rn.add_argument("--min-decode", type=int, default=1)
     rn.add_argument("--max-decode", type=int, default=64)
     rn.add_argument("--once", action="store_true", help="one interval, one decision, then exit")
+    rn.add_argument("--scale-deployments", default="", metavar="PREFILL,DECODE",
+                    help="apply the decisions: set these Deployments' replicas through their scale subresource")
+    rn.add_argument("--namespace", default=os.environ.get("POD_NAMESPACE", "default"))
+    rn.add_argument("--kubeconfig", default="", help="default: the pod's service account")
     rn.set_defaults(func=lambda a: asyncio.run(run(a)))

@@ -168,3 +168,38 @@ def test_lora_adapters_reach_every_worker_as_flags_the_cli_accepts(helm):
     assert "--lora-modules" not in off.stdout and "--enable-lora" not in off.stdout
     bad = render(helm, ROOT / "helm/ci/default-values.yaml", "--set", "workers.lora.maxLoras=0")
     assert bad.returncode != 0 and "schema" in bad.stderr
+
+
+def test_planner_gets_exactly_the_scale_of_the_worker_deployments_and_args_its_cli_accepts(helm, tmp_path):
+    """`planner.enabled`: a Deployment running `splitfire planner run --scale-deployments`, its profile in a
+    ConfigMap, and a Role that may get and patch only the prefill and decode Deployments' scale."""
+    values = tmp_path / "planner.yaml"
+    values.write_text(yaml.safe_dump({"planner": {"enabled": True, "maxDecode": 6,
+                                                  "profile": {"prefill_tps": 9000, "decode_itl": {"1": 0.01}}}}))
+    out = render(helm, ROOT / "helm/ci/default-values.yaml", "-f", str(values))
+    assert out.returncode == 0, out.stderr
+    docs = [d for d in yaml.safe_load_all(out.stdout) if d]
+    by = {(d["kind"], d["metadata"]["name"]): d for d in docs}
+    role = by[("Role", "rel-splitfire-planner")]
+    assert role["rules"] == [{"apiGroups": ["apps"], "resources": ["deployments/scale"],
+                              "resourceNames": ["rel-splitfire-prefill", "rel-splitfire-decode"],
+                              "verbs": ["get", "patch"]}]
+    assert ("Deployment", "rel-splitfire-prefill") in by and ("Deployment", "rel-splitfire-decode") in by
+    binding = by[("RoleBinding", "rel-splitfire-planner")]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "rel-splitfire-planner", "namespace": "llm"}]
+    pod = by[("Deployment", "rel-splitfire-planner")]["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == "rel-splitfire-planner"
+    args = pod["containers"][0]["args"]
+    from splitfire_cli import build_parser
+
+    ns = build_parser().parse_args(args)  # the planner's own parser takes what the chart renders
+    assert ns.scale_deployments == "rel-splitfire-prefill,rel-splitfire-decode" and ns.max_decode == 6
+    assert ns.router == "http://rel-splitfire-router:8000" and ns.namespace == "llm"
+    import json
+
+    profile = json.loads(by[("ConfigMap", "rel-splitfire-planner")]["data"]["profile.json"])
+    assert profile == {"prefill_tps": 9000, "decode_itl": {"1": 0.01}}
+    off = render(helm, ROOT / "helm/ci/default-values.yaml")
+    assert "planner" not in {d["metadata"]["name"].rsplit("-", 1)[-1] for d in yaml.safe_load_all(off.stdout) if d}
+    bad = render(helm, ROOT / "helm/ci/default-values.yaml", "--set", "planner.enabled=true")
+    assert bad.returncode != 0 and "planner.profile" in bad.stderr
