@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 HAS_CUDA := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 PYTEST_ARGS ?=
 
-.PHONY: setup run test test-fast test-slow lint protos bench clean system-deps constraints image test-image
+.PHONY: setup run test test-fast test-slow lint protos bench clean system-deps constraints image test-image test-k8s
 
 setup: $(STAMP)
 
@@ -66,6 +66,11 @@ constraints: setup
 # The chart's CPU images with podman, no registry (helm/tools/build_image.sh); cached in ~/.cache/splitfire/image.
 image: setup
 	PY=$(PY) bash helm/tools/build_image.sh
+
+# Opt-in: the chart against a real Kubernetes API server on this machine (etcd + kube-apiserver,
+# controller-manager, scheduler 1.20 built once from Debian's source into ~/.cache/splitfire/k8s). Not part of `make test`.
+test-k8s: setup
+	SPLITFIRE_TEST_K8S=1 $(PY) -m pytest -q -s tests/test_k8s.py $(PYTEST_ARGS)
 
 # Opt-in: the images under podman (the worker image serves a streamed chat). Not part of `make test`.
 test-image: image
