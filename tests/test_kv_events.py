@@ -168,3 +168,14 @@ def test_block_hashes_match_between_router_and_worker():
 
     seq = Sequence("x", list(range(40)), SamplingParams(), tenant="acme", adapter="sql")
     assert block_hashes(cache_scope("acme", "sql"), list(range(40)), 16) == block_hashes(seq.scope, list(range(40)), 16)
+
+
+async def test_a_worker_that_leaves_takes_its_blocks_out_of_the_index():
+    registry = EndpointRegistry()
+    registry.add("w:1", "decode")
+    idx = ExactPrefixIndex(PrefixIndex(100), registry, None, None, block_ms=1)  # type: ignore[arg-type]
+    idx.views["w:1"] = WorkerView(stream="s1", epoch="e", seq=1, blocks={b"a" * 16}, synced=True)
+    idx.views["w:2"] = WorkerView(stream="s2", epoch="e", seq=1, blocks={b"a" * 16}, synced=True)
+    registry.by_address.pop(("decode", "w:1"))  # (discovery removed it)
+    await idx.step()  # w:2 was never in the registry either: both views go; nothing left to read
+    assert idx.views == {} and idx.matched_blocks("w:1", [b"a" * 16]) == 0
