@@ -89,15 +89,25 @@ def spawn(name: str, args: list[str], log_dir: Path, env: dict[str, str] | None 
 
 def start_worker(role: str, model_dir: Path, log_dir: Path, *extra: str, name: str | None = None,
                  wait: bool = True) -> Proc:
-    grpc_port, metrics_port = free_port(), free_port()
-    cmd = {"prefill": "prefill", "decode": "decode", "both": "serve"}[role]
-    args = [cmd, "--model", str(model_dir), "--device", "cpu", "--grpc-port", str(grpc_port),
-            "--metrics-port", str(metrics_port), "--host", "127.0.0.1", "--kv-cache-gb", "0.01", "--threads", "1", *extra]
-    p = spawn(name or f"{role}-{grpc_port}", args, log_dir)
-    p.ports = {"grpc": grpc_port, "metrics": metrics_port}
-    if wait:
-        p.wait_for("worker ready")
-    return p
+    for attempt in range(3):
+        grpc_port, metrics_port = free_port(), free_port()
+        cmd = {"prefill": "prefill", "decode": "decode", "both": "serve"}[role]
+        args = [cmd, "--model", str(model_dir), "--device", "cpu", "--grpc-port", str(grpc_port),
+                "--metrics-port", str(metrics_port), "--host", "127.0.0.1", "--kv-cache-gb", "0.01", "--threads", "1",
+                *extra]
+        p = spawn(name or f"{role}-{grpc_port}", args, log_dir)
+        p.ports = {"grpc": grpc_port, "metrics": metrics_port}
+        if not wait:
+            return p
+        try:
+            p.wait_for("worker ready")
+            return p
+        except RuntimeError:
+            # A port free when picked can be taken before the worker binds it (another test's process, a
+            # Mooncake engine's own listener): pick again. Anything else is the test's failure.
+            if "address already in use" not in p.log() or attempt == 2:
+                raise
+    raise AssertionError("unreachable")
 
 
 def address(p: Proc) -> str:
