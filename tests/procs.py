@@ -105,7 +105,7 @@ def start_worker(role: str, model_dir: Path, log_dir: Path, *extra: str, name: s
         except RuntimeError:
             # A port free when picked can be taken before the worker binds it (another test's process, a
             # Mooncake engine's own listener): pick again. Anything else is the test's failure.
-            if "address already in use" not in p.log() or attempt == 2:
+            if "address already in use" not in p.log().lower() or attempt == 2:
                 raise
     raise AssertionError("unreachable")
 
@@ -132,12 +132,18 @@ def start_redis(log_dir: Path, port: int | None = None) -> Proc:
 
 
 def start_router(model_dir: Path, log_dir: Path, *extra: str, name: str | None = None) -> Proc:
-    port = free_port()
-    p = spawn(name or f"router-{port}", ["router", "--model", str(model_dir), "--host", "127.0.0.1",
-                                         "--port", str(port), "--health-interval", "0.5", *extra], log_dir)
-    p.ports = {"http": port}
-    p.wait_for("router ready")
-    return p
+    for attempt in range(3):
+        port = free_port()
+        p = spawn(name or f"router-{port}", ["router", "--model", str(model_dir), "--host", "127.0.0.1",
+                                             "--port", str(port), "--health-interval", "0.5", *extra], log_dir)
+        p.ports = {"http": port}
+        try:
+            p.wait_for("router ready")
+            return p
+        except RuntimeError:  # (the port taken between picking and binding: pick again, as start_worker does)
+            if "address already in use" not in p.log().lower() or attempt == 2:
+                raise
+    raise AssertionError("unreachable")
 
 
 def base_url(p: Proc) -> str:
