@@ -186,5 +186,32 @@ class ExactPrefixIndex:
         return True
 
 
+class KVIndexCollector:
+    """The exact index on /metrics: per worker whether it is synced and the blocks it holds; events
+    applied, resyncs and gaps since the start."""
+
+    def __init__(self, index: ExactPrefixIndex):
+        self.index = index
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        synced = GaugeMetricFamily("splitfire_router_kv_index_synced", "1 while the exact index follows this "
+                                   "worker's KV events (0: the approximate index places for it)", labels=["endpoint"])
+        blocks = GaugeMetricFamily("splitfire_router_kv_index_blocks", "Blocks the worker's prefix cache holds, "
+                                   "by its KV events", labels=["endpoint"])
+        for address, v in self.index.views.items():
+            synced.add_metric([address], 1 if v.synced else 0)
+            if v.synced:
+                blocks.add_metric([address], len(v.blocks))
+        yield synced
+        yield blocks
+        yield CounterMetricFamily("splitfire_router_kv_index_events", "KV events applied", value=self.index.events)
+        yield CounterMetricFamily("splitfire_router_kv_index_resyncs", "Snapshots read (start, gaps, restarts)",
+                                  value=self.index.resyncs)
+        yield CounterMetricFamily("splitfire_router_kv_index_gaps", "Numbering gaps found in a worker's events",
+                                  value=self.index.gaps)
+
+
 def _text(b: Any) -> str:
     return b.decode() if isinstance(b, bytes) else str(b)

@@ -30,7 +30,7 @@ from router.dispatcher import Dispatcher, Latency
 from router.endpoints import EndpointRegistry
 from router.errors import APIError, bad_request, not_found, unavailable
 from router.health import HealthChecker
-from router.kv_events import ExactPrefixIndex
+from router.kv_events import ExactPrefixIndex, KVIndexCollector
 from router.metrics import RouterMetrics
 from router.model_pools import ModelPool, check_distinct, load_model
 from router.openai_upstream import OpenAIUpstreamClient
@@ -115,6 +115,8 @@ class Router:
             # Its own connection: the stream reads block for a moment at a time.
             self.kv_index = index = ExactPrefixIndex(approximate, self.registry, self.workers,
                                                      aioredis.from_url(cfg.redis_url), cfg.health_timeout_s)
+        if self.kv_index is not None:
+            self.metrics.registry.register(KVIndexCollector(self.kv_index))
         self.dispatcher = Dispatcher(cfg, self.registry, make_policy(cfg.policy), self.affinity, index, self.backends,
                                      self.metrics, tokenizer)
         self.openai_format = OpenAIFormat(tokenizer)

@@ -134,6 +134,11 @@ async def test_a_second_turn_on_the_other_replica_finds_its_prefix(fleet):
         await asyncio.sleep(0.5)  # the events reach Redis and router 2
         views = await _synced(s, r2)
         assert sum(v["blocks"] for v in views.values()) >= 8 * 5
+        async with s.get(f"{base_url(r2)}/metrics") as r:
+            text = await r.text()
+        for series in ("splitfire_router_kv_index_synced{", "splitfire_router_kv_index_blocks{",
+                       "splitfire_router_kv_index_events_total", "splitfire_router_kv_index_resyncs_total"):
+            assert series in text, series
         second = [await _complete(s, r2, c + [5, 6, 7]) for c in conversations]
         assert second == first  # each next turn where its 96-token prefix is cached
 
