@@ -9,6 +9,10 @@ from __future__ import annotations
 import hashlib
 from array import array
 
+HASH_BYTES = 16
+# A KV event (worker/kv_events.py → router/kv_events.py): b"+" (stored) or b"-" (evicted), then the hash.
+KV_EVENT_BYTES = 1 + HASH_BYTES
+
 
 def cache_scope(tenant: str, adapter: str = "") -> str:
     """What a prompt's KV is shared within: its tenant, and the LoRA adapter it runs under (the same
@@ -17,11 +21,11 @@ def cache_scope(tenant: str, adapter: str = "") -> str:
 
 
 def tenant_root(tenant: str) -> bytes:
-    return hashlib.blake2b(b"splitfire/tenant:" + tenant.encode(), digest_size=16).digest()
+    return hashlib.blake2b(b"splitfire/tenant:" + tenant.encode(), digest_size=HASH_BYTES).digest()
 
 
 def chain_hash(parent: bytes, tokens: list[int]) -> bytes:
-    h = hashlib.blake2b(parent, digest_size=16)
+    h = hashlib.blake2b(parent, digest_size=HASH_BYTES)
     h.update(array("q", tokens).tobytes())
     return h.digest()
 

@@ -474,6 +474,8 @@ def main() -> int:
         from loadtest.bench_lora import main_lora
 
         return main_lora(args)
+    if args.json and not args.compression:
+        p.error("--json is written by --compression only")
     if args.compression:
         from loadtest.bench_compression import main_compression
 

@@ -231,7 +231,7 @@ class Fleet:
             elif kind == "tick":
                 assert on_tick is not None and tick is not None
                 on_tick(self)
-                if any(k == "arrive" or k in ("prefilled", "decode") for _, _, k, _ in self.events):
+                if any(k != "tick" for _, _, k, _ in self.events):  # (until the trace is served)
                     self.push(t + tick, "tick", None)
 
     # -- placement (the router's code) -----------------------------------------------------
@@ -258,7 +258,7 @@ class Fleet:
             dw = by_ep[d.address]
             pw = by_ep[p.address] if p is not None else dw
         self.index.insert(pw.ep.address, hashes)
-        cached = self._cached(pw, r)
+        cached, _ = self._cached(pw, r)
         uncached = max(r.input_length - cached * TRACE_BLOCK, 1)
         pw.ep.charge(uncached, 0, 0, 1)
         dw.ep.charge(0, r.input_length, r.output_length, 0 if dw is pw else 1)
@@ -266,13 +266,14 @@ class Fleet:
         self.pending[i] = dw
         if pw.role == "colocated":
             pw.queue.append(i)
-            self._colocated_kick(pw)
+            self.advance(pw)
         else:
             pw.queue.append(i)
             self._prefill_next(pw)
 
-    def _cached(self, w: SimWorker, r: TraceRequest) -> int:
-        """Blocks of `r`'s prompt `w` will not compute: its own cache, then the store (at most all but the last)."""
+    def _cached(self, w: SimWorker, r: TraceRequest) -> tuple[int, int]:
+        """(blocks of `r`'s prompt `w` will not compute, of which fetched from the store): its own cache, then
+        the store, at most all but the last."""
         n = 0
         limit = max(len(r.hash_ids) - 1, 0)
         while n < limit and r.hash_ids[n] in w.cache:
@@ -281,8 +282,7 @@ class Fleet:
         if self.store is not None:
             while n < limit and r.hash_ids[n] in self.store:
                 n += 1
-        self._fetched = n - local
-        return n
+        return n, n - local
 
     def _remember(self, w: SimWorker, r: TraceRequest) -> None:
         for cache, cap in ((w.cache, self.m.cache_blocks), (self.store, self.m.store_blocks)):
@@ -297,8 +297,7 @@ class Fleet:
                 cache.popitem(last=False)
 
     def _prefill_time(self, w: SimWorker, r: TraceRequest) -> tuple[float, int]:
-        cached = self._cached(w, r)
-        fetched = self._fetched
+        cached, fetched = self._cached(w, r)
         computed = max(r.input_length - cached * TRACE_BLOCK, 1)
         t = self.m.prefill_overhead_s + (computed + fetched * TRACE_BLOCK * self.m.store_fetch_cost) / self.m.prefill_tps
         return t, computed
@@ -393,9 +392,6 @@ class Fleet:
 
     # colocated: prompts computed in chunks inside the decode steps; with no stream running, a prompt
     # runs alone at the prefill rate (as a prefill worker would).
-    def _colocated_kick(self, w: SimWorker) -> None:
-        self.advance(w)
-
     def _colocated_prefills(self, w: SimWorker) -> None:
         while w.queue and w.busy_until <= self.now:
             i = w.queue[0]

@@ -36,6 +36,8 @@ async def scrape(session: aiohttp.ClientSession, url: str) -> Scrape:
 
 def scaler_from(args: argparse.Namespace) -> DeploymentScaler | None:
     if not args.scale_deployments:
+        if args.kubeconfig:
+            raise ValueError("--kubeconfig is for --scale-deployments (which Deployments to size)")
         return None
     prefill, sep, decode = args.scale_deployments.partition(",")
     if not sep or not prefill or not decode:

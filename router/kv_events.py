@@ -27,13 +27,14 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from common.block_hash import KV_EVENT_BYTES
 from router.endpoints import Endpoint, EndpointRegistry
 from router.prefix_index import _FLEET, STORE_HIT_COST, PrefixIndex
 from router.worker_client import WorkerClient
 
 log = logging.getLogger("splitfire.router")
 
-OP_BYTES = 17
+OP_BYTES = KV_EVENT_BYTES
 
 
 @dataclass
@@ -60,7 +61,6 @@ class ExactPrefixIndex:
         self.resyncs = 0
         self.gaps = 0
         self.events = 0
-        self._task: asyncio.Task | None = None
 
     # -- PrefixIndex ----------------------------------------------------------------------
 
@@ -93,18 +93,6 @@ class ExactPrefixIndex:
         self.fallback.clear()  # (the exact views follow the workers' own eviction events)
 
     # -- events -----------------------------------------------------------------------------
-
-    def start(self) -> None:
-        self._task = asyncio.create_task(self.run())
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-
-    def synced(self, endpoint: str) -> bool:
-        v = self.views.get(endpoint)
-        return v is not None and v.synced
 
     async def run(self) -> None:
         while True:

@@ -316,13 +316,10 @@ class Router:
             self.adapter_pool = {a: by_worker[ep.served_model] for ep in self.registry.all()
                                  if ep.role != "openai" and ep.served_model in by_worker for a in ep.adapters}
 
-    def _adapter_body_model(self, body: Any) -> str | None:
-        return body.pop("model", None) if isinstance(body, dict) else None
-
     def _adapter_base(self, body: Any) -> ModelPool | None:
         """With several models, the load route's `model` names the adapter's base model (its workers
         load it); with one it may be left out."""
-        model = self._adapter_body_model(body)
+        model = body.pop("model", None) if isinstance(body, dict) else None
         if model is None:
             if self.multi:
                 raise bad_request(f"'model' is required: this router serves several models; name the adapter's base "

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 
+from common.block_hash import HASH_BYTES
 from protos import frames, sampling, trailers
 from protos import splitfire_pb2 as pb
 from protos import splitfire_pb2_grpc as pbg
@@ -249,7 +250,7 @@ class WorkerClient:
         r = await pbg.WorkerStub(self.channel(ep.address)).KVBlocks(pb.KVBlocksRequest(), timeout=timeout_s)
         if not r.enabled:
             return None
-        return KVSnapshot(r.stream, r.epoch, r.seq, [r.hashes[i : i + 16] for i in range(0, len(r.hashes), 16)])
+        return KVSnapshot(r.stream, r.epoch, r.seq, [r.hashes[i : i + HASH_BYTES] for i in range(0, len(r.hashes), HASH_BYTES)])
 
     async def probe(self, ep: Endpoint, timeout_s: float) -> Probe:
         stub = pbg.WorkerStub(self.channel(ep.address))

@@ -253,6 +253,10 @@ async def up(args: argparse.Namespace) -> int:
     if args.routers < 1:
         print("splitfire up: --routers must be at least 1", flush=True)
         return 2
+    stray = [k for k, default in PLANNER_DEFAULTS.items() if getattr(args, k) != default]
+    if stray and not args.planner:
+        print(f"splitfire up: --{stray[0].replace('_', '-')} sizes workers only with --planner", flush=True)
+        return 2
     if args.planner and (args.colocated or len(model_dirs) > 1 or not redis_url or not args.planner_profile):
         print("splitfire up: --planner sizes one model's prefill and decode workers: it needs --planner-profile, "
               "Redis (new workers join the router through it) and neither --colocated nor several --model",
@@ -322,6 +326,11 @@ async def up(args: argparse.Namespace) -> int:
                 await asyncio.wait({c.log_task}, timeout=2)
         print("splitfire up: stopped", flush=True)
     return code
+
+
+# `--planner`'s own flags and their defaults (given without --planner, they are refused).
+PLANNER_DEFAULTS = {"planner_profile": "", "planner_interval": 30.0, "ttft_slo": 2.0, "itl_slo": 0.1,
+                    "min_prefill": 1, "max_prefill": 4, "min_decode": 1, "max_decode": 4}
 
 
 class LocalScaler:
@@ -421,14 +430,13 @@ def add_subcommand(sub) -> None:
     p.add_argument("--planner", action="store_true",
                    help="size the prefill and decode workers from the router's metrics and the SLOs below "
                         "(`planner/decision.py`): add worker processes, drain them (needs Redis, --planner-profile)")
-    p.add_argument("--planner-profile", default="", help="from `splitfire planner profile`")
-    p.add_argument("--planner-interval", type=float, default=30.0, help="seconds between decisions")
-    p.add_argument("--ttft-slo", type=float, default=2.0, help="--planner: seconds (p90)")
-    p.add_argument("--itl-slo", type=float, default=0.1, help="--planner: seconds (p90)")
-    p.add_argument("--min-prefill", type=int, default=1)
-    p.add_argument("--max-prefill", type=int, default=4)
-    p.add_argument("--min-decode", type=int, default=1)
-    p.add_argument("--max-decode", type=int, default=4)
+    d = PLANNER_DEFAULTS
+    p.add_argument("--planner-profile", default=d["planner_profile"], help="from `splitfire planner profile`")
+    p.add_argument("--planner-interval", type=float, default=d["planner_interval"], help="seconds between decisions")
+    p.add_argument("--ttft-slo", type=float, default=d["ttft_slo"], help="--planner: seconds (p90)")
+    p.add_argument("--itl-slo", type=float, default=d["itl_slo"], help="--planner: seconds (p90)")
+    for flag in ("min_prefill", "max_prefill", "min_decode", "max_decode"):
+        p.add_argument("--" + flag.replace("_", "-"), type=int, default=d[flag], help="--planner: workers of the role")
     p.add_argument("--routers", type=int, default=1,
                    help="router replicas sharing the port (SO_REUSEPORT); with Redis they share affinity pins, quotas "
                         "and the exact prefix index built from the workers' KV events")

@@ -22,6 +22,7 @@ pytestmark = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 
 from engine_helpers import drain, make_engine  # noqa: E402
 from hf_models import FAMILIES, HFModel, make_hf_model  # noqa: E402
+from test_model_families import engine_logits, prompts  # noqa: E402  (the same prompts and logits read)
 
 from common.sampling_params import SamplingParams  # noqa: E402
 
@@ -37,24 +38,9 @@ def _free_gpu_memory():
     torch.cuda.empty_cache()
 
 
-def prompts() -> list[list[int]]:
-    # 5, 40 and 90 tokens: inside one block, a few blocks, and longer than every tiny sliding window.
-    return [[(7 * j + 31 * i) % 390 + 3 for j in range(n)] for i, n in enumerate((5, 40, 90))]
-
-
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def family(request, tmp_path_factory) -> HFModel:
     return make_hf_model(request.param, tmp_path_factory.mktemp(request.param) / "model")
-
-
-def engine_logits(engine, prompt: list[int]) -> torch.Tensor:
-    engine.add_request("logits", prompt, SamplingParams(max_tokens=1, temperature=0.0))
-    batch = engine.scheduler.schedule()
-    ids, positions, meta, rows = engine.runner.prepare(batch)
-    with torch.inference_mode():
-        out = engine.model.logits(engine.model(ids, positions, engine.kv, meta)[rows])[0]
-    engine.abort("logits")
-    return out.float().cpu()
 
 
 @torch.no_grad()
@@ -72,7 +58,7 @@ def test_bfloat16_logits_on_the_gpu_within_transformers_own_error(family):
     engine = make_engine(family.path, **GPU)
     bound = bf16_bound(family, prompts())
     for p in prompts():
-        err = (engine_logits(engine, p) - family.logits(p)).abs().max().item()
+        err = (engine_logits(engine, p).float().cpu() - family.logits(p)).abs().max().item()
         assert err <= bound, f"{family.name}: {len(p)}-token prompt, bf16 error {err:.3f} > bound {bound:.3f}"
 
 

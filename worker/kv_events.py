@@ -19,11 +19,12 @@ import asyncio
 import logging
 import secrets
 
+from common.block_hash import KV_EVENT_BYTES
+
 log = logging.getLogger("splitfire.worker")
 
 STREAM = "splitfire:kv:{address}"
 MAXLEN = 10_000
-OP_BYTES = 17  # b"+"/b"-" and a 16-byte hash
 
 
 class KVEventPublisher:
@@ -63,7 +64,7 @@ class KVEventPublisher:
                 if not batch:
                     continue
                 ops = b"".join(o for _, o in batch)
-                entry = {"epoch": self.epoch, "seq": batch[-1][0], "n": len(ops) // OP_BYTES, "ops": ops}
+                entry = {"epoch": self.epoch, "seq": batch[-1][0], "n": len(ops) // KV_EVENT_BYTES, "ops": ops}
                 try:
                     await client.xadd(self.key, entry, maxlen=MAXLEN, approximate=True)  # type: ignore[arg-type]
                     self.published += entry["n"]  # type: ignore[operator]

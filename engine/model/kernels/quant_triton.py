@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.model.kernels.triton_ops import splits_to_fill
+
 
 @triton.jit
 def dequant_tile(q_ptr, s_ptr, m_ptr, rn, kk, N, K, groups, GROUP: tl.constexpr, INT4: tl.constexpr):
@@ -67,18 +69,10 @@ def _wo_gemm_kernel(
         tl.store(part_ptr + pid_k * M * N + rm[:, None] * N + rn[None, :], acc, mask=mask)
 
 
-_SM_COUNT: dict[int, int] = {}
-
-
 def split_k_for(device: torch.device, programs: int, k_tiles: int) -> int:
-    """K splits that give about two waves of programs over the GPU's multiprocessors (a power of two,
-    at most 8 and at most one per K tile); 1 on CPU."""
-    if device.type != "cuda":
-        return 1
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _SM_COUNT:
-        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    want = -(-2 * _SM_COUNT[idx] // max(programs, 1))
+    """K splits that give about two waves of programs over the GPU (`triton_ops.splits_to_fill`): a power
+    of two, at most 8 and at most one per K tile; 1 on CPU."""
+    want = splits_to_fill(device, programs)
     split = 1
     while split * 2 <= min(want, 8, k_tiles):
         split *= 2

@@ -103,16 +103,21 @@ def _combine_splits_kernel(part_ptr, out_ptr, stride_ot, stride_oh, SPLITS: tl.c
 _SM_COUNT: dict[int, int] = {}
 
 
-def decode_splits(device: torch.device, programs: int) -> int:
-    """How many splits of each sequence's keys fill the GPU: enough programs for two waves over its
-    multiprocessors, a power of two up to 16 (none on CPU, where the interpreter runs one program at a
-    time). Fixed per batch shape, so a captured graph keeps it."""
+def splits_to_fill(device: torch.device, programs: int) -> int:
+    """How many times `programs` programs must be split for two waves over the GPU's multiprocessors
+    (1 on CPU, where the interpreter runs one program at a time). Shared by split-KV decode and split-K."""
     if device.type != "cuda":
         return 1
     idx = device.index if device.index is not None else torch.cuda.current_device()
     if idx not in _SM_COUNT:
         _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    want = -(-2 * _SM_COUNT[idx] // max(programs, 1))
+    return max(-(-2 * _SM_COUNT[idx] // max(programs, 1)), 1)
+
+
+def decode_splits(device: torch.device, programs: int) -> int:
+    """How many splits of each sequence's keys fill the GPU: a power of two up to 16 (`splits_to_fill`).
+    Fixed per batch shape, so a captured graph keeps it."""
+    want = splits_to_fill(device, programs)
     return min(16, triton.next_power_of_2(want)) if want > 1 else 1
 
 
