@@ -5,7 +5,8 @@
 # GPU (bench_host --device cuda). Each step's output goes to its own log in OUTDIR; a step that fails
 # or runs past its limit is reported and the next one still runs.
 #
-#   bash loadtest/gpu_check.sh OUTDIR [steps]      # steps: comma list of env,kernels,engine,bench,host,mla
+#   bash loadtest/gpu_check.sh OUTDIR [steps]      # steps: comma list of env,kernels,engine,bench,host,mla,
+#                                                  #   quantk,quant,quantsweep,int4 (weight-only int8/int4)
 #
 # Needs the project's Python dependencies importable (pip install -e '.[test]'); on a host with no
 # network, SPLITFIRE_HOME must already hold bench-models/host-llama (loadtest/random_models.py).
@@ -35,5 +36,9 @@ step kernels 120 $PY -m pytest -q -p no:cacheprovider --timeout 120 tests/test_t
 step engine 150 $PY -m pytest -q -p no:cacheprovider --timeout 120 tests/test_cuda_engine.py
 step bench 130 $PY -m loadtest.bench_gpu
 step host 120 $PY -m loadtest.bench_host --device cuda --layouts colocated --rounds 2 --profile --json "$OUT/host.json"
+step quantk 100 $PY -m pytest -q -p no:cacheprovider --timeout 120 tests/test_triton_kernels.py -k "weight_only or expert"
+step quant 110 $PY -m loadtest.bench_quant_gemm --reps 10
+step int4 120 $PY -m loadtest.bench_gpu --preset llama3-8b --quantization int4 --batches 1,32
+step quantsweep 90 $PY -m loadtest.bench_quant_gemm --sweep --no-per-weight --rows 1,64,2048 --shapes gate_up,down
 step mla 90 $PY -m loadtest.bench_gpu --preset deepseek-v2-lite --quantization int4 --batches 1,32
 cat "$summary"

@@ -298,7 +298,7 @@ def test_engine_on_triton_kernels_equals_transformers(family, overrides, kernel_
 
 
 @pytest.mark.parametrize("split_k", [None, 2, 4])  # None: the device's choice (1 on CPU)
-@pytest.mark.parametrize("kind,group", [("int8", 32), ("int8", 16), ("int4", 32), ("int4", 64)])
+@pytest.mark.parametrize("kind,group", [("int8", 32), ("int8", 16), ("int8", 56), ("int4", 32), ("int4", 64)])
 @pytest.mark.parametrize("rows", [1, 5, 33])
 def test_weight_only_gemm_matches_dequantize_then_matmul(kind, group, rows, split_k):
     from engine.model import quant

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.model.kernels.quant_triton import dequant_tile
+from engine.model.kernels.quant_triton import dequant_halves, dequant_tile, packed_group
 
 
 class QuantizedStack(Protocol):
@@ -36,12 +36,14 @@ def _grouped_gemm_kernel(
     a_ptr, w_ptr, s_ptr, m_ptr, c_ptr, rows_ptr, tile_expert_ptr, scale_ptr,
     N, K, stride_am, stride_we, stride_wn, stride_wk, stride_se, groups, stride_cm,
     GATHER: tl.constexpr, HAS_SCALE: tl.constexpr, QUANT: tl.constexpr, GROUP: tl.constexpr, INT4: tl.constexpr,
+    PACKED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """C[slot] = A[row(slot)] @ W[expert(tile)]^T (* scale[slot]) for one BLOCK_M x BLOCK_N tile.
     rows[slot] < 0 marks padding. GATHER: A's row is rows[slot]; else A is already in slot order.
     QUANT: W is quantized (codes at w_ptr, per-group scales/mins at s_ptr/m_ptr, `stride_se` apart
-    per expert), dequantized in registers by `quant_triton.dequant_tile`."""
+    per expert), dequantized in registers by `quant_triton.dequant_halves` (PACKED: a power-of-two group)
+    or `dequant_tile`."""
     tile = tl.program_id(0)
     pid_n = tl.program_id(1)
     e = tl.load(tile_expert_ptr + tile)
@@ -55,13 +57,24 @@ def _grouped_gemm_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, tl.cdiv(K, BLOCK_K)):
         k = k0 * BLOCK_K + tl.arange(0, BLOCK_K)
-        a = tl.load(a_ptr + a_rows[:, None] * stride_am + k[None, :], mask=valid[:, None] & (k[None, :] < K),
-                    other=0.0)
-        if QUANT:
+        if QUANT and PACKED:  # in the activations' dtype: bf16 tensor cores on CUDA
+            w_a, k_a, w_b, k_b = dequant_halves(w_ptr + e * stride_we, s_ptr + e * stride_se, m_ptr + e * stride_se,
+                                                n, k0 * BLOCK_K, N, K, groups, GROUP, INT4, BLOCK_N, BLOCK_K)
+            a_a = tl.load(a_ptr + a_rows[:, None] * stride_am + k_a[None, :],
+                          mask=valid[:, None] & (k_a[None, :] < K), other=0.0)
+            a_b = tl.load(a_ptr + a_rows[:, None] * stride_am + k_b[None, :],
+                          mask=valid[:, None] & (k_b[None, :] < K), other=0.0)
+            acc += tl.dot(a_a, tl.trans(w_a.to(a_a.dtype)))
+            acc += tl.dot(a_b, tl.trans(w_b.to(a_b.dtype)))
+        elif QUANT:
+            a = tl.load(a_ptr + a_rows[:, None] * stride_am + k[None, :], mask=valid[:, None] & (k[None, :] < K),
+                        other=0.0)
             w = dequant_tile(w_ptr + e * stride_we, s_ptr + e * stride_se, m_ptr + e * stride_se, n, k, N, K,
                              groups, GROUP, INT4)
-            acc += tl.dot(a, tl.trans(w.to(a.dtype)))  # in the activations' dtype: bf16 tensor cores on CUDA
+            acc += tl.dot(a, tl.trans(w.to(a.dtype)))
         else:
+            a = tl.load(a_ptr + a_rows[:, None] * stride_am + k[None, :], mask=valid[:, None] & (k[None, :] < K),
+                        other=0.0)
             w = tl.load(w_ptr + e * stride_we + n[None, :] * stride_wn + k[:, None] * stride_wk,
                         mask=(k[:, None] < K) & (n[None, :] < N), other=0.0)
             acc += tl.dot(a, w)
@@ -112,12 +125,12 @@ def _gemm(a: torch.Tensor, w: torch.Tensor | QuantizedStack, rows: torch.Tensor,
         groups = w.scales.shape[2]
         ptrs = (w.q, w.scales, w.mins if w.mins is not None else w.scales)
         strides = (w.q.stride(0), 0, 0, w.scales.stride(0))
-        quant = dict(QUANT=True, GROUP=w.group_size, INT4=w.kind == "int4")
+        quant = dict(QUANT=True, GROUP=w.group_size, INT4=w.kind == "int4", PACKED=packed_group(w.group_size))
     else:
         n, k, groups = w.shape[1], w.shape[2], 1
         ptrs = (w, w, w)  # (no scales or mins)
         strides = (w.stride(0), w.stride(1), w.stride(2), 0)
-        quant = dict(QUANT=False, GROUP=1, INT4=False)
+        quant = dict(QUANT=False, GROUP=1, INT4=False, PACKED=False)
     c = torch.empty(out_rows, n, dtype=c_dtype, device=a.device)
     grid = (tile_expert.numel(), triton.cdiv(n, block_n))
     _grouped_gemm_kernel[grid](

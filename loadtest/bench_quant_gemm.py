@@ -1,0 +1,141 @@
+"""Weight-only int8/int4 GEMM on the GPU, one matrix at a time: the Triton kernel
+(`engine/model/kernels/quant_triton.py`) with its packed reads (`dequant_halves`) and with the
+per-weight reads it replaced (`dequant_tile`), against bfloat16 `torch.mm` of the same shape.
+Prints microseconds and the weights' bytes per second (the int8/int4 codes plus their scales and
+mins, or the bfloat16 matrix), beside the device's copy bandwidth, for Llama-3-8B's matrices at
+decode and prefill row counts. `--sweep` also times other tile shapes for the packed kernel.
+
+    python -m loadtest.bench_quant_gemm                      # CUDA
+    python -m loadtest.bench_quant_gemm --sweep --rows 1,64  # tile shapes
+    python -m loadtest.bench_quant_gemm --device cpu --smoke  # the interpreter, tiny shapes: runs, checks
+
+Each Triton result is first checked against dequantize-then-matmul (bfloat16 tolerance).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from loadtest.bench_gpu import bandwidth, sync
+
+if TYPE_CHECKING:
+    from engine.model.quant import QuantizedWeight
+
+# Llama-3-8B's matmuls, [N, K]: fused q/k/v, o, fused gate/up, down; the LM head (int8 under int4 too).
+SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
+          "lm_head": (128256, 4096)}
+SMOKE_SHAPES = {"a": (96, 256), "b": (64, 320)}
+SWEEP = [(16, 64, 128, 4, 3), (16, 64, 256, 4, 4), (16, 128, 256, 4, 4), (16, 32, 512, 4, 4),
+         (16, 128, 128, 8, 3), (64, 64, 128, 4, 3), (64, 128, 64, 4, 3), (64, 128, 128, 8, 3),
+         (128, 128, 64, 8, 3), (128, 64, 128, 4, 4)]
+
+
+def timed(fn: Callable[[], None], dev: torch.device, reps: int) -> float:
+    """Median seconds of one call (CUDA: events around each call after a warm-up)."""
+    fn()
+    sync(dev)
+    times = []
+    for _ in range(reps):
+        if dev.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def kernels_to_time(x: torch.Tensor, wf: torch.Tensor, qw: QuantizedWeight, out: torch.Tensor, no_per_weight: bool,
+                    sweep: bool) -> list[tuple[str, Callable[[], None], int]]:
+    """(label, call, weight bytes) for the float matmul and each quantized kernel variant of one case."""
+    from engine.model.kernels import quant_triton
+
+    runs: list[tuple[str, Callable[[], None], int]] = [
+        ("bf16 torch.mm" if wf.dtype == torch.bfloat16 else "torch.mm", lambda: torch.mm(x, wf.t(), out=out),
+         wf.numel() * wf.element_size())]
+
+    def call(**kw: object) -> Callable[[], None]:
+        return lambda: quant_triton.wo_gemm(x, qw.kind, qw.q, qw.scales, qw.mins, qw.group_size, None,
+                                            out, **kw)  # type: ignore[arg-type]
+
+    nbytes = qw.nbytes
+    runs.append((f"{qw.kind} packed (default tiles)", call(), nbytes))
+    if not no_per_weight:
+        runs.append((f"{qw.kind} per-weight reads", call(packed=False), nbytes))
+    if sweep:
+        for bm, bn, bk, warps, stages in SWEEP:
+            t = quant_triton.Tiles(bm, bn, bk, warps, stages)
+            runs.append((f"{qw.kind} packed {bm}x{bn}x{bk} w{warps}s{stages}", call(tiles=t), nbytes))
+    return runs
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--rows", default="1,16,64,256,2048", help="activation rows (comma list)")
+    p.add_argument("--kinds", default="int4,int8")
+    p.add_argument("--shapes", default=None, help="comma list of " + ",".join(SHAPES))
+    p.add_argument("--sweep", action="store_true", help="also time the packed kernel at other tile shapes")
+    p.add_argument("--no-per-weight", action="store_true", help="skip the per-weight-read kernel (slow)")
+    p.add_argument("--smoke", action="store_true", help="tiny shapes (CPU interpreter)")
+    p.add_argument("--reps", type=int, default=20)
+    args = p.parse_args(argv)
+    dev = torch.device(args.device)
+    if dev.type == "cpu":
+        os.environ["TRITON_INTERPRET"] = "1"
+    from engine.model import quant
+
+    shapes = SMOKE_SHAPES if args.smoke else SHAPES
+    if args.shapes:
+        shapes = {k: SHAPES[k] for k in args.shapes.split(",")}
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    bw = bandwidth(dev)
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu (Triton interpreter)"
+    print(f"device {name}: copy bandwidth {bw / 1e9:.0f} GB/s (read + write); GB/s below = weight bytes / time")
+    print(f"{'matrix':9s} {'kind':5s} {'rows':>5s}  {'kernel':28s} {'us':>9s} {'GB/s':>7s} {'% copy bw':>9s}")
+    reps = 3 if args.smoke else args.reps
+    for label, (n, k) in shapes.items():
+        torch.manual_seed(0)
+        w = torch.randn(n, k, device=dev, dtype=dtype) * 0.02
+        for kind in args.kinds.split(","):
+            qkind = "int8" if label == "lm_head" else kind
+            if label == "lm_head" and kind != args.kinds.split(",")[0]:
+                continue
+            qw = quant.quantize(w, qkind, quant.group_size_for(k, qkind))
+            wf = qw.dequantize_torch().to(dtype)
+            for rows in [int(r) for r in args.rows.split(",")]:
+                x = torch.randn(rows, k, device=dev, dtype=dtype)
+                out = torch.empty(rows, n, device=dev, dtype=dtype)
+                want = F.linear(x, wf)
+                runs = kernels_to_time(x, wf, qw, out, args.no_per_weight, args.sweep)
+                for kernel, fn, nbytes in runs:
+                    fn()
+                    if "torch.mm" not in kernel:
+                        err = (out.float() - want.float()).abs().max().item()
+                        scale = want.float().abs().max().item() + 1e-6
+                        if err > 0.02 * scale:
+                            print(f"MISMATCH {label} {kind} rows={rows} {kernel}: max err {err:.4g} of {scale:.4g}")
+                            return 1
+                    s = timed(fn, dev, reps)
+                    gbs = nbytes / s / 1e9
+                    print(f"{label:9s} {qkind:5s} {rows:5d}  {kernel:28s} {s * 1e6:9.1f} {gbs:7.0f} "
+                          f"{100 * nbytes / s / bw:8.0f}%", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
