@@ -1,12 +1,14 @@
 """Weight-only int8/int4 GEMM on the GPU, one matrix at a time: the Triton kernel
-(`engine/model/kernels/quant_triton.py`) with its packed reads (`dequant_halves`) and with the
-per-weight reads it replaced (`dequant_tile`), against bfloat16 `torch.mm` of the same shape.
+(`engine/model/kernels/quant_triton.py`) by each of its methods (one row per program,
+tensor-core tiles, dequantize then GEMM, and the per-weight reads of its first version), against
+bfloat16 `torch.mm` of the same shape.
 Prints microseconds and the weights' bytes per second (the int8/int4 codes plus their scales and
 mins, or the bfloat16 matrix), beside the device's copy bandwidth, for Llama-3-8B's matrices at
-decode and prefill row counts. `--sweep` also times other tile shapes for the packed kernel.
+decode and prefill row counts. `--sweep` also times other tile shapes for each method. The kernel's
+own choice per row count (`quant_triton.method_for`) is what these rows decided.
 
     python -m loadtest.bench_quant_gemm                      # CUDA
-    python -m loadtest.bench_quant_gemm --sweep --rows 1,64  # tile shapes
+    python -m loadtest.bench_quant_gemm --sweep --rows 1,64 --shapes gate_up  # tile shapes
     python -m loadtest.bench_quant_gemm --device cpu --smoke  # the interpreter, tiny shapes: runs, checks
 
 Each Triton result is first checked against dequantize-then-matmul (bfloat16 tolerance).
@@ -34,9 +36,12 @@ if TYPE_CHECKING:
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
           "lm_head": (128256, 4096)}
 SMOKE_SHAPES = {"a": (96, 256), "b": (64, 320)}
-SWEEP = [(16, 64, 128, 4, 3), (16, 64, 256, 4, 4), (16, 128, 256, 4, 4), (16, 32, 512, 4, 4),
-         (16, 128, 128, 8, 3), (64, 64, 128, 4, 3), (64, 128, 64, 4, 3), (64, 128, 128, 8, 3),
-         (128, 128, 64, 8, 3), (128, 64, 128, 4, 4)]
+SWEEP = {  # method: (block_m, block_n, block_k, warps, stages)
+    "gemv": [(1, 32, 128, 4, 3), (1, 64, 64, 4, 3), (1, 64, 256, 4, 3), (1, 128, 128, 4, 3), (1, 64, 128, 8, 3),
+             (1, 32, 256, 4, 4), (1, 128, 64, 4, 4)],
+    "dot": [(16, 64, 256, 4, 4), (16, 128, 128, 8, 3), (64, 128, 64, 4, 3), (128, 128, 64, 8, 3)],
+    "dequant": [(1, 32, 128, 4, 1), (1, 64, 256, 4, 1), (1, 128, 128, 8, 1)],
+}
 
 
 def timed(fn: Callable[[], None], dev: torch.device, reps: int) -> float:
@@ -59,7 +64,7 @@ def timed(fn: Callable[[], None], dev: torch.device, reps: int) -> float:
     return statistics.median(times)
 
 
-def kernels_to_time(x: torch.Tensor, wf: torch.Tensor, qw: QuantizedWeight, out: torch.Tensor, no_per_weight: bool,
+def kernels_to_time(x: torch.Tensor, wf: torch.Tensor, qw: QuantizedWeight, out: torch.Tensor, methods: list[str],
                     sweep: bool) -> list[tuple[str, Callable[[], None], int]]:
     """(label, call, weight bytes) for the float matmul and each quantized kernel variant of one case."""
     from engine.model.kernels import quant_triton
@@ -73,24 +78,25 @@ def kernels_to_time(x: torch.Tensor, wf: torch.Tensor, qw: QuantizedWeight, out:
                                             out, **kw)  # type: ignore[arg-type]
 
     nbytes = qw.nbytes
-    runs.append((f"{qw.kind} packed (default tiles)", call(), nbytes))
-    if not no_per_weight:
-        runs.append((f"{qw.kind} per-weight reads", call(packed=False), nbytes))
-    if sweep:
-        for bm, bn, bk, warps, stages in SWEEP:
-            t = quant_triton.Tiles(bm, bn, bk, warps, stages)
-            runs.append((f"{qw.kind} packed {bm}x{bn}x{bk} w{warps}s{stages}", call(tiles=t), nbytes))
+    for method in methods:
+        runs.append((f"{qw.kind} {method}", call(method=method), nbytes))
+        if sweep:
+            for bm, bn, bk, warps, stages in SWEEP.get(method, []):
+                t = quant_triton.Tiles(bm, bn, bk, warps, stages)
+                runs.append((f"{qw.kind} {method} {bm}x{bn}x{bk} w{warps}s{stages}", call(method=method, tiles=t),
+                             nbytes))
     return runs
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda")
-    p.add_argument("--rows", default="1,16,64,256,2048", help="activation rows (comma list)")
+    p.add_argument("--rows", default="1,2,4,16,64,128,256,2048", help="activation rows (comma list)")
     p.add_argument("--kinds", default="int4,int8")
     p.add_argument("--shapes", default=None, help="comma list of " + ",".join(SHAPES))
-    p.add_argument("--sweep", action="store_true", help="also time the packed kernel at other tile shapes")
-    p.add_argument("--no-per-weight", action="store_true", help="skip the per-weight-read kernel (slow)")
+    p.add_argument("--sweep", action="store_true", help="also time each method at other tile shapes")
+    p.add_argument("--methods", default="gemv,dot,dequant,per_weight",
+                   help="quant_triton.wo_gemm methods to time (comma list)")
     p.add_argument("--smoke", action="store_true", help="tiny shapes (CPU interpreter)")
     p.add_argument("--reps", type=int, default=20)
     args = p.parse_args(argv)
@@ -108,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"device {name}: copy bandwidth {bw / 1e9:.0f} GB/s (read + write); GB/s below = weight bytes / time")
     print(f"{'matrix':9s} {'kind':5s} {'rows':>5s}  {'kernel':28s} {'us':>9s} {'GB/s':>7s} {'% copy bw':>9s}")
     reps = 3 if args.smoke else args.reps
+    failed = 0
     for label, (n, k) in shapes.items():
         torch.manual_seed(0)
         w = torch.randn(n, k, device=dev, dtype=dtype) * 0.02
@@ -121,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
                 x = torch.randn(rows, k, device=dev, dtype=dtype)
                 out = torch.empty(rows, n, device=dev, dtype=dtype)
                 want = F.linear(x, wf)
-                runs = kernels_to_time(x, wf, qw, out, args.no_per_weight, args.sweep)
+                runs = kernels_to_time(x, wf, qw, out, args.methods.split(","), args.sweep)
                 for kernel, fn, nbytes in runs:
                     fn()
                     if "torch.mm" not in kernel:
@@ -129,12 +136,13 @@ def main(argv: list[str] | None = None) -> int:
                         scale = want.float().abs().max().item() + 1e-6
                         if err > 0.02 * scale:
                             print(f"MISMATCH {label} {kind} rows={rows} {kernel}: max err {err:.4g} of {scale:.4g}")
-                            return 1
+                            failed += 1
+                            continue
                     s = timed(fn, dev, reps)
                     gbs = nbytes / s / 1e9
                     print(f"{label:9s} {qkind:5s} {rows:5d}  {kernel:28s} {s * 1e6:9.1f} {gbs:7.0f} "
                           f"{100 * nbytes / s / bw:8.0f}%", flush=True)
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -297,12 +297,19 @@ def test_engine_on_triton_kernels_equals_transformers(family, overrides, kernel_
         kernels.cache_clear()
 
 
-@pytest.mark.parametrize("split_k", [None, 2, 4])  # None: the device's choice (1 on CPU)
+# method None: the kernel's own choice for the rows; split_k None: the device's choice (1 on CPU)
+@pytest.mark.parametrize("method,split_k", [(None, None), ("gemv", None), ("gemv", 4), ("dot", None), ("dot", 4),
+                                            ("dequant", None), ("per_weight", None), ("per_weight", 2)])
 @pytest.mark.parametrize("kind,group", [("int8", 32), ("int8", 16), ("int8", 56), ("int4", 32), ("int4", 64)])
 @pytest.mark.parametrize("rows", [1, 5, 33])
-def test_weight_only_gemm_matches_dequantize_then_matmul(kind, group, rows, split_k):
+def test_weight_only_gemm_matches_dequantize_then_matmul(kind, group, rows, method, split_k):
+    """Every method (one row per program, tensor-core tiles, dequantize then GEMM, per-weight reads)
+    equals dequantize-then-matmul; group 56 (not a power of two) is per-weight reads only."""
     from engine.model import quant
     from engine.model.kernels import quant_triton
+
+    if not quant_triton.packed_group(group) and method not in (None, "per_weight"):
+        pytest.skip("packed reads take power-of-two groups only")
 
     torch.manual_seed(rows + group)
     n, k = 80, 448  # neither a multiple of the tiles; K split 4 ways leaves a share with no tile
@@ -312,7 +319,8 @@ def test_weight_only_gemm_matches_dequantize_then_matmul(kind, group, rows, spli
     w = qw.dequantize_torch().float()
     exact = x.float() @ w.T + bias.float()
     out = torch.empty(rows, n + 8, device=DEV, dtype=DTYPE)[:, 4 : 4 + n]  # a row-strided output view
-    quant_triton.wo_gemm(x, qw.kind, qw.q, qw.scales, qw.mins, qw.group_size, bias, out, split_k=split_k)
+    quant_triton.wo_gemm(x, qw.kind, qw.q, qw.scales, qw.mins, qw.group_size, bias, out, split_k=split_k,
+                         method=method)
     if CUDA:  # against what the torch path computes in bfloat16 (weights dequantized to bfloat16)
         within_bf16(out, torch.nn.functional.linear(x, w.to(DTYPE), bias), exact)
     else:  # products summed in another order than the reference's matmul: float32 rounding

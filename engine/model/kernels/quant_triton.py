@@ -41,49 +41,54 @@ def dequant_tile(q_ptr, s_ptr, m_ptr, rn, kk, N, K, groups, GROUP: tl.constexpr,
 
 
 @triton.jit
-def dequant_halves(q_ptr, s_ptr, m_ptr, rn, k0, N, K, groups,
-                   GROUP: tl.constexpr, INT4: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr):
+def dequant_runs(q_ptr, s_ptr, m_ptr, rn, k0, N, K, groups,
+                 GROUP: tl.constexpr, INT4: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """The tile of rows `rn`, columns k0 .. k0 + BLOCK_K of one quantized [N, K] matrix, as two float32
-    halves [len(rn), BLOCK_K / 2] and their columns: (w_a, k_a, w_b, k_b); 0 outside N x K. Codes
-    are read once each, contiguously (int4: the tile's bytes, low nibbles giving one half and high
-    nibbles the other; int8: the tile's first and second halves), and each row's scales and mins once
-    per run of columns that share them (GROUP a power of two), not once per weight."""
+    halves [BLOCK_N, NSEG, SEG] (runs of SEG columns sharing a scale) and their columns [1, NSEG, SEG]:
+    (w_a, k_a, w_b, k_b); 0 outside N x K. Codes are read once each, contiguously (int4: the tile's
+    bytes, low nibbles giving one half and high nibbles the other; int8: the tile's first and second
+    halves), and each row's scale (and min) once per run, broadcast over the run's last axis - no
+    per-weight scale reads and no reshapes (GROUP a power of two)."""
     HALF: tl.constexpr = BLOCK_K // 2
     SEG: tl.constexpr = 16 if INT4 else (GROUP if GROUP < HALF else HALF)  # columns of a half sharing a group
     NSEG: tl.constexpr = HALF // SEG
-    rows = rn[:, None] < N
-    j = tl.arange(0, HALF)
-    seg = tl.arange(0, NSEG)
+    r3 = rn[:, None, None]
+    rows = r3 < N
+    seg = tl.arange(0, NSEG)[None, :, None]
+    i = tl.arange(0, SEG)[None, None, :]
     if INT4:
-        # byte k0/2 + j holds column k0 + (j // 16) * 32 + j % 16 (low nibble) and that + 16 (high).
-        k_a = k0 + (j // 16) * 32 + j % 16
+        # byte k0/2 + 16 s + i holds column k0 + 32 s + i (low nibble) and that + 16 (high nibble).
+        run = k0 + seg * 32  # both halves of a 32-column run share its group (GROUP is a multiple of 32)
+        k_a = run + i
         k_b = k_a + 16
-        b = tl.load(q_ptr + rn[:, None] * (K // 2) + (k0 // 2 + j)[None, :], mask=rows & (k_a[None, :] < K),
-                    other=0)
-        seg_k = k0 + seg * 32  # both halves of a 32-column run share its group (GROUP is a multiple of 32)
-        smask = rows & (seg_k[None, :] < K)
-        sidx = rn[:, None] * groups + (seg_k // GROUP)[None, :]
-        scale = tl.load(s_ptr + sidx, mask=smask, other=0.0)[:, :, None]
-        mn = tl.load(m_ptr + sidx, mask=smask, other=0.0)[:, :, None]
-        lo = tl.reshape((b & 0x0F).to(tl.float32), (BLOCK_N, NSEG, SEG))
-        hi = tl.reshape((b >> 4).to(tl.float32), (BLOCK_N, NSEG, SEG))
-        w_a = tl.reshape(lo * scale + mn, (BLOCK_N, HALF))
-        w_b = tl.reshape(hi * scale + mn, (BLOCK_N, HALF))
+        b = tl.load(q_ptr + r3 * (K // 2) + (k0 // 2 + seg * 16 + i), mask=rows & (k_a < K), other=0)
+        smask = rows & (run < K)
+        sidx = r3 * groups + run // GROUP
+        scale = tl.load(s_ptr + sidx, mask=smask, other=0.0)
+        mn = tl.load(m_ptr + sidx, mask=smask, other=0.0)
+        w_a = (b & 0x0F).to(tl.float32) * scale + mn
+        w_b = (b >> 4).to(tl.float32) * scale + mn
         return w_a, k_a, w_b, k_b
-    k_a = k0 + j
-    k_b = k_a + HALF
-    c_a = tl.load(q_ptr + rn[:, None] * K + k_a[None, :], mask=rows & (k_a[None, :] < K), other=0)
-    c_b = tl.load(q_ptr + rn[:, None] * K + k_b[None, :], mask=rows & (k_b[None, :] < K), other=0)
-    seg_a = k0 + seg * SEG
-    seg_b = seg_a + HALF
-    s_a = tl.load(s_ptr + rn[:, None] * groups + (seg_a // GROUP)[None, :], mask=rows & (seg_a[None, :] < K),
-                  other=0.0)[:, :, None]
-    s_b = tl.load(s_ptr + rn[:, None] * groups + (seg_b // GROUP)[None, :], mask=rows & (seg_b[None, :] < K),
-                  other=0.0)[:, :, None]
-    w_a = tl.reshape(tl.reshape(c_a.to(tl.float32), (BLOCK_N, NSEG, SEG)) * s_a, (BLOCK_N, HALF))
-    w_b = tl.reshape(tl.reshape(c_b.to(tl.float32), (BLOCK_N, NSEG, SEG)) * s_b, (BLOCK_N, HALF))
-    return w_a, k_a, w_b, k_b
+    run_a = k0 + seg * SEG
+    run_b = run_a + HALF
+    k_a = run_a + i
+    k_b = run_b + i
+    c_a = tl.load(q_ptr + r3 * K + k_a, mask=rows & (k_a < K), other=0)
+    c_b = tl.load(q_ptr + r3 * K + k_b, mask=rows & (k_b < K), other=0)
+    s_a = tl.load(s_ptr + r3 * groups + run_a // GROUP, mask=rows & (run_a < K), other=0.0)
+    s_b = tl.load(s_ptr + r3 * groups + run_b // GROUP, mask=rows & (run_b < K), other=0.0)
+    return c_a.to(tl.float32) * s_a, k_a, c_b.to(tl.float32) * s_b, k_b
+
+
+@triton.jit
+def dequant_halves(q_ptr, s_ptr, m_ptr, rn, k0, N, K, groups,
+                   GROUP: tl.constexpr, INT4: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """`dequant_runs` as two [BLOCK_N, BLOCK_K / 2] matrices and their columns [BLOCK_K / 2]: what a
+    tensor-core dot takes. Shared with the grouped-expert kernel (`moe_triton`)."""
+    HALF: tl.constexpr = BLOCK_K // 2
+    w_a, k_a, w_b, k_b = dequant_runs(q_ptr, s_ptr, m_ptr, rn, k0, N, K, groups, GROUP, INT4, BLOCK_N, BLOCK_K)
+    return (tl.reshape(w_a, (BLOCK_N, HALF)), tl.reshape(k_a, (HALF,)),
+            tl.reshape(w_b, (BLOCK_N, HALF)), tl.reshape(k_b, (HALF,)))
 
 
 def packed_group(group_size: int) -> bool:
@@ -134,6 +139,53 @@ def _wo_gemm_kernel(
         tl.store(part_ptr + pid_k * M * N + rm[:, None] * N + rn[None, :], acc, mask=mask)
 
 
+@triton.jit
+def _wo_gemv_kernel(
+    x_ptr, q_ptr, s_ptr, m_ptr, bias_ptr, y_ptr, part_ptr,
+    M, N, K, stride_xm, stride_ym, groups,
+    GROUP: tl.constexpr, INT4: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+):
+    """One activation row per program (a decode step of one or two sequences): products summed in
+    float32 registers shaped like `dequant_runs`' runs, no tensor-core dot (a single row would use a
+    sixteenth of it) and no layout change of the weights; reduced once at the end."""
+    row = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    HALF: tl.constexpr = BLOCK_K // 2
+    SEG: tl.constexpr = 16 if INT4 else (GROUP if GROUP < HALF else HALF)
+    acc = tl.zeros((BLOCK_N, HALF // SEG, SEG), dtype=tl.float32)
+    k_per = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
+    k_start = pid_k * k_per
+    for k0 in range(k_start, tl.minimum(k_start + k_per, K), BLOCK_K):
+        w_a, k_a, w_b, k_b = dequant_runs(q_ptr, s_ptr, m_ptr, rn, k0, N, K, groups, GROUP, INT4, BLOCK_N, BLOCK_K)
+        x_a = tl.load(x_ptr + row * stride_xm + k_a, mask=k_a < K, other=0.0).to(tl.float32)
+        x_b = tl.load(x_ptr + row * stride_xm + k_b, mask=k_b < K, other=0.0).to(tl.float32)
+        acc += w_a * x_a + w_b * x_b
+    y = tl.sum(tl.sum(acc, axis=2), axis=1)
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            y += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
+        tl.store(y_ptr + row * stride_ym + rn, y.to(y_ptr.dtype.element_ty), mask=rn < N)
+    else:
+        tl.store(part_ptr + pid_k * M * N + row * N + rn, y, mask=rn < N)
+
+
+@triton.jit
+def _dequant_kernel(q_ptr, s_ptr, m_ptr, w_ptr, N, K, groups,
+                    GROUP: tl.constexpr, INT4: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """w [N, K] (the output's dtype) = the quantized matrix dequantized, one BLOCK_N x BLOCK_K tile per
+    program: for many rows (prefill), where one dequantization then the vendor GEMM beats
+    dequantizing inside every row tile's program."""
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    w_a, k_a, w_b, k_b = dequant_runs(q_ptr, s_ptr, m_ptr, rn, tl.program_id(1) * BLOCK_K, N, K, groups, GROUP,
+                                      INT4, BLOCK_N, BLOCK_K)
+    r3 = rn[:, None, None]
+    tl.store(w_ptr + r3 * K + k_a, w_a.to(w_ptr.dtype.element_ty), mask=(r3 < N) & (k_a < K))
+    tl.store(w_ptr + r3 * K + k_b, w_b.to(w_ptr.dtype.element_ty), mask=(r3 < N) & (k_b < K))
+
+
 def split_k_for(device: torch.device, programs: int, k_tiles: int) -> int:
     """K splits that give about two waves of programs over the GPU (`triton_ops.splits_to_fill`): a power
     of two, at most 8 and at most one per K tile; 1 on CPU."""
@@ -146,7 +198,8 @@ def split_k_for(device: torch.device, programs: int, k_tiles: int) -> int:
 
 @dataclass(frozen=True)
 class Tiles:
-    """One launch shape of `_wo_gemm_kernel` (BLOCK_K a multiple of 32: int4 runs, two halves of 16+)."""
+    """One launch shape (BLOCK_K a multiple of 32: int4 runs, two halves of 16+). `block_m` is unused
+    by the one-row and dequantize methods."""
 
     block_m: int
     block_n: int
@@ -155,40 +208,71 @@ class Tiles:
     stages: int = 3
 
 
-def tiles_for(rows: int) -> Tiles:
-    """The launch shape for `rows` activation rows: decode's few rows take long K tiles (the weights'
-    bytes are the cost, so each program streams more of them per iteration)."""
-    if rows <= 16:
-        return Tiles(16, 64, 256, 4, 4)
-    if rows <= 64:
-        return Tiles(64, 64, 128, 4, 3)
-    return Tiles(64, 128, 64, 4, 3)
+METHODS = ("gemv", "dot", "dequant", "per_weight")
+# Rows up to which each row is its own program (`_wo_gemv_kernel`), and from which the weight is
+# dequantized once and multiplied by torch's GEMM; between them the tensor-core tile kernel.
+GEMV_MAX_ROWS = 2
+DEQUANT_MIN_ROWS = 128
+
+
+def method_for(rows: int, group_size: int) -> str:
+    if not packed_group(group_size):
+        return "per_weight"
+    if rows <= GEMV_MAX_ROWS:
+        return "gemv"
+    return "dequant" if rows >= DEQUANT_MIN_ROWS else "dot"
+
+
+def tiles_for(rows: int, method: str) -> Tiles:
+    """The launch shape per method (per_weight keeps the first version's tiles: its per-weight reads
+    need more shared memory per stage)."""
+    if method == "per_weight":
+        return Tiles(16, 64, 128) if rows <= 16 else Tiles(64, 64, 64)
+    if method == "gemv":
+        return Tiles(1, 64, 128, 4, 3)
+    if method == "dequant":
+        return Tiles(1, 64, 128, 4, 1)
+    return Tiles(16, 64, 128, 4, 3) if rows <= 16 else Tiles(64, 64, 128, 4, 3)
 
 
 def wo_gemm(x: torch.Tensor, kind: str, q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
             group_size: int, bias: torch.Tensor | None, out: torch.Tensor, split_k: int | None = None,
-            tiles: Tiles | None = None, packed: bool | None = None) -> None:
-    """out [M, N] (row-strided view allowed) = x [M, K] @ dequant(W)^T (+ bias). `split_k`: None picks
-    (`split_k_for`: only when few rows leave the GPU idle); `tiles`: None picks (`tiles_for`);
-    `packed`: None uses `dequant_halves` where the group size allows (False: `dequant_tile`, the
-    per-weight reads kept for other group sizes; benchmarks compare the two)."""
+            tiles: Tiles | None = None, method: str | None = None) -> None:
+    """out [M, N] (row-strided view allowed) = x [M, K] @ dequant(W)^T (+ bias). `method`: None picks
+    (`method_for`; benchmarks and tests name one of METHODS); `split_k`: None picks (`split_k_for`:
+    only when few rows leave the GPU idle); `tiles`: None picks (`tiles_for`)."""
     m, k = x.shape
     n = q.shape[0]
     x = x.contiguous()
-    t = tiles or tiles_for(m)
-    use_packed = packed_group(group_size) if packed is None else packed
-    if use_packed and not packed_group(group_size):
-        raise ValueError(f"group size {group_size} is not a power of two: dequant_halves cannot take it")
-    grid_mn = triton.cdiv(m, t.block_m) * triton.cdiv(n, t.block_n)
-    split = split_k or split_k_for(x.device, grid_mn, triton.cdiv(k, t.block_k))
+    how = method or method_for(m, group_size)
+    if how not in METHODS:
+        raise ValueError(f"unknown weight-only GEMM method {how!r} (one of {', '.join(METHODS)})")
+    if how != "per_weight" and not packed_group(group_size):
+        raise ValueError(f"group size {group_size} is not a power of two: only per_weight reads take it")
+    t = tiles or tiles_for(m, how)
+    minp = mins if mins is not None else scales
+    int4 = kind == "int4"
+    if how == "dequant":
+        w = torch.empty(n, k, dtype=x.dtype, device=x.device)
+        _dequant_kernel[(triton.cdiv(n, t.block_n), triton.cdiv(k, t.block_k))](
+            q, scales, minp, w, n, k, scales.shape[1], GROUP=group_size, INT4=int4, BLOCK_N=t.block_n,
+            BLOCK_K=t.block_k, num_warps=t.warps, num_stages=t.stages)
+        out.copy_(torch.mm(x, w.t()) if bias is None else torch.addmm(bias, x, w.t()))
+        return
+    gemv = how == "gemv"
+    grid_m = m if gemv else triton.cdiv(m, t.block_m)
+    split = split_k or split_k_for(x.device, grid_m * triton.cdiv(n, t.block_n), triton.cdiv(k, t.block_k))
     part = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else scales
-    _wo_gemm_kernel[(triton.cdiv(m, t.block_m), triton.cdiv(n, t.block_n), split)](
-        x, q, scales, mins if mins is not None else scales, bias if bias is not None else scales, out, part,
-        m, n, k, x.stride(0), out.stride(0), scales.shape[1],
-        GROUP=group_size, INT4=kind == "int4", HAS_BIAS=bias is not None, PACKED=use_packed,
-        BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, SPLIT_K=split,
-        num_warps=t.warps, num_stages=t.stages,
-    )
+    args = (x, q, scales, minp, bias if bias is not None else scales, out, part, m, n, k, x.stride(0), out.stride(0),
+            scales.shape[1])
+    grid = (grid_m, triton.cdiv(n, t.block_n), split)
+    if gemv:
+        _wo_gemv_kernel[grid](*args, GROUP=group_size, INT4=int4, HAS_BIAS=bias is not None, BLOCK_N=t.block_n,
+                              BLOCK_K=t.block_k, SPLIT_K=split, num_warps=t.warps, num_stages=t.stages)
+    else:
+        _wo_gemm_kernel[grid](*args, GROUP=group_size, INT4=int4, HAS_BIAS=bias is not None,
+                              PACKED=how == "dot", BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
+                              SPLIT_K=split, num_warps=t.warps, num_stages=t.stages)
     if split > 1:
         total = part.sum(0)
         if bias is not None:
