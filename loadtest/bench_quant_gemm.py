@@ -4,7 +4,7 @@ tensor-core tiles, dequantize then GEMM, and the per-weight reads of its first v
 bfloat16 `torch.mm` of the same shape.
 Prints microseconds and the weights' bytes per second (the int8/int4 codes plus their scales and
 mins, or the bfloat16 matrix), beside the device's copy bandwidth, for Llama-3-8B's matrices at
-decode and prefill row counts. `--sweep` also times other tile shapes for each method. The kernel's
+decode and prefill row counts, each timed inside a CUDA graph (`timed`). `--sweep` also times other tile shapes for each method. The kernel's
 own choice per row count (`quant_triton.method_for`) is what these rows decided.
 
     python -m loadtest.bench_quant_gemm                      # CUDA
@@ -44,23 +44,39 @@ SWEEP = {  # method: (block_m, block_n, block_k, warps, stages)
 }
 
 
-def timed(fn: Callable[[], None], dev: torch.device, reps: int) -> float:
-    """Median seconds of one call (CUDA: events around each call after a warm-up)."""
+def timed(fn: Callable[[], None], dev: torch.device, reps: int, per_graph: int = 10) -> float:
+    """Median seconds of one call. CUDA: `per_graph` calls captured in one CUDA graph and replayed, so
+    the time is the GPU's alone, as in the engine's decode graphs (timed eagerly, a Triton launch's
+    host time, tens of microseconds, exceeds many of these kernels)."""
     fn()
     sync(dev)
-    times = []
-    for _ in range(reps):
-        if dev.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
+    if dev.type != "cuda":
+        times = []
+        for _ in range(reps):
             t0 = time.perf_counter()
             fn()
             times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+    side = torch.cuda.Stream(dev)
+    side.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream(dev).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(per_graph):
+            fn()
+    graph.replay()
+    sync(dev)
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3 / per_graph)
+    del graph
     return statistics.median(times)
 
 

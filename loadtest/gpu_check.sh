@@ -37,8 +37,8 @@ step engine 150 $PY -m pytest -q -p no:cacheprovider --timeout 120 tests/test_cu
 step bench 130 $PY -m loadtest.bench_gpu
 step host 120 $PY -m loadtest.bench_host --device cuda --layouts colocated --rounds 2 --profile --json "$OUT/host.json"
 step quantk 60 $PY -m pytest -q -p no:cacheprovider --timeout 120 tests/test_triton_kernels.py -k "weight_only or expert"
-step quant 150 $PY -m loadtest.bench_quant_gemm --reps 10
+step quant 120 $PY -m loadtest.bench_quant_gemm --reps 10 --methods gemv,dot,dequant --rows 1,2,4,16,32,64,128,256,2048
 step int4 60 $PY -m loadtest.bench_gpu --preset llama3-8b --quantization int4 --batches 1,32
-step quantsweep 120 $PY -m loadtest.bench_quant_gemm --sweep --methods gemv,dot,dequant --rows 1,2,4,16,64,128 --shapes gate_up,down --reps 10
+step quantsweep 100 $PY -m loadtest.bench_quant_gemm --sweep --methods gemv,dot --rows 1,2,16,64 --shapes gate_up,down --reps 10
 step mla 90 $PY -m loadtest.bench_gpu --preset deepseek-v2-lite --quantization int4 --batches 1,32
 cat "$summary"
