@@ -207,8 +207,12 @@ class Tiles:
 
 METHODS = ("gemv", "dot", "dequant", "per_weight")
 # Rows up to which each row is its own program (`_wo_gemv_kernel`), and from which the weight is
-# dequantized once and multiplied by torch's GEMM; between them the tensor-core tile kernel.
-GEMV_MAX_ROWS = 2
+# dequantized once and multiplied by torch's GEMM; between them the tensor-core tile kernel. From
+# `python -m loadtest.bench_quant_gemm` on an H200 (Llama-3-8B matrices, each call inside a CUDA
+# graph; loadtest/results/gpu_h200/bench_quant_gemm.txt): gemv beats the tiles at one row only (int4
+# gate_up 72 vs 93 us) and loses from two; dequantize + GEMM ties the tiles at 64 rows and wins from
+# 128 (int4 gate_up 180 vs 252 us; 2,048 rows 772 vs 2,988).
+GEMV_MAX_ROWS = 1
 DEQUANT_MIN_ROWS = 128
 
 
@@ -229,7 +233,7 @@ def tiles_for(rows: int, method: str) -> Tiles:
         return Tiles(1, 64, 128, 4, 3)
     if method == "dequant":
         return Tiles(1, 64, 128, 4, 1)
-    return Tiles(16, 64, 256, 4, 4) if rows <= 16 else Tiles(64, 64, 128, 4, 3)
+    return Tiles(16, 128, 128, 8, 3) if rows <= 16 else Tiles(64, 64, 128, 4, 3)
 
 
 def wo_gemm(x: torch.Tensor, kind: str, q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
