@@ -104,7 +104,8 @@ class ControlPlane:
             "--insecure-port=0", f"--tls-cert-file={pki}/apiserver.crt", f"--tls-private-key-file={pki}/apiserver.key",
             f"--client-ca-file={pki}/ca.crt", f"--service-account-key-file={pki}/sa.pub",
             f"--service-account-signing-key-file={pki}/sa.key", "--service-account-issuer=https://kubernetes.default.svc",
-            "--service-cluster-ip-range=10.96.0.0/16", "--authorization-mode=Node,RBAC", "--allow-privileged=true"])
+            "--service-cluster-ip-range=10.96.0.0/16", "--authorization-mode=Node,RBAC", "--allow-privileged=true",
+            "--kubelet-preferred-address-types=InternalIP,Hostname"])
         self.kubeconfig.write_text(f"""apiVersion: v1
 kind: Config
 clusters:
