@@ -9,6 +9,7 @@ polled without busy-spinning a core (the sync and batch waits spin), which measu
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 import sys
@@ -56,6 +57,11 @@ class MooncakeTransport:
         try:
             from mooncake.engine import TransferEngine
         except ImportError as e:
+            if importlib.util.find_spec("mooncake") is not None:  # installed, but its engine cannot load
+                raise TransferSetupError(
+                    f"Mooncake is installed but its transfer engine cannot load: {e} (its shared libraries need "
+                    "Debian's libibverbs1, librdmacm1, libnuma1 and libcurl4)"
+                ) from e
             raise TransferSetupError(
                 "Mooncake is not installed: pip install mooncake-transfer-engine-non-cuda (CPU hosts, needs "
                 "Debian libibverbs1) or mooncake-transfer-engine (CUDA hosts)"

@@ -1,12 +1,21 @@
-"""`make test-k8s` (opt-in: SPLITFIRE_TEST_K8S=1): the chart against a real Kubernetes API server on this
-machine (helm/tools/kube_cluster.py: etcd, kube-apiserver, controller-manager and scheduler 1.20 built from
-Debian's source). What it proves: every object the chart renders is accepted by a real API server (RBAC,
-NetworkPolicy, PDBs, the planner's Role), the Deployments get ReplicaSets and Pods, the planner's service
-account can scale exactly the worker Deployments through the scale subresource and nothing else, and
-helm install / upgrade / rollback / uninstall work and leave nothing behind.
+"""`make test-k8s` (opt-in: SPLITFIRE_TEST_K8S=1): the chart on a real Kubernetes 1.20 on this machine
+(helm/tools/kube_cluster.py: etcd, kube-apiserver, controller-manager and scheduler built from Debian's
+source; helm/tools/kube_node.py: one node - kubelet, containerd with runc, kube-proxy, CNI bridge, cluster
+DNS). Two tests, printing each step:
 
-What it does not prove yet: pods running (no kubelet + containerd here yet: they stay Pending), probes,
-Services' traffic, `helm test`."""
+1. control plane only: every object the chart renders is accepted (RBAC, NetworkPolicy, the planner's
+   Role), the Deployments get Pods (Pending: no node yet), the planner's service account scales exactly
+   the worker Deployments through the scale subresource and nothing else, install / upgrade / rollback /
+   uninstall leave nothing behind;
+2. with the node: `make image`'s images loaded, the chart installed with SmolLM2 on a hostPath volume,
+   every pod Ready through the chart's own probes, a streamed chat (the official OpenAI client) through
+   the router's Service, `helm test`, `helm upgrade` to 2 decode pods and the router placing on both, a
+   decode pod killed and streams still served, `helm rollback`, `helm uninstall` leaving no object and no
+   container.
+
+Not proven here: GPUs (device plugin resources), RDMA, more than one node, NetworkPolicy enforcement (the
+bridge CNI does not enforce policies; the API server accepts them), Redis and the KV store pods (their
+values are off: Redis's image cannot be pulled here)."""
 
 from __future__ import annotations
 
@@ -84,6 +93,7 @@ def chart_for_1_20(tmp: Path) -> tuple[Path, list[str]]:
 
 
 def test_chart_installs_scales_upgrades_rolls_back_and_uninstalls(cluster, helm, tmp_path):
+    """(Runs before the node starts: its pods must stay Pending.)"""
     cp = cluster
     chart, values = chart_for_1_20(tmp_path)
     r = run(cp, helm, "install", REL, str(chart), "-n", NS, "--create-namespace", *values)
@@ -146,3 +156,171 @@ def test_chart_installs_scales_upgrades_rolls_back_and_uninstalls(cluster, helm,
     wait(lambda: not objects(cp, "all,configmaps,serviceaccounts,roles,rolebindings,networkpolicies"),
          what="nothing of the release left")
     print("helm uninstall: nothing left", flush=True)
+
+
+# -- with a node --------------------------------------------------------------------------------------
+
+VERSION = "0.1.0"
+IMAGES = (f"localhost/splitfire-worker:{VERSION}", f"localhost/splitfire-router:{VERSION}")
+
+
+@pytest.fixture(scope="module")
+def node(cluster, tmp_path_factory):
+    from kube_node import Node
+
+    missing = [i for i in IMAGES if subprocess.run(["podman", "image", "exists", i]).returncode != 0]
+    if missing:
+        pytest.fail(f"{', '.join(missing)} not built: run `make image` first")
+    t0 = time.monotonic()
+    with Node(cluster, tmp_path_factory.mktemp("node")) as n:
+        print(f"node Ready in {time.monotonic() - t0:.0f} s", flush=True)
+        for image in IMAGES:
+            took = n.load_image(image)
+            print(f"{image}: " + (f"imported in {took:.0f} s" if took else "already in containerd"), flush=True)
+        yield n
+
+
+def pods_ready(cp, component: str | None = None) -> list[dict]:
+    ready = []
+    for p in objects(cp, "pods"):
+        if component and p["metadata"]["labels"].get("app.kubernetes.io/component") != component:
+            continue
+        if p["metadata"].get("deletionTimestamp"):
+            continue
+        conds = {c["type"]: c["status"] for c in p["status"].get("conditions") or []}
+        if conds.get("Ready") == "True":
+            ready.append(p)
+    return ready
+
+
+def wait_ready(cp, node, want: dict[str, int], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if all(len(pods_ready(cp, c)) == n for c, n in want.items()) and \
+                all(not p["metadata"].get("deletionTimestamp") for p in objects(cp, "pods")):
+            return
+        time.sleep(1)
+    state = "\n".join(f"{p['metadata']['name']}: {p['status'].get('phase')} "
+                      f"{[c.get('state') for c in p['status'].get('containerStatuses') or []]}"
+                      for p in objects(cp, "pods"))
+    logs = "\n".join(cp.kubectl("logs", "-n", NS, p["metadata"]["name"], "--all-containers", "--tail=30",
+                                check=False).stdout for p in objects(cp, "pods"))
+    raise AssertionError(f"pods not Ready {want} after {timeout:.0f} s:\n{state}\n{logs}\n{node.logs(1500)}")
+
+
+def router_url(cp) -> str:
+    ip = cp.kubectl("get", "service", f"{FULL}-router", "-n", NS, "-o", "jsonpath={.spec.clusterIP}").stdout
+    port = cp.kubectl("get", "service", f"{FULL}-router", "-n", NS, "-o",
+                      "jsonpath={.spec.ports[0].port}").stdout
+    return f"http://{ip}:{port}"
+
+
+def stream_chat(url: str, content: str, max_tokens: int = 12) -> tuple[str, str]:
+    """(text, finish_reason) of one streamed chat through the official client."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=300)
+    text, finish = "", ""
+    for chunk in client.chat.completions.create(model=client.models.list().data[0].id, stream=True,
+                                                max_tokens=max_tokens, temperature=0,
+                                                messages=[{"role": "user", "content": content}]):
+        if chunk.choices:
+            text += chunk.choices[0].delta.content or ""
+            finish = chunk.choices[0].finish_reason or finish
+    return text, finish
+
+
+def decode_placements(url: str) -> dict[str, float]:
+    import urllib.request
+
+    body = urllib.request.urlopen(url + "/metrics", timeout=30).read().decode()
+    out: dict[str, float] = {}
+    for line in body.splitlines():
+        if line.startswith("splitfire_router_routing_decisions_total{") and 'role="decode"' in line:
+            endpoint = line.split('endpoint="', 1)[1].split('"', 1)[0]
+            out[endpoint] = out.get(endpoint, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def test_chart_serves_on_a_real_node(cluster, node, helm, tmp_path, smollm2_dir):
+    import concurrent.futures
+    import shutil
+
+    cp = cluster
+    chart, values = chart_for_1_20(tmp_path)
+    # The model volume as a node would hold it (pre-staged hostPath), owned by the images' user, which
+    # writes its weight cache there.
+    vol = tmp_path / "model-volume"
+    shutil.copytree(smollm2_dir, vol / "models" / smollm2_dir.name)
+    subprocess.run(["chown", "-R", "1000:1000", str(vol)], check=True)
+    vol.chmod(0o755)
+    for parent in list(vol.parents)[:3]:
+        parent.chmod(parent.stat().st_mode | 0o005)
+    # The images `make image` built, the model on the node, Redis and the KV store off (Redis's image
+    # cannot be pulled here), requests small enough for two decode pods on two cores.
+    node_values = tmp_path / "node-values.yaml"
+    node_values.write_text(json.dumps({
+        "image": {"worker": "localhost/splitfire-worker", "router": "localhost/splitfire-router",
+                  "pullPolicy": "Never"},
+        "model": {"source": "hostPath", "hostPath": {"path": str(vol)}, "name": smollm2_dir.name,
+                  "servedName": "smol"},
+        "redis": {"enabled": False}, "kvStore": {"enabled": False}, "planner": {"enabled": False},
+        "workers": {"kvCacheGB": 0.25},
+        "prefill": {"resources": {"requests": {"cpu": "100m"}}},
+        "decode": {"resources": {"requests": {"cpu": "100m"}}},
+        "router": {"resources": {"requests": {"cpu": "50m"}}}}))
+    values += ["-f", str(node_values)]
+    t0 = time.monotonic()
+    r = run(cp, helm, "install", REL, str(chart), "-n", NS, "--create-namespace", *values)
+    assert r.returncode == 0, r.stderr
+    wait_ready(cp, node, {"router": 1, "prefill": 1, "decode": 1}, 600)
+    print(f"helm install: router, prefill, decode Ready (chart probes) in {time.monotonic() - t0:.0f} s", flush=True)
+
+    url = router_url(cp)
+    text, finish = stream_chat(url, "Say hello.")
+    assert text and finish in ("stop", "length"), (text, finish)
+    print(f"streamed chat through the router Service {url}: {text!r} ({finish})", flush=True)
+
+    r = run(cp, helm, "test", REL, "-n", NS, "--logs", "--timeout", "5m")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert '"completion_tokens"' in r.stdout, r.stdout
+    print("helm test: passed", flush=True)
+
+    r = run(cp, helm, "upgrade", REL, str(chart), "-n", NS, *values, "--set", "decode.replicas=2")
+    assert r.returncode == 0, r.stderr
+    wait_ready(cp, node, {"router": 1, "prefill": 1, "decode": 2}, 600)
+    decode_ips = {p["status"]["podIP"] for p in pods_ready(cp, "decode")}
+    before = decode_placements(url)
+    deadline = time.monotonic() + 120  # the router rediscovers the headless Service's addresses
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        while time.monotonic() < deadline:
+            list(pool.map(lambda i: stream_chat(url, f"Count to {i}.", 4), range(8)))
+            after = decode_placements(url)
+            used = {e.split(":")[0] for e, n in after.items() if n > before.get(e, 0)}
+            if decode_ips <= used:
+                break
+    assert decode_ips <= used, (decode_ips, after)
+    print(f"helm upgrade: 2 decode pods Ready; the router placed streams on both ({sorted(used)})", flush=True)
+
+    victim = pods_ready(cp, "decode")[0]["metadata"]["name"]
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        cp.kubectl("delete", "pod", victim, "-n", NS, "--grace-period=0", "--force", check=False)
+        results = list(pool.map(lambda i: stream_chat(url, f"Name a color, {i}.", 4), range(8)))
+    assert all(t and f for t, f in results), results
+    wait_ready(cp, node, {"router": 1, "prefill": 1, "decode": 2}, 600)
+    print(f"killed decode pod {victim}: 8 streams after it served, Deployment replaced it", flush=True)
+
+    r = run(cp, helm, "rollback", REL, "1", "-n", NS)
+    assert r.returncode == 0, r.stderr
+    wait_ready(cp, node, {"router": 1, "prefill": 1, "decode": 1}, 300)
+    text, finish = stream_chat(url, "Say hello.")
+    assert text and finish, (text, finish)
+    print("helm rollback: 1 decode pod, still serving", flush=True)
+
+    r = run(cp, helm, "uninstall", REL, "-n", NS)
+    assert r.returncode == 0, r.stderr
+    wait(lambda: not objects(cp, "all,configmaps,serviceaccounts,roles,rolebindings,networkpolicies"), 180,
+         what="nothing of the release left")
+    wait(lambda: not [c for c in node.ctr("containers", "ls", "-q").stdout.decode().split()], 120,
+         what="no container left on the node")
+    print("helm uninstall: no object, no container left", flush=True)

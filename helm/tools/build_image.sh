@@ -12,7 +12,10 @@ cd "$(dirname "$0")/../.."
 PY=${PY:-.venv/bin/python}
 VERSION=$($PY -c "import tomllib; print(tomllib.load(open('pyproject.toml', 'rb'))['project']['version'])")
 CACHE=${SPLITFIRE_IMAGE_CACHE:-$HOME/.cache/splitfire/image}
-BASE=localhost/splitfire-base:bookworm
+# The base's Debian packages; the tag follows the list, so changing it rebuilds the base. libcurl4:
+# Mooncake's engine.so links it (found by `make test-k8s`: decode pods could not load the engine).
+BASE_PACKAGES=python3,python3-venv,libibverbs1,ibverbs-providers,librdmacm1,libnuma1,libgomp1,libcurl4,ca-certificates
+BASE=localhost/splitfire-base:bookworm-$(printf '%s' "$BASE_PACKAGES" | sha1sum | cut -c1-8)
 # runc here: the defaults must be explicit, at most this shell's hard limits (nproc also at most 32768:
 # runc could not set more on this host).
 NPROC=$(( $(ulimit -Hu) < 32768 ? $(ulimit -Hu) : 32768 ))
@@ -40,7 +43,7 @@ if podman image exists "$BASE"; then
 else
   t0=$SECONDS
   mmdebstrap --variant=minbase --quiet \
-    --include=python3,python3-venv,libibverbs1,ibverbs-providers,librdmacm1,libnuma1,libgomp1,ca-certificates \
+    --include="$BASE_PACKAGES" \
     --customize-hook='rm -rf "$1"/var/lib/apt/lists/* "$1"/var/cache/apt/*.bin' \
     bookworm "$CACHE/rootfs.tar"
   podman import --change 'CMD ["/bin/bash"]' "$CACHE/rootfs.tar" "$BASE" >/dev/null
@@ -62,6 +65,7 @@ for target in worker router; do
   step "localhost/splitfire-$target:$VERSION"
   t0=$SECONDS
   podman build -q "${ULIMITS[@]}" --network none -f helm/docker/Containerfile.cpu --target "$target" \
+    --build-arg "BASE=$BASE" \
     -t "localhost/splitfire-$target:$VERSION" "$ctx" >/dev/null
   echo "built in $((SECONDS - t0)) s, $(podman image inspect --format '{{.Size}}' "localhost/splitfire-$target:$VERSION" \
     | awk '{printf "%.0f MB", $1 / 1e6}')"

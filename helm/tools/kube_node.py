@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -56,6 +57,26 @@ def ensure_packages() -> None:
         subprocess.run(["apt-get", "update", "-qq"], check=True, capture_output=True)
         subprocess.run(["apt-get", "install", "-y", "-qq", *missing], check=True, capture_output=True,
                        env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"})
+
+
+def remove_iptables_rules() -> None:
+    """What the kubelet, kube-proxy and the CNI bridge (for pods whose teardown never ran) leave in
+    iptables: rules in the built-in chains that jump to a KUBE-* or CNI-* chain or carry this network's
+    name, then those chains. (This machine runs no other Kubernetes.)"""
+    for table in ("filter", "nat", "mangle"):
+        rules = subprocess.run(["iptables", "-t", table, "-S"], capture_output=True, text=True).stdout.splitlines()
+        chains = [r.split()[1] for r in rules if r.startswith("-N ") and r.split()[1].startswith(("KUBE-", "CNI-"))]
+        for r in rules:
+            parts = r.split()
+            if parts[0] != "-A":
+                continue
+            builtin = parts[1] in ("INPUT", "OUTPUT", "FORWARD", "PREROUTING", "POSTROUTING")
+            if builtin and ("splitfire-test" in r or any(c in parts for c in chains)):
+                subprocess.run(["iptables", "-t", table, "-D", *shlex.split(r)[1:]], capture_output=True)
+        for c in chains:
+            subprocess.run(["iptables", "-t", table, "-F", c], capture_output=True)
+        for c in chains:
+            subprocess.run(["iptables", "-t", table, "-X", c], capture_output=True)
 
 
 class Node:
@@ -95,7 +116,9 @@ class Node:
         self.dir.mkdir(parents=True, exist_ok=True)
         for key, value in (("net/ipv4/ip_forward", "1"), ("net/bridge/bridge-nf-call-iptables", "1")):
             Path("/proc/sys", key).write_text(value)
+        remove_iptables_rules()  # a crashed earlier run's
         self._start_containerd()
+        self._remove_all_containers()  # ... and its containers (the store outlives runs)
         self._ensure_pause_image()
         self._start_network()
         self._start_dns()
@@ -109,6 +132,8 @@ class Node:
         if self._dns_thread is not None:
             self._dns_thread.join(5)
         kubelet = [p for n, p in self.procs if n == "kubelet"]
+        if any(p.poll() is None for p in kubelet):
+            self._delete_pods_through_kubelet()
         for p in kubelet:
             if p.poll() is None:
                 p.terminate()
@@ -128,16 +153,24 @@ class Node:
         bin_dir = self.cp.bin
         if bin_dir is not None and (bin_dir / "kube-proxy").exists():
             subprocess.run([str(bin_dir / "kube-proxy"), "--cleanup"], capture_output=True)
+        remove_iptables_rules()
         subprocess.run(["ip", "link", "del", BRIDGE], capture_output=True)
-        for rule in (["-t", "nat", "-D", "POSTROUTING", "-s", f"{SUBNET}.0/24", "!", "-d", f"{SUBNET}.0/24", "-j",
-                      "MASQUERADE"],):
-            while subprocess.run(["iptables", *rule], capture_output=True).returncode == 0:
-                pass
         # Anything still mounted under the state directories (a container's rootfs, a sandbox's shm).
         mounts = [line.split()[1] for line in Path("/proc/mounts").read_text().splitlines()
                   if line.split()[1].startswith((str(self.dir), str(self.cache)))]
         for m in sorted(mounts, key=len, reverse=True):
             subprocess.run(["umount", "-l", m], capture_output=True)
+
+    def _delete_pods_through_kubelet(self, timeout: float = 60) -> None:
+        """Every pod deleted and its sandbox torn down by the kubelet (network included), so nothing is
+        left for the forced removal below."""
+        self.cp.kubectl("delete", "pods", "--all", "--all-namespaces", "--grace-period=0", "--force", "--wait=false",
+                        check=False)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not self.ctr("tasks", "ls", "-q", check=False).stdout.decode().split():
+                return
+            time.sleep(0.5)
 
     # -- containerd ------------------------------------------------------------------------------
 
