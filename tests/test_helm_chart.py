@@ -91,6 +91,22 @@ def test_cpu_values_request_no_gpus(helm):
                 assert "nvidia.com/gpu" not in c["resources"].get("limits", {})
 
 
+def test_helm_test_pod_needs_no_image_beyond_the_release(helm, tmp_path):
+    """`helm test` runs on the router image unless `tests.image` names another (an air-gapped cluster
+    has only the release's images: the curl image it used could not be pulled on the test node)."""
+    def test_pod(*extra: str) -> dict:
+        out = render(helm, ROOT / "helm/ci/cpu-tiny-values.yaml", *extra)
+        assert out.returncode == 0, out.stderr
+        return next(d for d in yaml.safe_load_all(out.stdout) if d and d["kind"] == "Pod")
+
+    pod = test_pod("--set", "image.router=localhost/splitfire-router,image.tag=9.9")
+    c = pod["spec"]["containers"][0]
+    assert c["image"] == "localhost/splitfire-router:9.9"
+    assert c["command"] == ["python3", "-c"]
+    compile(c["args"][0], "test-chat", "exec")  # the check is valid Python
+    assert test_pod("--set", "tests.image=python:3.12-slim")["spec"]["containers"][0]["image"] == "python:3.12-slim"
+
+
 @pytest.mark.parametrize("values", INVALID, ids=[v.stem for v in INVALID])
 def test_invalid_values_fail_at_template_time(helm, values):
     out = render(helm, values)

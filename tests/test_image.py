@@ -1,6 +1,7 @@
 """The CPU images `make image` builds, run under podman: the worker image brings up `splitfire up
 --colocated` (router, worker) on SmolLM2 from the mounted model cache and answers a streamed chat through
-the official client; the router image starts and reports its version; both run as a non-root user.
+the official client; it loads Mooncake's transfer engine and has mooncake_master; the router image
+starts and reports its version; both run as a non-root user.
 Opt-in (`make test-image`): it needs podman and the built images."""
 
 from __future__ import annotations
@@ -38,6 +39,18 @@ def test_images_run_as_a_non_root_user():
         out = podman("run", "--rm", *ULIMITS, "--entrypoint", "id", image, "-u").stdout.strip()
         assert out == "1000", (image, out)
         assert "splitfire" in podman("run", "--rm", *ULIMITS, image, "--help").stdout
+
+
+def test_the_worker_image_loads_the_mooncake_transfer_engine_and_master():
+    """Disaggregated workers need Mooncake's engine (engine.so links libcurl, which the base once lacked:
+    the decode pods crashed on a real node) and the KV store pod runs mooncake_master."""
+    image = f"localhost/splitfire-worker:{VERSION}"
+    out = podman("run", "--rm", *ULIMITS, "--entrypoint", "python", image, "-c",
+                 "from mooncake.engine import TransferEngine; from mooncake.store import MooncakeDistributedStore; "
+                 "print('ok')", check=False)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+    out = podman("run", "--rm", *ULIMITS, "--entrypoint", "sh", image, "-c", "command -v mooncake_master", check=False)
+    assert out.returncode == 0, out.stdout + out.stderr
 
 
 def test_the_worker_image_serves_a_streamed_chat(smollm2_dir, tmp_path):

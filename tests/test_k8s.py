@@ -196,6 +196,12 @@ def pods_ready(cp, component: str | None = None) -> list[dict]:
 def wait_ready(cp, node, want: dict[str, int], timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
+        crashed = [(p["metadata"]["name"], c["name"]) for p in objects(cp, "pods")
+                   for c in p["status"].get("containerStatuses") or [] if c.get("restartCount", 0) >= 2]
+        if crashed:
+            pod, container = crashed[0]
+            log = cp.kubectl("logs", "-n", NS, pod, "-c", container, "--previous", "--tail=40", check=False).stdout
+            raise AssertionError(f"{pod}/{container} keeps restarting; its last run:\n{log}")
         if all(len(pods_ready(cp, c)) == n for c, n in want.items()) and \
                 all(not p["metadata"].get("deletionTimestamp") for p in objects(cp, "pods")):
             return
