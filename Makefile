@@ -67,8 +67,9 @@ constraints: setup
 image: setup
 	PY=$(PY) bash helm/tools/build_image.sh
 
-# Opt-in: the chart against a real Kubernetes API server on this machine (etcd + kube-apiserver,
-# controller-manager, scheduler 1.20 built once from Debian's source into ~/.cache/splitfire/k8s). Not part of `make test`.
+# Opt-in: the chart on a real Kubernetes 1.20 on this machine (etcd + kube-apiserver, controller-manager,
+# scheduler; one node: kubelet, containerd, kube-proxy, CNI bridge, dnsmasq DNS), built once from Debian's
+# source into ~/.cache/splitfire/k8s; pods run `make image`'s images. Not part of `make test`.
 test-k8s: setup
 	SPLITFIRE_TEST_K8S=1 $(PY) -m pytest -q -s tests/test_k8s.py $(PYTEST_ARGS)
 

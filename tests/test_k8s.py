@@ -287,10 +287,10 @@ def test_chart_serves_on_a_real_node(cluster, node, helm, tmp_path, smollm2_dir)
     assert text and finish in ("stop", "length"), (text, finish)
     print(f"streamed chat through the router Service {url}: {text!r} ({finish})", flush=True)
 
-    r = run(cp, helm, "test", REL, "-n", NS, "--logs", "--timeout", "5m")
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert '"completion_tokens"' in r.stdout, r.stdout
-    print("helm test: passed", flush=True)
+    # (No --logs: the chart deletes a test pod that succeeded, so a cluster keeps no leftovers.)
+    r = run(cp, helm, "test", REL, "-n", NS, "--timeout", "5m")
+    assert r.returncode == 0 and "Phase:          Succeeded" in r.stdout, r.stdout + r.stderr
+    print("helm test: the chart's test pod (one chat completion through the Service) Succeeded", flush=True)
 
     r = run(cp, helm, "upgrade", REL, str(chart), "-n", NS, *values, "--set", "decode.replicas=2")
     assert r.returncode == 0, r.stderr
