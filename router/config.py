@@ -27,6 +27,7 @@ class RouterConfig:
     openai_upstream_api_key: str = ""  # sent as a Bearer token to every OpenAI-compatible upstream
     discover_dns: list[str] = field(default_factory=list)  # role=host:port (a headless Service)
     redis_url: str = ""  # affinity pins + worker self-registration; "" = in-process state
+    redis_wait_s: float = 60.0  # at start, how long to retry an unreachable Redis before exiting
     policy: str = "token"
     affinity_ttl_s: float = 1800.0
     affinity_overload_factor: float = 2.0  # break a pin when its endpoint carries this many times the mean load ...
@@ -78,6 +79,8 @@ class RouterConfig:
         self.extra_model_specs()
         if self.extra_models and self.model is None:
             raise ValueError("--extra-model needs --model (the first model) as well")
+        if self.redis_wait_s < 0:
+            raise ValueError(f"--redis-wait must be >= 0 seconds, got {self.redis_wait_s}")
         if self.policy not in POLICIES:
             raise ValueError(f"--policy must be one of {POLICIES}, got {self.policy!r}")
         if not 0 < self.port < 65536:
@@ -142,6 +145,9 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--discover-dns", nargs="*", action="extend", default=_list_env("discover_dns"), metavar="ROLE=HOST:PORT",
                    help="resolve a headless Service's A records for workers of a role")
     p.add_argument("--redis-url", default=os.environ.get("REDIS_URL", ""), help="affinity pins and worker registry (env REDIS_URL)")
+    p.add_argument("--redis-wait", type=float, default=float(_env("redis_wait", "60")),
+                   help="seconds to keep retrying an unreachable Redis at start before exiting (a Redis pod "
+                   "starting beside the router); 0 = fail at once")
     p.add_argument("--policy", default=_env("policy", "token"), choices=POLICIES)
     p.add_argument("--no-prefix-aware", action="store_true", help="ignore prefix-cache locality when placing")
     p.add_argument("--reuse-port", action="store_true",
@@ -186,7 +192,7 @@ def router_config_from(args: argparse.Namespace) -> RouterConfig:
         extra_models=list(args.extra_model),
         prefill=list(args.prefill), decode=list(args.decode), colocated=list(args.colocated),
         openai_upstream=list(args.openai_upstream), openai_upstream_api_key=args.openai_upstream_api_key,
-        discover_dns=list(args.discover_dns), redis_url=args.redis_url,
+        discover_dns=list(args.discover_dns), redis_url=args.redis_url, redis_wait_s=args.redis_wait,
         policy=args.policy, prefix_aware=not args.no_prefix_aware, prefix_index_blocks=args.prefix_index_blocks,
         shared_kv_store=args.shared_kv_store, kv_events=not args.no_kv_events, reuse_port=args.reuse_port, affinity_ttl_s=args.affinity_ttl,
         max_concurrency=args.max_concurrency, max_queue=args.max_queue, max_retries=args.max_retries,

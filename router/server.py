@@ -162,10 +162,7 @@ class Router:
 
     async def _start(self, app: web.Application) -> None:
         if self.redis is not None:
-            try:
-                await self.redis.ping()
-            except Exception as e:
-                raise OSError(f"cannot reach Redis at {self.cfg.redis_url}: {e}") from e
+            await self._wait_for_redis()
         await self.health.check_all()
         self._tasks.append(asyncio.create_task(self.health.run()))
         if self.redis is not None:
@@ -176,6 +173,25 @@ class Router:
             self._tasks.append(asyncio.create_task(self.tenants.watch()))
         if self.kv_index is not None:
             self._tasks.append(asyncio.create_task(self.kv_index.run()))
+
+    async def _wait_for_redis(self) -> None:
+        """Redis answering, retried with backoff for `redis_wait_s` (in a cluster it may start after the
+        router); then the start fails naming it."""
+        deadline = time.monotonic() + self.cfg.redis_wait_s
+        delay = 0.25
+        while True:
+            try:
+                await self.redis.ping()  # type: ignore[union-attr]
+                return
+            except Exception as e:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise OSError(f"cannot reach Redis at {self.cfg.redis_url} (waited {self.cfg.redis_wait_s:.0f} s, "
+                                  f"--redis-wait): {e}") from e
+                log.info("event=redis_unreachable url=%s retry_in_s=%.2f error=%s", self.cfg.redis_url,
+                         min(delay, left), e)
+                await asyncio.sleep(min(delay, left))
+                delay = min(delay * 2, 5.0)
 
     async def _stop(self, app: web.Application) -> None:
         for t in self._tasks:

@@ -9,13 +9,14 @@ DNS). Two tests, printing each step:
    uninstall leave nothing behind;
 2. with the node: `make image`'s images loaded, the chart installed with SmolLM2 on a hostPath volume,
    every pod Ready through the chart's own probes, a streamed chat (the official OpenAI client) through
-   the router's Service, `helm test`, `helm upgrade` to 2 decode pods and the router placing on both, a
+   the router's Service, the prefill pod publishing to the KV store pod, Redis holding keys, `helm
+   test`, `helm upgrade` to 2 decode pods and the router placing on both, a
    decode pod killed and streams still served, `helm rollback`, `helm uninstall` leaving no object and no
    container.
 
 Not proven here: GPUs (device plugin resources), RDMA, more than one node, NetworkPolicy enforcement (the
-bridge CNI does not enforce policies; the API server accepts them), Redis and the KV store pods (their
-values are off: Redis's image cannot be pulled here)."""
+bridge CNI does not enforce policies; the API server accepts them), Redis's own image (Debian's
+redis-server on `make image`'s base stands in: no registry here), the planner pod."""
 
 from __future__ import annotations
 
@@ -162,6 +163,29 @@ def test_chart_installs_scales_upgrades_rolls_back_and_uninstalls(cluster, helm,
 
 VERSION = "0.1.0"
 IMAGES = (f"localhost/splitfire-worker:{VERSION}", f"localhost/splitfire-router:{VERSION}")
+REDIS_IMAGE = "localhost/splitfire-test-redis:bookworm"
+
+
+def build_redis_image() -> None:
+    """The chart's Redis from Debian's redis-server on `make image`'s base (no registry here to pull
+    redis:7.4-alpine from; the chart's args and probes are the official image's: redis-server
+    arguments, redis-cli)."""
+    if subprocess.run(["podman", "image", "exists", REDIS_IMAGE]).returncode == 0:
+        return
+    bases = subprocess.run(["podman", "images", "--format", "{{.Repository}}:{{.Tag}}", "--filter",
+                            "reference=localhost/splitfire-base"], capture_output=True, text=True).stdout.split()
+    if not bases:
+        pytest.fail("no localhost/splitfire-base image: run `make image` first")
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as ctx:
+        Path(ctx, "Containerfile").write_text(
+            f"FROM {sorted(bases)[-1]}\n"
+            "RUN apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "
+            "redis-server && rm -rf /var/lib/apt/lists/* && mkdir -p /data\n"
+            "WORKDIR /data\nENTRYPOINT [\"redis-server\"]\n")
+        r = subprocess.run(["podman", "build", "-q", "-t", REDIS_IMAGE, ctx], capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr[-3000:]
 
 
 @pytest.fixture(scope="module")
@@ -171,10 +195,11 @@ def node(cluster, tmp_path_factory):
     missing = [i for i in IMAGES if subprocess.run(["podman", "image", "exists", i]).returncode != 0]
     if missing:
         pytest.fail(f"{', '.join(missing)} not built: run `make image` first")
+    build_redis_image()
     t0 = time.monotonic()
     with Node(cluster, tmp_path_factory.mktemp("node")) as n:
         print(f"node Ready in {time.monotonic() - t0:.0f} s", flush=True)
-        for image in IMAGES:
+        for image in (*IMAGES, REDIS_IMAGE):
             took = n.load_image(image)
             print(f"{image}: " + (f"imported in {took:.0f} s" if took else "already in containerd"), flush=True)
         yield n
@@ -262,15 +287,15 @@ def test_chart_serves_on_a_real_node(cluster, node, helm, tmp_path, smollm2_dir)
     vol.chmod(0o755)
     for parent in list(vol.parents)[:3]:
         parent.chmod(parent.stat().st_mode | 0o005)
-    # The images `make image` built, the model on the node, Redis and the KV store off (Redis's image
-    # cannot be pulled here), requests small enough for two decode pods on two cores.
+    # The images `make image` built (Redis: Debian's, built above), the model on the node, the KV store
+    # lending a little memory, requests small enough for two decode pods on two cores.
     node_values = tmp_path / "node-values.yaml"
     node_values.write_text(json.dumps({
         "image": {"worker": "localhost/splitfire-worker", "router": "localhost/splitfire-router",
                   "pullPolicy": "Never"},
         "model": {"source": "hostPath", "hostPath": {"path": str(vol)}, "name": smollm2_dir.name,
                   "servedName": "smol"},
-        "redis": {"enabled": False}, "kvStore": {"enabled": False}, "planner": {"enabled": False},
+        "redis": {"image": REDIS_IMAGE}, "kvStore": {"lendGB": 0.25}, "planner": {"enabled": False},
         "workers": {"kvCacheGB": 0.25},
         "prefill": {"resources": {"requests": {"cpu": "100m"}}},
         "decode": {"resources": {"requests": {"cpu": "100m"}}},
@@ -279,13 +304,29 @@ def test_chart_serves_on_a_real_node(cluster, node, helm, tmp_path, smollm2_dir)
     t0 = time.monotonic()
     r = run(cp, helm, "install", REL, str(chart), "-n", NS, "--create-namespace", *values)
     assert r.returncode == 0, r.stderr
-    wait_ready(cp, node, {"router": 1, "prefill": 1, "decode": 1}, 600)
-    print(f"helm install: router, prefill, decode Ready (chart probes) in {time.monotonic() - t0:.0f} s", flush=True)
+    wait_ready(cp, node, {"router": 1, "prefill": 1, "decode": 1, "redis": 1, "kv-store": 1}, 600)
+    print(f"helm install: router, prefill, decode, redis, kv-store Ready (chart probes) in {time.monotonic() - t0:.0f} s",
+          flush=True)
 
     url = router_url(cp)
     text, finish = stream_chat(url, "Say hello.")
     assert text and finish in ("stop", "length"), (text, finish)
     print(f"streamed chat through the router Service {url}: {text!r} ({finish})", flush=True)
+    # The prefill pod published the prompt's KV blocks to the cluster store (the kv-store pod's master),
+    # and Redis holds what the workers and the router keep there.
+    prefill = pods_ready(cp, "prefill")[0]
+    port = next(p["containerPort"] for c in prefill["spec"]["containers"] for p in c.get("ports", [])
+                if p["name"] == "metrics")
+    import urllib.request
+
+    metrics = urllib.request.urlopen(f"http://{prefill['status']['podIP']}:{port}/metrics", timeout=30).read().decode()
+    published = sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+                    if line.startswith("splitfire_worker_kv_store_blocks_total{") and 'op="published"' in line)
+    assert published > 0, cp.kubectl("logs", "-n", NS, prefill["metadata"]["name"], "--tail=60").stdout
+    redis_pod = pods_ready(cp, "redis")[0]["metadata"]["name"]
+    keys = int(cp.kubectl("exec", "-n", NS, redis_pod, "--", "redis-cli", "dbsize").stdout.strip())
+    assert keys > 0
+    print(f"KV store: the prefill pod published {published:.0f} blocks; Redis holds {keys} keys", flush=True)
 
     # (No --logs: the chart deletes a test pod that succeeded, so a cluster keeps no leftovers.)
     r = run(cp, helm, "test", REL, "-n", NS, "--timeout", "5m")

@@ -219,3 +219,30 @@ async def test_early_headers_answer_before_a_long_prefill(tiny_model_dir, tmp_pa
     finally:
         for p in (router, dead, w):
             p.stop()
+
+
+def test_router_waits_for_a_redis_that_starts_after_it(tiny_model_dir, tmp_path):
+    """In a cluster the Redis pod may come up after the router: the router retries for --redis-wait
+    seconds (logging each miss) instead of exiting; with no Redis at all it exits naming it."""
+    from procs import free_port, spawn
+
+    redis_port = free_port()
+    url = f"redis://127.0.0.1:{redis_port}/0"
+    router = spawn("router-redis-wait", ["router", "--model", str(tiny_model_dir), "--host", "127.0.0.1", "--port",
+                                         str(free_port()), "--redis-url", url, "--redis-wait", "60"], tmp_path)
+    try:
+        deadline = time.monotonic() + 30
+        while "event=redis_unreachable" not in router.log():
+            assert router.popen.poll() is None and time.monotonic() < deadline, router.log()[-2000:]
+            time.sleep(0.2)
+        redis = start_redis(tmp_path, redis_port)
+        router.wait_for("router ready")
+        redis.stop()
+    finally:
+        router.stop()
+
+    gone = spawn("router-no-redis", ["router", "--model", str(tiny_model_dir), "--host", "127.0.0.1", "--port",
+                                     str(free_port()), "--redis-url", f"redis://127.0.0.1:{free_port()}/0",
+                                     "--redis-wait", "0.5"], tmp_path)
+    assert gone.popen.wait(60) != 0
+    assert "cannot reach Redis" in gone.log() and "--redis-wait" in gone.log(), gone.log()[-2000:]
