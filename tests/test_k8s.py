@@ -319,14 +319,21 @@ def test_chart_serves_on_a_real_node(cluster, node, helm, tmp_path, smollm2_dir)
                 if p["name"] == "metrics")
     import urllib.request
 
-    metrics = urllib.request.urlopen(f"http://{prefill['status']['podIP']}:{port}/metrics", timeout=30).read().decode()
-    published = sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
-                    if line.startswith("splitfire_worker_kv_store_blocks_total{") and 'op="published"' in line)
-    assert published > 0, cp.kubectl("logs", "-n", NS, prefill["metadata"]["name"], "--tail=60").stdout
+    def published() -> float:
+        metrics = urllib.request.urlopen(f"http://{prefill['status']['podIP']}:{port}/metrics", timeout=30).read()
+        return sum(float(line.rsplit(" ", 1)[1]) for line in metrics.decode().splitlines()
+                   if line.startswith("splitfire_worker_kv_store_blocks_total{") and 'op="published"' in line)
+
+    # (A worker that found the master not yet answering re-probes it after its breaker's pause.)
+    deadline = time.monotonic() + 90
+    while not published() and time.monotonic() < deadline:
+        stream_chat(url, f"Tell me about the number {int(time.monotonic())}.", 2)
+        time.sleep(2)
+    assert published() > 0, cp.kubectl("logs", "-n", NS, prefill["metadata"]["name"], "--tail=60").stdout
     redis_pod = pods_ready(cp, "redis")[0]["metadata"]["name"]
     keys = int(cp.kubectl("exec", "-n", NS, redis_pod, "--", "redis-cli", "dbsize").stdout.strip())
     assert keys > 0
-    print(f"KV store: the prefill pod published {published:.0f} blocks; Redis holds {keys} keys", flush=True)
+    print(f"KV store: the prefill pod published {published():.0f} blocks; Redis holds {keys} keys", flush=True)
 
     # (No --logs: the chart deletes a test pod that succeeded, so a cluster keeps no leftovers.)
     r = run(cp, helm, "test", REL, "-n", NS, "--timeout", "5m")

@@ -61,11 +61,12 @@ $PY -m pip wheel -q --wheel-dir "$ctx/wheelhouse" -c constraints.txt "torch==$(s
 [ -n "$(ls "$ctx"/wheelhouse/splitfire-*.whl 2>/dev/null)" ] || { echo "no splitfire wheel was built" >&2; exit 1; }
 echo "$(ls "$ctx/wheelhouse" | wc -l) wheels, $(du -sh "$ctx/wheelhouse" | cut -f1), $((SECONDS - t0)) s"
 
+wheels=$(cd "$ctx/wheelhouse" && sha256sum ./* | sha256sum | cut -c1-16)
 for target in worker router; do
   step "localhost/splitfire-$target:$VERSION"
   t0=$SECONDS
   podman build -q "${ULIMITS[@]}" --network none -f helm/docker/Containerfile.cpu --target "$target" \
-    --build-arg "BASE=$BASE" \
+    --build-arg "BASE=$BASE" --build-arg "WHEELS=$wheels" \
     -t "localhost/splitfire-$target:$VERSION" "$ctx" >/dev/null
   echo "built in $((SECONDS - t0)) s, $(podman image inspect --format '{{.Size}}' "localhost/splitfire-$target:$VERSION" \
     | awk '{printf "%.0f MB", $1 / 1e6}')"
