@@ -61,11 +61,52 @@ def make_pki(d: Path) -> None:
     _openssl("rsa", "-in", "sa.key", "-pubout", "-out", "sa.pub", cwd=d)
 
 
+class Processes:
+    """Named child processes, each writing DIR/NAME.log: started, checked for early exits (failing with
+    every log's tail), and stopped newest first. Shared by the control plane and the node."""
+
+    def __init__(self, log_dir: Path):
+        self.dir = log_dir
+        self.procs: list[tuple[str, subprocess.Popen]] = []
+
+    def spawn(self, name: str, argv: list[str]) -> subprocess.Popen:
+        log = open(self.dir / f"{name}.log", "w")
+        p = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.procs.append((name, p))
+        return p
+
+    def running(self, name: str) -> bool:
+        return any(n == name and p.poll() is None for n, p in self.procs)
+
+    def stop(self, timeout: float, name: str | None = None) -> None:
+        """Every process (or only those called `name`): SIGTERM, then SIGKILL after `timeout` seconds."""
+        chosen = [(n, p) for n, p in reversed(self.procs) if name is None or n == name]
+        for _, p in chosen:
+            if p.poll() is None:
+                p.terminate()
+        for _, p in chosen:
+            try:
+                p.wait(timeout)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        self.procs = [(n, p) for n, p in self.procs if (n, p) not in chosen]
+
+    def check_alive(self) -> None:
+        dead = [n for n, p in self.procs if p.poll() is not None]
+        if dead:
+            raise RuntimeError(f"{', '.join(dead)} exited:\n" + self.logs())
+
+    def logs(self, tail: int = 2000) -> str:
+        return "\n".join(f"--- {n}\n{(self.dir / f'{n}.log').read_text(errors='replace')[-tail:]}"
+                         for n, _ in self.procs if (self.dir / f"{n}.log").is_file())
+
+
 class ControlPlane:
     def __init__(self, workdir: Path, bin_dir: Path | None = None):
         self.dir = Path(workdir)
         self.bin = bin_dir
-        self.procs: list[tuple[str, subprocess.Popen]] = []
+        self.procs = Processes(self.dir)
         self.api_port = free_port()
         self.kubeconfig = self.dir / "admin.kubeconfig"
 
@@ -82,23 +123,18 @@ class ControlPlane:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-    def _spawn(self, name: str, argv: list[str]) -> None:
-        log = open(self.dir / f"{name}.log", "w")
-        self.procs.append((name, subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
-                                                  start_new_session=True)))
-
     def start(self) -> None:
         self.bin = self.bin or kube_bin()
         pki = self.dir / "pki"
         make_pki(pki)
         etcd_port, peer = free_port(), free_port()
-        self._spawn("etcd", [shutil.which("etcd") or "etcd", "--data-dir", str(self.dir / "etcd"),
+        self.procs.spawn("etcd", [shutil.which("etcd") or "etcd", "--data-dir", str(self.dir / "etcd"),
                              "--listen-client-urls", f"http://127.0.0.1:{etcd_port}",
                              "--advertise-client-urls", f"http://127.0.0.1:{etcd_port}",
                              "--listen-peer-urls", f"http://127.0.0.1:{peer}",
                              "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
                              "--initial-cluster", f"default=http://127.0.0.1:{peer}"])
-        self._spawn("kube-apiserver", [
+        self.procs.spawn("kube-apiserver", [
             str(self.bin / "kube-apiserver"), f"--etcd-servers=http://127.0.0.1:{etcd_port}",
             "--bind-address=127.0.0.1", "--advertise-address=127.0.0.1", f"--secure-port={self.api_port}",
             "--insecure-port=0", f"--tls-cert-file={pki}/apiserver.crt", f"--tls-private-key-file={pki}/apiserver.key",
@@ -120,12 +156,12 @@ contexts:
 current-context: local
 """)
         self.wait_ready("/readyz", 90)
-        self._spawn("kube-controller-manager", [
+        self.procs.spawn("kube-controller-manager", [
             str(self.bin / "kube-controller-manager"), f"--kubeconfig={self.kubeconfig}", "--leader-elect=false",
             "--port=0", f"--secure-port={free_port()}", f"--service-account-private-key-file={pki}/sa.key",
             f"--root-ca-file={pki}/ca.crt", f"--cluster-signing-cert-file={pki}/ca.crt",
             f"--cluster-signing-key-file={pki}/ca.key", "--use-service-account-credentials=true"])
-        self._spawn("kube-scheduler", [
+        self.procs.spawn("kube-scheduler", [
             str(self.bin / "kube-scheduler"), f"--kubeconfig={self.kubeconfig}", "--leader-elect=false", "--port=0",
             f"--secure-port={free_port()}"])
         # The default namespace's service account appears once the controller-manager runs.
@@ -133,21 +169,12 @@ current-context: local
         while time.monotonic() < deadline:
             if self.kubectl("get", "serviceaccount", "default", "-o", "name", check=False).returncode == 0:
                 return
-            self._check_alive()
+            self.procs.check_alive()
             time.sleep(0.5)
         raise RuntimeError("the controller-manager did not create the default service account:\n" + self.logs())
 
     def stop(self) -> None:
-        for _, p in reversed(self.procs):
-            if p.poll() is None:
-                p.terminate()
-        for _, p in reversed(self.procs):
-            try:
-                p.wait(15)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-        self.procs.clear()
+        self.procs.stop(15)
 
     # -- use ---------------------------------------------------------------------------------------
 
@@ -165,15 +192,9 @@ current-context: local
                 r = self.kubectl("get", "--raw", path, check=False)
                 if r.returncode == 0 and r.stdout.strip() == "ok":
                     return
-            self._check_alive()
+            self.procs.check_alive()
             time.sleep(0.5)
         raise RuntimeError(f"the API server was not ready ({path}) after {timeout:.0f} s:\n" + self.logs())
 
-    def _check_alive(self) -> None:
-        dead = [n for n, p in self.procs if p.poll() is not None]
-        if dead:
-            raise RuntimeError(f"{', '.join(dead)} exited:\n" + self.logs())
-
     def logs(self, tail: int = 2000) -> str:
-        return "\n".join(f"--- {n}\n{(self.dir / f'{n}.log').read_text(errors='replace')[-tail:]}"
-                         for n, _ in self.procs if (self.dir / f"{n}.log").is_file())
+        return self.procs.logs(tail)

@@ -30,7 +30,7 @@ import threading
 import time
 from pathlib import Path
 
-from kube_cluster import ControlPlane, free_port
+from kube_cluster import ControlPlane, Processes, free_port
 
 NODE = "sfnode"
 BRIDGE = "sfbr0"
@@ -86,7 +86,7 @@ class Node:
         home = Path(os.environ.get("SPLITFIRE_HOME", Path.home() / ".cache" / "splitfire"))
         self.cache = cache or home / "k8s-node"
         self.sock = self.dir / "containerd" / "containerd.sock"
-        self.procs: list[tuple[str, subprocess.Popen]] = []
+        self.procs = Processes(self.dir)
         self.dns_hosts = self.dir / "dns" / "hosts"
         self._dns_stop = threading.Event()
         self._dns_thread: threading.Thread | None = None
@@ -104,12 +104,6 @@ class Node:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-
-    def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen:
-        log = open(self.dir / f"{name}.log", "w")
-        p = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        self.procs.append((name, p))
-        return p
 
     def start(self) -> None:
         ensure_packages()
@@ -131,25 +125,12 @@ class Node:
         self._dns_stop.set()
         if self._dns_thread is not None:
             self._dns_thread.join(5)
-        kubelet = [p for n, p in self.procs if n == "kubelet"]
-        if any(p.poll() is None for p in kubelet):
+        if self.procs.running("kubelet"):
             self._delete_pods_through_kubelet()
-        for p in kubelet:
-            if p.poll() is None:
-                p.terminate()
-                p.wait(20)
+        self.procs.stop(20, "kubelet")
         if self.sock.exists():
             self._remove_all_containers()
-        for _, p in reversed(self.procs):
-            if p.poll() is None:
-                p.terminate()
-        for _, p in reversed(self.procs):
-            try:
-                p.wait(20)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-        self.procs.clear()
+        self.procs.stop(20)
         bin_dir = self.cp.bin
         if bin_dir is not None and (bin_dir / "kube-proxy").exists():
             subprocess.run([str(bin_dir / "kube-proxy"), "--cleanup"], capture_output=True)
@@ -206,12 +187,12 @@ state = "{state / 'state'}"
     bin_dir = "{CNI_BIN}"
     conf_dir = "{self.dir / 'cni' / 'net.d'}"
 """)
-        self._spawn("containerd", ["containerd", "--config", str(config)])
+        self.procs.spawn("containerd", ["containerd", "--config", str(config)])
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             if self.sock.exists() and self.ctr("version", check=False).returncode == 0:
                 return
-            self._check_alive()
+            self.procs.check_alive()
             time.sleep(0.2)
         raise RuntimeError("containerd did not answer on its socket:\n" + self.logs())
 
@@ -280,7 +261,7 @@ state = "{state / 'state'}"
     def _start_dns(self) -> None:
         self.dns_hosts.parent.mkdir(parents=True, exist_ok=True)
         self.dns_hosts.write_text("")
-        self._dnsmasq = self._spawn("dnsmasq", [
+        self._dnsmasq = self.procs.spawn("dnsmasq", [
             "dnsmasq", "--keep-in-foreground", "--no-resolv", "--no-hosts", "--bind-interfaces",
             f"--listen-address={self.gateway}", "--port=53", "--local=/cluster.local/", "--domain-needed",
             f"--addn-hosts={self.dns_hosts}", "--log-facility=-", "--user=root", "--pid-file="])
@@ -324,7 +305,7 @@ state = "{state / 'state'}"
         resolv = self.dir / "resolv.conf"
         resolv.write_text("")  # pods resolve through the cluster DNS only
         self.kubelet_port = free_port()
-        self._spawn("kubelet", [
+        self.procs.spawn("kubelet", [
             str(self.cp.bin / "kubelet"), f"--kubeconfig={self.cp.kubeconfig}", "--container-runtime=remote",
             f"--container-runtime-endpoint=unix://{self.sock}", "--runtime-request-timeout=15m",
             f"--root-dir={kdir}", f"--cert-dir={kdir / 'pki'}", f"--hostname-override={NODE}", f"--node-ip={self.gateway}",
@@ -338,7 +319,7 @@ state = "{state / 'state'}"
 
     def _start_kube_proxy(self) -> None:
         assert self.cp.bin is not None
-        self._spawn("kube-proxy", [
+        self.procs.spawn("kube-proxy", [
             str(self.cp.bin / "kube-proxy"), f"--kubeconfig={self.cp.kubeconfig}", f"--hostname-override={NODE}",
             "--proxy-mode=iptables", f"--cluster-cidr={SUBNET}.0/24", "--conntrack-max-per-core=0",
             "--conntrack-tcp-timeout-established=0", "--conntrack-tcp-timeout-close-wait=0",
@@ -351,15 +332,9 @@ state = "{state / 'state'}"
                                 "jsonpath={.status.conditions[?(@.type=='Ready')].status}", check=False)
             if r.returncode == 0 and r.stdout.strip() == "True":
                 return
-            self._check_alive()
+            self.procs.check_alive()
             time.sleep(0.5)
         raise RuntimeError(f"node {NODE} not Ready after {timeout:.0f} s:\n" + self.logs())
 
-    def _check_alive(self) -> None:
-        dead = [n for n, p in self.procs if p.poll() is not None]
-        if dead:
-            raise RuntimeError(f"{', '.join(dead)} exited:\n" + self.logs())
-
     def logs(self, tail: int = 3000) -> str:
-        return "\n".join(f"--- {n}\n{(self.dir / f'{n}.log').read_text(errors='replace')[-tail:]}"
-                         for n, _ in self.procs if (self.dir / f"{n}.log").is_file())
+        return self.procs.logs(tail)
