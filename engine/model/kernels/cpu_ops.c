@@ -12,6 +12,13 @@
  *   int8: q int8 [N, K], w[n,k] = q[n,k] * s[n, k/gs]                     (gs % 8 == 0)
  *   int4: q uint8 [N, K/2]; each run of 16 bytes holds 32 weights, byte j = w[j] | w[j+16] << 4
  *         (GGUF Q4_0/Q4_1 order), w[n,k] = q[n,k] * s[n, k/gs] + m[n, k/gs] (gs % 32 == 0)
+ *
+ * Threads take a matmul's row tiles `schedule(guided, 1)`, not in two fixed halves: a served worker
+ * shares its cores with its own event loop, the router and the clients, and whichever thread loses
+ * its core for a moment would otherwise hold the whole call up (with static halves one stream through
+ * `splitfire up` ran 12.9-14.9 ms a token against 7.8 ms for the same step in process; guided: 9.7-9.8,
+ * the in-process step unchanged). Each tile is computed the same way whichever thread takes it, so
+ * results do not depend on the schedule.
  */
 #include <math.h>
 #include <stdint.h>
@@ -321,7 +328,7 @@ static int gemm_panels(const float *x, int ldx, int M, int K, const void *q, con
         if (!failed)
             for (int mc = 0; mc < M; mc += MC) {
                 int m1 = M - mc < MC ? M : mc + MC;
-#pragma omp for schedule(static)
+#pragma omp for schedule(guided, 1)
                 for (int p = 0; p < panels; p++) {
                     int n0 = p * PANEL, np = N - n0 < PANEL ? N - n0 : PANEL;
                     for (int i = 0; i < np; i++) {
@@ -356,7 +363,7 @@ void sf_gemm_i8(const float *x, int ldx, int M, int K, const int8_t *q, const fl
     if (M >= panel_min_rows && gemm_panels(x, ldx, M, K, q, s, NULL, N, gs, 0, bias, y, ldy, threads) == 0) return;
 #endif
     int tiles = (N + NR - 1) / NR;
-#pragma omp parallel for num_threads(threads) schedule(static)
+#pragma omp parallel for num_threads(threads) schedule(guided, 1)
     for (int t = 0; t < tiles; t++) {
         int n0 = t * NR, nr = N - n0 < NR ? N - n0 : NR;
         rows_i8(x, ldx, M, K, q, s, gs, n0, nr, y, ldy);
@@ -381,7 +388,7 @@ void sf_gemm_i4(const float *x, int ldx, int M, int K, const uint8_t *q, const f
             xs[g] = t;
         }
     }
-#pragma omp parallel for num_threads(threads) schedule(static)
+#pragma omp parallel for num_threads(threads) schedule(guided, 1)
     for (int t = 0; t < tiles; t++) {
         int n0 = t * NR, nr = N - n0 < NR ? N - n0 : NR;
         rows_i4(x, xs, ldx, M, K, q, s, mn, gs, n0, nr, y, ldy);
@@ -397,7 +404,7 @@ void sf_dequant_i8(const int8_t *q, const float *s, int N, int K, int gs, const 
                    float *out, int threads) {
     int groups = K / gs;
     (void)N;
-#pragma omp parallel for num_threads(threads) schedule(static)
+#pragma omp parallel for num_threads(threads) schedule(guided, 1)
     for (int i = 0; i < nrows; i++) {
         int64_t n = rows ? rows[i] : i;
         const int8_t *qr = q + (size_t)n * K;
@@ -416,7 +423,7 @@ void sf_dequant_i4(const uint8_t *q, const float *s, const float *mn, int N, int
                    int nrows, float *out, int threads) {
     int groups = K / gs;
     (void)N;
-#pragma omp parallel for num_threads(threads) schedule(static)
+#pragma omp parallel for num_threads(threads) schedule(guided, 1)
     for (int i = 0; i < nrows; i++) {
         int64_t n = rows ? rows[i] : i;
         const uint8_t *qr = q + (size_t)n * K / 2;
@@ -911,7 +918,7 @@ int sf_gemm_q8x(const float *x, int ldx, int M, int K, const void *q, const floa
         return -1;
     }
     int tiles = (N + NR - 1) / NR;
-#pragma omp parallel for num_threads(threads) schedule(static)
+#pragma omp parallel for num_threads(threads) schedule(guided, 1)
     for (int t = 0; t < tiles; t++) {
         int n0 = t * NR, nr = N - n0 < NR ? N - n0 : NR;
         if (nr == NR) {
