@@ -4,6 +4,10 @@ A KV region is the engine's one registered buffer, addressed page by page (a pag
 one block's K and V in one layer; see `engine/model/kv_cache.py`). Pairs of (source block,
 destination block) that are consecutive on *both* sides merge into one run, and each
 run is one write entry per layer.
+
+Workers split over different numbers of tensor-parallel ranks hold different KV heads per page: a
+`HeadSlice` moves some heads of every row of a page (a page is rows of heads: `[k|v, slot]` rows of
+`heads x head_dim` values), one entry per row, since a head subset of a page is strided.
 """
 
 from __future__ import annotations
@@ -37,6 +41,39 @@ class KVRegion:
 
 
 @dataclass(frozen=True)
+class HeadSlice:
+    """`count` heads of every row of a page: from head `src_first` of source rows holding `src_heads`
+    heads into head `dst_first` of destination rows holding `dst_heads`; `rows` rows per page (planes x
+    block size) of `head_bytes` per head."""
+
+    rows: int
+    head_bytes: int
+    src_heads: int
+    dst_heads: int
+    src_first: int
+    dst_first: int
+    count: int
+
+    @property
+    def whole(self) -> bool:
+        """Every head of both pages: whole pages move (and consecutive pages coalesce)."""
+        return self.count == self.src_heads == self.dst_heads
+
+    def check(self, src: KVRegion, dst: KVRegion) -> str | None:
+        """Why this slice does not fit the two regions' pages, or None."""
+        if src.num_layers != dst.num_layers:
+            return f"layer count differs ({src.num_layers} vs {dst.num_layers})"
+        for name, region, heads, first in (("source", src, self.src_heads, self.src_first),
+                                           ("destination", dst, self.dst_heads, self.dst_first)):
+            if region.page_bytes != self.rows * heads * self.head_bytes:
+                return (f"{name} page size differs ({region.page_bytes} bytes, expected {self.rows} rows of "
+                        f"{heads} heads x {self.head_bytes} bytes: model, dtype or block size)")
+            if not (0 <= first and first + self.count <= heads):
+                return f"{name} heads {first}..{first + self.count - 1} outside the page's {heads}"
+        return None
+
+
+@dataclass(frozen=True)
 class Run:
     src_block: int
     dst_block: int
@@ -63,8 +100,21 @@ def coalesce(src_blocks: list[int], dst_blocks: list[int]) -> list[Run]:
     return runs
 
 
-def layer_entries(src: KVRegion, dst: KVRegion, layer: int, runs: list[Run]) -> list[WriteEntry]:
-    return [
-        WriteEntry(src.page_address(layer, r.src_block), dst.page_address(layer, r.dst_block), r.count * src.page_bytes)
-        for r in runs
-    ]
+def layer_entries(src: KVRegion, dst: KVRegion, layer: int, runs: list[Run],
+                  part: HeadSlice | None = None) -> list[WriteEntry]:
+    """One layer's writes of `runs`: one entry per run of whole pages, or (a head slice) one per row."""
+    if part is None or part.whole:
+        return [
+            WriteEntry(src.page_address(layer, r.src_block), dst.page_address(layer, r.dst_block),
+                       r.count * src.page_bytes)
+            for r in runs
+        ]
+    hb, n = part.head_bytes, part.count * part.head_bytes
+    src_row, dst_row = part.src_heads * hb, part.dst_heads * hb
+    out: list[WriteEntry] = []
+    for r in runs:
+        for i in range(r.count):
+            s0 = src.page_address(layer, r.src_block + i) + part.src_first * hb
+            d0 = dst.page_address(layer, r.dst_block + i) + part.dst_first * hb
+            out.extend(WriteEntry(s0 + row * src_row, d0 + row * dst_row, n) for row in range(part.rows))
+    return out

@@ -12,7 +12,7 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from kvtransfer.descriptors import KVRegion, Run, coalesce, layer_entries
+from kvtransfer.descriptors import HeadSlice, KVRegion, Run, coalesce, layer_entries
 from kvtransfer.errors import TransferError
 from kvtransfer.transport import DONE, FAILED, PENDING, MooncakeTransport
 
@@ -25,6 +25,7 @@ class TransferJob:
     target: str  # the destination's Mooncake segment
     dst: KVRegion
     runs: list[Run]
+    part: HeadSlice | None = None  # some heads of each page (workers split differently), else whole pages
     pending: list[int] = field(default_factory=list)  # submitted batch ids not yet complete
     bytes: int = 0
     entries: int = 0
@@ -37,8 +38,9 @@ class TransferJob:
         return max(self.finished - self.started, 0.0)
 
 
-def make_job(request_id: str, target: str, dst: KVRegion, src_blocks: list[int], dst_blocks: list[int]) -> TransferJob:
-    return TransferJob(request_id, target, dst, coalesce(src_blocks, dst_blocks))
+def make_job(request_id: str, target: str, dst: KVRegion, src_blocks: list[int], dst_blocks: list[int],
+             part: HeadSlice | None = None) -> TransferJob:
+    return TransferJob(request_id, target, dst, coalesce(src_blocks, dst_blocks), part)
 
 
 class KVWriter:
@@ -54,7 +56,7 @@ class KVWriter:
         if not job.started:
             job.started = time.perf_counter()
         try:
-            for e in layer_entries(self.src, job.dst, layer, job.runs):
+            for e in layer_entries(self.src, job.dst, layer, job.runs, job.part):
                 while self._inflight[job.target] >= self.max_inflight:
                     self._poll_once([job])
                 job.pending.append(self.engine.submit_write(job.target, e.src, e.dst, e.length))

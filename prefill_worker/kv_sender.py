@@ -5,35 +5,38 @@ the blocks to send are those from the first block the decode worker lacks (or th
 first not yet sent) up to the last block the chunk completes; the prompt's final,
 partly filled block goes with the last chunk. Every block is sent exactly once.
 
-Tensor parallel: every rank holds its own heads of each page; rank r writes its pages into rank r of
-the decode worker (the same layout split the same way). Rank 0 plans the step's jobs and sends them
-to the other ranks with the step's inputs (`RankGroup.attach`); each runs them on its own pages
-(`worker/kv_rank.py`) and answers with what it wrote once its writes are done.
+Tensor parallel: every rank holds its own heads of each page and writes them where the plan's routes
+say (`worker/kv_routes.py`): rank r into rank r of a decode worker split the same way (whole pages),
+or head slices into the decode ranks that hold those heads when the two are split differently. Rank 0
+plans the step's blocks and sends them to the other ranks with the step's inputs (`RankGroup.attach`);
+each runs its own routes on its own pages (`worker/kv_rank.py`) and answers with what it wrote once
+its writes are done.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from engine.batch.scheduler import ScheduledSeq
 from engine.ranks import RankGroup
-from kvtransfer.descriptors import KVRegion
-from kvtransfer.writer import KVWriter, TransferJob, make_job
-from worker.kv_rank import JobSpec
+from kvtransfer.descriptors import KVRegion, coalesce
+from kvtransfer.writer import KVWriter, TransferJob
+from worker.kv_rank import JobSpec, rank_jobs
+from worker.kv_routes import KVSplit, Route
 from worker.layer_writes import LayerWrites
 
 
 @dataclass
 class TransferPlan:
     request_id: str
-    target: str  # decode worker's Mooncake segment
-    dst: KVRegion
+    dests: list[tuple[str, int]]  # the decode worker's ranks: Mooncake segment, KV base address
+    dims: tuple[int, int, int]  # their KV regions' layers, blocks, page bytes (every rank's alike)
     first_block: int  # prompt block index of dst_blocks[0]
     dst_blocks: list[int]
-    peers: list[tuple[str, int]] = field(default_factory=list)  # the decode worker's other TP ranks: segment, base
+    routes: list[Route]  # which of this worker's ranks writes which heads into which decode rank
     next_block: int = 0  # first prompt block not yet completely sent
     bytes: int = 0
     entries: int = 0
@@ -45,26 +48,27 @@ class TransferPlan:
         self.next_block = self.first_block
 
     @property
+    def dst(self) -> KVRegion:
+        """The decode worker's rank-0 region."""
+        return KVRegion(self.dests[0][1], *self.dims)
+
+    @property
     def transfer_s(self) -> float:
         return max(self.finished - self.started, 0.0)
 
 
 class LayerwiseKVSender:
-    def __init__(self, writer: KVWriter, block_size: int, device: torch.device, ranks: RankGroup | None = None):
+    def __init__(self, writer: KVWriter, split: KVSplit, device: torch.device, ranks: RankGroup | None = None):
         self.writes = LayerWrites(writer, device)
-        self.block_size = block_size
+        self.split = split  # how this worker's pages are split over its ranks
+        self.block_size = split.block_size
         self.ranks = ranks  # the other tensor-parallel ranks, which send their own heads
         self.plans: dict[str, TransferPlan] = {}  # engine thread only
         # Requests with a write that failed or timed out: Mooncake may still complete it later, so
         # their destination blocks are never declared settled (the decode side quarantines them).
         self.unsettled: dict[str, float] = {}
-        self._jobs: list[tuple[TransferPlan, TransferJob, int]] = []
+        self._jobs: list[tuple[TransferPlan, list[TransferJob], int]] = []
         self._t0 = 0.0
-
-    @property
-    def peer_ranks(self) -> int:
-        """The other ranks a decode worker must offer, one for each of this worker's."""
-        return self.ranks.size - 1 if self.ranks is not None else 0
 
     def add_plan(self, plan: TransferPlan) -> None:
         self.plans[plan.request_id] = plan
@@ -82,6 +86,7 @@ class LayerwiseKVSender:
 
     def before_forward(self, batch: list[ScheduledSeq]) -> None:
         self._jobs = []
+        specs: list[JobSpec] = []
         self._t0 = time.perf_counter()
         bs = self.block_size
         for s in batch:
@@ -93,15 +98,14 @@ class LayerwiseKVSender:
             lo, hi = plan.next_block, (-(-end // bs) if last_chunk else end // bs)
             if hi <= lo:
                 continue
-            src = s.seq.block_table[lo:hi]
-            dst = plan.dst_blocks[lo - plan.first_block : hi - plan.first_block]
-            job = make_job(plan.request_id, plan.target, plan.dst, src, dst)
-            self._jobs.append((plan, job, hi))
-        self.writes.start([job for _, job, _ in self._jobs])
-        if self.ranks is not None and self._jobs:
-            self.ranks.attach([JobSpec(job.request_id, [(r.src_block, r.dst_block, r.count) for r in job.runs],
-                                       plan.peers, (plan.dst.num_layers, plan.dst.num_blocks, plan.dst.page_bytes))
-                               for plan, job, _ in self._jobs])
+            spec = JobSpec(plan.request_id, coalesce(s.seq.block_table[lo:hi],
+                                                     plan.dst_blocks[lo - plan.first_block : hi - plan.first_block]),
+                           plan.dests, plan.dims, plan.routes)
+            self._jobs.append((plan, rank_jobs(spec, 0), hi))
+            specs.append(spec)
+        self.writes.start([job for _, jobs, _ in self._jobs for job in jobs])
+        if self.ranks is not None and specs:
+            self.ranks.attach(specs)
 
     def after_layer(self, layer: int) -> None:
         self.writes.after_layer(layer)
@@ -112,15 +116,17 @@ class LayerwiseKVSender:
         # The other ranks' writes of the same jobs: (bytes, entries, error) per request each.
         answers: list[dict[str, tuple[int, int, str | None]]] = self.ranks.collect() if self.ranks is not None else []
         errors: dict[str, str] = {}
-        for plan, job, full_blocks in self._jobs:
+        for plan, jobs, full_blocks in self._jobs:
             plan.compute_s += compute_s
-            plan.bytes += job.bytes
-            plan.entries += job.entries
-            if not plan.started:
-                plan.started = job.started
-            plan.finished = job.finished
+            error = None
+            for job in jobs:
+                plan.bytes += job.bytes
+                plan.entries += job.entries
+                if job.started and (not plan.started or job.started < plan.started):
+                    plan.started = job.started
+                plan.finished = max(plan.finished, job.finished)
+                error = error or job.error
             plan.next_block = max(plan.next_block, full_blocks)
-            error = job.error
             for rank, answer in enumerate(answers, start=1):
                 nbytes, entries, rank_error = answer.get(plan.request_id, (0, 0, None))
                 plan.bytes += nbytes

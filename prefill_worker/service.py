@@ -11,34 +11,38 @@ import uuid
 import grpc
 
 from common.block_hash import cache_scope
-from common.errors import RequestError
+from common.errors import ModelLoadError, RequestError
 from engine.batch.sequence import Mode
 from kvtransfer.descriptors import KVRegion
 from prefill_worker.kv_sender import LayerwiseKVSender, TransferPlan
 from protos import splitfire_pb2 as pb
 from protos import splitfire_pb2_grpc as pb_grpc
 from worker.convert import logprob_to_proto, sampling_from_proto, token_ids_from_proto
+from worker.kv_routes import KVSplit
 from worker.worker_service import WorkerContext
 
 log = logging.getLogger("splitfire.prefill")
 
 
-def plan_from_request(request: pb.PrefillRequest, rid: str, own: KVRegion, block_size: int, n: int,
-                      peer_ranks: int = 0) -> TransferPlan:
-    """`peer_ranks`: this worker's tensor-parallel ranks beyond the first (the destination must have
-    as many: rank r writes into rank r)."""
+def plan_from_request(request: pb.PrefillRequest, rid: str, own: KVRegion, split: KVSplit, n: int) -> TransferPlan:
+    """`split`: how this worker's pages are split over its ranks; the decode worker may be split over
+    another number of ranks (its rank 0 plus `destination.ranks`): each head goes where it is held."""
     d = request.destination
     if not d.segment:
         raise RequestError("destination.segment is empty")
-    if len(d.ranks) != peer_ranks:
-        raise RequestError(f"decode worker's KV is split over {len(d.ranks) + 1} tensor-parallel rank(s), this "
-                           f"prefill worker's over {peer_ranks + 1}: pair workers of the same "
-                           "--tensor-parallel-size")
+    dst_size = len(d.ranks) + 1
+    try:
+        routes = split.routes_to(dst_size)
+    except ModelLoadError as e:
+        raise RequestError(f"decode worker's KV is split over {dst_size} tensor-parallel rank(s), this prefill "
+                           f"worker's over {split.size}, and the model cannot be: {e}") from e
     dst = KVRegion(d.base_address, d.num_layers, d.num_blocks, d.page_bytes)
-    why = own.compatible_with(dst)
-    if why is not None:
-        raise RequestError(f"decode worker's KV layout is incompatible: {why}")
-    n_blocks = -(-n // block_size)
+    for route in routes:
+        why = route.part.check(own, dst)
+        if why is not None:
+            raise RequestError(f"decode worker's KV layout is incompatible: {why} (decode worker split over "
+                               f"{dst_size} tensor-parallel rank(s), this prefill worker over {split.size})")
+    n_blocks = -(-n // split.block_size)
     if not 0 <= d.first_block < n_blocks:
         raise RequestError(f"destination.first_block {d.first_block} outside the prompt's {n_blocks} blocks")
     if len(d.block_ids) != n_blocks - d.first_block:
@@ -46,8 +50,9 @@ def plan_from_request(request: pb.PrefillRequest, rid: str, own: KVRegion, block
     bad = [b for b in d.block_ids if b >= d.num_blocks]
     if bad:
         raise RequestError(f"destination block ids {bad[:5]} outside the decode worker's {d.num_blocks} blocks")
-    return TransferPlan(rid, d.segment, dst, d.first_block, list(d.block_ids),
-                        [(r.segment, r.base_address) for r in d.ranks])
+    dests = [(d.segment, d.base_address)] + [(r.segment, r.base_address) for r in d.ranks]
+    return TransferPlan(rid, dests, (d.num_layers, d.num_blocks, d.page_bytes), d.first_block, list(d.block_ids),
+                        routes)
 
 
 class PrefillService(pb_grpc.PrefillServicer):
@@ -64,7 +69,7 @@ class PrefillService(pb_grpc.PrefillServicer):
         try:
             ids = token_ids_from_proto(request.token_ids)
             sampling = sampling_from_proto(request.sampling)
-            plan = plan_from_request(request, rid, self.region, aeng.block_size, len(ids), self.sender.peer_ranks)
+            plan = plan_from_request(request, rid, self.region, self.sender.split, len(ids))
         except RequestError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         stream = aeng.open_stream(rid)
@@ -105,6 +110,7 @@ class PrefillService(pb_grpc.PrefillServicer):
             m = ctx.metrics
             m.requests.labels(role="prefill", outcome="ok").inc()
             m.transfer_bytes.labels(**m.labels).inc(plan.bytes)
+            m.transfer_entries.labels(**m.labels).inc(plan.entries)
             m.transfer_seconds.labels(**m.labels).observe(plan.transfer_s)
             resp = pb.PrefillResponse(
                 first_token=out.token_ids[0], cached_tokens=out.num_cached_tokens,

@@ -89,17 +89,21 @@ def gpu_count(device: str, dev: Path = Path("/dev")) -> int:
     return torch.cuda.device_count()
 
 
-def plan_gpus(spec: str, n_workers: int, device_count: int, per_worker: int = 1) -> list[str]:
-    """CUDA_VISIBLE_DEVICES per worker, in start order: 'auto' gives each worker its own `per_worker`
-    GPUs (its tensor-parallel ranks) when there are enough (else all share what there is), 'none'
-    leaves it unset, or 'LIST;LIST;...' (e.g. '0,1;2,3')."""
+def plan_gpus(spec: str, n_workers: int, device_count: int, per_worker: int | list[int] = 1) -> list[str]:
+    """CUDA_VISIBLE_DEVICES per worker, in start order: 'auto' gives each worker its own GPUs, as many as
+    its ranks (`per_worker`: one count for all, or one per worker), when there are enough (else all share
+    what there is), 'none' leaves it unset, or 'LIST;LIST;...' (e.g. '0,1;2,3')."""
     if spec == "none" or device_count == 0:
         return [""] * n_workers
     if spec != "auto":
         return _explicit(spec, n_workers, "--gpus", "device")
-    if device_count >= n_workers * per_worker:
-        return [",".join(str(w * per_worker + r) for r in range(per_worker)) for w in range(n_workers)]
-    return [""] * n_workers
+    sizes = per_worker if isinstance(per_worker, list) else [per_worker] * n_workers
+    if len(sizes) != n_workers:
+        raise ValueError(f"{len(sizes)} rank counts for {n_workers} workers")
+    if device_count < sum(sizes):
+        return [""] * n_workers
+    starts = [sum(sizes[:w]) for w in range(n_workers)]
+    return [",".join(str(start + r) for r in range(n)) for start, n in zip(starts, sizes, strict=True)]
 
 
 async def _pump(child: Child) -> None:
@@ -185,12 +189,19 @@ async def up(args: argparse.Namespace) -> int:
         print("splitfire up: --max-loras / --max-lora-rank need --lora-modules or --lora-root", flush=True)
         return 2
     tp, pp = args.tensor_parallel_size, args.pipeline_parallel_size
+    role_tp = {"prefill": args.prefill_tensor_parallel_size or tp, "decode": args.decode_tensor_parallel_size or tp,
+               "both": tp}
+    if args.colocated and (args.prefill_tensor_parallel_size or args.decode_tensor_parallel_size):
+        print("splitfire up: --prefill/--decode-tensor-parallel-size size disaggregated workers; with --colocated "
+              "use --tensor-parallel-size", flush=True)
+        return 2
     if pp > 1 and not args.colocated:
         print("splitfire up: --pipeline-parallel-size above 1 is served colocated for now (add --colocated)",
               flush=True)
         return 2
     kv_stores: list[list[str]] = [[] for _ in model_dirs]  # one store per model: blocks of two models never mix
-    if tp * pp > 1 and not args.no_kv_store:
+    split = max(role_tp.values()) * pp > 1
+    if split and not args.no_kv_store:
         print("splitfire up: no cluster KV store with model-parallel workers (it does not yet address KV split "
               "across ranks); each worker keeps its own prefix cache", flush=True)
     elif not args.no_kv_store:
@@ -206,7 +217,7 @@ async def up(args: argparse.Namespace) -> int:
     roles = per_model * len(model_dirs)
     which = [m for m in range(len(model_dirs)) for _ in per_model]  # each worker's model
     cpus = plan_cpus(args.cpus, len(roles))  # (a worker's ranks share its cores: engine/ranks.threads_per_rank)
-    gpus = plan_gpus(args.gpus, len(roles), gpu_count(args.device), tp * pp)
+    gpus = plan_gpus(args.gpus, len(roles), gpu_count(args.device), [role_tp[r] * pp for r in roles])
     if args.lora_modules or args.lora_root:
         for flag, value in (("--max-loras", args.max_loras), ("--max-lora-rank", args.max_lora_rank)):
             if value is not None:
@@ -214,8 +225,6 @@ async def up(args: argparse.Namespace) -> int:
         common += ["--lora-modules", *args.lora_modules] if args.lora_modules else ["--enable-lora"]
         for root in args.lora_root:
             common += ["--lora-root", root]
-    if tp > 1:
-        common += ["--tensor-parallel-size", str(tp)]
     if pp > 1:
         common += ["--pipeline-parallel-size", str(pp)]
     router_args = ["--served-model-name", args.served_model_name] if args.served_model_name else []
@@ -231,6 +240,8 @@ async def up(args: argparse.Namespace) -> int:
                 "--grpc-port", str(port)]
         if redis_url:  # KV events for the routers' exact prefix index (and self-registration, same address)
             argv += ["--redis-url", redis_url, "--advertise", f"127.0.0.1:{port}"]
+        if role_tp[role] > 1:
+            argv += ["--tensor-parallel-size", str(role_tp[role])]
         if cores:
             argv += ["--cpus", cores]
         argv += args.worker_arg + (args.prefill_arg if role == "prefill" else args.decode_arg)
@@ -445,7 +456,11 @@ def add_subcommand(sub) -> None:
     p.add_argument("--colocated", action="store_true", help="one colocated worker instead of prefill + decode")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="each worker splits the model across this many ranks (GPUs, or CPU processes sharing "
-                        "its cores); prefill rank r writes into decode rank r")
+                        "its cores); each prefill rank writes its KV heads into the decode ranks holding them")
+    p.add_argument("--prefill-tensor-parallel-size", "-ptp", type=int, default=0, metavar="N",
+                   help="prefill workers' ranks, when not --tensor-parallel-size's (e.g. -ptp 1 -dtp 2)")
+    p.add_argument("--decode-tensor-parallel-size", "-dtp", type=int, default=0, metavar="N",
+                   help="decode workers' ranks, when not --tensor-parallel-size's")
     p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
                    help="each worker splits the layers into this many stages, one process each (CPU hosts; "
                         "colocated only for now)")

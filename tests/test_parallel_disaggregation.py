@@ -1,7 +1,8 @@
 """Prefill and decode workers that are each split over tensor-parallel ranks: every rank of the prefill
-worker writes its own heads of the prompt's pages into the same rank of the decode worker, over
-Mooncake TCP. Output equals transformers; only new blocks move, from every rank; a prefill worker
-split differently is refused by name; a prefill rank killed mid-prompt fails the request cleanly."""
+worker writes its own heads of the prompt's pages into the decode rank that holds them, over Mooncake
+TCP — the same rank when both are split alike, head slices when they are not (TP=2 into TP=1 and TP=1
+into TP=2). Output equals transformers; only new blocks move, from every rank; a decode worker whose
+pages do not fit is refused by name; a prefill rank killed mid-prompt fails the request cleanly."""
 
 from __future__ import annotations
 
@@ -62,16 +63,53 @@ async def test_second_turn_moves_only_new_blocks_from_every_rank(cluster):
     assert sent == new_blocks * rank_page * 2 * 2  # two layers, two ranks
 
 
-async def test_a_prefill_worker_split_differently_is_refused_by_name(cluster):
-    """A one-rank decode worker paired with the two-rank prefill worker: a clear INVALID_ARGUMENT, its
-    blocks come back, and it keeps serving."""
-    dec1, pre = address(cluster["decode1"]), address(cluster["prefill"])
-    with pytest.raises(grpc.aio.AioRpcError) as err:
-        await generate(dec1, prompt(7, 40), greedy(4), prefill=pre)
-    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "--tensor-parallel-size" in err.value.details() and "1 tensor-parallel rank" in err.value.details()
-    await wait_blocks_free(dec1)
-    both_ok = await generate(address(cluster["decode"]), prompt(8, 40), greedy(4), prefill=pre)
+async def test_two_rank_prefill_into_one_rank_decode_equals_transformers(cluster, tiny_model_dir):
+    """Split differently: each prefill rank writes its KV head into its slice of every row of the one-rank
+    decode worker's pages; tokens equal transformers, and exactly the prompt's pages move (both ranks)."""
+    ref = Reference(tiny_model_dir)
+    dec1, pre = cluster["decode1"], cluster["prefill"]
+    prompts = [prompt(i + 20, n) for i, n in enumerate([7, 33, 90])]
+    before = metric(pre, "splitfire_worker_kv_transfer_bytes_total")
+    outs = await asyncio.gather(*(generate(address(dec1), p, greedy(10), prefill=address(pre)) for p in prompts))
+    for p, out in zip(prompts, outs, strict=True):
+        assert out.prefill_mode == "remote"
+        assert out.token_ids == ref.greedy(p, 10)
+    page = 2 * 16 * 2 * 16 * 4  # k+v, slots, both kv heads, head dim, fp32: the decode worker's page
+    blocks = sum(-(-len(p) // 16) for p in prompts)
+    assert metric(pre, "splitfire_worker_kv_transfer_bytes_total") - before == blocks * page * 2  # two layers
+    await wait_blocks_free(address(dec1))
+
+
+async def test_one_rank_prefill_into_two_rank_decode_equals_transformers(cluster, tiny_model_dir):
+    ref = Reference(tiny_model_dir)
+    pre1 = start_worker("prefill", tiny_model_dir, cluster["logs"], "--max-num-batched-tokens", "8",
+                        "--max-num-seqs", "8", name="prefill-tp1")
+    try:
+        dec = address(cluster["decode"])
+        prompts = [prompt(i + 30, n) for i, n in enumerate([5, 48, 120])]
+        outs = await asyncio.gather(*(generate(dec, p, greedy(10), prefill=address(pre1)) for p in prompts))
+        for p, out in zip(prompts, outs, strict=True):
+            assert out.prefill_mode == "remote"
+            assert out.token_ids == ref.greedy(p, 10)
+        await wait_blocks_free(dec)
+    finally:
+        assert pre1.stop() == 0, pre1.log()[-2000:]
+
+
+async def test_a_decode_worker_whose_pages_do_not_fit_is_refused_by_name(cluster, tiny_model_dir):
+    """A float16 KV cache on the decode side: a clear INVALID_ARGUMENT naming the page sizes and both
+    splits, its blocks come back, and the prefill worker keeps serving."""
+    dec16 = start_worker("decode", tiny_model_dir, cluster["logs"], "--local-prefill-max-tokens", "0",
+                         "--kv-cache-dtype", "float16", "--kv-quarantine", "0.5", name="decode-fp16")
+    try:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await generate(address(dec16), prompt(7, 40), greedy(4), prefill=address(cluster["prefill"]))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "page size differs" in err.value.details() and "over 1 tensor-parallel rank" in err.value.details()
+        await wait_blocks_free(address(dec16))
+    finally:
+        assert dec16.stop() == 0, dec16.log()[-2000:]
+    both_ok = await generate(address(cluster["decode"]), prompt(8, 40), greedy(4), prefill=address(cluster["prefill"]))
     assert len(both_ok.token_ids) == 4
 
 
@@ -106,13 +144,16 @@ async def test_latent_attention_prefill_and_decode_over_two_ranks_equal_transfor
     fam = make_hf_model("deepseek_v3", tmp_path / "model")
     pre = start_worker("prefill", fam.path, tmp_path, *TP2, "--max-num-batched-tokens", "16", "--max-num-seqs", "8")
     dec = start_worker("decode", fam.path, tmp_path, *TP2, "--local-prefill-max-tokens", "0")
+    dec1 = start_worker("decode", fam.path, tmp_path, "--local-prefill-max-tokens", "0", name="mla-decode-tp1")
     try:
         prompts = [prompt(i, n) for i, n in enumerate([9, 40, 70])]
-        outs = await asyncio.gather(*(generate(address(dec), p, greedy(8), prefill=address(pre)) for p in prompts))
-        for p, out in zip(prompts, outs, strict=True):
-            assert out.prefill_mode == "remote"
-            assert out.token_ids == fam.greedy(p, 8)
-        assert (await stats(address(dec))).running == 0
+        for d in (dec, dec1):  # split alike (each rank its copy), then into one rank (rank 0's copy)
+            outs = await asyncio.gather(*(generate(address(d), p, greedy(8), prefill=address(pre)) for p in prompts))
+            for p, out in zip(prompts, outs, strict=True):
+                assert out.prefill_mode == "remote"
+                assert out.token_ids == fam.greedy(p, 8)
+            assert (await stats(address(d))).running == 0
     finally:
         assert pre.stop() == 0, pre.log()[-2000:]
         assert dec.stop() == 0, dec.log()[-2000:]
+        assert dec1.stop() == 0, dec1.log()[-2000:]

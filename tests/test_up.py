@@ -17,7 +17,9 @@ def _listening(port: int) -> bool:
 
 
 @pytest.mark.parametrize("layout", [["--prefill", "1", "--decode", "1"], ["--colocated"],
-                                    ["--prefill", "1", "--decode", "1", "--tensor-parallel-size", "2"]])
+                                    ["--prefill", "1", "--decode", "1", "--tensor-parallel-size", "2"],
+                                    ["--prefill", "1", "--decode", "1", "-ptp", "1", "--decode-tensor-parallel-size",
+                                     "2"]])
 async def test_up_serves_a_streamed_chat_and_stops_cleanly(tiny_model_dir, tmp_path, layout):
     openai = pytest.importorskip("openai")
     port = free_port()
@@ -34,11 +36,12 @@ async def test_up_serves_a_streamed_chat_and_stops_cleanly(tiny_model_dir, tmp_p
         children = subprocess.run(["pgrep", "-P", str(p.popen.pid)], capture_output=True, text=True)
         pids = [int(x) for x in children.stdout.split()]
         assert len(pids) >= (3 if "--colocated" in layout else 4)  # redis, worker(s), router
-        if "--tensor-parallel-size" in layout:  # each worker's second rank, and no KV store to address them
+        if any("tensor-parallel-size" in a for a in layout):  # the split workers' second ranks, and no KV store
             ranks = [int(x) for x in subprocess.run(["pgrep", "-f", "worker.kv_rank"], capture_output=True,
                                                      text=True).stdout.split()
                      if int(open(f"/proc/{x}/stat").read().split()[3]) in pids]
-            assert len(ranks) == 2 and "no cluster KV store with model-parallel workers" in p.log()
+            assert len(ranks) == (2 if "--tensor-parallel-size" in layout else 1)  # -ptp 1 -dtp 2: decode's only
+            assert "no cluster KV store with model-parallel workers" in p.log()
             pids += ranks
     finally:
         p.popen.send_signal(signal.SIGTERM)
@@ -58,6 +61,8 @@ def test_core_and_gpu_plans():
     assert plan_gpus("0,1;2,3", 2, 4) == ["0,1", "2,3"]
     assert plan_gpus("auto", 2, 8, per_worker=4) == ["0,1,2,3", "4,5,6,7"]  # tensor parallel: a worker's ranks
     assert plan_gpus("auto", 2, 4, per_worker=4) == ["", ""]
+    assert plan_gpus("auto", 2, 4, per_worker=[1, 2]) == ["0", "1,2"]  # -ptp 1 -dtp 2
+    assert plan_gpus("auto", 3, 4, per_worker=[2, 2, 1]) == ["", "", ""]
     assert plan_cpus("0;1", 2) == ["0", "1"]
     assert plan_cpus("none", 3) == ["", "", ""]
     with pytest.raises(ValueError):

@@ -2,12 +2,13 @@
 
 Every rank of a tensor-parallel worker holds its own heads of each KV page, in a cache of its own
 (same blocks, same layout, fewer heads). For a prefill worker to fill a decode worker's cache, each
-rank r of the one writes into rank r of the other: so each rank registers its cache with a Mooncake
+rank of the one writes its heads into the ranks of the other that hold them (`worker/kv_routes.py`:
+rank r into rank r when both are split alike): so each rank registers its cache with a Mooncake
 transfer engine of its own and tells rank 0 where it is (`on_ready` → `RankGroup.rank_info`; a
 decode worker hands those to the prefill worker in `KVDestination.ranks`). On a prefill worker, rank
 0 plans each step's writes and sends them with the step (`JobSpec`s); this rank writes its own pages
-of the same blocks into its peer, layer by layer while the next layer computes, and answers with
-what it wrote (`LayerwiseKVSender.after_forward` gathers the answers).
+of the same blocks where its routes say, layer by layer while the next layer computes, and answers
+with what it wrote (`LayerwiseKVSender.after_forward` gathers the answers).
 
 Run as `python -m worker.kv_rank RANK` by `engine/ranks.py` (`RankMain`), with the worker's
 `TransferConfig` in SPLITFIRE_RANK_TRANSFER.
@@ -29,6 +30,7 @@ from kvtransfer.config import TransferConfig
 from kvtransfer.descriptors import KVRegion, Run
 from kvtransfer.transport import MooncakeTransport
 from kvtransfer.writer import KVWriter, TransferJob
+from worker.kv_routes import Route
 from worker.layer_writes import LayerWrites
 
 ENV = "SPLITFIRE_RANK_TRANSFER"
@@ -46,9 +48,20 @@ class JobSpec:
     """One request's writes this step, as rank 0 planned them (the same blocks on every rank)."""
 
     request_id: str
-    runs: list[tuple[int, int, int]]  # (source block, destination block, count)
-    peers: list[tuple[str, int]]  # the decode worker's ranks from 1: Mooncake segment, KV base address
+    runs: list[Run]  # source and destination blocks, coalesced
+    dests: list[tuple[str, int]]  # the decode worker's ranks: Mooncake segment, KV base address
     dims: tuple[int, int, int]  # the destination's layers, blocks, page bytes (each rank's alike)
+    routes: list[Route]  # which rank writes which heads into which decode rank
+
+
+def rank_jobs(spec: JobSpec, rank: int) -> list[TransferJob]:
+    """The writes rank `rank` makes for `spec`: one job per route from it."""
+    jobs = []
+    for route in spec.routes:
+        if route.src_rank == rank:
+            segment, base = spec.dests[route.dst_rank]
+            jobs.append(TransferJob(spec.request_id, segment, KVRegion(base, *spec.dims), spec.runs, route.part))
+    return jobs
 
 
 def rank_main(transfer: TransferConfig) -> RankMain:
@@ -86,12 +99,7 @@ class RankKV:
 
     def before_forward(self, payload: list[JobSpec]) -> None:
         assert self.writes is not None
-        jobs = []
-        for spec in payload:
-            segment, base = spec.peers[self.rank - 1]
-            dst = KVRegion(base, *spec.dims)
-            jobs.append(TransferJob(spec.request_id, segment, dst, [Run(*r) for r in spec.runs]))
-        self.writes.start(jobs)
+        self.writes.start([job for spec in payload for job in rank_jobs(spec, self.rank)])
 
     def after_layer(self, layer: int) -> None:
         assert self.writes is not None
@@ -99,7 +107,11 @@ class RankKV:
 
     def after_forward(self) -> dict[str, tuple[int, int, str | None]]:
         assert self.writes is not None
-        return {job.request_id: (job.bytes, job.entries, job.error) for job in self.writes.finish()}
+        out: dict[str, tuple[int, int, str | None]] = {}
+        for job in self.writes.finish():
+            nbytes, entries, error = out.get(job.request_id, (0, 0, None))
+            out[job.request_id] = (nbytes + job.bytes, entries + job.entries, error or job.error)
+        return out
 
     def close(self) -> None:
         if self.writes is not None:

@@ -34,6 +34,8 @@ class WorkerMetrics:
                                 "prompt tokens seen", labels, registry=r)
         self.transfer_bytes = Counter("splitfire_worker_kv_transfer_bytes", "KV bytes written to decode workers",
                                       labels, registry=r)
+        self.transfer_entries = Counter("splitfire_worker_kv_transfer_entries", "Mooncake write entries of the KV "
+                                        "written to decode workers (after coalescing)", labels, registry=r)
         self.transfer_seconds = Histogram("splitfire_worker_kv_transfer_seconds", "Wall time of one request's KV "
                                           "transfer", labels, buckets=LATENCY_BUCKETS, registry=r)
         self.prefill_mode = Counter("splitfire_worker_prefill_mode", "Where a decode worker's prompts were prefilled",
