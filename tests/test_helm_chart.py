@@ -162,6 +162,18 @@ def test_tensor_parallel_workers_get_one_gpu_per_rank(helm):
     assert kv.returncode != 0 and "kvStore.enabled=false" in kv.stderr
     gpus = render(helm, ROOT / "helm/ci/gpu-8decode-4prefill-rdma-values.yaml", *tp[:4], *tp[6:])
     assert gpus.returncode != 0 and "one GPU per rank" in gpus.stderr
+    # Each role split its own way (prefill ranks write head slices into the decode ranks).
+    split = render(helm, ROOT / "helm/ci/gpu-8decode-4prefill-rdma-values.yaml", *tp,
+                   "--set", "prefill.tensorParallelSize=4", "--set", "prefill.gpus=4")
+    assert split.returncode == 0, split.stderr
+    deps = {d["metadata"]["name"]: d for d in yaml.safe_load_all(split.stdout) if d and d["kind"] == "Deployment"}
+    pre = deps["rel-splitfire-prefill"]["spec"]["template"]["spec"]["containers"][0]
+    dec = deps["rel-splitfire-decode"]["spec"]["template"]["spec"]["containers"][0]
+    assert "--tensor-parallel-size=4" in pre["args"] and pre["resources"]["limits"]["nvidia.com/gpu"] == 4
+    assert "--tensor-parallel-size=8" in dec["args"]
+    short = render(helm, ROOT / "helm/ci/gpu-8decode-4prefill-rdma-values.yaml", *tp,
+                   "--set", "prefill.tensorParallelSize=4")
+    assert short.returncode != 0 and "prefill.gpus must equal its tensor-parallel size 4" in short.stderr
 
 
 def test_lora_adapters_reach_every_worker_as_flags_the_cli_accepts(helm):
