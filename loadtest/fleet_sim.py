@@ -40,12 +40,21 @@ Calibration (`COST_MODELS`): `h200-llama3-8b` from this project's own H200 run (
 context each, prefill 37,223 tokens/s at 2,048 tokens; `loadtest/results/gpu_h200/bench_gpu.txt`).
 What it leaves out: attention cost growing with a prompt's length in prefill (its tokens/s is the
 2k-token figure), preemption, network time other than `transfer_s_per_token`, failures.
+
+Validation against a live run (`--compare-live REPLAY.json --cost-model-json WORKER.json`): the
+requests a `loadtest/trace_replay.py --json` run sent (its `--block`, `--speed`, `--max-output`: the
+simulated requests are the same token counts and arrivals, `scaled`), on workers measured on the same
+machine in process (`loadtest/cpu_cost_model.py`: whole-prompt prefill times at several lengths, so a
+prompt's tail costs prefill_s(n) - prefill_s(cached), and decode steps by batch), side by side with
+what the live run measured. What it cannot see there: several processes sharing a few cores (the
+router, the client and the KV transfer's threads take cycles from the workers' compute).
 """
 
 from __future__ import annotations
 
 import argparse
 import bisect
+import dataclasses
 import heapq
 import itertools
 import json
@@ -56,7 +65,8 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from loadtest.trace_replay import TRACE_BLOCK, TraceRequest, read_trace
+from loadtest.trace_replay import TRACE_BLOCK, Scale, TraceRequest, leading_cached, read_trace
+from loadtest.workload import pct as workload_pct
 from planner.decision import Limits, Planner, Profile, Snapshot
 from router.balancer import Placement, make_policy
 from router.endpoints import Endpoint
@@ -78,6 +88,22 @@ class CostModel:
     store_fetch_cost: float = 0.2  # a block fetched from the store costs this share of computing it
     transfer_s_per_token: float = 2e-7  # prefill -> decode KV transfer
     chunk_tokens: int = 2048  # colocated: prompt tokens a step may carry beside its decodes
+    # Measured seconds to prefill a whole prompt of n tokens (`cpu_cost_model.py`); when set, computing tokens
+    # [c, n) of a prompt costs prefill_s(n) - prefill_s(c), attention over the cached part included.
+    prefill_s: dict[int, float] | None = None
+
+    def prefill_time(self, total: int, cached: int) -> float:
+        """Seconds to compute a prompt's tokens [cached, total)."""
+        if self.prefill_s is None:
+            return (total - cached) / self.prefill_tps
+        return self._curve(total) - self._curve(cached)
+
+    def _curve(self, n: float) -> float:
+        pts = sorted(self.prefill_s.items()) if self.prefill_s else []
+        xs = [0.0] + [float(x) for x, _ in pts]
+        ys = [0.0] + [y for _, y in pts]
+        i = min(max(bisect.bisect_left(xs, n), 1), len(xs) - 1)  # the segment holding n (or the last one)
+        return ys[i - 1] + (ys[i] - ys[i - 1]) * (n - xs[i - 1]) / (xs[i] - xs[i - 1])
 
     def step_s(self, batch: int, context_tokens: float) -> float:
         """One decode step of `batch` streams holding `context_tokens` in all."""
@@ -94,6 +120,19 @@ class CostModel:
             base = self.decode_step_s[a] + (self.decode_step_s[b] - self.decode_step_s[a]) * (batch - a) / (b - a)
         extra = max(context_tokens - batch * self.profiled_context, 0.0)
         return base + extra * self.kv_bytes_per_token / self.kv_bandwidth
+
+    @classmethod
+    def from_measured(cls, m: dict, store_blocks: int) -> CostModel:
+        """From `loadtest/cpu_cost_model.py`'s JSON: one worker measured in process on this machine; its KV
+        cache's blocks are both its prefix cache and its admission limit (run with `--block` equal to the
+        engine's block size, so that a trace block is one cache block)."""
+        return cls(prefill_tps=float(m["prefill_tps"]),
+                   decode_step_s={int(b): float(t) for b, t in m["decode_step_s"].items()},
+                   profiled_context=int(m["profiled_context"]), kv_bytes_per_token=float(m["kv_bytes_per_token"]),
+                   kv_bandwidth=float(m.get("kv_bandwidth", 10e9)), max_batch=int(m.get("max_batch", 256)),
+                   kv_tokens=int(m["kv_blocks"]) * int(m["block_size"]), cache_blocks=int(m["kv_blocks"]),
+                   store_blocks=store_blocks, transfer_s_per_token=float(m.get("transfer_s_per_token", 2e-7)),
+                   prefill_s={int(n): float(t) for n, t in m["prefill_s"].items()} if "prefill_s" in m else None)
 
     def profile(self) -> Profile:
         """The planner's view of one worker (what `splitfire planner profile` would measure)."""
@@ -155,8 +194,9 @@ class Outcome:
 
 class Fleet:
     def __init__(self, reqs: list[TraceRequest], model: CostModel, *, prefill: int, decode: int, layout: str,
-                 policy: str, store: bool, ttft_slo: float, itl_slo: float):
+                 policy: str, store: bool, ttft_slo: float, itl_slo: float, block_tokens: int = TRACE_BLOCK):
         self.reqs, self.m, self.layout = reqs, model, layout
+        self.block = block_tokens  # tokens per trace block (a scaled replay's, see `scaled`)
         self.policy = make_policy(policy)
         self.index = PrefixIndex(model.cache_blocks, shared_store=store)
         self.store: OrderedDict[int, None] | None = OrderedDict() if store else None
@@ -244,7 +284,7 @@ class Fleet:
         hashes = self._hashes(i)
         max_blocks = max(len(hashes) - 1, 0)
         placement = Placement(r.input_length, lambda ep: self.index.cached_tokens(ep.address, hashes, max_blocks,
-                                                                                  TRACE_BLOCK))
+                                                                                  self.block))
         if self.layout == "colocated":
             ws = self.placeable("colocated") or self.live("colocated")
             by_ep = {w.ep.address: w for w in ws}
@@ -259,7 +299,7 @@ class Fleet:
             pw = by_ep[p.address] if p is not None else dw
         self.index.insert(pw.ep.address, hashes)
         cached, _ = self._cached(pw, r)
-        uncached = max(r.input_length - cached * TRACE_BLOCK, 1)
+        uncached = max(r.input_length - cached * self.block, 1)
         pw.ep.charge(uncached, 0, 0, 1)
         dw.ep.charge(0, r.input_length, r.output_length, 0 if dw is pw else 1)
         self.out[i].cached_blocks = cached
@@ -275,7 +315,7 @@ class Fleet:
         """(blocks of `r`'s prompt `w` will not compute, of which fetched from the store): its own cache, then
         the store, at most all but the last."""
         n = 0
-        limit = max(len(r.hash_ids) - 1, 0)
+        limit = max(min(len(r.hash_ids) - 1, (r.input_length - 1) // self.block), 0)
         while n < limit and r.hash_ids[n] in w.cache:
             n += 1
         local = n
@@ -298,8 +338,9 @@ class Fleet:
 
     def _prefill_time(self, w: SimWorker, r: TraceRequest) -> tuple[float, int]:
         cached, fetched = self._cached(w, r)
-        computed = max(r.input_length - cached * TRACE_BLOCK, 1)
-        t = self.m.prefill_overhead_s + (computed + fetched * TRACE_BLOCK * self.m.store_fetch_cost) / self.m.prefill_tps
+        computed = max(r.input_length - cached * self.block, 1)
+        t = (self.m.prefill_overhead_s + self.m.prefill_time(r.input_length, r.input_length - computed)
+             + fetched * self.block * self.m.store_fetch_cost / self.m.prefill_tps)
         return t, computed
 
     # -- prefill workers -------------------------------------------------------------------
@@ -458,11 +499,66 @@ def summary(fleet: Fleet, end: float) -> dict[str, float]:
     }
 
 
+def scaled(reqs: list[TraceRequest], scale: Scale, speed: float) -> list[TraceRequest]:
+    """The requests `loadtest/trace_replay.py` sends for the same `--block`, `--max-output` and `--speed`:
+    lengths in its tokens, arrivals compressed (simulate with `block_tokens=scale.block`)."""
+    return [TraceRequest(r.at_s / speed, scale.input_tokens(r), scale.output_tokens(r), r.hash_ids) for r in reqs]
+
+
+def cached_tokens(fleet: Fleet) -> dict[str, float]:
+    """Prompt tokens served from a cache against an infinite shared cache's (trace_replay's `cached_vs_ideal`)."""
+    # (the requests are in the replay's tokens already: lengths are not scaled again)
+    ideal = sum(leading_cached(fleet.reqs, [r.input_length for r in fleet.reqs], fleet.block))
+    cached = sum(o.cached_blocks * fleet.block for o in fleet.out)
+    return {"cached_tokens": cached, "ideal_cached_tokens": ideal,
+            "cached_vs_ideal": cached / ideal if ideal else math.nan}
+
+
 def simulate(reqs: list[TraceRequest], model: CostModel, **kw) -> tuple[Fleet, dict[str, float]]:
     fleet = Fleet(reqs, model, **kw)
     fleet.run()
     end = max((o.done_at for o in fleet.out if not math.isnan(o.done_at)), default=0.0)
     return fleet, summary(fleet, end)
+
+
+# -- validation against a live replay -----------------------------------------------------------
+
+
+def compare_live(live: dict, model: CostModel, *, prefill: int, decode: int, policy: str, store: bool,
+                 trace: str = "") -> dict[str, dict[str, float]]:
+    """The requests a `trace_replay --json` run sent, simulated on `model`, side by side with what the live
+    run measured: cache hits against the ideal, TTFT percentiles (the same percentile function on both),
+    the mean TTFT of each burst of arrivals (relative difference) and requests' mean inter-token times."""
+    a = live["args"]
+    scale = Scale(a["block"], 2, max_output=a["max_output"])
+    raw = read_trace(trace or a["trace"], limit=a["limit"], start_s=a["start"], window_s=a["window"])
+    reqs = scaled(raw, scale, a["speed"])
+    fleet, _ = simulate(reqs, model, prefill=prefill, decode=decode, layout="disaggregated", policy=policy,
+                        store=store, ttft_slo=a["ttft_slo"], itl_slo=a["itl_slo"], block_tokens=scale.block)
+    outs = live["requests"]
+    ok = [o for o in outs if o["error"] is None and o["ttft_s"] is not None]
+    pairs = [(o["ttft_s"], fleet.out[o["index"]].ttft) for o in ok]
+    itl_live = [statistics.fmean(o["gaps_s"]) for o in ok if o["gaps_s"]]
+    itl_sim = [fleet.out[o["index"]].itl for o in ok if o["gaps_s"]]
+    sim_cached = cached_tokens(fleet)
+
+    def row(live_v: float, sim_v: float) -> dict[str, float]:
+        return {"live": live_v, "sim": sim_v, "sim_vs_live": sim_v / live_v if live_v else math.nan}
+
+    out = {"cached_vs_ideal": row(live["summary"]["cached_vs_ideal"], sim_cached["cached_vs_ideal"])}
+    for q in (50, 90, 99):
+        out[f"ttft_p{q}_s"] = row(workload_pct([x for x, _ in pairs], q), workload_pct([y for _, y in pairs], q))
+    out["itl_mean_p50_ms"] = row(workload_pct(itl_live, 50) * 1e3, workload_pct(itl_sim, 50) * 1e3)
+    out["itl_mean_p90_ms"] = row(workload_pct(itl_live, 90) * 1e3, workload_pct(itl_sim, 90) * 1e3)
+    # The trace's arrivals are whole seconds: a burst's requests arrive together and the live router takes
+    # them in whatever order they reach it, so TTFTs are compared per burst (their mean), not per request.
+    bursts: dict[float, list[tuple[float, float]]] = {}
+    for o, pair in zip(ok, pairs, strict=True):
+        bursts.setdefault(reqs[o["index"]].at_s, []).append(pair)
+    rel = [abs(statistics.fmean(y for _, y in b) / statistics.fmean(x for x, _ in b) - 1) for b in bursts.values()]
+    out["burst_mean_ttft"] = {"bursts": len(bursts), "median_rel_diff": statistics.median(rel),
+                              "p90_rel_diff": workload_pct(rel, 90)}
+    return out
 
 
 # -- autoscaling ------------------------------------------------------------------------------
@@ -586,10 +682,17 @@ def plot(result: dict[str, object], path: str) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--trace", required=True)
+    p.add_argument("--trace", default="", help="the trace file (with --compare-live: the live run's)")
     p.add_argument("--limit", type=int, default=None, help="first N requests only")
     p.add_argument("--window", type=float, default=None, help="first S seconds of the trace only")
     p.add_argument("--cost-model", default="h200-llama3-8b", choices=sorted(COST_MODELS))
+    p.add_argument("--cost-model-json", default="", help="a worker measured here (loadtest/cpu_cost_model.py) instead")
+    p.add_argument("--store-blocks", type=int, default=0, help="with --cost-model-json: the store's blocks "
+                   "(default: what every worker lends, as many as its own cache)")
+    p.add_argument("--block", type=int, default=None, help="simulate trace_replay's scaled requests: tokens per "
+                   "trace block (with --speed and --max-output as given to it)")
+    p.add_argument("--speed", type=float, default=1.0, help="with --block: arrivals compressed by this factor")
+    p.add_argument("--max-output", type=int, default=64, help="with --block: scaled output tokens capped at this")
     p.add_argument("--layout", default="disaggregated", choices=("disaggregated", "colocated"))
     p.add_argument("--prefill", type=int, default=2)
     p.add_argument("--decode", type=int, default=2)
@@ -599,14 +702,40 @@ def main() -> int:
     p.add_argument("--ttft-slo", type=float, default=2.0, help="seconds")
     p.add_argument("--itl-slo", type=float, default=0.05, help="seconds (mean inter-token time per request)")
     p.add_argument("--compare-planner", action="store_true")
+    p.add_argument("--compare-live", default="", metavar="JSON",
+                   help="a trace_replay --json run: simulate the requests it sent and print both side by side "
+                        "(--prefill/--decode/--policy/--store as the live fleet; --cost-model-json its workers)")
     p.add_argument("--interval", type=float, default=60.0, help="autoscaling interval, seconds")
     p.add_argument("--startup", type=float, default=60.0, help="seconds before a new worker takes requests")
     p.add_argument("--max-workers", type=int, default=12, help="autoscaling: most workers per role; static: in all")
     p.add_argument("--json", default="")
     p.add_argument("--plot", default="")
     args = p.parse_args()
+    if args.compare_live:
+        if not args.cost_model_json:
+            p.error("--compare-live needs --cost-model-json: the live run's workers, measured on its machine")
+        live = json.loads(Path(args.compare_live).read_text())
+        model = CostModel.from_measured(json.loads(Path(args.cost_model_json).read_text()), 0)
+        model = dataclasses.replace(model, store_blocks=args.store_blocks or model.cache_blocks * (args.prefill + args.decode))
+        cmp = compare_live(live, model, prefill=args.prefill, decode=args.decode, policy=args.policy, store=args.store,
+                           trace=args.trace)
+        print(json.dumps(cmp, indent=1))
+        if args.json:
+            Path(args.json).write_text(json.dumps(cmp, indent=1))
+        return 0
+    if not args.trace:
+        p.error("--trace is required")
     reqs = read_trace(args.trace, limit=args.limit, window_s=args.window)
-    model = COST_MODELS[args.cost_model]
+    block = TRACE_BLOCK
+    if args.block:
+        block = args.block
+        reqs = scaled(reqs, Scale(args.block, 2, max_output=args.max_output), args.speed)
+    if args.cost_model_json:
+        measured = json.loads(Path(args.cost_model_json).read_text())
+        workers = args.workers or args.prefill + args.decode
+        model = CostModel.from_measured(measured, args.store_blocks or measured["kv_blocks"] * workers)
+    else:
+        model = COST_MODELS[args.cost_model]
     if args.compare_planner:
         result: dict[str, object] = compare_planner(reqs, model, args)
         for name in ("planner", "best_static", "cpu_hpa"):
@@ -623,8 +752,9 @@ def main() -> int:
             kw = dict(prefill=n, decode=0)
         else:
             kw = dict(prefill=args.prefill, decode=args.decode)
-        _, result = simulate(reqs, model, layout=layout, policy=args.policy, store=args.store,
-                             ttft_slo=args.ttft_slo, itl_slo=args.itl_slo, **kw)
+        fleet, result = simulate(reqs, model, layout=layout, policy=args.policy, store=args.store,
+                                 ttft_slo=args.ttft_slo, itl_slo=args.itl_slo, block_tokens=block, **kw)
+        result.update(cached_tokens(fleet))
         print(json.dumps(result, indent=1))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1, default=list))

@@ -103,15 +103,20 @@ class Scale:
 def ideal_cached(reqs: list[TraceRequest], scale: Scale) -> list[int]:
     """Per request, the prompt tokens an infinite cache shared by every worker could serve: its leading
     blocks seen in any earlier request, at most all but the block holding the last prompt token."""
+    return leading_cached(reqs, [scale.input_tokens(r) for r in reqs], scale.block)
+
+
+def leading_cached(reqs: list[TraceRequest], prompt_tokens: list[int], block: int) -> list[int]:
+    """`ideal_cached` for prompts of `prompt_tokens` tokens, `block` tokens a trace block."""
     seen: set[int] = set()
     out: list[int] = []
-    for req in reqs:
+    for req, n in zip(reqs, prompt_tokens, strict=True):
         leading = 0
         for h in req.hash_ids:
             if h not in seen:
                 break
             leading += 1
-        out.append(min(leading, (scale.input_tokens(req) - 1) // scale.block) * scale.block)
+        out.append(min(leading, (n - 1) // block) * block)
         seen.update(req.hash_ids)
     return out
 

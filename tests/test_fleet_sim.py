@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from loadtest.fleet_sim import COST_MODELS, simulate
-from loadtest.trace_replay import read_trace
+from loadtest.fleet_sim import COST_MODELS, CostModel, cached_tokens, scaled, simulate
+from loadtest.trace_replay import Scale, ideal_cached, read_trace
 
 ROOT = Path(__file__).resolve().parent.parent
 TRACE = ROOT.parent / "shared" / "data" / "mooncake_traces" / "conversation_trace.jsonl"
@@ -46,6 +46,25 @@ def test_the_store_serves_what_another_prefill_worker_computed(tmp_path):
     _, with_store = simulate(trace, MODEL, store=True, **kw)
     # Round robin sends each to another worker: only the store lets the 2nd and 3rd reuse the prefix.
     assert with_store["cached_blocks_share"] > without["cached_blocks_share"]
+
+
+def test_a_scaled_replay_is_simulated_in_its_own_tokens(tmp_path):
+    """`--block 16 --speed 0.5`: the simulated requests are the ones trace_replay sends (its lengths, its
+    arrivals), the sim's ideal equals the replay tool's, and a one-worker cache with room reaches it."""
+    rows = [(i * 1000, 1536, 96, [0, 1, 2 + i]) for i in range(4)] + [(5000, 700, 3, [0, 9])]
+    raw = read_trace(write_trace(tmp_path / "t.jsonl", rows))
+    scale = Scale(16, 2, max_output=8)
+    reqs = scaled(raw, scale, 0.5)
+    assert [r.input_length for r in reqs] == [scale.input_tokens(r) for r in raw] == [48] * 4 + [22]
+    assert [r.output_length for r in reqs] == [3, 3, 3, 3, 1] and reqs[1].at_s == 2.0
+    measured = {"prefill_tps": 300.0, "decode_step_s": {"1": 0.016, "4": 0.035}, "profiled_context": 448,
+                "kv_bytes_per_token": 46080.0, "kv_blocks": 1456, "block_size": 16}
+    model = CostModel.from_measured(measured, store_blocks=2912)
+    assert model.cache_blocks == 1456 and model.kv_tokens == 1456 * 16 and model.step_s(1, 448) == 0.016
+    fleet, _ = simulate(reqs, model, prefill=1, decode=1, layout="disaggregated", store=False, block_tokens=16, **KW)
+    got = cached_tokens(fleet)
+    assert got["ideal_cached_tokens"] == sum(ideal_cached(raw, scale)) == 2 * 3 * 16 + 16
+    assert got["cached_vs_ideal"] == 1.0
 
 
 needs_trace = pytest.mark.skipif(not TRACE.is_file(), reason="../shared/data/mooncake_traces not present")
