@@ -231,3 +231,66 @@ def test_planner_gets_exactly_the_scale_of_the_worker_deployments_and_args_its_c
     assert "planner" not in {d["metadata"]["name"].rsplit("-", 1)[-1] for d in yaml.safe_load_all(off.stdout) if d}
     bad = render(helm, ROOT / "helm/ci/default-values.yaml", "--set", "planner.enabled=true")
     assert bad.returncode != 0 and "planner.profile" in bad.stderr
+
+
+def test_model_pools_get_their_own_workers_and_the_router_serves_every_pool(helm, tmp_path):
+    """`modelPools`: each pool's prefill and decode Deployments and headless Services, its model in their env
+    (and fetched by their init container), its values merged over the top-level ones; no selector of one
+    pool's objects matches another's pods; the router discovers every pool and serves each under its
+    name, with flags its own parser accepts."""
+    values = tmp_path / "pools.yaml"
+    values.write_text(yaml.safe_dump({"modelPools": [
+        {"name": "qwen", "model": "/models/Qwen3-4B", "decode": {"replicas": 2}},
+        {"name": "mistral", "model": "/models/Mistral-7B", "servedName": "mistral-7b", "prefill": {"gpus": 2},
+         "decode": {"tensorParallelSize": 2, "gpus": 2}},
+    ], "kvStore": {"enabled": False}}))  # (a split pool: no cluster KV store yet)
+    out = render(helm, ROOT / "helm/ci/default-values.yaml", "-f", str(values))
+    assert out.returncode == 0, out.stderr
+    docs = [d for d in yaml.safe_load_all(out.stdout) if d]
+    deps = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Deployment"}
+    svcs = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Service"}
+    workers = {f"rel-splitfire-{p}{r}" for p in ("", "qwen-", "mistral-") for r in ("prefill", "decode")}
+    assert workers <= set(deps) and workers <= set(svcs)
+
+    def container(name: str) -> dict:
+        return deps[name]["spec"]["template"]["spec"]["containers"][0]
+
+    def env(name: str) -> dict:
+        return {e["name"]: e.get("value") for e in container(name)["env"]}
+
+    assert env("rel-splitfire-qwen-decode")["SPLITFIRE_MODEL"] == "/models/Qwen3-4B"
+    assert env("rel-splitfire-decode")["SPLITFIRE_MODEL"] == "smollm2-135m-instruct"
+    assert deps["rel-splitfire-qwen-decode"]["spec"]["replicas"] == 2
+    assert deps["rel-splitfire-qwen-prefill"]["spec"]["replicas"] == deps["rel-splitfire-prefill"]["spec"]["replicas"]
+    assert container("rel-splitfire-qwen-prefill")["resources"] == container("rel-splitfire-prefill")["resources"]
+    assert "--tensor-parallel-size=2" in container("rel-splitfire-mistral-decode")["args"]
+    assert "--tensor-parallel-size=2" not in container("rel-splitfire-mistral-prefill")["args"]
+    # No object of one pool selects another pool's pods.
+    for name, d in deps.items():
+        if name not in workers:
+            continue
+        sel = d["spec"]["selector"]["matchLabels"]
+        assert sel == svcs[name]["spec"]["selector"]
+        for other in workers - {name}:
+            labels = deps[other]["spec"]["template"]["metadata"]["labels"]
+            assert not sel.items() <= labels.items(), (name, other)
+    # The router: every pool discovered, each model served under its name; its own parser takes the flags.
+    router = container("rel-splitfire-router")
+    args = router["args"]
+    assert "--extra-model=qwen=/models/Qwen3-4B" in args and "--extra-model=mistral-7b=/models/Mistral-7B" in args
+    assert "decode=rel-splitfire-qwen-decode.llm.svc.cluster.local:50051" in args
+    assert "prefill=rel-splitfire-mistral-prefill.llm.svc.cluster.local:50061" in args
+    from splitfire_cli import build_parser
+
+    ns = build_parser().parse_args(args)  # `router ...`: the CLI's own parser
+    assert len(ns.discover_dns) == 6 and len(ns.extra_model) == 2
+    inits = deps["rel-splitfire-router"]["spec"]["template"]["spec"].get("initContainers", [])
+    if inits:  # model.source=fetch: the router reads every model's tokenizer
+        assert sorted(e["value"] for i in inits for e in i["env"] if e["name"] == "SPLITFIRE_MODEL") == sorted(
+            ["smollm2-135m-instruct", "/models/Qwen3-4B", "/models/Mistral-7B"])
+    # Refused by name: a pool named twice, or after another component; a name that is not a DNS label.
+    twice = render(helm, ROOT / "helm/ci/default-values.yaml", "-f", str(values),
+                   "--set", "modelPools[1].name=qwen")
+    assert twice.returncode != 0 and 'name "qwen" is used twice' in twice.stderr
+    bad = render(helm, ROOT / "helm/ci/default-values.yaml", "-f", str(values), "--set", "modelPools[0].name=Qwen_3")
+    assert bad.returncode != 0 and "schema" in bad.stderr

@@ -55,8 +55,14 @@ app.kubernetes.io/component: {{ .component }}
 {{- end -}}
 
 {{- define "splitfire.modelEnv" -}}
+{{- include "splitfire.modelEnvFor" (dict "ctx" . "model" .Values.model.name) }}
+{{- end -}}
+
+{{/* The model env of one model (a model pool's); pass (dict "ctx" $ "model" <name or path>) */}}
+{{- define "splitfire.modelEnvFor" -}}
+{{- with .ctx }}
 - name: SPLITFIRE_MODEL
-  value: {{ .Values.model.name | quote }}
+  value: {{ $.model | quote }}
 - name: SPLITFIRE_HOME
   value: {{ .Values.model.mountPath | quote }}
 - name: HOME
@@ -68,24 +74,40 @@ app.kubernetes.io/component: {{ .component }}
       name: {{ .Values.model.hfTokenSecret.name }}
       key: {{ .Values.model.hfTokenSecret.key }}
 {{- end }}
+{{- end }}
 {{- end -}}
 
-{{/* Init container that fetches the model when model.source=fetch; pass (dict "ctx" $ "image" <image>) */}}
+{{/* Init containers that fetch the models when model.source=fetch; pass (dict "ctx" $ "image" <image>
+     "models" (list <name or path> ...)), one container each (default: model.name) */}}
 {{- define "splitfire.fetchInit" -}}
 {{- if eq .ctx.Values.model.source "fetch" }}
 initContainers:
-  - name: fetch-model
-    image: {{ .image }}
-    imagePullPolicy: {{ .ctx.Values.image.pullPolicy }}
+{{- range $i, $m := (.models | default (list .ctx.Values.model.name)) }}
+  - name: fetch-model{{ if $i }}-{{ $i }}{{ end }}
+    image: {{ $.image }}
+    imagePullPolicy: {{ $.ctx.Values.image.pullPolicy }}
     command: ["splitfire", "model", "fetch"]
     env:
-      {{- include "splitfire.modelEnv" .ctx | nindent 6 }}
+      {{- include "splitfire.modelEnvFor" (dict "ctx" $.ctx "model" $m) | nindent 6 }}
     volumeMounts:
-      - {name: models, mountPath: {{ .ctx.Values.model.mountPath }}}
+      - {name: models, mountPath: {{ $.ctx.Values.model.mountPath }}}
       - {name: tmp, mountPath: /tmp}
     securityContext:
-      {{- toYaml .ctx.Values.workers.securityContext | nindent 6 }}
+      {{- toYaml $.ctx.Values.workers.securityContext | nindent 6 }}
 {{- end }}
+{{- end }}
+{{- end -}}
+
+{{/* Every model pool of the release: the main one (name "", the chart's model, prefill and decode
+     values) and each of modelPools, its prefill/decode values merged over the chart's */}}
+{{- define "splitfire.pools" -}}
+{{- $pools := list (dict "name" "" "model" .Values.model.name "prefill" .Values.prefill "decode" .Values.decode) }}
+{{- range .Values.modelPools }}
+{{- $pools = append $pools (dict "name" .name "model" .model "servedName" (.servedName | default .name)
+      "prefill" (merge (deepCopy (.prefill | default dict)) (deepCopy $.Values.prefill))
+      "decode" (merge (deepCopy (.decode | default dict)) (deepCopy $.Values.decode))) }}
+{{- end }}
+{{- toJson $pools }}
 {{- end -}}
 
 {{- define "splitfire.redisURLEnv" -}}
