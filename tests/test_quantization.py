@@ -35,6 +35,28 @@ def test_kernel_equals_dequantize_then_matmul(kind, group, rows):
 
 
 @needs_kernel
+@pytest.mark.parametrize("kind,group", [("int8", 32), ("int4", 32)])
+def test_results_do_not_depend_on_the_threads_or_their_schedule(kind, group):
+    """Row tiles go to threads `schedule(guided, 1)` (a thread that loses its core leaves its tiles to the
+    others): one thread, two, and more threads than cores — tiles, panels and dequantized rows — give the
+    same bits."""
+    g = torch.Generator().manual_seed(7)
+    qw = quant.quantize(torch.randn(260, 256, generator=g), kind, group)
+    xs = [torch.randn(rows, 256, generator=g) for rows in (1, 2, 5, 16, 130)]
+    before = torch.get_num_threads()
+    try:
+        outs = []
+        for threads in (1, 2, 5):
+            torch.set_num_threads(threads)
+            outs.append([quant.linear(x, [qw], None) for x in xs])
+        for other in outs[1:]:
+            for a, b in zip(outs[0], other, strict=True):
+                assert torch.equal(a, b)
+    finally:
+        torch.set_num_threads(before)
+
+
+@needs_kernel
 @pytest.mark.parametrize("kind,group", [("int8", 32), ("int8", 16), ("int4", 32), ("int4", 64)])
 def test_panel_gemm_equals_the_tiles_bit_for_bit(kind, group):
     """From PANEL_MIN_ROWS rows the AVX2 build dequantizes panels of 12 weight rows into a buffer and
