@@ -31,14 +31,6 @@ class KVRegion:
             raise IndexError(f"page (layer={layer}, block={block}) outside {self.num_layers}x{self.num_blocks}")
         return self.base_address + (layer * self.num_blocks + block) * self.page_bytes
 
-    def compatible_with(self, other: KVRegion) -> str | None:
-        """Why K/V pages cannot be copied between the two regions, or None if they can."""
-        if self.num_layers != other.num_layers:
-            return f"layer count differs ({self.num_layers} vs {other.num_layers})"
-        if self.page_bytes != other.page_bytes:
-            return f"page size differs ({self.page_bytes} vs {other.page_bytes} bytes: model, dtype or block size)"
-        return None
-
 
 @dataclass(frozen=True)
 class HeadSlice:

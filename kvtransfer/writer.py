@@ -38,9 +38,8 @@ class TransferJob:
         return max(self.finished - self.started, 0.0)
 
 
-def make_job(request_id: str, target: str, dst: KVRegion, src_blocks: list[int], dst_blocks: list[int],
-             part: HeadSlice | None = None) -> TransferJob:
-    return TransferJob(request_id, target, dst, coalesce(src_blocks, dst_blocks), part)
+def make_job(request_id: str, target: str, dst: KVRegion, src_blocks: list[int], dst_blocks: list[int]) -> TransferJob:
+    return TransferJob(request_id, target, dst, coalesce(src_blocks, dst_blocks))
 
 
 class KVWriter:

@@ -31,6 +31,9 @@ from loadtest.stack import free_port
 from protos import splitfire_pb2 as pb
 from protos import splitfire_pb2_grpc as pbg
 
+TRANSFER_METRICS = ("splitfire_worker_kv_transfer_bytes_total", "splitfire_worker_kv_transfer_entries_total",
+                    "splitfire_worker_kv_transfer_seconds_sum")
+
 
 class Worker:
     def __init__(self, role: str, model: Path, tp: int, log_dir: Path, extra: list[str]):
@@ -50,10 +53,12 @@ class Worker:
                 raise RuntimeError(f"worker did not start; see {self.log}")
             time.sleep(0.3)
 
-    def metric(self, name: str) -> float:
+    def metrics_now(self, names: tuple[str, ...]) -> list[float]:
+        """Each metric's value (summed over its labels), from one scrape."""
         with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics}/metrics", timeout=10) as r:
-            return sum(float(line.split()[-1]) for line in r.read().decode().splitlines()
-                       if line.startswith(name + " ") or line.startswith(name + "{"))
+            lines = r.read().decode().splitlines()
+        return [sum(float(line.split()[-1]) for line in lines if line.startswith((name + " ", name + "{")))
+                for name in names]
 
     def stop(self) -> None:
         self.proc.terminate()
@@ -86,13 +91,9 @@ def bench_pair(model: Path, a: int, b: int, args: argparse.Namespace, log_dir: P
         rows: dict[str, list[float]] = {"bytes": [], "entries": [], "transfer_ms": [], "ttft_ms": []}
         for i in range(args.requests + 1):  # the first is a warm-up
             ids = [(7919 * (i + 1) + 31 * j) % 31000 + 100 for j in range(args.prompt)]
-            before = [pre.metric(n) for n in ("splitfire_worker_kv_transfer_bytes_total",
-                                              "splitfire_worker_kv_transfer_entries_total",
-                                              "splitfire_worker_kv_transfer_seconds_sum")]
+            before = pre.metrics_now(TRANSFER_METRICS)
             t = asyncio.run(ttft(dec, pre, ids))
-            after = [pre.metric(n) for n in ("splitfire_worker_kv_transfer_bytes_total",
-                                             "splitfire_worker_kv_transfer_entries_total",
-                                             "splitfire_worker_kv_transfer_seconds_sum")]
+            after = pre.metrics_now(TRANSFER_METRICS)
             if i == 0:
                 continue
             rows["bytes"].append(after[0] - before[0])

@@ -54,7 +54,6 @@ from __future__ import annotations
 
 import argparse
 import bisect
-import dataclasses
 import heapq
 import itertools
 import json
@@ -625,9 +624,10 @@ class Scaler:
 
 
 def run_scaled(reqs: list[TraceRequest], model: CostModel, scaler: Scaler, start: tuple[int, int], policy: str,
-               store: bool, ttft_slo: float, itl_slo: float) -> tuple[dict[str, float], Scaler]:
+               store: bool, ttft_slo: float, itl_slo: float,
+               block_tokens: int = TRACE_BLOCK) -> tuple[dict[str, float], Scaler]:
     fleet = Fleet(reqs, model, prefill=start[0], decode=start[1], layout="disaggregated", policy=policy,
-                  store=store, ttft_slo=ttft_slo, itl_slo=itl_slo)
+                  store=store, ttft_slo=ttft_slo, itl_slo=itl_slo, block_tokens=block_tokens)
     fleet.run(tick=scaler.interval, on_tick=scaler)
     end = max((o.done_at for o in fleet.out if not math.isnan(o.done_at)), default=0.0)
     return summary(fleet, end), scaler
@@ -636,7 +636,8 @@ def run_scaled(reqs: list[TraceRequest], model: CostModel, scaler: Scaler, start
 def compare_planner(reqs: list[TraceRequest], model: CostModel, args: argparse.Namespace) -> dict[str, object]:
     limits = Limits(min_prefill=1, max_prefill=args.max_workers, min_decode=1, max_decode=args.max_workers)
     planner = Planner(model.profile(), args.ttft_slo, args.itl_slo, limits)
-    kw = dict(policy=args.policy, store=args.store, ttft_slo=args.ttft_slo, itl_slo=args.itl_slo)
+    kw = dict(policy=args.policy, store=args.store, ttft_slo=args.ttft_slo, itl_slo=args.itl_slo,
+              block_tokens=args.block or TRACE_BLOCK)
     p_sum, p_scaler = run_scaled(reqs, model, Scaler("planner", args.interval, args.startup, limits, planner),
                                  (1, 1), **kw)
     h_sum, h_scaler = run_scaled(reqs, model, Scaler("cpu_hpa", args.interval, args.startup, limits), (1, 1), **kw)
@@ -711,12 +712,21 @@ def main() -> int:
     p.add_argument("--json", default="")
     p.add_argument("--plot", default="")
     args = p.parse_args()
+    if not args.block and (args.speed != 1.0 or args.max_output != 64):
+        p.error("--speed and --max-output scale a replay's requests: give --block too")
+    if args.cost_model_json:
+        measured = json.loads(Path(args.cost_model_json).read_text())
+        workers = args.workers or args.prefill + args.decode
+        model = CostModel.from_measured(measured, args.store_blocks or measured["kv_blocks"] * workers)
+    else:
+        model = COST_MODELS[args.cost_model]
     if args.compare_live:
         if not args.cost_model_json:
             p.error("--compare-live needs --cost-model-json: the live run's workers, measured on its machine")
+        if args.block or args.limit or args.window or args.compare_planner or args.layout != "disaggregated":
+            p.error("--compare-live takes its requests and their scaling from the live run (no --block, --limit, "
+                    "--window, --compare-planner) and simulates a disaggregated fleet")
         live = json.loads(Path(args.compare_live).read_text())
-        model = CostModel.from_measured(json.loads(Path(args.cost_model_json).read_text()), 0)
-        model = dataclasses.replace(model, store_blocks=args.store_blocks or model.cache_blocks * (args.prefill + args.decode))
         cmp = compare_live(live, model, prefill=args.prefill, decode=args.decode, policy=args.policy, store=args.store,
                            trace=args.trace)
         print(json.dumps(cmp, indent=1))
@@ -726,16 +736,9 @@ def main() -> int:
     if not args.trace:
         p.error("--trace is required")
     reqs = read_trace(args.trace, limit=args.limit, window_s=args.window)
-    block = TRACE_BLOCK
+    block = args.block or TRACE_BLOCK
     if args.block:
-        block = args.block
         reqs = scaled(reqs, Scale(args.block, 2, max_output=args.max_output), args.speed)
-    if args.cost_model_json:
-        measured = json.loads(Path(args.cost_model_json).read_text())
-        workers = args.workers or args.prefill + args.decode
-        model = CostModel.from_measured(measured, args.store_blocks or measured["kv_blocks"] * workers)
-    else:
-        model = COST_MODELS[args.cost_model]
     if args.compare_planner:
         result: dict[str, object] = compare_planner(reqs, model, args)
         for name in ("planner", "best_static", "cpu_hpa"):

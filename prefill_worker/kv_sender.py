@@ -22,7 +22,7 @@ import torch
 
 from engine.batch.scheduler import ScheduledSeq
 from engine.ranks import RankGroup
-from kvtransfer.descriptors import KVRegion, coalesce
+from kvtransfer.descriptors import coalesce
 from kvtransfer.writer import KVWriter, TransferJob
 from worker.kv_rank import JobSpec, rank_jobs
 from worker.kv_routes import KVSplit, Route
@@ -46,11 +46,6 @@ class TransferPlan:
 
     def __post_init__(self) -> None:
         self.next_block = self.first_block
-
-    @property
-    def dst(self) -> KVRegion:
-        """The decode worker's rank-0 region."""
-        return KVRegion(self.dests[0][1], *self.dims)
 
     @property
     def transfer_s(self) -> float:

@@ -103,7 +103,7 @@ initContainers:
 {{- define "splitfire.pools" -}}
 {{- $pools := list (dict "name" "" "model" .Values.model.name "prefill" .Values.prefill "decode" .Values.decode) }}
 {{- range .Values.modelPools }}
-{{- $pools = append $pools (dict "name" .name "model" .model "servedName" (.servedName | default .name)
+{{- $pools = append $pools (dict "name" .name "model" .model
       "prefill" (merge (deepCopy (.prefill | default dict)) (deepCopy $.Values.prefill))
       "decode" (merge (deepCopy (.decode | default dict)) (deepCopy $.Values.decode))) }}
 {{- end }}
@@ -121,4 +121,10 @@ initContainers:
       name: {{ .Values.redis.external.secretName }}
       key: {{ .Values.redis.external.key }}
 {{- end }}
+{{- end -}}
+
+{{/* A role's tensor-parallel size: its own tensorParallelSize, else workers.tensorParallelSize; pass
+     (dict "ctx" $ "v" <the role's values>) */}}
+{{- define "splitfire.roleTP" -}}
+{{- ternary (int .v.tensorParallelSize) (int .ctx.Values.workers.tensorParallelSize) (gt (int .v.tensorParallelSize) 0) }}
 {{- end -}}
