@@ -53,7 +53,8 @@ class DecodeService(pb_grpc.DecodeServicer):
         self.segment = segment
         # Tensor parallel: the other ranks' KV caches, which the prefill worker's other ranks fill.
         ranks = ctx.engine.llm.ranks if region is not None else None
-        self.peer_ranks = [pb.KVRank(segment=seg, base_address=base) for seg, base in ranks.rank_info] if ranks else []
+        self.peer_ranks = ([pb.KVRank(segment=r.segment, base_address=r.base_address) for r in ranks.rank_info]
+                           if ranks else [])
         self._stubs: dict[str, pb_grpc.PrefillStub] = {}
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._settling: set[asyncio.Task] = set()

@@ -200,11 +200,7 @@ async def up(args: argparse.Namespace) -> int:
               flush=True)
         return 2
     kv_stores: list[list[str]] = [[] for _ in model_dirs]  # one store per model: blocks of two models never mix
-    split = max(role_tp.values()) * pp > 1
-    if split and not args.no_kv_store:
-        print("splitfire up: no cluster KV store with model-parallel workers (it does not yet address KV split "
-              "across ranks); each worker keeps its own prefix cache", flush=True)
-    elif not args.no_kv_store:
+    if not args.no_kv_store:
         from kvtransfer.store import master_command
 
         for m in range(len(model_dirs)):

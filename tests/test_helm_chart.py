@@ -157,9 +157,14 @@ def test_tensor_parallel_workers_get_one_gpu_per_rank(helm):
     for role in ("prefill", "decode"):
         c = deps[f"rel-splitfire-{role}"]["spec"]["template"]["spec"]["containers"][0]
         assert "--tensor-parallel-size=8" in c["args"] and c["resources"]["limits"]["nvidia.com/gpu"] == 8
-    # Refused at template time, by name: the KV store with split KV, and fewer GPUs than ranks.
+    # The KV store with split KV: every rank publishes and fetches its own part (worker/kv_tier_ranks.py).
     kv = render(helm, ROOT / "helm/ci/gpu-8decode-4prefill-rdma-values.yaml", *tp[:6])
-    assert kv.returncode != 0 and "kvStore.enabled=false" in kv.stderr
+    assert kv.returncode == 0, kv.stderr
+    kv_deps = {d["metadata"]["name"]: d for d in yaml.safe_load_all(kv.stdout) if d and d["kind"] == "Deployment"}
+    for role in ("prefill", "decode"):
+        args = kv_deps[f"rel-splitfire-{role}"]["spec"]["template"]["spec"]["containers"][0]["args"]
+        assert "--tensor-parallel-size=8" in args and any(a.startswith("--kv-store=") for a in args)
+    # Refused at template time, by name: fewer GPUs than ranks.
     gpus = render(helm, ROOT / "helm/ci/gpu-8decode-4prefill-rdma-values.yaml", *tp[:4], *tp[6:])
     assert gpus.returncode != 0 and "one GPU per rank" in gpus.stderr
     # Each role split its own way (prefill ranks write head slices into the decode ranks).

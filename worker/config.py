@@ -77,14 +77,10 @@ class WorkerConfig:
         if not self.advertise:
             self.advertise = f"{self.transfer.hostname}:{self.grpc_port}"
         self.engine.validate()
-        ranks = self.engine.tensor_parallel_size * self.engine.pipeline_parallel_size
         if self.engine.pipeline_parallel_size > 1 and self.role != "both":
             raise ValueError("--pipeline-parallel-size above 1 is served colocated only (splitfire serve) for now: "
                              "a prefill or decode worker's KV transfer addresses tensor-parallel ranks, not "
                              "pipeline stages")
-        if ranks > 1 and self.kv_store:
-            raise ValueError("--tensor-parallel-size / --pipeline-parallel-size above 1 with --kv-store: the cluster "
-                             "KV tier does not yet address pages split across ranks; drop --kv-store")
         if self.role != "both":
             self.transfer.validate()
         return self

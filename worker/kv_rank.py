@@ -1,4 +1,4 @@
-"""The KV transfer of a prefill or decode worker's tensor-parallel ranks other than 0.
+"""The KV transfer and KV-store part of a worker's model-parallel ranks other than 0.
 
 Every rank of a tensor-parallel worker holds its own heads of each KV page, in a cache of its own
 (same blocks, same layout, fewer heads). For a prefill worker to fill a decode worker's cache, each
@@ -10,8 +10,12 @@ decode worker hands those to the prefill worker in `KVDestination.ranks`). On a 
 of the same blocks where its routes say, layer by layer while the next layer computes, and answers
 with what it wrote (`LayerwiseKVSender.after_forward` gathers the answers).
 
+With a cluster KV store (`--kv-store`), every rank of any role also runs a `StoreAgent` of its own
+that publishes and fetches its pages when rank 0's KV tier asks (`worker/kv_tier_ranks.py`).
+
 Run as `python -m worker.kv_rank RANK` by `engine/ranks.py` (`RankMain`), with the worker's
-`TransferConfig` in SPLITFIRE_RANK_TRANSFER.
+`TransferConfig` in SPLITFIRE_RANK_TRANSFER (prefill and decode roles) and its `StoreConfig` in
+SPLITFIRE_RANK_STORE (with a KV store).
 """
 
 from __future__ import annotations
@@ -28,12 +32,24 @@ from engine.model.kv_cache import KVCache
 from engine.ranks import RankMain, follower
 from kvtransfer.config import TransferConfig
 from kvtransfer.descriptors import KVRegion, Run
+from kvtransfer.store import StoreConfig
 from kvtransfer.transport import MooncakeTransport
 from kvtransfer.writer import KVWriter, TransferJob
 from worker.kv_routes import Route
+from worker.kv_tier_ranks import AgentAddress, StoreAgent
 from worker.layer_writes import LayerWrites
 
 ENV = "SPLITFIRE_RANK_TRANSFER"
+STORE_ENV = "SPLITFIRE_RANK_STORE"
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """What a rank (> 0) tells rank 0 once its cache exists (`RankGroup.rank_info`)."""
+
+    segment: str  # its Mooncake transfer engine ("" without a KV transfer: colocated)
+    base_address: int  # its KV cache's
+    store: AgentAddress | None  # its KV-store agent (None without a store)
 
 
 def register_cache(transport: MooncakeTransport, kv: KVCache) -> KVRegion:
@@ -64,9 +80,15 @@ def rank_jobs(spec: JobSpec, rank: int) -> list[TransferJob]:
     return jobs
 
 
-def rank_main(transfer: TransferConfig) -> RankMain:
-    """What a prefill or decode worker's other ranks run."""
-    return RankMain("worker.kv_rank", {ENV: json.dumps(dataclasses.asdict(transfer))})
+def rank_main(transfer: TransferConfig | None, store: StoreConfig | None = None) -> RankMain:
+    """What a worker's other ranks run: the KV transfer's part (prefill and decode roles) and the KV
+    store's (with a store)."""
+    env = {}
+    if transfer is not None:
+        env[ENV] = json.dumps(dataclasses.asdict(transfer))
+    if store is not None:
+        env[STORE_ENV] = json.dumps(dataclasses.asdict(store))
+    return RankMain("worker.kv_rank", env)
 
 
 def _own_name(transfer: TransferConfig) -> TransferConfig:
@@ -81,21 +103,28 @@ def _own_name(transfer: TransferConfig) -> TransferConfig:
 
 
 class RankKV:
-    """`engine.ranks.RankExtension` of rank `rank` (> 0): its cache registered; rank 0's jobs run."""
+    """`engine.ranks.RankExtension` of rank `rank` (> 0): its cache registered; rank 0's jobs run; its
+    pages published and fetched (with a store)."""
 
-    def __init__(self, rank: int, transfer: TransferConfig):
+    def __init__(self, rank: int, transfer: TransferConfig | None, store: StoreConfig | None = None):
         self.rank = rank
         self.transfer = transfer
+        self.store_config = store
         self.transport: MooncakeTransport | None = None
         self.region: KVRegion | None = None
         self.writes: LayerWrites | None = None
+        self.agent: StoreAgent | None = None
 
-    def on_ready(self, kv: KVCache) -> tuple[str, int]:
-        self.transport = MooncakeTransport(_own_name(self.transfer))
-        self.region = register_cache(self.transport, kv)
-        self.writes = LayerWrites(KVWriter(self.transport, self.region, self.transfer.max_inflight_entries),
-                                  kv.buffer.device)
-        return self.transport.segment, kv.base_address
+    def on_ready(self, kv: KVCache) -> RankInfo:
+        if self.store_config is not None:
+            self.agent = StoreAgent(self.store_config, kv)
+        if self.transfer is not None:
+            self.transport = MooncakeTransport(_own_name(self.transfer))
+            self.region = register_cache(self.transport, kv)
+            self.writes = LayerWrites(KVWriter(self.transport, self.region, self.transfer.max_inflight_entries),
+                                      kv.buffer.device)
+        return RankInfo(self.transport.segment if self.transport is not None else "", kv.base_address,
+                        self.agent.address if self.agent is not None else None)
 
     def before_forward(self, payload: list[JobSpec]) -> None:
         assert self.writes is not None
@@ -118,12 +147,18 @@ class RankKV:
             self.writes.close()
         if self.transport is not None:
             self.transport.close()
+        if self.agent is not None:
+            self.agent.close()
 
 
 def main(rank: int, env: dict[str, Any]) -> None:
-    transfer = TransferConfig(**json.loads(env[ENV])).validate()
-    follower(rank, RankKV(rank, transfer))
+    transfer = TransferConfig(**json.loads(env[ENV])).validate() if ENV in env else None
+    store = StoreConfig(**json.loads(env[STORE_ENV])).validate() if STORE_ENV in env else None
+    follower(rank, RankKV(rank, transfer, store))
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), dict(os.environ))
+    # Run this module's code under its own name, so that what it sends rank 0 (`RankInfo`) unpickles there.
+    from worker.kv_rank import main as _main
+
+    _main(int(sys.argv[1]), dict(os.environ))

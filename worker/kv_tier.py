@@ -7,10 +7,12 @@ once), never waited for. Fetching: before a prompt is computed, the blocks past 
 hit that the store holds are read straight into the prompt's own blocks; only the rest is
 computed. A block that did not arrive whole is never used (the request computes it).
 
-Keys: `splitfire/<fingerprint>/<chained block hash>`. The block hash is the local prefix
+Keys: `splitfire/<fingerprint>/<part><chained block hash>`. The block hash is the local prefix
 cache's (tenant-rooted, chained over every token before it: content-addressed, never
-rewritten); the fingerprint covers the weights, dtype, block size and KV layout, so two models
-or layouts never read each other's blocks.
+rewritten); the fingerprint covers the weights, dtype, block size and KV layout (and the
+model-parallel split), so two models or layouts never read each other's blocks. A worker split
+over several ranks publishes and fetches each rank's part of a block on that rank
+(`worker/kv_tier_ranks.py`); `<part>` is empty on one rank.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from common.block_hash import block_hashes
 from engine.async_engine import AsyncEngine
 from engine.loading.checkpoint import model_fingerprint
 from kvtransfer.store import KVStore
+from worker.kv_routes import KVSplit
+from worker.kv_tier_ranks import AgentAddress, RemotePages, StorePages, part_names, publishers
 from worker.metrics import WorkerMetrics
 
 log = logging.getLogger("splitfire.worker")
@@ -33,23 +37,33 @@ MAX_PENDING_BLOCKS = 4096
 
 class KVTier:
     def __init__(self, store: KVStore, aengine: AsyncEngine, metrics: WorkerMetrics,
-                 max_pending_blocks: int = MAX_PENDING_BLOCKS):
+                 max_pending_blocks: int = MAX_PENDING_BLOCKS, agents: list[AgentAddress] | None = None):
+        """`agents`: the other model-parallel ranks' store agents, in rank order (none on one rank)."""
         engine = aengine.llm
         layout = engine.kv.layout
+        ranks = engine.ranks
+        tp, pp = (ranks.tp, ranks.pp) if ranks is not None else (1, 1)
         # Quantized weights, and int8-rounded activations, compute different KV than float ones from
         # the same files: workers share blocks only when they compute them the same way.
         ident = (f"{model_fingerprint(engine.model_dir)}/{engine.config.quantization or 'native'}/"
                  f"{engine.config.cpu_activations}/{layout.dtype}/{layout.block_size}/{layout.num_layers}x"
-                 f"{layout.num_kv_heads}x{layout.head_dim}")
+                 f"{layout.num_kv_heads}x{layout.head_dim}" + (f"/tp{tp}pp{pp}" if tp * pp > 1 else ""))
         self.prefix = f"splitfire/{hashlib.sha256(ident.encode()).hexdigest()[:24]}/"
+        cfg = engine.model_config
+        split = KVSplit(cfg, tp, layout.block_size, layout.element_size)
+        stages = list(ranks.stages) if ranks is not None and pp > 1 else [range(cfg.num_layers)]
+        heads = split.head_ranges(tp)
+        self.parts = part_names(stages, heads, cfg.num_layers, 1 if cfg.mla is not None else cfg.num_kv_heads)
+        self.publishes = publishers(self.parts)
+        if len(agents or []) != tp * pp - 1:
+            raise ValueError(f"the KV tier of a worker over {tp * pp} ranks needs a store agent on each other rank, "
+                             f"got {len(agents or [])}")
+        self.remote = [RemotePages(a) for a in agents or []]
         self.store = store
         self.aengine = aengine
         self.metrics = metrics
         self.block_size = layout.block_size
-        self._page = layout.page_bytes
-        self._base = engine.kv.base_address
-        self._layers = layout.num_layers
-        self._num_blocks = layout.num_blocks
+        self.local = StorePages(store, engine.kv)
         self.max_pending = max_pending_blocks
         self.pending = 0
         self._queue: asyncio.Queue[tuple[list[bytes], list[int]]] = asyncio.Queue()
@@ -59,19 +73,36 @@ class KVTier:
         self._publisher = ThreadPoolExecutor(1, thread_name_prefix="kv-publish")
         self._task: asyncio.Task | None = None
         self._fills: set[asyncio.Task] = set()
-        store.register(engine.kv.base_address, engine.kv.nbytes)
         engine.kv_tier = True
         aengine.on_publish = self.on_publish
         aengine.on_fetch = self.on_fetch
 
-    def keys(self, hashes: list[bytes]) -> list[str]:
-        return [self.prefix + h.hex() for h in hashes]
+    def keys(self, hashes: list[bytes], rank: int = 0) -> list[str]:
+        part = self.prefix + self.parts[rank]
+        return [part + h.hex() for h in hashes]
 
-    def _ranges(self, blocks: list[int]) -> tuple[list[list[int]], list[list[int]]]:
-        """Each block's page in every layer: where its object's bytes come from or go to."""
-        stride = self._num_blocks * self._page
-        ptrs = [[self._base + b * self._page + layer * stride for layer in range(self._layers)] for b in blocks]
-        return ptrs, [[self._page] * self._layers for _ in blocks]
+    def _present(self, hashes: list[bytes]) -> int:
+        """How many leading blocks the store holds every part of (one lookup per distinct part)."""
+        n = len(hashes)
+        for rank, publishes in enumerate(self.publishes):
+            if publishes and n:
+                n = min(n, self.store.present(self.keys(hashes[:n], rank)))
+        return n
+
+    def _each_rank(self, op: str, hashes: list[bytes], blocks: list[int], only_publishers: bool) -> int:
+        """`op` ("get" or "put") of the same blocks on every rank at once, each its own part: the leading
+        blocks every rank moved whole."""
+        sent = []
+        try:
+            for rank, remote in enumerate(self.remote, start=1):
+                if not only_publishers or self.publishes[rank]:
+                    remote.send(op, self.keys(hashes, rank), blocks)
+                    sent.append(remote)
+            local = self.local.get if op == "get" else self.local.put
+            n = local(self.keys(hashes), blocks)
+        finally:  # every request sent is answered (the connections stay in step), even after a failure here
+            answers = [remote.answer(op) for remote in sent]
+        return min([n, *answers])
 
     # -- fetching (the request path) ----------------------------------------------------
 
@@ -83,8 +114,7 @@ class KVTier:
         local = await self.aengine.cached_prefix_blocks(hashes)
         if local >= last:
             return 0
-        return await asyncio.get_running_loop().run_in_executor(self._fetcher, self.store.present,
-                                                                self.keys(hashes[local:]))
+        return await asyncio.get_running_loop().run_in_executor(self._fetcher, self._present, hashes[local:])
 
     async def fill(self, request_id: str) -> int:
         """Read the blocks of a reserved prompt past its local hit that the store holds, into the
@@ -93,7 +123,7 @@ class KVTier:
         hashes, blocks = await aeng.fill_plan(request_id)
         n = 0
         if hashes:
-            n = await asyncio.get_running_loop().run_in_executor(self._fetcher, self._fetch, self.keys(hashes), blocks)
+            n = await asyncio.get_running_loop().run_in_executor(self._fetcher, self._fetch, hashes, blocks)
         self.metrics.kv_store_blocks.labels(role=self.metrics.role, op="fetched").inc(n)
         return await aeng.mark_filled(request_id, n)
 
@@ -114,16 +144,15 @@ class KVTier:
             log.exception("event=kv_fill_failed rid=%s", request_id)
         await self.aengine.resume_after_fill(request_id)
 
-    def _fetch(self, keys: list[str], blocks: list[int]) -> int:
+    def _fetch(self, hashes: list[bytes], blocks: list[int]) -> int:
         try:
-            n = self.store.present(keys)
+            n = self._present(hashes)
             if n == 0:
                 return 0
-            ptrs, sizes = self._ranges(blocks[:n])
-            return self.store.get(keys[:n], ptrs, sizes)
+            return self._each_rank("get", hashes[:n], blocks[:n], only_publishers=False)
         except Exception:  # a cache: the request computes what did not arrive
-            log.exception("event=kv_fetch_failed blocks=%d", len(keys))
-            self.metrics.kv_store_blocks.labels(role=self.metrics.role, op="fetch_failed").inc(len(keys))
+            log.exception("event=kv_fetch_failed blocks=%d", len(hashes))
+            self.metrics.kv_store_blocks.labels(role=self.metrics.role, op="fetch_failed").inc(len(hashes))
             return 0
 
     # -- publishing (in the background) ------------------------------------------------
@@ -146,8 +175,7 @@ class KVTier:
         while True:
             hashes, blocks = await self._queue.get()
             try:
-                ptrs, sizes = self._ranges(blocks)
-                done = await loop.run_in_executor(self._publisher, self.store.put, self.keys(hashes), ptrs, sizes)
+                done = await loop.run_in_executor(self._publisher, self._each_rank, "put", hashes, blocks, True)
                 self.metrics.kv_store_blocks.labels(role=self.metrics.role, op="published").inc(done)
             except Exception:
                 log.exception("event=kv_publish_failed blocks=%d", len(blocks))
@@ -164,4 +192,6 @@ class KVTier:
             await self.aengine.unpin_published(blocks)
         self._fetcher.shutdown(wait=True)
         self._publisher.shutdown(wait=True)
+        for remote in self.remote:
+            remote.close()
         await asyncio.to_thread(self.store.close)

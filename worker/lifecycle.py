@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import signal
@@ -57,9 +58,19 @@ def register_kv(transport: MooncakeTransport, llm: LLMEngine) -> KVRegion:
 def load_context(cfg: WorkerConfig, observer: StepObserver | None = None,
                  engine: LLMEngine | None = None) -> WorkerContext:
     apply_cpu_affinity(cfg)
+    store_cfg = None
+    if cfg.kv_store:
+        from kvtransfer.store import StoreConfig
+
+        store_cfg = StoreConfig(cfg.kv_store, cfg.transfer.hostname, int(cfg.kv_store_gb * 2**30),
+                                cfg.transfer.protocol, cfg.transfer.device_name)
     if engine is None:
-        # A prefill or decode worker's other tensor-parallel ranks take part in the KV transfer.
-        engine = LLMEngine(cfg.engine, rank_main(cfg.transfer) if cfg.role != "both" else None)
+        # A prefill or decode worker's other model-parallel ranks take part in the KV transfer, and with
+        # a store every rank publishes and fetches its own pages (the memory lent is rank 0's alone).
+        transfer = cfg.transfer if cfg.role != "both" else None
+        main = (rank_main(transfer, dataclasses.replace(store_cfg, lend_bytes=0) if store_cfg else None)
+                if transfer is not None or store_cfg is not None else None)
+        engine = LLMEngine(cfg.engine, main)
     metrics = WorkerMetrics(cfg.role)
     ctx = WorkerContext(cfg, AsyncEngine(engine, observer), metrics, model_name=engine.model_dir.name,
                         adapters=engine.adapters)
@@ -71,14 +82,13 @@ def load_context(cfg: WorkerConfig, observer: StepObserver | None = None,
         ctx.engine.on_kv_events = ctx.kv_events.on_kv_events
     metrics.kv_total.labels(**metrics.labels).set(engine.blocks.num_blocks)
     metrics.adapters_resident.labels(**metrics.labels).set(len(engine.adapters))
-    if cfg.kv_store:
-        from kvtransfer.store import KVStore, StoreConfig
+    if store_cfg is not None:
+        from kvtransfer.store import KVStore
         from worker.kv_tier import KVTier
 
-        store = KVStore(StoreConfig(cfg.kv_store, cfg.transfer.hostname, int(cfg.kv_store_gb * 2**30),
-                                    cfg.transfer.protocol, cfg.transfer.device_name))
-        ctx.kv_tier = KVTier(store, ctx.engine, metrics)
-        store.ready()  # connect now if the master answers; otherwise serve without it and retry later
+        agents = [info.store for info in engine.ranks.rank_info] if engine.ranks is not None else []
+        ctx.kv_tier = KVTier(KVStore(store_cfg), ctx.engine, metrics, agents=agents)
+        ctx.kv_tier.store.ready()  # connect now if the master answers; otherwise serve without it and retry later
     return ctx
 
 

@@ -1,0 +1,153 @@
+"""The cluster-wide KV tier over a worker's model-parallel ranks: each rank publishes and fetches its own pages.
+
+A tensor-parallel rank holds its own KV heads of every page, a pipeline stage its own layers, each in a
+cache of its own process (or device). So a block of a model-parallel worker is one store object per
+distinct part — `key prefix + part + block hash`, the part naming the layers and KV heads it holds
+(`part_names`) — and every rank reads and writes its own object with its own Mooncake Store client
+(a `StoreAgent` on the ranks other than 0, driven by rank 0's `KVTier` over a local connection).
+Ranks that hold the same part (a KV head replicated over several ranks, a latent cache whole on every
+rank) share one object: the lowest of them publishes it, each fetches it.
+
+A block counts as fetched only when every rank read its part whole: the tier uses the leading run of
+blocks all ranks got (`min` of their answers); the rest is computed. A block one rank published but
+another did not is never used. The key prefix commits to the split (`tp`, `pp`), so workers split
+differently miss each other's blocks instead of reading pages of another shape.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import threading
+from dataclasses import dataclass
+from multiprocessing.connection import Client, Connection, Listener
+from typing import Any
+
+from engine.model.kv_cache import KVCache
+from kvtransfer.store import KVStore, StoreConfig
+
+log = logging.getLogger("splitfire.worker")
+
+
+@dataclass(frozen=True)
+class AgentAddress:
+    """Where rank 0 reaches a rank's `StoreAgent` (a local socket and its key)."""
+
+    address: tuple[str, int]
+    authkey: bytes
+
+
+def part_names(layers: list[range], heads: list[range], total_layers: int, total_heads: int) -> list[str]:
+    """Each rank's part of a block as it appears in a store key (rank = stage * tp + tp rank): `layers`
+    per stage, `heads` per tensor-parallel rank; "" for the whole block (one rank: keys unchanged)."""
+    out = []
+    for layer_range in layers:
+        for head_range in heads:
+            part = []
+            if (layer_range.start, layer_range.stop) != (0, total_layers):
+                part.append(f"L{layer_range.start}-{layer_range.stop}")
+            if (head_range.start, head_range.stop) != (0, total_heads):
+                part.append(f"H{head_range.start}-{head_range.stop}")
+            out.append(".".join(part) + "/" if part else "")
+    return out
+
+
+def publishers(parts: list[str]) -> list[bool]:
+    """Which ranks publish: the first rank holding each distinct part (replicas fetch, never re-publish)."""
+    return [parts.index(p) == r for r, p in enumerate(parts)]
+
+
+class StorePages:
+    """One rank's KV pages in the store: a block's object is its page in every layer of this rank's cache."""
+
+    def __init__(self, store: KVStore, kv: KVCache):
+        layout = kv.layout
+        self.store = store
+        self._base = kv.base_address
+        self._page = layout.page_bytes
+        self._layers = layout.num_layers
+        self._stride = layout.num_blocks * layout.page_bytes
+        store.register(kv.base_address, kv.nbytes)
+
+    def ranges(self, blocks: list[int]) -> tuple[list[list[int]], list[list[int]]]:
+        """Each block's page in every layer: where its object's bytes come from or go to."""
+        ptrs = [[self._base + b * self._page + layer * self._stride for layer in range(self._layers)] for b in blocks]
+        return ptrs, [[self._page] * self._layers for _ in blocks]
+
+    def get(self, keys: list[str], blocks: list[int]) -> int:
+        """Read `keys` into `blocks`: how many leading blocks arrived whole."""
+        return self.store.get(keys, *self.ranges(blocks)) if keys else 0
+
+    def put(self, keys: list[str], blocks: list[int]) -> int:
+        return self.store.put(keys, *self.ranges(blocks)) if keys else 0
+
+
+class StoreAgent:
+    """A rank's store client (rank > 0), serving rank 0's `get` / `put` of its own pages: one thread per
+    connection (rank 0 opens one for fetches and one for publishes, so neither waits for the other)."""
+
+    def __init__(self, cfg: StoreConfig, kv: KVCache):
+        self.store = KVStore(cfg)
+        self.pages = StorePages(self.store, kv)
+        self.store.ready()  # connect now if the master answers; calls retry later otherwise
+        self.authkey = secrets.token_bytes(16)
+        self.listener = Listener(("127.0.0.1", 0), authkey=self.authkey)
+        self.closed = False
+        self._conns: list[Connection] = []
+        threading.Thread(target=self._accept, daemon=True, name="kv-store-agent").start()
+
+    @property
+    def address(self) -> AgentAddress:
+        host, port = self.listener.address
+        return AgentAddress((host, port), self.authkey)
+
+    def _accept(self) -> None:
+        while not self.closed:
+            try:
+                conn = self.listener.accept()
+            except OSError:
+                return  # (closed)
+            except Exception:  # a peer without the key: refused, keep listening
+                log.exception("event=kv_store_agent_refused")
+                continue
+            self._conns.append(conn)
+            threading.Thread(target=self._serve, args=(conn,), daemon=True, name="kv-store-agent-conn").start()
+
+    def _serve(self, conn: Connection) -> None:
+        while True:
+            try:
+                op, keys, blocks = conn.recv()
+            except (EOFError, OSError):
+                return  # rank 0 closed it
+            try:
+                n = self.pages.get(keys, blocks) if op == "get" else self.pages.put(keys, blocks)
+            except Exception:  # a cache: rank 0 counts this rank's blocks as missing
+                log.exception("event=kv_store_agent_failed op=%s blocks=%d", op, len(keys))
+                n = 0
+            conn.send(n)
+
+    def close(self) -> None:
+        self.closed = True
+        self.listener.close()
+        for conn in self._conns:
+            conn.close()
+        self.store.close()
+
+
+class RemotePages:
+    """Rank 0's handle on one other rank's `StoreAgent`: a request sent, its answer read later, so every
+    rank's transfer runs at once."""
+
+    def __init__(self, agent: AgentAddress):
+        self._conns = {kind: Client(agent.address, authkey=agent.authkey) for kind in ("get", "put")}
+
+    def send(self, op: str, keys: list[str], blocks: list[int]) -> None:
+        self._conns[op].send((op, keys, blocks))
+
+    def answer(self, op: str) -> int:
+        n: Any = self._conns[op].recv()
+        return int(n)
+
+    def close(self) -> None:
+        for conn in self._conns.values():
+            conn.close()
