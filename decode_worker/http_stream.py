@@ -8,6 +8,7 @@ import logging
 import grpc
 from aiohttp import web
 
+from decode_worker.hosted_service import HostedDecodeService
 from decode_worker.service import DecodeService
 from protos import frames, trailers
 from protos import splitfire_pb2 as pb
@@ -29,7 +30,7 @@ class FrameContext:
         raise StreamAborted(code, details, dict(trailing_metadata))
 
 
-def add_routes(app: web.Application, service: DecodeService) -> None:
+def add_routes(app: web.Application, service: DecodeService | HostedDecodeService) -> None:
     async def generate(request: web.Request) -> web.StreamResponse:
         try:
             msg = pb.GenerateRequest.FromString(await request.read())

@@ -14,6 +14,7 @@ import logging
 
 from aiohttp import web
 
+from decode_worker.hosted_service import HostedDecodeService
 from decode_worker.http_stream import FrameContext, StreamAborted
 from decode_worker.service import DecodeService
 from protos import frames, trailers
@@ -100,7 +101,7 @@ class MuxConnection:
             log.info("event=mux_write_failed peer=%s error=%r", self.peer, e)
 
 
-def add_mux_route(app: web.Application, service: DecodeService) -> None:
+def add_mux_route(app: web.Application, service: DecodeService | HostedDecodeService) -> None:
     live: dict[MuxConnection, web.Request] = {}
 
     async def mux(request: web.Request) -> web.StreamResponse:

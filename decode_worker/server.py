@@ -24,6 +24,12 @@ async def run(cfg: WorkerConfig) -> None:
         mooncake = MooncakeTransport(cfg.transfer)
         region = register_kv(mooncake, ctx.engine.llm)
         decode = DecodeService(ctx, region, mooncake.segment)
+    elif cfg.on_demand_models:  # several base models: each request's own, loaded on demand
+        from decode_worker.hosted_service import HostedDecodeService
+        from worker.lifecycle import host_models
+
+        ctx.host = host_models(ctx, DecodeService)
+        decode = HostedDecodeService(ctx, ctx.host)
     else:
         decode = DecodeService(ctx)
     server = new_server()

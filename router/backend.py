@@ -41,6 +41,8 @@ class Probe:
     load: tuple[int, int, int] | None = None
     models: list[str] = field(default_factory=list)  # upstreams: what /v1/models lists
     model: str = ""  # workers: the name of the model directory they serve
+    hosted: list[str] = field(default_factory=list)  # workers hosting several base models: all of them
+    resident: list[str] = field(default_factory=list)  # ... and those loaded now
 
 
 class Backend(Protocol):

@@ -84,10 +84,13 @@ class Dispatcher:
         decodes = self.registry.healthy("decode", exclude) + self.registry.healthy("colocated", exclude)
         prefills = self.registry.healthy("prefill", exclude)
         if req.pool:  # a router serving several models: that model's workers
-            decodes = [e for e in decodes if e.served_model == req.pool]
-            prefills = [e for e in prefills if e.served_model == req.pool]
+            decodes = [e for e in decodes if e.serves(req.pool)]
+            prefills = [e for e in prefills if e.serves(req.pool)]
             if not decodes:
                 raise unavailable(f"no healthy worker serves model '{req.model}' now; retry shortly")
+            # Workers with the model loaded first: another would load it (and may evict one) before the
+            # first token.
+            decodes = [e for e in decodes if e.holds(req.pool)] or decodes
         if req.adapter:  # a LoRA adapter: the workers that have it resident
             decodes = [e for e in decodes if req.adapter in e.adapters]
             prefills = [e for e in prefills if req.adapter in e.adapters]

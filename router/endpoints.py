@@ -33,6 +33,9 @@ class Endpoint:
     adapters: set[str] = field(default_factory=set)  # workers: LoRA adapters resident (from health checks)
     models: set[str] = field(default_factory=set)  # OpenAI upstreams: what their /v1/models lists
     served_model: str = ""  # workers: the model directory's name they report (a router serving several models)
+    # workers hosting several base models (--on-demand-model): every one they serve, and those loaded now
+    hosted: set[str] = field(default_factory=set)
+    resident: set[str] = field(default_factory=set)
     # local estimates
     prefill_tokens: int = 0  # uncached prompt tokens sent here and not yet prefilled
     held_tokens: int = 0  # KV tokens our running requests hold here (decode / colocated)
@@ -44,6 +47,14 @@ class Endpoint:
     reported_decode: int = 0
     local_prefill_at_report: int = 0
     local_decode_at_report: int = 0
+
+    def serves(self, model: str) -> bool:
+        """Whether this worker serves base model `model` (its directory's name), loaded or on demand."""
+        return model == self.served_model or model in self.hosted
+
+    def holds(self, model: str) -> bool:
+        """Whether `model` is loaded here now (a worker serving one model always holds it)."""
+        return model == self.served_model if not self.hosted else model in self.resident
 
     @property
     def healthy(self) -> bool:

@@ -41,6 +41,10 @@ class HealthChecker:
             if probe.model != ep.served_model:
                 log.info("event=endpoint_model role=%s address=%s model=%s", ep.role, ep.address, probe.model)
                 ep.served_model = probe.model
+            if (set(probe.hosted), set(probe.resident)) != (ep.hosted, ep.resident):
+                log.info("event=endpoint_hosted_models role=%s address=%s models=%s resident=%s", ep.role, ep.address,
+                         ",".join(probe.hosted) or "-", ",".join(probe.resident) or "-")
+                ep.hosted, ep.resident = set(probe.hosted), set(probe.resident)
             if set(probe.adapters) != ep.adapters:
                 log.info("event=endpoint_adapters role=%s address=%s adapters=%s", ep.role, ep.address,
                          ",".join(sorted(probe.adapters)) or "-")

@@ -127,7 +127,7 @@ class WorkerClient:
                                  sampling=sampling.to_proto(replace(req.sampling, max_tokens=max_tokens,
                                                                                resumed_tokens=len(generated))),
                                  tenant=req.tenant, prefill_endpoint=route.prefill.address if route.prefill else "",
-                                 tenant_weight=req.weight, adapter=req.adapter)
+                                 tenant_weight=req.weight, adapter=req.adapter, model=req.pool)
         ep = route.decode
         if self.stream == "mux" and ep.stream_port and ep.stream_mux:
             return self._generate_mux(ep, msg, timeout_s)
@@ -256,7 +256,8 @@ class WorkerClient:
         stub = pbg.WorkerStub(self.channel(ep.address))
         h = await stub.Health(pb.HealthRequest(), timeout=timeout_s)
         probe = Probe(h.status == "serving", h.block_size, h.max_model_len, stream_port=h.stream_port,
-                      stream_mux=h.stream_mux, adapters=list(h.adapters), model=h.model)
+                      stream_mux=h.stream_mux, adapters=list(h.adapters), model=h.model, hosted=list(h.models),
+                      resident=list(h.resident))
         if probe.ok:
             # Load reconciliation is best effort: a slow Stats answer is not a sick worker.
             try:

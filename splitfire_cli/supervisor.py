@@ -195,6 +195,13 @@ async def up(args: argparse.Namespace) -> int:
         print("splitfire up: --prefill/--decode-tensor-parallel-size size disaggregated workers; with --colocated "
               "use --tensor-parallel-size", flush=True)
         return 2
+    if args.shared_workers or args.max_loaded_models or args.model_memory_gb:
+        if not args.shared_workers or len(model_dirs) < 2 or args.shared_workers < 0 or tp * pp > 1:
+            print("splitfire up: --shared-workers N starts N colocated workers that each serve every --model (two "
+                  "or more; one split over no ranks), loading them on demand within --max-loaded-models / "
+                  "--model-memory-gb", flush=True)
+            return 2
+        args.colocated = True
     if pp > 1 and not args.colocated:
         print("splitfire up: --pipeline-parallel-size above 1 is served colocated for now (add --colocated)",
               flush=True)
@@ -211,7 +218,10 @@ async def up(args: argparse.Namespace) -> int:
     kv_store = kv_stores[0]
     per_model = ["both"] if args.colocated else ["prefill"] * args.prefill + ["decode"] * args.decode
     roles = per_model * len(model_dirs)
-    which = [m for m in range(len(model_dirs)) for _ in per_model]  # each worker's model
+    which = [m for m in range(len(model_dirs)) for _ in per_model]  # each worker's (first) model
+    if args.shared_workers:  # N colocated workers serving every model: the i-th keeps model i resident
+        roles = ["both"] * args.shared_workers
+        which = [i % len(model_dirs) for i in range(args.shared_workers)]
     cpus = plan_cpus(args.cpus, len(roles))  # (a worker's ranks share its cores: engine/ranks.threads_per_rank)
     gpus = plan_gpus(args.gpus, len(roles), gpu_count(args.device), [role_tp[r] * pp for r in roles])
     if args.lora_modules or args.lora_root:
@@ -238,6 +248,12 @@ async def up(args: argparse.Namespace) -> int:
             argv += ["--redis-url", redis_url, "--advertise", f"127.0.0.1:{port}"]
         if role_tp[role] > 1:
             argv += ["--tensor-parallel-size", str(role_tp[role])]
+        if args.shared_workers:
+            argv += [a for i, d in enumerate(model_dirs) if i != m for a in ("--on-demand-model", d)]
+            if args.max_loaded_models:
+                argv += ["--max-loaded-models", str(args.max_loaded_models)]
+            if args.model_memory_gb:
+                argv += ["--model-memory-gb", str(args.model_memory_gb)]
         if cores:
             argv += ["--cpus", cores]
         argv += args.worker_arg + (args.prefill_arg if role == "prefill" else args.decode_arg)
@@ -450,6 +466,13 @@ def add_subcommand(sub) -> None:
     p.add_argument("--prefill", type=int, default=1, help="prefill workers")
     p.add_argument("--decode", type=int, default=1, help="decode workers")
     p.add_argument("--colocated", action="store_true", help="one colocated worker instead of prefill + decode")
+    p.add_argument("--shared-workers", type=int, default=0, metavar="N",
+                   help="with several --model: N colocated workers that each serve every model, the i-th keeping "
+                        "model i mod M resident and loading the others when a request names them")
+    p.add_argument("--max-loaded-models", type=int, default=0,
+                   help="--shared-workers: models resident at once per worker (0: no limit)")
+    p.add_argument("--model-memory-gb", type=float, default=0.0,
+                   help="--shared-workers: GiB of weights + KV cache per worker's resident models (0: no limit)")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="each worker splits the model across this many ranks (GPUs, or CPU processes sharing "
                         "its cores); each prefill rank writes its KV heads into the decode ranks holding them")

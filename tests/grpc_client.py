@@ -27,10 +27,11 @@ def greedy(max_tokens: int, **kw) -> pb.SamplingParams:
 
 
 async def generate(address: str, ids: list[int], sampling: pb.SamplingParams, prefill: str = "", rid: str = "",
-                   tenant: str = "") -> Collected:
+                   tenant: str = "", model: str = "") -> Collected:
     async with grpc.aio.insecure_channel(address) as ch:
         out = Collected()
-        req = pb.GenerateRequest(request_id=rid, token_ids=ids, sampling=sampling, prefill_endpoint=prefill, tenant=tenant)
+        req = pb.GenerateRequest(request_id=rid, token_ids=ids, sampling=sampling, prefill_endpoint=prefill, tenant=tenant,
+                                 model=model)
         async for ev in pbg.DecodeStub(ch).Generate(req):
             out.events += 1
             out.token_ids += ev.token_ids

@@ -35,6 +35,11 @@ class WorkerConfig:
     kv_store: str = ""  # host:port of mooncake_master: the cluster-wide KV tier ("" = none)
     kv_store_gb: float = 0.0  # memory this worker lends to that tier
     lora_roots: list[str] = field(default_factory=list)  # run-time adapter loads only from under these
+    # Colocated role: more base models this worker serves, loaded when a request names one
+    # (worker/model_host.py), within these limits (0: none).
+    on_demand_models: list[str] = field(default_factory=list)
+    max_loaded_models: int = 0
+    model_memory_gb: float = 0.0
 
     def lora_path(self, path: str) -> str:
         """`path` resolved, if it lies under a --lora-root; ValueError naming the rule otherwise."""
@@ -83,11 +88,37 @@ class WorkerConfig:
                              "pipeline stages")
         if self.role != "both":
             self.transfer.validate()
+        self._validate_hosting()
         return self
+
+    def _validate_hosting(self) -> None:
+        if self.max_loaded_models < 0 or self.model_memory_gb < 0:
+            raise ValueError("--max-loaded-models and --model-memory-gb must be >= 0")
+        if not self.on_demand_models:
+            if self.max_loaded_models or self.model_memory_gb:
+                raise ValueError("--max-loaded-models / --model-memory-gb limit the models loaded on demand: "
+                                 "add --on-demand-model")
+            return
+        if self.role != "both":
+            raise ValueError("--on-demand-model is served by colocated workers (splitfire serve) for now: a prefill "
+                             "or decode worker's KV transfer addresses one model's cache")
+        if self.engine.tensor_parallel_size * self.engine.pipeline_parallel_size > 1:
+            raise ValueError("--on-demand-model with --tensor-parallel-size / --pipeline-parallel-size above 1 is "
+                             "not supported yet")
+        if self.engine.device == "cuda":
+            raise ValueError("--on-demand-model is CPU-only for now: on CUDA each engine sizes its KV cache from "
+                             "the GPU's free memory, so a second model would find none left")
+        if self.max_loaded_models == 1:
+            raise ValueError("--max-loaded-models 1 leaves no room beside the first model, which stays resident")
 
 
 def _env(name: str, default: object) -> object:
     return os.environ.get(f"SPLITFIRE_{name.upper()}", default)
+
+
+def _list_env(name: str) -> list[str]:
+    """A repeatable flag's default from `SPLITFIRE_<NAME>` (comma-separated)."""
+    return [v for v in str(_env(name, "")).split(",") if v]
 
 
 def parse_cpus(spec: str) -> list[int]:
@@ -251,6 +282,16 @@ def add_worker_args(p: argparse.ArgumentParser, role: str) -> None:
         d.add_argument("--prefill-timeout", type=float, default=float(_env("prefill_timeout", 120.0)))
         d.add_argument("--kv-quarantine", type=float, default=float(_env("kv_quarantine", 5.0)),
                        help="seconds to hold blocks after a failed or aborted transfer")
+        if role == "both":
+            h = p.add_argument_group("several models in one worker")
+            h.add_argument("--on-demand-model", action="append", default=_list_env("on_demand_models"),
+                           metavar="MODEL", help="another base model this worker serves, loaded when a request names "
+                           "it (repeatable; --model stays resident)")
+            h.add_argument("--max-loaded-models", type=int, default=int(_env("max_loaded_models", 0)),
+                           help="models resident at once, --model included (0: no limit); the least recently used "
+                                "idle one is evicted to load another")
+            h.add_argument("--model-memory-gb", type=float, default=float(_env("model_memory_gb", 0.0)),
+                           help="GiB of weights + KV cache the resident models may take together (0: no limit)")
         d.add_argument("--stream-interval", type=int, default=int(_env("stream_interval", 1)),
                        help="send a stream event every N tokens: fewer gRPC messages (router CPU) for "
                             "coarser streaming; the first token and the end are always sent at once")
@@ -275,6 +316,10 @@ def worker_config_from(args: argparse.Namespace, role: str) -> WorkerConfig:
         kv_store_gb=args.kv_store_gb,
         lora_roots=list(args.lora_root),
     )
+    if role == "both":
+        cfg.on_demand_models = list(args.on_demand_model)
+        cfg.max_loaded_models = args.max_loaded_models
+        cfg.model_memory_gb = args.model_memory_gb
     if role in ("decode", "both"):
         cfg.local_prefill_max_tokens = args.local_prefill_max_tokens
         cfg.local_prefill_max_fraction = args.local_prefill_max_fraction

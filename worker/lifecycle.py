@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import gc
 import logging
 import os
 import signal
 import time
+import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import torch
@@ -18,11 +22,15 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from common import gc_heap
 from engine.async_engine import AsyncEngine
+from engine.engine_config import EngineConfig
 from engine.llm_engine import LLMEngine, RequestOutput, StepObserver
+from engine.loading import weight_cache
+from engine.loading.model_store import resolve_model
 from kvtransfer.descriptors import KVRegion
 from worker.config import WorkerConfig
 from worker.kv_rank import rank_main, register_cache
 from worker.metrics import WorkerMetrics
+from worker.model_host import HostedModel, HostLimits, ModelHost
 from worker.worker_service import WorkerContext
 
 if TYPE_CHECKING:
@@ -90,6 +98,72 @@ def load_context(cfg: WorkerConfig, observer: StepObserver | None = None,
         ctx.kv_tier = KVTier(KVStore(store_cfg), ctx.engine, metrics, agents=agents)
         ctx.kv_tier.store.ready()  # connect now if the master answers; otherwise serve without it and retry later
     return ctx
+
+
+@dataclass
+class ResidentModel:
+    """A base model loaded in this worker: its context (engine, shared metrics and in-flight set) and the
+    role's service over it."""
+
+    ctx: WorkerContext
+    service: Any
+
+
+def _hosted_engine_config(cfg: WorkerConfig, path: str) -> EngineConfig:
+    """A model loaded on demand: the worker's engine settings, without what belongs to its first model
+    (LoRA adapters, a draft model or EAGLE head)."""
+    spec = cfg.engine.speculative if cfg.engine.speculative == "ngram" else "off"
+    return dataclasses.replace(cfg.engine, model=path, lora_modules={}, enable_lora=False, speculative=spec,
+                               draft_model=None)
+
+
+def _footprint(engine: LLMEngine) -> int:
+    return weight_cache.nbytes(engine.model) + engine.kv.nbytes
+
+
+def _estimate(cfg: WorkerConfig, m: HostedModel) -> int:
+    """A model never loaded here: its weight files and a KV cache of --kv-cache-gb."""
+    path = Path(m.path)
+    files = [path] if path.is_file() else [f for f in path.iterdir()
+                                           if f.suffix in (".safetensors", ".gguf", ".bin", ".pt")]
+    return sum(f.stat().st_size for f in files) + int(cfg.engine.kv_cache_gb * 2**30)
+
+
+def host_models(ctx: WorkerContext, make_service: Callable[[WorkerContext], Any]) -> ModelHost:
+    """The models of a worker started with --on-demand-model: its first (`ctx`, resident for good) and the
+    others, loaded when a request names one (`worker/model_host.py`)."""
+    cfg, m = ctx.config, ctx.metrics
+    first = HostedModel(ctx.model_name, str(ctx.engine.llm.model_dir), ResidentModel(ctx, make_service(ctx)),
+                        _footprint(ctx.engine.llm), pinned=True)
+    others = [HostedModel(d.name, str(d)) for d in map(resolve_model, cfg.on_demand_models)]
+
+    async def load(hm: HostedModel) -> tuple[ResidentModel, int]:
+        engine = await asyncio.to_thread(LLMEngine, _hosted_engine_config(cfg, hm.path))
+        sub = WorkerContext(cfg, AsyncEngine(engine), m, model_name=hm.name, inflight=ctx.inflight)
+        sub.engine.on_step = _on_step(sub)
+        sub.engine.start()
+        return ResidentModel(sub, make_service(sub)), _footprint(engine)
+
+    async def unload(hm: HostedModel) -> None:
+        resident: ResidentModel = hm.resident
+        hm.resident = None
+        await resident.ctx.engine.stop()
+        engine = weakref.ref(resident.ctx.engine.llm)
+        resident.ctx.engine.llm.close()
+        del resident
+        gc.collect()  # (the engine's own reference cycles: its memory goes back now, not at some later collection)
+        log.info("event=model_freed model=%s freed=%s", hm.name, engine() is None)
+
+    def changed(op: str, hm: HostedModel, seconds: float) -> None:
+        m.model_loads.labels(role=m.role, model=hm.name, op=op).inc()
+        if op == "loaded":
+            m.model_load_seconds.labels(**m.labels).observe(seconds)
+        m.models_resident.labels(**m.labels).set(len(host.resident()))
+
+    limits = HostLimits(cfg.max_loaded_models, int(cfg.model_memory_gb * 2**30), cfg.reserve_timeout_s)
+    host = ModelHost([first, *others], limits, load, unload, lambda hm: _estimate(cfg, hm), changed)
+    m.models_resident.labels(**m.labels).set(1)
+    return host
 
 
 def _on_step(ctx: WorkerContext):
@@ -188,6 +262,8 @@ async def serve(ctx: WorkerContext, server: grpc.aio.Server,
     await metrics_runner.cleanup()
     if ctx.kv_tier is not None:
         await ctx.kv_tier.stop()
+    if ctx.host is not None:
+        await ctx.host.close()
     await ctx.engine.stop()
     log.info("event=worker_stopped role=%s", cfg.role)
 

@@ -58,4 +58,11 @@ class WorkerMetrics:
                                               "a LoRA adapter", labels, buckets=LATENCY_BUCKETS, registry=r)
         self.adapters_resident = Gauge("splitfire_worker_adapters_resident", "LoRA adapters taking requests", labels,
                                        registry=r)
+        self.model_requests = Counter("splitfire_worker_model_requests", "Requests started, by base model (a worker "
+                                      "hosting several)", ["role", "model"], registry=r)
+        self.model_loads = Counter("splitfire_worker_model_loads", "Base models loaded on demand and evicted",
+                                   ["role", "model", "op"], registry=r)
+        self.model_load_seconds = Histogram("splitfire_worker_model_load_seconds", "Time to load a base model on "
+                                            "demand (engine ready)", labels, buckets=LATENCY_BUCKETS, registry=r)
+        self.models_resident = Gauge("splitfire_worker_models_resident", "Base models loaded now", labels, registry=r)
         self.labels = {"role": self.role}

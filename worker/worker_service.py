@@ -33,6 +33,13 @@ class WorkerContext:
     stream_port: int = 0  # the HTTP port serving Decode.Generate as frames (0: gRPC only)
     adapters: list[str] = field(default_factory=list)  # LoRA adapters taking requests (as of the last change)
     kv_events: Any = None  # worker.kv_events.KVEventPublisher with --redis-url
+    host: Any = None  # worker.model_host.ModelHost when the worker serves several base models
+
+    def contexts(self) -> list[WorkerContext]:
+        """The context of every base model resident now (this one alone unless the worker hosts several)."""
+        if self.host is None:
+            return [self]
+        return [m.resident.ctx for m in self.host.models.values() if m.resident is not None]
 
     async def refuse_if_draining(self, context: grpc.aio.ServicerContext) -> None:
         if self.draining:
@@ -54,14 +61,20 @@ class WorkerService(pb_grpc.WorkerServicer):
             found = engine.abort(rid)
             return found, settled(rid) if settled is not None else False
 
-        found, writes_settled = await self.ctx.engine.call(abort)
+        found, writes_settled = False, False
+        for ctx in self.ctx.contexts():  # (a request id lives in one engine; a worker hosting several asks each)
+            f, w = await ctx.engine.call(abort)
+            found, writes_settled = found or f, writes_settled or w
         if self.extra_abort is not None:
             found = await self.extra_abort(rid) or found
         log.info("event=abort rid=%s found=%s writes_settled=%s", rid, found, writes_settled)
         return pb.AbortResponse(found=found, writes_settled=writes_settled)
 
     async def ResetPrefixCache(self, request: pb.ResetPrefixCacheRequest, context) -> pb.ResetPrefixCacheResponse:
-        freed, unshared = await self.ctx.engine.reset_prefix_cache()
+        freed = unshared = 0
+        for ctx in self.ctx.contexts():
+            f, u = await ctx.engine.reset_prefix_cache()
+            freed, unshared = freed + f, unshared + u
         log.info("event=prefix_cache_reset freed=%d unshared=%d", freed, unshared)
         return pb.ResetPrefixCacheResponse(blocks_dropped=freed, blocks_unshared=unshared)
 
@@ -81,6 +94,8 @@ class WorkerService(pb_grpc.WorkerServicer):
             block_size=eng.config.block_size,
             max_model_len=eng.max_model_len,
             stream_port=self.ctx.stream_port, stream_mux=bool(self.ctx.stream_port), adapters=self.ctx.adapters,
+            models=self.ctx.host.names() if self.ctx.host is not None else [],
+            resident=self.ctx.host.resident() if self.ctx.host is not None else [],
         )
 
     async def LoadAdapter(self, request: pb.LoadAdapterRequest, context) -> pb.LoadAdapterResponse:
@@ -120,12 +135,23 @@ class WorkerService(pb_grpc.WorkerServicer):
         return pb.UnloadAdapterResponse(pending=not gone)
 
     async def Stats(self, request: pb.StatsRequest, context) -> pb.StatsResponse:
-        st = self.ctx.engine.stats  # as of the last step: no waiting behind the one running now
-        b = st.blocks
-        return pb.StatsResponse(
-            prompt_tokens_in_flight=st.prompt_tokens_in_flight, running=st.running, waiting=st.waiting,
-            kv_blocks_total=b.total, kv_blocks_used=b.used, kv_blocks_free=b.free, kv_blocks_cached=b.cached,
-            kv_tokens_held=st.kv_tokens_held, prefix_query_tokens=b.prefix_query_tokens,
-            prefix_hit_tokens=b.prefix_hit_tokens, decode_tokens_remaining=st.decode_tokens_remaining,
-            reserved=st.reserved, store_hit_tokens=st.store_hit_tokens,
-        )
+        # As of each engine's last step: no waiting behind the one running now. A worker hosting several
+        # models reports their sum (they share its cores).
+        out = pb.StatsResponse()
+        for ctx in self.ctx.contexts():
+            st = ctx.engine.stats
+            b = st.blocks
+            out.prompt_tokens_in_flight += st.prompt_tokens_in_flight
+            out.running += st.running
+            out.waiting += st.waiting
+            out.kv_blocks_total += b.total
+            out.kv_blocks_used += b.used
+            out.kv_blocks_free += b.free
+            out.kv_blocks_cached += b.cached
+            out.kv_tokens_held += st.kv_tokens_held
+            out.prefix_query_tokens += b.prefix_query_tokens
+            out.prefix_hit_tokens += b.prefix_hit_tokens
+            out.decode_tokens_remaining += st.decode_tokens_remaining
+            out.reserved += st.reserved
+            out.store_hit_tokens += st.store_hit_tokens
+        return out

@@ -1,0 +1,180 @@
+"""Several base models in one worker (`--on-demand-model`): the hosting policy on plain objects (LRU
+eviction, limits, busy models never evicted, one load per model), then real workers: every model answers
+with its own transformers tokens, a third model evicts the least recently used one, whose next request
+reloads it, and a router in front routes by `model` and prefers workers where it is loaded."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import signal
+
+import aiohttp
+import grpc
+import pytest
+from grpc_client import generate, greedy
+from hf_models import make_hf_model
+from procs import address, free_port, spawn, start_worker
+
+from common.errors import RequestError
+from common.tokenizer import Tokenizer
+from protos import splitfire_pb2 as pb
+from protos import splitfire_pb2_grpc as pbg
+from worker.model_host import HostedModel, HostLimits, ModelHost, ModelUnavailable
+
+GIB = 2**30
+
+
+def make_host(limits: HostLimits, sizes: dict[str, int]) -> tuple[ModelHost, list[tuple[str, str]]]:
+    events: list[tuple[str, str]] = []
+
+    async def load(m: HostedModel) -> tuple[object, int]:
+        await asyncio.sleep(0.01)
+        events.append(("load", m.name))
+        return object(), sizes[m.name]
+
+    async def unload(m: HostedModel) -> None:
+        events.append(("evict", m.name))
+        m.resident = None
+
+    first = HostedModel("a", "/a", resident=object(), footprint=sizes["a"], pinned=True)
+    models = [first, *(HostedModel(n, f"/{n}") for n in sizes if n != "a")]
+    return ModelHost(models, limits, load, unload, lambda m: sizes[m.name]), events
+
+
+async def use(host: ModelHost, name: str) -> None:
+    host.release(await host.acquire(name))
+
+
+async def test_least_recently_used_idle_model_is_evicted_and_the_first_never():
+    host, events = make_host(HostLimits(max_loaded=3), {"a": GIB, "b": GIB, "c": GIB, "d": GIB})
+    for name in ("b", "c", "a", "b", "d"):  # c is now the least recently used of the evictable ones
+        await use(host, name)
+    assert events == [("load", "b"), ("load", "c"), ("evict", "c"), ("load", "d")]
+    assert sorted(host.resident()) == ["a", "b", "d"]
+    await use(host, "c")  # back: b is now the least recently used (a is pinned)
+    assert events[-2:] == [("evict", "b"), ("load", "c")]
+    assert host.models["c"].loads == 2
+
+
+async def test_the_memory_budget_evicts_as_many_as_it_takes_and_refuses_a_model_that_never_fits():
+    host, events = make_host(HostLimits(memory_bytes=4 * GIB), {"a": GIB, "b": GIB, "c": GIB, "d": 3 * GIB,
+                                                                "e": 5 * GIB})
+    for name in ("b", "c", "d"):
+        await use(host, name)
+    assert events == [("load", "b"), ("load", "c"), ("evict", "b"), ("evict", "c"), ("load", "d")]
+    with pytest.raises(ModelUnavailable, match="needs 5.00 GiB.*--model-memory-gb 4.00"):
+        await host.acquire("e")
+    with pytest.raises(RequestError, match="not served by this worker"):
+        await host.acquire("zzz")
+
+
+async def test_a_busy_model_is_never_evicted_the_request_waits_for_room_or_gives_up():
+    host, events = make_host(HostLimits(max_loaded=2, wait_s=0.3), {"a": GIB, "b": GIB, "c": GIB})
+    b = await host.acquire("b")  # in use
+    with pytest.raises(ModelUnavailable, match="every resident model is busy"):
+        await host.acquire("c")
+    assert ("evict", "b") not in events
+    waiter = asyncio.create_task(host.acquire("c"))
+    await asyncio.sleep(0.05)
+    host.release(b)  # b goes idle: c's request evicts it and loads c
+    c = await waiter
+    assert events[-2:] == [("evict", "b"), ("load", "c")] and c.active == 1
+
+
+async def test_concurrent_requests_for_a_missing_model_load_it_once():
+    host, events = make_host(HostLimits(max_loaded=2), {"a": GIB, "b": GIB})
+    got = await asyncio.gather(*(host.acquire("b") for _ in range(5)))
+    assert events == [("load", "b")] and got[0].active == 5
+
+
+# -- real workers -----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def three_models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hosted")
+    return (make_hf_model("llama3", root / "llama-a", seed=1),
+            make_hf_model("qwen3", root / "qwen-b", seed=2),
+            make_hf_model("llama3", root / "llama-c", seed=3))
+
+
+def metric(log_text: str, event: str, model: str) -> int:
+    return len(re.findall(rf"event={event} model={re.escape(model)}\b", log_text))
+
+
+async def test_one_worker_serves_three_models_loading_on_demand_and_evicting_the_least_recently_used(
+        three_models, tmp_path):
+    a, b, c = three_models
+    w = start_worker("both", a.path, tmp_path, "--on-demand-model", str(b.path), "--on-demand-model", str(c.path),
+                     "--max-loaded-models", "2", name="host")
+    try:
+        async with grpc.aio.insecure_channel(address(w)) as ch:
+            health = await pbg.WorkerStub(ch).Health(pb.HealthRequest())
+        assert list(health.models) == ["llama-a", "qwen-b", "llama-c"] and list(health.resident) == ["llama-a"]
+        prompt = [(7 * j) % 300 + 3 for j in range(20)]
+        # The first model, then b (loaded), then c (loaded: b, the least recently used, evicted), then b again.
+        for model, name in ((a, ""), (b, "qwen-b"), (c, "llama-c"), (b, "qwen-b"), (a, "llama-a")):
+            out = await generate(address(w), prompt, greedy(6), model=name)
+            assert out.token_ids == model.greedy(prompt, 6), name
+        log = w.log()
+        assert metric(log, "model_loaded", "qwen-b") == 2 and metric(log, "model_loaded", "llama-c") == 1
+        assert metric(log, "model_evicted", "qwen-b") == 1 and metric(log, "model_evicted", "llama-c") == 1
+        assert "event=model_freed model=qwen-b freed=True" in log  # its engine is gone, not just unreferenced
+        assert metric(log, "model_evicted", "llama-a") == 0  # the first model stays
+        async with grpc.aio.insecure_channel(address(w)) as ch:
+            health = await pbg.WorkerStub(ch).Health(pb.HealthRequest())
+            assert sorted(health.resident) == ["llama-a", "qwen-b"]
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await generate(address(w), prompt, greedy(2), model="nope")
+            assert e.value.code() == grpc.StatusCode.NOT_FOUND and "llama-c" in e.value.details()
+        # Both models' requests in flight at once, each on its own engine.
+        outs = await asyncio.gather(*(generate(address(w), prompt, greedy(6), model=n) for n in ("llama-a", "qwen-b")))
+        assert [o.token_ids for o in outs] == [a.greedy(prompt, 6), b.greedy(prompt, 6)]
+    finally:
+        assert w.stop() == 0, w.log()[-2000:]
+
+
+def test_hosting_flags_are_validated(tiny_model_dir, tmp_path):
+    from worker.config import WorkerConfig
+
+    cfg = WorkerConfig("both", max_loaded_models=2)
+    with pytest.raises(ValueError, match="add --on-demand-model"):
+        cfg.validate()
+    with pytest.raises(ValueError, match="colocated workers"):
+        WorkerConfig("decode", on_demand_models=[str(tiny_model_dir)]).validate()
+    with pytest.raises(ValueError, match="no room beside the first model"):
+        WorkerConfig("both", on_demand_models=[str(tiny_model_dir)], max_loaded_models=1).validate()
+
+
+async def test_splitfire_up_shared_workers_route_by_model_and_prefer_where_it_is_loaded(three_models, tmp_path):
+    a, b, c = three_models
+    port = free_port()
+    p = spawn("up", ["up", "--model", str(a.path), "--model", str(b.path), "--model", str(c.path),
+                     "--shared-workers", "2", "--max-loaded-models", "2", "--no-redis", "--no-kv-store",
+                     "--port", str(port), "--kv-cache-gb", "0.01", "--router-arg=--health-interval=0.2"], tmp_path)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        p.wait_for("splitfire is ready", timeout=180)
+        prompt = [(5 * j) % 300 + 3 for j in range(12)]
+        async with aiohttp.ClientSession() as s:
+            for _ in range(2):
+                for name, model in (("llama-a", a), ("qwen-b", b), ("llama-c", c)):
+                    async with s.post(f"{base}/v1/completions", json={
+                            "model": name, "prompt": prompt, "max_tokens": 5, "temperature": 0,
+                            "ignore_eos": True}) as r:
+                        body = await r.json()
+                        assert r.status == 200, body
+                        assert body["choices"][0]["text"] == Tokenizer(model.path).decode(model.greedy(prompt, 5))
+                        assert body["model"] == name
+                await asyncio.sleep(0.6)  # the routers' health checks see where each model is loaded now
+            async with s.get(f"{base}/v1/models") as r:
+                assert {m["id"] for m in (await r.json())["data"]} == {"llama-a", "qwen-b", "llama-c"}
+        log = p.log()
+        # Worker 0 keeps llama-a and worker 1 qwen-b resident: each of those is served where it is loaded
+        # (no load of either), and llama-c is loaded once, on one of them (the router then prefers it there).
+        assert "event=model_loaded model=llama-a" not in log and "event=model_loaded model=qwen-b" not in log
+        assert log.count("event=model_loaded model=llama-c") == 1
+    finally:
+        p.popen.send_signal(signal.SIGTERM)
+        assert p.popen.wait(60) == 0, p.log()[-3000:]
