@@ -63,7 +63,7 @@ async def test_the_memory_budget_evicts_as_many_as_it_takes_and_refuses_a_model_
     for name in ("b", "c", "d"):
         await use(host, name)
     assert events == [("load", "b"), ("load", "c"), ("evict", "b"), ("evict", "c"), ("load", "d")]
-    with pytest.raises(ModelUnavailable, match="needs 5.00 GiB.*--model-memory-gb 4.00"):
+    with pytest.raises(ModelUnavailable, match=r"needs 5\.00 GiB.*--model-memory-gb 4\.00"):
         await host.acquire("e")
     with pytest.raises(RequestError, match="not served by this worker"):
         await host.acquire("zzz")
