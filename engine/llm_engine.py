@@ -107,9 +107,11 @@ def _rss_mib() -> float:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, rank_main: RankMain | None = None):
+    def __init__(self, config: EngineConfig, rank_main: RankMain | None = None, tokenizer: Tokenizer | None = None):
         """`rank_main`: what the model-parallel ranks other than 0 run (`engine/ranks.py`; a prefill or
-        decode worker's adds its KV transfer)."""
+        decode worker's adds its KV transfer). `tokenizer`: this model's, kept from an earlier engine (a
+        worker reloading a model it evicted: reading tokenizer.json and building the detokenizer's byte
+        table take longer than mapping the weights)."""
         self.config = config.validate()
         rss_start = _rss_mib()  # (for the start-up log line: what loading the model adds)
         self.device = config.torch_device
@@ -118,7 +120,7 @@ class LLMEngine:
             torch.set_num_threads(config.threads)
         self.model_dir = resolve_model(config.model)
         self.model_config = ModelConfig.from_dir(self.model_dir)
-        self.tokenizer = Tokenizer(self.model_dir)
+        self.tokenizer = tokenizer if tokenizer is not None else Tokenizer(self.model_dir)
         # Model parallel: the other ranks start loading their parts while this one loads its own.
         tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
         stages = split_layers(self.model_config, pp) if pp > 1 else None

@@ -21,6 +21,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from common import gc_heap
+from common.tokenizer import Tokenizer
 from engine.async_engine import AsyncEngine
 from engine.engine_config import EngineConfig
 from engine.llm_engine import LLMEngine, RequestOutput, StepObserver
@@ -136,9 +137,12 @@ def host_models(ctx: WorkerContext, make_service: Callable[[WorkerContext], Any]
     first = HostedModel(ctx.model_name, str(ctx.engine.llm.model_dir), ResidentModel(ctx, make_service(ctx)),
                         _footprint(ctx.engine.llm), pinned=True)
     others = [HostedModel(d.name, str(d)) for d in map(resolve_model, cfg.on_demand_models)]
+    tokenizers: dict[str, Tokenizer] = {}  # kept across evictions: a reload then only maps the weights
 
     async def load(hm: HostedModel) -> tuple[ResidentModel, int]:
-        engine = await asyncio.to_thread(LLMEngine, _hosted_engine_config(cfg, hm.path))
+        engine = await asyncio.to_thread(LLMEngine, _hosted_engine_config(cfg, hm.path), None,
+                                         tokenizers.get(hm.name))
+        tokenizers[hm.name] = engine.tokenizer
         sub = WorkerContext(cfg, AsyncEngine(engine), m, model_name=hm.name, inflight=ctx.inflight)
         sub.engine.on_step = _on_step(sub)
         sub.engine.start()
