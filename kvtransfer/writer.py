@@ -26,6 +26,7 @@ class TransferJob:
     dst: KVRegion
     runs: list[Run]
     part: HeadSlice | None = None  # some heads of each page (workers split differently), else whole pages
+    src: KVRegion | None = None  # where the pages are read from, if not the writer's KV region (a staging copy)
     pending: list[int] = field(default_factory=list)  # submitted batch ids not yet complete
     bytes: int = 0
     entries: int = 0
@@ -55,7 +56,7 @@ class KVWriter:
         if not job.started:
             job.started = time.perf_counter()
         try:
-            for e in layer_entries(self.src, job.dst, layer, job.runs, job.part):
+            for e in layer_entries(job.src or self.src, job.dst, layer, job.runs, job.part):
                 while self._inflight[job.target] >= self.max_inflight:
                     self._poll_once([job])
                 job.pending.append(self.engine.submit_write(job.target, e.src, e.dst, e.length))

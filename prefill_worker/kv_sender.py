@@ -26,6 +26,7 @@ from kvtransfer.descriptors import coalesce
 from kvtransfer.writer import KVWriter, TransferJob
 from worker.kv_rank import JobSpec, rank_jobs
 from worker.kv_routes import KVSplit, Route
+from worker.kv_staging import KVStaging
 from worker.layer_writes import LayerWrites
 
 
@@ -53,8 +54,9 @@ class TransferPlan:
 
 
 class LayerwiseKVSender:
-    def __init__(self, writer: KVWriter, split: KVSplit, device: torch.device, ranks: RankGroup | None = None):
-        self.writes = LayerWrites(writer, device)
+    def __init__(self, writer: KVWriter, split: KVSplit, device: torch.device, ranks: RankGroup | None = None,
+                 staging: KVStaging | None = None):
+        self.writes = LayerWrites(writer, device, staging)
         self.split = split  # how this worker's pages are split over its ranks
         self.block_size = split.block_size
         self.ranks = ranks  # the other tensor-parallel ranks, which send their own heads

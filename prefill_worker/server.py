@@ -11,6 +11,7 @@ from prefill_worker.service import PrefillService
 from protos import splitfire_pb2_grpc as pb_grpc
 from worker.config import WorkerConfig, worker_config_from
 from worker.kv_routes import KVSplit
+from worker.kv_staging import KVStaging
 from worker.lifecycle import load_context, new_server, register_kv, serve
 from worker.worker_service import WorkerService
 
@@ -23,7 +24,7 @@ async def run(cfg: WorkerConfig) -> None:
     split = KVSplit(llm.model_config, llm.ranks.tp if llm.ranks is not None else 1, llm.config.block_size,
                     llm.kv.layout.element_size)
     sender = LayerwiseKVSender(KVWriter(mooncake, region, cfg.transfer.max_inflight_entries), split, llm.device,
-                               llm.ranks)
+                               llm.ranks, KVStaging(llm.kv, mooncake.register))
     ctx.engine.observer = sender
     server = new_server()
     pb_grpc.add_PrefillServicer_to_server(PrefillService(ctx, sender, region), server)

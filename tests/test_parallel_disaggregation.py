@@ -92,6 +92,12 @@ async def test_one_rank_prefill_into_two_rank_decode_equals_transformers(cluster
             assert out.prefill_mode == "remote"
             assert out.token_ids == ref.greedy(p, 10)
         await wait_blocks_free(dec)
+        # The one rank holds both KV heads, each decode rank one: its heads are gathered into staged
+        # pages (worker/kv_staging.py) and sent whole, at most one entry per destination page (a 2,048-byte
+        # page: k+v, 16 slots, one head of 16 floats), not one per 64-byte row.
+        sent = metric(pre1, "splitfire_worker_kv_transfer_bytes_total")
+        entries = metric(pre1, "splitfire_worker_kv_transfer_entries_total")
+        assert sent > 0 and entries * 2048 <= sent, (entries, sent)
     finally:
         assert pre1.stop() == 0, pre1.log()[-2000:]
 

@@ -36,6 +36,7 @@ from kvtransfer.store import StoreConfig
 from kvtransfer.transport import MooncakeTransport
 from kvtransfer.writer import KVWriter, TransferJob
 from worker.kv_routes import Route
+from worker.kv_staging import KVStaging
 from worker.kv_tier_ranks import AgentAddress, StoreAgent
 from worker.layer_writes import LayerWrites
 
@@ -122,7 +123,7 @@ class RankKV:
             self.transport = MooncakeTransport(_own_name(self.transfer))
             self.region = register_cache(self.transport, kv)
             self.writes = LayerWrites(KVWriter(self.transport, self.region, self.transfer.max_inflight_entries),
-                                      kv.buffer.device)
+                                      kv.buffer.device, KVStaging(kv, self.transport.register))
         return RankInfo(self.transport.segment if self.transport is not None else "", kv.base_address,
                         self.agent.address if self.agent is not None else None)
 

@@ -12,24 +12,33 @@ from __future__ import annotations
 import torch
 
 from kvtransfer.writer import KVWriter, TransferJob
+from worker.kv_staging import KVStaging
 from worker.layer_events import LayerEvents, event_factory
 
 
 class LayerWrites:
-    def __init__(self, writer: KVWriter, device: torch.device):
+    def __init__(self, writer: KVWriter, device: torch.device, staging: KVStaging | None = None):
+        """`staging`: head slices whose destination pages are whole are gathered there and sent as pages
+        (`worker/kv_staging.py`); without it they go row by row."""
         self.writer = writer
         self.layers = LayerEvents(event_factory(device))
         self.jobs: list[TransferJob] = []
+        self.staging = staging
 
     def start(self, jobs: list[TransferJob]) -> None:
         self.jobs = jobs
+        if self.staging is not None:
+            for job in jobs:
+                self.staging.stage(job)
 
     def after_layer(self, layer: int) -> None:
         if not self.jobs:
             return
-        jobs, writer = self.jobs, self.writer
+        jobs, writer, staging = self.jobs, self.writer, self.staging
 
         def submit() -> None:  # on the sender thread, once the layer's K/V are in memory
+            if staging is not None:
+                staging.gather(layer)
             for job in jobs:
                 writer.submit_layer(job, layer)
 
@@ -41,6 +50,8 @@ class LayerWrites:
         if jobs:
             self.layers.drain()  # every layer's writes submitted (happens-before: the queue's join)
         self.writer.wait(jobs)
+        if self.staging is not None:
+            self.staging.reset()
         return jobs
 
     def close(self) -> None:
