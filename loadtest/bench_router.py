@@ -7,6 +7,10 @@ the TTFT the router adds, throughput, and the router's CPU seconds per 1000 stre
 aiohttp proxy (`min_proxy.py`: the same HTTP client, no validation, placement or metrics) under
 the same load — the floor for a Python router on this machine.
 
+With `--vllm-router PATH` (its executable, e.g. from `pip install vllm-router` in a venv of its own):
+the same load through vllm-router (Rust) in front of the same upstream, measured the same way in the
+same run, as a row of its own below each HTTP row.
+
 With `--paced-ms` (default 2): the same upstream pacing its tokens like a decode step, so each
 token reaches the router in a read of its own — the per-token cost a production router pays.
 
@@ -139,7 +143,7 @@ def row(label: str, c: int, direct: dict, routed: dict, cpu: float, floor: tuple
     added = (routed["ttft_p50"] - direct["ttft_p50"]) * 1000
     per_k = cpu / routed["chunks"] * 1000 if routed["chunks"] else float("nan")
     floor_k = f"{floor[1] / floor[0]['chunks'] * 1000:>12.4f}" if floor and floor[0]["chunks"] else f"{'-':>12}"
-    return (f"{label:<11}{c:>4}{direct['ttft_p50'] * 1000:>12.2f}{routed['ttft_p50'] * 1000:>12.2f}{added:>10.2f}"
+    return (f"{label:<22}{c:>4}{direct['ttft_p50'] * 1000:>12.2f}{routed['ttft_p50'] * 1000:>12.2f}{added:>10.2f}"
             f"{direct['rps']:>11.1f}{routed['rps']:>11.1f}{per_k:>14.4f}{floor_k}")
 
 
@@ -151,8 +155,9 @@ def measure(url: str, proc: subprocess.Popen, c: int, duration: float, model: st
 
 
 def http_servers(upstream_args: list[str], tag: str, out: Path, cpus: set[int] | None,
-                 procs: list[subprocess.Popen]) -> tuple[str, tuple[str, subprocess.Popen], tuple[str, subprocess.Popen]]:
-    """A fake upstream, the router in front of it, and the minimal proxy in front of it (warmed up)."""
+                 procs: list[subprocess.Popen], vllm_router: str = "") -> tuple:
+    """A fake upstream, the router in front of it, and the minimal proxy in front of it (warmed up); with
+    `vllm_router`, vllm-router in front of it too."""
     up, rp, mp = free_port(), free_port(), free_port()
     procs.append(spawn(["-m", "loadtest.fake_upstream", "--port", str(up), *upstream_args], "fake upstream ready",
                        out / f"fake_upstream{tag}.log", cpus))
@@ -163,17 +168,32 @@ def http_servers(upstream_args: list[str], tag: str, out: Path, cpus: set[int] |
     proxy = spawn(["-m", "loadtest.min_proxy", "--port", str(mp), "--upstream", f"http://127.0.0.1:{up}"],
                   "min proxy ready", out / f"min_proxy{tag}.log", cpus)
     procs.append(proxy)
-    for port in (rp, mp):
+    ports = [rp, mp]
+    other = None
+    if vllm_router:
+        vp = free_port()
+        other = spawn([vllm_router, "--host", "127.0.0.1", "--port", str(vp), "--worker-urls",
+                       f"http://127.0.0.1:{up}", "--policy", "round_robin", "--log-level", "warning"], "",
+                      out / f"vllm_router{tag}.log", cpus, port=vp)
+        procs.append(other)
+        ports.append(vp)
+    for port in ports:
         asyncio.run(http_load(f"http://127.0.0.1:{port}", 4, 1.0, "fake", 64))
-    return f"http://127.0.0.1:{up}", (f"http://127.0.0.1:{rp}", router), (f"http://127.0.0.1:{mp}", proxy)
+    return (f"http://127.0.0.1:{up}", (f"http://127.0.0.1:{rp}", router), (f"http://127.0.0.1:{mp}", proxy),
+            (f"http://127.0.0.1:{ports[-1]}", other) if other else None)
 
 
 def http_row(label: str, c: int, servers: tuple, duration: float) -> str:
-    """The same load direct, through the router and through the minimal proxy, as one table row."""
-    up_url, (r_url, router), (m_url, proxy) = servers
+    """The same load direct, through the router and through the minimal proxy, as one table row (and a
+    row for vllm-router when it runs, measured against the same direct run)."""
+    up_url, (r_url, router), (m_url, proxy), vllm = servers
     direct = asyncio.run(http_load(up_url, c, duration, "fake", 64))
     routed, cpu = measure(r_url, router, c, duration, "fake")
-    return row(label, c, direct, routed, cpu, measure(m_url, proxy, c, duration, "fake"))
+    out = row(label, c, direct, routed, cpu, measure(m_url, proxy, c, duration, "fake"))
+    if vllm is not None:
+        v_routed, v_cpu = measure(vllm[0], vllm[1], c, duration, "fake")
+        out += "\n" + row(f"{label} (vllm-router)", c, direct, v_routed, v_cpu)
+    return out
 
 
 def main() -> int:
@@ -187,6 +207,8 @@ def main() -> int:
     p.add_argument("--paced-ms", type=float, default=2.0, help="also measure an upstream that paces its tokens this "
                    "far apart (each token its own read, as in production); 0: skip")
     p.add_argument("--paced-concurrency", type=int, default=16)
+    p.add_argument("--vllm-router", default="", metavar="PATH",
+                   help="also measure vllm-router (this executable) in front of the same upstreams")
     p.add_argument("--out", default="loadtest/results")
     args = p.parse_args()
     if args.shared_cores:
@@ -198,16 +220,17 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     levels = [int(c) for c in args.concurrency.split(",")]
     procs: list[subprocess.Popen] = []
-    print(f"{'mode':<11}{'conc':>4}{'TTFT direct':>12}{'TTFT router':>12}{'added ms':>10}{'req/s dir':>11}"
+    print(f"{'mode':<22}{'conc':>4}{'TTFT direct':>12}{'TTFT router':>12}{'added ms':>10}{'req/s dir':>11}"
           f"{'req/s rtr':>11}{'CPU s/1k chk':>14}{'floor s/1k':>12}")
     try:
-        servers = http_servers([], "", out, cpus, procs)
+        servers = http_servers([], "", out, cpus, procs, args.vllm_router)
         for c in levels:
             print(http_row("http", c, servers, args.duration), flush=True)
         if args.paced_ms > 0:
             # Production-shaped: a real upstream's tokens arrive one decode step apart, so every
             # token is a network read and a client write of its own; no batching of reads.
-            paced = http_servers(["--token-interval-ms", str(args.paced_ms)], "_paced", out, cpus, procs)
+            paced = http_servers(["--token-interval-ms", str(args.paced_ms)], "_paced", out, cpus, procs,
+                                 args.vllm_router)
             print(http_row(f"http {args.paced_ms:g}ms", args.paced_concurrency, paced, args.duration), flush=True)
         if args.pd:
             import tempfile
