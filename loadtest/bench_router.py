@@ -173,7 +173,8 @@ def http_servers(upstream_args: list[str], tag: str, out: Path, cpus: set[int] |
     if vllm_router:
         vp = free_port()
         other = spawn([vllm_router, "--host", "127.0.0.1", "--port", str(vp), "--worker-urls",
-                       f"http://127.0.0.1:{up}", "--policy", "round_robin", "--log-level", "warning"], "",
+                       f"http://127.0.0.1:{up}", "--policy", "round_robin", "--log-level", "warning",
+                       "--prometheus-port", str(free_port())], "",
                       out / f"vllm_router{tag}.log", cpus, port=vp)
         procs.append(other)
         ports.append(vp)
