@@ -15,7 +15,13 @@ The load is predicted as the larger of the latest interval's and an exponentiall
 of the past (`alpha`): a rise is answered at once, a dip is not believed until it lasts — the
 Mooncake conversation trace arrives in bursts of seconds, and scaling down into a burst costs TTFT.
 Feedback corrects the model: a role whose observed p90 misses its SLO although the model says it has
-enough gets one more worker. Scaling up is immediate; scaling down waits `down_after` intervals of
+enough gets one more worker, and the planner remembers it — the role's load is scaled by a learned
+correction (what the profile overestimates of a worker in this fleet: prefix hits that do not
+materialize, bursts within the interval) until the SLO is met with fewer, so the next interval does not
+drain the worker it just had to add. The correction is learned only from an interval after which the role
+was not just scaled up (the new workers' start and the backlog they inherit are not a capacity error),
+and it decays slowly (`correction_decay` per interval in which the SLO is met) so one burst does not
+keep workers for good. Scaling up is immediate; scaling down waits `down_after` intervals of
 wanting fewer and then drains one worker per interval; both stay within the role's `[min, max]`.
 """
 
@@ -87,8 +93,13 @@ class Planner:
     target_utilization: float = 0.8
     alpha: float = 0.3  # weight of the latest interval in the load average
     down_after: int = 3  # intervals of wanting fewer before one worker is drained
+    correction_decay: float = 0.003  # per interval meeting the SLO: the learned correction's fade toward 1
+    max_correction: float = 4.0
     _rate: float | None = None
     _below: dict[str, int] = field(default_factory=lambda: {"prefill": 0, "decode": 0})
+    # learned: what the role's load is multiplied by (>= 1), and whether the last decision added workers
+    correction: dict[str, float] = field(default_factory=lambda: {"prefill": 1.0, "decode": 1.0})
+    _added: dict[str, bool] = field(default_factory=lambda: {"prefill": False, "decode": False})
 
     def __post_init__(self) -> None:
         if self.ttft_slo_s <= 0 or self.itl_slo_s <= 0:
@@ -103,31 +114,51 @@ class Planner:
             self.alpha * s.request_rate + (1 - self.alpha) * self._rate)
         return max(self._rate, s.request_rate)
 
-    def needed(self, s: Snapshot, rate: float) -> tuple[int, int]:
-        """Workers each role needs for `rate` by the profile alone."""
+    def loads(self, s: Snapshot, rate: float) -> tuple[float, float]:
+        """Each role's load at `rate` in workers, by the profile alone (fractional)."""
         tokens = rate * s.mean_input_tokens * (1.0 - min(max(s.prefix_hit_ratio, 0.0), 1.0))
-        prefill = math.ceil(tokens / (self.profile.prefill_tps * self.target_utilization))
+        prefill = tokens / (self.profile.prefill_tps * self.target_utilization)
         batch = self.profile.decode_batch_within(self.itl_slo_s)
         streams = rate * s.mean_output_tokens * self.profile.itl_at(batch)
-        decode = math.ceil(streams / (batch * self.target_utilization))
-        return prefill, max(decode, 1 if rate > 0 else 0)
+        return prefill, streams / (batch * self.target_utilization)
+
+    def needed(self, s: Snapshot, rate: float) -> tuple[int, int]:
+        """Workers each role needs for `rate` by the profile alone."""
+        prefill, decode = self.loads(s, rate)
+        return math.ceil(prefill), max(math.ceil(decode), 1 if rate > 0 else 0)
 
     def decide(self, s: Snapshot) -> Decision:
         rate = self.predicted_rate(s)
-        want_p, want_d = self.needed(s, rate)
+        load = dict(zip(("prefill", "decode"), self.loads(s, rate), strict=True))
+        have = {"prefill": s.prefill_workers, "decode": s.decode_workers}
+        missed = {"prefill": s.ttft_p90_s > self.ttft_slo_s, "decode": s.itl_p90_s > self.itl_slo_s}
         d = Decision(s.prefill_workers, s.decode_workers)
-        d.reasons.append(f"predicted {rate:.2f} req/s: the profile wants {want_p} prefill, {want_d} decode")
-        if s.ttft_p90_s > self.ttft_slo_s and want_p <= s.prefill_workers:
-            want_p = s.prefill_workers + 1
-            d.reasons.append(f"TTFT p90 {s.ttft_p90_s:.2f} s > {self.ttft_slo_s:.2f} s: one more prefill worker")
-        if s.itl_p90_s > self.itl_slo_s and want_d <= s.decode_workers:
-            want_d = s.decode_workers + 1
-            d.reasons.append(f"ITL p90 {s.itl_p90_s * 1e3:.0f} ms > {self.itl_slo_s * 1e3:.0f} ms: one more decode "
-                             "worker")
-        d.prefill = self._step("prefill", s.prefill_workers, want_p, self.limits.min_prefill, self.limits.max_prefill,
-                               d.reasons)
-        d.decode = self._step("decode", s.decode_workers, want_d, self.limits.min_decode, self.limits.max_decode,
-                              d.reasons)
+        want = {}
+        for role in ("prefill", "decode"):
+            c = self.correction[role]
+            if not missed[role]:
+                c = max(1.0, c * (1.0 - self.correction_decay))
+            want[role] = math.ceil(round(load[role] * c, 9))
+            if missed[role] and want[role] <= have[role] and not self._added[role]:
+                # Not just scaled up (whose new workers are still starting, or draining the backlog they
+                # inherited): a capacity error of the profile. One more worker, and learn it.
+                if load[role] > 0:
+                    c = min(max(c, (have[role] + 1) / load[role]), self.max_correction)
+                want[role] = have[role] + 1
+                slo = (f"TTFT p90 {s.ttft_p90_s:.2f} s > {self.ttft_slo_s:.2f} s" if role == "prefill" else
+                       f"ITL p90 {s.itl_p90_s * 1e3:.0f} ms > {self.itl_slo_s * 1e3:.0f} ms")
+                d.reasons.append(f"{slo}: one more {role} worker (correction x{c:.2f})")
+            self.correction[role] = c
+        want["decode"] = max(want["decode"], 1 if rate > 0 else 0)
+        d.reasons.insert(0, f"predicted {rate:.2f} req/s: {load['prefill']:.2f} prefill and {load['decode']:.2f} "
+                            f"decode workers of load by the profile, corrected x{self.correction['prefill']:.2f} / "
+                            f"x{self.correction['decode']:.2f}: want {want['prefill']} prefill, {want['decode']} "
+                            "decode")
+        d.prefill = self._step("prefill", s.prefill_workers, want["prefill"], self.limits.min_prefill,
+                               self.limits.max_prefill, d.reasons)
+        d.decode = self._step("decode", s.decode_workers, want["decode"], self.limits.min_decode,
+                              self.limits.max_decode, d.reasons)
+        self._added = {"prefill": d.prefill > s.prefill_workers, "decode": d.decode > s.decode_workers}
         return d
 
     def _step(self, role: str, have: int, want: int, lo: int, hi: int, reasons: list[str]) -> int:

@@ -165,3 +165,29 @@ def test_planner_profile_and_run_through_the_cli(tiny_model_dir, tmp_path):
     finally:
         router.stop()
         worker.stop()
+
+
+def test_a_miss_the_profile_did_not_foresee_is_learned_and_the_worker_kept():
+    """The profile says 2 prefill workers; the fleet misses its TTFT with 2: a third is added, and on the
+    same load with the SLO met the next intervals keep it (before, the profile drained it again)."""
+    pl = Planner(PROFILE, ttft_slo_s=1.0, itl_slo_s=0.1, alpha=1.0)
+    d = pl.decide(snap(ttft=3.0, p=2, d=2))
+    assert d.prefill == 3 and pl.correction["prefill"] == pytest.approx(3 / (640 / 480))
+    p = d.prefill
+    for _ in range(10):
+        p = pl.decide(snap(ttft=0.5, p=p, d=2)).prefill
+    assert p == 3
+    # Half the load: the corrected need is below 2 workers' worth, so one is drained after down_after.
+    for _ in range(4):
+        p = pl.decide(snap(rate=1.0, ttft=0.5, p=p, d=2)).prefill
+    assert p == 2
+
+
+def test_misses_right_after_a_scale_up_wait_for_the_new_workers():
+    pl = Planner(PROFILE, ttft_slo_s=1.0, itl_slo_s=0.1, alpha=1.0)
+    d = pl.decide(snap(rate=4.0, ttft=5.0, p=1, d=2))  # the profile wants 3 (1,280 tokens/s over 480): added
+    assert d.prefill == 3
+    d = pl.decide(snap(rate=4.0, ttft=5.0, p=3, d=2))  # still missing: they are starting, the backlog drains
+    assert d.prefill == 3 and pl.correction["prefill"] == 1.0
+    d = pl.decide(snap(rate=4.0, ttft=5.0, p=3, d=2))  # a miss with the workers serving: now one more
+    assert d.prefill == 4 and pl.correction["prefill"] == pytest.approx(4 / (1280 / 480))
