@@ -533,3 +533,62 @@ def test_16_bit_engine_on_the_gpu_path_equals_the_torch_path(family, tmp_path, m
         for c in caches:
             c.cache_clear()
     assert outs["triton"] == outs["torch"]
+
+
+@pytest.mark.parametrize("rank,out_features", [(8, 40), (48, 96)])
+def test_lora_sgmv_matches_the_segment_reference(rank, out_features):
+    """Runs of rows of several adapters (one longer than a tile, one adapter twice), base rows between
+    them, a rank that is not a power of two: the kernels' deltas equal `lora.segment_deltas`'."""
+    from engine.model.kernels import lora_triton
+    from engine.model.lora import LoRARows, segment_deltas
+
+    g = torch.Generator().manual_seed(rank)
+    slots, in_features = 4, 72
+    row_slots = [-1, 2, 2, 2] + [0] * 21 + [-1, -1, 3, 1, 1, 2, -1]
+    x = torch.randn(len(row_slots), in_features, generator=g).to(DEV, DTYPE)
+    a = torch.randn(slots, rank, in_features, generator=g).to(DEV, DTYPE)
+    b = torch.randn(slots, out_features, rank, generator=g).to(DEV, DTYPE)
+    base = torch.randn(len(row_slots), out_features, generator=g).to(DEV, DTYPE)
+    segments = LoRARows.build(row_slots, DEV).segments
+    assert len(segments) == 5 and any(end - start > lora_triton.BLOCK_M for start, end, _ in segments)
+    ref, ours = base.clone(), base.clone()
+    segment_deltas(x, ref, a, b, segments)
+    lora_triton.sgmv(x, ours, a, b, segments)
+    torch.testing.assert_close(ours, ref, **(dict(atol=5e-2, rtol=2e-2) if CUDA else dict(atol=1e-4, rtol=1e-4)))
+    assert torch.equal(ours[0], base[0]) and torch.equal(ours[-1], base[-1])  # base rows untouched
+
+
+@ON_CPU_ONLY
+def test_adapters_on_the_triton_path_equal_peft(tmp_path_factory, monkeypatch):
+    """The engine with every kernel on the Triton path (interpreted), LoRA deltas by the SGMV kernels: two
+    adapters and the base in one batch equal peft's greedy tokens."""
+    pytest.importorskip("peft")
+    from engine_helpers import drain, make_engine
+    from hf_models import make_hf_model
+    from test_lora import GREEDY, adapter, peft_greedy, prompt
+
+    from common.sampling_params import SamplingParams
+    from engine.model.kernels import kernels, lora_triton
+
+    base = make_hf_model("llama3", tmp_path_factory.mktemp("lora-base") / "model")
+    a1, pm1 = adapter(base, tmp_path_factory, "one", seed=1)
+    a2, pm2 = adapter(base, tmp_path_factory, "two", seed=2, r=4, rslora=True)
+    calls: list[int] = []
+    kernel = lora_triton.sgmv
+    monkeypatch.setattr(lora_triton, "sgmv", lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
+    monkeypatch.setenv("SPLITFIRE_KERNELS", "triton")
+    kernels.cache_clear()
+    try:
+        eng = make_engine(base.path, lora_modules={"one": str(a1), "two": str(a2)}, max_num_batched_tokens=32, max_num_seqs=8,
+                          threads=1, quantization=None)
+        which = {"b0": ("", base.model), "o0": ("one", pm1), "t0": ("two", pm2), "o1": ("one", pm1)}
+        prompts = {rid: prompt(i, n) for i, (rid, n) in enumerate(zip(which, [5, 30, 12, 21], strict=True))}
+        for rid, (name, _) in which.items():
+            eng.add_request(rid, prompts[rid], SamplingParams(max_tokens=5, **GREEDY), adapter=name)
+        got = drain(eng)
+        for rid, (name, model) in which.items():
+            want = peft_greedy(model, prompts[rid], 5) if name else base.greedy(prompts[rid], 5)
+            assert got[rid].token_ids == want, (rid, name)
+        assert calls  # the deltas went through the kernels
+    finally:
+        kernels.cache_clear()

@@ -16,7 +16,9 @@ runs of rows of one adapter (prompt chunks are one run each; decode rows interle
 adapter's rows in a zero-padded `[slots, rows, in]` block and runs two batched matmuls against all
 slots' factors at once — a handful of ops per projection whatever the number of adapters, for steps
 whose adapters have few rows each (decode). Measured on SmolLM2 at batch 16 over 8 adapters, the
-grouped path's ~32 small ops per projection cost more than the matmuls themselves.
+grouped path's ~32 small ops per projection cost more than the matmuls themselves. On CUDA (or anywhere
+with SPLITFIRE_KERNELS=triton) the deltas are punica's SGMV as two Triton kernels instead
+(`kernels/lora_triton.py`: each run of rows cut into tiles of one adapter; two launches per projection).
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from engine.model.kernels import kernels
 
 PADDED_MAX_ROWS = 16  # an adapter with more rows in a step (a prompt chunk) takes the grouped path
 
@@ -131,7 +135,10 @@ class LoRAWeights:
         if rows is None:
             return out
         mode = self.state.mode
-        if mode == "auto" and rows.padded is not None and rows.rows is not None:
+        sgmv = kernels("lora_triton", x.device.type) if mode == "auto" else None
+        if sgmv is not None:
+            sgmv.sgmv(x, out, self.a, self.b, rows.segments)
+        elif mode == "auto" and rows.padded is not None and rows.rows is not None:
             padded_deltas(x, out, self.a, self.b, rows.rows, rows.padded, rows.width)
         elif mode in ("auto", "grouped"):
             grouped_deltas(x, out, self.a, self.b, rows.groups)
