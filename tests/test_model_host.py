@@ -82,6 +82,22 @@ async def test_a_busy_model_is_never_evicted_the_request_waits_for_room_or_gives
     assert events[-2:] == [("evict", "b"), ("load", "c")] and c.active == 1
 
 
+async def test_a_model_that_fails_to_load_fails_its_request_by_name_and_leaves_the_others():
+    host, _ = make_host(HostLimits(max_loaded=3), {"a": GIB, "b": GIB, "c": GIB})
+
+    async def broken(m: HostedModel) -> tuple[object, int]:
+        if m.name == "c":
+            raise OSError("truncated safetensors header")
+        return object(), GIB
+
+    host._load = broken
+    await use(host, "b")
+    with pytest.raises(ModelUnavailable, match="'c' could not be loaded: OSError: truncated"):
+        await host.acquire("c")
+    assert sorted(host.resident()) == ["a", "b"] and host.models["c"].resident is None
+    await use(host, "b")
+
+
 async def test_concurrent_requests_for_a_missing_model_load_it_once():
     host, events = make_host(HostLimits(max_loaded=2), {"a": GIB, "b": GIB})
     got = await asyncio.gather(*(host.acquire("b") for _ in range(5)))
@@ -105,13 +121,20 @@ def metric(log_text: str, event: str, model: str) -> int:
 
 async def test_one_worker_serves_three_models_loading_on_demand_and_evicting_the_least_recently_used(
         three_models, tmp_path):
+    import shutil
+
     a, b, c = three_models
+    broken = tmp_path / "broken"  # a checkpoint cut short: its load fails, nothing else does
+    shutil.copytree(c.path, broken)
+    for f in broken.glob("*.safetensors"):
+        f.write_bytes(f.read_bytes()[:100])
     w = start_worker("both", a.path, tmp_path, "--on-demand-model", str(b.path), "--on-demand-model", str(c.path),
-                     "--max-loaded-models", "2", name="host")
+                     "--on-demand-model", str(broken), "--max-loaded-models", "2", name="host")
     try:
         async with grpc.aio.insecure_channel(address(w)) as ch:
             health = await pbg.WorkerStub(ch).Health(pb.HealthRequest())
-        assert list(health.models) == ["llama-a", "qwen-b", "llama-c"] and list(health.resident) == ["llama-a"]
+        assert list(health.models) == ["llama-a", "qwen-b", "llama-c", "broken"]
+        assert list(health.resident) == ["llama-a"]
         prompt = [(7 * j) % 300 + 3 for j in range(20)]
         # The first model, then b (loaded), then c (loaded: b, the least recently used, evicted), then b again.
         for model, name in ((a, ""), (b, "qwen-b"), (c, "llama-c"), (b, "qwen-b"), (a, "llama-a")):
@@ -128,6 +151,10 @@ async def test_one_worker_serves_three_models_loading_on_demand_and_evicting_the
             with pytest.raises(grpc.aio.AioRpcError) as e:
                 await generate(address(w), prompt, greedy(2), model="nope")
             assert e.value.code() == grpc.StatusCode.NOT_FOUND and "llama-c" in e.value.details()
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await generate(address(w), prompt, greedy(2), model="broken")
+            assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "'broken' could not be loaded" in e.value.details()
         # Both models' requests in flight at once, each on its own engine.
         outs = await asyncio.gather(*(generate(address(w), prompt, greedy(6), model=n) for n in ("llama-a", "qwen-b")))
         assert [o.token_ids for o in outs] == [a.greedy(prompt, 6), b.greedy(prompt, 6)]

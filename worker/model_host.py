@@ -150,7 +150,13 @@ class ModelHost:
 
     async def _load_one(self, m: HostedModel) -> None:
         t0 = time.perf_counter()
-        m.resident, m.footprint = await self._load(m)
+        try:
+            m.resident, m.footprint = await self._load(m)
+        except Exception as e:  # (a corrupt checkpoint, no memory): this request fails, the others go on
+            log.exception("event=model_load_failed model=%s path=%s", m.name, m.path)
+            if self.on_change is not None:
+                self.on_change("failed", m, time.perf_counter() - t0)
+            raise ModelUnavailable(f"model {m.name!r} could not be loaded: {type(e).__name__}: {e}") from e
         m.loads += 1
         seconds = time.perf_counter() - t0
         log.info("event=model_loaded model=%s footprint_mib=%.0f seconds=%.3f loads=%d", m.name,
