@@ -73,17 +73,14 @@ class LoRAManager:
         return adapter
 
     def _write(self, slot: int, adapter: LoRAAdapter) -> None:
-        for i, layer in zip(self.model.layer_ids, self.model.layers, strict=True):
-            for parent, names in ((layer.attn, ("qkv", "o")), (layer.mlp, ("gate_up", "down"))):
-                for n in names:
-                    lin = getattr(parent, n, None)
-                    if lin is None or lin.lora is None:
-                        continue
-                    ab = adapter.factors.get((i, n))
-                    if ab is None:
-                        lin.lora.clear(slot)
-                    else:
-                        lin.lora.set(slot, *ab)
+        for i, name, lin, _ in self.model.lora_targets():
+            if lin.lora is None:
+                continue
+            ab = adapter.factors.get((i, name))
+            if ab is None:
+                lin.lora.clear(slot)
+            else:
+                lin.lora.set(slot, *ab)
 
     def slot(self, name: str) -> int:
         """The slot of an adapter a new request runs under; RequestError when there is none."""

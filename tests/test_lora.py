@@ -271,3 +271,89 @@ def test_splitfire_generate_runs_lines_under_their_adapters(base, tmp_path_facto
     assert rc == 1 and "not loaded" in out[2]["error"]
     assert out[0]["token_ids"] == base.greedy(prompt(1, 20), 6)
     assert out[1]["token_ids"] == peft_greedy(pm1, prompt(2, 20), 6)
+
+
+# The MLP ones named by their parents (the dense first layer's and the shared experts').
+MLA_TARGETS = ("q_a_proj", "q_b_proj", "q_proj", "kv_a_proj_with_mqa", "o_proj", "shared_experts.gate_proj",
+               "shared_experts.up_proj", "shared_experts.down_proj", "0.mlp.gate_proj", "0.mlp.up_proj",
+               "0.mlp.down_proj")
+
+
+@pytest.mark.parametrize("family,overrides", [
+    ("deepseek_v3", {}),  # q LoRA (q_a + q_b), RoPE dims interleaved in the checkpoint
+    ("deepseek_v3", {"rope_interleave": False}),  # the rope rows of q_b and kv_a reordered as the loader does
+    ("deepseek_v3", {"q_lora_rank": "none", "rope_interleave": False}),  # a plain q projection, reordered
+    ("deepseek_v2", {}),  # two shared experts
+])
+def test_latent_attention_and_shared_expert_adapters_equal_peft(family, overrides, tmp_path_factory, monkeypatch):
+    """DeepSeek-V2/V3 (Kimi-K2's architecture): adapters on the latent attention's projections, the dense
+    MLP and the MoE layers' shared experts, two of them and the base in one batch, equal peft."""
+    import peft.utils.transformers_weight_conversion as conversion
+    from hf_models import NONE
+
+    # peft 0.21 on a transformers-5 MoE model turns every gate/up/down_proj target into LoRA on the fused
+    # routed experts' parameters (which splitfire refuses), even when the target names a shared expert or
+    # the dense layer's MLP: kept as the plain Linear modules they are, peft adapts exactly those (as it did
+    # with transformers 4, whose adapters carry these keys).
+    monkeypatch.setattr(conversion, "_convert_peft_config_moe", lambda *a, **kw: None)
+    kw = {k: (NONE if v == "none" else v) for k, v in overrides.items()}
+    fam = make_hf_model(family, tmp_path_factory.mktemp(f"{family}-lora") / "model", **kw)
+    targets = tuple(t for t in MLA_TARGETS if ("q_proj" if overrides.get("q_lora_rank") == "none"
+                                                or family == "deepseek_v2" else "q_a_proj") == t
+                    or t not in ("q_proj", "q_a_proj"))
+    a1, pm1 = adapter(fam, tmp_path_factory, f"{family}-a", seed=11, targets=targets)
+    a2, pm2 = adapter(fam, tmp_path_factory, f"{family}-b", seed=12, r=4, targets=targets[:3])
+    eng = make_engine(fam.path, lora_modules={"a": str(a1), "b": str(a2)}, max_num_batched_tokens=64,
+                      max_num_seqs=8, threads=1, quantization=None)
+    which = {"x0": ("", fam.model), "a0": ("a", pm1), "b0": ("b", pm2), "a1": ("a", pm1)}
+    prompts = {rid: prompt(i, n) for i, (rid, n) in enumerate(zip(which, [7, 40, 19, 70], strict=True))}
+    for rid, (name, _) in which.items():
+        eng.add_request(rid, prompts[rid], SamplingParams(max_tokens=6, **GREEDY), adapter=name)
+    got = drain(eng)
+    for rid, (name, model) in which.items():
+        want = peft_greedy(model, prompts[rid], 6) if name else fam.greedy(prompts[rid], 6)
+        assert got[rid].token_ids == want, (rid, name)
+    # The adapter matters, and it adapts the shared experts and the dense MLP as well as the attention.
+    assert any(peft_greedy(pm1, prompts[r], 6) != fam.greedy(prompts[r], 6) for r in ("a0", "a1"))
+    from safetensors import safe_open
+
+    with safe_open(str(a1 / "adapter_model.safetensors"), "pt") as f:
+        keys = list(f.keys())
+    assert any("shared_experts.down_proj" in k for k in keys) and any("layers.0.mlp.up_proj" in k for k in keys)
+
+
+def test_latent_attention_kv_b_and_routed_experts_are_refused_by_name(tmp_path_factory):
+    fam = make_hf_model("deepseek_v3", tmp_path_factory.mktemp("ds-refuse") / "model")
+    eng = make_engine(fam.path, enable_lora=True, max_num_seqs=8, max_num_batched_tokens=64, threads=1)
+    kv_b, _ = adapter(fam, tmp_path_factory, "kvb", seed=5, targets=("kv_b_proj", "o_proj"))
+    with pytest.raises(RequestError, match="kv_b_proj: latent attention folds kv_b"):
+        eng.loras.load("kvb", kv_b)
+    assert eng.loras.names() == []
+
+
+@pytest.mark.parametrize("overrides", [{}, {"q_lora_rank": "none", "rope_interleave": False}])
+def test_latent_attention_adapters_under_two_tensor_parallel_ranks_equal_peft(overrides, tmp_path_factory,
+                                                                              monkeypatch):
+    """Latent attention split by heads: each rank's rows of q_b (or a plain q projection) and its columns of
+    o; q_a and kv_a whole on every rank; the shared expert's intermediate columns split."""
+    import peft.utils.transformers_weight_conversion as conversion
+    from hf_models import NONE
+
+    monkeypatch.setattr(conversion, "_convert_peft_config_moe", lambda *a, **kw: None)  # (see above)
+    kw = {k: (NONE if v == "none" else v) for k, v in overrides.items()}
+    fam = make_hf_model("deepseek_v3", tmp_path_factory.mktemp("ds-tp-lora") / "model", **kw)
+    q = "q_proj" if overrides else "q_a_proj"
+    targets = tuple(t for t in MLA_TARGETS if t == q or t not in ("q_proj", "q_a_proj"))
+    a1, pm1 = adapter(fam, tmp_path_factory, f"ds-tp-{bool(overrides)}", seed=21, targets=targets)
+    eng = make_engine(fam.path, tensor_parallel_size=2, lora_modules={"a": str(a1)}, max_loras=2, threads=1,
+                      quantization=None, max_num_seqs=8, max_num_batched_tokens=64)
+    try:
+        ps = {"x": prompt(1, 15), "a": prompt(2, 33), "a2": prompt(3, 9)}
+        for rid in ps:
+            eng.add_request(rid, ps[rid], SamplingParams(max_tokens=6, **GREEDY), adapter="" if rid == "x" else "a")
+        got = drain(eng)
+        assert got["x"].token_ids == fam.greedy(ps["x"], 6)
+        for rid in ("a", "a2"):
+            assert got[rid].token_ids == peft_greedy(pm1, ps[rid], 6), rid
+    finally:
+        eng.close()

@@ -2,17 +2,20 @@
 
 A directory holds `adapter_config.json` (rank `r`, `lora_alpha`, `use_rslora`, `target_modules`, ...)
 and `adapter_model.safetensors` with `...layers.{i}.self_attn.{q,k,v,o}_proj.lora_{A,B}.weight` and
-`...layers.{i}.mlp.{gate,up,down}_proj.lora_{A,B}.weight` (A `[r, in]`, B `[out, r]`). Each adapter
-becomes, per projection of the model, one A and one B ready for `LoRAWeights.set`: the scale
-(`alpha / r`, or `alpha / sqrt(r)` with rsLoRA) folded into B; q and k's B rows put in the order this
-model keeps q and k in (interleaved RoPE pairs, `decoder.interleave_rope_rows`); fused projections'
-parts side by side (`engine/model/lora.py`).
+`...layers.{i}.mlp.{gate,up,down}_proj.lora_{A,B}.weight` (A `[r, in]`, B `[out, r]`); latent attention
+(DeepSeek-V2/V3, Kimi-K2) has `q_proj` or `q_a_proj` + `q_b_proj`, `kv_a_proj_with_mqa` and `o_proj`, a
+mixture of experts' shared expert `mlp.shared_expert(s).{gate,up,down}_proj`. Each adapter becomes, per
+projection of the model (`DecoderModel.lora_targets`), one A and one B ready for `LoRAWeights.set`: the
+scale (`alpha / r`, or `alpha / sqrt(r)` with rsLoRA) folded into B; B rows that feed RoPE put in the
+order this model keeps them in (interleaved pairs: `decoder.interleave_rope_rows`, and latent
+attention's per-head rope rows as the loader reorders them); fused projections' parts side by side
+(`engine/model/lora.py`).
 
 Everything that cannot be served exactly is refused by name (`LoRAError`, a 400 at the edge): a
 missing or unreadable file, a rank above `--max-lora-rank`, DoRA, per-module rank or alpha patterns,
 trained biases, extra saved modules, a target this model lacks or that splitfire does not adapt
-(experts, latent attention, embeddings, the LM head), and factors whose shapes do not fit (an adapter
-made for another base model).
+(routed experts, latent attention's kv_b_proj — folded into the queries and outputs at decode —,
+embeddings, the LM head), and factors whose shapes do not fit (an adapter made for another base model).
 """
 
 from __future__ import annotations
@@ -20,19 +23,113 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from common.errors import RequestError
+from engine.loading.weights import rope_rows_perm
 from engine.model.decoder import Attention, DecoderModel, interleave_rope_rows
 from engine.model.layers import MLP
+from engine.model.mla import MLAttention
+from engine.model.moe import MoE
 
-_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(self_attn|mlp)\.(q|k|v|o|gate|up|down)_proj\.lora_(A|B)(?:\.default)?\.weight$")
-# A projection's place: (the fused linear's name, the part's index among its parts)
-_PLACE = {"q": ("qkv", 0), "k": ("qkv", 1), "v": ("qkv", 2), "o": ("o", 0), "gate": ("gate_up", 0),
-          "up": ("gate_up", 1), "down": ("down", 0)}
+_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(self_attn|mlp)\.(shared_experts?\.)?(q_a_proj|q_b_proj|kv_a_proj_with_mqa|"
+                  r"kv_b_proj|q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)\.lora_(A|B)(?:\.default)?\.weight$")
+# A projection's place in each kind of layer: (the fused linear's name, the part's index among its parts)
+_ATTENTION = {"q_proj": ("qkv", 0), "k_proj": ("qkv", 1), "v_proj": ("qkv", 2), "o_proj": ("o", 0)}
+_LATENT = {"q_proj": ("qkv_a", 0), "q_a_proj": ("qkv_a", 0), "kv_a_proj_with_mqa": ("qkv_a", 1),
+           "q_b_proj": ("q_b", 0), "o_proj": ("o", 0)}
+_MLP = {"gate_proj": ("gate_up", 0), "up_proj": ("gate_up", 1), "down_proj": ("down", 0)}
+
+
+@dataclass(frozen=True)
+class _Part:
+    """One projection inside a (fused) linear: its output size in the whole model, the rows of it this
+    rank computes, and how B's rows are reordered to this model's order (None: as they are)."""
+
+    size: int
+    rows: range
+    reorder: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+
+def _place(name: str, layer: int, block, where: str, proj: str) -> tuple[str, int]:
+    """(linear name, part) of `proj` in `block`, or LoRAError naming why it takes no adapter."""
+    attn, mlp = block.attn, block.mlp
+    if where == "self_attn":
+        if isinstance(attn, MLAttention):
+            if proj == "kv_b_proj":
+                raise LoRAError(f"adapter {name!r}: layer {layer} kv_b_proj: latent attention folds kv_b into the "
+                                "queries and outputs at decode, so it takes no LoRA adapter (retrain without it)")
+            if proj in ("q_proj", "q_a_proj") and (proj == "q_a_proj") != (attn.q_b is not None):
+                raise LoRAError(f"adapter {name!r}: layer {layer} has no {proj} (made for another base model?)")
+            table = _LATENT
+        else:
+            table = _ATTENTION
+        if proj not in table:
+            raise LoRAError(f"adapter {name!r}: layer {layer} has no {proj} (made for another base model?)")
+        return table[proj]
+    if proj not in _MLP:
+        raise LoRAError(f"adapter {name!r}: layer {layer} mlp has no {proj}")
+    linear, part = _MLP[proj]
+    if where == "mlp.shared":
+        if not (isinstance(mlp, MoE) and mlp.shared is not None):
+            raise LoRAError(f"adapter {name!r}: layer {layer} has no shared expert")
+        return "shared." + linear, part
+    if isinstance(mlp, MoE):
+        raise LoRAError(f"adapter {name!r}: layer {layer}'s MLP is a mixture of experts: its routed experts take "
+                        "no LoRA adapters yet (its shared expert and the attention do)")
+    return linear, part
+
+
+def _geometry(model: DecoderModel, block, linear: str) -> tuple[list[_Part], range, int]:
+    """A LoRA target's parts, the input columns this rank multiplies (tensor parallel: a row-parallel
+    projection's slice; its partial delta is summed with the rest) and the whole input size."""
+    cfg = model.cfg
+    hidden = range(cfg.hidden_size)
+    attn = block.attn
+    if isinstance(attn, Attention) and linear in ("qkv", "o"):
+        d = attn.head_dim
+        q_rows = range(attn.q_heads.start * d, attn.q_heads.stop * d)
+        kv_rows = range(attn.kv_heads.start * d, attn.kv_heads.stop * d)
+        if linear == "qkv":
+            return ([_Part(cfg.num_heads * d, q_rows, lambda b: interleave_rope_rows(b, cfg.num_heads)),
+                     _Part(cfg.num_kv_heads * d, kv_rows, lambda b: interleave_rope_rows(b, cfg.num_kv_heads)),
+                     _Part(cfg.num_kv_heads * d, kv_rows)], hidden, cfg.hidden_size)
+        return [_Part(cfg.hidden_size, hidden)], q_rows, cfg.num_heads * d
+    if isinstance(attn, MLAttention) and linear in ("qkv_a", "q_b", "o"):
+        m = cfg.mla
+        assert m is not None
+        qk = m.qk_nope_head_dim + m.qk_rope_head_dim
+        heads = attn.head_range
+
+        def per_head(n: int) -> range:
+            return range(heads.start * n, heads.stop * n)
+
+        def rope(n_heads: int, rows: int) -> Callable[[torch.Tensor], torch.Tensor] | None:
+            if m.rope_interleaved:
+                return None
+            perm = rope_rows_perm(n_heads, rows, m.qk_rope_head_dim)
+            return lambda b: b[perm]
+
+        kv_rows = m.kv_lora_rank + m.qk_rope_head_dim
+        if linear == "qkv_a":
+            q = (_Part(m.q_lora_rank, range(m.q_lora_rank)) if m.q_lora_rank
+                 else _Part(cfg.num_heads * qk, per_head(qk), rope(cfg.num_heads, qk)))
+            return [q, _Part(kv_rows, range(kv_rows), rope(1, kv_rows))], hidden, cfg.hidden_size
+        if linear == "q_b":
+            return ([_Part(cfg.num_heads * qk, per_head(qk), rope(cfg.num_heads, qk))], range(m.q_lora_rank),
+                    m.q_lora_rank)
+        return [_Part(cfg.hidden_size, hidden)], per_head(m.v_head_dim), cfg.num_heads * m.v_head_dim
+    shared = linear.startswith("shared.")
+    mlp = block.mlp.shared if shared else block.mlp
+    assert isinstance(mlp, MLP)
+    inter = cfg.moe.shared_intermediate_size if shared and cfg.moe is not None else cfg.intermediate_size
+    if linear.endswith("gate_up"):
+        return [_Part(inter, mlp.columns), _Part(inter, mlp.columns)], hidden, cfg.hidden_size
+    return [_Part(cfg.hidden_size, hidden)], mlp.columns, inter
 
 
 class LoRAError(RequestError):
@@ -105,87 +202,58 @@ def read_adapter(name: str, path: str | Path, model: DecoderModel, max_rank: int
     path = Path(path)
     r, scale = _config(name, path, max_rank)
     tensors = _tensors(name, path)
-    found: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    found: dict[tuple[int, str, str], dict[str, torch.Tensor]] = {}
     for key, t in tensors.items():
         m = _KEY.search(key)
         if m is None:
-            raise LoRAError(f"adapter {name!r}: {key} adapts a module splitfire does not (attention q/k/v/o and "
-                            "MLP gate/up/down projections only)")
-        layer, _, proj, ab = m.groups()
-        found.setdefault((int(layer), proj), {})[ab] = t
+            raise LoRAError(f"adapter {name!r}: {key} adapts a module splitfire does not (attention projections, "
+                            "MLP and shared-expert gate/up/down only)")
+        layer, where, shared, proj, ab = m.groups()
+        if shared and where != "mlp":
+            raise LoRAError(f"adapter {name!r}: {key} adapts a module splitfire does not")
+        found.setdefault((int(layer), where + (".shared" if shared else ""), proj), {})[ab] = t
     if not found:
         raise LoRAError(f"adapter {name!r}: adapter_model.safetensors holds no LoRA factors")
     cfg = model.cfg
     adapter = LoRAAdapter(name, path, r, scale)
     device, dtype = model.norm.weight.device, model.dtype
-    by_linear: dict[tuple[int, str], dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
-    for (layer, proj), ab in sorted(found.items()):
+    by_linear: dict[tuple[int, str], dict[int, tuple[torch.Tensor, torch.Tensor, str]]] = {}
+    for (layer, where, proj), ab in sorted(found.items()):
         if set(ab) != {"A", "B"}:
-            raise LoRAError(f"adapter {name!r}: layer {layer} {proj}_proj has lora_{'A' if 'A' not in ab else 'B'} "
-                            "missing")
+            raise LoRAError(f"adapter {name!r}: layer {layer} {proj} has lora_{'A' if 'A' not in ab else 'B'} missing")
         if not 0 <= layer < cfg.num_layers:
             raise LoRAError(f"adapter {name!r}: layer {layer} does not exist (the model has {cfg.num_layers}): "
                             "made for another base model?")
         a, b = ab["A"], ab["B"]
         if a.dim() != 2 or b.dim() != 2 or a.shape[0] != r or b.shape[1] != r:
-            raise LoRAError(f"adapter {name!r}: layer {layer} {proj}_proj factors A{tuple(a.shape)} B{tuple(b.shape)} "
+            raise LoRAError(f"adapter {name!r}: layer {layer} {proj} factors A{tuple(a.shape)} B{tuple(b.shape)} "
                             f"are not of rank {r}")
-        linear, part = _PLACE[proj]
-        by_linear.setdefault((layer, linear), {})[part] = (a, b)
-    for (layer, linear), parts in by_linear.items():
         if layer not in model.layer_ids:
             continue  # (another pipeline stage's layer)
         block = model.layers[layer - model.layer_ids.start]
-        if linear in ("qkv", "o") and not isinstance(block.attn, Attention):
-            raise LoRAError(f"adapter {name!r}: layer {layer}'s attention is latent attention, which takes no "
-                            "LoRA adapters yet")
-        if linear in ("gate_up", "down") and not isinstance(block.mlp, MLP):
-            raise LoRAError(f"adapter {name!r}: layer {layer}'s MLP is a mixture of experts, which takes no "
-                            "LoRA adapters yet")
-        target = getattr(block.attn if linear in ("qkv", "o") else block.mlp, linear)
-        # Each part's size in the whole model, the rows of it this rank computes (tensor parallel: a
-        # column-parallel projection's heads or intermediate columns), and the input columns this
-        # rank multiplies (a row-parallel projection's slice; its partial delta is summed with the rest).
-        if linear in ("qkv", "o"):
-            att = block.attn
-            assert isinstance(att, Attention)
-            d = att.head_dim
-            q_rows = range(att.q_heads.start * d, att.q_heads.stop * d)
-            kv_rows = range(att.kv_heads.start * d, att.kv_heads.stop * d)
-            if linear == "qkv":
-                sizes, heads = [cfg.num_heads * d, cfg.num_kv_heads * d, cfg.num_kv_heads * d], [cfg.num_heads,
-                                                                                               cfg.num_kv_heads, 0]
-                rows, cols = [q_rows, kv_rows, kv_rows], range(cfg.hidden_size)
-            else:
-                sizes, heads, rows, cols = [cfg.hidden_size], [0], [range(cfg.hidden_size)], q_rows
-            in_full = cfg.num_heads * d if linear == "o" else cfg.hidden_size
-        else:
-            mlp = block.mlp
-            assert isinstance(mlp, MLP)
-            inter = cfg.intermediate_size
-            if linear == "gate_up":
-                sizes, heads, rows, cols = [inter, inter], [0, 0], [mlp.columns, mlp.columns], range(cfg.hidden_size)
-            else:
-                sizes, heads, rows, cols = [cfg.hidden_size], [0], [range(cfg.hidden_size)], mlp.columns
-            in_full = inter if linear == "down" else cfg.hidden_size
-        n_parts = len(sizes)
-        a_cat = torch.zeros(n_parts * r, target.in_features, dtype=torch.float32)
-        b_full = torch.zeros(target.out_features, n_parts * r, dtype=torch.float32)
+        linear, part = _place(name, layer, block, where, proj)
+        by_linear.setdefault((layer, linear), {})[part] = (a, b, proj)
+    targets = {(i, n): lin for i, n, lin, _ in model.lora_targets()}
+    for (layer, linear), parts in by_linear.items():
+        block = model.layers[layer - model.layer_ids.start]
+        target = targets[(layer, linear)]
+        geometry, cols, in_full = _geometry(model, block, linear)
+        a_cat = torch.zeros(len(geometry) * r, target.in_features, dtype=torch.float32)
+        b_full = torch.zeros(target.out_features, len(geometry) * r, dtype=torch.float32)
         row = 0
-        for p, (size, h, part_rows) in enumerate(zip(sizes, heads, rows, strict=True)):
-            local = len(part_rows)
+        for p, g in enumerate(geometry):
+            local = len(g.rows)
             if p in parts:
-                a, b = parts[p]
-                if a.shape[1] != in_full or b.shape[0] != size:
-                    proj = next(k for k, v in _PLACE.items() if v == (linear, p))
-                    raise LoRAError(f"adapter {name!r}: layer {layer} {proj}_proj factors A{tuple(a.shape)} "
-                                    f"B{tuple(b.shape)} do not fit its {in_full} -> {size} projection: "
+                a, b, proj = parts[p]
+                if a.shape[1] != in_full or b.shape[0] != g.size:
+                    raise LoRAError(f"adapter {name!r}: layer {layer} {proj} factors A{tuple(a.shape)} "
+                                    f"B{tuple(b.shape)} do not fit its {in_full} -> {g.size} projection: "
                                     "made for another base model?")
                 b = b.float() * scale
-                if h:
-                    b = interleave_rope_rows(b, h)
+                if g.reorder is not None:
+                    b = g.reorder(b)
                 a_cat[p * r : (p + 1) * r] = a.float()[:, cols.start : cols.stop]
-                b_full[row : row + local, p * r : (p + 1) * r] = b[part_rows.start : part_rows.stop]
+                b_full[row : row + local, p * r : (p + 1) * r] = b[g.rows.start : g.rows.stop]
             row += local
         adapter.factors[(layer, linear)] = (a_cat.to(device, dtype), b_full.to(device, dtype))
     return adapter

@@ -439,15 +439,15 @@ def _load_mla(load: _Loader, cfg: ModelConfig, a: MLAttention, p: str, shard: Sh
     load.linear(a.qkv_a, [q_name, kv_name], [a.q_rows, kv_rows], parts=parts)
     if half_split:
         # q_a's rows hold no RoPE dims; a plain q projection's do, per head, as q_b's.
-        q_rows = torch.arange(a.q_rows) if m.q_lora_rank else _rope_rows_perm(a.heads, qk, m.qk_rope_head_dim)
-        kv_perm = a.q_rows + _rope_rows_perm(1, kv_rows, m.qk_rope_head_dim)
+        q_rows = torch.arange(a.q_rows) if m.q_lora_rank else rope_rows_perm(a.heads, qk, m.qk_rope_head_dim)
+        kv_perm = a.q_rows + rope_rows_perm(1, kv_rows, m.qk_rope_head_dim)
         _permute_rows(a.qkv_a, torch.cat((q_rows, kv_perm)), p)
     if a.q_b is not None:
         load.norm(a.q_a_norm, p + "q_a_layernorm.weight")
         load.linear(a.q_b, [p + "q_b_proj.weight"],
                     parts=[Part((cfg.num_heads * qk, m.q_lora_rank), rows=head_rows(qk))] if shard.parallel else None)
         if half_split:
-            _permute_rows(a.q_b, _rope_rows_perm(a.heads, qk, m.qk_rope_head_dim), p)
+            _permute_rows(a.q_b, rope_rows_perm(a.heads, qk, m.qk_rope_head_dim), p)
     load.norm(a.kv_a_norm, p + "kv_a_layernorm.weight")
     per_head = m.qk_nope_head_dim + m.v_head_dim
     load.copy(a.kv_b, p + "kv_b_proj.weight",
@@ -457,7 +457,7 @@ def _load_mla(load: _Loader, cfg: ModelConfig, a: MLAttention, p: str, shard: Sh
                 if shard.parallel else None)
 
 
-def _rope_rows_perm(heads: int, head_rows: int, rope: int) -> torch.Tensor:
+def rope_rows_perm(heads: int, head_rows: int, rope: int) -> torch.Tensor:
     """Row order that turns each head's trailing `rope` rows from half-split to interleaved pairs."""
     per_head = torch.cat((torch.arange(head_rows - rope), head_rows - rope + interleave_rope_rows(torch.arange(rope), 1)))
     return (torch.arange(heads)[:, None] * head_rows + per_head).flatten()

@@ -167,21 +167,34 @@ class DecoderModel(nn.Module):
         self.weight_mapping: object | None = None  # the weight cache's mapping the parameters view (weight_cache.py)
         self.lora: LoRAState | None = None  # resident LoRA adapters (`lora.py`): the step's rows of each
 
+    def lora_targets(self) -> list[tuple[int, str, Linear, int]]:
+        """Every projection that takes LoRA adapters: (layer index, name, linear, fused parts). Attention q/k/v
+        and o; latent attention's q_a (or q) and kv_a (fused: `qkv_a`), q_b and o (kv_b is folded into the
+        queries and outputs at decode, so it takes none); MLP gate/up and down, and a mixture of experts'
+        shared expert's (`shared.gate_up`, `shared.down`). Routed experts take none."""
+        out: list[tuple[int, str, Linear, int]] = []
+        for i, layer in zip(self.layer_ids, self.layers, strict=True):
+            attn, mlp = layer.attn, layer.mlp
+            if isinstance(attn, Attention):
+                out += [(i, "qkv", attn.qkv, 3), (i, "o", attn.o, 1)]
+            elif isinstance(attn, MLAttention):
+                out += [(i, "qkv_a", attn.qkv_a, 2), (i, "o", attn.o, 1)]
+                if attn.q_b is not None:
+                    out.append((i, "q_b", attn.q_b, 1))
+            shared = mlp if isinstance(mlp, MLP) else mlp.shared if isinstance(mlp, MoE) else None
+            prefix = "" if isinstance(mlp, MLP) else "shared."
+            if shared is not None:
+                out += [(i, prefix + "gate_up", shared.gate_up, 2), (i, prefix + "down", shared.down, 1)]
+        return out
+
     def enable_lora(self, slots: int, max_rank: int) -> None:
-        """Room for `slots` resident LoRA adapters of rank up to `max_rank` on every attention and MLP
-        projection (q/k/v and gate/up fused: their parts' ranks side by side). Mixture-of-experts and
-        latent-attention layers take none (`engine/loading/lora_adapters.py` refuses adapters for them)."""
+        """Room for `slots` resident LoRA adapters of rank up to `max_rank` on every projection that takes
+        them (`lora_targets`; fused projections: their parts' ranks side by side)."""
         self.lora = LoRAState()
         device = self.norm.weight.device
-        for layer in self.layers:
-            targets: list[tuple[Linear, int]] = []
-            if isinstance(layer.attn, Attention):
-                targets += [(layer.attn.qkv, 3), (layer.attn.o, 1)]
-            if isinstance(layer.mlp, MLP):
-                targets += [(layer.mlp.gate_up, 2), (layer.mlp.down, 1)]
-            for lin, parts in targets:
-                lin.lora = LoRAWeights(self.lora, slots, parts * max_rank, lin.in_features, lin.out_features,
-                                       self.dtype, device)
+        for _, _, lin, parts in self.lora_targets():
+            lin.lora = LoRAWeights(self.lora, slots, parts * max_rank, lin.in_features, lin.out_features,
+                                   self.dtype, device)
 
     @property
     def kv_entry(self) -> tuple[int, int, int]:
