@@ -89,6 +89,7 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--ttft", action="store_true")
     p.add_argument("--store", action="store_true", help="only part 3: fetch from the shared KV store vs compute")
+    p.add_argument("--store-tp", default="1", help="--store: tensor-parallel sizes of the two workers, e.g. 1,3 (SmolLM2: 9 heads, 3 KV heads)")
     p.add_argument("--mla", action="store_true", help="only part 4: latent (DeepSeek-V3) vs GQA KV bytes and transfer")
     p.add_argument("--receiver", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -97,7 +98,8 @@ def main() -> int:
         return 0
     os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
     if args.store:
-        store_compare()
+        for tp in (int(t) for t in args.store_tp.split(",")):
+            store_compare(tp=tp)
         return 0
     from kvtransfer.config import TransferConfig
     from kvtransfer.descriptors import KVRegion
@@ -310,8 +312,10 @@ def ttft_compare(n_prompts: int = 5) -> None:
 
 
 
-def store_compare(rounds: int = 3) -> None:
-    """Part 3: a 2048-token prefix computed on one core (worker A) vs fetched from the store (worker B)."""
+def store_compare(rounds: int = 3, tp: int = 1) -> None:
+    """Part 3: a 2048-token prefix computed on one core (worker A) vs fetched from the store (worker B).
+    `tp` > 1: both workers split over that many tensor-parallel ranks (sharing both cores, one thread each), every
+    rank publishing and fetching its own KV heads."""
     import asyncio
 
     import grpc
@@ -334,8 +338,9 @@ def store_compare(rounds: int = 3) -> None:
         ports[name] = free_port()
         metrics = free_port()
         ports[name + "-metrics"] = metrics
+        split = ["--cpus", str(core)] if tp == 1 else ["--tensor-parallel-size", str(tp), "--threads", "1"]
         procs.append(spawn(["-m", "splitfire_cli", "serve", "--model", model, "--host", "127.0.0.1", "--grpc-port",
-                            str(ports[name]), "--metrics-port", str(metrics), "--cpus", str(core), "--kv-cache-gb",
+                            str(ports[name]), "--metrics-port", str(metrics), *split, "--kv-cache-gb",
                             "1", "--max-num-batched-tokens", "2048", *store_flags], "worker ready",
                            out / f"store-{name}.log"))
 
@@ -391,8 +396,9 @@ def store_compare(rounds: int = 3) -> None:
             p.wait(20)
     c, f, b = statistics.median(compute), statistics.median(fetch), statistics.median(best)
     moved = LAYERS * (PROMPT_BLOCKS - 1) * PAGE
+    where = "one core per worker" if tp == 1 else f"{tp} tensor-parallel ranks per worker, one thread each"
     print(f"\n2048-token prompt, SmolLM2 fp32 ({PROMPT_BLOCKS - 1} reusable blocks x {LAYERS} layers = "
-          f"{moved / 1e6:.1f} MB), one core per worker, median of {rounds}:")
+          f"{moved / 1e6:.1f} MB), {where}, median of {rounds}:")
     print(f"  TTFT computing it (worker A)                      {c * 1e3:8.0f} ms")
     print(f"  TTFT fetching it from the store (worker B)        {f * 1e3:8.0f} ms   {c / f:.1f}x faster (target >= 5x)")
     print(f"  store fetch as B did it (whole TTFT)              {moved / f / 1e9:8.2f} GB/s")

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 from common.block_hash import block_hashes
@@ -123,7 +124,10 @@ class KVTier:
         hashes, blocks = await aeng.fill_plan(request_id)
         n = 0
         if hashes:
+            t0 = time.perf_counter()
             n = await asyncio.get_running_loop().run_in_executor(self._fetcher, self._fetch, hashes, blocks)
+            log.info("event=kv_fetched rid=%s blocks=%d of=%d ranks=%d seconds=%.4f", request_id, n, len(hashes),
+                     len(self.remote) + 1, time.perf_counter() - t0)
         self.metrics.kv_store_blocks.labels(role=self.metrics.role, op="fetched").inc(n)
         return await aeng.mark_filled(request_id, n)
 
