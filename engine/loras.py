@@ -81,6 +81,15 @@ class LoRAManager:
                 lin.lora.clear(slot)
             else:
                 lin.lora.set(slot, *ab)
+        for i, layer in zip(self.model.layer_ids, self.model.layers, strict=True):
+            ex = getattr(layer.mlp, "experts", None)
+            if ex is None or ex.lora is None:
+                continue
+            factors = adapter.expert_factors.get(i)
+            if factors is None:
+                ex.lora.clear(slot)
+            else:
+                ex.lora.set(slot, factors)
 
     def slot(self, name: str) -> int:
         """The slot of an adapter a new request runs under; RequestError when there is none."""

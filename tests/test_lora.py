@@ -357,3 +357,49 @@ def test_latent_attention_adapters_under_two_tensor_parallel_ranks_equal_peft(ov
             assert got[rid].token_ids == peft_greedy(pm1, ps[rid], 6), rid
     finally:
         eng.close()
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_routed_expert_adapters_equal_peft(family, tmp_path_factory):
+    """peft's LoRA on the stacked routed experts (what it makes of gate/up/down_proj targets on a
+    transformers-5 MoE model: gate and up fused at twice the rank), beside the attention's, two adapters and
+    the base in one batch: equal peft. The grouped expert loop adds each adapter's per-expert deltas."""
+    fam = make_hf_model(family, tmp_path_factory.mktemp(f"{family}-experts") / "model")
+    attn = ("q_proj", "k_proj", "v_proj", "o_proj") if family == "qwen3_moe" else ("q_a_proj", "o_proj")
+    targets = (*attn, "gate_proj", "up_proj", "down_proj")
+    a1, pm1 = adapter(fam, tmp_path_factory, f"{family}-ex1", seed=31, targets=targets)
+    a2, pm2 = adapter(fam, tmp_path_factory, f"{family}-ex2", seed=32, r=4, rslora=True, targets=targets)
+    cfg = json.loads((a1 / "adapter_config.json").read_text())
+    assert set(cfg["target_parameters"]) == {"gate_up_proj", "down_proj"}  # peft's expert parameters, not modules
+    eng = make_engine(fam.path, lora_modules={"a": str(a1), "b": str(a2)}, max_num_batched_tokens=64,
+                      max_num_seqs=8, threads=1, quantization=None)
+    which = {"x": ("", fam.model), "a0": ("a", pm1), "b0": ("b", pm2), "a1": ("a", pm1)}
+    ps = {rid: prompt(i + 7, n) for i, (rid, n) in enumerate(zip(which, [9, 44, 21, 60], strict=True))}
+    for rid, (name, _) in which.items():
+        eng.add_request(rid, ps[rid], SamplingParams(max_tokens=6, **GREEDY), adapter=name)
+    got = drain(eng)
+    for rid, (name, model) in which.items():
+        want = peft_greedy(model, ps[rid], 6) if name else fam.greedy(ps[rid], 6)
+        assert got[rid].token_ids == want, (rid, name)
+
+
+@pytest.mark.parametrize("expert_parallel", [False, True])
+def test_routed_expert_adapters_under_two_ranks_equal_peft(expert_parallel, tmp_path_factory):
+    """Each rank's slices of the experts' factors: every expert's intermediate columns (gate/up B's rows,
+    down A's columns), or with expert parallel its own experts whole."""
+    fam = make_hf_model("qwen3_moe", tmp_path_factory.mktemp("qmoe-tp") / "model")
+    targets = ("q_proj", "v_proj", "gate_proj", "up_proj", "down_proj")
+    a1, pm1 = adapter(fam, tmp_path_factory, "qmoe-tp", seed=41, targets=targets)
+    eng = make_engine(fam.path, tensor_parallel_size=2, enable_expert_parallel=expert_parallel,
+                      lora_modules={"a": str(a1)}, max_loras=2, threads=1, quantization=None, max_num_seqs=8,
+                      max_num_batched_tokens=64)
+    try:
+        ps = {"x": prompt(1, 15), "a": prompt(2, 33), "a2": prompt(3, 9)}
+        for rid in ps:
+            eng.add_request(rid, ps[rid], SamplingParams(max_tokens=6, **GREEDY), adapter="" if rid == "x" else "a")
+        got = drain(eng)
+        assert got["x"].token_ids == fam.greedy(ps["x"], 6)
+        for rid in ("a", "a2"):
+            assert got[rid].token_ids == peft_greedy(pm1, ps[rid], 6), rid
+    finally:
+        eng.close()

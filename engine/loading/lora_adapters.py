@@ -43,6 +43,10 @@ _ATTENTION = {"q_proj": ("qkv", 0), "k_proj": ("qkv", 1), "v_proj": ("qkv", 2), 
 _LATENT = {"q_proj": ("qkv_a", 0), "q_a_proj": ("qkv_a", 0), "kv_a_proj_with_mqa": ("qkv_a", 1),
            "q_b_proj": ("q_b", 0), "o_proj": ("o", 0)}
 _MLP = {"gate_proj": ("gate_up", 0), "up_proj": ("gate_up", 1), "down_proj": ("down", 0)}
+# peft's LoRA on the stacked routed-expert parameters (`target_parameters`: gate_up_proj, down_proj), one
+# wrapper inside the other: `experts.lora_*` and `experts.base_layer.lora_*`.
+_EXPERT_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.mlp\.experts((?:\.base_layer)*)\.lora_(A|B)(?:\.default)?\.weight$")
+_FUSED_GATE_UP = r".*\.gate_up_proj"  # the one per-module pattern peft writes: gate and up fused, rank x 2
 
 
 @dataclass(frozen=True)
@@ -142,15 +146,18 @@ class LoRAAdapter:
     path: Path
     rank: int
     scale: float
-    # (layer index in the whole model, "qkv" | "o" | "gate_up" | "down") -> (A [R, in], B [out, R])
+    # (layer index in the whole model, `DecoderModel.lora_targets` name) -> (A [R, in], B [out, R])
     factors: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    # layer index -> this rank's routed experts' (gate/up A [E, r2, H], B [E, 2I, r2], down A [E, r, I], B [E, H, r])
+    expert_factors: dict[int, tuple[torch.Tensor, ...]] = field(default_factory=dict)
 
     @property
     def nbytes(self) -> int:
-        return sum(a.numel() * a.element_size() + b.numel() * b.element_size() for a, b in self.factors.values())
+        return (sum(a.numel() * a.element_size() + b.numel() * b.element_size() for a, b in self.factors.values())
+                + sum(t.numel() * t.element_size() for ts in self.expert_factors.values() for t in ts))
 
 
-def _config(name: str, path: Path, max_rank: int) -> tuple[int, float]:
+def _config(name: str, path: Path, max_rank: int) -> tuple[int, float, dict]:
     cfg_path = path / "adapter_config.json"
     try:
         cfg = json.loads(cfg_path.read_text())
@@ -170,8 +177,13 @@ def _config(name: str, path: Path, max_rank: int) -> tuple[int, float]:
     if not 1 <= r <= max_rank:
         raise LoRAError(f"adapter {name!r}: rank {r} is above --max-lora-rank {max_rank}" if r > max_rank
                         else f"adapter {name!r}: rank {r} must be >= 1")
-    refused = [(cfg.get("use_dora"), "DoRA (use_dora)"), (cfg.get("rank_pattern"), "per-module ranks (rank_pattern)"),
-               (cfg.get("alpha_pattern"), "per-module alphas (alpha_pattern)"),
+    patterns = {k: cfg.get(k) or {} for k in ("rank_pattern", "alpha_pattern")}
+    # peft fuses an MoE's gate and up experts (one parameter) and writes rank and alpha x 2 for them: that
+    # one pattern is the same per-projection LoRA; any other per-module rank or alpha is refused.
+    fused = {_FUSED_GATE_UP}
+    odd = {k: set(v) - fused for k, v in patterns.items()}
+    refused = [(cfg.get("use_dora"), "DoRA (use_dora)"), (odd["rank_pattern"], "per-module ranks (rank_pattern)"),
+               (odd["alpha_pattern"], "per-module alphas (alpha_pattern)"),
                (cfg.get("bias", "none") not in (None, "none"), f"trained biases (bias={cfg.get('bias')!r})"),
                (cfg.get("modules_to_save"), f"fully trained modules (modules_to_save={cfg.get('modules_to_save')})"),
                (cfg.get("fan_in_fan_out"), "fan_in_fan_out weights"),
@@ -179,8 +191,14 @@ def _config(name: str, path: Path, max_rank: int) -> tuple[int, float]:
     for bad, what in refused:
         if bad:
             raise LoRAError(f"adapter {name!r}: {what} is not supported")
-    scale = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
-    return r, scale
+    rslora = bool(cfg.get("use_rslora"))
+    scale = alpha / math.sqrt(r) if rslora else alpha / r
+    r_gu = int(patterns["rank_pattern"].get(_FUSED_GATE_UP, r))
+    alpha_gu = float(patterns["alpha_pattern"].get(_FUSED_GATE_UP, alpha))
+    if not 1 <= r_gu <= 2 * max_rank:
+        raise LoRAError(f"adapter {name!r}: fused gate/up experts' rank {r_gu} is above 2 x --max-lora-rank {max_rank}")
+    experts = {"gate_up": (r_gu, alpha_gu / math.sqrt(r_gu) if rslora else alpha_gu / r_gu), "down": (r, scale)}
+    return r, scale, experts
 
 
 def _tensors(name: str, path: Path) -> dict[str, torch.Tensor]:
@@ -200,10 +218,16 @@ def _tensors(name: str, path: Path) -> dict[str, torch.Tensor]:
 def read_adapter(name: str, path: str | Path, model: DecoderModel, max_rank: int) -> LoRAAdapter:
     """Read and check an adapter against `model`; its factors on the model's device and dtype."""
     path = Path(path)
-    r, scale = _config(name, path, max_rank)
+    r, scale, expert_ranks = _config(name, path, max_rank)
     tensors = _tensors(name, path)
     found: dict[tuple[int, str, str], dict[str, torch.Tensor]] = {}
+    expert_found: dict[int, dict[int, dict[str, torch.Tensor]]] = {}  # layer -> wrapper depth -> A/B
     for key, t in tensors.items():
+        em = _EXPERT_KEY.search(key)
+        if em is not None:
+            layer, depth, ab = em.groups()
+            expert_found.setdefault(int(layer), {}).setdefault(depth.count("base_layer"), {})[ab] = t
+            continue
         m = _KEY.search(key)
         if m is None:
             raise LoRAError(f"adapter {name!r}: {key} adapts a module splitfire does not (attention projections, "
@@ -212,7 +236,7 @@ def read_adapter(name: str, path: str | Path, model: DecoderModel, max_rank: int
         if shared and where != "mlp":
             raise LoRAError(f"adapter {name!r}: {key} adapts a module splitfire does not")
         found.setdefault((int(layer), where + (".shared" if shared else ""), proj), {})[ab] = t
-    if not found:
+    if not found and not expert_found:
         raise LoRAError(f"adapter {name!r}: adapter_model.safetensors holds no LoRA factors")
     cfg = model.cfg
     adapter = LoRAAdapter(name, path, r, scale)
@@ -256,4 +280,56 @@ def read_adapter(name: str, path: str | Path, model: DecoderModel, max_rank: int
                 b_full[row : row + local, p * r : (p + 1) * r] = b[g.rows.start : g.rows.stop]
             row += local
         adapter.factors[(layer, linear)] = (a_cat.to(device, dtype), b_full.to(device, dtype))
+    for layer, wrappers in sorted(expert_found.items()):
+        if not 0 <= layer < cfg.num_layers:
+            raise LoRAError(f"adapter {name!r}: layer {layer} does not exist (the model has {cfg.num_layers}): "
+                            "made for another base model?")
+        if layer in model.layer_ids:
+            block = model.layers[layer - model.layer_ids.start]
+            adapter.expert_factors[layer] = _expert_factors(name, layer, block, wrappers, expert_ranks, device, dtype)
     return adapter
+
+
+def _expert_factors(name: str, layer: int, block, wrappers: dict[int, dict[str, torch.Tensor]],
+                    ranks: dict[str, tuple[int, float]], device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """This rank's routed experts' factors from peft's two parameter wrappers: per expert e,
+    A_e = A.view(E, r, in)[e] and B_e = B.view(out, r, E)[..., e] (peft's `ParamWrapper` layout), the scale
+    folded into B; tensor parallel: each expert's intermediate columns (gate/up B's rows, down A's columns),
+    or with expert parallel this rank's experts."""
+    mlp = block.mlp
+    if not isinstance(mlp, MoE):
+        raise LoRAError(f"adapter {name!r}: layer {layer} adapts routed experts, but its MLP is dense")
+    e_all, inter, hidden = mlp.cfg.num_experts, mlp.cfg.intermediate_size, mlp.router.in_features
+    by_role: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    for depth, ab in wrappers.items():
+        if set(ab) != {"A", "B"}:
+            raise LoRAError(f"adapter {name!r}: layer {layer} experts (wrapper {depth}) has lora_"
+                            f"{'A' if 'A' not in ab else 'B'} missing")
+        a, b = ab["A"], ab["B"]
+        role = "gate_up" if a.dim() == 2 and a.shape[1] == hidden and b.shape[0] == 2 * inter else "down"
+        r_p = ranks[role][0]
+        want_a, want_b = (r_p * e_all, hidden if role == "gate_up" else inter), (
+            2 * inter if role == "gate_up" else hidden, r_p * e_all)
+        if tuple(a.shape) != want_a or tuple(b.shape) != want_b or role in by_role:
+            raise LoRAError(f"adapter {name!r}: layer {layer} expert factors A{tuple(a.shape)} B{tuple(b.shape)} fit "
+                            f"neither gate/up nor down of {e_all} experts ({hidden} -> {2 * inter} -> {hidden}, rank "
+                            f"{ranks['down'][0]}): made for another base model?")
+        by_role[role] = (a, b)
+    local, cols = mlp.local, mlp.columns
+    out: list[torch.Tensor] = []
+    for role in ("gate_up", "down"):
+        r_p, scale = ranks[role]
+        a, b = by_role.get(role, (None, None))
+        if a is None or b is None:  # (an adapter of one of the two: the other's factors are zeros)
+            n_in, n_out = (hidden, 2 * len(cols)) if role == "gate_up" else (len(cols), hidden)
+            out += [torch.zeros(len(local), 1, n_in), torch.zeros(len(local), n_out, 1)]
+            continue
+        a_e = a.float().view(e_all, r_p, -1)[local.start : local.stop]
+        b_e = (b.float() * scale).view(b.shape[0], r_p, e_all).permute(2, 0, 1)[local.start : local.stop]
+        if role == "gate_up":
+            rows = torch.cat((torch.arange(cols.start, cols.stop), inter + torch.arange(cols.start, cols.stop)))
+            b_e = b_e[:, rows]
+        else:
+            a_e = a_e[:, :, cols.start : cols.stop]
+        out += [a_e.contiguous(), b_e.contiguous()]
+    return tuple(t.to(device, dtype) for t in out)

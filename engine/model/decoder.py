@@ -26,7 +26,7 @@ from engine.model.cpu_decode import CpuDecodeLayers, supported
 from engine.model.kernels import cpu_ops
 from engine.model.kv_cache import KVCache
 from engine.model.layers import MLP, Linear, RMSNorm, cpu_packing_supported
-from engine.model.lora import LoRAState, LoRAWeights
+from engine.model.lora import ExpertLoRA, LoRAState, LoRAWeights
 from engine.model.mla import MLAttention
 from engine.model.model_config import LayerConfig, ModelConfig
 from engine.model.moe import Experts, MoE
@@ -171,7 +171,7 @@ class DecoderModel(nn.Module):
         """Every projection that takes LoRA adapters: (layer index, name, linear, fused parts). Attention q/k/v
         and o; latent attention's q_a (or q) and kv_a (fused: `qkv_a`), q_b and o (kv_b is folded into the
         queries and outputs at decode, so it takes none); MLP gate/up and down, and a mixture of experts'
-        shared expert's (`shared.gate_up`, `shared.down`). Routed experts take none."""
+        shared expert's (`shared.gate_up`, `shared.down`). Routed experts are `Experts.lora` (`lora.ExpertLoRA`)."""
         out: list[tuple[int, str, Linear, int]] = []
         for i, layer in zip(self.layer_ids, self.layers, strict=True):
             attn, mlp = layer.attn, layer.mlp
@@ -195,6 +195,11 @@ class DecoderModel(nn.Module):
         for _, _, lin, parts in self.lora_targets():
             lin.lora = LoRAWeights(self.lora, slots, parts * max_rank, lin.in_features, lin.out_features,
                                    self.dtype, device)
+        for layer in self.layers:  # routed experts: their factors allocated by the first adapter that has any
+            if isinstance(layer.mlp, MoE):
+                ex = layer.mlp.experts
+                ex.lora = ExpertLoRA(self.lora, slots, max_rank, ex.num_experts, self.cfg.hidden_size,
+                                     len(layer.mlp.columns), self.dtype, device)
 
     @property
     def kv_entry(self) -> tuple[int, int, int]:

@@ -41,6 +41,7 @@ class LoRARows:
     rows: torch.Tensor | None = None  # padded form: the adapter rows, grouped by slot
     padded: torch.Tensor | None = None  # ... and each one's place in the [slots * width] padded block
     width: int = 0  # rows per slot in the padded block (the most any adapter has); 0: no padded form
+    slots: torch.Tensor | None = None  # every row's slot (-1: the base model), for the routed experts' deltas
 
     @staticmethod
     def build(row_slots: list[int], device: torch.device, max_width: int = PADDED_MAX_ROWS) -> LoRARows | None:
@@ -59,7 +60,7 @@ class LoRARows:
         if not segments:
             return None
         groups = [(slot, torch.tensor(rows, dtype=torch.long, device=device)) for slot, rows in by_slot.items()]
-        out = LoRARows(segments, groups)
+        out = LoRARows(segments, groups, slots=torch.tensor(row_slots, dtype=torch.long, device=device))
         width = max(len(r) for r in by_slot.values())
         if width <= max_width:
             flat = [r for rows in by_slot.values() for r in rows]
@@ -145,3 +146,67 @@ class LoRAWeights:
         else:
             segment_deltas(x, out, self.a, self.b, rows.segments)
         return out
+
+
+class ExpertLoRA:
+    """A mixture of experts' routed experts' factors for every slot (peft's LoRA on the stacked expert
+    parameters: per expert e, A_e `[r, in]` and B_e `[out, r]`), allocated when the first adapter with any
+    is placed (they are `slots x experts` pairs per layer). The deltas are added inside the grouped expert
+    loop (`moe.grouped_experts`): for each expert, the rows of each adapter present get
+    `(x A[slot, e]^T) B[slot, e]^T` on gate/up and on down."""
+
+    def __init__(self, state: LoRAState, slots: int, max_rank: int, experts: int, hidden: int, inter: int,
+                 dtype: torch.dtype, device: torch.device):
+        self.state = state
+        self.shape = (slots, experts, max_rank, hidden, inter)
+        self.dtype, self.device = dtype, device
+        self.gate_up: tuple[torch.Tensor, torch.Tensor] | None = None  # A [S, E, 2R, H], B [S, E, 2I, 2R]
+        self.down: tuple[torch.Tensor, torch.Tensor] | None = None  # A [S, E, R, I], B [S, E, H, R]
+        self.held: set[int] = set()  # slots holding expert factors
+
+    def _allocate(self) -> None:
+        if self.gate_up is None:
+            s, e, r, h, i = self.shape
+            z = dict(dtype=self.dtype, device=self.device)
+            self.gate_up = (torch.zeros(s, e, 2 * r, h, **z), torch.zeros(s, e, 2 * i, 2 * r, **z))
+            self.down = (torch.zeros(s, e, r, i, **z), torch.zeros(s, e, h, r, **z))
+
+    def set(self, slot: int, factors: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
+        """A slot's factors: gate/up A `[E, r2, H]`, B `[E, 2I, r2]`, down A `[E, r, I]`, B `[E, H, r]` (scaled)."""
+        self._allocate()
+        assert self.gate_up is not None and self.down is not None
+        self.clear(slot)
+        for (a_all, b_all), a, b in ((self.gate_up, *factors[:2]), (self.down, *factors[2:])):
+            if a.shape[0] != a_all.shape[1] or a.shape[1] > a_all.shape[2] or a.shape[2] != a_all.shape[3] \
+                    or b.shape[1] != b_all.shape[2]:
+                raise ValueError(f"expert LoRA factors A{tuple(a.shape)} B{tuple(b.shape)} do not fit experts "
+                                 f"A{tuple(a_all.shape[1:])} B{tuple(b_all.shape[1:])}")
+            r = a.shape[1]
+            a_all[slot, :, :r] = a.to(self.dtype)
+            b_all[slot, :, :, :r] = b.to(self.dtype)
+        self.held.add(slot)
+
+    def clear(self, slot: int) -> None:
+        self.held.discard(slot)
+        for pair in (self.gate_up, self.down):
+            if pair is not None:
+                pair[0][slot].zero_()
+                pair[1][slot].zero_()
+
+    def step_slots(self) -> torch.Tensor | None:
+        """This step's slot per row, when a row runs under an adapter with expert factors (else None)."""
+        rows = self.state.rows
+        if rows is None or rows.slots is None or not self.held or not any(s in self.held for _, _, s in rows.segments):
+            return None
+        return rows.slots
+
+    @staticmethod
+    def add(out: torch.Tensor, x: torch.Tensor, slots: torch.Tensor, e: int,
+            factors: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """out[rows of slot s] += (x[rows] A[s, e]^T) B[s, e]^T for every slot s among `slots` (-1: none)."""
+        a, b = factors
+        for s in slots.unique().tolist():
+            if s < 0:
+                continue
+            rows = (slots == s).nonzero().squeeze(1)
+            out.index_add_(0, rows, (x.index_select(0, rows) @ a[s, e].T) @ b[s, e].T)

@@ -20,6 +20,7 @@ from common.errors import ModelLoadError
 from engine.model import quant
 from engine.model.kernels import kernels
 from engine.model.layers import MLP, Linear, activation, cpu_linear, pack_weight
+from engine.model.lora import ExpertLoRA
 from engine.model.model_config import ModelConfig
 from engine.model.parallel import ONE, Shard
 
@@ -71,10 +72,12 @@ ExpertFn = Callable[[int, torch.Tensor], torch.Tensor]
 
 
 def grouped_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, num_experts: int,
-                    gate_up: ExpertFn, down: ExpertFn, act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+                    gate_up: ExpertFn, down: ExpertFn, act: Callable[[torch.Tensor], torch.Tensor],
+                    lora: ExpertLoRA | None = None, lora_slots: torch.Tensor | None = None) -> torch.Tensor:
     """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) for every token t, one matmul pair per active expert.
 
-    `gate_up(e, rows)` / `down(e, rows)` apply expert e's projections (plain or pre-packed weights).
+    `gate_up(e, rows)` / `down(e, rows)` apply expert e's projections (plain or pre-packed weights);
+    `lora` with `lora_slots` (each token's adapter slot): the adapters' expert deltas added to both.
     """
     k = ids.shape[1]
     order, counts = sort_by_expert(ids, num_experts)
@@ -83,15 +86,23 @@ def grouped_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, n
     rows = x.index_select(0, token_of)
     w = weights.flatten().index_select(0, order).unsqueeze(1).to(x.dtype)
     out_rows = torch.empty_like(rows)
+    slots = lora_slots.index_select(0, token_of) if lora is not None and lora_slots is not None else None
     start = 0
     for e, n in enumerate(counts[:num_experts]):
         if n == 0:
             continue
-        gate, up = gate_up(e, rows[start : start + n]).chunk(2, dim=-1)
+        x_e = rows[start : start + n]
+        gu = gate_up(e, x_e)
+        if slots is not None and lora is not None and lora.gate_up is not None:
+            lora.add(gu, x_e, slots[start : start + n], e, lora.gate_up)
+        gate, up = gu.chunk(2, dim=-1)
         # down is linear: scaling its input by the routing weight is the same as scaling its
         # output, on intermediate-size rows (4x fewer than hidden-size ones in Qwen3-MoE).
         h = act(gate).mul_(up).mul_(w[start : start + n])
-        out_rows[start : start + n] = down(e, h)
+        d = down(e, h)
+        if slots is not None and lora is not None and lora.down is not None:
+            lora.add(d, h, slots[start : start + n], e, lora.down)
+        out_rows[start : start + n] = d
         start += n
     return torch.zeros_like(x).index_add_(0, token_of, out_rows)
 
@@ -120,6 +131,7 @@ class Experts(nn.Module):
         # Expert parallel: some tokens' choices are another rank's experts (the grouped torch path skips
         # them; the Triton kernel does not know them yet, so it is not used).
         self.partial = False
+        self.lora: ExpertLoRA | None = None  # resident adapters' expert factors (`lora.py`), when enabled
 
     def set_quantized(self, gate_up: list[quant.QuantizedWeight], down: list[quant.QuantizedWeight]) -> None:
         """Run from quantized experts; the stacked float weights are freed."""
@@ -159,20 +171,25 @@ class Experts(nn.Module):
         self.gate_up = self.down = None  # type: ignore[assignment]
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        fused = kernels("moe_triton", x.device.type) if not self.partial else None
+        # A step with rows under adapters that adapt the experts takes the grouped loop, which adds them.
+        slots = self.lora.step_slots() if self.lora is not None else None
+        lora = self.lora if slots is not None else None
+        fused = kernels("moe_triton", x.device.type) if not self.partial and lora is None else None
         if self.stacked is not None and fused is not None:
             return fused.fused_experts(x, ids, weights, *self.stacked, self.act)
         if self.quantized is not None:
             gu, dn = self.quantized
             return grouped_experts(x, ids, weights, self.num_experts, lambda e, r: quant.linear(r, [gu[e]], None),
-                                   lambda e, r: quant.linear(r, [dn[e]], None), self.act)
+                                   lambda e, r: quant.linear(r, [dn[e]], None), self.act, lora, slots)
         if self.packed is not None:
             gu, dn = self.packed
             return grouped_experts(x, ids, weights, self.num_experts, lambda e, r: cpu_linear(r, gu[e]),
-                                   lambda e, r: cpu_linear(r, dn[e]), self.act)
+                                   lambda e, r: cpu_linear(r, dn[e]), self.act, lora, slots)
         if fused is not None:
             return fused.fused_experts(x, ids, weights, self.gate_up, self.down, self.act)
-        return grouped_experts_reference(x, ids, weights, self.gate_up, self.down, self.act)
+        w_gu, w_dn = self.gate_up, self.down
+        return grouped_experts(x, ids, weights, self.num_experts, lambda e, r: F.linear(r, w_gu[e]),
+                               lambda e, r: F.linear(r, w_dn[e]), self.act, lora, slots)
 
 
 class MoE(nn.Module):
