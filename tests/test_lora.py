@@ -322,7 +322,7 @@ def test_latent_attention_and_shared_expert_adapters_equal_peft(family, override
     assert any("shared_experts.down_proj" in k for k in keys) and any("layers.0.mlp.up_proj" in k for k in keys)
 
 
-def test_latent_attention_kv_b_and_routed_experts_are_refused_by_name(tmp_path_factory):
+def test_latent_attention_kv_b_is_refused_by_name(tmp_path_factory):
     fam = make_hf_model("deepseek_v3", tmp_path_factory.mktemp("ds-refuse") / "model")
     eng = make_engine(fam.path, enable_lora=True, max_num_seqs=8, max_num_batched_tokens=64, threads=1)
     kv_b, _ = adapter(fam, tmp_path_factory, "kvb", seed=5, targets=("kv_b_proj", "o_proj"))

@@ -14,8 +14,10 @@ attention's per-head rope rows as the loader reorders them); fused projections' 
 Everything that cannot be served exactly is refused by name (`LoRAError`, a 400 at the edge): a
 missing or unreadable file, a rank above `--max-lora-rank`, DoRA, per-module rank or alpha patterns,
 trained biases, extra saved modules, a target this model lacks or that splitfire does not adapt
-(routed experts, latent attention's kv_b_proj — folded into the queries and outputs at decode —,
-embeddings, the LM head), and factors whose shapes do not fit (an adapter made for another base model).
+(latent attention's kv_b_proj — folded into the queries and outputs at decode —, per-expert modules of
+transformers-4 layouts, embeddings, the LM head), and factors whose shapes do not fit (an adapter made
+for another base model). Routed experts are read in peft's layout for stacked expert parameters
+(`_expert_factors`).
 """
 
 from __future__ import annotations
@@ -83,8 +85,9 @@ def _place(name: str, layer: int, block, where: str, proj: str) -> tuple[str, in
             raise LoRAError(f"adapter {name!r}: layer {layer} has no shared expert")
         return "shared." + linear, part
     if isinstance(mlp, MoE):
-        raise LoRAError(f"adapter {name!r}: layer {layer}'s MLP is a mixture of experts: its routed experts take "
-                        "no LoRA adapters yet (its shared expert and the attention do)")
+        raise LoRAError(f"adapter {name!r}: layer {layer}'s MLP is a mixture of experts: it has no {proj} of its "
+                        "own (its routed experts are adapted through peft's target_parameters, its shared expert "
+                        "as mlp.shared_expert(s))")
     return linear, part
 
 
