@@ -98,6 +98,34 @@ async def test_a_model_that_fails_to_load_fails_its_request_by_name_and_leaves_t
     await use(host, "b")
 
 
+async def test_a_model_being_evicted_takes_no_request_until_it_is_loaded_again():
+    """Loading d evicts b and then c; a request for c arriving while b goes must not get the c that is about
+    to be freed: it waits, and gets c loaded again once d's request is done."""
+    host, events = make_host(HostLimits(memory_bytes=3 * GIB, wait_s=5), {"a": GIB, "b": GIB, "c": GIB,
+                                                                           "d": 2 * GIB})
+    await use(host, "b")
+    await use(host, "c")
+    slow = host._unload
+
+    async def unload(m: HostedModel) -> None:
+        await asyncio.sleep(0.05)
+        await slow(m)
+
+    host._unload = unload
+    loading_d = asyncio.create_task(host.acquire("d"))
+    await asyncio.sleep(0.02)  # b is being evicted, c is next
+    assert host.models["c"].evicting
+    wants_c = asyncio.create_task(host.acquire("c"))
+    d = await loading_d
+    await asyncio.sleep(0.1)
+    assert not wants_c.done()  # no room for c while d is in use
+    host.release(d)
+    c = await wants_c
+    assert c.loads == 2 and c.resident is not None and not c.evicting
+    assert events == [("load", "b"), ("load", "c"), ("evict", "b"), ("evict", "c"), ("load", "d"), ("evict", "d"),
+                      ("load", "c")]
+
+
 async def test_concurrent_requests_for_a_missing_model_load_it_once():
     host, events = make_host(HostLimits(max_loaded=2), {"a": GIB, "b": GIB})
     got = await asyncio.gather(*(host.acquire("b") for _ in range(5)))

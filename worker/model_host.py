@@ -43,6 +43,7 @@ class HostedModel:
     last_used: float = 0.0
     loads: int = 0
     pinned: bool = False  # never evicted (the worker's first model: its hot standby)
+    evicting: bool = False  # chosen for eviction: takes no new request until it is gone (and loaded again)
 
 
 @dataclass(frozen=True)
@@ -88,20 +89,24 @@ class ModelHost:
         """The model, resident and counted as in use until `release`: loaded first if need be."""
         m = self.get(name)
         deadline = time.monotonic() + self.limits.wait_s
-        while m.resident is None:
+        while m.resident is None or m.evicting:
+            self._idle.clear()  # (before looking for room: a model going idle from here on wakes the wait below)
             async with self._lock:
                 if m.resident is None:
                     victims = self._room_for(m)
                     if victims is not None:
+                        for v in victims:  # (marked first: none of them takes a request while others go)
+                            v.evicting = True
                         for v in victims:
                             await self._evict(v)
                         await self._load_one(m)
                         break
+            if m.resident is not None and not m.evicting:
+                break
             left = deadline - time.monotonic()
             if left <= 0:
                 raise ModelUnavailable(f"no room to load model {m.name!r} within {self.limits.wait_s:.0f}s: every "
                                        f"resident model is busy ({self._describe()})")
-            self._idle.clear()
             try:
                 await asyncio.wait_for(self._idle.wait(), left)
             except TimeoutError:
@@ -141,8 +146,12 @@ class ModelHost:
 
     async def _evict(self, m: HostedModel) -> None:
         t0 = time.perf_counter()
-        await self._unload(m)
-        m.resident = None
+        try:
+            await self._unload(m)
+        finally:
+            m.resident = None
+            m.evicting = False
+            self._idle.set()  # (a request waiting for this model loads it again)
         seconds = time.perf_counter() - t0
         log.info("event=model_evicted model=%s footprint_mib=%.0f seconds=%.3f", m.name, m.footprint / 2**20, seconds)
         if self.on_change is not None:
