@@ -217,14 +217,23 @@ def test_adapters_over_an_int8_base_equal_peft_over_the_same_weights(tmp_path, t
             (exact / f.name).write_bytes(f.read_bytes())
     base = transformers.AutoModelForCausalLM.from_pretrained(exact, dtype=torch.float32).eval()
     a1, pm1 = adapter(type(hf)(hf.name, exact, base, hf.config), tmp_path_factory, "int8base", seed=7)
-    eng = make_engine(exact, quantization="int8", lora_modules={"one": str(a1)}, threads=1)
-    ps = {"b": prompt(1, 30), "o": prompt(2, 45), "o2": prompt(3, 9)}
-    for rid, p in ps.items():
-        eng.add_request(rid, p, SamplingParams(max_tokens=8, **GREEDY), adapter="" if rid == "b" else "one")
-    got = drain(eng)
-    assert got["b"].token_ids == peft_greedy(base, ps["b"], 8)
-    assert got["o"].token_ids == peft_greedy(pm1, ps["o"], 8)
-    assert got["o2"].token_ids == peft_greedy(pm1, ps["o2"], 8)
+    a2, pm2 = adapter(type(hf)(hf.name, exact, base, hf.config), tmp_path_factory, "int8base2", seed=8, r=4)
+    ps = {"b": prompt(1, 30), "o": prompt(2, 45), "o2": prompt(3, 9), "t": prompt(4, 20)}
+    which = {"b": "", "o": "one", "o2": "one", "t": "two"}
+    outs = {}
+    for in_c in (True, False):  # decode steps with adapter rows in the fused C loop, then on the module path
+        eng = make_engine(exact, quantization="int8", lora_modules={"one": str(a1), "two": str(a2)}, threads=1)
+        eng.model.lora_in_c = in_c
+        for rid, p in ps.items():
+            eng.add_request(rid, p, SamplingParams(max_tokens=8, **GREEDY), adapter=which[rid])
+        outs[in_c] = drain(eng)
+        fused_steps = eng.model.cpu_layers.steps if eng.model.cpu_layers is not None else 0
+        assert (fused_steps > 0) == in_c, fused_steps  # (every decode step here has adapter rows)
+    for got in outs.values():
+        assert got["b"].token_ids == peft_greedy(base, ps["b"], 8)
+        assert got["o"].token_ids == peft_greedy(pm1, ps["o"], 8)
+        assert got["o2"].token_ids == peft_greedy(pm1, ps["o2"], 8)
+        assert got["t"].token_ids == peft_greedy(pm2, ps["t"], 8)
 
 
 def test_adapters_under_two_tensor_parallel_ranks_equal_peft(base, tmp_path_factory):

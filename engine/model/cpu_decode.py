@@ -32,7 +32,7 @@ _P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 
 class SfLinear(ctypes.Structure):
     _fields_ = [("q", _P), ("s", _P), ("mn", _P), ("bias", _P), ("n", _I), ("k", _I), ("gs", _I), ("int4", _I),
-                ("q8x", _I)]
+                ("q8x", _I), ("la", _P), ("lb", _P), ("lr", _I)]
 
 
 class SfLayer(ctypes.Structure):
@@ -82,7 +82,7 @@ class CpuDecodeLayers:
         lib = cpu_ops.library()
         assert lib is not None and supported(model, kv.layout.dtype) is None
         self.fn = lib.sf_decode_layers
-        self.fn.argtypes = [_P, _P, _I, _P, _P, _I, _P, _P, _P, _I, _P, _P, _P, _I, _I]
+        self.fn.argtypes = [_P, _P, _I, _P, _P, _I, _P, _P, _P, _I, _P, _P, _P, _I, _I, _P]
         self.fn.restype = _I
         self.ropes = list(cfg.ropes)
         self.kv = kv
@@ -93,6 +93,9 @@ class CpuDecodeLayers:
                            blocks[0].mlp.gate_up.quantized[0].shape[0] // 2, kv.layout.block_size,
                            quant.Q8X_MAX_ROWS, int(kv.layout.dtype == torch.float16), cfg.rms_norm_eps, cfg.scale)
         self.layers = (SfLayer * len(blocks))()
+        # Adapter rows may run here when every projection carries its adapters' stacks (`lora.LoRAWeights`).
+        self.lora = all(lin.lora is not None for b in blocks
+                        for lin in (b.attn.qkv, b.attn.o, b.mlp.gate_up, b.mlp.down))
         for i, (b, lc) in enumerate(zip(blocks, cfg.layers, strict=True)):
             layer_cache = kv.layer(i)
             assert cpu_ops.kv_supported(layer_cache.dtype, cfg.head_dim) and layer_cache.is_contiguous()
@@ -110,8 +113,13 @@ class CpuDecodeLayers:
             bias = lin.bias.float().contiguous()
             self.keep.append(bias)
         q8x = lin.int8_activations and w._q8x_ok()
+        lora = lin.lora  # (its stacks are allocated once and updated in place: the pointers stay valid)
+        if lora is not None:
+            assert lora.a.dtype == torch.float32 and lora.a.is_contiguous() and lora.b.is_contiguous()
         return SfLinear(w.q.data_ptr(), w.scales.data_ptr(), None if w.mins is None else w.mins.data_ptr(),
-                        None if bias is None else bias.data_ptr(), n, k, w.group_size, int(w.kind == "int4"), int(q8x))
+                        None if bias is None else bias.data_ptr(), n, k, w.group_size, int(w.kind == "int4"), int(q8x),
+                        None if lora is None else lora.a.data_ptr(), None if lora is None else lora.b.data_ptr(),
+                        0 if lora is None else lora.rank)
 
     @staticmethod
     def applies(x: torch.Tensor, meta: AttentionMetadata) -> bool:
@@ -155,9 +163,12 @@ class CpuDecodeLayers:
         ptrs = (_P * len(tables))(*[f.data_ptr() for f in tables])
         blocks, ctx = (v.contiguous() for v in self.row_tables(meta, t))
         assert blocks.dtype == torch.int64 and ctx.dtype == torch.int64
+        slots = meta.lora.slots if meta.lora is not None else None  # each row's adapter slot (LoRA rows)
+        assert slots is None or (slots.dtype == torch.int64 and slots.is_contiguous())
         rc = self.fn(ctypes.byref(self.dims), self.layers, len(self.layers), res.data_ptr(), h.data_ptr(), t, ptrs,
                      meta.k_rows.data_ptr(), blocks.data_ptr(), blocks.shape[1], ctx.data_ptr(),
-                     None if aux is None else aux.data_ptr(), aux_ids, len(layers), torch.get_num_threads())
+                     None if aux is None else aux.data_ptr(), aux_ids, len(layers), torch.get_num_threads(),
+                     None if slots is None else slots.data_ptr())
         cpu_ops.check(rc, "decode layers")
         self.steps += 1
         return h, res, aux

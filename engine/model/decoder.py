@@ -165,6 +165,7 @@ class DecoderModel(nn.Module):
         self.aux_layers: tuple[int, ...] = ()
         self.aux_out: torch.Tensor | None = None
         self.weight_mapping: object | None = None  # the weight cache's mapping the parameters view (weight_cache.py)
+        self.lora_in_c = True  # steps with adapter rows may take the fused CPU decode loop (False: the module path)
         self.lora: LoRAState | None = None  # resident LoRA adapters (`lora.py`): the step's rows of each
 
     def lora_targets(self) -> list[tuple[int, str, Linear, int]]:
@@ -239,8 +240,10 @@ class DecoderModel(nn.Module):
         if self.lora is not None:
             self.lora.rows = meta.lora  # (read by every linear layer that carries adapters)
         whole = self.stage is WHOLE or (self.stage.first and self.stage.last)
-        fused = (self._cpu_layers(kv) if whole and layer_hook is None and meta.lora is None
-                 and CpuDecodeLayers.applies(x, meta) else None)
+        fused = (self._cpu_layers(kv) if whole and layer_hook is None and CpuDecodeLayers.applies(x, meta)
+                 else None)
+        if fused is not None and meta.lora is not None and not (self.lora_in_c and fused.lora):
+            fused = None  # (adapter rows: the C loop adds their deltas after each projection, `sf_lora_rows`)
         if fused is not None:
             x, residual, self.aux_out = fused.run(x, freqs, meta, self.aux_layers)
             return self.norm.add_forward(x, residual)[0]

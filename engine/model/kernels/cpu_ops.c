@@ -954,6 +954,9 @@ typedef struct {
     int n, k, gs;
     int int4;           /* 0: int8 codes, 1: int4 */
     int q8x;            /* int8-rounded activations allowed (at most `q8x_rows` rows) */
+    const float *la;    /* LoRA adapters' A stacked by slot [S, lr, K], or NULL (lora.LoRAWeights) */
+    const float *lb;    /* ... their B (scale folded in) [S, N, lr] */
+    int lr;             /* rank capacity: the widest adapter this projection takes */
 } SfLinear;
 
 typedef struct {
@@ -982,14 +985,59 @@ static int sf_linear(const SfLinear *w, const float *x, int M, float *y, int q8x
     return 0;
 }
 
+/* LoRA deltas of a step's rows, in place: y[m] += (x[m] A[s]^T) B[s]^T for every row m whose adapter slot
+ * s = row_slot[m] is >= 0 (-1: the base model). The same sums as lora.segment_deltas, in float32; rows of
+ * one adapter read the same factors, so they stay in cache across the step's rows. */
+static int sf_lora_rows(const SfLinear *w, const float *x, int T, float *y, const int64_t *row_slot, int threads) {
+    int K = w->k, N = w->n, R = w->lr;
+    float *t = (float *)malloc(sizeof(float) * (size_t)T * (size_t)R);
+    if (!t) return -1;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int m = 0; m < T; m++) {
+        int64_t sl = row_slot[m];
+        if (sl < 0) continue;
+        const float *xm = x + (size_t)m * K, *a = w->la + (size_t)sl * R * K;
+        for (int r = 0; r < R; r++) {
+            const float *ar = a + (size_t)r * K;
+            float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+            for (int k = 0; k < K; k++) acc += xm[k] * ar[k];
+            t[(size_t)m * R + r] = acc;
+        }
+    }
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int n = 0; n < N; n++) {
+        for (int m = 0; m < T; m++) {
+            int64_t sl = row_slot[m];
+            if (sl < 0) continue;
+            const float *b = w->lb + ((size_t)sl * N + n) * R, *tm = t + (size_t)m * R;
+            float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+            for (int r = 0; r < R; r++) acc += tm[r] * b[r];
+            y[(size_t)m * N + n] += acc;
+        }
+    }
+    free(t);
+    return 0;
+}
+
+static int sf_linear_lora(const SfLinear *w, const float *x, int M, float *y, int q8x_rows, int threads,
+                          const int64_t *row_slot) {
+    int rc = sf_linear(w, x, M, y, q8x_rows, threads);
+    if (rc == 0 && row_slot && w->la) rc = sf_lora_rows(w, x, M, y, row_slot, threads);
+    return rc;
+}
+
 /* res [T, hidden]: the residual stream (the embeddings in, updated in place); h [T, hidden]: the last
  * layer's MLP output (the caller adds it and applies the final norm). One decode row per sequence,
  * `freqs[r]` the step's [T, D/2] (cos, sin) pairs of RoPE table r. Returns 0, -1 out of memory, or -2: a
  * float16 cache this build cannot use. */
-/* aux (optional, EAGLE-3): [T, n_aux * hidden], the residual stream entering layers aux_layers[j] (ascending). */
+/* aux (optional, EAGLE-3): [T, n_aux * hidden], the residual stream entering layers aux_layers[j] (ascending).
+ * row_slot (optional): each row's LoRA adapter slot, -1 for the base model (NULL: no adapter rows). */
 int sf_decode_layers(const SfDims *d, const SfLayer *layers, int n_layers, float *res, float *h, int T,
                      const float *const *freqs, const int64_t *k_rows, const int64_t *tables, int max_blocks,
-                     const int64_t *ctx_lens, float *aux, const int *aux_layers, int n_aux, int threads) {
+                     const int64_t *ctx_lens, float *aux, const int *aux_layers, int n_aux, int threads,
+                     const int64_t *row_slot) {
     int H = d->heads, KVH = d->kv_heads, D = d->head_dim;
     size_t hid = (size_t)d->hidden, qkv_n = (size_t)(H + 2 * KVH) * D, inter = (size_t)d->inter;
     size_t need = hid + qkv_n + (size_t)H * D + 2 * inter + inter;
@@ -1008,16 +1056,16 @@ int sf_decode_layers(const SfDims *d, const SfLayer *layers, int n_layers, float
             }
         }
         sf_add_rmsnorm(res, l ? h : NULL, L->attn_norm, xn, T, (int)hid, d->eps);
-        if ((rc = sf_linear(&L->qkv, xn, T, qkv, d->q8x_rows, threads))) break;
+        if ((rc = sf_linear_lora(&L->qkv, xn, T, qkv, d->q8x_rows, threads, row_slot))) break;
         if ((rc = sf_rope_store(qkv, T, H, KVH, D, freqs[L->rope], L->cache, k_rows, d->block_size, d->kv16))) break;
         if ((rc = sf_paged_decode(qkv, (int)qkv_n, T, H, KVH, D, L->cache, d->block_size, tables, max_blocks, ctx_lens,
                                   d->scale, L->window, att, d->kv16, threads)))
             break;
-        if ((rc = sf_linear(&L->o, att, T, h, d->q8x_rows, threads))) break;
+        if ((rc = sf_linear_lora(&L->o, att, T, h, d->q8x_rows, threads, row_slot))) break;
         sf_add_rmsnorm(res, h, L->mlp_norm, xn, T, (int)hid, d->eps);
-        if ((rc = sf_linear(&L->gate_up, xn, T, gu, d->q8x_rows, threads))) break;
+        if ((rc = sf_linear_lora(&L->gate_up, xn, T, gu, d->q8x_rows, threads, row_slot))) break;
         sf_silu_mul(gu, act, T, (int)inter);
-        if ((rc = sf_linear(&L->down, act, T, h, d->q8x_rows, threads))) break;
+        if ((rc = sf_linear_lora(&L->down, act, T, h, d->q8x_rows, threads, row_slot))) break;
     }
     free(buf);
     return rc;
