@@ -52,6 +52,9 @@ class EngineConfig:
     enable_lora: bool = False  # room for adapters even with none at start (loaded at run time)
     max_loras: int = 4  # adapters resident at once
     max_lora_rank: int = 16  # the highest rank an adapter may have
+    # The factors the fused CPU decode loop reads: float32 (exact) or float16 (half the bytes a step reads
+    # per adapter row; the torch paths keep the model dtype).
+    lora_dtype: str = "float32"
 
     @property
     def lora(self) -> bool:
@@ -119,6 +122,8 @@ class EngineConfig:
                 raise ValueError(f"--max-loras must be in 1..256, got {self.max_loras}")
             if not 1 <= self.max_lora_rank <= 512:
                 raise ValueError(f"--max-lora-rank must be in 1..512, got {self.max_lora_rank}")
+            if self.lora_dtype not in ("float32", "float16"):
+                raise ValueError(f"--lora-dtype must be float32 or float16, got {self.lora_dtype!r}")
             if len(self.lora_modules) > self.max_loras:
                 raise ValueError(f"--lora-modules names {len(self.lora_modules)} adapters; --max-loras is "
                                  f"{self.max_loras}")

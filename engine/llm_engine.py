@@ -176,7 +176,8 @@ class LLMEngine:
                 self.runner.graphs = None
         self.loras: LoRAManager | None = None  # resident LoRA adapters, when enabled (`loras.py`)
         if config.lora:
-            self.loras = LoRAManager(self.model, config.max_loras, config.max_lora_rank)
+            self.loras = LoRAManager(self.model, config.max_loras, config.max_lora_rank,
+                                     config.lora_dtype == "float16")
             for name, path in config.lora_modules.items():
                 try:
                     self.loras.load(name, path)

@@ -22,8 +22,8 @@ log = logging.getLogger("splitfire.engine")
 
 
 class LoRAManager:
-    def __init__(self, model: DecoderModel, max_loras: int, max_rank: int):
-        model.enable_lora(max_loras, max_rank)
+    def __init__(self, model: DecoderModel, max_loras: int, max_rank: int, c_half: bool = False):
+        model.enable_lora(max_loras, max_rank, c_half)
         self.model = model
         self.max_rank = max_rank
         self.adapters: dict[str, LoRAAdapter] = {}

@@ -436,7 +436,7 @@ def follower(rank: int, extension: RankExtension | None = None) -> None:
         from engine.loading.lora_adapters import read_adapter
         from engine.loras import LoRAManager
 
-        loras = LoRAManager(model, config.max_loras, config.max_lora_rank)
+        loras = LoRAManager(model, config.max_loras, config.max_lora_rank, config.lora_dtype == "float16")
         for name, path in config.lora_modules.items():
             loras.load(name, path)
     try:

@@ -436,6 +436,8 @@ def main() -> int:
     p.add_argument("--lora-adapters", type=int, default=8, help="with --lora: adapters (the batch spread over them)")
     p.add_argument("--lora-rank", type=int, default=16, help="with --lora: their rank")
     p.add_argument("--lora-tokens", type=int, default=48, help="with --lora: decode steps measured per round")
+    p.add_argument("--lora-dtype", default="float32", choices=["float32", "float16"],
+                   help="with --lora: the factors the CPU decode loop reads")
     p.add_argument("--json", default="", help="with --compression: write the numbers here")
     p.add_argument("--compression", action="store_true", help="lossless bf16 weight compression: size vs the entropy "
                    "bound, compress/decode GB/s, cold load vs the plain checkpoint (loadtest/bench_compression.py)")

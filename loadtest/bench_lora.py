@@ -60,7 +60,7 @@ def main_lora(args: argparse.Namespace) -> int:
     def engine(lora: bool) -> LLMEngine:
         return LLMEngine(EngineConfig(model=str(model_dir), device="cpu", threads=args.threads, kv_cache_gb=1.0,
                                       max_num_batched_tokens=1024, speculative="off", enable_lora=lora,
-                                      max_loras=n_adapters, max_lora_rank=rank))
+                                      max_loras=n_adapters, max_lora_rank=rank, lora_dtype=args.lora_dtype))
 
     base, lora = engine(False), engine(True)
     load_s = []
@@ -81,7 +81,7 @@ def main_lora(args: argparse.Namespace) -> int:
     med = {k: statistics.median(v) for k, v in rows.items()}
     quant = "quantized weights as stored" if (model_dir / "splitfire_format").exists() else "float weights"
     print(f"\nLoRA: {cfg.num_layers}-layer {model_dir.name} ({quant}), {args.threads} threads; {n_adapters} adapters of "
-          f"rank {rank} on all 7 projections; medians of {args.rounds} rounds")
+          f"rank {rank} on all 7 projections, --lora-dtype {args.lora_dtype}; medians of {args.rounds} rounds")
     print(f"{'':<34}{'base':>12}{'LoRA on, base rows':>20}{f'{n_adapters} adapters':>12}{'adapters/base':>15}")
     for what, label in (("decode", f"decode batch {batch} tok/s"), ("prefill", "prefill 512 tok/s")):
         b, on, ad = med[f"{what}|base"], med[f"{what}|LoRA on, base rows"], med[f"{what}|adapters"]

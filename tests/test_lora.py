@@ -221,12 +221,15 @@ def test_adapters_over_an_int8_base_equal_peft_over_the_same_weights(tmp_path, t
     ps = {"b": prompt(1, 30), "o": prompt(2, 45), "o2": prompt(3, 9), "t": prompt(4, 20)}
     which = {"b": "", "o": "one", "o2": "one", "t": "two"}
     outs = {}
-    for in_c in (True, False):  # decode steps with adapter rows in the fused C loop, then on the module path
-        eng = make_engine(exact, quantization="int8", lora_modules={"one": str(a1), "two": str(a2)}, threads=1)
+    # Decode steps with adapter rows in the fused C loop (float32 factors, then float16 ones), then on the
+    # module path.
+    for in_c, dtype in ((True, "float32"), (True, "float16"), (False, "float32")):
+        eng = make_engine(exact, quantization="int8", lora_modules={"one": str(a1), "two": str(a2)}, threads=1,
+                          lora_dtype=dtype)
         eng.model.lora_in_c = in_c
         for rid, p in ps.items():
             eng.add_request(rid, p, SamplingParams(max_tokens=8, **GREEDY), adapter=which[rid])
-        outs[in_c] = drain(eng)
+        outs[(in_c, dtype)] = drain(eng)
         fused_steps = eng.model.cpu_layers.steps if eng.model.cpu_layers is not None else 0
         assert (fused_steps > 0) == in_c, fused_steps  # (every decode step here has adapter rows)
     for got in outs.values():

@@ -32,7 +32,7 @@ _P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 
 class SfLinear(ctypes.Structure):
     _fields_ = [("q", _P), ("s", _P), ("mn", _P), ("bias", _P), ("n", _I), ("k", _I), ("gs", _I), ("int4", _I),
-                ("q8x", _I), ("la", _P), ("lb", _P), ("lr", _I)]
+                ("q8x", _I), ("la", _P), ("lb", _P), ("lr", _I), ("lhalf", _I)]
 
 
 class SfLayer(ctypes.Structure):
@@ -115,11 +115,12 @@ class CpuDecodeLayers:
         q8x = lin.int8_activations and w._q8x_ok()
         lora = lin.lora  # (its stacks are allocated once and updated in place: the pointers stay valid)
         if lora is not None:
-            assert lora.a.dtype == torch.float32 and lora.a.is_contiguous() and lora.b.is_contiguous()
+            assert lora.bt is not None and lora.a_c.dtype == lora.bt.dtype in (torch.float32, torch.float16)
         return SfLinear(w.q.data_ptr(), w.scales.data_ptr(), None if w.mins is None else w.mins.data_ptr(),
                         None if bias is None else bias.data_ptr(), n, k, w.group_size, int(w.kind == "int4"), int(q8x),
-                        None if lora is None else lora.a.data_ptr(), None if lora is None else lora.b.data_ptr(),
-                        0 if lora is None else lora.rank)
+                        None if lora is None else lora.a_c.data_ptr(),
+                        None if lora is None or lora.bt is None else lora.bt.data_ptr(), 0 if lora is None else lora.rank,
+                        int(lora is not None and lora.bt is not None and lora.bt.dtype == torch.float16))
 
     @staticmethod
     def applies(x: torch.Tensor, meta: AttentionMetadata) -> bool:

@@ -188,14 +188,15 @@ class DecoderModel(nn.Module):
                 out += [(i, prefix + "gate_up", shared.gate_up, 2), (i, prefix + "down", shared.down, 1)]
         return out
 
-    def enable_lora(self, slots: int, max_rank: int) -> None:
+    def enable_lora(self, slots: int, max_rank: int, c_half: bool = False) -> None:
         """Room for `slots` resident LoRA adapters of rank up to `max_rank` on every projection that takes
-        them (`lora_targets`; fused projections: their parts' ranks side by side)."""
+        them (`lora_targets`; fused projections: their parts' ranks side by side). `c_half`: the fused CPU
+        decode loop reads float16 copies of the factors (--lora-dtype float16)."""
         self.lora = LoRAState()
         device = self.norm.weight.device
         for _, _, lin, parts in self.lora_targets():
             lin.lora = LoRAWeights(self.lora, slots, parts * max_rank, lin.in_features, lin.out_features,
-                                   self.dtype, device)
+                                   self.dtype, device, c_half)
         for layer in self.layers:  # routed experts: their factors allocated by the first adapter that has any
             if isinstance(layer.mlp, MoE):
                 ex = layer.mlp.experts

@@ -110,12 +110,20 @@ class LoRAWeights:
     """One linear layer's factors for every slot, and its share of the step's deltas."""
 
     def __init__(self, state: LoRAState, slots: int, rank: int, in_features: int, out_features: int,
-                 dtype: torch.dtype, device: torch.device):
-        """`rank`: the widest adapter this layer takes (the max rank times its fused parts)."""
+                 dtype: torch.dtype, device: torch.device, c_half: bool = False):
+        """`rank`: the widest adapter this layer takes (the max rank times its fused parts); `c_half`: the
+        fused CPU decode loop's copies (A and B transposed) in float16 instead of the model dtype."""
         self.state = state
         self.rank = rank
         self.a = torch.zeros(slots, rank, in_features, dtype=dtype, device=device)
         self.b = torch.zeros(slots, out_features, rank, dtype=dtype, device=device)
+        # B transposed ([slots, rank, out]), kept beside it for the fused CPU decode loop's axpys along out
+        # (`cpu_ops.c: sf_lora_rows`); on other devices only `b` is read.
+        cpu = device.type == "cpu"
+        c_dtype = torch.float16 if c_half else dtype
+        self.bt = torch.zeros(slots, rank, out_features, dtype=c_dtype, device=device) if cpu else None
+        self.a_c = (torch.zeros(slots, rank, in_features, dtype=torch.float16, device=device) if cpu and c_half
+                    else self.a)  # (A as that loop reads it)
 
     def set(self, slot: int, a: torch.Tensor, b: torch.Tensor) -> None:
         """Adapter factors for `slot`: A `[r, in]`, B `[out, r]` (scaled), r at most `rank`."""
@@ -126,10 +134,18 @@ class LoRAWeights:
         self.clear(slot)
         self.a[slot, :r] = a.to(self.a.dtype)
         self.b[slot, :, :r] = b.to(self.b.dtype)
+        if self.bt is not None:
+            self.bt[slot, :r] = b.T.to(self.bt.dtype)
+        if self.a_c is not self.a:
+            self.a_c[slot, :r] = a.to(self.a_c.dtype)
 
     def clear(self, slot: int) -> None:
         self.a[slot].zero_()
         self.b[slot].zero_()
+        if self.bt is not None:
+            self.bt[slot].zero_()
+        if self.a_c is not self.a:
+            self.a_c[slot].zero_()
 
     def add_deltas(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         rows = self.state.rows

@@ -954,9 +954,10 @@ typedef struct {
     int n, k, gs;
     int int4;           /* 0: int8 codes, 1: int4 */
     int q8x;            /* int8-rounded activations allowed (at most `q8x_rows` rows) */
-    const float *la;    /* LoRA adapters' A stacked by slot [S, lr, K], or NULL (lora.LoRAWeights) */
-    const float *lb;    /* ... their B (scale folded in) [S, N, lr] */
+    const void *la;     /* LoRA adapters' A stacked by slot [S, lr, K], or NULL (lora.LoRAWeights) */
+    const void *lb;     /* ... their B (scale folded in), transposed: [S, lr, N] */
     int lr;             /* rank capacity: the widest adapter this projection takes */
+    int lhalf;          /* la and lb hold float16 (--lora-dtype float16), else float32 */
 } SfLinear;
 
 typedef struct {
@@ -986,39 +987,124 @@ static int sf_linear(const SfLinear *w, const float *x, int M, float *y, int q8x
 }
 
 /* LoRA deltas of a step's rows, in place: y[m] += (x[m] A[s]^T) B[s]^T for every row m whose adapter slot
- * s = row_slot[m] is >= 0 (-1: the base model). The same sums as lora.segment_deltas, in float32; rows of
- * one adapter read the same factors, so they stay in cache across the step's rows. */
+ * s = row_slot[m] is >= 0 (-1: the base model), accumulated in float32. A step reads every present
+ * adapter's factors once per row of it: memory-bound, hence float16 factors (half the bytes) as an option.
+ * One body for both element types (LORA_ROWS below). */
+static inline float sf_half(uint16_t h) { /* IEEE half -> float, portable (F16C does it in the vector path) */
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
+    if (exp == 0) {
+        if (man == 0) {
+            bits = sign;
+        } else { /* subnormal: normalize */
+            exp = 127 - 15 + 1;
+            while (!(man & 0x400)) { man <<= 1; exp--; }
+            bits = sign | (exp << 23) | ((man & 0x3ff) << 13);
+        }
+    } else if (exp == 31) {
+        bits = sign | 0x7f800000u | (man << 13);
+    } else {
+        bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
+    }
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+#define F32_1(p) (*(p))
+#define F16_1(p) sf_half(*(p))
+#if SF_AVX2
+#define F32_8(p) _mm256_loadu_ps(p)
+#define F16_8(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
+#endif
+
+#if SF_AVX2
+#define LORA_SHRINK4(T_, LOAD8, LOAD1)                                                                         \
+    __m256 v0 = _mm256_setzero_ps(), v1 = v0, v2 = v0, v3 = v0;                                                \
+    for (; k + 8 <= K; k += 8) {                                                                               \
+        __m256 xv = _mm256_loadu_ps(xm + k);                                                                   \
+        v0 = _mm256_fmadd_ps(xv, LOAD8(a0 + k), v0);                                                           \
+        v1 = _mm256_fmadd_ps(xv, LOAD8(a1 + k), v1);                                                           \
+        v2 = _mm256_fmadd_ps(xv, LOAD8(a2 + k), v2);                                                           \
+        v3 = _mm256_fmadd_ps(xv, LOAD8(a3 + k), v3);                                                           \
+    }                                                                                                          \
+    float l0[8], l1[8], l2[8], l3[8];                                                                          \
+    _mm256_storeu_ps(l0, v0); _mm256_storeu_ps(l1, v1); _mm256_storeu_ps(l2, v2); _mm256_storeu_ps(l3, v3);    \
+    for (int j = 0; j < 8; j++) { s0 += l0[j]; s1 += l1[j]; s2 += l2[j]; s3 += l3[j]; }
+#define LORA_EXPAND16(LOAD8)                                                                                   \
+    for (; n + 16 <= n1; n += 16) {                                                                            \
+        __m256 acc0 = _mm256_loadu_ps(ym + n), acc1 = _mm256_loadu_ps(ym + n + 8);                             \
+        for (int r = 0; r < R; r++) {                                                                          \
+            __m256 c = _mm256_set1_ps(tm[r]);                                                                  \
+            acc0 = _mm256_fmadd_ps(c, LOAD8(bt + (size_t)r * N + n), acc0);                                    \
+            acc1 = _mm256_fmadd_ps(c, LOAD8(bt + (size_t)r * N + n + 8), acc1);                                \
+        }                                                                                                      \
+        _mm256_storeu_ps(ym + n, acc0);                                                                        \
+        _mm256_storeu_ps(ym + n + 8, acc1);                                                                    \
+    }
+#else
+#define LORA_SHRINK4(T_, LOAD8, LOAD1)
+#define LORA_EXPAND16(LOAD8)
+#endif
+
+#define LORA_ROWS(NAME, T_, LOAD8, LOAD1)                                                                      \
+    static int NAME(const SfLinear *w, const float *x, int T, float *y, const int64_t *row_slot, int threads) { \
+        int K = w->k, N = w->n, R = w->lr;                                                                     \
+        float *t = (float *)calloc((size_t)T * (size_t)R, sizeof(float));                                      \
+        if (!t) return -1;                                                                                     \
+        _Pragma("omp parallel for num_threads(threads) schedule(static)")                                      \
+        for (int m = 0; m < T; m++) {                                                                          \
+            int64_t sl = row_slot[m];                                                                          \
+            if (sl < 0) continue;                                                                              \
+            const float *xm = x + (size_t)m * K;                                                               \
+            const T_ *a = (const T_ *)w->la + (size_t)sl * R * K;                                              \
+            int r = 0;                                                                                         \
+            for (; r + 4 <= R; r += 4) {                                                                       \
+                const T_ *a0 = a + (size_t)r * K, *a1 = a0 + K, *a2 = a1 + K, *a3 = a2 + K;                    \
+                float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;                                              \
+                int k = 0;                                                                                     \
+                LORA_SHRINK4(T_, LOAD8, LOAD1)                                                                 \
+                for (; k < K; k++) {                                                                           \
+                    float xv = xm[k];                                                                          \
+                    s0 += xv * LOAD1(a0 + k); s1 += xv * LOAD1(a1 + k);                                        \
+                    s2 += xv * LOAD1(a2 + k); s3 += xv * LOAD1(a3 + k);                                        \
+                }                                                                                              \
+                float *tr = t + (size_t)m * R + r;                                                             \
+                tr[0] = s0; tr[1] = s1; tr[2] = s2; tr[3] = s3;                                                \
+            }                                                                                                  \
+            for (; r < R; r++) {                                                                               \
+                const T_ *ar = a + (size_t)r * K;                                                              \
+                float acc = 0.0f;                                                                              \
+                for (int k = 0; k < K; k++) acc += xm[k] * LOAD1(ar + k);                                      \
+                t[(size_t)m * R + r] = acc;                                                                    \
+            }                                                                                                  \
+        }                                                                                                      \
+        const int NB = 256;                                                                                    \
+        _Pragma("omp parallel for num_threads(threads) schedule(static)")                                      \
+        for (int n0 = 0; n0 < N; n0 += NB) {                                                                   \
+            int n1 = N - n0 < NB ? N : n0 + NB;                                                                \
+            for (int m = 0; m < T; m++) {                                                                      \
+                int64_t sl = row_slot[m];                                                                      \
+                if (sl < 0) continue;                                                                          \
+                float *ym = y + (size_t)m * N;                                                                 \
+                const float *tm = t + (size_t)m * R;                                                           \
+                const T_ *bt = (const T_ *)w->lb + (size_t)sl * R * N;                                         \
+                int n = n0;                                                                                    \
+                LORA_EXPAND16(LOAD8)                                                                           \
+                for (; n < n1; n++) {                                                                          \
+                    float acc = ym[n];                                                                         \
+                    for (int r = 0; r < R; r++) acc += tm[r] * LOAD1(bt + (size_t)r * N + n);                  \
+                    ym[n] = acc;                                                                               \
+                }                                                                                              \
+            }                                                                                                  \
+        }                                                                                                      \
+        free(t);                                                                                               \
+        return 0;                                                                                              \
+    }
+
+LORA_ROWS(sf_lora_rows_f32, float, F32_8, F32_1)
+LORA_ROWS(sf_lora_rows_f16, uint16_t, F16_8, F16_1)
+
 static int sf_lora_rows(const SfLinear *w, const float *x, int T, float *y, const int64_t *row_slot, int threads) {
-    int K = w->k, N = w->n, R = w->lr;
-    float *t = (float *)malloc(sizeof(float) * (size_t)T * (size_t)R);
-    if (!t) return -1;
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int m = 0; m < T; m++) {
-        int64_t sl = row_slot[m];
-        if (sl < 0) continue;
-        const float *xm = x + (size_t)m * K, *a = w->la + (size_t)sl * R * K;
-        for (int r = 0; r < R; r++) {
-            const float *ar = a + (size_t)r * K;
-            float acc = 0.0f;
-#pragma omp simd reduction(+ : acc)
-            for (int k = 0; k < K; k++) acc += xm[k] * ar[k];
-            t[(size_t)m * R + r] = acc;
-        }
-    }
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int n = 0; n < N; n++) {
-        for (int m = 0; m < T; m++) {
-            int64_t sl = row_slot[m];
-            if (sl < 0) continue;
-            const float *b = w->lb + ((size_t)sl * N + n) * R, *tm = t + (size_t)m * R;
-            float acc = 0.0f;
-#pragma omp simd reduction(+ : acc)
-            for (int r = 0; r < R; r++) acc += tm[r] * b[r];
-            y[(size_t)m * N + n] += acc;
-        }
-    }
-    free(t);
-    return 0;
+    return w->lhalf ? sf_lora_rows_f16(w, x, T, y, row_slot, threads) : sf_lora_rows_f32(w, x, T, y, row_slot, threads);
 }
 
 static int sf_linear_lora(const SfLinear *w, const float *x, int M, float *y, int q8x_rows, int threads,
