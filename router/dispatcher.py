@@ -105,6 +105,8 @@ class Dispatcher:
         max_blocks = (n - 1) // bs
 
         def cached(ep: Endpoint) -> int:
+            if req.pool and ep.hosted and req.pool != ep.served_model:
+                return 0  # (a worker hosting several models publishes its first model's blocks only)
             return self.index.cached_tokens(ep.address, hashes, max_blocks, bs)
 
         route = await self._pinned(req, decodes, prefills) if req.session else None

@@ -323,3 +323,38 @@ async def test_prefix_aware_placement_follows_the_cache_on_a_block_size_32_fleet
         router.stop()
         for w in workers:
             w.stop()
+
+
+def test_workers_hosting_several_models_get_a_model_where_it_is_loaded_and_no_borrowed_prefix_hits():
+    """Two workers each serving models a and b (--on-demand-model): a request for a goes where a is loaded;
+    for b, loaded on both, a worker's cached blocks count only for its first model (whose KV events it
+    publishes), so w0's blocks (model a's) do not draw b's request to the busier w0."""
+    from common.block_hash import block_hashes
+    from router.backend import Route
+
+    cfg = RouterConfig(colocated=["w0:1", "w1:1"], policy="token")
+    reg = EndpointRegistry()
+    w0, w1 = reg.add("w0:1", "colocated"), reg.add("w1:1", "colocated")
+    w0.served_model, w0.hosted, w0.resident = "a", {"a", "b"}, {"a", "b"}
+    w1.served_model, w1.hosted, w1.resident = "b", {"a", "b"}, {"b"}
+    index = PrefixIndex(100)
+    ids = list(range(3, 163))  # 10 blocks
+    hashes = block_hashes("t", ids, 16)
+    index.insert("w0:1", hashes)
+    d = Dispatcher(cfg, reg, make_policy("token"), SessionAffinity(MemoryPinStore(), 60), index, None,
+                   RouterMetrics(reg), None)
+    Ticket(Route(w0, None), 30, 30, 0)  # w0 is busier
+
+    def req(pool: str) -> GenRequest:
+        r = GenRequest("r", "chat", pool, ids, SamplingParams(max_tokens=4), False, False, "t", None, False, {})
+        r.pool = pool
+        return r
+
+    async def main() -> tuple[str, str]:
+        a = await d.place(req("a"), hashes, set())
+        b = await d.place(req("b"), hashes, set())
+        return a.decode.address, b.decode.address
+
+    assert asyncio.run(main()) == ("w0:1", "w1:1")
+    w0.served_model = "b"  # (w0's published blocks are now b's: its hits count, and outweigh its load)
+    assert asyncio.run(main())[1] == "w0:1"
