@@ -185,8 +185,9 @@ async def up(args: argparse.Namespace) -> int:
     elif not redis_url:
         print("splitfire up: redis-server not found (or --no-redis): session affinity lives in the router's memory",
               flush=True)
-    if (args.max_loras is not None or args.max_lora_rank is not None) and not (args.lora_modules or args.lora_root):
-        print("splitfire up: --max-loras / --max-lora-rank need --lora-modules or --lora-root", flush=True)
+    if (args.max_loras is not None or args.max_lora_rank is not None or args.lora_dtype is not None) and not (
+            args.lora_modules or args.lora_root):
+        print("splitfire up: --max-loras / --max-lora-rank / --lora-dtype need --lora-modules or --lora-root", flush=True)
         return 2
     tp, pp = args.tensor_parallel_size, args.pipeline_parallel_size
     role_tp = {"prefill": args.prefill_tensor_parallel_size or tp, "decode": args.decode_tensor_parallel_size or tp,
@@ -225,7 +226,8 @@ async def up(args: argparse.Namespace) -> int:
     cpus = plan_cpus(args.cpus, len(roles))  # (a worker's ranks share its cores: engine/ranks.threads_per_rank)
     gpus = plan_gpus(args.gpus, len(roles), gpu_count(args.device), [role_tp[r] * pp for r in roles])
     if args.lora_modules or args.lora_root:
-        for flag, value in (("--max-loras", args.max_loras), ("--max-lora-rank", args.max_lora_rank)):
+        for flag, value in (("--max-loras", args.max_loras), ("--max-lora-rank", args.max_lora_rank),
+                            ("--lora-dtype", args.lora_dtype)):
             if value is not None:
                 common += [flag, str(value)]
         common += ["--lora-modules", *args.lora_modules] if args.lora_modules else ["--enable-lora"]
@@ -502,6 +504,8 @@ def add_subcommand(sub) -> None:
     p.add_argument("--max-loras", type=int, default=None, help="adapters resident at once per worker (default 4; "
                    "with --lora-modules or --lora-root)")
     p.add_argument("--max-lora-rank", type=int, default=None, help="default 16; with --lora-modules or --lora-root")
+    p.add_argument("--lora-dtype", default=None, choices=["float32", "float16"],
+                   help="the adapter factors the CPU decode loop reads (default float32; float16: half the bytes)")
     p.add_argument("--start-timeout", type=float, default=300.0)
     p.add_argument("--worker-arg", action="append", default=[], metavar="FLAG",
                    help="extra flag for every worker, e.g. --worker-arg=--max-num-seqs=32 (repeatable)")

@@ -196,7 +196,7 @@ def test_lora_adapters_reach_every_worker_as_flags_the_cli_accepts(helm):
         ns = build_parser().parse_args(args)  # the worker's own parser takes what the chart renders
         cfg = engine_config_from(ns)
         assert cfg.lora_modules == {"support": "/models/adapters/support", "sql": "/models/adapters/sql"}
-        assert (cfg.max_loras, cfg.max_lora_rank) == (4, 16)
+        assert (cfg.max_loras, cfg.max_lora_rank, cfg.lora_dtype) == (4, 16, "float32")
     off = render(helm, ROOT / "helm/ci/default-values.yaml")
     assert "--lora-modules" not in off.stdout and "--enable-lora" not in off.stdout
     bad = render(helm, ROOT / "helm/ci/default-values.yaml", "--set", "workers.lora.maxLoras=0")
