@@ -200,6 +200,9 @@ class DecodeService(pb_grpc.DecodeServicer):
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateEvent]:
         ctx, aeng = self.ctx, self.ctx.engine
         await ctx.refuse_if_draining(context)
+        if request.model and request.model != ctx.model_name:  # (a worker hosting several: hosted_service.py)
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"model {request.model!r} is not served by this worker "
+                                f"(it serves {ctx.model_name})")
         rid = request.request_id or uuid.uuid4().hex
         try:
             ids = token_ids_from_proto(request.token_ids)

@@ -176,6 +176,11 @@ class LLMEngine:
                 self.runner.graphs = None
         self.loras: LoRAManager | None = None  # resident LoRA adapters, when enabled (`loras.py`)
         if config.lora:
+            if config.lora_dtype == "float16":  # (the setting exists for that loop: refused where it cannot run)
+                why = self.model.cpu_layers_unavailable(self.kv)
+                if why:
+                    raise ModelLoadError(f"--lora-dtype float16 sets the adapter factors the fused CPU decode loop "
+                                         f"reads, and this model's decode steps do not run there ({why}): drop it")
             self.loras = LoRAManager(self.model, config.max_loras, config.max_lora_rank,
                                      config.lora_dtype == "float16")
             for name, path in config.lora_modules.items():

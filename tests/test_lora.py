@@ -68,6 +68,19 @@ def prompt(i: int, n: int) -> list[int]:
     return [(31 * i + 7 * j) % 390 + 3 for j in range(n)]
 
 
+def batch_equals_peft(eng, base, which: dict, lengths: list[int], n: int, first: int = 0) -> tuple[dict, dict]:
+    """Every request of `which` (id -> (adapter, its peft model); "" the base) queued at once, prompts of
+    `lengths`: each one's greedy tokens equal peft's (the base model's for ""). Returns (prompts, outputs)."""
+    prompts = {rid: prompt(i + first, k) for i, (rid, k) in enumerate(zip(which, lengths, strict=True))}
+    for rid, (name, _) in which.items():  # all queued at once: prompt chunks and decodes of every adapter mix
+        eng.add_request(rid, prompts[rid], SamplingParams(max_tokens=n, **GREEDY), adapter=name)
+    got = drain(eng)
+    for rid, (name, model) in which.items():
+        want = peft_greedy(model, prompts[rid], n) if name else base.greedy(prompts[rid], n)
+        assert got[rid].token_ids == want, (rid, name)
+    return prompts, got
+
+
 def test_grouped_deltas_equal_the_segment_reference():
     torch.manual_seed(0)
     t, d_in, d_out, r, slots = 23, 40, 56, 12, 4
@@ -101,13 +114,7 @@ def test_adapters_and_the_base_in_one_batch_equal_peft(base, tmp_path_factory, m
     eng.model.lora.mode = mode  # auto: padded for decode steps, grouped for steps with prompt chunks
     which = {"b0": ("", base.model), "o0": ("one", pm1), "t0": ("two", pm2), "b1": ("", base.model),
              "o1": ("one", pm1), "a0": ("attn", pm3), "t1": ("two", pm2)}
-    prompts = {rid: prompt(i, n) for i, (rid, n) in enumerate(zip(which, [5, 40, 17, 90, 9, 33, 64], strict=True))}
-    for rid, (name, _) in which.items():  # all queued at once: prompt chunks and decodes of every adapter mix
-        eng.add_request(rid, prompts[rid], SamplingParams(max_tokens=8, **GREEDY), adapter=name)
-    got = drain(eng)
-    for rid, (name, model) in which.items():
-        want = peft_greedy(model, prompts[rid], 8) if name else base.greedy(prompts[rid], 8)
-        assert got[rid].token_ids == want, (rid, name)
+    prompts, _ = batch_equals_peft(eng, base, which, [5, 40, 17, 90, 9, 33, 64], 8)
     # The adapters do change the output (B is not zero).
     assert peft_greedy(pm1, prompts["o0"], 8) != base.greedy(prompts["o0"], 8)
 
@@ -250,12 +257,7 @@ def test_adapters_under_two_tensor_parallel_ranks_equal_peft(base, tmp_path_fact
     try:
         eng.load_adapter("two", str(a2))
         which = {"b": ("", base.model), "o": ("one", pm1), "t": ("two", pm2), "o2": ("one", pm1)}
-        ps = {rid: prompt(i, n) for i, (rid, n) in enumerate(zip(which, [12, 40, 25, 7], strict=True))}
-        for rid, (name, _) in which.items():
-            eng.add_request(rid, ps[rid], SamplingParams(max_tokens=8, **GREEDY), adapter=name)
-        got = drain(eng)
-        for rid, (name, model) in which.items():
-            assert got[rid].token_ids == (peft_greedy(model, ps[rid], 8) if name else base.greedy(ps[rid], 8)), rid
+        ps, got = batch_equals_peft(eng, base, which, [12, 40, 25, 7], 8)
         assert eng.unload_adapter("one") is True
         eng.load_adapter("one-again", str(a1))  # the freed slot, on both ranks
         eng.add_request("again", ps["o"], SamplingParams(max_tokens=8, **GREEDY), adapter="one-again")
@@ -318,13 +320,7 @@ def test_latent_attention_and_shared_expert_adapters_equal_peft(family, override
     eng = make_engine(fam.path, lora_modules={"a": str(a1), "b": str(a2)}, max_num_batched_tokens=64,
                       max_num_seqs=8, threads=1, quantization=None)
     which = {"x0": ("", fam.model), "a0": ("a", pm1), "b0": ("b", pm2), "a1": ("a", pm1)}
-    prompts = {rid: prompt(i, n) for i, (rid, n) in enumerate(zip(which, [7, 40, 19, 70], strict=True))}
-    for rid, (name, _) in which.items():
-        eng.add_request(rid, prompts[rid], SamplingParams(max_tokens=6, **GREEDY), adapter=name)
-    got = drain(eng)
-    for rid, (name, model) in which.items():
-        want = peft_greedy(model, prompts[rid], 6) if name else fam.greedy(prompts[rid], 6)
-        assert got[rid].token_ids == want, (rid, name)
+    prompts, _ = batch_equals_peft(eng, fam, which, [7, 40, 19, 70], 6)
     # The adapter matters, and it adapts the shared experts and the dense MLP as well as the attention.
     assert any(peft_greedy(pm1, prompts[r], 6) != fam.greedy(prompts[r], 6) for r in ("a0", "a1"))
     from safetensors import safe_open
@@ -360,13 +356,7 @@ def test_latent_attention_adapters_under_two_tensor_parallel_ranks_equal_peft(ov
     eng = make_engine(fam.path, tensor_parallel_size=2, lora_modules={"a": str(a1)}, max_loras=2, threads=1,
                       quantization=None, max_num_seqs=8, max_num_batched_tokens=64)
     try:
-        ps = {"x": prompt(1, 15), "a": prompt(2, 33), "a2": prompt(3, 9)}
-        for rid in ps:
-            eng.add_request(rid, ps[rid], SamplingParams(max_tokens=6, **GREEDY), adapter="" if rid == "x" else "a")
-        got = drain(eng)
-        assert got["x"].token_ids == fam.greedy(ps["x"], 6)
-        for rid in ("a", "a2"):
-            assert got[rid].token_ids == peft_greedy(pm1, ps[rid], 6), rid
+        batch_equals_peft(eng, fam, {"x": ("", fam.model), "a": ("a", pm1), "a2": ("a", pm1)}, [15, 33, 9], 6, first=1)
     finally:
         eng.close()
 
@@ -386,13 +376,7 @@ def test_routed_expert_adapters_equal_peft(family, tmp_path_factory):
     eng = make_engine(fam.path, lora_modules={"a": str(a1), "b": str(a2)}, max_num_batched_tokens=64,
                       max_num_seqs=8, threads=1, quantization=None)
     which = {"x": ("", fam.model), "a0": ("a", pm1), "b0": ("b", pm2), "a1": ("a", pm1)}
-    ps = {rid: prompt(i + 7, n) for i, (rid, n) in enumerate(zip(which, [9, 44, 21, 60], strict=True))}
-    for rid, (name, _) in which.items():
-        eng.add_request(rid, ps[rid], SamplingParams(max_tokens=6, **GREEDY), adapter=name)
-    got = drain(eng)
-    for rid, (name, model) in which.items():
-        want = peft_greedy(model, ps[rid], 6) if name else fam.greedy(ps[rid], 6)
-        assert got[rid].token_ids == want, (rid, name)
+    batch_equals_peft(eng, fam, which, [9, 44, 21, 60], 6, first=7)
 
 
 @pytest.mark.parametrize("expert_parallel", [False, True])
@@ -406,12 +390,15 @@ def test_routed_expert_adapters_under_two_ranks_equal_peft(expert_parallel, tmp_
                       lora_modules={"a": str(a1)}, max_loras=2, threads=1, quantization=None, max_num_seqs=8,
                       max_num_batched_tokens=64)
     try:
-        ps = {"x": prompt(1, 15), "a": prompt(2, 33), "a2": prompt(3, 9)}
-        for rid in ps:
-            eng.add_request(rid, ps[rid], SamplingParams(max_tokens=6, **GREEDY), adapter="" if rid == "x" else "a")
-        got = drain(eng)
-        assert got["x"].token_ids == fam.greedy(ps["x"], 6)
-        for rid in ("a", "a2"):
-            assert got[rid].token_ids == peft_greedy(pm1, ps[rid], 6), rid
+        batch_equals_peft(eng, fam, {"x": ("", fam.model), "a": ("a", pm1), "a2": ("a", pm1)}, [15, 33, 9], 6, first=1)
     finally:
         eng.close()
+
+
+def test_float16_factors_are_refused_where_the_fused_cpu_loop_does_not_run(base):
+    """--lora-dtype float16 sets what the fused CPU decode loop reads; a float-weight model never runs that
+    loop, so the setting would do nothing there: refused by name."""
+    from common.errors import ModelLoadError
+
+    with pytest.raises(ModelLoadError, match=r"--lora-dtype float16 .*matmul weights not quantized"):
+        make_engine(base.path, enable_lora=True, lora_dtype="float16", quantization=None, threads=1)

@@ -233,3 +233,15 @@ async def test_splitfire_up_shared_workers_route_by_model_and_prefer_where_it_is
     finally:
         p.popen.send_signal(signal.SIGTERM)
         assert p.popen.wait(60) == 0, p.log()[-3000:]
+
+
+async def test_a_worker_asked_for_a_model_it_does_not_serve_answers_not_found(tiny_model_dir, tmp_path):
+    w = start_worker("both", tiny_model_dir, tmp_path, name="one-model")
+    try:
+        ok = await generate(address(w), [5, 6, 7], greedy(2), model=tiny_model_dir.name)
+        assert len(ok.token_ids) == 2
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await generate(address(w), [5, 6, 7], greedy(2), model="another")
+        assert e.value.code() == grpc.StatusCode.NOT_FOUND and tiny_model_dir.name in e.value.details()
+    finally:
+        assert w.stop() == 0

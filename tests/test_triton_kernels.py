@@ -563,11 +563,10 @@ def test_adapters_on_the_triton_path_equal_peft(tmp_path_factory, monkeypatch):
     """The engine with every kernel on the Triton path (interpreted), LoRA deltas by the SGMV kernels: two
     adapters and the base in one batch equal peft's greedy tokens."""
     pytest.importorskip("peft")
-    from engine_helpers import drain, make_engine
+    from engine_helpers import make_engine
     from hf_models import make_hf_model
-    from test_lora import GREEDY, adapter, peft_greedy, prompt
+    from test_lora import adapter, batch_equals_peft
 
-    from common.sampling_params import SamplingParams
     from engine.model.kernels import kernels, lora_triton
 
     base = make_hf_model("llama3", tmp_path_factory.mktemp("lora-base") / "model")
@@ -582,13 +581,7 @@ def test_adapters_on_the_triton_path_equal_peft(tmp_path_factory, monkeypatch):
         eng = make_engine(base.path, lora_modules={"one": str(a1), "two": str(a2)}, max_num_batched_tokens=32, max_num_seqs=8,
                           threads=1, quantization=None)
         which = {"b0": ("", base.model), "o0": ("one", pm1), "t0": ("two", pm2), "o1": ("one", pm1)}
-        prompts = {rid: prompt(i, n) for i, (rid, n) in enumerate(zip(which, [5, 30, 12, 21], strict=True))}
-        for rid, (name, _) in which.items():
-            eng.add_request(rid, prompts[rid], SamplingParams(max_tokens=5, **GREEDY), adapter=name)
-        got = drain(eng)
-        for rid, (name, model) in which.items():
-            want = peft_greedy(model, prompts[rid], 5) if name else base.greedy(prompts[rid], 5)
-            assert got[rid].token_ids == want, (rid, name)
+        batch_equals_peft(eng, base, which, [5, 30, 12, 21], 5)
         assert calls  # the deltas went through the kernels
     finally:
         kernels.cache_clear()

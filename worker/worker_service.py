@@ -135,23 +135,23 @@ class WorkerService(pb_grpc.WorkerServicer):
         return pb.UnloadAdapterResponse(pending=not gone)
 
     async def Stats(self, request: pb.StatsRequest, context) -> pb.StatsResponse:
-        # As of each engine's last step: no waiting behind the one running now. A worker hosting several
-        # models reports their sum (they share its cores).
+        # A worker hosting several models reports their sum (they share its cores).
+        parts = [_stats(ctx) for ctx in self.ctx.contexts()]
+        if len(parts) == 1:
+            return parts[0]
         out = pb.StatsResponse()
-        for ctx in self.ctx.contexts():
-            st = ctx.engine.stats
-            b = st.blocks
-            out.prompt_tokens_in_flight += st.prompt_tokens_in_flight
-            out.running += st.running
-            out.waiting += st.waiting
-            out.kv_blocks_total += b.total
-            out.kv_blocks_used += b.used
-            out.kv_blocks_free += b.free
-            out.kv_blocks_cached += b.cached
-            out.kv_tokens_held += st.kv_tokens_held
-            out.prefix_query_tokens += b.prefix_query_tokens
-            out.prefix_hit_tokens += b.prefix_hit_tokens
-            out.decode_tokens_remaining += st.decode_tokens_remaining
-            out.reserved += st.reserved
-            out.store_hit_tokens += st.store_hit_tokens
+        for f in out.DESCRIPTOR.fields:
+            setattr(out, f.name, sum(getattr(p, f.name) for p in parts))
         return out
+
+
+def _stats(ctx: WorkerContext) -> pb.StatsResponse:
+    st = ctx.engine.stats  # as of the last step: no waiting behind the one running now
+    b = st.blocks
+    return pb.StatsResponse(
+        prompt_tokens_in_flight=st.prompt_tokens_in_flight, running=st.running, waiting=st.waiting,
+        kv_blocks_total=b.total, kv_blocks_used=b.used, kv_blocks_free=b.free, kv_blocks_cached=b.cached,
+        kv_tokens_held=st.kv_tokens_held, prefix_query_tokens=b.prefix_query_tokens,
+        prefix_hit_tokens=b.prefix_hit_tokens, decode_tokens_remaining=st.decode_tokens_remaining,
+        reserved=st.reserved, store_hit_tokens=st.store_hit_tokens,
+    )

@@ -261,12 +261,18 @@ class DecoderModel(nn.Module):
             return x, residual
         return self.norm.add_forward(x, residual)[0]
 
+    def cpu_layers_unavailable(self, kv: KVCache) -> str | None:
+        """Why decode steps cannot run in the fused CPU loop (`cpu_decode.py`) over `kv`, or None."""
+        if kv.buffer.device.type != "cpu":
+            return f"a {kv.buffer.device.type} device"
+        return ("Triton kernels on CPU" if kernels_enabled(kv.buffer.device) else
+                "tensor parallel" if self.shard.parallel else supported(self, kv.layout.dtype))
+
     def _cpu_layers(self, kv: KVCache) -> CpuDecodeLayers | None:
         if self.cpu_layers is not None and self.cpu_layers.kv is kv:
             return self.cpu_layers
         if self.cpu_layers_off is None:
-            self.cpu_layers_off = ("Triton kernels on CPU" if kernels_enabled(kv.buffer.device) else
-                                   "tensor parallel" if self.shard.parallel else supported(self, kv.layout.dtype))
+            self.cpu_layers_off = self.cpu_layers_unavailable(kv)
         if self.cpu_layers_off:
             return None
         self.cpu_layers = CpuDecodeLayers(self, kv)

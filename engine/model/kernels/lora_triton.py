@@ -22,16 +22,20 @@ BLOCK_N = 64
 
 
 @triton.jit
+def _tile(tile_slot_ptr, tile_row_ptr, tile_end_ptr, BLOCK_M: tl.constexpr):
+    """This program's tile: its adapter slot, its rows and which of them lie inside its run."""
+    tile = tl.program_id(0)
+    slot = tl.load(tile_slot_ptr + tile)
+    rows = tl.load(tile_row_ptr + tile) + tl.arange(0, BLOCK_M)
+    return slot, rows, rows < tl.load(tile_end_ptr + tile)
+
+
+@triton.jit
 def _shrink_kernel(x_ptr, a_ptr, xa_ptr, tile_slot_ptr, tile_row_ptr, tile_end_ptr, K, R,
                    stride_xm, stride_as, stride_ar, stride_xam,
                    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
     """xa[rows, :R] = x[rows] @ A[slot]^T for one tile of one run."""
-    tile = tl.program_id(0)
-    slot = tl.load(tile_slot_ptr + tile)
-    row0 = tl.load(tile_row_ptr + tile)
-    end = tl.load(tile_end_ptr + tile)
-    rows = row0 + tl.arange(0, BLOCK_M)
-    rmask = rows < end
+    slot, rows, rmask = _tile(tile_slot_ptr, tile_row_ptr, tile_end_ptr, BLOCK_M)
     r = tl.arange(0, BLOCK_R)
     acc = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
     for k0 in range(0, tl.cdiv(K, BLOCK_K)):
@@ -49,13 +53,8 @@ def _expand_kernel(xa_ptr, b_ptr, out_ptr, tile_slot_ptr, tile_row_ptr, tile_end
                    stride_xam, stride_bs, stride_bn, stride_om,
                    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
     """out[rows, n-tile] += xa[rows, :R] @ B[slot][n-tile]^T for one tile of one run."""
-    tile = tl.program_id(0)
     pid_n = tl.program_id(1)
-    slot = tl.load(tile_slot_ptr + tile)
-    row0 = tl.load(tile_row_ptr + tile)
-    end = tl.load(tile_end_ptr + tile)
-    rows = row0 + tl.arange(0, BLOCK_M)
-    rmask = rows < end
+    slot, rows, rmask = _tile(tile_slot_ptr, tile_row_ptr, tile_end_ptr, BLOCK_M)
     r = tl.arange(0, BLOCK_R)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = n < N
