@@ -88,12 +88,6 @@ class RankExtension(Protocol):
     def close(self) -> None: ...
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _process_group(device: torch.device, rank: int, size: int, store: Any) -> Any:
     """A process group of its own (not torch.distributed's global one) over `store`."""
     import torch.distributed as dist
@@ -107,10 +101,12 @@ def _process_group(device: torch.device, rank: int, size: int, store: Any) -> An
 
 
 def _store(rank: int, world: int, port: int) -> Any:
-    """The world's TCP store (served by rank 0; it must outlive every group made over it)."""
+    """The world's TCP store, served by rank 0 on a port the system picks (`port` 0: no window between
+    choosing a free port and binding it); it must outlive every group made over it."""
     import torch.distributed as dist
 
-    return dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=datetime.timedelta(seconds=START_TIMEOUT_S))
+    return dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=datetime.timedelta(seconds=START_TIMEOUT_S),
+                         wait_for_workers=False)
 
 
 def _stage_group(device: torch.device, store: Any, stage: int, tp_rank: int, tp: int) -> Any:
@@ -193,7 +189,8 @@ class RankGroup:
         self.device = config.torch_device
         self.closing = False
         self.segments: list[Any] = []  # shared memory this process made (unlinked on close)
-        port = _free_port()
+        self.store = _store(0, self.size, 0)  # (before the ranks start: they are told its port)
+        port = self.store.port
         self.key = secrets.token_bytes(16)
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.listener.settimeout(1.0)
@@ -213,7 +210,6 @@ class RankGroup:
         self._payload: Any = None  # the next step's, for the ranks' extensions
         self._answers_due = False
         self._accept(self.size - 1)
-        self.store = _store(0, self.size, port)
         self.group = _stage_group(self.device, self.store, 0, 0, tp)
         shm = self._shm_collectives
         self.shard = (Shard(0, tp, _collectives(self.group, tp, shm), config.enable_expert_parallel) if tp > 1

@@ -118,12 +118,12 @@ def test_shared_memory_collectives_sum_and_gather_with_the_fallback_past_a_slot(
     import sys
 
     from engine.model.collectives import ProcessGroupCollectives, SharedMemoryCollectives
-    from engine.ranks import _free_port, _process_group, _store
+    from engine.ranks import _process_group, _store
 
-    port, name = _free_port(), f"sf-test-{os.getpid()}"
+    store = _store(0, 2, 0)  # (the store must outlive the group)
+    name = f"sf-test-{os.getpid()}"
     c = SharedMemoryCollectives(name, 0, 2, 4096, None, create=True)  # type: ignore[arg-type]
-    other = subprocess.Popen([sys.executable, "-c", RANK_1, str(port), name])
-    store = _store(0, 2, port)  # (the store must outlive the group)
+    other = subprocess.Popen([sys.executable, "-c", RANK_1, str(store.port), name])
     group = _process_group(torch.device("cpu"), 0, 2, store)
     c.fallback = ProcessGroupCollectives(group, 2)
     for n in (3, 1000, 5000):
