@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -33,7 +34,24 @@ def serve_app(app: web.Application, port: int, banner: str) -> None:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
+    """A port nothing listens on, for a process started next to bind. Drawn below the kernel's ephemeral
+    range (from /proc), so no outgoing connection can be handed it between now and the bind — the race
+    that `bind(0)` then close leaves open (seen in CI as EADDRINUSE)."""
+    low = 32768
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        pass
+    pick = random.Random()  # (its own: tests seed the global generator)
+    for _ in range(200):
+        port = pick.randrange(max(1024, low - 12000), low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # (a machine whose low ports are all taken: the old way)
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 

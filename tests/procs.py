@@ -11,14 +11,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from loadtest.stack import free_port
+
 ROOT = Path(__file__).resolve().parent.parent
 STARTED: list[subprocess.Popen] = []  # every process a test started; conftest kills leftovers at exit
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
