@@ -59,6 +59,9 @@ class DecodeService(pb_grpc.DecodeServicer):
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._settling: set[asyncio.Task] = set()
         self._remote_calls: dict[str, grpc.aio.UnaryUnaryCall] = {}
+        # Per prefill worker: whether it sends head sections whole into landing blocks (learned from its
+        # answers: `PrefillResponse.landable`); offered until an answer says it has none.
+        self._lands: dict[str, bool] = {}
 
     def _channel(self, endpoint: str) -> grpc.aio.Channel:
         ch = self._channels.get(endpoint)
@@ -123,15 +126,18 @@ class DecodeService(pb_grpc.DecodeServicer):
         assert self.region is not None and self.segment is not None
         bs = self.ctx.engine.block_size
         first = cached // bs
+        endpoint = request.prefill_endpoint
+        landing = None
+        if self.ctx.config.kv_landing and self._lands.get(endpoint, True):
+            landing = await self.ctx.engine.take_landing(rid, first)
         dest = pb.KVDestination(
             segment=self.segment, base_address=self.region.base_address, num_blocks=self.region.num_blocks,
             num_layers=self.region.num_layers, page_bytes=self.region.page_bytes, first_block=first,
-            block_ids=blocks[first:], ranks=self.peer_ranks,
+            block_ids=blocks[first:], ranks=self.peer_ranks, landing_block_ids=landing or [],
         )
         preq = pb.PrefillRequest(request_id=rid, token_ids=request.token_ids, sampling=request.sampling,
                                  tenant=request.tenant, destination=dest,
                                  tenant_weight=request.tenant_weight, adapter=request.adapter)
-        endpoint = request.prefill_endpoint
         call = self._stub(endpoint).Prefill(preq, timeout=self.ctx.config.prefill_timeout_s)
         self._remote_calls[rid] = call
         try:
@@ -153,11 +159,18 @@ class DecodeService(pb_grpc.DecodeServicer):
         finally:
             self._remote_calls.pop(rid, None)
         lp = logprob_from_proto(resp.logprob) if resp.HasField("logprob") else None
-        log.info("event=kv_received rid=%s prefill=%s bytes=%d entries=%d transfer_s=%.4f prefill_cached=%d",
-                 rid, endpoint, resp.transfer_bytes, resp.transfer_entries, resp.transfer_seconds, resp.cached_tokens)
+        self._lands[endpoint] = bool(resp.landable)
+        landed = [(s.rank, s.first, s.count) for s in resp.landable] if resp.landed else None
+        if landed and landing is None:
+            self._quarantine(rid, endpoint)
+            raise GenerateError(grpc.StatusCode.UNAVAILABLE, f"prefill worker {endpoint} wrote into landing blocks "
+                                "it was not offered", failed_prefill=endpoint)
+        log.info("event=kv_received rid=%s prefill=%s bytes=%d entries=%d transfer_s=%.4f prefill_cached=%d "
+                 "landed=%s", rid, endpoint, resp.transfer_bytes, resp.transfer_entries, resp.transfer_seconds,
+                 resp.cached_tokens, bool(landed))
         # Prompt tokens nobody computed: this worker's hits and the prefill worker's own.
         cached_total = len(request.token_ids) - resp.computed_tokens
-        await self.ctx.engine.activate(rid, resp.first_token, lp, cached_total)
+        await self.ctx.engine.activate(rid, resp.first_token, lp, cached_total, landed)
 
     async def _decide(self, rid: str, request: pb.GenerateRequest, ids: list[int], sampling: SamplingParams
                       ) -> tuple[PrefillDecision, int, list[int]]:

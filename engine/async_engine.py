@@ -176,10 +176,15 @@ class AsyncEngine:
 
         return self.call(run)
 
+    def take_landing(self, request_id: str, first_block: int) -> asyncio.Future[list[int] | None]:
+        """`LLMEngine.take_landing`."""
+        return self.call(lambda e: e.take_landing(request_id, first_block))
+
     def activate(self, request_id: str, first_token: int, logprob: TokenLogprob | None,
-                 cached_tokens: int) -> asyncio.Future[None]:
+                 cached_tokens: int, landed: list[tuple[int, int, int]] | None = None) -> asyncio.Future[None]:
         """A reserved prompt's K/V have landed: decode from `first_token` (delivered in order)."""
-        return self.call_and_deliver(lambda e: [e.activate(request_id, first_token, logprob, cached_tokens)])
+        return self.call_and_deliver(lambda e: [e.activate(request_id, first_token, logprob, cached_tokens,
+                                                           landed)])
 
     def start_local_prefill(self, request_id: str) -> asyncio.Future[None]:
         return self.call(lambda e: e.start_local_prefill(request_id))

@@ -374,12 +374,27 @@ class LLMEngine:
         self.seqs[request_id] = seq
         return seq
 
+    def take_landing(self, request_id: str, first_block: int) -> list[int] | None:
+        """Spare blocks, one per block of a reserved prompt's table from `first_block` on, for a prefill
+        worker to land whole pages in (`KVCache.land`); None when not that many are free."""
+        seq = self.seqs[request_id]
+        return list(seq.landing) if self.blocks.take_landing(seq, first_block) else None
+
     def activate(self, request_id: str, first_token: int, logprob: TokenLogprob | None = None,
-                 cached_tokens: int = 0) -> RequestOutput:
+                 cached_tokens: int = 0, landed: list[tuple[int, int, int]] | None = None) -> RequestOutput:
         """The prompt's K/V have landed: start decoding from `first_token`. `cached_tokens`: prompt
-        tokens nobody had to compute for this request (the prefill worker's cache hits too)."""
+        tokens nobody had to compute for this request (the prefill worker's cache hits too). `landed`:
+        the (rank, first head, heads) sections the prefill worker wrote into the landing blocks, moved
+        into place here on every rank before the request's first step."""
         seq = self.seqs[request_id]
         assert seq.status == Status.RESERVED, f"{request_id} is {seq.status}, not reserved"
+        if landed:
+            assert seq.landing, f"{request_id}: K/V landed in blocks that were never offered"
+            op = (seq.landing, seq.block_table[seq.landing_from:], landed)
+            self.kv.land(op[0], op[1], [(h, n) for r, h, n in landed if r == 0])
+            if self.ranks is not None:
+                self.ranks.land(op)
+        self.blocks.free_landing(seq)
         self.blocks.mark_computed(seq, seq.num_prompt_tokens - seq.num_computed_tokens)
         seq.num_cached_tokens = max(seq.num_cached_tokens, min(cached_tokens, seq.num_prompt_tokens))
         seq.num_published_blocks = seq.num_prompt_tokens // self.config.block_size  # the prefill side publishes those

@@ -317,6 +317,11 @@ class RankGroup:
         its own slices (between steps: the engine thread sends it)."""
         self._send(("lora", op))
 
+    def land(self, op: tuple[list[int], list[int], list[tuple[int, int, int]]]) -> None:
+        """K/V that landed in spare blocks: every other rank moves its sections into place
+        (`KVCache.land`) before the next step (between steps: the engine thread sends it)."""
+        self._send(("land", op))
+
     def attach(self, payload: Any) -> None:
         """Send `payload` with the next step (before the step runs: a `StepObserver.before_forward`)."""
         self._payload = payload
@@ -463,6 +468,10 @@ def follower(rank: int, extension: RankExtension | None = None) -> None:
                     loras.install(read_adapter(name, path, model, config.max_lora_rank), slot=slot)
                 else:
                     loras.free_now(plan[1])
+                continue
+            if kind == "land":
+                landing, dst, sections = plan
+                kv.land(landing, dst, [(h, n) for r, h, n in sections if r == tp_rank])
                 continue
             if kind == "step":  # tensor parallel only: the stage is the whole model
                 ids, positions, meta, rows = plan

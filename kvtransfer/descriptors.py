@@ -7,7 +7,11 @@ run is one write entry per layer.
 
 Workers split over different numbers of tensor-parallel ranks hold different KV heads per page: a
 `HeadSlice` moves some heads of every row of a page (a page is rows of heads: `[k|v, slot]` rows of
-`heads x head_dim` values), one entry per row, since a head subset of a page is strided.
+`heads x head_dim` values), one entry per row, since a head subset of a page is strided. Two ways round
+that: whole destination rows from strided source rows are gathered into staged pages by the sender
+(`worker/kv_staging.py`); whole source rows into strided destination rows (a prefill worker split over
+more ranks than the decode worker) land in spare destination blocks as whole pages (`landing_entries`),
+and the decode worker moves them into place (`KVCache.land`).
 """
 
 from __future__ import annotations
@@ -51,6 +55,11 @@ class HeadSlice:
         """Every head of both pages: whole pages move (and consecutive pages coalesce)."""
         return self.count == self.src_heads == self.dst_heads
 
+    @property
+    def landable(self) -> bool:
+        """Whole source rows into strided destination rows: sent as whole pages into landing blocks."""
+        return self.count == self.src_heads < self.dst_heads
+
     def check(self, src: KVRegion, dst: KVRegion) -> str | None:
         """Why this slice does not fit the two regions' pages, or None."""
         if src.num_layers != dst.num_layers:
@@ -77,6 +86,21 @@ class WriteEntry:
     src: int
     dst: int
     length: int
+
+
+def landing_runs(blocks: list[int]) -> dict[int, tuple[int, int]]:
+    """Each landing block's run: (first block, blocks) of the maximal run of consecutive ids, in list
+    order, that holds it. A run is one byte range per layer, laid out section by section."""
+    out: dict[int, tuple[int, int]] = {}
+    i = 0
+    while i < len(blocks):
+        j = i + 1
+        while j < len(blocks) and blocks[j] == blocks[j - 1] + 1:
+            j += 1
+        for b in blocks[i:j]:
+            out[b] = (blocks[i], j - i)
+        i = j
+    return out
 
 
 def coalesce(src_blocks: list[int], dst_blocks: list[int]) -> list[Run]:
@@ -109,4 +133,22 @@ def layer_entries(src: KVRegion, dst: KVRegion, layer: int, runs: list[Run],
             s0 = src.page_address(layer, r.src_block + i) + part.src_first * hb
             d0 = dst.page_address(layer, r.dst_block + i) + part.dst_first * hb
             out.extend(WriteEntry(s0 + row * src_row, d0 + row * dst_row, n) for row in range(part.rows))
+    return out
+
+
+def landing_entries(src: KVRegion, dst: KVRegion, layer: int, runs: list[Run], part: HeadSlice,
+                    landing: dict[int, tuple[int, int]]) -> list[WriteEntry]:
+    """One layer's writes of whole source pages into landing blocks (`runs`' destinations; `landing`:
+    `landing_runs` of every landing block of the request). A landing run of `n` blocks in one layer is
+    `n` pages of bytes holding, for each destination head from `part.dst_first`, its section: the `n`
+    blocks' `[k|v, slot, heads, dim]` of those heads, block after block. A run of pages consecutive on
+    both sides (`coalesce` never crosses a landing run) is one entry."""
+    if not part.landable:
+        raise ValueError(f"{part} does not land whole source pages")
+    head_page = part.rows * part.head_bytes  # one head's bytes of one page
+    out: list[WriteEntry] = []
+    for r in runs:
+        first, n = landing[r.dst_block]
+        at = dst.page_address(layer, first) + n * part.dst_first * head_page + (r.dst_block - first) * src.page_bytes
+        out.append(WriteEntry(src.page_address(layer, r.src_block), at, r.count * src.page_bytes))
     return out

@@ -12,7 +12,7 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from kvtransfer.descriptors import HeadSlice, KVRegion, Run, coalesce, layer_entries
+from kvtransfer.descriptors import HeadSlice, KVRegion, Run, coalesce, landing_entries, layer_entries
 from kvtransfer.errors import TransferError
 from kvtransfer.transport import DONE, FAILED, PENDING, MooncakeTransport
 
@@ -27,6 +27,7 @@ class TransferJob:
     runs: list[Run]
     part: HeadSlice | None = None  # some heads of each page (workers split differently), else whole pages
     src: KVRegion | None = None  # where the pages are read from, if not the writer's KV region (a staging copy)
+    landing: dict[int, tuple[int, int]] | None = None  # runs' destinations are landing blocks (`landing_runs`)
     pending: list[int] = field(default_factory=list)  # submitted batch ids not yet complete
     bytes: int = 0
     entries: int = 0
@@ -56,7 +57,13 @@ class KVWriter:
         if not job.started:
             job.started = time.perf_counter()
         try:
-            for e in layer_entries(job.src or self.src, job.dst, layer, job.runs, job.part):
+            src = job.src or self.src
+            if job.landing is not None:
+                assert job.part is not None
+                entries = landing_entries(src, job.dst, layer, job.runs, job.part, job.landing)
+            else:
+                entries = layer_entries(src, job.dst, layer, job.runs, job.part)
+            for e in entries:
                 while self._inflight[job.target] >= self.max_inflight:
                     self._poll_once([job])
                 job.pending.append(self.engine.submit_write(job.target, e.src, e.dst, e.length))

@@ -5,10 +5,12 @@ worker per pairing (`-tp a` into `-tp b`), prompts of `--prompt` tokens prefille
 time; per pairing: the prefill worker's transfer bytes and Mooncake write entries per request (from
 its metrics), the wall time of a request's writes (first layer write to last completion, the
 `kv_transfer_seconds` histogram's mean) and the client's time to first token, medians over prompts.
-Split alike, rank r writes whole pages into rank r; split differently, each page moves as head slices
-(one entry per `[k|v, slot]` row).
+Split alike, rank r writes whole pages into rank r; split differently, each page moves as head slices:
+into more decode ranks gathered into staged pages first (`worker/kv_staging.py`), into fewer as whole
+pages into spare decode blocks moved into place there (`KVCache.land`); a pair `a:b:rows` turns that
+off on the decode side (`--no-kv-landing`: one entry per `[k|v, slot]` row).
 
-    python -m loadtest.bench_tp_transfer --pairs 2:2,2:1,1:2,1:1 --prompt 1024 --requests 5
+    python -m loadtest.bench_tp_transfer --pairs 2:2,2:1,2:1:rows,1:2,1:1 --prompt 1024 --requests 5
 """
 
 from __future__ import annotations
@@ -82,9 +84,11 @@ async def ttft(decode: Worker, prefill: Worker, ids: list[int]) -> float:
         return first
 
 
-def bench_pair(model: Path, a: int, b: int, args: argparse.Namespace, log_dir: Path) -> dict[str, float]:
+def bench_pair(model: Path, a: int, b: int, args: argparse.Namespace, log_dir: Path,
+               rows_only: bool = False) -> dict[str, float]:
     pre = Worker("prefill", model, a, log_dir, ["--max-num-batched-tokens", "2048"])
-    dec = Worker("decode", model, b, log_dir, ["--local-prefill-max-tokens", "0"])
+    dec = Worker("decode", model, b, log_dir, ["--local-prefill-max-tokens", "0",
+                                                *(["--no-kv-landing"] if rows_only else [])])
     try:
         pre.wait_ready()
         dec.wait_ready()
@@ -108,7 +112,8 @@ def bench_pair(model: Path, a: int, b: int, args: argparse.Namespace, log_dir: P
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--pairs", default="2:2,2:1,1:2,1:1", help="prefill TP:decode TP, comma-separated")
+    p.add_argument("--pairs", default="2:2,2:1,2:1:rows,1:2,1:1",
+                   help="prefill TP:decode TP[:rows], comma-separated (rows: the decode worker offers no landing)")
     p.add_argument("--prompt", type=int, default=1024)
     p.add_argument("--requests", type=int, default=5)
     args = p.parse_args()
@@ -119,9 +124,10 @@ def main() -> int:
     print("| --- | ---: | ---: | ---: | ---: |")
     with tempfile.TemporaryDirectory(prefix="bench-tp-") as logs:
         for pair in args.pairs.split(","):
-            a, b = (int(x) for x in pair.split(":"))
-            r = bench_pair(model, a, b, args, Path(logs))
-            print(f"| {a} -> {b} | {r['bytes']:,.0f} | {r['entries']:,.0f} | {r['transfer_ms']:.1f} | "
+            a, b, *how = pair.split(":")
+            r = bench_pair(model, int(a), int(b), args, Path(logs), rows_only=how == ["rows"])
+            label = f"{a} -> {b}" + (" (row by row)" if how == ["rows"] else "")
+            print(f"| {label} | {r['bytes']:,.0f} | {r['entries']:,.0f} | {r['transfer_ms']:.1f} | "
                   f"{r['ttft_ms']:.1f} |", flush=True)
     return 0
 

@@ -16,13 +16,13 @@ its writes are done.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from engine.batch.scheduler import ScheduledSeq
 from engine.ranks import RankGroup
-from kvtransfer.descriptors import coalesce
+from kvtransfer.descriptors import coalesce, landing_runs
 from kvtransfer.writer import KVWriter, TransferJob
 from worker.kv_rank import JobSpec, rank_jobs
 from worker.kv_routes import KVSplit, Route
@@ -38,15 +38,23 @@ class TransferPlan:
     first_block: int  # prompt block index of dst_blocks[0]
     dst_blocks: list[int]
     routes: list[Route]  # which of this worker's ranks writes which heads into which decode rank
+    landing_blocks: list[int] | None = None  # spare decode blocks for landable routes, one per dst_blocks entry
     next_block: int = 0  # first prompt block not yet completely sent
     bytes: int = 0
     entries: int = 0
     started: float = 0.0
     finished: float = 0.0
     compute_s: float = 0.0
+    landing_runs: dict[int, tuple[int, int]] | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         self.next_block = self.first_block
+        self.landing_runs = landing_runs(self.landing_blocks) if self.landing_blocks else None
+
+    @property
+    def landed(self) -> bool:
+        """Some of its heads go through landing blocks."""
+        return self.landing_runs is not None and any(r.part.landable for r in self.routes)
 
     @property
     def transfer_s(self) -> float:
@@ -95,9 +103,10 @@ class LayerwiseKVSender:
             lo, hi = plan.next_block, (-(-end // bs) if last_chunk else end // bs)
             if hi <= lo:
                 continue
-            spec = JobSpec(plan.request_id, coalesce(s.seq.block_table[lo:hi],
-                                                     plan.dst_blocks[lo - plan.first_block : hi - plan.first_block]),
-                           plan.dests, plan.dims, plan.routes)
+            src, at = s.seq.block_table[lo:hi], slice(lo - plan.first_block, hi - plan.first_block)
+            landing = coalesce(src, plan.landing_blocks[at]) if plan.landed and plan.landing_blocks else None
+            spec = JobSpec(plan.request_id, coalesce(src, plan.dst_blocks[at]), plan.dests, plan.dims, plan.routes,
+                           landing, plan.landing_runs if landing is not None else None)
             self._jobs.append((plan, rank_jobs(spec, 0), hi))
             specs.append(spec)
         self.writes.start([job for _, jobs, _ in self._jobs for job in jobs])

@@ -50,9 +50,22 @@ def plan_from_request(request: pb.PrefillRequest, rid: str, own: KVRegion, split
     bad = [b for b in d.block_ids if b >= d.num_blocks]
     if bad:
         raise RequestError(f"destination block ids {bad[:5]} outside the decode worker's {d.num_blocks} blocks")
+    landing = list(d.landing_block_ids) or None
+    if landing is not None:
+        if len(landing) != len(d.block_ids):
+            raise RequestError(f"destination has {len(landing)} landing block ids for {len(d.block_ids)} blocks")
+        if max(landing) >= d.num_blocks or len(set(landing)) != len(landing) or set(landing) & set(d.block_ids):
+            raise RequestError("destination landing block ids must be distinct blocks of the decode worker's "
+                               f"{d.num_blocks}, none of them a destination block")
     dests = [(d.segment, d.base_address)] + [(r.segment, r.base_address) for r in d.ranks]
     return TransferPlan(rid, dests, (d.num_layers, d.num_blocks, d.page_bytes), d.first_block, list(d.block_ids),
-                        routes)
+                        routes, landing)
+
+
+def landable_sections(plan: TransferPlan) -> list[pb.KVSection]:
+    """The decode ranks' head sections this worker sends as whole pages when offered landing blocks."""
+    return [pb.KVSection(rank=r.dst_rank, first=r.part.dst_first, count=r.part.count)
+            for r in plan.routes if r.part.landable]
 
 
 class PrefillService(pb_grpc.PrefillServicer):
@@ -117,6 +130,7 @@ class PrefillService(pb_grpc.PrefillServicer):
                 computed_tokens=len(ids) - out.num_cached_tokens, transfer_bytes=plan.bytes,
                 transfer_entries=plan.entries, transfer_seconds=plan.transfer_s, compute_seconds=plan.compute_s,
                 queue_seconds=max(plan.started - t0, 0.0) if plan.started else 0.0,
+                landable=landable_sections(plan), landed=plan.landed,
             )
             if out.logprobs:
                 resp.logprob.CopyFrom(logprob_to_proto(out.logprobs[0]))

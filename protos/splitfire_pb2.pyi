@@ -114,7 +114,7 @@ class GenerateEvent(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., prefill_mode: _Optional[str] = ..., prefill_reason: _Optional[str] = ...) -> None: ...
 
 class KVDestination(_message.Message):
-    __slots__ = ("segment", "base_address", "num_blocks", "num_layers", "page_bytes", "first_block", "block_ids", "ranks")
+    __slots__ = ("segment", "base_address", "num_blocks", "num_layers", "page_bytes", "first_block", "block_ids", "ranks", "landing_block_ids")
     SEGMENT_FIELD_NUMBER: _ClassVar[int]
     BASE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -123,6 +123,7 @@ class KVDestination(_message.Message):
     FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     RANKS_FIELD_NUMBER: _ClassVar[int]
+    LANDING_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     segment: str
     base_address: int
     num_blocks: int
@@ -131,7 +132,18 @@ class KVDestination(_message.Message):
     first_block: int
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     ranks: _containers.RepeatedCompositeFieldContainer[KVRank]
-    def __init__(self, segment: _Optional[str] = ..., base_address: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_layers: _Optional[int] = ..., page_bytes: _Optional[int] = ..., first_block: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., ranks: _Optional[_Iterable[_Union[KVRank, _Mapping]]] = ...) -> None: ...
+    landing_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, segment: _Optional[str] = ..., base_address: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_layers: _Optional[int] = ..., page_bytes: _Optional[int] = ..., first_block: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., ranks: _Optional[_Iterable[_Union[KVRank, _Mapping]]] = ..., landing_block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class KVSection(_message.Message):
+    __slots__ = ("rank", "first", "count")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    FIRST_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    first: int
+    count: int
+    def __init__(self, rank: _Optional[int] = ..., first: _Optional[int] = ..., count: _Optional[int] = ...) -> None: ...
 
 class KVRank(_message.Message):
     __slots__ = ("segment", "base_address")
@@ -160,7 +172,7 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., tenant: _Optional[str] = ..., destination: _Optional[_Union[KVDestination, _Mapping]] = ..., tenant_weight: _Optional[float] = ..., adapter: _Optional[str] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("first_token", "logprob", "cached_tokens", "computed_tokens", "transfer_bytes", "transfer_entries", "transfer_seconds", "compute_seconds", "queue_seconds")
+    __slots__ = ("first_token", "logprob", "cached_tokens", "computed_tokens", "transfer_bytes", "transfer_entries", "transfer_seconds", "compute_seconds", "queue_seconds", "landable", "landed")
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     LOGPROB_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -170,6 +182,8 @@ class PrefillResponse(_message.Message):
     TRANSFER_SECONDS_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     QUEUE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    LANDABLE_FIELD_NUMBER: _ClassVar[int]
+    LANDED_FIELD_NUMBER: _ClassVar[int]
     first_token: int
     logprob: TokenLogprob
     cached_tokens: int
@@ -179,7 +193,9 @@ class PrefillResponse(_message.Message):
     transfer_seconds: float
     compute_seconds: float
     queue_seconds: float
-    def __init__(self, first_token: _Optional[int] = ..., logprob: _Optional[_Union[TokenLogprob, _Mapping]] = ..., cached_tokens: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., transfer_bytes: _Optional[int] = ..., transfer_entries: _Optional[int] = ..., transfer_seconds: _Optional[float] = ..., compute_seconds: _Optional[float] = ..., queue_seconds: _Optional[float] = ...) -> None: ...
+    landable: _containers.RepeatedCompositeFieldContainer[KVSection]
+    landed: bool
+    def __init__(self, first_token: _Optional[int] = ..., logprob: _Optional[_Union[TokenLogprob, _Mapping]] = ..., cached_tokens: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., transfer_bytes: _Optional[int] = ..., transfer_entries: _Optional[int] = ..., transfer_seconds: _Optional[float] = ..., compute_seconds: _Optional[float] = ..., queue_seconds: _Optional[float] = ..., landable: _Optional[_Iterable[_Union[KVSection, _Mapping]]] = ..., landed: _Optional[bool] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)

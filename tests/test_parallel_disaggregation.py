@@ -70,6 +70,7 @@ async def test_two_rank_prefill_into_one_rank_decode_equals_transformers(cluster
     dec1, pre = cluster["decode1"], cluster["prefill"]
     prompts = [prompt(i + 20, n) for i, n in enumerate([7, 33, 90])]
     before = metric(pre, "splitfire_worker_kv_transfer_bytes_total")
+    entries_before = metric(pre, "splitfire_worker_kv_transfer_entries_total")
     outs = await asyncio.gather(*(generate(address(dec1), p, greedy(10), prefill=address(pre)) for p in prompts))
     for p, out in zip(prompts, outs, strict=True):
         assert out.prefill_mode == "remote"
@@ -77,7 +78,32 @@ async def test_two_rank_prefill_into_one_rank_decode_equals_transformers(cluster
     page = 2 * 16 * 2 * 16 * 4  # k+v, slots, both kv heads, head dim, fp32: the decode worker's page
     blocks = sum(-(-len(p) // 16) for p in prompts)
     assert metric(pre, "splitfire_worker_kv_transfer_bytes_total") - before == blocks * page * 2  # two layers
+    # Each rank's pages went whole into spare blocks of the decode worker (moved into place there): at
+    # most one entry per source page (2,048 bytes: k+v, 16 slots, one head), not one per 64-byte row.
+    entries = metric(pre, "splitfire_worker_kv_transfer_entries_total") - entries_before
+    assert entries * 2048 <= blocks * page * 2, entries
+    assert dec1.log().count("landed=True") >= len(prompts)
     await wait_blocks_free(address(dec1))
+
+
+async def test_two_rank_prefill_into_one_rank_decode_row_by_row_equals_transformers(cluster, tiny_model_dir):
+    """The same with landing off on the decode side (--no-kv-landing): each prefill rank writes its head
+    into every row of the decode worker's pages; same tokens, no spare blocks taken."""
+    ref = Reference(tiny_model_dir)
+    rows = start_worker("decode", tiny_model_dir, cluster["logs"], "--local-prefill-max-tokens", "0",
+                        "--kv-quarantine", "0.5", "--no-kv-landing", name="decode-rows")
+    try:
+        pre = cluster["prefill"]
+        p = prompt(27, 40)
+        entries_before = metric(pre, "splitfire_worker_kv_transfer_entries_total")
+        out = await generate(address(rows), p, greedy(10), prefill=address(pre))
+        assert out.prefill_mode == "remote" and out.token_ids == ref.greedy(p, 10)
+        # 3 blocks x 2 layers x 2 ranks, 32 rows each (k and v of 16 slots)
+        assert metric(pre, "splitfire_worker_kv_transfer_entries_total") - entries_before == 3 * 2 * 2 * 32
+        assert "landed=True" not in rows.log()
+        await wait_blocks_free(address(rows))
+    finally:
+        assert rows.stop() == 0, rows.log()[-2000:]
 
 
 async def test_one_rank_prefill_into_two_rank_decode_equals_transformers(cluster, tiny_model_dir):
@@ -163,3 +189,29 @@ async def test_latent_attention_prefill_and_decode_over_two_ranks_equal_transfor
         assert pre.stop() == 0, pre.log()[-2000:]
         assert dec.stop() == 0, dec.log()[-2000:]
         assert dec1.stop() == 0, dec1.log()[-2000:]
+
+
+async def test_four_rank_prefill_into_two_rank_decode_lands_on_every_rank_equals_transformers(tmp_path):
+    """Four KV heads: each prefill rank holds one, each decode rank two. Every prefill rank sends its
+    pages whole into the decode rank's spare blocks and both decode ranks move their sections into place
+    (rank 1 on rank 0's word, between steps); tokens equal transformers, one entry per run of pages."""
+    fam = make_hf_model("llama3", tmp_path / "model", num_key_value_heads=4)
+    pre = start_worker("prefill", fam.path, tmp_path, "--tensor-parallel-size", "4", "--max-num-batched-tokens", "32",
+                       "--max-num-seqs", "8")
+    dec = start_worker("decode", fam.path, tmp_path, *TP2, "--local-prefill-max-tokens", "0")
+    try:
+        prompts = [prompt(i + 60, n) for i, n in enumerate([9, 40, 70])]
+        outs = await asyncio.gather(*(generate(address(dec), p, greedy(8), prefill=address(pre)) for p in prompts))
+        for p, out in zip(prompts, outs, strict=True):
+            assert out.prefill_mode == "remote"
+            assert out.token_ids == fam.greedy(p, 8)
+        src_page = 2 * 16 * 1 * 16 * 4  # k+v, slots, one head, head dim, fp32
+        sent = metric(pre, "splitfire_worker_kv_transfer_bytes_total")
+        entries = metric(pre, "splitfire_worker_kv_transfer_entries_total")
+        assert sent == sum(-(-len(p) // 16) for p in prompts) * src_page * 3 * 4  # three layers, four ranks
+        assert entries * src_page <= sent, (entries, sent)
+        assert dec.log().count("landed=True") == len(prompts)
+        await wait_blocks_free(address(dec))
+    finally:
+        assert pre.stop() == 0, pre.log()[-2000:]
+        assert dec.stop() == 0, dec.log()[-2000:]

@@ -30,6 +30,7 @@ class WorkerConfig:
     local_prefill_max_fraction: float = 1.0
     prefill_timeout_s: float = 120.0
     kv_quarantine_s: float = 5.0  # hold blocks this long after a failed/aborted transfer (late writes)
+    kv_landing: bool = True  # offer spare blocks to prefill workers split over more ranks (KVCache.land)
     reserve_timeout_s: float = 30.0  # wait this long for free KV blocks before refusing a request
     stream_interval: int = 1  # send a stream event every N new tokens (first token and the end: at once)
     kv_store: str = ""  # host:port of mooncake_master: the cluster-wide KV tier ("" = none)
@@ -286,6 +287,9 @@ def add_worker_args(p: argparse.ArgumentParser, role: str) -> None:
         d.add_argument("--prefill-timeout", type=float, default=float(_env("prefill_timeout", 120.0)))
         d.add_argument("--kv-quarantine", type=float, default=float(_env("kv_quarantine", 5.0)),
                        help="seconds to hold blocks after a failed or aborted transfer")
+        d.add_argument("--no-kv-landing", action="store_true", default=_env("no_kv_landing", "") not in ("", "0"),
+                       help="write a prefill worker split over more tensor-parallel ranks row by row into the "
+                            "pages, instead of letting it send whole pages into spare blocks moved into place here")
         if role == "both":
             h = p.add_argument_group("several models in one worker")
             h.add_argument("--on-demand-model", action="append", default=_list_env("on_demand_models"),
@@ -329,5 +333,6 @@ def worker_config_from(args: argparse.Namespace, role: str) -> WorkerConfig:
         cfg.local_prefill_max_fraction = args.local_prefill_max_fraction
         cfg.prefill_timeout_s = args.prefill_timeout
         cfg.kv_quarantine_s = args.kv_quarantine
+        cfg.kv_landing = not args.no_kv_landing
         cfg.stream_interval = args.stream_interval
     return cfg.validate()

@@ -69,6 +69,10 @@ class JobSpec:
     dests: list[tuple[str, int]]  # the decode worker's ranks: Mooncake segment, KV base address
     dims: tuple[int, int, int]  # the destination's layers, blocks, page bytes (each rank's alike)
     routes: list[Route]  # which rank writes which heads into which decode rank
+    # With landing blocks (`KVDestination.landing_block_ids`): source blocks into landing blocks, coalesced,
+    # and every landing block's run (`landing_runs`); landable routes write there.
+    landing: list[Run] | None = None
+    landing_runs: dict[int, tuple[int, int]] | None = None
 
 
 def rank_jobs(spec: JobSpec, rank: int) -> list[TransferJob]:
@@ -77,7 +81,12 @@ def rank_jobs(spec: JobSpec, rank: int) -> list[TransferJob]:
     for route in spec.routes:
         if route.src_rank == rank:
             segment, base = spec.dests[route.dst_rank]
-            jobs.append(TransferJob(spec.request_id, segment, KVRegion(base, *spec.dims), spec.runs, route.part))
+            dst = KVRegion(base, *spec.dims)
+            if spec.landing is not None and route.part.landable:
+                jobs.append(TransferJob(spec.request_id, segment, dst, spec.landing, route.part,
+                                        landing=spec.landing_runs))
+            else:
+                jobs.append(TransferJob(spec.request_id, segment, dst, spec.runs, route.part))
     return jobs
 
 

@@ -262,7 +262,22 @@ class BlockManager:
         for b in blocks:
             self._drop_ref(b, "a pin")
 
+    def take_landing(self, seq: Sequence, first: int) -> bool:
+        """Spare blocks for `seq.block_table[first:]` to land in (`Sequence.landing`), as few runs as the
+        free blocks allow; False (nothing taken) when fewer are available."""
+        n = len(seq.block_table) - first
+        if n <= 0 or self.num_available < n:
+            return False
+        seq.landing, seq.landing_from = self._take_new(n), first
+        return True
+
+    def free_landing(self, seq: Sequence) -> None:
+        for b in seq.landing:
+            self._drop_ref(b, f"{seq.request_id} (landing)")
+        seq.landing = []
+
     def free_seq(self, seq: Sequence) -> None:
+        self.free_landing(seq)
         # Tail blocks go into the LRU first (older), so eviction takes a prompt's end
         # before its shared beginning.
         for b in reversed(seq.block_table):

@@ -44,6 +44,10 @@ class Sequence:
     output_token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     block_table: list[int] = field(default_factory=list)
+    # Spare blocks a prefill worker writes whole pages into, moved into block_table[landing_from:] on
+    # arrival (`KVCache.land`); held like the block table until then.
+    landing: list[int] = field(default_factory=list)
+    landing_from: int = 0
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     num_cached_tokens: int = 0  # of those, how many came from the prefix cache at admission
     num_registered_blocks: int = 0  # leading full blocks already entered in the prefix cache

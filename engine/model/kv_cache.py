@@ -104,3 +104,26 @@ class KVCache:
     @property
     def nbytes(self) -> int:
         return self.layout.total_bytes
+
+    def land(self, landing: list[int], dst: list[int], sections: list[tuple[int, int]]) -> None:
+        """Move K/V a prefill worker wrote into landing blocks as whole pages of its own (it holds fewer
+        heads per page than this cache) into their pages: `landing[i]`'s into `dst[i]`, for each section
+        `(first head, heads)`. The landing layout (`kvtransfer.descriptors.landing_entries`): a run of `n`
+        consecutive landing blocks is, in each layer, `n` pages of bytes holding each section's
+        `[n, k|v, slot, heads, dim]` at `n * first` heads' worth of pages from its start."""
+        L = self.layout
+        head_page = L.planes * L.block_size * L.head_dim  # one head of one page, in elements
+        flat = self.buffer.view(L.num_layers, L.num_blocks, L.planes * L.block_size * L.num_kv_heads * L.head_dim)
+        i = 0
+        while i < len(landing):
+            j = i + 1
+            while j < len(landing) and landing[j] == landing[j - 1] + 1:
+                j += 1
+            n, first = j - i, landing[i]
+            run = flat[:, first : first + n].reshape(L.num_layers, -1)
+            index = torch.tensor(dst[i:j], dtype=torch.long, device=self.buffer.device)
+            for h, count in sections:
+                part = run[:, n * h * head_page : n * (h + count) * head_page]
+                self.buffer[:, index, :, :, h : h + count] = part.view(L.num_layers, n, L.planes, L.block_size, count,
+                                                                      L.head_dim)
+            i = j
