@@ -53,8 +53,13 @@ class DecodeService(pb_grpc.DecodeServicer):
         self.segment = segment
         # Tensor parallel: the other ranks' KV caches, which the prefill worker's other ranks fill.
         ranks = ctx.engine.llm.ranks if region is not None else None
-        self.peer_ranks = ([pb.KVRank(segment=r.segment, base_address=r.base_address) for r in ranks.rank_info]
-                           if ranks else [])
+        self.peer_ranks: list[pb.KVRank] = []
+        if ranks is not None:  # (rank r holds stage r // tp's layers under pipeline parallel)
+            for r, info in enumerate(ranks.rank_info, start=1):
+                layers = ranks.stages[r // ranks.tp] if ranks.pp > 1 else None
+                self.peer_ranks.append(pb.KVRank(segment=info.segment, base_address=info.base_address,
+                                                 first_layer=layers.start if layers else 0,
+                                                 num_layers=len(layers) if layers else 0))
         self._stubs: dict[str, pb_grpc.PrefillStub] = {}
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._settling: set[asyncio.Task] = set()

@@ -340,13 +340,18 @@ class RankGroup:
                 raise RankFailed(f"tensor parallel rank {r} is gone: {e}") from e
         return out
 
-    def pipeline(self, model: DecoderModel, kv: KVCache) -> Callable[[list[tuple]], list[torch.Tensor]]:
-        """`ModelRunner.pipeline`: the first stage's part of a step's micro-batches, and their logits back."""
+    def pipeline(self, model: DecoderModel, kv: KVCache
+                 ) -> Callable[[list[tuple], Callable[[int], None] | None], list[torch.Tensor]]:
+        """`ModelRunner.pipeline`: the first stage's part of a step's micro-batches, and their logits back.
+        With a layer hook (a prefill worker's KV writes), every stage calls it (its extension's
+        `after_layer`) for each of its layers once all micro-batches are through them."""
         assert self.hand_off is not None and self.logits_in is not None
         out, back = self.hand_off, self.logits_in
 
-        def run(plans: list[tuple]) -> list[torch.Tensor]:
-            self._send(("pp", plans))
+        def run(plans: list[tuple], hook: Callable[[int], None] | None = None) -> list[torch.Tensor]:
+            payload, self._payload = self._payload, None
+            self._send(("pp", plans, payload))
+            self._answers_due = payload is not None
             expected = sum(1 for plan in plans if plan[3])
             logits: list[torch.Tensor] = []
             for ids, positions, meta, _ in plans:
@@ -355,6 +360,9 @@ class RankGroup:
                     if back.ready():
                         logits.append(back.recv()[0])
                 out.send([x, residual])
+            if hook is not None:
+                for i in range(len(model.layers)):
+                    hook(i)
             while len(logits) < expected:
                 logits.append(back.recv()[0])
             return logits
@@ -471,7 +479,7 @@ def follower(rank: int, extension: RankExtension | None = None) -> None:
                 continue
             if kind == "land":
                 landing, dst, sections = plan
-                kv.land(landing, dst, [(h, n) for r, h, n in sections if r == tp_rank])
+                kv.land(landing, dst, [(h, n) for r, h, n in sections if r == rank])
                 continue
             if kind == "step":  # tensor parallel only: the stage is the whole model
                 ids, positions, meta, rows = plan
@@ -486,7 +494,10 @@ def follower(rank: int, extension: RankExtension | None = None) -> None:
                 if payload is not None:  # (answered after the logits' collective: rank 0 is past it)
                     conn.send_bytes(pickle.dumps(extension.after_forward() if extension is not None else None))
                 continue
-            for ids, positions, meta, rows in plan:  # "pp": the step's micro-batches, in order
+            payload = msg[2] if len(msg) > 2 else None  # "pp": the step's micro-batches, in order
+            if payload is not None and extension is not None:
+                extension.before_forward(payload)
+            for ids, positions, meta, rows in plan:
                 carry = tuple(take.recv()) if take is not None else None
                 out = model(ids, positions, kv, meta, carry=carry)
                 if give is not None:
@@ -495,6 +506,11 @@ def follower(rank: int, extension: RankExtension | None = None) -> None:
                     logits = model.logits(out.index_select(0, rows_of(rows)))
                     if logits_out is not None:
                         logits_out.send([logits])
+            if payload is not None:  # this stage's layers are computed for every micro-batch: its writes
+                if extension is not None:
+                    for i in range(len(model.layers)):
+                        extension.after_layer(i)
+                conn.send_bytes(pickle.dumps(extension.after_forward() if extension is not None else None))
     for seg in (shm, take, give, logits_out):
         if seg is not None:
             seg.close()

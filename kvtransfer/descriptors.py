@@ -61,9 +61,8 @@ class HeadSlice:
         return self.count == self.src_heads < self.dst_heads
 
     def check(self, src: KVRegion, dst: KVRegion) -> str | None:
-        """Why this slice does not fit the two regions' pages, or None."""
-        if src.num_layers != dst.num_layers:
-            return f"layer count differs ({src.num_layers} vs {dst.num_layers})"
+        """Why this slice does not fit the two regions' pages, or None (which layers go where is the
+        routes' business: pipeline stages hold different layers)."""
         for name, region, heads, first in (("source", src, self.src_heads, self.src_first),
                                            ("destination", dst, self.dst_heads, self.dst_first)):
             if region.page_bytes != self.rows * heads * self.head_bytes:
@@ -117,11 +116,13 @@ def coalesce(src_blocks: list[int], dst_blocks: list[int]) -> list[Run]:
 
 
 def layer_entries(src: KVRegion, dst: KVRegion, layer: int, runs: list[Run],
-                  part: HeadSlice | None = None) -> list[WriteEntry]:
-    """One layer's writes of `runs`: one entry per run of whole pages, or (a head slice) one per row."""
+                  part: HeadSlice | None = None, dst_layer: int | None = None) -> list[WriteEntry]:
+    """One layer's writes of `runs`: one entry per run of whole pages, or (a head slice) one per row.
+    `dst_layer`: the layer's index in the destination's region when not `layer` (pipeline stages)."""
+    dl = layer if dst_layer is None else dst_layer
     if part is None or part.whole:
         return [
-            WriteEntry(src.page_address(layer, r.src_block), dst.page_address(layer, r.dst_block),
+            WriteEntry(src.page_address(layer, r.src_block), dst.page_address(dl, r.dst_block),
                        r.count * src.page_bytes)
             for r in runs
         ]
@@ -131,13 +132,13 @@ def layer_entries(src: KVRegion, dst: KVRegion, layer: int, runs: list[Run],
     for r in runs:
         for i in range(r.count):
             s0 = src.page_address(layer, r.src_block + i) + part.src_first * hb
-            d0 = dst.page_address(layer, r.dst_block + i) + part.dst_first * hb
+            d0 = dst.page_address(dl, r.dst_block + i) + part.dst_first * hb
             out.extend(WriteEntry(s0 + row * src_row, d0 + row * dst_row, n) for row in range(part.rows))
     return out
 
 
 def landing_entries(src: KVRegion, dst: KVRegion, layer: int, runs: list[Run], part: HeadSlice,
-                    landing: dict[int, tuple[int, int]]) -> list[WriteEntry]:
+                    landing: dict[int, tuple[int, int]], dst_layer: int | None = None) -> list[WriteEntry]:
     """One layer's writes of whole source pages into landing blocks (`runs`' destinations; `landing`:
     `landing_runs` of every landing block of the request). A landing run of `n` blocks in one layer is
     `n` pages of bytes holding, for each destination head from `part.dst_first`, its section: the `n`
@@ -149,6 +150,6 @@ def landing_entries(src: KVRegion, dst: KVRegion, layer: int, runs: list[Run], p
     out: list[WriteEntry] = []
     for r in runs:
         first, n = landing[r.dst_block]
-        at = dst.page_address(layer, first) + n * part.dst_first * head_page + (r.dst_block - first) * src.page_bytes
+        at = dst.page_address(layer if dst_layer is None else dst_layer, first) + n * part.dst_first * head_page + (r.dst_block - first) * src.page_bytes
         out.append(WriteEntry(src.page_address(layer, r.src_block), at, r.count * src.page_bytes))
     return out

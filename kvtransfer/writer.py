@@ -28,6 +28,8 @@ class TransferJob:
     part: HeadSlice | None = None  # some heads of each page (workers split differently), else whole pages
     src: KVRegion | None = None  # where the pages are read from, if not the writer's KV region (a staging copy)
     landing: dict[int, tuple[int, int]] | None = None  # runs' destinations are landing blocks (`landing_runs`)
+    layers: range | None = None  # the source layers it writes (pipeline stages); None: every layer
+    layer_shift: int = 0  # destination layer = source layer + layer_shift
     pending: list[int] = field(default_factory=list)  # submitted batch ids not yet complete
     bytes: int = 0
     entries: int = 0
@@ -52,17 +54,17 @@ class KVWriter:
         self._inflight: dict[str, int] = defaultdict(int)  # per target segment
 
     def submit_layer(self, job: TransferJob, layer: int) -> None:
-        if job.error is not None or not job.runs:
+        if job.error is not None or not job.runs or (job.layers is not None and layer not in job.layers):
             return
         if not job.started:
             job.started = time.perf_counter()
         try:
-            src = job.src or self.src
+            src, dl = job.src or self.src, layer + job.layer_shift
             if job.landing is not None:
                 assert job.part is not None
-                entries = landing_entries(src, job.dst, layer, job.runs, job.part, job.landing)
+                entries = landing_entries(src, job.dst, layer, job.runs, job.part, job.landing, dl)
             else:
-                entries = layer_entries(src, job.dst, layer, job.runs, job.part)
+                entries = layer_entries(src, job.dst, layer, job.runs, job.part, dl)
             for e in entries:
                 while self._inflight[job.target] >= self.max_inflight:
                     self._poll_once([job])

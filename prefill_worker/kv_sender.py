@@ -33,8 +33,8 @@ from worker.layer_writes import LayerWrites
 @dataclass
 class TransferPlan:
     request_id: str
-    dests: list[tuple[str, int]]  # the decode worker's ranks: Mooncake segment, KV base address
-    dims: tuple[int, int, int]  # their KV regions' layers, blocks, page bytes (every rank's alike)
+    dests: list[tuple[str, int, int]]  # the decode worker's ranks: Mooncake segment, KV base address, layers held
+    dims: tuple[int, int]  # their KV regions' blocks and page bytes (every rank's alike)
     first_block: int  # prompt block index of dst_blocks[0]
     dst_blocks: list[int]
     routes: list[Route]  # which of this worker's ranks writes which heads into which decode rank

@@ -21,8 +21,9 @@ async def run(cfg: WorkerConfig) -> None:
     ctx = load_context(cfg)
     llm = ctx.engine.llm
     region = register_kv(mooncake, llm)
-    split = KVSplit(llm.model_config, llm.ranks.tp if llm.ranks is not None else 1, llm.config.block_size,
-                    llm.kv.layout.element_size)
+    ranks = llm.ranks
+    split = KVSplit(llm.model_config, ranks.tp if ranks is not None else 1, llm.config.block_size,
+                    llm.kv.layout.element_size, tuple(ranks.stages) if ranks is not None and ranks.pp > 1 else ())
     sender = LayerwiseKVSender(KVWriter(mooncake, region, cfg.transfer.max_inflight_entries), split, llm.device,
                                llm.ranks, KVStaging(llm.kv, mooncake.register))
     ctx.engine.observer = sender

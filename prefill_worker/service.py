@@ -18,7 +18,7 @@ from prefill_worker.kv_sender import LayerwiseKVSender, TransferPlan
 from protos import splitfire_pb2 as pb
 from protos import splitfire_pb2_grpc as pb_grpc
 from worker.convert import logprob_to_proto, sampling_from_proto, token_ids_from_proto
-from worker.kv_routes import KVSplit
+from worker.kv_routes import KVSplit, stage_layout
 from worker.worker_service import WorkerContext
 
 log = logging.getLogger("splitfire.prefill")
@@ -30,18 +30,27 @@ def plan_from_request(request: pb.PrefillRequest, rid: str, own: KVRegion, split
     d = request.destination
     if not d.segment:
         raise RequestError("destination.segment is empty")
-    dst_size = len(d.ranks) + 1
+    # Each decode rank's layers: rank 0's region holds `num_layers` from layer 0; a rank that names none
+    # holds the same layers (tensor parallel only).
+    held = [range(0, d.num_layers)] + [range(r.first_layer, r.first_layer + (r.num_layers or d.num_layers))
+                                       for r in d.ranks]
     try:
-        routes = split.routes_to(dst_size)
+        dst_tp, dst_stages = stage_layout(held, split.cfg.num_layers)
+    except ValueError as e:
+        raise RequestError(f"decode worker's KV layout is incompatible: {e} (layer count differs: another "
+                           "model?)") from e
+    shape = f"{dst_tp} tensor-parallel rank(s) x {len(dst_stages)} stage(s)"
+    own_shape = f"{split.size} x {len(split.stage_ranges)}"
+    try:
+        routes = split.routes_to(dst_tp, dst_stages)
     except ModelLoadError as e:
-        raise RequestError(f"decode worker's KV is split over {dst_size} tensor-parallel rank(s), this prefill "
+        raise RequestError(f"decode worker's KV is split over {dst_tp} tensor-parallel rank(s), this prefill "
                            f"worker's over {split.size}, and the model cannot be: {e}") from e
-    dst = KVRegion(d.base_address, d.num_layers, d.num_blocks, d.page_bytes)
     for route in routes:
-        why = route.part.check(own, dst)
+        why = route.part.check(own, KVRegion(d.base_address, d.num_layers, d.num_blocks, d.page_bytes))
         if why is not None:
             raise RequestError(f"decode worker's KV layout is incompatible: {why} (decode worker split over "
-                               f"{dst_size} tensor-parallel rank(s), this prefill worker over {split.size})")
+                               f"{shape}, this prefill worker over {own_shape})")
     n_blocks = -(-n // split.block_size)
     if not 0 <= d.first_block < n_blocks:
         raise RequestError(f"destination.first_block {d.first_block} outside the prompt's {n_blocks} blocks")
@@ -57,15 +66,15 @@ def plan_from_request(request: pb.PrefillRequest, rid: str, own: KVRegion, split
         if max(landing) >= d.num_blocks or len(set(landing)) != len(landing) or set(landing) & set(d.block_ids):
             raise RequestError("destination landing block ids must be distinct blocks of the decode worker's "
                                f"{d.num_blocks}, none of them a destination block")
-    dests = [(d.segment, d.base_address)] + [(r.segment, r.base_address) for r in d.ranks]
-    return TransferPlan(rid, dests, (d.num_layers, d.num_blocks, d.page_bytes), d.first_block, list(d.block_ids),
-                        routes, landing)
+    dests = [(d.segment, d.base_address, len(held[0]))] + [(r.segment, r.base_address, len(h))
+                                                            for r, h in zip(d.ranks, held[1:], strict=True)]
+    return TransferPlan(rid, dests, (d.num_blocks, d.page_bytes), d.first_block, list(d.block_ids), routes, landing)
 
 
 def landable_sections(plan: TransferPlan) -> list[pb.KVSection]:
     """The decode ranks' head sections this worker sends as whole pages when offered landing blocks."""
-    return [pb.KVSection(rank=r.dst_rank, first=r.part.dst_first, count=r.part.count)
-            for r in plan.routes if r.part.landable]
+    sections = dict.fromkeys((r.dst_rank, r.part.dst_first, r.part.count) for r in plan.routes if r.part.landable)
+    return [pb.KVSection(rank=rank, first=first, count=count) for rank, first, count in sections]
 
 
 class PrefillService(pb_grpc.PrefillServicer):

@@ -146,12 +146,16 @@ class KVSection(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., first: _Optional[int] = ..., count: _Optional[int] = ...) -> None: ...
 
 class KVRank(_message.Message):
-    __slots__ = ("segment", "base_address")
+    __slots__ = ("segment", "base_address", "first_layer", "num_layers")
     SEGMENT_FIELD_NUMBER: _ClassVar[int]
     BASE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_LAYER_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     segment: str
     base_address: int
-    def __init__(self, segment: _Optional[str] = ..., base_address: _Optional[int] = ...) -> None: ...
+    first_layer: int
+    num_layers: int
+    def __init__(self, segment: _Optional[str] = ..., base_address: _Optional[int] = ..., first_layer: _Optional[int] = ..., num_layers: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "token_ids", "sampling", "tenant", "destination", "tenant_weight", "adapter")

@@ -203,10 +203,6 @@ async def up(args: argparse.Namespace) -> int:
                   "--model-memory-gb", flush=True)
             return 2
         args.colocated = True
-    if pp > 1 and not args.colocated:
-        print("splitfire up: --pipeline-parallel-size above 1 is served colocated for now (add --colocated)",
-              flush=True)
-        return 2
     kv_stores: list[list[str]] = [[] for _ in model_dirs]  # one store per model: blocks of two models never mix
     if not args.no_kv_store:
         from kvtransfer.store import master_command

@@ -6,6 +6,7 @@ caches — and whole pages when both sides are split alike."""
 from __future__ import annotations
 
 import json
+from itertools import pairwise
 
 import numpy as np
 import pytest
@@ -13,7 +14,7 @@ import pytest
 from engine.model.model_config import ModelConfig
 from engine.model.parallel import Shard
 from kvtransfer.descriptors import HeadSlice, KVRegion, Run, layer_entries
-from worker.kv_routes import KVSplit
+from worker.kv_routes import KVSplit, stage_layout
 
 LAYERS, BLOCKS, BS, DIM, ES = 2, 5, 4, 8, 4  # fp32 values
 
@@ -98,4 +99,63 @@ def test_a_slice_that_does_not_fit_the_pages_says_why():
     ok_src, ok_dst = KVRegion(0, 2, 4, 8 * 2 * 32), KVRegion(0, 2, 4, 8 * 32)
     assert part.check(ok_src, ok_dst) is None
     assert "destination page size differs" in (part.check(ok_src, KVRegion(0, 2, 4, 8 * 16)) or "")
-    assert "layer count differs" in (part.check(ok_src, KVRegion(0, 3, 4, 8 * 32)) or "")
+    assert part.check(ok_src, KVRegion(0, 3, 4, 8 * 32)) is None  # (layers: `stage_layout`, the routes)
+
+
+def test_stage_layouts_are_read_from_the_ranks_layers_and_refused_when_they_are_not_stages():
+    assert stage_layout([range(0, 6)] * 3, 6) == (3, [range(0, 6)])
+    assert stage_layout([range(0, 2), range(0, 2), range(2, 6), range(2, 6)], 6) == (2, [range(0, 2), range(2, 6)])
+    assert stage_layout([range(0, 2), range(2, 4), range(4, 6)], 6) == (1, [range(0, 2), range(2, 4), range(4, 6)])
+    for bad, n in [([range(0, 4)], 6),  # another model (layer count)
+                   ([range(0, 2), range(3, 6)], 6),  # a gap
+                   ([range(0, 2), range(0, 2), range(2, 6)], 6),  # a stage short of a rank
+                   ([range(0, 2), range(2, 6), range(0, 2), range(2, 6)], 6)]:  # not stage-major
+        with pytest.raises(ValueError, match="6 layers"):
+            stage_layout(bad, n)
+
+
+@pytest.mark.parametrize(("src", "dst"), [
+    # (tensor-parallel size, stage boundaries) of the prefill worker, then of the decode worker
+    ((1, [0, 2, 5]), (1, [0, 5])), ((1, [0, 5]), (1, [0, 3, 5])), ((1, [0, 2, 5]), (1, [0, 3, 5])),
+    ((2, [0, 1, 5]), (1, [0, 4, 5])), ((1, [0, 3, 5]), (2, [0, 2, 5])), ((2, [0, 2, 4, 5]), (2, [0, 3, 5])),
+    ((2, [0, 5]), (1, [0, 1, 2, 5])),
+])
+def test_pipeline_stages_route_every_layer_of_every_head_once(tiny_model_dir, src, dst):
+    """Split over stages as well: each rank holds its stage's layers only (local layer 0 = the stage's
+    first); replayed as byte copies, every decode rank ends with exactly its stage's layers of its heads."""
+    layers = 5
+    raw = json.loads((tiny_model_dir / "config.json").read_text())
+    cfg = ModelConfig.from_dict({**raw, "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 4 * DIM,
+                                 "head_dim": DIM, "num_hidden_layers": layers})
+    (src_tp, src_cuts), (dst_tp, dst_cuts) = src, dst
+    src_stages = [range(a, b) for a, b in pairwise(src_cuts)]
+    dst_stages = [range(a, b) for a, b in pairwise(dst_cuts)]
+    split = KVSplit(cfg, src_tp, BS, ES, tuple(src_stages) if len(src_stages) > 1 else ())
+    full = np.arange(layers * BLOCKS * 2 * BS * 2 * DIM, dtype=np.float32).reshape(layers, BLOCKS, 2, BS, 2, DIM)
+
+    def rank_pages(stages: list[range], tp: int, empty: bool) -> list[np.ndarray]:
+        out = []
+        for st in stages:
+            for heads in split.head_ranges(tp):
+                part = np.ascontiguousarray(full[st.start:st.stop][:, :, :, :, list(heads)])
+                out.append(np.zeros_like(part) if empty else part)
+        return out
+
+    srcs, dsts = rank_pages(src_stages, src_tp, False), rank_pages(dst_stages, dst_tp, True)
+    written = [np.zeros(d.size, dtype=np.int64) for d in dsts]
+    runs = [Run(0, 2, 2), Run(3, 0, 1)]
+    routes = split.routes_to(dst_tp, dst_stages if len(dst_stages) > 1 else None)
+    assert stage_layout([st for st in dst_stages for _ in range(dst_tp)], layers) == (dst_tp, dst_stages)
+    for route in routes:
+        s, d = srcs[route.src_rank], dsts[route.dst_rank]
+        sr, dr = KVRegion(0, len(s), BLOCKS, s[0, 0].nbytes), KVRegion(0, len(d), BLOCKS, d[0, 0].nbytes)
+        sb, db = s.reshape(-1).view(np.uint8), d.reshape(-1).view(np.uint8)
+        for layer in (route.layers if route.layers is not None else range(len(s))):
+            for e in layer_entries(sr, dr, layer, runs, route.part, layer + route.layer_shift):
+                db[e.dst:e.dst + e.length] = sb[e.src:e.src + e.length]
+                written[route.dst_rank][e.dst // ES:(e.dst + e.length) // ES] += 1
+    want = rank_pages(dst_stages, dst_tp, False)
+    for d, w, count in zip(dsts, want, written, strict=True):
+        assert np.array_equal(d[:, 2:4], w[:, 0:2]) and np.array_equal(d[:, 0], w[:, 3])
+        assert not d[:, 1].any() and not d[:, 4].any()
+        assert count.max() == 1

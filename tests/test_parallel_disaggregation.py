@@ -215,3 +215,33 @@ async def test_four_rank_prefill_into_two_rank_decode_lands_on_every_rank_equals
     finally:
         assert pre.stop() == 0, pre.log()[-2000:]
         assert dec.stop() == 0, dec.log()[-2000:]
+
+
+async def test_pipeline_stages_on_either_side_equal_transformers(tmp_path):
+    """Pipeline parallel prefill and decode workers (three layers: stages of 2 and 1, or 1 and 2): each
+    stage's ranks write their own layers into the decode ranks holding them (`Route.layers`), into one
+    rank, into two stages, and from two tensor-parallel ranks into two stages (landing blocks moved into
+    place on both stages); chunked prompts; tokens equal transformers; exactly the prompt's pages move."""
+    fam = make_hf_model("llama3", tmp_path / "model")
+    pp2 = ("--pipeline-parallel-size", "2")
+    chunked = ("--max-num-batched-tokens", "16", "--max-num-seqs", "8")
+    pre_pp = start_worker("prefill", fam.path, tmp_path, *pp2, *chunked, name="prefill-pp2")
+    pre_tp = start_worker("prefill", fam.path, tmp_path, *TP2, *chunked, name="prefill-tp2")
+    dec_pp = start_worker("decode", fam.path, tmp_path, *pp2, "--local-prefill-max-tokens", "0", name="decode-pp2")
+    dec1 = start_worker("decode", fam.path, tmp_path, "--local-prefill-max-tokens", "0", name="decode-one")
+    try:
+        page = 2 * 16 * 2 * 16 * 4  # k+v, slots, both kv heads, head dim, fp32
+        for k, (pre, dec) in enumerate(((pre_pp, dec1), (pre_pp, dec_pp), (pre_tp, dec_pp))):
+            prompts = [prompt(i + 70 + 10 * k, n) for i, n in enumerate([9, 40, 70])]  # (none cached yet)
+            before = metric(pre, "splitfire_worker_kv_transfer_bytes_total")
+            outs = await asyncio.gather(*(generate(address(dec), p, greedy(8), prefill=address(pre)) for p in prompts))
+            for p, out in zip(prompts, outs, strict=True):
+                assert out.prefill_mode == "remote"
+                assert out.token_ids == fam.greedy(p, 8), (pre.name, dec.name)
+            sent = metric(pre, "splitfire_worker_kv_transfer_bytes_total") - before
+            assert sent == sum(-(-len(p) // 16) for p in prompts) * page * 3, (pre.name, dec.name)  # three layers
+            await wait_blocks_free(address(dec))
+        assert dec_pp.log().count("landed=True") == len(prompts)  # (from the two-rank prefill worker)
+    finally:
+        for w in (pre_pp, pre_tp, dec_pp, dec1):
+            assert w.stop() == 0, w.log()[-2000:]

@@ -86,9 +86,9 @@ def test_micro_batches_chunked_prefill_and_prefix_hits(tmp_path, engines):
     seen: list[int] = []
     run = engine.runner.pipeline
 
-    def counting(plans):
+    def counting(plans, hook=None):
         seen.append(len(plans))
-        return run(plans)
+        return run(plans, hook)
 
     engine.runner.pipeline = counting
     first = prompts()[2]

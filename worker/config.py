@@ -83,10 +83,6 @@ class WorkerConfig:
         if not self.advertise:
             self.advertise = f"{self.transfer.hostname}:{self.grpc_port}"
         self.engine.validate()
-        if self.engine.pipeline_parallel_size > 1 and self.role != "both":
-            raise ValueError("--pipeline-parallel-size above 1 is served colocated only (splitfire serve) for now: "
-                             "a prefill or decode worker's KV transfer addresses tensor-parallel ranks, not "
-                             "pipeline stages")
         if self.role != "both":
             self.transfer.validate()
         self._validate_hosting()

@@ -66,8 +66,8 @@ class JobSpec:
 
     request_id: str
     runs: list[Run]  # source and destination blocks, coalesced
-    dests: list[tuple[str, int]]  # the decode worker's ranks: Mooncake segment, KV base address
-    dims: tuple[int, int, int]  # the destination's layers, blocks, page bytes (each rank's alike)
+    dests: list[tuple[str, int, int]]  # the decode worker's ranks: Mooncake segment, KV base address, layers held
+    dims: tuple[int, int]  # the destination's blocks and page bytes (each rank's alike)
     routes: list[Route]  # which rank writes which heads into which decode rank
     # With landing blocks (`KVDestination.landing_block_ids`): source blocks into landing blocks, coalesced,
     # and every landing block's run (`landing_runs`); landable routes write there.
@@ -80,13 +80,12 @@ def rank_jobs(spec: JobSpec, rank: int) -> list[TransferJob]:
     jobs = []
     for route in spec.routes:
         if route.src_rank == rank:
-            segment, base = spec.dests[route.dst_rank]
-            dst = KVRegion(base, *spec.dims)
-            if spec.landing is not None and route.part.landable:
-                jobs.append(TransferJob(spec.request_id, segment, dst, spec.landing, route.part,
-                                        landing=spec.landing_runs))
-            else:
-                jobs.append(TransferJob(spec.request_id, segment, dst, spec.runs, route.part))
+            segment, base, layers = spec.dests[route.dst_rank]
+            dst = KVRegion(base, layers, *spec.dims)
+            land = spec.landing is not None and route.part.landable
+            jobs.append(TransferJob(spec.request_id, segment, dst, spec.landing if land and spec.landing else spec.runs,
+                                    route.part, landing=spec.landing_runs if land else None, layers=route.layers,
+                                    layer_shift=route.layer_shift))
     return jobs
 
 

@@ -59,7 +59,7 @@ class ModelRunner:
         # (engine/ranks.py); they run the same forward and logits on their shards.
         self.broadcast: Callable[[tuple], None] | None = None
         # Pipeline parallel: runs the step's micro-batches through the stages, returns their logits.
-        self.pipeline: Callable[[list[tuple]], list[torch.Tensor]] | None = None
+        self.pipeline: Callable[[list[tuple], LayerHook | None], list[torch.Tensor]] | None = None
         self.micro_batches = 1
         self._lap_at = 0.0
 
@@ -164,7 +164,7 @@ class ModelRunner:
             self._lap("forward")
             return sample(logits, [s.seq for s in batch], self.grammar, self.eos_token_ids)
         if self.pipeline is not None:
-            return self._run_pipelined(batch)
+            return self._run_pipelined(batch, layer_hook)
         input_ids, positions, meta, sample_rows = self.prepare(batch)
         if self.broadcast is not None:
             self.broadcast((input_ids, positions, meta, sample_rows))
@@ -184,10 +184,12 @@ class ModelRunner:
         self._lap("forward")
         return self._sample(batch, logits)
 
-    def _run_pipelined(self, batch: list[ScheduledSeq]) -> list[tuple[int, TokenLogprob | None]]:
+    def _run_pipelined(self, batch: list[ScheduledSeq],
+                       layer_hook: LayerHook | None = None) -> list[tuple[int, TokenLogprob | None]]:
         """Pipeline parallel: the batch in micro-batches, each prepared on its own; the stages (rank 0
         the first) work on them one after another, so every stage has one to work on while the next
-        takes the previous (`engine/ranks.py`). Logits come back from the last stage in batch order."""
+        takes the previous (`engine/ranks.py`). Logits come back from the last stage in batch order.
+        `layer_hook` sees each of this stage's layers once every micro-batch has been through it."""
         assert self.pipeline is not None
         count = min(self.micro_batches, len(batch))
         size = -(-len(batch) // count)
@@ -195,7 +197,7 @@ class ModelRunner:
         plans = [self.prepare(mb) for mb in micro]  # (each reorders its micro-batch)
         batch[:] = [s for mb in micro for s in mb]
         self._lap("prepare")
-        parts = self.pipeline(plans)
+        parts = self.pipeline(plans, layer_hook)
         self._lap("forward")
         if not parts:
             return []
