@@ -6,9 +6,10 @@ exponents (a few bits of entropy where 8 are stored) while sign and mantissa are
 only the exponents are worth coding (DFloat11's observation). Here each tensor becomes
 
 - the **sign+mantissa plane**: one byte per weight (bfloat16: sign << 7 | mantissa), stored as is;
-- the **exponent plane**: one byte per weight, Huffman-coded (zlib's Huffman-only deflate: canonical
-  Huffman codes decoded in C, no LZ77 matching) in chunks of `CHUNK` weights, each decodable on its own,
-  so a load decodes chunks on several threads.
+- the **exponent plane**: one byte per weight, Huffman-coded as raw DEFLATE of literals only (no LZ77
+  matching: `deflate_literals.py`, one block and code per chunk, written and read by C kernels with zlib as
+  the reference and fallback) in chunks of `CHUNK` weights, each decodable on its own, so a load decodes
+  chunks on several threads.
 
 float16 (5 exponent bits) splits at the byte instead: its high byte (sign, exponent, 2 mantissa bits) is
 the coded plane and its low byte the raw one.
@@ -34,6 +35,7 @@ import numpy as np
 import torch
 
 from common.errors import ModelLoadError
+from engine.loading import deflate_literals
 
 MANIFEST = "splitfire_compressed.json"
 FORMAT = 1
@@ -95,14 +97,9 @@ def join_reference(plane: np.ndarray, exp: np.ndarray, codec: str, out: np.ndarr
         np.bitwise_or(plane.astype(np.uint16), exp.astype(np.uint16) << 8, out=out)
 
 
-def _encoder() -> Any:
-    # Raw deflate, Huffman only: the exponents' order-0 entropy is what there is to take.
-    return zlib.compressobj(9, zlib.DEFLATED, -15, 9, zlib.Z_HUFFMAN_ONLY)
-
-
 def encode_chunk(exp: np.ndarray) -> bytes:
-    c = _encoder()
-    return c.compress(exp.tobytes()) + c.flush()
+    """Raw DEFLATE, literals only: the exponents' order-0 entropy is what there is to take."""
+    return deflate_literals.encode(exp)
 
 
 def entropy_bits(exp: np.ndarray) -> float:
@@ -165,9 +162,10 @@ def decode_into(model_dir: Path, e: Entry, out: torch.Tensor) -> None:
 
                 def one(i: int) -> None:
                     start, n = starts[i], e.chunks[i][2]
-                    exp = np.frombuffer(zlib.decompress(coded[i], -15), np.uint8)
-                    if exp.size != n:
-                        raise ValueError(f"chunk {i} decoded to {exp.size} exponents, not {n}")
+                    try:
+                        exp = deflate_literals.decode(coded[i], n)
+                    except ValueError as err:
+                        raise ValueError(f"chunk {i}: {err}") from err
                     join(plane[start : start + n], exp, e.codec, u16[start : start + n])
 
                 if len(e.chunks) == 1:

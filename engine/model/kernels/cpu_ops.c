@@ -1168,3 +1168,306 @@ void sf_join16(const uint8_t *raw, const uint8_t *coded, uint16_t *out, int64_t 
         for (int64_t i = 0; i < n; i++) out[i] = (uint16_t)(((uint32_t)coded[i] << 8) | raw[i]);
     }
 }
+
+/* Raw DEFLATE streams of literals only (what compressed.py writes for exponent chunks), decoded
+ * table-first: a 4,096-entry table indexed by the next 12 bits gives up to six literals and the bits they
+ * take at once (an exponent plane's codes are mostly 1-6 bits long), codes longer than
+ * that are decoded one bit at a time (puff's canonical walk); stored and fixed-code blocks are read too.
+ * A stream that uses a length/distance pair (LZ77, not written by compressed.py) answers SF_INF_UNSUPPORTED
+ * and the caller hands it to zlib; a corrupt one answers SF_INF_CORRUPT — never a read or write out of
+ * bounds. zlib.decompress is the reference (tests hold the two equal, corrupted streams included). */
+#define SF_INF_LUT 12
+#define SF_INF_CORRUPT (-1)
+#define SF_INF_UNSUPPORTED (-2)
+
+typedef struct {
+    const uint8_t *in;
+    int64_t n, pos; /* pos may run past n: zero bits are read there, and `sf_inf_overrun` says so */
+    uint64_t buf;
+    int cnt;
+} sf_bits;
+
+static inline void sf_inf_refill(sf_bits *b) {
+    if (b->pos + 8 <= b->n) {
+        uint64_t w;
+        memcpy(&w, b->in + b->pos, 8);
+        b->buf |= w << b->cnt;
+        b->pos += (63 - b->cnt) >> 3;
+        b->cnt |= 56;
+    } else {
+        while (b->cnt <= 56) {
+            uint64_t byte = b->pos < b->n ? b->in[b->pos] : 0;
+            b->buf |= byte << b->cnt;
+            b->pos++;
+            b->cnt += 8;
+        }
+    }
+}
+
+static inline int sf_inf_overrun(const sf_bits *b) { return b->pos * 8 - b->cnt > b->n * 8; }
+
+static inline uint32_t sf_inf_take(sf_bits *b, int k) { /* k <= 32 bits, after a refill */
+    uint32_t v = (uint32_t)(b->buf & ((1ull << k) - 1));
+    b->buf >>= k;
+    b->cnt -= k;
+    return v;
+}
+
+typedef struct {
+    uint16_t count[16];  /* codes of each length */
+    uint16_t symbol[288]; /* symbols ordered by code */
+    int lut_bits; /* SF_INF_LUT, or fewer for a short stream (building the table costs 2^bits entries) */
+    uint64_t lut[1 << SF_INF_LUT];
+} sf_huff;
+
+/* The table's entries: bits 0-47 up to six literals, 48-52 the bits they take, 53-55 how many (1-6).
+ * With none: byte 0 says what the next code is: 0 the end of the block (its length in bits 48-52), 1 a
+ * code longer than the table (walked bit by bit), 2 a length symbol (LZ77: unsupported). */
+#define SF_INF_EOB 0u
+#define SF_INF_SLOW 1u
+#define SF_INF_LEN 2u
+#define SF_INF_MAXSYM 6
+
+static int sf_inf_build(sf_huff *h, const uint8_t *len, int n, int with_lut) {
+    int offs[16];
+    uint32_t one[1 << SF_INF_LUT]; /* one code per entry: symbol (or what) | length << 24 | literal << 29 */
+    memset(h->count, 0, sizeof h->count);
+    for (int s = 0; s < n; s++) h->count[len[s]]++;
+    h->count[0] = 0;
+    int left = 1;
+    for (int l = 1; l < 16; l++) {
+        left = (left << 1) - h->count[l];
+        if (left < 0) return SF_INF_CORRUPT; /* over-subscribed */
+    }
+    offs[1] = 0;
+    for (int l = 1; l < 15; l++) offs[l + 1] = offs[l] + h->count[l];
+    for (int s = 0; s < n; s++)
+        if (len[s]) h->symbol[offs[len[s]]++] = (uint16_t)s;
+    if (!with_lut) return 0; /* (the code-length code: walked bit by bit) */
+    const int lb = h->lut_bits, size = 1 << lb;
+    for (int i = 0; i < size; i++) one[i] = SF_INF_SLOW; /* (also what an incomplete code leaves) */
+    int code = 0, k = 0;
+    for (int l = 1; l <= lb; l++) { /* canonical codes, shortest first; the table is bit-reversed */
+        for (int c = 0; c < h->count[l]; c++, code++) {
+            int s = h->symbol[k + c], r = 0;
+            for (int b = 0; b < l; b++) r |= ((code >> b) & 1) << (l - 1 - b);
+            uint32_t e = s < 256 ? ((uint32_t)s | (1u << 29)) : (s == 256 ? SF_INF_EOB : SF_INF_LEN);
+            e |= (uint32_t)l << 24;
+            for (int i = r; i < size; i += 1 << l) one[i] = e;
+        }
+        k += h->count[l];
+        code <<= 1;
+    }
+    for (int i = 0; i < size; i++) { /* as many literals per entry as its bits wholly hold */
+        uint32_t e = one[i];
+        if ((e >> 29) == 0) {
+            h->lut[i] = (uint64_t)(e & 0xFF) | ((uint64_t)((e >> 24) & 31) << 48);
+            continue;
+        }
+        uint64_t syms = e & 0xFF;
+        uint32_t bits = (e >> 24) & 31, cnt = 1; /* (bits <= lb) */
+        while (cnt < SF_INF_MAXSYM) {
+            uint32_t f = one[(uint32_t)i >> bits];
+            uint32_t fl = (f >> 24) & 31;
+            if ((f >> 29) == 0 || fl == 0 || (int)(bits + fl) > lb) break; /* not a literal wholly known */
+            syms |= (uint64_t)(f & 0xFF) << (8 * cnt);
+            bits += fl;
+            cnt++;
+        }
+        h->lut[i] = syms | ((uint64_t)bits << 48) | ((uint64_t)cnt << 53);
+    }
+    return 0;
+}
+
+static int sf_inf_slow(sf_bits *b, const sf_huff *h) { /* one symbol, bit by bit (puff's decode) */
+    int code = 0, first = 0, index = 0;
+    for (int l = 1; l < 16; l++) {
+        code |= (int)sf_inf_take(b, 1);
+        int count = h->count[l];
+        if (code - first < count) return h->symbol[index + (code - first)];
+        index += count;
+        first = (first + count) << 1;
+        code <<= 1;
+    }
+    return SF_INF_CORRUPT; /* ran out of codes */
+}
+
+static int sf_inf_dynamic(sf_bits *b, sf_huff *lit) {
+    static const uint8_t order[19] = {16, 17, 18, 0, 8, 7, 9, 6, 10, 5, 11, 4, 12, 3, 13, 2, 14, 1, 15};
+    uint8_t lens[320];
+    sf_huff *cl = malloc(sizeof(sf_huff));
+    if (!cl) return SF_INF_CORRUPT;
+    sf_inf_refill(b);
+    int nlen = (int)sf_inf_take(b, 5) + 257, ndist = (int)sf_inf_take(b, 5) + 1, ncode = (int)sf_inf_take(b, 4) + 4;
+    int rc = 0;
+    if (nlen > 286 || ndist > 30) { rc = SF_INF_CORRUPT; goto done; }
+    memset(lens, 0, 19);
+    for (int i = 0; i < ncode; i++) {
+        sf_inf_refill(b);
+        lens[order[i]] = (uint8_t)sf_inf_take(b, 3);
+    }
+    if ((rc = sf_inf_build(cl, lens, 19, 0))) goto done;
+    for (int i = 0; i < nlen + ndist;) {
+        sf_inf_refill(b);
+        int s = sf_inf_slow(b, cl);
+        if (s < 0) { rc = SF_INF_CORRUPT; goto done; }
+        if (s < 16) { lens[i++] = (uint8_t)s; continue; }
+        int rep, val = 0;
+        if (s == 16) {
+            if (i == 0) { rc = SF_INF_CORRUPT; goto done; }
+            val = lens[i - 1];
+            rep = 3 + (int)sf_inf_take(b, 2);
+        } else if (s == 17) {
+            rep = 3 + (int)sf_inf_take(b, 3);
+        } else {
+            rep = 11 + (int)sf_inf_take(b, 7);
+        }
+        if (i + rep > nlen + ndist) { rc = SF_INF_CORRUPT; goto done; }
+        while (rep--) lens[i++] = (uint8_t)val;
+    }
+    if (lens[256] == 0) { rc = SF_INF_CORRUPT; goto done; } /* no end-of-block code */
+    rc = sf_inf_build(lit, lens, nlen, 1);
+done:
+    free(cl);
+    return sf_inf_overrun(b) ? SF_INF_CORRUPT : rc;
+}
+
+static int64_t sf_inf_codes(sf_bits *b, const sf_huff *h, uint8_t *out, int64_t o, int64_t on) {
+    /* The bit reader in locals: stores through `out` (a byte pointer may alias anything) would otherwise
+     * make the compiler reload it from memory after every write (3x slower). */
+    const uint64_t mask = (1u << h->lut_bits) - 1;
+    const uint64_t *lut = h->lut;
+    const uint8_t *in = b->in;
+    const int64_t n = b->n, fast_end = b->n - 8;
+    uint64_t buf = b->buf;
+    int64_t pos = b->pos;
+    int cnt = b->cnt;
+    int64_t rc;
+    for (;;) {
+        if (cnt < 3 * SF_INF_LUT) {
+            if (pos <= fast_end) {
+                uint64_t w;
+                memcpy(&w, in + pos, 8);
+                buf |= w << cnt;
+                pos += (63 - cnt) >> 3;
+                cnt |= 56;
+            } else {
+                b->buf = buf, b->pos = pos, b->cnt = cnt;
+                sf_inf_refill(b);
+                if (sf_inf_overrun(b) && b->pos > n + 16) return SF_INF_CORRUPT;
+                buf = b->buf, pos = b->pos, cnt = b->cnt;
+            }
+        }
+        uint64_t e = lut[buf & mask];
+        uint32_t c = (uint32_t)(e >> 53) & 7;
+        if (c) {
+            int bits = (int)((e >> 48) & 31);
+            if (o + 8 <= on) {
+                memcpy(out + o, &e, 8); /* (the literals are the low bytes; the rest is overwritten next) */
+            } else {
+                if (o + (int64_t)c > on) return SF_INF_CORRUPT; /* more output than the caller expects */
+                for (uint32_t k = 0; k < c; k++) out[o + k] = (uint8_t)(e >> (8 * k));
+            }
+            o += c;
+            buf >>= bits;
+            cnt -= bits;
+            continue;
+        }
+        b->buf = buf, b->pos = pos, b->cnt = cnt;
+        uint32_t what = (uint32_t)(e & 0xFF);
+        if (what == SF_INF_EOB) {
+            sf_inf_take(b, (int)((e >> 48) & 31));
+            rc = o;
+        } else if (what == SF_INF_LEN) {
+            return SF_INF_UNSUPPORTED;
+        } else {
+            int s = sf_inf_slow(b, h);
+            if (s < 0 || sf_inf_overrun(b)) return SF_INF_CORRUPT;
+            if (s > 256) return SF_INF_UNSUPPORTED;
+            if (s < 256) {
+                if (o >= on) return SF_INF_CORRUPT;
+                out[o++] = (uint8_t)s;
+                buf = b->buf, pos = b->pos, cnt = b->cnt;
+                continue;
+            }
+            rc = o;
+        }
+        return sf_inf_overrun(b) ? SF_INF_CORRUPT : rc;
+    }
+}
+
+/* Decodes the raw DEFLATE stream in[0..n) into out[0..on); returns the bytes written or a negative SF_INF_*. */
+int64_t sf_inflate_literals(const uint8_t *in, int64_t n, uint8_t *out, int64_t on) {
+    sf_bits b = {in, n, 0, 0, 0};
+    sf_huff *h = malloc(sizeof(sf_huff));
+    if (!h) return SF_INF_CORRUPT;
+    h->lut_bits = on < (1 << 16) ? 9 : SF_INF_LUT;
+    int64_t o = 0;
+    int last = 0;
+    while (!last) {
+        sf_inf_refill(&b);
+        last = (int)sf_inf_take(&b, 1);
+        int type = (int)sf_inf_take(&b, 2);
+        if (type == 0) { /* stored: byte-aligned LEN, NLEN, then the bytes */
+            int drop = b.cnt & 7;
+            sf_inf_take(&b, drop);
+            sf_inf_refill(&b);
+            uint32_t len = sf_inf_take(&b, 16), nlen = sf_inf_take(&b, 16);
+            if ((len ^ 0xFFFFu) != nlen || o + len > on) { o = SF_INF_CORRUPT; break; }
+            int64_t at = b.pos - b.cnt / 8; /* the bit buffer holds whole bytes here: hand them back */
+            if (at < 0 || at + len > n) { o = SF_INF_CORRUPT; break; }
+            memcpy(out + o, in + at, len);
+            o += len;
+            b.pos = at + len;
+            b.buf = 0;
+            b.cnt = 0;
+            continue;
+        }
+        int rc = 0;
+        if (type == 1) {
+            uint8_t lens[288];
+            for (int s = 0; s < 288; s++) lens[s] = s < 144 ? 8 : s < 256 ? 9 : s < 280 ? 7 : 8;
+            rc = sf_inf_build(h, lens, 288, 1);
+        } else if (type == 2) {
+            rc = sf_inf_dynamic(&b, h);
+        } else {
+            rc = SF_INF_CORRUPT;
+        }
+        if (rc) { o = rc; break; }
+        o = sf_inf_codes(&b, h, out, o, on);
+        if (o < 0) break;
+    }
+    free(h);
+    return o;
+}
+
+/* The other way: n literals, each coded by code[s] (bit-reversed, as DEFLATE sends a code's first bit
+ * first) of len[s] bits, then the end-of-block code (symbol 256), appended to a stream whose first
+ * `bits` bits (the block header, written by compressed.py) are already in out. Returns the stream's
+ * bytes, or -1 when `cap` is too small. zlib.decompress reads what it writes (tested). */
+int64_t sf_deflate_literals(const uint8_t *in, int64_t n, const uint16_t *code, const uint8_t *len, uint8_t *out,
+                            int64_t cap, int64_t bits) {
+    int64_t pos = bits >> 3;
+    int cnt = (int)(bits & 7);
+    uint64_t acc = cnt ? (uint64_t)(out[pos] & ((1u << cnt) - 1)) : 0;
+    for (int64_t i = 0; i <= n; i++) {
+        int s = i < n ? in[i] : 256;
+        acc |= (uint64_t)code[s] << cnt;
+        cnt += len[s];
+        if (cnt >= 32) {
+            if (pos + 4 > cap) return -1;
+            uint32_t w = (uint32_t)acc;
+            memcpy(out + pos, &w, 4);
+            pos += 4;
+            acc >>= 32;
+            cnt -= 32;
+        }
+    }
+    while (cnt > 0) {
+        if (pos + 1 > cap) return -1;
+        out[pos++] = (uint8_t)acc;
+        acc >>= 8;
+        cnt -= 8;
+    }
+    return pos;
+}

@@ -101,6 +101,10 @@ def build(arch: tuple[str, ...] = NATIVE, cache_dir: Path | None = None) -> ctyp
         f.restype = None
     lib.sf_join16.argtypes = [_P, _P, _P, ctypes.c_int64, _I]
     lib.sf_join16.restype = None
+    lib.sf_inflate_literals.argtypes = [_P, ctypes.c_int64, _P, ctypes.c_int64]
+    lib.sf_inflate_literals.restype = ctypes.c_int64
+    lib.sf_deflate_literals.argtypes = [_P, ctypes.c_int64, _P, _P, _P, ctypes.c_int64, ctypes.c_int64]
+    lib.sf_deflate_literals.restype = ctypes.c_int64
     lib.sf_has_avx2.restype = _I
     lib.sf_set_panel_min_rows.argtypes = [_I]
     lib.sf_set_panel_min_rows.restype = None
