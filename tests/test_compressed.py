@@ -133,3 +133,15 @@ def test_splitfire_compress_cli(tmp_path, capsys):
     assert compressed.MANIFEST in {p.name for p in (tmp_path / "z").iterdir()}
     with pytest.raises(ModelLoadError, match="already compressed"):
         compress_dir(tmp_path / "z", tmp_path / "zz")
+
+
+def test_crc32_combine_equals_zlib_over_the_joined_bytes():
+    """A tensor's CRC is combined from its chunks' (computed where each was decoded): zlib is the reference."""
+    import os
+    import zlib
+
+    from engine.loading.compressed import crc32_combine
+
+    for la, lb in [(0, 5), (7, 0), (1, 1), (1000, 2**21), (2**20 + 3, 77)]:
+        a, b = os.urandom(la), os.urandom(lb)
+        assert crc32_combine(zlib.crc32(a), zlib.crc32(b), lb) == zlib.crc32(a + b), (la, lb)

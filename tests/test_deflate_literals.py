@@ -113,3 +113,55 @@ def test_a_wrong_length_or_corrupt_stream_is_an_error_never_wrong_bytes():
         else:  # refused: so does zlib (or it decodes to another length)
             assert ref is None or len(ref) != data.size, rc
     assert wrong < 300  # (a flip in a literal's code decodes to other literals: the tensor CRC catches those)
+
+
+def c_decode_pair(a: bytes, na: int, b: bytes, nb: int) -> tuple[int, np.ndarray, np.ndarray]:
+    lib = cpu_ops.library()
+    oa, ob = np.empty(max(na, 1), np.uint8), np.empty(max(nb, 1), np.uint8)
+    sa, sb = np.frombuffer(a, np.uint8), np.frombuffer(b, np.uint8)
+    rc = lib.sf_inflate_literals2(sa.ctypes.data, len(a), oa.ctypes.data, na, sb.ctypes.data, len(b), ob.ctypes.data,
+                                  nb)
+    return rc, oa[:na], ob[:nb]
+
+
+@pytest.mark.parametrize("name", [n for n, d in SAMPLES.items() if d.size > 1])
+def test_two_halves_with_one_code_decode_together_equal_zlib(name):
+    """`encode_parts(data, 2)`: zlib reads each half; the two-stream C loop (codes longer than its table
+    walked in the middle of the interleaved loop: "15-bit codes") gives the same bytes."""
+    data = SAMPLES[name]
+    (a, na), (b, nb) = dl.encode_parts(data, 2)
+    assert na + nb == data.size and zlib.decompress(a, -15) + zlib.decompress(b, -15) == data.tobytes()
+    rc, x, y = c_decode_pair(a, na, b, nb)
+    assert rc == 0 and np.array_equal(np.concatenate([x, y]), data)
+    x, y = dl.decode_pair(a, na, b, nb)
+    assert np.array_equal(np.concatenate([x, y]), data)
+
+
+def test_two_streams_that_do_not_share_a_code_are_decoded_one_by_one():
+    one, other = SAMPLES["normal-init exponents"], SAMPLES["two symbols"]
+    a, b = dl.encode(one), dl.encode(other)
+    assert c_decode_pair(a, one.size, b, other.size)[0] < 0  # (different headers: not together)
+    x, y = dl.decode_pair(a, one.size, b, other.size)
+    assert np.array_equal(x, one) and np.array_equal(y, other)
+    z = zlib_huffman(other)  # zlib's own, several blocks
+    x, y = dl.decode_pair(a, one.size, z, other.size)
+    assert np.array_equal(x, one) and np.array_equal(y, other)
+
+
+def test_a_corrupt_half_is_an_error_never_wrong_bytes_in_the_pair_path():
+    data = SAMPLES["normal-init exponents"][:80_000]
+    (a, na), (b, nb) = dl.encode_parts(data, 2)
+    for _ in range(200):
+        bad = bytearray(b)
+        bad[int(rng.integers(0, len(bad)))] ^= 1 << int(rng.integers(0, 8))
+        rc, x, y = c_decode_pair(a, na, bytes(bad), nb)
+        try:
+            ref = zlib.decompress(bytes(bad), -15)
+        except zlib.error:
+            ref = None
+        if rc == 0:
+            assert np.array_equal(x, data[:na]) and ref == y.tobytes()
+        else:
+            assert rc < 0
+    with pytest.raises((ValueError, zlib.error)):
+        dl.decode_pair(a, na, b[: len(b) // 2], nb)

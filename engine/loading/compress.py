@@ -98,10 +98,11 @@ def compress_dir(model_dir: Path, out_dir: Path, chunk: int = CHUNK, progress: b
             with ThreadPoolExecutor(_THREADS) as pool:
                 coded = list(pool.map(encode_chunk, pieces))
             e["chunks"] = []
-            for piece, data in zip(pieces, coded, strict=True):
-                e["chunks"].append([written, len(data), int(piece.size)])
-                out.write(data)
-                written += len(data)
+            for streams in coded:
+                for data, n in streams:
+                    e["chunks"].append([written, len(data), n])
+                    out.write(data)
+                    written += len(data)
             stats.add(str(t.dtype).removeprefix("torch."), raw.nbytes, written - start, entropy_bits(exp) * exp.size)
             entries.append(e)
     finally:

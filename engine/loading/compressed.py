@@ -24,6 +24,7 @@ a safetensors one. A chunk that fails to decode or a tensor whose CRC does not m
 
 from __future__ import annotations
 
+import functools
 import json
 import zlib
 from concurrent.futures import ThreadPoolExecutor
@@ -40,6 +41,7 @@ from engine.loading import deflate_literals
 MANIFEST = "splitfire_compressed.json"
 FORMAT = 1
 CHUNK = 1 << 20  # weights per exponent chunk
+SMALL_CHUNK = 1 << 14  # fewer exponents than this: one stream from zlib's Huffman-only deflate
 CODEC_BF16 = "bf16-exponent-huffman"
 CODEC_F16 = "f16-exponent-huffman"
 CODEC_RAW = "raw"
@@ -97,9 +99,13 @@ def join_reference(plane: np.ndarray, exp: np.ndarray, codec: str, out: np.ndarr
         np.bitwise_or(plane.astype(np.uint16), exp.astype(np.uint16) << 8, out=out)
 
 
-def encode_chunk(exp: np.ndarray) -> bytes:
-    """Raw DEFLATE, literals only: the exponents' order-0 entropy is what there is to take."""
-    return deflate_literals.encode(exp)
+def encode_chunk(exp: np.ndarray) -> list[tuple[bytes, int]]:
+    """Raw DEFLATE, literals only (the exponents' order-0 entropy is what there is to take): the chunk's
+    two halves as two streams with one code, (stream, exponents) each — a load decodes them together."""
+    if exp.size < SMALL_CHUNK:  # (a code and header built in Python cost more than zlib's whole encode here)
+        c = zlib.compressobj(9, zlib.DEFLATED, -15, 9, zlib.Z_HUFFMAN_ONLY)
+        return [(c.compress(exp.tobytes()) + c.flush(), exp.size)]
+    return deflate_literals.encode_parts(exp, 2)
 
 
 def entropy_bits(exp: np.ndarray) -> float:
@@ -160,23 +166,72 @@ def decode_into(model_dir: Path, e: Entry, out: torch.Tensor) -> None:
                 u16 = dst.view(np.uint16)
                 starts = np.cumsum([0] + [n for _, _, n in e.chunks]).tolist()
 
-                def one(i: int) -> None:
-                    start, n = starts[i], e.chunks[i][2]
+                def one(first: int) -> list[int]:
+                    """Chunks `first` and the next (two streams a chunk was written as, read together)
+                    decoded into place; the CRC-32 of each one's bytes (here, while they are in cache)."""
+                    ids = list(range(first, min(first + 2, len(e.chunks))))
+                    sizes = [e.chunks[i][2] for i in ids]
                     try:
-                        exp = deflate_literals.decode(coded[i], n)
+                        if len(ids) == 2:
+                            exps = list(deflate_literals.decode_pair(coded[ids[0]], sizes[0], coded[ids[1]], sizes[1]))
+                        else:
+                            exps = [deflate_literals.decode(coded[ids[0]], sizes[0])]
                     except ValueError as err:
-                        raise ValueError(f"chunk {i}: {err}") from err
-                    join(plane[start : start + n], exp, e.codec, u16[start : start + n])
+                        raise ValueError(f"chunk {ids[0]}{'-' + str(ids[-1]) if len(ids) > 1 else ''}: {err}") from err
+                    crcs = []
+                    for i, exp in zip(ids, exps, strict=True):
+                        start, n = starts[i], sizes[ids.index(i)]
+                        join(plane[start : start + n], exp, e.codec, u16[start : start + n])
+                        crcs.append(zlib.crc32(u16[start : start + n]))
+                    return crcs
 
-                if len(e.chunks) == 1:
-                    one(0)
-                else:
-                    list(_pool().map(one, range(len(e.chunks))))
+                firsts = range(0, len(e.chunks), 2)
+                crcs = [c for part in (map(one, firsts) if len(firsts) == 1 else _pool().map(one, firsts))
+                        for c in part]
+                crc = crcs[0] if crcs else zlib.crc32(b"")
+                for (_, _, n), c in zip(e.chunks[1:], crcs[1:], strict=True):
+                    crc = crc32_combine(crc, c, 2 * n)
     except (OSError, EOFError, ValueError, zlib.error) as err:
         raise ModelLoadError(f"{model_dir}: compressed tensor {e.name!r} is corrupt ({err})") from err
-    if zlib.crc32(dst) != e.crc32:
+    if (zlib.crc32(dst) if e.codec == CODEC_RAW else crc) != e.crc32:
         raise ModelLoadError(f"{model_dir}: compressed tensor {e.name!r} fails its checksum: the data file is "
                              "corrupt (its weights were not used)")
+
+
+def _gf2_times(mat: tuple[int, ...], vec: int) -> int:
+    out, i = 0, 0
+    while vec:
+        if vec & 1:
+            out ^= mat[i]
+        vec >>= 1
+        i += 1
+    return out
+
+
+def _gf2_square(mat: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(_gf2_times(mat, mat[n]) for n in range(32))
+
+
+@functools.lru_cache(maxsize=16)
+def _crc_shift(nbytes: int) -> tuple[int, ...]:
+    """The GF(2) operator that appends `nbytes` zero bytes to a CRC-32 register (zlib's crc32_combine)."""
+    op = (0xEDB88320, *(1 << k for k in range(31)))  # one zero bit
+    for _ in range(3):  # eight: one byte
+        op = _gf2_square(op)
+    out = tuple(1 << k for k in range(32))  # identity
+    while nbytes:
+        if nbytes & 1:
+            out = tuple(_gf2_times(op, v) for v in out)
+        nbytes >>= 1
+        if nbytes:
+            op = _gf2_square(op)
+    return out
+
+
+def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
+    """CRC-32 of A + B from crc32(A), crc32(B) and len(B) (what zlib's crc32_combine computes; the stdlib
+    module does not expose it). Chunks of one tensor share their length: its operator is built once."""
+    return _gf2_times(_crc_shift(len2), crc1) ^ crc2
 
 
 def fingerprint_parts(model_dir: Path) -> list[str]:

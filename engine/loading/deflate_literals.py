@@ -6,8 +6,9 @@ zlib's own Huffman-only mode (`Z_HUFFMAN_ONLY`) starts a new block, with a new c
 exponent plane's distribution does not change along a tensor, so `encode` writes one block per chunk:
 the code built from the chunk's own counts (a Huffman code limited to DEFLATE's 15 bits), the header in
 Python, the symbols in C (`cpu_ops.c` sf_deflate_literals). `decode` (`sf_inflate_literals`) reads any raw
-DEFLATE stream of literals, table first (up to three literals per lookup); streams it does not take (a
-length/distance pair, a corrupt one) go to zlib, which decides. The output is ordinary DEFLATE: zlib
+DEFLATE stream of literals, table first (up to six literals per lookup); streams it does not take (a
+length/distance pair, a corrupt one) go to zlib, which decides. A chunk is written as two such streams with
+one code (`encode_parts`), which `decode_pair` reads together, their lookups interleaved. The output is ordinary DEFLATE: zlib
 reads what `encode` writes, and the tests hold `decode` equal to zlib on both kinds of stream.
 """
 
@@ -138,28 +139,41 @@ def block_header(lens: np.ndarray) -> _Bits:
 
 def encode(data: np.ndarray) -> bytes:
     """`data` (uint8) as one raw DEFLATE block of literals; zlib's Huffman-only deflate without the C kernels."""
+    return encode_parts(data, 1)[0][0]
+
+
+def encode_parts(data: np.ndarray, parts: int) -> list[tuple[bytes, int]]:
+    """`data` cut into `parts` near-equal pieces, each its own raw DEFLATE stream of one block, all with the
+    code of `data`'s counts (the same header): (stream, bytes it holds) each. `decode_pair` reads two such
+    streams together."""
     from engine.model.kernels import cpu_ops
 
     lib = cpu_ops.library()
+    pieces = [np.ascontiguousarray(data[i * data.size // parts : (i + 1) * data.size // parts]) for i in range(parts)]
     if lib is None or not data.size:
-        c = zlib.compressobj(9, zlib.DEFLATED, -15, 9, zlib.Z_HUFFMAN_ONLY)
-        return c.compress(data.tobytes()) + c.flush()
+        out = []
+        for p in pieces:
+            c = zlib.compressobj(9, zlib.DEFLATED, -15, 9, zlib.Z_HUFFMAN_ONLY)
+            out.append((c.compress(p.tobytes()) + c.flush(), p.size))
+        return out
     counts = np.bincount(data, minlength=257)
     counts[EOB] = 1
     lens = huffman_lengths(counts, 15)
     codes = canonical_codes(lens)
     header = block_header(lens)
-    cap = (header.count + 7) // 8 + (int((counts * lens).sum()) + 7) // 8 + 8
-    out = np.zeros(cap, np.uint8)
     head = header.value.to_bytes((header.count + 7) // 8 or 1, "little")
-    out[: len(head)] = np.frombuffer(head, np.uint8)
-    data = np.ascontiguousarray(data)
     lens8 = lens.astype(np.uint8)
-    n = lib.sf_deflate_literals(data.ctypes.data, data.size, codes.ctypes.data, lens8.ctypes.data, out.ctypes.data,
-                                cap, header.count)
-    if n < 0:
-        raise RuntimeError(f"sf_deflate_literals: {cap} bytes were too few")  # (cap is the exact size + 8)
-    return out[:n].tobytes()
+    streams = []
+    for p in pieces:
+        cap = len(head) + (int((np.bincount(p, minlength=257) * lens).sum()) + int(lens[EOB]) + 7) // 8 + 8
+        out = np.zeros(cap, np.uint8)
+        out[: len(head)] = np.frombuffer(head, np.uint8)
+        n = lib.sf_deflate_literals(p.ctypes.data, p.size, codes.ctypes.data, lens8.ctypes.data, out.ctypes.data,
+                                    cap, header.count)
+        if n < 0:
+            raise RuntimeError(f"sf_deflate_literals: {cap} bytes were too few")  # (cap is the exact size + 8)
+        streams.append((out[:n].tobytes(), p.size))
+    return streams
 
 
 def decode(coded: bytes, n: int) -> np.ndarray:
@@ -176,3 +190,18 @@ def decode(coded: bytes, n: int) -> np.ndarray:
     if got.size != n:
         raise ValueError(f"decoded to {got.size} bytes, not {n}")
     return got
+
+
+def decode_pair(a: bytes, na: int, b: bytes, nb: int) -> tuple[np.ndarray, np.ndarray]:
+    """Two streams at once (`sf_inflate_literals2`: one table, lookups interleaved) when they are single
+    blocks with the same code (`encode_parts`); else, or if either is not what it should be, `decode` each."""
+    from engine.model.kernels import cpu_ops
+
+    lib = cpu_ops.library()
+    if lib is not None and na and nb and a and b:
+        oa, ob = np.empty(na, np.uint8), np.empty(nb, np.uint8)
+        sa, sb = np.frombuffer(a, np.uint8), np.frombuffer(b, np.uint8)
+        if lib.sf_inflate_literals2(sa.ctypes.data, len(a), oa.ctypes.data, na, sb.ctypes.data, len(b),
+                                    ob.ctypes.data, nb) == 0:
+            return oa, ob
+    return decode(a, na), decode(b, nb)

@@ -1292,7 +1292,7 @@ static int sf_inf_slow(sf_bits *b, const sf_huff *h) { /* one symbol, bit by bit
     return SF_INF_CORRUPT; /* ran out of codes */
 }
 
-static int sf_inf_dynamic(sf_bits *b, sf_huff *lit) {
+static int sf_inf_dynamic(sf_bits *b, sf_huff *lit, uint8_t *lens_out, int *nlen_out, int with_lut) {
     static const uint8_t order[19] = {16, 17, 18, 0, 8, 7, 9, 6, 10, 5, 11, 4, 12, 3, 13, 2, 14, 1, 15};
     uint8_t lens[320];
     sf_huff *cl = malloc(sizeof(sf_huff));
@@ -1326,7 +1326,11 @@ static int sf_inf_dynamic(sf_bits *b, sf_huff *lit) {
         while (rep--) lens[i++] = (uint8_t)val;
     }
     if (lens[256] == 0) { rc = SF_INF_CORRUPT; goto done; } /* no end-of-block code */
-    rc = sf_inf_build(lit, lens, nlen, 1);
+    if (lens_out) {
+        memcpy(lens_out, lens, (size_t)nlen);
+        *nlen_out = nlen;
+    }
+    rc = sf_inf_build(lit, lens, nlen, with_lut);
 done:
     free(cl);
     return sf_inf_overrun(b) ? SF_INF_CORRUPT : rc;
@@ -1429,7 +1433,7 @@ int64_t sf_inflate_literals(const uint8_t *in, int64_t n, uint8_t *out, int64_t 
             for (int s = 0; s < 288; s++) lens[s] = s < 144 ? 8 : s < 256 ? 9 : s < 280 ? 7 : 8;
             rc = sf_inf_build(h, lens, 288, 1);
         } else if (type == 2) {
-            rc = sf_inf_dynamic(&b, h);
+            rc = sf_inf_dynamic(&b, h, NULL, NULL, 1);
         } else {
             rc = SF_INF_CORRUPT;
         }
@@ -1470,4 +1474,91 @@ int64_t sf_deflate_literals(const uint8_t *in, int64_t n, const uint16_t *code, 
         cnt -= 8;
     }
     return pos;
+}
+
+/* Two streams coded alike — the halves of one chunk, each a single final dynamic block with the same code
+ * (deflate_literals.encode_pair) — decoded together: one table, the two streams' lookups interleaved in
+ * one loop, so each one's chain of dependent loads (lookup -> bits -> next lookup) hides the other's
+ * latency. Returns 0 when both decoded to exactly on1 and on2 bytes; anything else (another shape of
+ * stream, codes that differ, a corrupt stream) returns negative and the caller decodes them one by one. */
+int64_t sf_inflate_literals2(const uint8_t *in1, int64_t n1, uint8_t *out1, int64_t on1,
+                             const uint8_t *in2, int64_t n2, uint8_t *out2, int64_t on2) {
+    sf_bits b1 = {in1, n1, 0, 0, 0}, b2 = {in2, n2, 0, 0, 0};
+    sf_huff *h = malloc(2 * sizeof(sf_huff));
+    if (!h) return SF_INF_CORRUPT;
+    sf_huff *h2 = h + 1;
+    h->lut_bits = h2->lut_bits = (on1 < (1 << 16) || on2 < (1 << 16)) ? 9 : SF_INF_LUT;
+    uint8_t lens1[320], lens2[320];
+    int nl1 = 0, nl2 = 0;
+    int64_t rc = SF_INF_UNSUPPORTED;
+    sf_inf_refill(&b1);
+    sf_inf_refill(&b2);
+    if (sf_inf_take(&b1, 3) != 5 || sf_inf_take(&b2, 3) != 5) goto done; /* BFINAL = 1, BTYPE = 2 */
+    /* (the second header is read only to check it is the first's: its table would be the same) */
+    if (sf_inf_dynamic(&b1, h, lens1, &nl1, 1) || sf_inf_dynamic(&b2, h2, lens2, &nl2, 0)) goto done;
+    if (nl1 != nl2 || memcmp(lens1, lens2, (size_t)nl1)) goto done;
+    {
+        const uint64_t mask = (1u << h->lut_bits) - 1;
+        const uint64_t *lut = h->lut;
+        const int64_t end1 = n1 - 8, end2 = n2 - 8;
+        uint64_t x1 = b1.buf, x2 = b2.buf;
+        int64_t p1 = b1.pos, p2 = b2.pos, o1 = 0, o2 = 0;
+        int c1 = b1.cnt, c2 = b2.cnt;
+        for (;;) {
+            while (o1 + 8 <= on1 && o2 + 8 <= on2 && p1 <= end1 && p2 <= end2) {
+                /* Branch-free refills (a refill when the buffer is full re-ORs the same bits): a
+                 * data-dependent "is it low?" branch mispredicted often enough to cost more. */
+                uint64_t w1, w2;
+                memcpy(&w1, in1 + p1, 8);
+                memcpy(&w2, in2 + p2, 8);
+                x1 |= w1 << c1;
+                x2 |= w2 << c2;
+                p1 += (63 - c1) >> 3;
+                p2 += (63 - c2) >> 3;
+                c1 |= 56;
+                c2 |= 56;
+                uint64_t e1 = lut[x1 & mask], e2 = lut[x2 & mask];
+                uint32_t k1 = (uint32_t)(e1 >> 53) & 7, k2 = (uint32_t)(e2 >> 53) & 7;
+                if (!k1 || !k2) break;
+                memcpy(out1 + o1, &e1, 8);
+                memcpy(out2 + o2, &e2, 8);
+                o1 += k1;
+                o2 += k2;
+                int s1 = (int)((e1 >> 48) & 31), s2 = (int)((e2 >> 48) & 31);
+                x1 >>= s1;
+                c1 -= s1;
+                x2 >>= s2;
+                c2 -= s2;
+            }
+            b1.buf = x1, b1.pos = p1, b1.cnt = c1, b2.buf = x2, b2.pos = p2, b2.cnt = c2;
+            /* A code longer than the table in either stream: walk it, and go on together; anything else
+             * (an end of block, the streams' or outputs' ends) is left to the one-stream loop below. */
+            int walked = 0;
+            sf_bits *bs[2] = {&b1, &b2};
+            uint8_t *outs[2] = {out1, out2};
+            int64_t *os[2] = {&o1, &o2}, ons[2] = {on1, on2};
+            for (int j = 0; j < 2; j++) {
+                sf_bits *b = bs[j];
+                if (b->pos > b->n - 8 || *os[j] + 8 > ons[j]) continue;
+                if (b->cnt < 3 * SF_INF_LUT) sf_inf_refill(b);
+                uint64_t e = lut[b->buf & mask];
+                if (((e >> 53) & 7) || (e & 0xFF) != SF_INF_SLOW) continue;
+                int sym = sf_inf_slow(b, h);
+                if (sym < 0 || sym > 256) { rc = sym < 0 ? SF_INF_CORRUPT : SF_INF_UNSUPPORTED; goto done; }
+                if (sym == 256) { /* (an end of block reached the long way: put the bits back is not possible) */
+                    rc = SF_INF_UNSUPPORTED;
+                    goto done;
+                }
+                outs[j][(*os[j])++] = (uint8_t)sym;
+                walked = 1;
+            }
+            if (!walked) break;
+            x1 = b1.buf, p1 = b1.pos, c1 = b1.cnt, x2 = b2.buf, p2 = b2.pos, c2 = b2.cnt;
+        }
+        int64_t r1 = sf_inf_codes(&b1, h, out1, o1, on1), r2 = sf_inf_codes(&b2, h, out2, o2, on2);
+        rc = (r1 == on1 && r2 == on2) ? 0 : (r1 < 0 ? r1 : r2 < 0 ? r2 : SF_INF_CORRUPT);
+    }
+done:
+    free(h);
+    return rc;
 }

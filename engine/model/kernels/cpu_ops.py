@@ -103,6 +103,8 @@ def build(arch: tuple[str, ...] = NATIVE, cache_dir: Path | None = None) -> ctyp
     lib.sf_join16.restype = None
     lib.sf_inflate_literals.argtypes = [_P, ctypes.c_int64, _P, ctypes.c_int64]
     lib.sf_inflate_literals.restype = ctypes.c_int64
+    lib.sf_inflate_literals2.argtypes = [_P, ctypes.c_int64, _P, ctypes.c_int64] * 2
+    lib.sf_inflate_literals2.restype = ctypes.c_int64
     lib.sf_deflate_literals.argtypes = [_P, ctypes.c_int64, _P, _P, _P, ctypes.c_int64, ctypes.c_int64]
     lib.sf_deflate_literals.restype = ctypes.c_int64
     lib.sf_has_avx2.restype = _I
