@@ -192,9 +192,12 @@ async def up(args: argparse.Namespace) -> int:
     tp, pp = args.tensor_parallel_size, args.pipeline_parallel_size
     role_tp = {"prefill": args.prefill_tensor_parallel_size or tp, "decode": args.decode_tensor_parallel_size or tp,
                "both": tp}
-    if args.colocated and (args.prefill_tensor_parallel_size or args.decode_tensor_parallel_size):
-        print("splitfire up: --prefill/--decode-tensor-parallel-size size disaggregated workers; with --colocated "
-              "use --tensor-parallel-size", flush=True)
+    role_pp = {"prefill": args.prefill_pipeline_parallel_size or pp,
+               "decode": args.decode_pipeline_parallel_size or pp, "both": pp}
+    if args.colocated and (args.prefill_tensor_parallel_size or args.decode_tensor_parallel_size
+                           or args.prefill_pipeline_parallel_size or args.decode_pipeline_parallel_size):
+        print("splitfire up: --prefill/--decode-tensor/pipeline-parallel-size size disaggregated workers; with "
+              "--colocated use --tensor-parallel-size / --pipeline-parallel-size", flush=True)
         return 2
     if args.shared_workers or args.max_loaded_models or args.model_memory_gb:
         if not args.shared_workers or len(model_dirs) < 2 or args.shared_workers < 0 or tp * pp > 1:
@@ -220,7 +223,7 @@ async def up(args: argparse.Namespace) -> int:
         roles = ["both"] * args.shared_workers
         which = [i % len(model_dirs) for i in range(args.shared_workers)]
     cpus = plan_cpus(args.cpus, len(roles))  # (a worker's ranks share its cores: engine/ranks.threads_per_rank)
-    gpus = plan_gpus(args.gpus, len(roles), gpu_count(args.device), [role_tp[r] * pp for r in roles])
+    gpus = plan_gpus(args.gpus, len(roles), gpu_count(args.device), [role_tp[r] * role_pp[r] for r in roles])
     if args.lora_modules or args.lora_root:
         for flag, value in (("--max-loras", args.max_loras), ("--max-lora-rank", args.max_lora_rank),
                             ("--lora-dtype", args.lora_dtype)):
@@ -229,8 +232,6 @@ async def up(args: argparse.Namespace) -> int:
         common += ["--lora-modules", *args.lora_modules] if args.lora_modules else ["--enable-lora"]
         for root in args.lora_root:
             common += ["--lora-root", root]
-    if pp > 1:
-        common += ["--pipeline-parallel-size", str(pp)]
     router_args = ["--served-model-name", args.served_model_name] if args.served_model_name else []
     addrs: dict[str, list[str]] = {"prefill": [], "decode": [], "both": []}
     workers = []
@@ -246,6 +247,8 @@ async def up(args: argparse.Namespace) -> int:
             argv += ["--redis-url", redis_url, "--advertise", f"127.0.0.1:{port}"]
         if role_tp[role] > 1:
             argv += ["--tensor-parallel-size", str(role_tp[role])]
+        if role_pp[role] > 1:
+            argv += ["--pipeline-parallel-size", str(role_pp[role])]
         if args.shared_workers:
             argv += [a for i, d in enumerate(model_dirs) if i != m for a in ("--on-demand-model", d)]
             if args.max_loaded_models:
@@ -479,8 +482,12 @@ def add_subcommand(sub) -> None:
     p.add_argument("--decode-tensor-parallel-size", "-dtp", type=int, default=0, metavar="N",
                    help="decode workers' ranks, when not --tensor-parallel-size's")
     p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
-                   help="each worker splits the layers into this many stages, one process each (CPU hosts; "
-                        "colocated only for now)")
+                   help="each worker splits the layers into this many stages, each of --tensor-parallel-size "
+                        "processes (CPU hosts); each prefill stage writes its layers into the decode ranks holding them")
+    p.add_argument("--prefill-pipeline-parallel-size", "-ppp", type=int, default=0, metavar="M",
+                   help="prefill workers' stages, when not --pipeline-parallel-size's")
+    p.add_argument("--decode-pipeline-parallel-size", "-dpp", type=int, default=0, metavar="M",
+                   help="decode workers' stages, when not --pipeline-parallel-size's")
     p.add_argument("--cpus", default="auto", help="auto (split cores across workers), none, or 'LIST;LIST;...'")
     p.add_argument("--gpus", default="auto", help="auto (one GPU per worker when there are enough), none, or "
                    "'LIST;LIST;...' of CUDA_VISIBLE_DEVICES values")

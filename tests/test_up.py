@@ -19,7 +19,7 @@ def _listening(port: int) -> bool:
 @pytest.mark.parametrize("layout", [["--prefill", "1", "--decode", "1"], ["--colocated"],
                                     ["--prefill", "1", "--decode", "1", "--tensor-parallel-size", "2"],
                                     ["--prefill", "1", "--decode", "1", "-ptp", "1", "--decode-tensor-parallel-size",
-                                     "2"], ["--prefill", "1", "--decode", "1", "-ptp", "2", "-dtp", "1", "-pp", "2"]])
+                                     "2"], ["--prefill", "1", "--decode", "1", "-ptp", "2", "-dtp", "1", "-ppp", "1", "-dpp", "2"]])
 async def test_up_serves_a_streamed_chat_and_stops_cleanly(tiny_model_dir, tmp_path, layout):
     openai = pytest.importorskip("openai")
     port = free_port()
