@@ -131,6 +131,25 @@ def codec_rates(model_dir: Path, rounds: int = 3) -> dict[str, float]:
             "c_on_zlib_own": best(deflate_literals.decode, made_by_zlib)}
 
 
+def in_memory_ratio(plain: Path) -> tuple[float, float]:
+    """The device-memory form's bytes against bfloat16's over the checkpoint's 2-D bfloat16 matrices
+    (`engine.model.compressed_weight`: what the Triton matmul reads per weight), and escapes per million."""
+    from engine.model.compressed_weight import pack
+
+    ck = Checkpoint(plain)
+    packed = original = escapes = weights = 0
+    for name in ck.tensors:
+        t = ck.get(name)
+        if t.dtype != torch.bfloat16 or t.dim() != 2 or t.shape[1] % 2:
+            continue
+        c = pack(t)
+        packed += c.nbytes
+        original += t.numel() * 2
+        escapes += c.escapes.numel()
+        weights += t.numel()
+    return (packed / original if original else float("nan")), (escapes / weights * 1e6 if weights else float("nan"))
+
+
 def bench_one(label: str, plain: Path, work: Path, rounds: int) -> dict[str, object]:
     packed = work / f"{label}-z"
     t0 = time.perf_counter()
@@ -151,7 +170,8 @@ def bench_one(label: str, plain: Path, work: Path, rounds: int) -> dict[str, obj
             "decode_gbps_1_thread": decode_rate(packed, 1), f"decode_gbps_{compressed._THREADS}_threads":
             decode_rate(packed, compressed._THREADS),
             "cold_load_s": {k: statistics.median(v) for k, v in loads.items()},
-            "codec_gsym_s": codec_rates(packed)}
+            "codec_gsym_s": codec_rates(packed),
+            "in_memory": dict(zip(("ratio", "escapes_per_million"), in_memory_ratio(plain), strict=True))}
 
 
 def main_compression(args: argparse.Namespace) -> int:
@@ -181,8 +201,8 @@ def main_compression(args: argparse.Namespace) -> int:
         shutil.rmtree(work, ignore_errors=True)
     cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
                 if ln.startswith("model name")), "?")
-    print(f"\n{os.cpu_count()} CPUs, {cpu}; chunks of {compressed.CHUNK} weights, one DEFLATE block of literals "
-          f"each (deflate_literals.py); medians of {args.rounds} cold loads")
+    print(f"\n{os.cpu_count()} CPUs, {cpu}; chunks of {compressed.CHUNK} weights, two DEFLATE streams of literals "
+          f"with one code each (deflate_literals.py); medians of {args.rounds} cold loads")
     print(f"{'checkpoint':<22}{'bf16 ratio':>11}{'bound':>8}{'all files':>10}{'compress':>10}{'decode 1T':>10}"
           f"{'decode':>8}{'cold load plain':>16}{'compressed':>11}")
     for r in rows:
@@ -198,6 +218,11 @@ def main_compression(args: argparse.Namespace) -> int:
         k = r["codec_gsym_s"]
         print(f"{r['label']:<22}{k['c_pairs']:>10.2f}{k['c']:>8.2f}{k['zlib']:>8.2f}"  # type: ignore[index]
               f"{k['c_on_zlib_own']:>16.2f}{k['zlib_own']:>19.2f}")  # type: ignore[index]
+    print("\nin device memory (engine/model/compressed_weight.py, the Triton matmul's operand): bytes / bfloat16's "
+          "over 2-D bf16 matrices, escapes per million weights")
+    for r in rows:
+        mem = r["in_memory"]
+        print(f"{r['label']:<22}{mem['ratio']:>10.3f}{mem['escapes_per_million']:>12.1f}")  # type: ignore[index]
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     print("targets (#39): bf16 ratio <= 0.80 on real weights; decode faster than reading the plain bytes from disk")

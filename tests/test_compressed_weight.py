@@ -1,0 +1,80 @@
+"""bfloat16 weights held compressed in device memory (`engine/model/compressed_weight.py`) and the matmul
+that decodes them tile by tile (`engine/model/kernels/compressed_triton.py`): packing is bit-exact for
+every 16-bit pattern; the kernel on compressed weights equals the same kernel on the plain bfloat16
+matrix bit for bit (escapes in several tiles, partial tiles, one row or many), and both equal torch's
+matmul. Without a GPU the kernel runs in the Triton interpreter."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+CUDA = torch.cuda.is_available()
+if not CUDA:
+    os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are decorated, i.e. at import
+triton = pytest.importorskip("triton")
+
+from engine.model.compressed_weight import ESCAPE, pack  # noqa: E402
+from engine.model.kernels.compressed_triton import compressed_linear  # noqa: E402
+
+DEV = torch.device("cuda" if CUDA else "cpu")
+
+
+def normal(n: int, k: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(n, k, generator=g) * 0.02).to(torch.bfloat16)
+
+
+def with_outliers(w: torch.Tensor, count: int, seed: int = 1) -> torch.Tensor:
+    """Weights with exponents outside the common band, spread over the matrix: escapes in many tiles."""
+    g = torch.Generator().manual_seed(seed)
+    w = w.clone()
+    rows = torch.randint(0, w.shape[0], (count,), generator=g)
+    cols = torch.randint(0, w.shape[1], (count,), generator=g)
+    vals = torch.tensor([3.0, -7.5e2, 1e-12, 4e-30, 2.5e5], dtype=torch.bfloat16)
+    w[rows, cols] = vals[torch.arange(count) % len(vals)]
+    return w
+
+
+def test_every_16_bit_pattern_packs_and_unpacks_bit_exact():
+    every = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).reshape(256, 256)
+    for block_n, block_k in ((32, 32), (16, 64), (64, 16)):
+        c = pack(every, block_n, block_k)
+        assert torch.equal(c.decompress().view(torch.int16), every.view(torch.int16))
+
+
+def test_normal_weights_take_three_quarters_of_bfloat16_with_few_escapes():
+    w = normal(300, 512)
+    c = pack(w)
+    assert torch.equal(c.decompress().view(torch.int16), w.view(torch.int16))
+    assert (c.codes & 0x0F).eq(ESCAPE).sum() + (c.codes >> 4).eq(ESCAPE).sum() == c.escapes.numel()
+    assert c.escapes.numel() < w.numel() // 1000
+    assert c.nbytes / (w.numel() * 2) < 0.76
+    odd = with_outliers(normal(37, 70), 25)  # partial tiles both ways, escapes in several of them
+    c = pack(odd)
+    assert torch.equal(c.decompress().view(torch.int16), odd.view(torch.int16))
+    assert (c.tile_start[1:] > c.tile_start[:-1]).sum() >= 3
+
+
+def test_what_cannot_be_packed_is_refused_by_name():
+    with pytest.raises(ValueError, match="even number of columns"):
+        pack(normal(4, 7))
+    with pytest.raises(ValueError, match="bfloat16"):
+        pack(torch.zeros(4, 8))
+
+
+@pytest.mark.parametrize(("m", "n", "k", "block_n", "block_k"), [
+    (1, 70, 100, 32, 32), (5, 64, 64, 16, 32), (17, 37, 130, 32, 64), (3, 96, 48, 64, 16),
+])
+def test_the_kernel_on_compressed_weights_equals_it_on_plain_ones_bit_for_bit(m, n, k, block_n, block_k):
+    w = with_outliers(normal(n, k, seed=n + k), 3 * n // 4)
+    g = torch.Generator().manual_seed(m)
+    x = torch.randn(m, k, generator=g).to(DEV)
+    c = pack(w, block_n, block_k).to(DEV)
+    assert c.escapes.numel() > 0
+    y = compressed_linear(x, c)
+    plain = compressed_linear(x, c, plain=w.to(DEV).contiguous())
+    assert torch.equal(y, plain)
+    torch.testing.assert_close(y, x @ w.to(DEV).float().T, rtol=1e-4, atol=1e-4)
