@@ -41,6 +41,11 @@ DEVICES = {
 WEIGHT_BYTES = {"bfloat16": 2.0, "float16": 2.0, "float32": 4.0, "fp8": 1.0 + 4 / (128 * 128),
                 "int8": 1.0 + 4 / 128, "int4": 0.5 + 8 / 32}
 KV_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "fp8": 1}
+# `--compress-weights`: bfloat16 matmul weights held in device memory at this share of their bytes (a 4-bit
+# exponent code + the sign/mantissa byte + rare escapes: 0.752-0.755 measured over normal-init and SmolLM2
+# matrices, `python -m loadtest.bench_engine --compression`). Attention, dense MLPs and an untied LM head
+# only: stacked experts and the embedding stay as they are.
+COMPRESSED_RATIO = 0.755
 
 
 @dataclass(frozen=True)
@@ -196,12 +201,16 @@ USABLE = 0.92  # of device memory: the CUDA context, NCCL and allocator fragment
 
 
 def plan(model: Model, device: Device, layout: Layout, quantization: str | None = None,
-         kv_cache_dtype: str | None = None, chunk_tokens: int = 8192, context: int = 4096) -> Plan:
+         kv_cache_dtype: str | None = None, chunk_tokens: int = 8192, context: int = 4096,
+         compress_weights: bool = False) -> Plan:
     """One layout's numbers. `quantization`: the weight format (default: as published: FP8 checkpoints
     in FP8, else the model dtype); `chunk_tokens`: the largest prefill chunk (sizes the activation
-    reserve); `context`: tokens of context per sequence for the roofline step times."""
+    reserve); `context`: tokens of context per sequence for the roofline step times; `compress_weights`:
+    bfloat16 matmul weights held compressed (`COMPRESSED_RATIO`)."""
     tp, pp = layout.tp, layout.pp
     wfmt = quantization or model.published_quantization or model.dtype
+    if compress_weights and wfmt != "bfloat16":
+        raise ValueError(f"--compress-weights applies to bfloat16 weights, not {wfmt}")
     kfmt = kv_cache_dtype or ("bfloat16" if model.dtype in ("float32", "bfloat16") else model.dtype)
     wb, kb = WEIGHT_BYTES[wfmt], KV_BYTES[kfmt]
     per_stage = math.ceil(model.layers / pp)
@@ -219,7 +228,11 @@ def plan(model: Model, device: Device, layout: Layout, quantization: str | None 
     embed = model.vocab * model.hidden / tp  # vocab-parallel; the first stage holds the embedding,
     head = 0 if model.tied else embed  # the last the LM head (the heavier of the two ends is sized)
     ends = embed + head if pp == 1 else max(embed, head)
-    weights = int((attn + dense + experts + ends) * wb)
+    squeezed = COMPRESSED_RATIO if compress_weights else 1.0
+    head_part = (head if pp == 1 or head >= embed else 0.0) if not model.tied else 0.0
+    weights = int(((attn + dense + head_part) * squeezed + experts + ends - head_part) * wb)
+    if compress_weights:
+        wfmt = "bfloat16, matmuls compressed in memory"
     # Activations: the largest prefill chunk's hidden states and MLP intermediates (a few copies),
     # its logits rows (sampled rows only), plus CUDA graphs' pool and NCCL buffers.
     width = max(model.hidden * 4, 2 * max(model.intermediate, model.expert_intermediate * max(model.experts_per_token, 1)) // tp)

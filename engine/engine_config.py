@@ -38,6 +38,9 @@ class EngineConfig:
     enable_prefix_cache: bool = True
     threads: int | None = None  # torch intra-op threads on CPU; None = torch's default
     quantization: str | None = None  # int8 | int4: quantize a float checkpoint's matmul weights at load
+    # bfloat16 matmul weights kept losslessly compressed in device memory, decoded per tile by a Triton matmul
+    # (engine/model/compressed_weight.py): ~0.75 of the bytes, identical weights.
+    compress_weights: bool = False
     decode_graphs: str = "auto"  # auto (CUDA: on; CPU: off) | on | off (--enforce-eager): see graph_runner.py
     cpu_activations: str = "float"  # float | int8: how quantized matmuls take batch-1/2 activations on CPU
     speculative: str = "off"  # off | ngram (prompt lookup) | draft (a smaller model) | eagle3 (a head), --draft-model
@@ -91,6 +94,19 @@ class EngineConfig:
                              f"default), got {self.max_prefill_tokens_while_decoding}")
         if self.quantization not in (None, "int8", "int4"):
             raise ValueError(f"--quantization must be int8 or int4 (or unset), got {self.quantization!r}")
+        if self.compress_weights:
+            import os
+
+            if self.quantization is not None:
+                raise ValueError("--compress-weights keeps bfloat16 weights losslessly compressed; --quantization "
+                                 "replaces them with int8/int4 codes: choose one")
+            if self.torch_dtype != _torch().bfloat16:
+                raise ValueError(f"--compress-weights compresses bfloat16 weights: it needs --dtype bfloat16 (the "
+                                 f"model runs in {self.torch_dtype})")
+            if self.device != "cuda" and os.environ.get("SPLITFIRE_KERNELS") != "triton":
+                raise ValueError("--compress-weights keeps weights compressed in GPU memory for a Triton matmul: it "
+                                 "needs --device cuda (a compressed checkpoint from `splitfire compress` is decoded "
+                                 "at load on any device)")
         if self.decode_graphs not in ("auto", "on", "off"):
             raise ValueError(f"decode_graphs must be auto, on or off, got {self.decode_graphs!r}")
         if self.cpu_activations not in ("int8", "float"):

@@ -133,7 +133,7 @@ class LLMEngine:
         t0 = time.perf_counter()
         rss_before = _rss_mib()
         self.model = load_model(self.model_dir, self.device, self.dtype, config.quantization, shard=shard,
-                                stage=stage)
+                                stage=stage, compress_weights=config.compress_weights)
         rss_weights = _rss_mib() - rss_before
         self.model.set_int8_activations(config.cpu_activations == "int8")
         weights_s = time.perf_counter() - t0

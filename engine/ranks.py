@@ -431,7 +431,7 @@ def follower(rank: int, extension: RankExtension | None = None) -> None:
                   and tp_rank == 0 else None)
     try:
         model = load_model(spec["model_dir"], device, config.torch_dtype, config.quantization, shard=shard,
-                           stage=stage)
+                           stage=stage, compress_weights=config.compress_weights)
     except Exception as e:
         conn.send_bytes(pickle.dumps(f"cannot load its part: {type(e).__name__}: {e}"))
         raise

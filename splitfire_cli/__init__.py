@@ -90,7 +90,13 @@ def _plan(args: argparse.Namespace) -> int:
     device = sizing.DEVICES[args.gpu]
     if args.tp:
         layout = sizing.Layout(args.tp, args.pp, args.enable_expert_parallel)
-        print(sizing.render(sizing.plan(model, device, layout, args.quantization, args.kv_cache_dtype)))
+        p = sizing.plan(model, device, layout, args.quantization, args.kv_cache_dtype,
+                        compress_weights=args.compress_weights)
+        print(sizing.render(p))
+        if args.compress_weights:
+            plain = sizing.plan(model, device, layout, args.quantization, args.kv_cache_dtype)
+            print(f"  --compress-weights frees     {(plain.weight_bytes - p.weight_bytes) / sizing.GiB:10.1f} GiB "
+                  f"per device: {p.kv_tokens - plain.kv_tokens:+,d} KV tokens")
         print()
     best = sizing.smallest(model, device, args.quantization, args.kv_cache_dtype, args.min_kv_tokens)
     if best is None:
@@ -139,6 +145,9 @@ def build_parser() -> argparse.ArgumentParser:
     pp.add_argument("--quantization", choices=["bfloat16", "fp8", "int8", "int4"], default=None,
                     help="weight format (default: as published: FP8 checkpoints in FP8, else their dtype)")
     pp.add_argument("--kv-cache-dtype", choices=["bfloat16", "float16", "fp8"], default=None)
+    pp.add_argument("--compress-weights", action="store_true",
+                    help="with --tp: bfloat16 matmul weights held losslessly compressed in device memory (the "
+                         "worker flag of that name): the weight bytes and the KV tokens they free")
     pp.add_argument("--min-kv-tokens", type=int, default=32768, help="what 'fits' means: KV tokens per device")
     pp.set_defaults(func=_plan)
 

@@ -78,3 +78,51 @@ def test_the_kernel_on_compressed_weights_equals_it_on_plain_ones_bit_for_bit(m,
     plain = compressed_linear(x, c, plain=w.to(DEV).contiguous())
     assert torch.equal(y, plain)
     torch.testing.assert_close(y, x @ w.to(DEV).float().T, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif(CUDA, reason="the GPU code path on CPU tensors, interpreted")
+def test_an_engine_with_compressed_weights_decodes_as_with_plain_ones(tmp_path, monkeypatch):
+    """`--compress-weights` through the whole engine (every Triton kernel in its seam, interpreted): every
+    bfloat16 linear layer holds its weight compressed, the compressed matmul runs every step, and greedy
+    tokens equal the same engine's on the plain bfloat16 weights."""
+    from engine_helpers import drain, make_engine
+    from hf_models import make_hf_model
+
+    from common.sampling_params import SamplingParams
+    from engine.model.kernels import compressed_triton, kernels
+    from engine.model.layers import Linear
+
+    hf = make_hf_model("llama3", tmp_path / "m")
+    monkeypatch.setenv("SPLITFIRE_KERNELS", "triton")
+    kernels.cache_clear()
+    try:
+        prompts = [list(range(3, 30)), [5, 6, 7]]
+        outs = {}
+        kernel = compressed_triton.compressed_linear
+        calls: list[int] = []
+        monkeypatch.setattr(compressed_triton, "compressed_linear", lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
+        for compress in (False, True):
+            calls.clear()
+            engine = make_engine(hf.path, dtype="bfloat16", compress_weights=compress, max_num_batched_tokens=32,
+                                 max_num_seqs=4)
+            linears = [m for m in engine.model.modules() if isinstance(m, Linear) and m is not engine.model.lm_head]
+            assert all((m.compressed is not None) == compress for m in linears)
+            for i, p in enumerate(prompts):
+                engine.add_request(f"r{i}", p, SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
+            done = drain(engine)
+            outs[compress] = [done[f"r{i}"].token_ids for i in range(len(prompts))]
+            assert (len(calls) > 0) == compress
+        assert outs[True] == outs[False]
+    finally:
+        kernels.cache_clear()
+
+
+def test_compress_weights_is_refused_where_it_cannot_run(monkeypatch):
+    from engine.engine_config import EngineConfig
+
+    monkeypatch.delenv("SPLITFIRE_KERNELS", raising=False)
+    for kw, why in [({"device": "cpu", "dtype": "bfloat16"}, "needs --device cuda"),
+                    ({"device": "cpu", "dtype": "float32"}, "needs --dtype bfloat16"),
+                    ({"device": "cpu", "dtype": "bfloat16", "quantization": "int8"}, "choose one")]:
+        with pytest.raises(ValueError, match=why):
+            EngineConfig(model="m", compress_weights=True, **kw).validate()

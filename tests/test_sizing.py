@@ -72,3 +72,22 @@ def test_reads_the_config_splitfire_serves(tmp_path):
     p = sizing.plan(sizing.read_model(str(fam.path)), sizing.DEVICES["h100-80gb"], sizing.Layout(),
                     kv_cache_dtype="float32")
     assert p.kv_bytes_per_token == per_token
+
+
+def test_compressed_weights_free_a_quarter_of_the_matmul_bytes_for_kv(capsys):
+    """`--compress-weights`: attention, dense MLP and untied LM head bytes at COMPRESSED_RATIO; the embedding
+    (and stacked experts) as they are; the bytes freed become KV tokens."""
+    from splitfire_cli import main
+
+    llama = sizing.read_model("llama-3.1-70b")
+    h100, tp2 = sizing.DEVICES["h100-80gb"], sizing.Layout(tp=2)
+    plain, packed = sizing.plan(llama, h100, tp2), sizing.plan(llama, h100, tp2, compress_weights=True)
+    embed = llama.vocab * llama.hidden / 2 * 2  # the embedding's bytes per device, not compressed
+    assert packed.weight_bytes == pytest.approx(embed + (plain.weight_bytes - embed) * sizing.COMPRESSED_RATIO,
+                                                rel=1e-6)
+    freed = (plain.weight_bytes - packed.weight_bytes) / plain.kv_bytes_per_token
+    assert packed.kv_tokens - plain.kv_tokens == pytest.approx(freed, abs=1)
+    with pytest.raises(ValueError, match="bfloat16 weights, not int8"):
+        sizing.plan(llama, h100, tp2, "int8", compress_weights=True)
+    assert main(["plan", "--model", "llama-3.1-70b", "--tp", "2", "--compress-weights"]) == 0
+    assert "--compress-weights frees" in capsys.readouterr().out

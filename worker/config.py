@@ -143,6 +143,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="keep matmul weights quantized (weight-only, group-wise; decode moves 4x / 8x fewer bytes "
                         "than float32): quantizes a float checkpoint at load; a GGUF's Q8_0/Q6_K/Q4_0/Q4_1/Q4_K "
                         "tensors stay quantized without it")
+    g.add_argument("--compress-weights", action="store_true",
+                   default=_env("compress_weights", "") not in ("", "0"),
+                   help="keep bfloat16 matmul weights losslessly compressed in GPU memory (a 4-bit exponent code "
+                        "per weight, ~0.75 of the bytes; a Triton matmul decodes each tile): more room for the KV "
+                        "cache, fewer bytes per decode step, identical weights")
     g.add_argument("--enforce-eager", action="store_true", default=_env("enforce_eager", "") not in ("", "0"),
                    help="no CUDA graphs: every decode step runs eagerly (by default decode-only steps replay a graph "
                         "captured per batch-size bucket on CUDA; CPU always runs eagerly)")
@@ -219,6 +224,7 @@ def engine_config_from(args: argparse.Namespace) -> EngineConfig:
         enable_prefix_cache=not args.no_prefix_cache,
         threads=int(args.threads) if args.threads else None,
         quantization=args.quantization,
+        compress_weights=args.compress_weights,
         cpu_activations=args.cpu_activations,
         decode_graphs="off" if args.enforce_eager else "auto",
         speculative=args.speculative,

@@ -228,13 +228,14 @@ def _pad_rows(qw: quant.QuantizedWeight, rows: int) -> quant.QuantizedWeight:
 
 def load_model(model_dir: str | Path, device: torch.device, dtype: torch.dtype,
                quantization: str | None = None, staging: Staging | Literal[False] | None = None,
-               shard: Shard = ONE, stage: Stage = WHOLE) -> DecoderModel:
+               shard: Shard = ONE, stage: Stage = WHOLE, compress_weights: bool = False) -> DecoderModel:
     """`quantization` (int8 | int4) quantizes a float checkpoint's matmul weights after loading; a
     checkpoint stored quantized (`engine.model.quant`'s layout, e.g. a converted GGUF) stays as stored.
     Loads to a device go through pinned `staging` buffers (made here unless given; False: through
     pageable temporaries, the benchmark's baseline); a CPU load reads straight into its parameters
     unless a `Staging` is given. `shard`: a tensor-parallel rank's part only (`parallel.py`), read as
-    slices of the checkpoint's tensors; `stage`: a pipeline stage's layers only (the rest not read)."""
+    slices of the checkpoint's tensors; `stage`: a pipeline stage's layers only (the rest not read).
+    `compress_weights`: bfloat16 matmul weights kept losslessly compressed (`DecoderModel.compress_weights`)."""
     model_dir = Path(model_dir)
     cfg = ModelConfig.from_dir(model_dir)
     cached = weight_cache.cache_path(model_dir, dtype, quantization, shard, stage) if (
@@ -248,7 +249,7 @@ def load_model(model_dir: str | Path, device: torch.device, dtype: torch.dtype,
             cached.unlink(missing_ok=True)
         else:
             release = weight_cache.PageRelease(model.weight_mapping)
-            model = _finish(model, device, release)
+            model = _finish(model, device, release, compress_weights)
             log.info("event=weights_mapped path=%s released_mib=%.0f", cached, release.released / 2**20)
             return model
     if staging is None and device.type != "cpu":
@@ -305,12 +306,15 @@ def load_model(model_dir: str | Path, device: torch.device, dtype: torch.dtype,
                      time.perf_counter() - t0)
         except OSError as e:  # (a read-only or full cache directory: serve anyway)
             log.warning("event=weight_cache_not_written path=%s error=%s", cached, e)
-    return _finish(model, device)
+    return _finish(model, device, None, compress_weights)
 
 
-def _finish(model: DecoderModel, device: torch.device,
-            dropped: Callable[[torch.Tensor], None] | None = None) -> DecoderModel:
+def _finish(model: DecoderModel, device: torch.device, dropped: Callable[[torch.Tensor], None] | None = None,
+            compress_weights: bool = False) -> DecoderModel:
     model.eval()
+    if compress_weights:  # (before CPU packing, which lets the bfloat16 weights go)
+        saved = model.compress_weights()
+        log.info("event=weights_compressed saved_mib=%.1f", saved / 2**20)
     if device.type == "cpu":
         model.optimize_for_cpu(dropped)
         _return_freed_heap()

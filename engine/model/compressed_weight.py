@@ -20,6 +20,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
+
+from engine.model.kernels import kernels
 
 ESCAPE = 15
 
@@ -104,3 +107,16 @@ def pack(w: torch.Tensor, block_n: int = 32, block_k: int = 32) -> CompressedBF1
     tile_start[1:] = torch.cumsum(per_tile, 0)
     packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8)
     return CompressedBF16(plane, packed, table.to(w.device), escapes, tile_start, block_n, block_k)
+
+
+def linear(x: torch.Tensor, w: CompressedBF16, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [..., K] @ W^T (+ bias) in x's dtype: the Triton kernel decoding W's tiles in registers (CUDA, or
+    the interpreter in tests); elsewhere W decompressed first (the reference)."""
+    gpu = kernels("compressed_triton", x.device.type)
+    if gpu is None:
+        return F.linear(x, w.decompress().to(x.dtype), bias)
+    flat = x.reshape(-1, x.shape[-1])
+    y = gpu.compressed_linear(flat, w)
+    if bias is not None:
+        y += bias
+    return y.to(x.dtype).reshape(*x.shape[:-1], w.shape[0])

@@ -299,6 +299,25 @@ class DecoderModel(nn.Module):
             self.lm_head.set_quantized([qw])
         self.embed.weight = nn.Parameter(self.embed.weight.new_empty(0, self.cfg.hidden_size), requires_grad=False)
 
+    def compress_weights(self) -> int:
+        """`--compress-weights`: every bfloat16 linear layer's weight (routers and LM head included; a
+        head tied to the embedding, stacked experts and the embedding stay as they are) packed into the
+        in-memory compressed form and its bfloat16 tensor freed. Returns the bytes saved."""
+        from engine.model.compressed_weight import pack
+
+        saved = 0
+        for m in self.modules():
+            w = m.weight if isinstance(m, Linear) else None
+            if (w is None or m.quantized is not None or m.packed is not None or w.dtype != torch.bfloat16
+                    or w.dim() != 2 or not w.numel() or w.shape[1] % 2):
+                continue
+            if m is self.lm_head and self.cfg.tie_word_embeddings:
+                continue
+            c = pack(w)
+            saved += w.numel() * w.element_size() - c.nbytes
+            m.set_compressed(c)
+        return saved
+
     def quantize(self, kind: str) -> None:
         """`--quantization int8|int4` on a float checkpoint: every matmul weight quantized round-to-nearest
         per group of 32 (int4) or up to 128 (int8) weights; the LM head (and, when tied, the

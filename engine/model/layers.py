@@ -12,6 +12,8 @@ from torch import nn
 
 from common.errors import ModelLoadError
 from engine.model import quant
+from engine.model.compressed_weight import CompressedBF16
+from engine.model.compressed_weight import linear as compressed_linear
 from engine.model.kernels import cpu_ops
 from engine.model.lora import LoRAWeights
 from engine.model.parallel import ONE, Shard
@@ -63,6 +65,7 @@ class Linear(nn.Module):
         self.packed: torch.Tensor | None = None
         # Weight-only quantized: row blocks (one, or one per format when a checkpoint mixes them).
         self.quantized: list[quant.QuantizedWeight] | None = None
+        self.compressed: CompressedBF16 | None = None  # `--compress-weights` (engine/model/compressed_weight.py)
         self.int8_activations = False  # see quant.linear; set for the whole model by the engine
         # Row-parallel (tensor parallel): this rank multiplies its slice of the input; the partial
         # outputs are summed over the ranks (the bias, on rank 0 only, is added once).
@@ -88,8 +91,18 @@ class Linear(nn.Module):
         self.quantized = [merged] if merged is not None else parts
         self.weight = None  # type: ignore[assignment]
 
+    def set_compressed(self, w: CompressedBF16) -> None:
+        """Multiply by `w` (this layer's weight, losslessly compressed); the bfloat16 weight is freed."""
+        if w.shape != (self.out_features, self.in_features):
+            raise ModelLoadError(f"compressed weight of shape {w.shape} for a linear layer of "
+                                 f"{(self.out_features, self.in_features)}")
+        self.compressed = w
+        self.weight = None  # type: ignore[assignment]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.quantized is not None:
+        if self.compressed is not None:
+            out = compressed_linear(x, self.compressed, self.bias)
+        elif self.quantized is not None:
             out = quant.linear(x, self.quantized, self.bias, self.int8_activations)
         elif self.packed is not None:
             out = cpu_linear(x, self.packed, self.bias)
