@@ -47,7 +47,7 @@ def _load(path, dtype, staging=None):
 @pytest.fixture(autouse=True)
 def unpacked(monkeypatch):
     """Compare the tensors as loaded (CPU packing would turn them into opaque oneDNN layouts)."""
-    monkeypatch.setattr(weights, "_finish", lambda model, device, dropped=None: model)
+    monkeypatch.setattr(weights, "_finish", lambda model, device, dropped=None, compress_weights=False: model)
     monkeypatch.setenv("SPLITFIRE_WEIGHT_CACHE", "0")
 
 
