@@ -252,17 +252,19 @@ def plan(model: Model, device: Device, layout: Layout, quantization: str | None 
         comm += moe_per_stage * 2 * model.experts_per_token * hid * (tp - 1) / tp
     comm += hid if pp > 1 else 0
     return Plan(model, device, layout, wfmt, kfmt, weights, reserve, int(kv_per_token), int(kv_tokens), int(comm),
-                _step_ms(model, device, layout, wb, kv_per_token, comm, 1, context),
-                _step_ms(model, device, layout, wb, kv_per_token, comm, 64, context))
+                _step_ms(model, device, layout, wb, kv_per_token, comm, 1, context, squeezed),
+                _step_ms(model, device, layout, wb, kv_per_token, comm, 64, context, squeezed))
 
 
 def _step_ms(model: Model, device: Device, layout: Layout, wb: float, kv_per_token: float, comm: float,
-             batch: int, context: int) -> float:
+             batch: int, context: int, squeezed: float = 1.0) -> float:
     """Decode step time at `batch` as a roofline on one stage: the weights a step reads (a MoE layer reads
     the experts its tokens chose: E(1 - (1 - k/E)^batch) of them) and the batch's KV at HBM speed, plus
-    the collectives at link speed. Pipeline stages run one after another for one micro-batch."""
+    the collectives at link speed. Pipeline stages run one after another for one micro-batch. `squeezed`:
+    the share of their bytes attention and dense-MLP weights are read at (`--compress-weights`)."""
     p = model.params()
     read = float(sum(p.values()))
+    read -= (1.0 - squeezed) * (p["attention"] + p["dense_mlp"])
     if model.experts:
         touched = model.experts * (1 - (1 - model.experts_per_token / model.experts) ** batch)
         read = read - p["experts"] + p["experts"] * touched / model.experts

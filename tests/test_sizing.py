@@ -87,6 +87,7 @@ def test_compressed_weights_free_a_quarter_of_the_matmul_bytes_for_kv(capsys):
                                                 rel=1e-6)
     freed = (plain.weight_bytes - packed.weight_bytes) / plain.kv_bytes_per_token
     assert packed.kv_tokens - plain.kv_tokens == pytest.approx(freed, abs=1)
+    assert packed.step_ms_b1 < plain.step_ms_b1 * 0.8  # (bandwidth-bound: a quarter fewer weight bytes)
     with pytest.raises(ValueError, match="bfloat16 weights, not int8"):
         sizing.plan(llama, h100, tp2, "int8", compress_weights=True)
     assert main(["plan", "--model", "llama-3.1-70b", "--tp", "2", "--compress-weights"]) == 0
