@@ -95,7 +95,7 @@ class EngineConfig:
         if self.quantization not in (None, "int8", "int4"):
             raise ValueError(f"--quantization must be int8 or int4 (or unset), got {self.quantization!r}")
         if self.compress_weights:
-            import os
+            from engine.model.kernels import backend
 
             if self.quantization is not None:
                 raise ValueError("--compress-weights keeps bfloat16 weights losslessly compressed; --quantization "
@@ -103,7 +103,7 @@ class EngineConfig:
             if self.torch_dtype != _torch().bfloat16:
                 raise ValueError(f"--compress-weights compresses bfloat16 weights: it needs --dtype bfloat16 (the "
                                  f"model runs in {self.torch_dtype})")
-            if self.device != "cuda" and os.environ.get("SPLITFIRE_KERNELS") != "triton":
+            if self.device != "cuda" and backend() != "triton":
                 raise ValueError("--compress-weights keeps weights compressed in GPU memory for a Triton matmul: it "
                                  "needs --device cuda (a compressed checkpoint from `splitfire compress` is decoded "
                                  "at load on any device)")

@@ -390,10 +390,10 @@ class LLMEngine:
         assert seq.status == Status.RESERVED, f"{request_id} is {seq.status}, not reserved"
         if landed:
             assert seq.landing, f"{request_id}: K/V landed in blocks that were never offered"
-            op = (seq.landing, seq.block_table[seq.landing_from:], landed)
-            self.kv.land(op[0], op[1], [(h, n) for r, h, n in landed if r == 0])
+            dst = seq.block_table[seq.landing_from:]
+            self.kv.land(seq.landing, dst, [(h, n) for r, h, n in landed if r == 0])
             if self.ranks is not None:
-                self.ranks.land(op)
+                self.ranks.land((seq.landing, dst, landed))
         self.blocks.free_landing(seq)
         self.blocks.mark_computed(seq, seq.num_prompt_tokens - seq.num_computed_tokens)
         seq.num_cached_tokens = max(seq.num_cached_tokens, min(cached_tokens, seq.num_prompt_tokens))

@@ -147,9 +147,10 @@ def landing_entries(src: KVRegion, dst: KVRegion, layer: int, runs: list[Run], p
     if not part.landable:
         raise ValueError(f"{part} does not land whole source pages")
     head_page = part.rows * part.head_bytes  # one head's bytes of one page
+    dl = layer if dst_layer is None else dst_layer
     out: list[WriteEntry] = []
     for r in runs:
         first, n = landing[r.dst_block]
-        at = dst.page_address(layer if dst_layer is None else dst_layer, first) + n * part.dst_first * head_page + (r.dst_block - first) * src.page_bytes
+        at = dst.page_address(dl, first) + n * part.dst_first * head_page + (r.dst_block - first) * src.page_bytes
         out.append(WriteEntry(src.page_address(layer, r.src_block), at, r.count * src.page_bytes))
     return out

@@ -179,8 +179,8 @@ def decode_into(model_dir: Path, e: Entry, out: torch.Tensor) -> None:
                     except ValueError as err:
                         raise ValueError(f"chunk {ids[0]}{'-' + str(ids[-1]) if len(ids) > 1 else ''}: {err}") from err
                     crcs = []
-                    for i, exp in zip(ids, exps, strict=True):
-                        start, n = starts[i], sizes[ids.index(i)]
+                    for i, n, exp in zip(ids, sizes, exps, strict=True):
+                        start = starts[i]
                         join(plane[start : start + n], exp, e.codec, u16[start : start + n])
                         crcs.append(zlib.crc32(u16[start : start + n]))
                     return crcs
