@@ -288,7 +288,7 @@ def test_splitfire_generate_runs_lines_under_their_adapters(base, tmp_path_facto
 
 
 # The MLP ones named by their parents (the dense first layer's and the shared experts').
-MLA_TARGETS = ("q_a_proj", "q_b_proj", "q_proj", "kv_a_proj_with_mqa", "o_proj", "shared_experts.gate_proj",
+MLA_TARGETS = ("q_a_proj", "q_b_proj", "q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "shared_experts.gate_proj",
                "shared_experts.up_proj", "shared_experts.down_proj", "0.mlp.gate_proj", "0.mlp.up_proj",
                "0.mlp.down_proj")
 
@@ -330,13 +330,26 @@ def test_latent_attention_and_shared_expert_adapters_equal_peft(family, override
     assert any("shared_experts.down_proj" in k for k in keys) and any("layers.0.mlp.up_proj" in k for k in keys)
 
 
-def test_latent_attention_kv_b_is_refused_by_name(tmp_path_factory):
-    fam = make_hf_model("deepseek_v3", tmp_path_factory.mktemp("ds-refuse") / "model")
-    eng = make_engine(fam.path, enable_lora=True, max_num_seqs=8, max_num_batched_tokens=64, threads=1)
-    kv_b, _ = adapter(fam, tmp_path_factory, "kvb", seed=5, targets=("kv_b_proj", "o_proj"))
-    with pytest.raises(RequestError, match="kv_b_proj: latent attention folds kv_b"):
-        eng.loras.load("kvb", kv_b)
-    assert eng.loras.names() == []
+@pytest.mark.parametrize("absorb", ["absorbed", "expanded", "expanded-chunks"])
+def test_latent_attention_kv_b_adapters_equal_peft(absorb, tmp_path_factory):
+    """kv_b_proj adapters: W_UK + B_K A folded into the queries and W_UV + B_V A applied to the attended
+    latents through the rank-R space (absorbed decode and short chunks), or the context up-projected by
+    kv_b + B A (the reference; long chunks) — two adapters of different ranks and the base in one batch."""
+    from engine.model.mla import MLAttention
+
+    fam = make_hf_model("deepseek_v3", tmp_path_factory.mktemp("ds-kvb") / "model")
+    a1, pm1 = adapter(fam, tmp_path_factory, "kvb", seed=5, targets=("kv_b_proj", "o_proj"))
+    a2, pm2 = adapter(fam, tmp_path_factory, "kvb-only", seed=6, r=4, rslora=True, targets=("kv_b_proj",))
+    eng = make_engine(fam.path, lora_modules={"a": str(a1), "b": str(a2)}, max_num_batched_tokens=64,
+                      max_num_seqs=8, threads=1, quantization=None)
+    attns = [m for m in eng.model.modules() if isinstance(m, MLAttention)]
+    assert attns and all(m.kv_b_target.lora is not None and m.kv_b_target.lora.held == {0, 1} for m in attns)
+    for m in attns:
+        m.absorb = absorb == "absorbed"  # (absorbed: decode rows, and chunks below the cost rule's size)
+        m.absorb_chunks = absorb != "expanded-chunks"
+    which = {"x": ("", fam.model), "a0": ("a", pm1), "b0": ("b", pm2), "a1": ("a", pm1), "b1": ("b", pm2)}
+    prompts, _ = batch_equals_peft(eng, fam, which, [7, 40, 3, 70, 12], 6, first=3)
+    assert all(peft_greedy(pm, prompts[r], 6) != fam.greedy(prompts[r], 6) for r, pm in (("a0", pm1), ("b1", pm2)))
 
 
 @pytest.mark.parametrize("overrides", [{}, {"q_lora_rank": "none", "rope_interleave": False}])

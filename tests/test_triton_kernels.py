@@ -559,22 +559,30 @@ def test_lora_sgmv_matches_the_segment_reference(rank, out_features):
 
 
 @ON_CPU_ONLY
-def test_adapters_on_the_triton_path_equal_peft(tmp_path_factory, monkeypatch):
+@pytest.mark.parametrize("family", ["llama3", "deepseek_v3"])
+def test_adapters_on_the_triton_path_equal_peft(family, tmp_path_factory, monkeypatch):
     """The engine with every kernel on the Triton path (interpreted), LoRA deltas by the SGMV kernels: two
-    adapters and the base in one batch equal peft's greedy tokens."""
+    adapters and the base in one batch equal peft's greedy tokens. DeepSeek-V3: kv_b adapters too, around
+    the latent-attention decode kernel (`kernels/mla_triton.py`)."""
     pytest.importorskip("peft")
     from engine_helpers import make_engine
     from hf_models import make_hf_model
     from test_lora import adapter, batch_equals_peft
 
-    from engine.model.kernels import kernels, lora_triton
+    from engine.model.kernels import kernels, lora_triton, mla_triton
 
-    base = make_hf_model("llama3", tmp_path_factory.mktemp("lora-base") / "model")
-    a1, pm1 = adapter(base, tmp_path_factory, "one", seed=1)
-    a2, pm2 = adapter(base, tmp_path_factory, "two", seed=2, r=4, rslora=True)
+    # (DeepSeek-V3 with a 16-dim RoPE key: the latent decode kernel's dimensions are powers of two >= 16)
+    base = make_hf_model(family, tmp_path_factory.mktemp("lora-base") / "model",
+                         **({} if family == "llama3" else {"qk_rope_head_dim": 16}))
+    targets = {} if family == "llama3" else {"targets": ("q_a_proj", "kv_b_proj", "o_proj")}
+    a1, pm1 = adapter(base, tmp_path_factory, "one", seed=1, **targets)
+    a2, pm2 = adapter(base, tmp_path_factory, "two", seed=2, r=4, rslora=True, **targets)
     calls: list[int] = []
     kernel = lora_triton.sgmv
     monkeypatch.setattr(lora_triton, "sgmv", lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
+    latent: list[int] = []
+    mla = mla_triton.mla_decode
+    monkeypatch.setattr(mla_triton, "mla_decode", lambda *a, **kw: latent.append(1) or mla(*a, **kw))
     monkeypatch.setenv("SPLITFIRE_KERNELS", "triton")
     kernels.cache_clear()
     try:
@@ -583,5 +591,6 @@ def test_adapters_on_the_triton_path_equal_peft(tmp_path_factory, monkeypatch):
         which = {"b0": ("", base.model), "o0": ("one", pm1), "t0": ("two", pm2), "o1": ("one", pm1)}
         batch_equals_peft(eng, base, which, [5, 30, 12, 21], 5)
         assert calls  # the deltas went through the kernels
+        assert bool(latent) == (family == "deepseek_v3")  # (and the latent decode through its kernel)
     finally:
         kernels.cache_clear()

@@ -3,7 +3,7 @@
 A directory holds `adapter_config.json` (rank `r`, `lora_alpha`, `use_rslora`, `target_modules`, ...)
 and `adapter_model.safetensors` with `...layers.{i}.self_attn.{q,k,v,o}_proj.lora_{A,B}.weight` and
 `...layers.{i}.mlp.{gate,up,down}_proj.lora_{A,B}.weight` (A `[r, in]`, B `[out, r]`); latent attention
-(DeepSeek-V2/V3, Kimi-K2) has `q_proj` or `q_a_proj` + `q_b_proj`, `kv_a_proj_with_mqa` and `o_proj`, a
+(DeepSeek-V2/V3, Kimi-K2) has `q_proj` or `q_a_proj` + `q_b_proj`, `kv_a_proj_with_mqa`, `kv_b_proj` and `o_proj`, a
 mixture of experts' shared expert `mlp.shared_expert(s).{gate,up,down}_proj`. Each adapter becomes, per
 projection of the model (`DecoderModel.lora_targets`), one A and one B ready for `LoRAWeights.set`: the
 scale (`alpha / r`, or `alpha / sqrt(r)` with rsLoRA) folded into B; B rows that feed RoPE put in the
@@ -14,8 +14,7 @@ attention's per-head rope rows as the loader reorders them); fused projections' 
 Everything that cannot be served exactly is refused by name (`LoRAError`, a 400 at the edge): a
 missing or unreadable file, a rank above `--max-lora-rank`, DoRA, per-module rank or alpha patterns,
 trained biases, extra saved modules, a target this model lacks or that splitfire does not adapt
-(latent attention's kv_b_proj — folded into the queries and outputs at decode —, per-expert modules of
-transformers-4 layouts, embeddings, the LM head), and factors whose shapes do not fit (an adapter made
+(per-expert modules of transformers-4 layouts, embeddings, the LM head), and factors whose shapes do not fit (an adapter made
 for another base model). Routed experts are read in peft's layout for stacked expert parameters
 (`_expert_factors`).
 """
@@ -43,7 +42,7 @@ _KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(self_attn|mlp)\.(shared_experts?\.)?
 # A projection's place in each kind of layer: (the fused linear's name, the part's index among its parts)
 _ATTENTION = {"q_proj": ("qkv", 0), "k_proj": ("qkv", 1), "v_proj": ("qkv", 2), "o_proj": ("o", 0)}
 _LATENT = {"q_proj": ("qkv_a", 0), "q_a_proj": ("qkv_a", 0), "kv_a_proj_with_mqa": ("qkv_a", 1),
-           "q_b_proj": ("q_b", 0), "o_proj": ("o", 0)}
+           "q_b_proj": ("q_b", 0), "kv_b_proj": ("kv_b", 0), "o_proj": ("o", 0)}
 _MLP = {"gate_proj": ("gate_up", 0), "up_proj": ("gate_up", 1), "down_proj": ("down", 0)}
 # peft's LoRA on the stacked routed-expert parameters (`target_parameters`: gate_up_proj, down_proj), one
 # wrapper inside the other: `experts.lora_*` and `experts.base_layer.lora_*`.
@@ -66,9 +65,6 @@ def _place(name: str, layer: int, block, where: str, proj: str) -> tuple[str, in
     attn, mlp = block.attn, block.mlp
     if where == "self_attn":
         if isinstance(attn, MLAttention):
-            if proj == "kv_b_proj":
-                raise LoRAError(f"adapter {name!r}: layer {layer} kv_b_proj: latent attention folds kv_b into the "
-                                "queries and outputs at decode, so it takes no LoRA adapter (retrain without it)")
             if proj in ("q_proj", "q_a_proj") and (proj == "q_a_proj") != (attn.q_b is not None):
                 raise LoRAError(f"adapter {name!r}: layer {layer} has no {proj} (made for another base model?)")
             table = _LATENT
@@ -106,7 +102,7 @@ def _geometry(model: DecoderModel, block, linear: str) -> tuple[list[_Part], ran
                      _Part(cfg.num_kv_heads * d, kv_rows, lambda b: interleave_rope_rows(b, cfg.num_kv_heads)),
                      _Part(cfg.num_kv_heads * d, kv_rows)], hidden, cfg.hidden_size)
         return [_Part(cfg.hidden_size, hidden)], q_rows, cfg.num_heads * d
-    if isinstance(attn, MLAttention) and linear in ("qkv_a", "q_b", "o"):
+    if isinstance(attn, MLAttention) and linear in ("qkv_a", "q_b", "kv_b", "o"):
         m = cfg.mla
         assert m is not None
         qk = m.qk_nope_head_dim + m.qk_rope_head_dim
@@ -126,6 +122,9 @@ def _geometry(model: DecoderModel, block, linear: str) -> tuple[list[_Part], ran
             q = (_Part(m.q_lora_rank, range(m.q_lora_rank)) if m.q_lora_rank
                  else _Part(cfg.num_heads * qk, per_head(qk), rope(cfg.num_heads, qk)))
             return [q, _Part(kv_rows, range(kv_rows), rope(1, kv_rows))], hidden, cfg.hidden_size
+        if linear == "kv_b":  # split by head like the base's (no RoPE rows: the keys' rope part is k_r)
+            per = m.qk_nope_head_dim + m.v_head_dim
+            return [_Part(cfg.num_heads * per, per_head(per))], range(m.kv_lora_rank), m.kv_lora_rank
         if linear == "q_b":
             return ([_Part(cfg.num_heads * qk, per_head(qk), rope(cfg.num_heads, qk))], range(m.q_lora_rank),
                     m.q_lora_rank)

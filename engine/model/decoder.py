@@ -26,7 +26,7 @@ from engine.model.cpu_decode import CpuDecodeLayers, supported
 from engine.model.kernels import cpu_ops
 from engine.model.kv_cache import KVCache
 from engine.model.layers import MLP, Linear, RMSNorm, cpu_packing_supported
-from engine.model.lora import ExpertLoRA, LoRAState, LoRAWeights
+from engine.model.lora import ExpertLoRA, LoRAState, LoRATarget, LoRAWeights
 from engine.model.mla import MLAttention
 from engine.model.model_config import LayerConfig, ModelConfig
 from engine.model.moe import Experts, MoE
@@ -168,18 +168,19 @@ class DecoderModel(nn.Module):
         self.lora_in_c = True  # steps with adapter rows may take the fused CPU decode loop (False: the module path)
         self.lora: LoRAState | None = None  # resident LoRA adapters (`lora.py`): the step's rows of each
 
-    def lora_targets(self) -> list[tuple[int, str, Linear, int]]:
+    def lora_targets(self) -> list[tuple[int, str, Linear | LoRATarget, int]]:
         """Every projection that takes LoRA adapters: (layer index, name, linear, fused parts). Attention q/k/v
-        and o; latent attention's q_a (or q) and kv_a (fused: `qkv_a`), q_b and o (kv_b is folded into the
-        queries and outputs at decode, so it takes none); MLP gate/up and down, and a mixture of experts'
-        shared expert's (`shared.gate_up`, `shared.down`). Routed experts are `Experts.lora` (`lora.ExpertLoRA`)."""
-        out: list[tuple[int, str, Linear, int]] = []
+        and o; latent attention's q_a (or q) and kv_a (fused: `qkv_a`), q_b, kv_b (read head by head: its
+        deltas are added inside the attention, `MLAttention.adapters`) and o; MLP gate/up and down, and a
+        mixture of experts' shared expert's (`shared.gate_up`, `shared.down`). Routed experts are
+        `Experts.lora` (`lora.ExpertLoRA`)."""
+        out: list[tuple[int, str, Linear | LoRATarget, int]] = []
         for i, layer in zip(self.layer_ids, self.layers, strict=True):
             attn, mlp = layer.attn, layer.mlp
             if isinstance(attn, Attention):
                 out += [(i, "qkv", attn.qkv, 3), (i, "o", attn.o, 1)]
             elif isinstance(attn, MLAttention):
-                out += [(i, "qkv_a", attn.qkv_a, 2), (i, "o", attn.o, 1)]
+                out += [(i, "qkv_a", attn.qkv_a, 2), (i, "kv_b", attn.kv_b_target, 1), (i, "o", attn.o, 1)]
                 if attn.q_b is not None:
                     out.append((i, "q_b", attn.q_b, 1))
             shared = mlp if isinstance(mlp, MLP) else mlp.shared if isinstance(mlp, MoE) else None

@@ -124,6 +124,7 @@ class LoRAWeights:
         self.bt = torch.zeros(slots, rank, out_features, dtype=c_dtype, device=device) if cpu else None
         self.a_c = (torch.zeros(slots, rank, in_features, dtype=torch.float16, device=device) if cpu and c_half
                     else self.a)  # (A as that loop reads it)
+        self.held: set[int] = set()  # slots holding this layer's factors (an adapter may not target it)
 
     def set(self, slot: int, a: torch.Tensor, b: torch.Tensor) -> None:
         """Adapter factors for `slot`: A `[r, in]`, B `[out, r]` (scaled), r at most `rank`."""
@@ -138,8 +139,10 @@ class LoRAWeights:
             self.bt[slot, :r] = b.T.to(self.bt.dtype)
         if self.a_c is not self.a:
             self.a_c[slot, :r] = a.to(self.a_c.dtype)
+        self.held.add(slot)
 
     def clear(self, slot: int) -> None:
+        self.held.discard(slot)
         self.a[slot].zero_()
         self.b[slot].zero_()
         if self.bt is not None:
@@ -162,6 +165,29 @@ class LoRAWeights:
         else:
             segment_deltas(x, out, self.a, self.b, rows.segments)
         return out
+
+
+    def row_groups(self, rows: slice) -> list[tuple[int, torch.Tensor]]:
+        """For the step's `rows` (a slice of its rows): each slot holding this layer's factors that some of
+        them run under, with their indices within the slice. Empty when no adapter row needs this layer."""
+        step = self.state.rows
+        if step is None or step.slots is None or not self.held:
+            return []
+        present = {s for a, b, s in step.segments if a < (rows.stop or 0) and b > (rows.start or 0)} & self.held
+        if not present:
+            return []
+        slots = step.slots[rows]
+        return [(s, (slots == s).nonzero().squeeze(1)) for s in sorted(present)]
+
+
+@dataclass
+class LoRATarget:
+    """A LoRA target that is not a `Linear` layer (latent attention's kv_b, which the attention reads head by
+    head instead of multiplying as a whole): its sizes, and its adapters' factors once enabled."""
+
+    in_features: int
+    out_features: int
+    lora: LoRAWeights | None = None
 
 
 class ExpertLoRA:

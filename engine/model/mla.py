@@ -20,6 +20,8 @@ Two ways to attend, held equal in tests/test_mla.py:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -27,9 +29,13 @@ from torch import nn
 from engine.model.attention import AttentionMetadata, DecodeBatch
 from engine.model.kernels import kernels
 from engine.model.layers import Linear, RMSNorm
+from engine.model.lora import LoRATarget
 from engine.model.model_config import LayerConfig, ModelConfig
 from engine.model.parallel import ONE, Shard
 from engine.model.rope import apply_rope
+
+# The kv_b adapters a run of rows uses: (A [R, rank], B [heads, nope + v, R] scaled, the rows' indices).
+Adapters = Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
 
 class MLAttention(nn.Module):
@@ -55,6 +61,9 @@ class MLAttention(nn.Module):
         self.kv_a_norm = RMSNorm(self.rank, cfg.rms_norm_eps)
         # [heads * (nope + v), rank], kept a plain float tensor: the absorbed path reads it per head.
         self.kv_b = nn.Parameter(torch.empty(self.heads * (self.nope + self.v_dim), self.rank), requires_grad=False)
+        # LoRA adapters on kv_b (`lora.py`): added where kv_b is read — on the expanded keys and values, or
+        # absorbed like kv_b itself (`_lora_queries`, `_lora_values`).
+        self.kv_b_target = LoRATarget(self.rank, self.heads * (self.nope + self.v_dim))
         self.o = Linear(self.heads * self.v_dim, cfg.hidden_size)
         if shard.parallel:
             self.o.reduce = shard
@@ -90,12 +99,34 @@ class MLAttention(nn.Module):
             rows = slice(seg.start, seg.start + seg.length)
             latents = self._pages(layer_cache, seg.blocks, x.dtype)[: seg.context_len]
             attend = self.attend_absorbed_chunk if self.absorbs(seg.length) else self.attend_expanded
-            out[rows] = attend(q_nope[rows], q_rope[rows], latents, seg.mask(None))
+            out[rows] = attend(q_nope[rows], q_rope[rows], latents, seg.mask(None), self.adapters(rows))
         for d in meta.decodes:
             rows = slice(d.start, d.start + d.blocks.shape[0])
             out[rows] = (self.attend_absorbed if self.absorb else self.attend_decode_expanded)(
-                q_nope[rows], q_rope[rows], layer_cache, d)
+                q_nope[rows], q_rope[rows], layer_cache, d, self.adapters(rows))
         return self.o(out.view(t, -1))
+
+    def adapters(self, rows: slice) -> Adapters:
+        """The kv_b adapters that the step's `rows` run under: (A [R, rank], B [heads, nope + v, R] scaled,
+        the rows' indices within `rows`) per adapter; empty for base rows or adapters that leave kv_b alone."""
+        lora = self.kv_b_target.lora
+        if lora is None:
+            return []
+        return [(lora.a[s], lora.b[s].view(self.heads, self.nope + self.v_dim, -1), idx)
+                for s, idx in lora.row_groups(rows)]
+
+    def _lora_queries(self, q_c: torch.Tensor, q_nope: torch.Tensor, adapters: Adapters) -> torch.Tensor:
+        """q_c [heads, L, rank] (W_UK^T q_nope) plus each adapter's (B_K A)^T q_nope for its rows: W_UK + B_K A
+        absorbed as W_UK is, through the rank-R space (nothing the size of kv_b is formed per adapter)."""
+        for a, b, idx in adapters:
+            q_c[:, idx] += torch.bmm(q_nope[idx].transpose(0, 1), b[:, : self.nope]) @ a
+        return q_c
+
+    def _lora_values(self, out: torch.Tensor, o_c: torch.Tensor, adapters: Adapters) -> torch.Tensor:
+        """out [L, heads, v] (W_UV o_c) plus each adapter's B_V A o_c for its rows; o_c [heads, L, rank]."""
+        for a, b, idx in adapters:
+            out[idx] += torch.bmm(o_c[:, idx] @ a.T, b[:, self.nope :].transpose(1, 2)).transpose(0, 1)
+        return out
 
     def absorbs(self, queries: int) -> bool:
         """Whether a chunk of `queries` rows is cheaper absorbed. Per context token, up-projecting costs
@@ -111,17 +142,26 @@ class MLAttention(nn.Module):
         pages = layer_cache.view(n, -1).index_select(0, blocks.reshape(-1)).view(-1, self.rank + self.rope)
         return pages.to(dtype)
 
-    def expand(self, latents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """latents [..., N, rank + rope] → keys [..., N, heads, nope + rope], values [..., N, heads, v]."""
-        kv = F.linear(latents[..., : self.rank], self.kv_b).unflatten(-1, (self.heads, self.nope + self.v_dim))
+    def expand(self, latents: torch.Tensor, adapters: Adapters = (), batched: bool = False
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """latents [..., N, rank + rope] → keys [..., N, heads, nope + rope], values [..., N, heads, v]. With
+        `adapters`, their rows' context is up-projected by kv_b + B A: one sequence's (`batched` False: its
+        adapter applies to every latent) or a batch's [B, N, ...] (the adapter's indices pick sequences)."""
+        c = latents[..., : self.rank]
+        kv = F.linear(c, self.kv_b).unflatten(-1, (self.heads, self.nope + self.v_dim))
+        for a, b, idx in adapters:
+            if batched:
+                kv[idx] += (c[idx] @ a.T @ b.flatten(0, 1).T).unflatten(-1, b.shape[:2])
+            else:
+                kv += (c @ a.T @ b.flatten(0, 1).T).unflatten(-1, b.shape[:2])
         k_rope = latents[..., None, self.rank :].expand(*kv.shape[:-1], self.rope)
         return torch.cat((kv[..., : self.nope], k_rope), dim=-1), kv[..., self.nope :]
 
     def attend_expanded(self, q_nope: torch.Tensor, q_rope: torch.Tensor, latents: torch.Tensor,
-                        mask: torch.Tensor | None) -> torch.Tensor:
+                        mask: torch.Tensor | None, adapters: Adapters = ()) -> torch.Tensor:
         """One sequence's queries [L, heads, *] against its whole context (causal; `mask` when the
         context is longer than the queries). Returns [L, heads, v]."""
-        k, v = self.expand(latents)
+        k, v = self.expand(latents, adapters)
         q = torch.cat((q_nope, q_rope), dim=-1).transpose(0, 1).unsqueeze(0)
         k, v = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
         if mask is None:
@@ -131,11 +171,11 @@ class MLAttention(nn.Module):
         return o[0].transpose(0, 1)
 
     def attend_absorbed_chunk(self, q_nope: torch.Tensor, q_rope: torch.Tensor, latents: torch.Tensor,
-                              mask: torch.Tensor | None) -> torch.Tensor:
+                              mask: torch.Tensor | None, adapters: Adapters = ()) -> torch.Tensor:
         """`attend_expanded` computed against the latents (the decode path's algebra for L queries):
         [L, heads, *] queries, [N, rank + rope] context, causal. Returns [L, heads, v]."""
         length, n = q_nope.shape[0], latents.shape[0]
-        q_c = torch.bmm(q_nope.transpose(0, 1), self.w_uk())  # [heads, L, rank]
+        q_c = self._lora_queries(torch.bmm(q_nope.transpose(0, 1), self.w_uk()), q_nope, adapters)  # [heads, L, rank]
         q = torch.cat((q_c, q_rope.transpose(0, 1)), dim=-1)  # [heads, L, rank + rope]
         scores = (q.reshape(-1, self.rank + self.rope) @ latents.T).view(self.heads, length, n)
         scores = scores.to(torch.promote_types(scores.dtype, torch.float32)).mul_(self.scale)
@@ -144,28 +184,30 @@ class MLAttention(nn.Module):
         scores.masked_fill_(~mask, float("-inf"))
         p = torch.softmax(scores, dim=-1).to(latents.dtype)
         o_c = (p.view(-1, n) @ latents[:, : self.rank]).view(self.heads, length, self.rank)
-        return torch.bmm(o_c, self.w_uv().transpose(1, 2)).transpose(0, 1)  # [L, heads, v]
+        return self._lora_values(torch.bmm(o_c, self.w_uv().transpose(1, 2)).transpose(0, 1), o_c, adapters)
 
     def attend_decode_expanded(self, q_nope: torch.Tensor, q_rope: torch.Tensor, layer_cache: torch.Tensor,
-                               d: DecodeBatch) -> torch.Tensor:
+                               d: DecodeBatch, adapters: Adapters = ()) -> torch.Tensor:
         """The reference decode: every context latent up-projected to per-head K and V each step."""
         b = d.blocks.shape[0]
-        k, v = self.expand(self._pages(layer_cache, d.blocks, q_nope.dtype).view(b, -1, self.rank + self.rope))
+        k, v = self.expand(self._pages(layer_cache, d.blocks, q_nope.dtype).view(b, -1, self.rank + self.rope),
+                           adapters, batched=True)
         q = torch.cat((q_nope, q_rope), dim=-1).unsqueeze(2)  # [B, heads, 1, nope + rope]
         o = F.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=d.mask, scale=self.scale)
         return o.squeeze(2)
 
     def attend_absorbed(self, q_nope: torch.Tensor, q_rope: torch.Tensor, layer_cache: torch.Tensor,
-                        d: DecodeBatch) -> torch.Tensor:
+                        d: DecodeBatch, adapters: Adapters = ()) -> torch.Tensor:
         """Decode against the latents: scores = (W_UK^T q_nope)·c + q_rope·k_r, out = W_UV (Σ p c)."""
         b = d.blocks.shape[0]
-        q_c = torch.bmm(q_nope.transpose(0, 1), self.w_uk())  # [heads, B, rank]
+        q_c = self._lora_queries(torch.bmm(q_nope.transpose(0, 1), self.w_uk()), q_nope, adapters)  # [heads, B, rank]
         fused = kernels("mla_triton", layer_cache.device.type)
         if (fused is not None and d.context_lens is not None
                 and fused.supported(self.rank, self.rope, layer_cache.shape[2])):
             # Pages read in place through the block table (kernels/mla_triton.py).
-            o_c = fused.mla_decode(q_c.transpose(0, 1), q_rope, layer_cache, d.blocks, d.context_lens, self.scale)
-            return torch.bmm(o_c.transpose(0, 1), self.w_uv().transpose(1, 2)).transpose(0, 1)
+            o_c = fused.mla_decode(q_c.transpose(0, 1), q_rope, layer_cache, d.blocks, d.context_lens,
+                                   self.scale).transpose(0, 1)
+            return self._lora_values(torch.bmm(o_c, self.w_uv().transpose(1, 2)).transpose(0, 1), o_c, adapters)
         latents = self._pages(layer_cache, d.blocks, q_nope.dtype).view(b, -1, self.rank + self.rope)
         q = torch.cat((q_c.transpose(0, 1), q_rope), dim=-1)  # [B, heads, rank + rope]
         # Softmax in float32 at least (bfloat16 scores would round the weights).
@@ -173,5 +215,5 @@ class MLAttention(nn.Module):
         scores = scores.to(torch.promote_types(scores.dtype, torch.float32)).mul_(self.scale)  # [B, heads, N]
         scores.masked_fill_(~d.mask.view(b, 1, -1), float("-inf"))
         p = torch.softmax(scores, dim=-1).to(latents.dtype)
-        o_c = torch.bmm(p, latents[..., : self.rank])  # [B, heads, rank]
-        return torch.bmm(o_c.transpose(0, 1), self.w_uv().transpose(1, 2)).transpose(0, 1)  # [B, heads, v]
+        o_c = torch.bmm(p, latents[..., : self.rank]).transpose(0, 1)  # [heads, B, rank]
+        return self._lora_values(torch.bmm(o_c, self.w_uv().transpose(1, 2)).transpose(0, 1), o_c, adapters)
