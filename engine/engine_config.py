@@ -143,9 +143,6 @@ class EngineConfig:
             if len(self.lora_modules) > self.max_loras:
                 raise ValueError(f"--lora-modules names {len(self.lora_modules)} adapters; --max-loras is "
                                  f"{self.max_loras}")
-            if self.pipeline_parallel_size > 1:
-                raise ValueError("LoRA adapters with --pipeline-parallel-size above 1 are not supported yet "
-                                 "(tensor parallel is)")
         return self
 
     @property

@@ -66,17 +66,24 @@ class LoRAManager:
         self._write(slot, adapter)
         self.adapters[name], self.slots[name] = adapter, slot
         if self.on_install is not None:
-            self.on_install(adapter, slot)
+            try:
+                self.on_install(adapter, slot)
+            except LoRAError:  # another rank refused it (and those that took it have dropped it): undone here
+                del self.adapters[name], self.slots[name]
+                self._write(slot, None)
+                self.free.append(slot)
+                raise
         log.info("event=lora_loaded name=%s path=%s rank=%d slot=%d projections=%d mib=%.2f load_s=%.3f", name,
                  adapter.path,
                  adapter.rank, slot, len(adapter.factors), adapter.nbytes / 2**20, time.perf_counter() - t0)
         return adapter
 
-    def _write(self, slot: int, adapter: LoRAAdapter) -> None:
+    def _write(self, slot: int, adapter: LoRAAdapter | None) -> None:
+        """`adapter`'s factors into `slot` (None: the slot cleared)."""
         for i, name, lin, _ in self.model.lora_targets():
             if lin.lora is None:
                 continue
-            ab = adapter.factors.get((i, name))
+            ab = adapter.factors.get((i, name)) if adapter is not None else None
             if ab is None:
                 lin.lora.clear(slot)
             else:
@@ -85,7 +92,7 @@ class LoRAManager:
             ex = getattr(layer.mlp, "experts", None)
             if ex is None or ex.lora is None:
                 continue
-            factors = adapter.expert_factors.get(i)
+            factors = adapter.expert_factors.get(i) if adapter is not None else None
             if factors is None:
                 ex.lora.clear(slot)
             else:

@@ -314,8 +314,25 @@ class RankGroup:
 
     def lora(self, op: tuple) -> None:
         """A LoRA adapter placed in or freed from a slot on rank 0: every other rank does the same with
-        its own slices (between steps: the engine thread sends it)."""
+        its own slices (between steps: the engine thread sends it). An install waits for every rank's
+        answer: a rank that cannot take the adapter (under pipeline parallelism rank 0 reads only its own
+        stage's layers) answers why, the ranks that took it drop it again, and LoRAError names the rank."""
         self._send(("lora", op))
+        if op[0] != "install":
+            return
+        refused = []
+        for r, conn in enumerate(self.conns, start=1):
+            try:
+                answer = pickle.loads(conn.recv_bytes())
+            except (EOFError, OSError) as e:
+                raise RankFailed(f"tensor parallel rank {r} is gone: {e}") from e
+            if answer is not None:
+                refused.append(f"rank {r}: {answer}")
+        if refused:
+            self._send(("lora", ("drop", op[1])))
+            from engine.loading.lora_adapters import LoRAError
+
+            raise LoRAError("; ".join(refused))
 
     def land(self, op: tuple[list[int], list[int], list[tuple[int, int, int]]]) -> None:
         """K/V that landed in spare blocks: every other rank moves its sections into place
@@ -442,12 +459,16 @@ def follower(rank: int, extension: RankExtension | None = None) -> None:
     kv = KVCache(layout, device)
     loras = None
     if config.lora:  # the same adapters in the same slots as rank 0, this rank's slices of them
-        from engine.loading.lora_adapters import read_adapter
+        from engine.loading.lora_adapters import LoRAError, read_adapter
         from engine.loras import LoRAManager
 
         loras = LoRAManager(model, config.max_loras, config.max_lora_rank, config.lora_dtype == "float16")
         for name, path in config.lora_modules.items():
-            loras.load(name, path)
+            try:
+                loras.load(name, path)
+            except Exception as e:
+                conn.send_bytes(pickle.dumps(f"cannot load --lora-modules {name}={path}: {type(e).__name__}: {e}"))
+                raise
     try:
         info = extension.on_ready(kv) if extension is not None else None
     except Exception as e:
@@ -471,9 +492,17 @@ def follower(rank: int, extension: RankExtension | None = None) -> None:
             kind, plan = msg[0], msg[1]
             if kind == "lora":
                 assert loras is not None
-                if plan[0] == "install":
+                if plan[0] == "install":  # answered: None, or why this rank's layers cannot take it
                     _, name, path, slot = plan
-                    loras.install(read_adapter(name, path, model, config.max_lora_rank), slot=slot)
+                    try:
+                        loras.install(read_adapter(name, path, model, config.max_lora_rank), slot=slot)
+                    except LoRAError as e:
+                        conn.send_bytes(pickle.dumps(str(e)))
+                    else:
+                        conn.send_bytes(pickle.dumps(None))
+                elif plan[0] == "drop":  # another rank refused it: dropped where it was taken
+                    if plan[1] in loras.adapters:
+                        loras.free_now(plan[1])
                 else:
                     loras.free_now(plan[1])
                 continue

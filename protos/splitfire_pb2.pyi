@@ -220,7 +220,7 @@ class HealthRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HealthResponse(_message.Message):
-    __slots__ = ("status", "role", "model", "block_size", "max_model_len", "stream_port", "stream_mux", "adapters", "models", "resident")
+    __slots__ = ("status", "role", "model", "block_size", "max_model_len", "stream_port", "stream_mux", "adapters", "models", "resident", "adapter_models")
     STATUS_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -231,6 +231,7 @@ class HealthResponse(_message.Message):
     ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     MODELS_FIELD_NUMBER: _ClassVar[int]
     RESIDENT_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_MODELS_FIELD_NUMBER: _ClassVar[int]
     status: str
     role: str
     model: str
@@ -241,7 +242,8 @@ class HealthResponse(_message.Message):
     adapters: _containers.RepeatedScalarFieldContainer[str]
     models: _containers.RepeatedScalarFieldContainer[str]
     resident: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, status: _Optional[str] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., stream_port: _Optional[int] = ..., stream_mux: _Optional[bool] = ..., adapters: _Optional[_Iterable[str]] = ..., models: _Optional[_Iterable[str]] = ..., resident: _Optional[_Iterable[str]] = ...) -> None: ...
+    adapter_models: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, status: _Optional[str] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., stream_port: _Optional[int] = ..., stream_mux: _Optional[bool] = ..., adapters: _Optional[_Iterable[str]] = ..., models: _Optional[_Iterable[str]] = ..., resident: _Optional[_Iterable[str]] = ..., adapter_models: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class KVBlocksRequest(_message.Message):
     __slots__ = ()
@@ -262,12 +264,14 @@ class KVBlocksResponse(_message.Message):
     def __init__(self, seq: _Optional[int] = ..., hashes: _Optional[bytes] = ..., epoch: _Optional[str] = ..., enabled: _Optional[bool] = ..., stream: _Optional[str] = ...) -> None: ...
 
 class LoadAdapterRequest(_message.Message):
-    __slots__ = ("name", "path")
+    __slots__ = ("name", "path", "model")
     NAME_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
     name: str
     path: str
-    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ...) -> None: ...
+    model: str
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., model: _Optional[str] = ...) -> None: ...
 
 class LoadAdapterResponse(_message.Message):
     __slots__ = ("rank", "load_seconds")

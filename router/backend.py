@@ -37,6 +37,7 @@ class Probe:
     stream_port: int = 0  # workers: the HTTP port serving their token stream (0: gRPC only)
     stream_mux: bool = False  # workers: that port also serves all streams on one connection
     adapters: list[str] = field(default_factory=list)  # workers: LoRA adapters resident
+    adapter_models: list[str] = field(default_factory=list)  # workers hosting several models: each one's base
     # workers: (prompt tokens in flight, KV tokens held, decode tokens remaining), for reconciliation
     load: tuple[int, int, int] | None = None
     models: list[str] = field(default_factory=list)  # upstreams: what /v1/models lists

@@ -31,6 +31,8 @@ class Endpoint:
     stream_port: int = 0  # workers: their HTTP port serving the token stream (0: gRPC only)
     stream_mux: bool = False  # workers: that port also serves all streams on one connection
     adapters: set[str] = field(default_factory=set)  # workers: LoRA adapters resident (from health checks)
+    # workers hosting several base models: each adapter's base (model directory name); absent: served_model's
+    adapter_models: dict[str, str] = field(default_factory=dict)
     models: set[str] = field(default_factory=set)  # OpenAI upstreams: what their /v1/models lists
     served_model: str = ""  # workers: the model directory's name they report (a router serving several models)
     # workers hosting several base models (--on-demand-model): every one they serve, and those loaded now

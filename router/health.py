@@ -45,10 +45,11 @@ class HealthChecker:
                 log.info("event=endpoint_hosted_models role=%s address=%s models=%s resident=%s", ep.role, ep.address,
                          ",".join(probe.hosted) or "-", ",".join(probe.resident) or "-")
                 ep.hosted, ep.resident = set(probe.hosted), set(probe.resident)
-            if set(probe.adapters) != ep.adapters:
+            bases = dict(zip(probe.adapters, probe.adapter_models, strict=True)) if probe.adapter_models else {}
+            if set(probe.adapters) != ep.adapters or bases != ep.adapter_models:
                 log.info("event=endpoint_adapters role=%s address=%s adapters=%s", ep.role, ep.address,
-                         ",".join(sorted(probe.adapters)) or "-")
-                ep.adapters = set(probe.adapters)
+                         ",".join(f"{a}:{bases[a]}" if a in bases else a for a in sorted(probe.adapters)) or "-")
+                ep.adapters, ep.adapter_models = set(probe.adapters), bases
                 if self.on_adapters is not None:
                     self.on_adapters()
         if ok and probe.load is not None:

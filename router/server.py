@@ -329,8 +329,8 @@ class Router:
         self.adapter_names = names
         if self.multi:
             by_worker = {p.worker_model: p.name for p in self.pools.values()}
-            self.adapter_pool = {a: by_worker[ep.served_model] for ep in self.registry.all()
-                                 if ep.role != "openai" and ep.served_model in by_worker for a in ep.adapters}
+            self.adapter_pool = {a: by_worker[base] for ep in self.registry.all() if ep.role != "openai"
+                                 for a in ep.adapters if (base := ep.adapter_models.get(a, ep.served_model)) in by_worker}
 
     def _adapter_base(self, body: Any) -> ModelPool | None:
         """With several models, the load route's `model` names the adapter's base model (its workers
@@ -370,11 +370,12 @@ class Router:
         if name in self.model_names:
             raise bad_request(f"'{name}' is already served (the base model or a loaded adapter)", param="lora_name")
         eps = [ep for ep in self.registry.all() if ep.role != "openai"
-               and (base is None or ep.served_model == base.worker_model)]
+               and (base is None or ep.serves(base.worker_model))]
         if not eps:
             raise unavailable("no workers to load the adapter on")
         timeout = self.cfg.health_timeout_s * 20
-        results = await asyncio.gather(*(self.workers.load_adapter(ep, name, path, timeout) for ep in eps),
+        model = base.worker_model if base is not None else ""
+        results = await asyncio.gather(*(self.workers.load_adapter(ep, name, path, timeout, model) for ep in eps),
                                        return_exceptions=True)
         failed = [(ep, r) for ep, r in zip(eps, results, strict=True) if isinstance(r, BaseException)]
         if failed:
@@ -388,6 +389,8 @@ class Router:
             raise APIError(502, f"worker {ep.address} could not load adapter '{name}': {err}", type_="upstream_error")
         for ep in eps:
             ep.adapters.add(name)
+            if ep.hosted and model:
+                ep.adapter_models[name] = model
         self._refresh_adapters()
         log.info("event=lora_loaded name=%s path=%s endpoints=%d", name, path, len(eps))
         return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
@@ -406,6 +409,7 @@ class Router:
             if isinstance(r, BaseException):
                 log.warning("event=lora_unload_failed name=%s endpoint=%s error=%s", name, ep.address, r)
             ep.adapters.discard(name)
+            ep.adapter_models.pop(name, None)
         self._refresh_adapters()
         log.info("event=lora_unloaded name=%s endpoints=%d", name, len(eps))
         return web.Response(text=f"Success: LoRA adapter '{name}' removed successfully.")

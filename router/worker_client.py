@@ -224,11 +224,12 @@ class WorkerClient:
             timer.cancel()
             conn.finish(sid, cancel=not ended)  # a stream left early is cancelled on the worker
 
-    async def load_adapter(self, ep: Endpoint, name: str, path: str, timeout_s: float) -> None:
-        """A worker loads a LoRA adapter; its refusal (INVALID_ARGUMENT) becomes a 400 naming the problem."""
+    async def load_adapter(self, ep: Endpoint, name: str, path: str, timeout_s: float, model: str = "") -> None:
+        """A worker loads a LoRA adapter (into base model `model`, a worker hosting several; "": its first);
+        its refusal (INVALID_ARGUMENT) becomes a 400 naming the problem."""
         try:
-            await pbg.WorkerStub(self.channel(ep.address)).LoadAdapter(pb.LoadAdapterRequest(name=name, path=path),
-                                                                       timeout=timeout_s)
+            await pbg.WorkerStub(self.channel(ep.address)).LoadAdapter(
+                pb.LoadAdapterRequest(name=name, path=path, model=model), timeout=timeout_s)
         except grpc.aio.AioRpcError as e:
             if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
                 raise bad_request(e.details() or "the worker refused the adapter", param="lora_path") from e
@@ -257,7 +258,7 @@ class WorkerClient:
         h = await stub.Health(pb.HealthRequest(), timeout=timeout_s)
         probe = Probe(h.status == "serving", h.block_size, h.max_model_len, stream_port=h.stream_port,
                       stream_mux=h.stream_mux, adapters=list(h.adapters), model=h.model, hosted=list(h.models),
-                      resident=list(h.resident))
+                      resident=list(h.resident), adapter_models=list(h.adapter_models))
         if probe.ok:
             # Load reconciliation is best effort: a slow Stats answer is not a sick worker.
             try:

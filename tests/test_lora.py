@@ -266,6 +266,51 @@ def test_adapters_under_two_tensor_parallel_ranks_equal_peft(base, tmp_path_fact
         eng.close()
 
 
+@pytest.mark.parametrize("tp", [1, 2])
+def test_adapters_over_pipeline_stages_equal_peft(base, tmp_path_factory, tp):
+    """Pipeline parallel (TP inside each stage): every stage holds its own layers' factors, and each
+    micro-batch's adapter rows travel with it; an adapter loaded at run time reaches every stage."""
+    a1, pm1 = adapter(base, tmp_path_factory, "one", seed=1)
+    a2, pm2 = adapter(base, tmp_path_factory, "two", seed=2, r=4, rslora=True)
+    eng = make_engine(base.path, pipeline_parallel_size=2, tensor_parallel_size=tp, lora_modules={"one": str(a1)},
+                      max_loras=2, threads=1, quantization=None, max_num_seqs=4, max_num_batched_tokens=32)
+    try:
+        eng.load_adapter("two", str(a2))
+        which = {"b": ("", base.model), "o": ("one", pm1), "t": ("two", pm2), "o2": ("one", pm1)}
+        batch_equals_peft(eng, base, which, [12, 40, 25, 7], 6)
+    finally:
+        eng.close()
+
+
+def test_an_adapter_a_later_stage_refuses_leaves_every_stage_as_it_was(base, tmp_path_factory, tmp_path):
+    """Under pipeline parallelism rank 0 reads only its own stage's layers: an adapter whose last layer does
+    not fit is refused by the stage that holds it (the error names the rank and the layer), the stages that
+    took it drop it again, and the adapters already loaded serve as before."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    a1, pm1 = adapter(base, tmp_path_factory, "one", seed=1)
+    bad = tmp_path / "bad"
+    shutil.copytree(a1, bad)
+    tensors = load_file(str(bad / "adapter_model.safetensors"))
+    last = base.config["num_hidden_layers"] - 1
+    key = next(k for k in tensors if f"layers.{last}.self_attn.q_proj.lora_B" in k)
+    tensors[key] = torch.randn(tensors[key].shape[0] + 8, tensors[key].shape[1])  # (a wider model's q_proj)
+    save_file(tensors, str(bad / "adapter_model.safetensors"))
+    eng = make_engine(base.path, pipeline_parallel_size=2, lora_modules={"one": str(a1)}, max_loras=2, threads=1,
+                      quantization=None)
+    try:
+        with pytest.raises(RequestError, match=rf"rank 1: adapter 'bad': layer {last} q_proj factors .* do not fit"):
+            eng.load_adapter("bad", str(bad))
+        assert eng.loras.names() == ["one"] and len(eng.loras.free) == 1
+        eng.load_adapter("bad", str(a1))  # the name and the slot are free again, on every stage
+        which = {"o": ("one", pm1), "x": ("bad", pm1), "b": ("", base.model)}
+        batch_equals_peft(eng, base, which, [12, 30, 9], 5)
+    finally:
+        eng.close()
+
+
 def test_splitfire_generate_runs_lines_under_their_adapters(base, tmp_path_factory, tmp_path):
     """`splitfire generate --lora-modules one=DIR`: a JSONL line's `adapter` picks it; an unknown one is that
     line's error, and the others are unaffected."""

@@ -245,3 +245,74 @@ async def test_a_worker_asked_for_a_model_it_does_not_serve_answers_not_found(ti
         assert e.value.code() == grpc.StatusCode.NOT_FOUND and tiny_model_dir.name in e.value.details()
     finally:
         assert w.stop() == 0
+
+
+async def test_adapters_of_a_model_loaded_on_demand_survive_its_eviction(three_models, tmp_path):
+    """`POST /v1/load_lora_adapter` naming a model loaded on demand: the worker makes it resident, places the
+    adapter, and places it again each time the model is loaded after an eviction; requests under it equal
+    peft; /v1/models names its parent; unloaded, it is gone (404) and not placed again."""
+    import shutil
+
+    from test_lora import TARGETS, _peft_model, peft_greedy
+
+    a, b, c = three_models
+    root = tmp_path / "adapters"
+    pm = _peft_model(str(b.path), str(root / "b-ad"), 7, 16, False, tuple(TARGETS))
+    port = free_port()
+    p = spawn("up", ["up", "--model", str(a.path), "--model", str(b.path), "--model", str(c.path),
+                     "--shared-workers", "1", "--max-loaded-models", "2", "--lora-root", str(root), "--no-redis",
+                     "--no-kv-store", "--port", str(port), "--kv-cache-gb", "0.01",
+                     "--router-arg=--health-interval=0.2"], tmp_path)
+    base = f"http://127.0.0.1:{port}"
+    prompt = [(5 * j) % 300 + 3 for j in range(12)]
+    want = Tokenizer(b.path).decode(peft_greedy(pm, prompt, 5))
+    assert want != Tokenizer(b.path).decode(b.greedy(prompt, 5))  # (the adapter matters)
+
+    async def complete(s: aiohttp.ClientSession, model: str) -> tuple[int, dict]:
+        async with s.post(f"{base}/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": 5,
+                                                          "temperature": 0, "ignore_eos": True}) as r:
+            return r.status, await r.json()
+
+    try:
+        p.wait_for("splitfire is ready", timeout=180)
+        async with aiohttp.ClientSession() as s:
+            async with s.post(f"{base}/v1/load_lora_adapter", json={
+                    "model": "qwen-b", "lora_name": "b-ad", "lora_path": str(root / "b-ad")}) as r:
+                assert r.status == 200, await r.text()
+            async with s.post(f"{base}/v1/load_lora_adapter", json={  # (another base's name: refused by name)
+                    "model": "llama-c", "lora_name": "b-ad", "lora_path": str(root / "b-ad")}) as r:
+                assert r.status == 400 and "b-ad" in (await r.json())["error"]["message"]
+            for model in ("b-ad", "llama-c", "llama-a", "b-ad"):  # llama-c evicts qwen-b; b-ad loads it again
+                status, body = await complete(s, model)
+                assert status == 200, body
+                if model == "b-ad":
+                    assert body["choices"][0]["text"] == want
+            async with s.get(f"{base}/v1/models") as r:
+                cards = {m["id"]: m for m in (await r.json())["data"]}
+            assert cards["b-ad"]["parent"] == "qwen-b"
+            async with s.post(f"{base}/v1/unload_lora_adapter", json={"lora_name": "b-ad"}) as r:
+                assert r.status == 200, await r.text()
+            status, body = await complete(s, "b-ad")
+            assert status == 404, body
+            # An adapter whose files break while its model is evicted: the reload drops it, by name, in the log.
+            shutil.copytree(root / "b-ad", root / "b-gone")
+            async with s.post(f"{base}/v1/load_lora_adapter", json={
+                    "model": "qwen-b", "lora_name": "b-gone", "lora_path": str(root / "b-gone")}) as r:
+                assert r.status == 200, await r.text()
+            (root / "b-gone" / "adapter_model.safetensors").write_bytes(b"not safetensors")
+            assert (await complete(s, "llama-c"))[0] == 200  # (qwen-b evicted)
+            status, body = await complete(s, "b-gone")
+            assert status in (400, 404) and "'b-gone' is not loaded" in body["error"]["message"], body
+            assert (await complete(s, "qwen-b"))[0] == 200  # the model itself serves on
+            await asyncio.sleep(0.6)
+            async with s.get(f"{base}/v1/models") as r:
+                assert "b-gone" not in {m["id"] for m in (await r.json())["data"]}
+        log = p.log()
+        assert "event=lora_reinstall_failed model=qwen-b name=b-gone" in log
+        # qwen-b loaded by the first load route, again for b-ad after llama-c evicted it, and for b-gone
+        assert log.count("event=model_loaded model=qwen-b") == 3 and log.count("event=model_evicted model=qwen-b") == 2
+        # placed by the load route, and again when qwen-b was loaded after its eviction
+        assert len(re.findall(r"event=lora_loaded name=b-ad path=\S+ rank=16 slot=0", log)) == 2
+    finally:
+        p.popen.send_signal(signal.SIGTERM)
+        assert p.popen.wait(60) == 0, p.log()[-3000:]

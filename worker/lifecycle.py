@@ -21,6 +21,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from common import gc_heap
+from common.errors import RequestError
 from common.tokenizer import Tokenizer
 from engine.async_engine import AsyncEngine
 from engine.engine_config import EngineConfig
@@ -112,10 +113,10 @@ class ResidentModel:
 
 def _hosted_engine_config(cfg: WorkerConfig, path: str) -> EngineConfig:
     """A model loaded on demand: the worker's engine settings, without what belongs to its first model
-    (LoRA adapters, a draft model or EAGLE head)."""
+    (its --lora-modules, a draft model or EAGLE head). With LoRA on, it has adapter slots of its own."""
     spec = cfg.engine.speculative if cfg.engine.speculative == "ngram" else "off"
-    return dataclasses.replace(cfg.engine, model=path, lora_modules={}, enable_lora=False, speculative=spec,
-                               draft_model=None)
+    return dataclasses.replace(cfg.engine, model=path, lora_modules={}, enable_lora=cfg.engine.lora,
+                               speculative=spec, draft_model=None)
 
 
 def _footprint(engine: LLMEngine) -> int:
@@ -143,6 +144,13 @@ def host_models(ctx: WorkerContext, make_service: Callable[[WorkerContext], Any]
         engine = await asyncio.to_thread(LLMEngine, _hosted_engine_config(cfg, hm.path), None,
                                          tokenizers.get(hm.name))
         tokenizers[hm.name] = engine.tokenizer
+        for name, path in list(hm.adapters.items()):  # (loaded for it at run time: back in its new engine)
+            try:
+                await asyncio.to_thread(engine.load_adapter, name, path)
+            except RequestError as e:  # (its files changed since): dropped, named in the log and metrics
+                log.error("event=lora_reinstall_failed model=%s name=%s path=%s error=%s", hm.name, name, path, e)
+                m.adapter_loads.labels(role=m.role, op="refused").inc()
+                del hm.adapters[name]
         sub = WorkerContext(cfg, AsyncEngine(engine), m, model_name=hm.name, inflight=ctx.inflight)
         sub.engine.on_step = _on_step(sub)
         sub.engine.start()

@@ -20,7 +20,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from common.errors import RequestError
@@ -44,6 +44,8 @@ class HostedModel:
     loads: int = 0
     pinned: bool = False  # never evicted (the worker's first model: its hot standby)
     evicting: bool = False  # chosen for eviction: takes no new request until it is gone (and loaded again)
+    # LoRA adapters loaded for it at run time (name -> path): installed again each time it is loaded
+    adapters: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ class WorkerContext:
     inflight: set[str] = field(default_factory=set)  # request ids with an open RPC
     kv_tier: Any = None  # worker.kv_tier.KVTier when a cluster-wide KV store is configured
     stream_port: int = 0  # the HTTP port serving Decode.Generate as frames (0: gRPC only)
-    adapters: list[str] = field(default_factory=list)  # LoRA adapters taking requests (as of the last change)
+    adapters: list[str] = field(default_factory=list)  # its engine's LoRA adapters taking requests (as of the last change)
     kv_events: Any = None  # worker.kv_events.KVEventPublisher with --redis-url
     host: Any = None  # worker.model_host.ModelHost when the worker serves several base models
 
@@ -87,51 +87,105 @@ class WorkerService(pb_grpc.WorkerServicer):
 
     async def Health(self, request: pb.HealthRequest, context) -> pb.HealthResponse:
         eng = self.ctx.engine.llm
+        adapters = self.adapters()
         return pb.HealthResponse(
             status="draining" if self.ctx.draining else "serving",
             role=self.ctx.config.role,
             model=self.ctx.model_name,
             block_size=eng.config.block_size,
             max_model_len=eng.max_model_len,
-            stream_port=self.ctx.stream_port, stream_mux=bool(self.ctx.stream_port), adapters=self.ctx.adapters,
+            stream_port=self.ctx.stream_port, stream_mux=bool(self.ctx.stream_port), adapters=list(adapters),
+            adapter_models=list(adapters.values()) if self.ctx.host is not None else [],
             models=self.ctx.host.names() if self.ctx.host is not None else [],
             resident=self.ctx.host.resident() if self.ctx.host is not None else [],
         )
 
+    def adapters(self) -> dict[str, str]:
+        """Every adapter this worker takes requests for, and the base model of each: the first model's (in
+        its engine) and, hosting several, those of the models loaded on demand — resident or not (an
+        evicted model's adapters are installed again when it is loaded)."""
+        out = dict.fromkeys(self.ctx.adapters, self.ctx.model_name)
+        if self.ctx.host is not None:
+            for hm in self.ctx.host.models.values():
+                if not hm.pinned:
+                    out.update(dict.fromkeys(hm.adapters, hm.name))
+        return out
+
+    def _hosted(self, model: str) -> Any:
+        """The on-demand model (`worker.model_host.HostedModel`) a load or unload names; None: the first."""
+        if not model or model == self.ctx.model_name:
+            return None
+        if self.ctx.host is None:
+            raise RequestError(f"model {model!r} is not served by this worker (it serves {self.ctx.model_name})")
+        hm = self.ctx.host.get(model)
+        return None if hm.pinned else hm
+
+    async def _install(self, ctx: WorkerContext, name: str, path: str) -> Any:
+        """Read an adapter off the engine thread and place it between steps (on `ctx`'s engine)."""
+        llm = ctx.engine.llm
+        if llm.loras is None:
+            raise RequestError("this worker serves no LoRA adapters: start it with --enable-lora or --lora-modules")
+        llm.loras.check_name(name)
+        adapter = await asyncio.to_thread(read_adapter, name, path, llm.model, llm.config.max_lora_rank)
+        await ctx.engine.call(lambda e: e.install_adapter(adapter))
+        return adapter
+
     async def LoadAdapter(self, request: pb.LoadAdapterRequest, context) -> pb.LoadAdapterResponse:
         """A LoRA adapter from under a --lora-root, read off the engine thread and placed between steps;
-        anything wrong is INVALID_ARGUMENT naming it, and nothing already loaded is touched."""
+        anything wrong is INVALID_ARGUMENT naming it, and nothing already loaded is touched. `model` names
+        a model loaded on demand: it is made resident for the load (as a request would), and the adapter is
+        installed again whenever that model is loaded after an eviction."""
         ctx, t0 = self.ctx, time.perf_counter()
-        llm = ctx.engine.llm
+        from worker.model_host import ModelUnavailable
+
         try:
-            if llm.loras is None:
-                raise RequestError("this worker serves no LoRA adapters: start it with --enable-lora or "
-                                   "--lora-modules")
-            llm.loras.check_name(request.name)
+            hosted = self._hosted(request.model)
+            if request.name in self.adapters():
+                raise RequestError(f"adapter {request.name!r} is already loaded on this worker")
             path = ctx.config.lora_path(request.path)
-            adapter = await asyncio.to_thread(read_adapter, request.name, path, llm.model, llm.config.max_lora_rank)
-            await ctx.engine.call(lambda e: e.install_adapter(adapter))
+            if hosted is None:
+                adapter = await self._install(ctx, request.name, path)
+            else:
+                hm = await ctx.host.acquire(hosted.name)
+                try:
+                    adapter = await self._install(hm.resident.ctx, request.name, path)
+                    hm.adapters[request.name] = path
+                finally:
+                    ctx.host.release(hm)
         except (RequestError, ValueError) as e:
-            log.warning("event=lora_load_refused name=%s path=%s error=%s", request.name, request.path, e)
+            log.warning("event=lora_load_refused name=%s path=%s model=%s error=%s", request.name, request.path,
+                        request.model or ctx.model_name, e)
             ctx.metrics.adapter_loads.labels(role=ctx.config.role, op="refused").inc()
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        ctx.adapters = await ctx.engine.call(lambda e: e.adapters)
+        except ModelUnavailable as e:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        if hosted is None:
+            ctx.adapters = await ctx.engine.call(lambda e: e.adapters)
         seconds = time.perf_counter() - t0
         m = ctx.metrics
         m.adapter_loads.labels(role=ctx.config.role, op="ok").inc()
         m.adapter_load_seconds.labels(**m.labels).observe(seconds)
-        m.adapters_resident.labels(**m.labels).set(len(ctx.adapters))
+        m.adapters_resident.labels(**m.labels).set(len(self.adapters()))
         return pb.LoadAdapterResponse(rank=adapter.rank, load_seconds=seconds)
 
     async def UnloadAdapter(self, request: pb.UnloadAdapterRequest, context) -> pb.UnloadAdapterResponse:
+        ctx = self.ctx
+        owner = self.adapters().get(request.name)
         try:
-            gone = await self.ctx.engine.call(lambda e: e.unload_adapter(request.name))
+            hosted = self._hosted(owner) if owner is not None else None
+            if hosted is None:
+                gone = await ctx.engine.call(lambda e: e.unload_adapter(request.name))
+                ctx.adapters = await ctx.engine.call(lambda e: e.adapters)
+            else:  # not installed again at the next load; requests running under it finish
+                del hosted.adapters[request.name]
+                resident = hosted.resident
+                gone = True if resident is None else await resident.ctx.engine.call(
+                    lambda e: e.unload_adapter(request.name))
         except RequestError as e:
             await context.abort(grpc.StatusCode.NOT_FOUND, str(e))
-        self.ctx.adapters = await self.ctx.engine.call(lambda e: e.adapters)
-        m = self.ctx.metrics
-        m.adapter_loads.labels(role=self.ctx.config.role, op="unloaded").inc()
-        m.adapters_resident.labels(**m.labels).set(len(self.ctx.adapters))
+        m = ctx.metrics
+        m.adapter_loads.labels(role=ctx.config.role, op="unloaded").inc()
+        m.adapters_resident.labels(**m.labels).set(len(self.adapters()))
         return pb.UnloadAdapterResponse(pending=not gone)
 
     async def Stats(self, request: pb.StatsRequest, context) -> pb.StatsResponse:
