@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 STOP_TIMEOUT_S = 20.0
 
@@ -166,6 +167,11 @@ async def up(args: argparse.Namespace) -> int:
     # (the same layout), one router in front (requests go to the workers of the model they name).
     model_dirs = [str(resolve_model(m)) for m in (args.model or [os.environ.get("SPLITFIRE_MODEL")])]
     names = [Path(d).name for d in model_dirs]
+    stray = [i + 1 for i in (*args.served_names, *args.lora_by_model) if i >= len(model_dirs)]
+    if stray:
+        print(f"splitfire up: --served-model-name / --lora-modules after --model number {stray[0]}, but only "
+              f"{len(model_dirs)} given", flush=True)
+        return 2
     if len(set(names)) != len(names):
         print(f"splitfire up: two models in directories of the same name ({names}): the router tells their "
               "workers apart by it", flush=True)
@@ -185,8 +191,9 @@ async def up(args: argparse.Namespace) -> int:
     elif not redis_url:
         print("splitfire up: redis-server not found (or --no-redis): session affinity lives in the router's memory",
               flush=True)
+    lora_any = any(args.lora_by_model.values())
     if (args.max_loras is not None or args.max_lora_rank is not None or args.lora_dtype is not None) and not (
-            args.lora_modules or args.lora_root):
+            lora_any or args.lora_root):
         print("splitfire up: --max-loras / --max-lora-rank / --lora-dtype need --lora-modules or --lora-root", flush=True)
         return 2
     tp, pp = args.tensor_parallel_size, args.pipeline_parallel_size
@@ -224,15 +231,22 @@ async def up(args: argparse.Namespace) -> int:
         which = [i % len(model_dirs) for i in range(args.shared_workers)]
     cpus = plan_cpus(args.cpus, len(roles))  # (a worker's ranks share its cores: engine/ranks.threads_per_rank)
     gpus = plan_gpus(args.gpus, len(roles), gpu_count(args.device), [role_tp[r] * role_pp[r] for r in roles])
-    if args.lora_modules or args.lora_root:
+    if lora_any or args.lora_root:
         for flag, value in (("--max-loras", args.max_loras), ("--max-lora-rank", args.max_lora_rank),
                             ("--lora-dtype", args.lora_dtype)):
             if value is not None:
                 common += [flag, str(value)]
-        common += ["--lora-modules", *args.lora_modules] if args.lora_modules else ["--enable-lora"]
         for root in args.lora_root:
             common += ["--lora-root", root]
-    router_args = ["--served-model-name", args.served_model_name] if args.served_model_name else []
+
+    def lora_args(m: int) -> list[str]:
+        """A worker whose (first) model is model m: that model's --lora-modules (or slots for run-time loads)."""
+        if not (lora_any or args.lora_root):
+            return []
+        return ["--lora-modules", *args.lora_by_model[m]] if args.lora_by_model.get(m) else ["--enable-lora"]
+
+    served = [args.served_names.get(i) or n for i, n in enumerate(names)]
+    router_args = ["--served-model-name", args.served_names[0]] if args.served_names.get(0) else []
     addrs: dict[str, list[str]] = {"prefill": [], "decode": [], "both": []}
     workers = []
     count: dict[str, int] = {}
@@ -241,8 +255,8 @@ async def up(args: argparse.Namespace) -> int:
         port = _pick_port({"prefill": 50061, "decode": 50051, "both": 50051}[role], taken)
         count[role] = count.get(role, -1) + 1
         name = {"both": "serve"}.get(role, role) + f"-{count[role]}"
-        argv = [*exe, {"both": "serve"}.get(role, role), "--model", model_dirs[m], *common, *kv_stores[m],
-                "--grpc-port", str(port)]
+        argv = [*exe, {"both": "serve"}.get(role, role), "--model", model_dirs[m], *common, *lora_args(m),
+                *kv_stores[m], "--grpc-port", str(port)]
         if redis_url:  # KV events for the routers' exact prefix index (and self-registration, same address)
             argv += ["--redis-url", redis_url, "--advertise", f"127.0.0.1:{port}"]
         if role_tp[role] > 1:
@@ -268,7 +282,7 @@ async def up(args: argparse.Namespace) -> int:
     children += workers
     router_argv = [*exe, "router", "--model", model_dir, "--port", str(args.port), "--policy", args.policy,
                               *router_args,
-                              *(f"--extra-model={n}={d}" for n, d in zip(names[1:], model_dirs[1:], strict=True)),
+                              *(f"--extra-model={n}={d}" for n, d in zip(served[1:], model_dirs[1:], strict=True)),
                               *(["--prefill", *addrs["prefill"]] if addrs["prefill"] else []),
                               *(["--decode", *addrs["decode"]] if addrs["decode"] else []),
                               *(["--colocated", *addrs["both"]] if addrs["both"] else []),
@@ -444,6 +458,24 @@ def _ready_banner(port: int, model: str, took: float, addrs: dict[str, list[str]
 """
 
 
+class _OfLastModel(argparse.Action):
+    """A flag that belongs to the --model given last before it (to the first when none is yet):
+    `up --model A --lora-modules a=DIR --model B --served-model-name b --lora-modules b1=DIR`. Stored as
+    {model index: value} (`--lora-modules`: the NAME=PATH items, repeatable)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        i = max(len(namespace.model or []) - 1, 0)
+        table = dict(getattr(namespace, self.dest) or {})
+        if self.nargs == "+":
+            table[i] = [*table.get(i, []), *values]
+        elif i in table:
+            parser.error(f"{option_string} given twice for model {i + 1}")
+        else:
+            table[i] = values
+        setattr(namespace, self.dest, table)
+
+
 def add_subcommand(sub) -> None:
     p = sub.add_parser("up", help="run the whole system locally: Redis, workers, router")
     p.add_argument("--model", action="append", default=None,
@@ -495,13 +527,15 @@ def add_subcommand(sub) -> None:
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     p.add_argument("--kv-cache-gb", type=float, default=1.0)
-    p.add_argument("--served-model-name", default="", help="name clients send (default: the model directory's)")
+    p.add_argument("--served-model-name", action=_OfLastModel, dest="served_names", default={},
+                   help="name clients send for the --model given last before it (default: the model directory's)")
     p.add_argument("--no-redis", action="store_true", help="do not start Redis; keep affinity in the router")
     p.add_argument("--no-kv-store", action="store_true",
                    help="do not start mooncake_master: no KV cache shared between workers")
     p.add_argument("--kv-store-gb", type=float, default=1.0, help="memory each worker lends to the shared KV store")
-    p.add_argument("--lora-modules", nargs="+", action="extend", default=[], metavar="NAME=PATH",
-                   help="LoRA adapters every worker serves beside the model (a request names one as its model)")
+    p.add_argument("--lora-modules", nargs="+", action=_OfLastModel, dest="lora_by_model", default={},
+                   metavar="NAME=PATH", help="LoRA adapters of the --model given last before it, served by its "
+                   "workers (a request names one as its model)")
     p.add_argument("--lora-root", action="append", default=[], metavar="DIR",
                    help="adapters may be loaded at run time (POST /v1/load_lora_adapter) from under this directory")
     p.add_argument("--max-loras", type=int, default=None, help="adapters resident at once per worker (default 4; "
