@@ -22,7 +22,9 @@ drain the worker it just had to add. The correction is learned only from an inte
 was not just scaled up (the new workers' start and the backlog they inherit are not a capacity error),
 and it decays slowly (`correction_decay` per interval in which the SLO is met) so one burst does not
 keep workers for good. Scaling up is immediate; scaling down waits `down_after` intervals of
-wanting fewer and then drains one worker per interval; both stay within the role's `[min, max]`.
+wanting fewer — the load fitting fewer workers at `down_margin` of the target utilization, so a load at
+a whole number of workers does not add and drain one in turn — and then drains one worker per
+interval; both stay within the role's `[min, max]`.
 """
 
 from __future__ import annotations
@@ -93,9 +95,15 @@ class Planner:
     target_utilization: float = 0.8
     alpha: float = 0.3  # weight of the latest interval in the load average
     down_after: int = 3  # intervals of wanting fewer before one worker is drained
+    # fewer workers are wanted only when the load fits them at this share of the target utilization: a
+    # load that hovers at a whole number of workers (0.95-1.05) does not add and drain one in turn
+    down_margin: float = 0.9
     correction_decay: float = 0.003  # per interval meeting the SLO: the learned correction's fade toward 1
     max_correction: float = 4.0
     _rate: float | None = None
+    # mean prompt and output tokens per request, as last seen (an interval in which no request ended says
+    # nothing of the output)
+    _means: tuple[float, float] = (0.0, 0.0)
     _below: dict[str, int] = field(default_factory=lambda: {"prefill": 0, "decode": 0})
     # learned: what the role's load is multiplied by (>= 1), and whether the last decision added workers
     correction: dict[str, float] = field(default_factory=lambda: {"prefill": 1.0, "decode": 1.0})
@@ -104,8 +112,9 @@ class Planner:
     def __post_init__(self) -> None:
         if self.ttft_slo_s <= 0 or self.itl_slo_s <= 0:
             raise ValueError("--ttft-slo and --itl-slo must be positive")
-        if not 0 < self.target_utilization <= 1 or not 0 < self.alpha <= 1 or self.down_after < 1:
-            raise ValueError("target_utilization and alpha in (0, 1], down_after >= 1")
+        if (not 0 < self.target_utilization <= 1 or not 0 < self.alpha <= 1 or self.down_after < 1
+                or not 0 < self.down_margin <= 1):
+            raise ValueError("target_utilization, alpha and down_margin in (0, 1], down_after >= 1")
         if self.profile.prefill_tps <= 0 or not self.profile.decode_itl:
             raise ValueError("the profile needs prefill tokens/s and at least one decode batch's ITL")
 
@@ -114,12 +123,20 @@ class Planner:
             self.alpha * s.request_rate + (1 - self.alpha) * self._rate)
         return max(self._rate, s.request_rate)
 
+    def means(self, s: Snapshot) -> tuple[float, float]:
+        """(mean prompt tokens, mean output tokens) per request: the interval's, or the last ones seen when it
+        has none (no request arrived, or none ended: the router counts prompts on arrival, outputs at the end)."""
+        inp, out = self._means
+        self._means = (s.mean_input_tokens or inp, s.mean_output_tokens or out)
+        return self._means
+
     def loads(self, s: Snapshot, rate: float) -> tuple[float, float]:
         """Each role's load at `rate` in workers, by the profile alone (fractional)."""
-        tokens = rate * s.mean_input_tokens * (1.0 - min(max(s.prefix_hit_ratio, 0.0), 1.0))
+        mean_input, mean_output = self.means(s)
+        tokens = rate * mean_input * (1.0 - min(max(s.prefix_hit_ratio, 0.0), 1.0))
         prefill = tokens / (self.profile.prefill_tps * self.target_utilization)
         batch = self.profile.decode_batch_within(self.itl_slo_s)
-        streams = rate * s.mean_output_tokens * self.profile.itl_at(batch)
+        streams = rate * mean_output * self.profile.itl_at(batch)
         return prefill, streams / (batch * self.target_utilization)
 
     def needed(self, s: Snapshot, rate: float) -> tuple[int, int]:
@@ -133,12 +150,13 @@ class Planner:
         have = {"prefill": s.prefill_workers, "decode": s.decode_workers}
         missed = {"prefill": s.ttft_p90_s > self.ttft_slo_s, "decode": s.itl_p90_s > self.itl_slo_s}
         d = Decision(s.prefill_workers, s.decode_workers)
-        want = {}
+        want, fits = {}, {}  # (fits: the fewest workers the load fits at the down margin)
         for role in ("prefill", "decode"):
             c = self.correction[role]
             if not missed[role]:
                 c = max(1.0, c * (1.0 - self.correction_decay))
             want[role] = math.ceil(round(load[role] * c, 9))
+            fits[role] = math.ceil(round(load[role] * c / self.down_margin, 9))
             if missed[role] and want[role] <= have[role] and not self._added[role]:
                 # Not just scaled up (whose new workers are still starting, or draining the backlog they
                 # inherited): a capacity error of the profile. One more worker, and learn it.
@@ -150,23 +168,25 @@ class Planner:
                 d.reasons.append(f"{slo}: one more {role} worker (correction x{c:.2f})")
             self.correction[role] = c
         want["decode"] = max(want["decode"], 1 if rate > 0 else 0)
+        for role in ("prefill", "decode"):  # (an SLO miss's extra worker is wanted whatever the margin says)
+            fits[role] = max(fits[role], want[role]) if missed[role] else fits[role]
         d.reasons.insert(0, f"predicted {rate:.2f} req/s: {load['prefill']:.2f} prefill and {load['decode']:.2f} "
                             f"decode workers of load by the profile, corrected x{self.correction['prefill']:.2f} / "
                             f"x{self.correction['decode']:.2f}: want {want['prefill']} prefill, {want['decode']} "
                             "decode")
-        d.prefill = self._step("prefill", s.prefill_workers, want["prefill"], self.limits.min_prefill,
-                               self.limits.max_prefill, d.reasons)
-        d.decode = self._step("decode", s.decode_workers, want["decode"], self.limits.min_decode,
+        d.prefill = self._step("prefill", s.prefill_workers, want["prefill"], fits["prefill"],
+                               self.limits.min_prefill, self.limits.max_prefill, d.reasons)
+        d.decode = self._step("decode", s.decode_workers, want["decode"], fits["decode"], self.limits.min_decode,
                               self.limits.max_decode, d.reasons)
         self._added = {"prefill": d.prefill > s.prefill_workers, "decode": d.decode > s.decode_workers}
         return d
 
-    def _step(self, role: str, have: int, want: int, lo: int, hi: int, reasons: list[str]) -> int:
+    def _step(self, role: str, have: int, want: int, fits: int, lo: int, hi: int, reasons: list[str]) -> int:
         want = min(max(want, lo), hi)
         if want > have:
             self._below[role] = 0
             return want
-        if want < have:
+        if want < have and fits < have:
             self._below[role] += 1
             if self._below[role] >= self.down_after:
                 self._below[role] = 0

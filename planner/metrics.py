@@ -1,8 +1,8 @@
 """A planner snapshot from two scrapes of a router's /metrics: what happened between them.
 
-Rates and means come from counter differences (requests, prompt, completion and cached tokens), the
-TTFT and inter-token p90 from histogram bucket differences (the interval's own distribution, not
-the process lifetime's), the fleet from `splitfire_router_endpoint_healthy` (colocated workers count
+Rates and means come from counter differences (requests arrived and ended, prompt, completion and cached
+tokens), the TTFT and inter-token p90 from histogram bucket differences (the interval's own distribution,
+not the process lifetime's), the fleet from `splitfire_router_endpoint_healthy` (colocated workers count
 as both roles' capacity: they prefill and decode).
 """
 
@@ -70,7 +70,12 @@ def snapshot(before: Scrape, after: Scrape) -> Snapshot:
     def delta(name: str) -> float:
         return after.counters.get(name, 0.0) - before.counters.get(name, 0.0)
 
-    requests = delta("splitfire_router_requests_total")
+    # Arrivals (with the prompt tokens, counted at arrival too) set the rate and the mean prompt; the requests
+    # that ended (with their completion tokens) the mean output. A router without the arrivals counter:
+    # the ended requests for both.
+    finished = delta("splitfire_router_requests_total")
+    started = "splitfire_router_requests_started_total"
+    requests = delta(started) if started in after.counters else finished
     prompt, completion = delta("splitfire_router_prompt_tokens_total"), delta("splitfire_router_completion_tokens_total")
     cached = delta("splitfire_router_cached_prompt_tokens_total")
     colocated = after.healthy.get("colocated", 0)
@@ -81,7 +86,7 @@ def snapshot(before: Scrape, after: Scrape) -> Snapshot:
     return Snapshot(
         request_rate=requests / dt,
         mean_input_tokens=prompt / requests if requests else 0.0,
-        mean_output_tokens=completion / requests if requests else 0.0,
+        mean_output_tokens=completion / finished if finished else 0.0,
         prefix_hit_ratio=cached / prompt if prompt else 0.0,
         ttft_p90_s=p90("splitfire_router_ttft_seconds"),
         itl_p90_s=p90("splitfire_router_inter_token_seconds"),

@@ -157,6 +157,9 @@ class RouterMetrics:
         self.queue = Gauge("splitfire_router_queue_depth", "Requests waiting for an admission slot", registry=r)
         self.running = Gauge("splitfire_router_running_requests", "Requests holding an admission slot", registry=r)
         self.prompt_tokens = Counter("splitfire_router_prompt_tokens", "Prompt tokens routed", registry=r)
+        # (arrivals: splitfire_router_requests counts a request when it ends, by status)
+        self.requests_started = Counter("splitfire_router_requests_started", "Generation requests routed, counted "
+                                        "when they arrive", registry=r)
         self.completion_tokens = Counter("splitfire_router_completion_tokens", "Tokens streamed back", registry=r)
         self.cached_tokens = Counter("splitfire_router_cached_prompt_tokens", "Prompt tokens workers served from "
                                      "their prefix caches", registry=r)

@@ -525,6 +525,7 @@ class Router:
         fmt = fmt or self.openai_format
         tenant, policy = caller.tenant, caller.policy
         self.metrics.prompt_tokens.inc(sum(len(r.prompt_token_ids) for r in reqs))
+        self.metrics.requests_started.inc()
         # What the request will use, as far as it is known: the prompt now, the completion at the end
         # (a request that fails part-way is charged its prompt).
         used = {"prompt": sum(len(r.prompt_token_ids) for r in reqs if r.sample_index == 0), "completion": 0}

@@ -191,3 +191,52 @@ def test_misses_right_after_a_scale_up_wait_for_the_new_workers():
     assert d.prefill == 3 and pl.correction["prefill"] == 1.0
     d = pl.decide(snap(rate=4.0, ttft=5.0, p=3, d=2))  # a miss with the workers serving: now one more
     assert d.prefill == 4 and pl.correction["prefill"] == pytest.approx(4 / (1280 / 480))
+
+
+def test_an_interval_in_which_no_request_finished_keeps_the_token_means():
+    """An interval in which requests arrived but none ended (long streams, short intervals) says nothing
+    of the mean output: the last one seen stands (the decode load is not zeroed)."""
+    pl = Planner(PROFILE, ttft_slo_s=2.0, itl_slo_s=0.1)
+    assert pl.loads(snap(rate=2.0), 2.0)[1] > 0
+    assert pl.loads(snap(rate=2.0, out=0.0), 2.0) == pl.loads(snap(rate=2.0), 2.0)
+
+
+def test_the_rate_counts_arrivals_and_the_mean_prompt_with_them():
+    """The router counts a request when it ends (by status) and its prompt tokens when it arrives; the
+    snapshot takes the rate and the mean prompt from arrivals (`splitfire_router_requests_started`) —
+    found live (`loadtest.bench_planner_step`): with completions as the rate, 2-second intervals in which
+    no long prompt finished read as no prompt tokens at all, and the planner drained the prefill worker a
+    load step had just added."""
+    from planner.metrics import Scrape, snapshot
+
+    def scrape(at: float, started: int, ended: int, prompt: int, completion: int) -> Scrape:
+        return Scrape(at, {"splitfire_router_requests_started_total": started,
+                           "splitfire_router_requests_total": ended,
+                           "splitfire_router_prompt_tokens_total": prompt,
+                           "splitfire_router_completion_tokens_total": completion})
+
+    s = snapshot(scrape(0.0, 10, 8, 5000, 800), scrape(2.0, 14, 8, 7000, 800))  # 4 arrived, none ended
+    assert (s.request_rate, s.mean_input_tokens, s.mean_output_tokens) == (2.0, 500.0, 0.0)
+    s = snapshot(scrape(0.0, 10, 8, 5000, 800), scrape(2.0, 14, 10, 7000, 1000))
+    assert (s.request_rate, s.mean_input_tokens, s.mean_output_tokens) == (2.0, 500.0, 100.0)
+    legacy = Scrape(2.0, {"splitfire_router_requests_total": 12, "splitfire_router_prompt_tokens_total": 7000})
+    assert snapshot(Scrape(0.0, {"splitfire_router_requests_total": 8,
+                                 "splitfire_router_prompt_tokens_total": 5000}), legacy).request_rate == 2.0
+
+
+def test_a_load_at_a_whole_number_of_workers_does_not_add_and_drain_one_in_turn():
+    """Found live (`loadtest.bench_planner_step`): a prefill load of 0.95-1.17 workers added a second worker,
+    drained it three intervals later at 0.95, added it again... (three times in one 60 s step). Fewer are
+    wanted only when the load fits them at `down_margin` of the target utilization."""
+    rng = random.Random(5)
+    pl = Planner(PROFILE, ttft_slo_s=2.0, itl_slo_s=0.1)
+    per_worker = 600.0 * 0.8 / (400 * 0.8)  # req/s one prefill worker takes at the target utilization
+    p, history = 1, []
+    for _ in range(60):
+        dec = pl.decide(snap(rate=per_worker * rng.uniform(0.91, 1.08), p=p, d=1))
+        p = dec.prefill
+        history.append(p)
+    assert history[-1] == 2 and sum(1 for a, b in itertools.pairwise(history) if a != b) <= 1, history
+    for _ in range(8):  # well below one worker's load: the second goes
+        p = pl.decide(snap(rate=per_worker * 0.7, p=p, d=1)).prefill
+    assert p == 1
