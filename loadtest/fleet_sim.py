@@ -633,14 +633,27 @@ def run_scaled(reqs: list[TraceRequest], model: CostModel, scaler: Scaler, start
     return summary(fleet, end), scaler
 
 
+def warm_start(reqs: list[TraceRequest], model: CostModel, args: argparse.Namespace, limits: Limits) -> tuple[int, int]:
+    """The fleet a planner that had been running before the trace began would have at its start: its
+    decision on the first interval's arrivals (no prefix hits counted, no SLO missed), from 1 + 1."""
+    first = [r for r in reqs if r.at_s < args.interval] or reqs[:1]
+    snap = Snapshot(request_rate=len(first) / args.interval,
+                    mean_input_tokens=statistics.fmean([r.input_length for r in first]),
+                    mean_output_tokens=statistics.fmean([r.output_length for r in first]),
+                    prefix_hit_ratio=0.0, ttft_p90_s=0.0, itl_p90_s=0.0, prefill_workers=1, decode_workers=1)
+    d = Planner(model.profile(), args.ttft_slo, args.itl_slo, limits).decide(snap)
+    return d.prefill, d.decode
+
+
 def compare_planner(reqs: list[TraceRequest], model: CostModel, args: argparse.Namespace) -> dict[str, object]:
     limits = Limits(min_prefill=1, max_prefill=args.max_workers, min_decode=1, max_decode=args.max_workers)
     planner = Planner(model.profile(), args.ttft_slo, args.itl_slo, limits)
     kw = dict(policy=args.policy, store=args.store, ttft_slo=args.ttft_slo, itl_slo=args.itl_slo,
               block_tokens=args.block or TRACE_BLOCK)
+    start = warm_start(reqs, model, args, limits) if args.start == "warm" else (1, 1)
     p_sum, p_scaler = run_scaled(reqs, model, Scaler("planner", args.interval, args.startup, limits, planner),
-                                 (1, 1), **kw)
-    h_sum, h_scaler = run_scaled(reqs, model, Scaler("cpu_hpa", args.interval, args.startup, limits), (1, 1), **kw)
+                                 start, **kw)
+    h_sum, h_scaler = run_scaled(reqs, model, Scaler("cpu_hpa", args.interval, args.startup, limits), start, **kw)
     statics: dict[str, dict[str, float]] = {}
     for p in range(1, args.max_workers + 1):
         for d in range(1, args.max_workers + 1):
@@ -659,7 +672,8 @@ def compare_planner(reqs: list[TraceRequest], model: CostModel, args: argparse.N
             "statics": statics,
             "settings": {"ttft_slo_s": args.ttft_slo, "itl_slo_s": args.itl_slo, "interval_s": args.interval,
                          "startup_s": args.startup, "max_workers": args.max_workers, "cost_model": args.cost_model,
-                         "policy": args.policy, "store": args.store, "requests": len(reqs)}}
+                         "policy": args.policy, "store": args.store, "requests": len(reqs),
+                         "start": args.start, "start_workers": list(start)}}
 
 
 def plot(result: dict[str, object], path: str) -> None:
@@ -708,6 +722,9 @@ def main() -> int:
                         "(--prefill/--decode/--policy/--store as the live fleet; --cost-model-json its workers)")
     p.add_argument("--interval", type=float, default=60.0, help="autoscaling interval, seconds")
     p.add_argument("--startup", type=float, default=60.0, help="seconds before a new worker takes requests")
+    p.add_argument("--start", default="cold", choices=("cold", "warm"),
+                   help="--compare-planner: the autoscaled fleets begin at 1 prefill + 1 decode (cold), or at what "
+                   "the planner decides for the first interval's arrivals (warm: as if it had run before the trace)")
     p.add_argument("--max-workers", type=int, default=12, help="autoscaling: most workers per role; static: in all")
     p.add_argument("--json", default="")
     p.add_argument("--plot", default="")
