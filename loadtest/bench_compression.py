@@ -1,8 +1,11 @@
 """`python -m loadtest.bench_engine --compression`: lossless weight compression (engine/loading/compressed.py)
 on a bfloat16 checkpoint — size per tensor kind against the order-0 entropy bound, compress and decode
-throughput (GB/s of bfloat16 weights, decode on one thread and on the default pool), and cold load time
-(page cache dropped for the model's files with posix_fadvise before each load) of the compressed
-directory against the plain bfloat16 safetensors, rounds alternating, medians.
+throughput (GB/s of bfloat16 weights, decode on one thread and on the default pool), and load time of
+the compressed directory against the plain bfloat16 safetensors, rounds alternating, medians: through the
+loader (`Checkpoint`; "cold" asks posix_fadvise to drop the files' pages first, which an overlay filesystem
+ignores) and read from the device past the page cache with O_DIRECT (plain: the files read in 8 MiB
+requests and every tensor copied out; compressed: `decode_into(direct=True)`, each pair of chunks read
+and decoded by one task of the pool, so reads overlap decoding).
 
 The checkpoint: `--model` (default SmolLM2-135M as this project stores it, converted to bfloat16 for
 the benchmark; its weights came from a Q4_1 GGUF, so their exponents are a quantized model's, not a
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import mmap
 import os
 import shutil
 import statistics
@@ -65,6 +69,54 @@ def load_all(model_dir: Path) -> float:
     return time.perf_counter() - t0
 
 
+def read_direct(path: Path, block: int = 8 << 20) -> memoryview:
+    """A whole file read with O_DIRECT (from the device, past the page cache) in `block`-byte reads."""
+    size = path.stat().st_size
+    buf = mmap.mmap(-1, max(-(-size // 4096) * 4096, 4096))
+    with compressed.DataFile(path, direct=True) as f:
+        done = 0
+        while done < size:
+            n = os.preadv(f.fd, [memoryview(buf)[done : done + block]], done)
+            if n <= 0:
+                raise EOFError(f"{path}: {size - done} bytes short")
+            done += n
+    return memoryview(buf)[:size]
+
+
+def load_direct_plain(model_dir: Path) -> float:
+    """Seconds to read the safetensors files from the device (O_DIRECT) and copy every tensor into memory
+    of its own (what loading into a model's parameters does)."""
+    from engine.loading.checkpoint import DTYPES
+
+    t0 = time.perf_counter()
+    for path in sorted(model_dir.glob("*.safetensors")):
+        data = read_direct(path)
+        n = int.from_bytes(data[:8], "little")
+        header = json.loads(bytes(data[8 : 8 + n]))
+        for name, meta in header.items():
+            if name == "__metadata__":
+                continue
+            lo, hi = meta["data_offsets"]
+            dtype = DTYPES[meta["dtype"]]
+            src = torch.frombuffer(data, dtype=torch.uint8, offset=8 + n + lo, count=hi - lo) if hi > lo else None
+            out = torch.empty(meta["shape"], dtype=dtype)
+            if src is not None:
+                out.reshape(-1).view(torch.uint8).copy_(src)
+    return time.perf_counter() - t0
+
+
+def load_direct_compressed(model_dir: Path) -> float:
+    """Seconds to read and decode every tensor of a compressed directory from the device (O_DIRECT): each
+    pair of chunks read and decoded by one task, so reads and decoding overlap across the pool."""
+    from engine.loading.checkpoint import DTYPES
+
+    t0 = time.perf_counter()
+    for e in compressed.read_manifest(model_dir).values():
+        out = torch.empty(e.shape, dtype=DTYPES[e.dtype])
+        compressed.decode_into(model_dir, e, out, direct=True)
+    return time.perf_counter() - t0
+
+
 def decode_rate(model_dir: Path, threads: int) -> float:
     """GB/s of original weights decoded (page cache warm: the codec alone)."""
     entries = compressed.read_manifest(model_dir)
@@ -99,8 +151,8 @@ def codec_rates(model_dir: Path, rounds: int = 3) -> dict[str, float]:
     for e in compressed.read_manifest(model_dir).values():
         if e.codec == compressed.CODEC_RAW:
             continue
-        with open(model_dir / e.file, "rb") as f:
-            mine = [(compressed._read(f, off, length), n) for off, length, n in e.chunks]
+        with compressed.DataFile(model_dir / e.file) as f:
+            mine = [(bytes(f.read(off, length)), n) for off, length, n in e.chunks]
         chunks += mine
         groups += [mine[i : i + 2] for i in range(0, len(mine), 2)]
     symbols = sum(n for _, n in chunks)
@@ -162,14 +214,19 @@ def bench_one(label: str, plain: Path, work: Path, rounds: int) -> dict[str, obj
     plain_bytes = sum(f.stat().st_size for f in plain.glob("*.safetensors"))
     packed_bytes = sum(f.stat().st_size for f in packed.glob("*.sfz"))
     loads: dict[str, list[float]] = {"plain": [], "compressed": []}
+    direct: dict[str, list[float]] = {"plain": [], "compressed": []}
     for _ in range(rounds):
         loads["plain"].append(load_all(plain))
         loads["compressed"].append(load_all(packed))
+        direct["plain"].append(load_direct_plain(plain))
+        direct["compressed"].append(load_direct_compressed(packed))
     return {"label": label, "by_kind": by_kind, "size_ratio": packed_bytes / plain_bytes,
             "compress_gbps": stats.original_bytes / took / 1e9,
             "decode_gbps_1_thread": decode_rate(packed, 1), f"decode_gbps_{compressed._THREADS}_threads":
             decode_rate(packed, compressed._THREADS),
             "cold_load_s": {k: statistics.median(v) for k, v in loads.items()},
+            "direct_load_s": {k: statistics.median(v) for k, v in direct.items()},
+            "bf16_gb": plain_bytes / 1e9,
             "codec_gsym_s": codec_rates(packed),
             "in_memory": dict(zip(("ratio", "escapes_per_million"), in_memory_ratio(plain), strict=True))}
 
@@ -204,14 +261,15 @@ def main_compression(args: argparse.Namespace) -> int:
     print(f"\n{os.cpu_count()} CPUs, {cpu}; chunks of {compressed.CHUNK} weights, two DEFLATE streams of literals "
           f"with one code each (deflate_literals.py); medians of {args.rounds} cold loads")
     print(f"{'checkpoint':<22}{'bf16 ratio':>11}{'bound':>8}{'all files':>10}{'compress':>10}{'decode 1T':>10}"
-          f"{'decode':>8}{'cold load plain':>16}{'compressed':>11}")
+          f"{'decode':>8}{'cold load plain':>16}{'compressed':>11}{'O_DIRECT plain':>16}{'compressed':>11}")
     for r in rows:
         bk = r["by_kind"]["bfloat16"]  # type: ignore[index]
         cold = r["cold_load_s"]
         print(f"{r['label']:<22}{bk['ratio']:>11.3f}{bk['bound']:>8.3f}{r['size_ratio']:>10.3f}"  # type: ignore[index]
               f"{r['compress_gbps']:>8.2f}GB/s{r['decode_gbps_1_thread']:>6.2f}GB/s"
               f"{r[f'decode_gbps_{compressed._THREADS}_threads']:>6.2f}GB/s"
-              f"{cold['plain']:>14.3f} s{cold['compressed']:>9.3f} s")  # type: ignore[index]
+              f"{cold['plain']:>14.3f} s{cold['compressed']:>9.3f} s"  # type: ignore[index]
+              f"{r['direct_load_s']['plain']:>14.3f} s{r['direct_load_s']['compressed']:>9.3f} s")  # type: ignore[index]
     print("\nexponent decoding alone, one thread, G symbols/s (a symbol is one bfloat16 weight's exponent):")
     print(f"{'checkpoint':<22}{'C, pairs':>10}{'C, one':>8}{'zlib':>8}{'C on zlib-made':>16}{'zlib on zlib-made':>19}")
     for r in rows:

@@ -26,11 +26,12 @@ from __future__ import annotations
 
 import functools
 import json
+import mmap
+import os
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
@@ -143,45 +144,78 @@ def _pool() -> ThreadPoolExecutor:
     return _POOL[0]
 
 
-def _read(f: Any, offset: int, length: int) -> bytes:
-    f.seek(offset)
-    data = f.read(length)
-    if len(data) != length:
-        raise EOFError(f"{length - len(data)} bytes short at offset {offset}")
-    return data
+class DataFile:
+    """Positional reads of one data file, safe from several threads. `direct`: O_DIRECT, past the page cache
+    (every byte from the device: what a cold load reads; offsets and lengths widened to the alignment)."""
+
+    ALIGN = 4096
+
+    def __init__(self, path: Path, direct: bool = False):
+        self.path, self.direct = path, direct
+        self.fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if direct else 0))
+
+    def read(self, offset: int, length: int) -> memoryview:
+        if not self.direct:
+            data = os.pread(self.fd, length, offset)
+            if len(data) != length:
+                raise EOFError(f"{length - len(data)} bytes short at offset {offset}")
+            return memoryview(data)
+        a = self.ALIGN
+        first, end = offset // a * a, -(-(offset + length) // a) * a
+        buf = mmap.mmap(-1, max(end - first, a))  # (page-aligned, as O_DIRECT wants)
+        got = os.preadv(self.fd, [buf], first)
+        if got < offset + length - first:
+            raise EOFError(f"{offset + length - first - got} bytes short at offset {offset}")
+        return memoryview(buf)[offset - first : offset - first + length]
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+    def __enter__(self) -> DataFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
-def decode_into(model_dir: Path, e: Entry, out: torch.Tensor) -> None:
-    """Fill `out` (contiguous, CPU, e's dtype and shape) with the tensor, checked against its CRC."""
+def decode_into(model_dir: Path, e: Entry, out: torch.Tensor, direct: bool = False) -> None:
+    """Fill `out` (contiguous, CPU, e's dtype and shape) with the tensor, checked against its CRC. Each pair
+    of chunks is read and decoded by one task of the pool, so while one thread waits on the file's bytes
+    another decodes (a cold load overlaps its reads with its decoding). `direct`: read with O_DIRECT."""
     dst = out.reshape(-1).view(torch.uint8).numpy() if out.numel() else np.zeros(0, np.uint8)
     try:
-        with open(model_dir / e.file, "rb") as f:
+        with DataFile(model_dir / e.file, direct) as f:
             if e.codec == CODEC_RAW:
-                dst[:] = np.frombuffer(_read(f, *e.plane), np.uint8)
+                dst[:] = np.frombuffer(f.read(*e.plane), np.uint8)
             else:
                 if e.codec not in (CODEC_BF16, CODEC_F16):
                     raise ModelLoadError(f"tensor {e.name!r}: unknown codec {e.codec!r}")
-                plane = np.frombuffer(_read(f, *e.plane), np.uint8)
-                coded = [_read(f, off, length) for off, length, _ in e.chunks]
+                plane_at = e.plane[0]
                 u16 = dst.view(np.uint16)
                 starts = np.cumsum([0] + [n for _, _, n in e.chunks]).tolist()
+                if starts[-1] != e.numel or e.plane[1] != e.numel:
+                    raise ValueError(f"chunks of {starts[-1]} weights and a plane of {e.plane[1]} bytes for "
+                                     f"{e.numel} weights")
 
                 def one(first: int) -> list[int]:
                     """Chunks `first` and the next (two streams a chunk was written as, read together)
-                    decoded into place; the CRC-32 of each one's bytes (here, while they are in cache)."""
+                    read, decoded into place; the CRC-32 of each one's bytes (here, while they are in cache)."""
                     ids = list(range(first, min(first + 2, len(e.chunks))))
                     sizes = [e.chunks[i][2] for i in ids]
+                    coded = [bytes(f.read(e.chunks[i][0], e.chunks[i][1])) for i in ids]
+                    lo, hi = starts[ids[0]], starts[ids[-1]] + sizes[-1]
+                    plane = np.frombuffer(f.read(plane_at + lo, hi - lo), np.uint8)
                     try:
                         if len(ids) == 2:
-                            exps = list(deflate_literals.decode_pair(coded[ids[0]], sizes[0], coded[ids[1]], sizes[1]))
+                            exps = list(deflate_literals.decode_pair(coded[0], sizes[0], coded[1], sizes[1]))
                         else:
-                            exps = [deflate_literals.decode(coded[ids[0]], sizes[0])]
+                            exps = [deflate_literals.decode(coded[0], sizes[0])]
                     except ValueError as err:
                         raise ValueError(f"chunk {ids[0]}{'-' + str(ids[-1]) if len(ids) > 1 else ''}: {err}") from err
                     crcs = []
                     for i, n, exp in zip(ids, sizes, exps, strict=True):
                         start = starts[i]
-                        join(plane[start : start + n], exp, e.codec, u16[start : start + n])
+                        join(plane[start - lo : start - lo + n], exp, e.codec, u16[start : start + n])
                         crcs.append(zlib.crc32(u16[start : start + n]))
                     return crcs
 
