@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -80,11 +81,25 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
     return out
 
 
-class Checkpoint:
-    """Every tensor of a model directory, by name, read on demand."""
+# Compressed checkpoints: tensors decoded ahead of the loader's requests, at most this many bytes at a time.
+LOOKAHEAD_BYTES = 256 * 2**20
+AHEAD_THREADS = 2
 
-    def __init__(self, model_dir: Path, staging: Staging | None = None):
+
+class Checkpoint:
+    """Every tensor of a model directory, by name, read on demand.
+
+    A compressed directory's tensors are decoded a little ahead: each read also starts decoding the next
+    unread tensors of one chunk pair in the manifest's order (up to `LOOKAHEAD_BYTES`, on `AHEAD_THREADS`
+    threads beside the loader's; larger tensors are decoded across the pool when asked for), so a model of
+    small tensors keeps the cores decoding and the reads of one
+    overlap the decoding of another. A tensor asked for before its turn came is decoded by the caller;
+    one decoded ahead is handed over (`get`) or copied out; its errors surface then."""
+
+    def __init__(self, model_dir: Path, staging: Staging | None = None, direct: bool = False):
+        """`direct`: a compressed directory's data files are read with O_DIRECT (past the page cache)."""
         self.model_dir = model_dir
+        self.direct = direct
         # A compressed directory (`splitfire compress`): tensors decoded bit-exact at read (compressed.py).
         self.compressed: dict[str, Any] = {}
         if (model_dir / compressed.MANIFEST).is_file():
@@ -95,6 +110,9 @@ class Checkpoint:
             self.tensors = self._index(model_dir)
         self.unread = set(self.tensors)
         self.staging = staging  # device loads: through pinned buffers, copies overlapped with reads
+        self._order = {n: i for i, n in enumerate(self.compressed)}
+        self._ahead: dict[str, Future[torch.Tensor]] = {}  # compressed tensors being (or) decoded ahead
+        self._ahead_pool: ThreadPoolExecutor | None = None
 
     @staticmethod
     def _index(model_dir: Path) -> dict[str, TensorInfo]:
@@ -142,6 +160,9 @@ class Checkpoint:
             out = torch.empty(t.shape, dtype=t.dtype, device=self.staging.device)
             self._stage(name, out)
             return out
+        ahead = self._take_ahead(name)
+        if ahead is not None:
+            return ahead
         out = torch.empty(t.shape, dtype=t.dtype)
         self._read(name, out)
         return out
@@ -185,6 +206,50 @@ class Checkpoint:
         out = torch.from_numpy(part).view(t.dtype)
         return out.reshape(len(r), len(c)) if len(t.shape) == 2 else out.reshape(len(r))
 
+    def _take_ahead(self, name: str) -> torch.Tensor | None:
+        """A compressed tensor decoded ahead (None: not started, then decoded by the caller — which keeps
+        the ahead threads on the tensors after it); the next ones are started either way."""
+        if name not in self.compressed:
+            return None
+        ahead = self._ahead.pop(name, None)
+        self._decode_ahead(name)
+        if ahead is None or ahead.cancel():
+            return None
+        out = ahead.result()  # (its checksum was checked when it was decoded)
+        self.unread.discard(name)
+        return out
+
+    def _decode_ahead(self, name: str) -> None:
+        """Start decoding the unread tensors after `name` in the manifest, within `LOOKAHEAD_BYTES` (with
+        what is already being decoded ahead)."""
+        budget = LOOKAHEAD_BYTES - sum(self.tensors[n].nbytes for n in self._ahead)
+        names = list(self.compressed)
+        for nxt in names[self._order[name] + 1 :]:
+            if nxt in self._ahead or nxt not in self.unread or len(self.compressed[nxt].chunks) > 2:
+                continue  # (a tensor of several chunk pairs is decoded across the pool when asked for)
+            size = self.tensors[nxt].nbytes
+            if size > budget:
+                break
+            if self._ahead_pool is None:
+                self._ahead_pool = ThreadPoolExecutor(AHEAD_THREADS, thread_name_prefix="sf-decode-ahead")
+            self._ahead[nxt] = self._ahead_pool.submit(self._decoded, nxt)
+            budget -= size
+
+    def _decoded(self, name: str) -> torch.Tensor:
+        t = self.tensors[name]
+        out = torch.empty(t.shape, dtype=t.dtype)
+        compressed.decode_into(self.model_dir, self.compressed[name], out, self.direct)
+        return out
+
+    def close(self) -> None:
+        """Stop decoding ahead (what was decoded and never asked for is dropped)."""
+        for f in self._ahead.values():
+            f.cancel()
+        self._ahead.clear()
+        if self._ahead_pool is not None:
+            self._ahead_pool.shutdown(wait=True)
+            self._ahead_pool = None
+
     def _stage(self, name: str, dst: torch.Tensor) -> None:
         assert self.staging is not None
         t = self.info(name)
@@ -199,7 +264,11 @@ class Checkpoint:
     def _read(self, name: str, out: torch.Tensor) -> None:
         t = self.info(name)
         if name in self.compressed:
-            compressed.decode_into(self.model_dir, self.compressed[name], out)
+            ahead = self._take_ahead(name)
+            if ahead is not None:
+                out.copy_(ahead)
+            else:
+                compressed.decode_into(self.model_dir, self.compressed[name], out, self.direct)
             self.unread.discard(name)
             return
         buf = memoryview(out.reshape(-1).view(torch.uint8).numpy()) if t.nbytes else memoryview(bytearray())
@@ -216,6 +285,9 @@ class Checkpoint:
     def skip(self, name: str) -> None:
         """Mark a tensor as deliberately not used (e.g. an lm_head that is tied to the embedding)."""
         self.unread.discard(name)
+        ahead = self._ahead.pop(name, None)
+        if ahead is not None:
+            ahead.cancel()
 
 
 def model_fingerprint(model_dir: Path) -> str:

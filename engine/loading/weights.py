@@ -289,6 +289,7 @@ def load_model(model_dir: str | Path, device: torch.device, dtype: torch.dtype,
         _skip_mtp_layers(ckpt, cfg, root)
         if quantization is not None:
             model.quantize(quantization)
+    ckpt.close()
     if staging is not None:
         staging.finish()
         log.info("event=weights_staged tensors=%d chunks=%d mib=%.0f", staging.uploads, staging.chunks,
