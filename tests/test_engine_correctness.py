@@ -199,3 +199,18 @@ def test_burst_sharing_a_new_prefix_computes_it_once(tiny_model_dir, ref):
     assert [s.request_id for s in engine.scheduler.waiting] == ["b"]
     out = drain(engine)
     assert out["b"].cached_tokens == 32 and out["b"].token_ids == ref.greedy(other + [2], 2)
+
+
+def test_long_tensor_equals_torch_tensor():
+    """The runner builds its index tensors through numpy (`model_runner.long_tensor`); torch.tensor is the
+    reference: the same values, shape and dtype for flat, nested, empty and large lists."""
+    import torch
+
+    from engine.batch.model_runner import long_tensor
+
+    cpu = torch.device("cpu")
+    for values in ([], [7], [3, 1, 2**40], [[1, 2, 3], [4, 5, 6]], [[i * 20 + j for j in range(20)] for i in range(64)]):
+        got, want = long_tensor(values, cpu), torch.tensor(values, dtype=torch.long)
+        assert got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want)
+    with pytest.raises(ValueError):  # a ragged table is an error, not an object array
+        long_tensor([[1, 2], [3]], cpu)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from engine.batch.constrained import GrammarEngine
@@ -42,6 +43,14 @@ def _length_groups(num_blocks: list[int]) -> list[range]:
         groups.append(range(start, len(num_blocks)))
     return groups
 
+
+
+def long_tensor(values: list, device: torch.device) -> torch.Tensor:
+    """`torch.tensor(values, dtype=torch.long, device=device)` (the reference; a test holds them equal)
+    through numpy: torch reads a Python list element by element (a batch-64 decode step's block table of
+    1,280 entries took 165 us that way, 28 us through numpy)."""
+    t = torch.from_numpy(np.array(values, dtype=np.int64))
+    return t if device.type == "cpu" else t.to(device)
 
 class ModelRunner:
     def __init__(self, model: DecoderModel, kv: KVCache, device: torch.device, grammar: GrammarEngine | None = None,
@@ -97,8 +106,8 @@ class ModelRunner:
             tables = [s.seq.block_table[:nb] + [0] * (nb - min(nb, len(s.seq.block_table))) for s in members]
             ctx = torch.tensor([s.seq.num_computed_tokens + 1 for s in members], device=dev)
             mask = (torch.arange(nb * bs, device=dev)[None, :] < ctx[:, None]).view(len(members), 1, 1, -1)
-            groups.append(DecodeBatch(row + group.start, torch.tensor(tables, device=dev), mask, ctx))
-        k = torch.tensor(k_rows, dtype=torch.long, device=dev)
+            groups.append(DecodeBatch(row + group.start, long_tensor(tables, dev), mask, ctx))
+        k = long_tensor(k_rows, dev)
         meta = AttentionMetadata(bs, k, k + bs, segments, groups)
         if segments and kernels_enabled(dev):
             max_nb = max(len(seg.blocks) for seg in segments)
@@ -115,8 +124,8 @@ class ModelRunner:
             meta.lora = LoRARows.build(row_slots, dev)
         batch[:] = order  # callers read results in this order
         return (
-            torch.tensor(ids, dtype=torch.long, device=dev),
-            torch.tensor(pos, dtype=torch.long, device=dev),
+            long_tensor(ids, dev),
+            long_tensor(pos, dev),
             meta,
             sample_rows,
         )
