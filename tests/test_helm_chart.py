@@ -299,3 +299,25 @@ def test_model_pools_get_their_own_workers_and_the_router_serves_every_pool(helm
     assert twice.returncode != 0 and 'name "qwen" is used twice' in twice.stderr
     bad = render(helm, ROOT / "helm/ci/default-values.yaml", "-f", str(values), "--set", "modelPools[0].name=Qwen_3")
     assert bad.returncode != 0 and "schema" in bad.stderr
+
+
+def test_pipeline_stages_reach_the_workers_on_cpu_and_are_refused_on_gpus(helm):
+    """`workers.pipelineParallelSize` (and each role's own): the worker's own parser takes what the chart
+    renders; stages run on CPU hosts only, so GPU workers with stages fail at template time, by name."""
+    from splitfire_cli import build_parser
+    from worker.config import engine_config_from
+
+    out = render(helm, ROOT / "helm/ci/cpu-tiny-values.yaml", "--set", "workers.pipelineParallelSize=2",
+                 "--set", "decode.pipelineParallelSize=3")
+    assert out.returncode == 0, out.stderr
+    deps = {d["metadata"]["name"]: d for d in yaml.safe_load_all(out.stdout) if d and d["kind"] == "Deployment"}
+    for role, stages in (("prefill", 2), ("decode", 3)):
+        args = deps[f"rel-splitfire-{role}"]["spec"]["template"]["spec"]["containers"][0]["args"]
+        assert f"--pipeline-parallel-size={stages}" in args
+        assert engine_config_from(build_parser().parse_args(args)).pipeline_parallel_size == stages
+    plain = render(helm, ROOT / "helm/ci/cpu-tiny-values.yaml")
+    assert plain.returncode == 0 and "--pipeline-parallel-size" not in plain.stdout
+    gpu = render(helm, ROOT / "helm/ci/default-values.yaml", "--set", "prefill.pipelineParallelSize=2")
+    assert gpu.returncode != 0 and "prefill: pipelineParallelSize 2 needs workers.device=cpu" in gpu.stderr
+    bad = render(helm, ROOT / "helm/ci/cpu-tiny-values.yaml", "--set", "workers.pipelineParallelSize=0")
+    assert bad.returncode != 0 and "schema" in bad.stderr

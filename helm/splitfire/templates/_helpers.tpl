@@ -128,3 +128,10 @@ initContainers:
 {{- define "splitfire.roleTP" -}}
 {{- ternary (int .v.tensorParallelSize) (int .ctx.Values.workers.tensorParallelSize) (gt (int .v.tensorParallelSize) 0) }}
 {{- end -}}
+
+{{/* A role's pipeline stages: its own pipelineParallelSize, else workers.pipelineParallelSize (1 when
+     unset); same arguments as splitfire.roleTP */}}
+{{- define "splitfire.rolePP" -}}
+{{- $w := int (default 1 .ctx.Values.workers.pipelineParallelSize) }}
+{{- ternary (int (default 0 .v.pipelineParallelSize)) $w (gt (int (default 0 .v.pipelineParallelSize)) 0) }}
+{{- end -}}
