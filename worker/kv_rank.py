@@ -83,8 +83,7 @@ def rank_jobs(spec: JobSpec, rank: int) -> list[TransferJob]:
             segment, base, layers = spec.dests[route.dst_rank]
             dst = KVRegion(base, layers, *spec.dims)
             land = spec.landing is not None and route.part.landable
-            runs = spec.landing if land and spec.landing is not None else spec.runs
-            jobs.append(TransferJob(spec.request_id, segment, dst, runs, route.part,
+            jobs.append(TransferJob(spec.request_id, segment, dst, spec.landing if land else spec.runs, route.part,
                                     landing=spec.landing_runs if land else None, layers=route.layers,
                                     layer_shift=route.layer_shift))
     return jobs

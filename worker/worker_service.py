@@ -17,6 +17,7 @@ from protos import splitfire_pb2 as pb
 from protos import splitfire_pb2_grpc as pb_grpc
 from worker.config import WorkerConfig
 from worker.metrics import WorkerMetrics
+from worker.model_host import ModelUnavailable
 
 log = logging.getLogger("splitfire.worker")
 
@@ -136,8 +137,6 @@ class WorkerService(pb_grpc.WorkerServicer):
         a model loaded on demand: it is made resident for the load (as a request would), and the adapter is
         installed again whenever that model is loaded after an eviction."""
         ctx, t0 = self.ctx, time.perf_counter()
-        from worker.model_host import ModelUnavailable
-
         try:
             hosted = self._hosted(request.model)
             if request.name in self.adapters():

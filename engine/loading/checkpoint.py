@@ -110,7 +110,9 @@ class Checkpoint:
             self.tensors = self._index(model_dir)
         self.unread = set(self.tensors)
         self.staging = staging  # device loads: through pinned buffers, copies overlapped with reads
-        self._order = {n: i for i, n in enumerate(self.compressed)}
+        self._names = list(self.compressed)  # the manifest's order
+        self._order = {n: i for i, n in enumerate(self._names)}
+        self._next = 0  # the first name the lookahead has not considered yet
         self._ahead: dict[str, Future[torch.Tensor]] = {}  # compressed tensors being (or) decoded ahead
         self._ahead_pool: ThreadPoolExecutor | None = None
 
@@ -160,9 +162,8 @@ class Checkpoint:
             out = torch.empty(t.shape, dtype=t.dtype, device=self.staging.device)
             self._stage(name, out)
             return out
-        ahead = self._take_ahead(name)
-        if ahead is not None:
-            return ahead
+        if name in self.compressed:
+            return self._read_compressed(name, None)
         out = torch.empty(t.shape, dtype=t.dtype)
         self._read(name, out)
         return out
@@ -206,34 +207,44 @@ class Checkpoint:
         out = torch.from_numpy(part).view(t.dtype)
         return out.reshape(len(r), len(c)) if len(t.shape) == 2 else out.reshape(len(r))
 
-    def _take_ahead(self, name: str) -> torch.Tensor | None:
-        """A compressed tensor decoded ahead (None: not started, then decoded by the caller — which keeps
-        the ahead threads on the tensors after it); the next ones are started either way."""
-        if name not in self.compressed:
-            return None
+    def _read_compressed(self, name: str, out: torch.Tensor | None) -> torch.Tensor:
+        """A compressed tensor into `out` (None: a tensor of its own): handed over when it was decoded
+        ahead, else decoded here (a lookahead not started yet is cancelled: the ahead threads stay on the
+        tensors after it); the next ones are started either way."""
         ahead = self._ahead.pop(name, None)
         self._decode_ahead(name)
-        if ahead is None or ahead.cancel():
-            return None
-        out = ahead.result()  # (its checksum was checked when it was decoded)
+        if ahead is not None and not ahead.cancel():
+            got = ahead.result()  # (its checksum was checked when it was decoded)
+            if out is None:
+                out = got
+            else:
+                out.copy_(got)
+        else:
+            if out is None:
+                t = self.tensors[name]
+                out = torch.empty(t.shape, dtype=t.dtype)
+            compressed.decode_into(self.model_dir, self.compressed[name], out, self.direct)
         self.unread.discard(name)
         return out
 
     def _decode_ahead(self, name: str) -> None:
         """Start decoding the unread tensors after `name` in the manifest, within `LOOKAHEAD_BYTES` (with
-        what is already being decoded ahead)."""
+        what is already being decoded ahead). Each name is considered once (`_next` only moves forward)."""
         budget = LOOKAHEAD_BYTES - sum(self.tensors[n].nbytes for n in self._ahead)
-        names = list(self.compressed)
-        for nxt in names[self._order[name] + 1 :]:
-            if nxt in self._ahead or nxt not in self.unread or len(self.compressed[nxt].chunks) > 2:
-                continue  # (a tensor of several chunk pairs is decoded across the pool when asked for)
-            size = self.tensors[nxt].nbytes
-            if size > budget:
-                break
-            if self._ahead_pool is None:
-                self._ahead_pool = ThreadPoolExecutor(AHEAD_THREADS, thread_name_prefix="sf-decode-ahead")
-            self._ahead[nxt] = self._ahead_pool.submit(self._decoded, nxt)
-            budget -= size
+        i = max(self._next, self._order[name] + 1)
+        while i < len(self._names):
+            nxt = self._names[i]
+            if nxt not in self._ahead and nxt in self.unread and len(self.compressed[nxt].chunks) <= 2:
+                # (a tensor of several chunk pairs is decoded across the pool when asked for)
+                size = self.tensors[nxt].nbytes
+                if size > budget:
+                    break
+                if self._ahead_pool is None:
+                    self._ahead_pool = ThreadPoolExecutor(AHEAD_THREADS, thread_name_prefix="sf-decode-ahead")
+                self._ahead[nxt] = self._ahead_pool.submit(self._decoded, nxt)
+                budget -= size
+            i += 1
+        self._next = i
 
     def _decoded(self, name: str) -> torch.Tensor:
         t = self.tensors[name]
@@ -264,12 +275,7 @@ class Checkpoint:
     def _read(self, name: str, out: torch.Tensor) -> None:
         t = self.info(name)
         if name in self.compressed:
-            ahead = self._take_ahead(name)
-            if ahead is not None:
-                out.copy_(ahead)
-            else:
-                compressed.decode_into(self.model_dir, self.compressed[name], out, self.direct)
-            self.unread.discard(name)
+            self._read_compressed(name, out)
             return
         buf = memoryview(out.reshape(-1).view(torch.uint8).numpy()) if t.nbytes else memoryview(bytearray())
         try:

@@ -166,14 +166,13 @@ class LoRAWeights:
             segment_deltas(x, out, self.a, self.b, rows.segments)
         return out
 
-
     def row_groups(self, rows: slice) -> list[tuple[int, torch.Tensor]]:
         """For the step's `rows` (a slice of its rows): each slot holding this layer's factors that some of
         them run under, with their indices within the slice. Empty when no adapter row needs this layer."""
         step = self.state.rows
         if step is None or step.slots is None or not self.held:
             return []
-        present = {s for a, b, s in step.segments if a < (rows.stop or 0) and b > (rows.start or 0)} & self.held
+        present = {s for a, b, s in step.segments if a < rows.stop and b > rows.start} & self.held
         if not present:
             return []
         slots = step.slots[rows]
