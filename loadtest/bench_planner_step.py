@@ -180,7 +180,7 @@ def main() -> None:
     p.add_argument("--before", type=float, default=20.0)
     p.add_argument("--during", type=float, default=60.0)
     p.add_argument("--after", type=float, default=60.0)
-    p.add_argument("--output", type=int, default=64)
+    p.add_argument("--output", type=int, default=64, help="--role decode: output tokens per request (prefill: 8)")
     p.add_argument("--window", type=float, default=5.0)
     p.add_argument("--hold", type=float, default=15.0, help="recovered: this long of windows within the SLO")
     p.add_argument("--kv-cache-gb", type=float, default=0.25)
