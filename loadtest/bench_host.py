@@ -57,11 +57,11 @@ class Proc:
     engine_tids: list[int] = field(default_factory=list)
 
 
-def _cpu_s(path: str) -> float:
-    """utime + stime of /proc/<pid>[/task/<tid>]/stat, in seconds."""
+def _cpu_s(path: str, system_only: bool = False) -> float:
+    """utime + stime (or stime alone) of /proc/<pid>[/task/<tid>]/stat, in seconds."""
     with open(path) as f:
         fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICK
+    return (int(fields[12]) + (0 if system_only else int(fields[11]))) / TICK
 
 
 def _children(root: int) -> list[int]:
@@ -110,6 +110,8 @@ def snapshot(procs: list[Proc]) -> dict[str, float]:
     for p in procs:
         name = f"{p.role}-{p.pid}"
         out[name] = _cpu_s(f"/proc/{p.pid}/stat")
+        # the kernel's share (sockets, loopback delivery, futexes): what no Python-level cut reaches
+        out[f"{name}:sys"] = _cpu_s(f"/proc/{p.pid}/stat", system_only=True)
         if p.engine_tids:
             out[f"{name}:engine"] = sum(_cpu_s(f"/proc/{p.pid}/task/{t}/stat") for t in p.engine_tids)
     return out
@@ -196,7 +198,7 @@ def bench_stack(args: argparse.Namespace, layout: str, model_dir: Path, log_dir:
             total = 0.0
             for name in before:
                 used = (after[name] - before[name]) * k
-                rows.setdefault(name.split("-")[0] + (":engine" if name.endswith(":engine") else ""), []).append(used)
+                rows.setdefault(name.split("-")[0] + (":" + name.split(":")[1] if ":" in name else ""), []).append(used)
                 if ":" not in name:
                     total += used
             rows.setdefault("stack", []).append(total)
@@ -306,7 +308,8 @@ def main() -> int:
     print(f"\n{results['machine']}; {args.streams} streams x {args.tokens} tokens, medians of {args.rounds} rounds")
     if stacks:
         names = sorted({n for s in stacks.values() for n in s} - {"tok/s", "itl_p50_ms", "stack"})
-        print("\nWhole stack: CPU-seconds per 1,000 generated tokens (engine = the worker's engine thread and torch's threads)")
+        print(
+            "\nWhole stack: CPU-seconds per 1,000 generated tokens (engine = the worker's engine thread and torch's threads; sys = kernel time)")
         print(f"{'process':<20}" + "".join(f"{lay:>16}" for lay in stacks))
         for n in [*names, "stack"]:
             print(f"{n:<20}" + "".join(f"{s.get(n, float('nan')):>16.4f}" for s in stacks.values()))

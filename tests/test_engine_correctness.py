@@ -214,3 +214,40 @@ def test_long_tensor_equals_torch_tensor():
         assert got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want)
     with pytest.raises(ValueError):  # a ragged table is an error, not an object array
         long_tensor([[1, 2], [3]], cpu)
+
+
+def test_prepare_decodes_equals_prepare_any(tiny_model_dir):
+    """A batch of plain decodes takes `ModelRunner.prepare_decodes`; the general `prepare_any` is the
+    reference: the same tensors, length groups, sampled rows and batch order, for contexts far enough
+    apart to make several groups, a context ending on a block boundary, and a sequence admitted late."""
+    import torch
+
+    engine = make_engine(tiny_model_dir, block_size=4, max_num_seqs=16, enable_prefix_cache=False)
+    lengths = [3, 4, 5, 9, 16, 17, 40, 41, 90, 2, 7, 63]
+    for i, n in enumerate(lengths):
+        engine.add_request(f"r{i}", [(7 * i + j) % 200 + 3 for j in range(n)], SamplingParams(max_tokens=50, **GREEDY))
+        for _ in range(i % 3):
+            engine.step()
+    while any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.seqs.values()):
+        engine.step()
+    checked = 0
+    for _ in range(6):  # several steps: contexts cross block boundaries as they grow
+        batch = engine.scheduler.schedule()
+        assert batch and all(s.num_tokens == 1 and s.samples for s in batch)
+        fast, ref = list(batch), list(batch)
+        ids, pos, meta, rows = engine.runner.prepare_decodes(fast)
+        ids_r, pos_r, meta_r, rows_r = engine.runner.prepare_any(ref)
+        assert [id(s) for s in fast] == [id(s) for s in ref] and rows == rows_r
+        assert torch.equal(ids, ids_r) and torch.equal(pos, pos_r)
+        assert torch.equal(meta.k_rows, meta_r.k_rows) and torch.equal(meta.v_rows, meta_r.v_rows)
+        assert not meta.prefills and not meta_r.prefills and len(meta.decodes) == len(meta_r.decodes)
+        for d, d_r in zip(meta.decodes, meta_r.decodes, strict=True):
+            assert d.start == d_r.start and torch.equal(d.blocks, d_r.blocks) and torch.equal(d.mask, d_r.mask)
+            assert d.context_lens is not None and d_r.context_lens is not None
+            assert torch.equal(d.context_lens, d_r.context_lens) and d.context_lens.dtype == d_r.context_lens.dtype
+        checked += len(meta.decodes) > 1
+        # the step itself, so the next one sees longer contexts (the runner reorders `batch` as prepare did)
+        samples = engine.runner.run(batch)
+        for s, sampled in zip(batch, samples, strict=True):
+            engine._commit(s, sampled, None)
+    assert checked, "the contexts never made more than one length group"

@@ -74,6 +74,45 @@ class ModelRunner:
 
     def prepare(self, batch: list[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         """Flatten the batch: prompt chunks first (one attention segment each), then decodes."""
+        if getattr(self.model, "lora", None) is None and all(s.num_tokens == 1 and s.samples and not s.draft for s in batch):
+            return self.prepare_decodes(batch)
+        return self.prepare_any(batch)
+
+    def prepare_decodes(self, batch: list[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata,
+                                                                   list[int]]:
+        """`prepare_any` for the steady state, a batch of plain decodes (no prompt chunk, no draft, no
+        adapter): one pass over the sequences, no per-token generators (a test holds the two equal)."""
+        bs, planes, dev = self.block_size, self.planes, self.device
+        batch.sort(key=lambda s: s.seq.num_computed_tokens)
+        ids: list[int] = []
+        pos: list[int] = []
+        k_rows: list[int] = []
+        nbs: list[int] = []
+        for s in batch:
+            seq = s.seq
+            p = seq.num_computed_tokens
+            ids += seq.tokens(p, p + 1)
+            pos.append(p)
+            k_rows.append(seq.block_table[p // bs] * planes * bs + p % bs)
+            nbs.append(p // bs + 1)  # blocks covering the context, the new token's included
+        groups: list[DecodeBatch] = []
+        for group in _length_groups(nbs):
+            members = batch[group.start : group.stop]
+            nb = nbs[group.stop - 1]  # (sorted by context)
+            tables = [s.seq.block_table[:nb] for s in members]
+            for t in tables:
+                if len(t) < nb:
+                    t += [0] * (nb - len(t))
+            ctx = long_tensor(pos[group.start : group.stop], dev) + 1
+            mask = (torch.arange(nb * bs, device=dev)[None, :] < ctx[:, None]).view(len(members), 1, 1, -1)
+            groups.append(DecodeBatch(group.start, long_tensor(tables, dev), mask, ctx))
+        k = long_tensor(k_rows, dev)
+        return long_tensor(ids, dev), long_tensor(pos, dev), AttentionMetadata(bs, k, k + bs, [], groups), \
+            list(range(len(batch)))
+
+    def prepare_any(self, batch: list[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata,
+                                                              list[int]]:
+        """Any batch: prompt chunks first (one attention segment each), then decodes."""
         bs = self.block_size
         prefills = [s for s in batch if not (s.num_tokens == 1 and s.samples)]
         decodes = sorted((s for s in batch if s.num_tokens == 1 and s.samples), key=lambda s: s.seq.num_computed_tokens)

@@ -68,12 +68,13 @@ class ScheduledSeq(Generic[S]):
     draft: list[int] = field(default_factory=list)  # speculative tokens fed after the sequence's last one
     targets: list[int] = field(default_factory=list)  # the tokens drawn at each drafted row (set by the runner)
     features: Any = None  # EAGLE-3: the target's auxiliary hidden states of this entry's rows (set by the runner)
+    # True when this step reaches the end of the sequence, so its last row yields a token (a
+    # speculative step yields one per row). Fixed when the entry is made: a step reads it about six
+    # times per sequence (preparing, sampling, committing) and nothing moves the sequence in between.
+    samples: bool = field(init=False)
 
-    @property
-    def samples(self) -> bool:
-        """True when this step reaches the end of the sequence, so its last row yields a token
-        (a speculative step yields one per row)."""
-        return bool(self.draft) or self.seq.num_computed_tokens + self.num_tokens == self.seq.num_tokens
+    def __post_init__(self) -> None:
+        self.samples = bool(self.draft) or self.seq.num_computed_tokens + self.num_tokens == self.seq.num_tokens
 
 
 class Scheduler:
