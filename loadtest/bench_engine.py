@@ -456,6 +456,10 @@ def main() -> int:
     p.add_argument("--streams", default="1,16", help="with --vs-llama-server: closed-loop concurrency levels")
     p.add_argument("--duration", type=float, default=30.0, help="with --vs-llama-server: seconds per level")
     p.add_argument("--splitfire-arg", action="append", help="with --vs-llama-server: extra `splitfire up` argument")
+    p.add_argument("--sampling", action="store_true", help="the sampler's ms per step on real logits: batched vs "
+                   "the row-by-row reference, common settings (loadtest/bench_sampling.py)")
+    p.add_argument("--sampling-batches", default="1,16,64,256", help="with --sampling: rows per step")
+    p.add_argument("--sampling-groups", type=int, default=8, help="with --sampling: steps (row groups) per cell")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     if args.kv_dtypes:
@@ -488,6 +492,10 @@ def main() -> int:
         return main_mla(args)
     if args.grammar:
         return main_grammar(args)
+    if args.sampling:
+        from loadtest.bench_sampling import main_sampling
+
+        return main_sampling(args)
     if args.speculative:
         return main_speculative(args)
     if args.parallel:

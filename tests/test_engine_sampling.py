@@ -136,3 +136,52 @@ def test_logit_bias_and_min_tokens_are_validated():
     with pytest.raises(RequestError):
         SamplingParams(max_tokens=4, min_tokens=5).validate()
     SamplingParams(max_tokens=2, min_tokens=5, resumed_tokens=3).validate()  # after a failover: whole output
+
+
+def test_sample_batch_equals_the_plain_reference_row_by_row():
+    """`sample_batch` (what the engine runs: cuts from the most likely tokens, a draw among the kept
+    ones) against `draw(filtered_probs(row))` one row at a time, each row with its own seeded
+    generator: the same tokens, for every kind of filter and their mixes, peaked rows (cut among the
+    first candidates), flat ones (cut past them: a whole-row sort), a tie at a cut and rounding of the
+    last kept token; and the reference's distribution is what the filters promise."""
+    from engine.batch.sampler import draw, sample_batch, seeded_generator
+
+    vocab = 3000
+    g = torch.Generator().manual_seed(7)
+    settings = [
+        dict(temperature=1.0), dict(temperature=0.7, top_p=0.9), dict(temperature=1.3, top_k=40),
+        dict(temperature=0.8, top_k=100, top_p=0.8), dict(temperature=1.0, min_p=0.05),
+        dict(temperature=0.6, top_p=0.95, min_p=0.02), dict(temperature=1.0, top_k=1500, top_p=0.99),
+        dict(temperature=2.0, top_p=0.5), dict(temperature=1.0, top_k=3),
+    ]
+    rows, params = [], []
+    for scale in (0.3, 2.0, 6.0):  # flat, medium, peaked
+        for kw in settings:
+            rows.append(torch.randn(vocab, generator=g) * scale)
+            params.append(SamplingParams(**kw))
+    tie = torch.randn(vocab, generator=g)
+    tie[[5, 900, 2999]] = 4.0  # three equally likely tokens at the top-2 cut: all three kept
+    rows.append(tie)
+    params.append(SamplingParams(temperature=1.0, top_k=2))
+    logits = torch.stack(rows)
+    for draw_index in range(4):
+        gens = [seeded_generator(11 + i, draw_index, torch.device("cpu")) for i in range(len(params))]
+        got = sample_batch(logits, params, gens)
+        gens = [seeded_generator(11 + i, draw_index, torch.device("cpu")) for i in range(len(params))]
+        want = [draw(filtered_probs(logits[i], sp), gens[i]) for i, sp in enumerate(params)]
+        assert got == want
+    kept = filtered_probs(tie, SamplingParams(temperature=1.0, top_k=2)) > 0
+    assert kept.nonzero().flatten().tolist() == [5, 900, 2999]
+    # unseeded rows draw only kept tokens
+    for i, t in enumerate(sample_batch(logits, params, [None] * len(params))):
+        assert filtered_probs(logits[i], params[i])[t] > 0
+
+
+def test_draw_never_picks_a_token_of_zero_probability():
+    """Zero-probability tokens between, before and after the kept ones are never drawn."""
+    from engine.batch.sampler import draw
+
+    probs = torch.tensor([0.0, 0.25, 0.0, 0.75, 0.0])
+    g = torch.Generator().manual_seed(0)
+    seen = {draw(probs, g) for _ in range(200)}
+    assert seen == {1, 3}
