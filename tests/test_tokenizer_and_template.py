@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from common.chat_template import TemplateError, render_chat
-from common.detokenizer import ByteDetokenizer, IncrementalDetokenizer, detokenizer
+from common.detokenizer import ByteDetokenizer, Detokenizer, IncrementalDetokenizer, detokenizer
 from common.tokenizer import Tokenizer
 
 MESSAGES = [
@@ -108,6 +108,10 @@ def _run(detok, ids: list[int]) -> tuple[list[str], bool]:
     return out, stopped
 
 
+class _GeneralPush(ByteDetokenizer):
+    push = Detokenizer.push  # the reference path (stop-string handling) even without stop strings
+
+
 def _byte_table_equals_the_reference(tok: Tokenizer, seed: int) -> None:
     import random
 
@@ -139,6 +143,8 @@ def _byte_table_equals_the_reference(tok: Tokenizer, seed: int) -> None:
             assert len("".join(fast[: n + 1])) >= len("".join(ref[: n + 1])), (ids, stop, n)
         if not stop:
             assert "".join(fast) == tok.decode(ids), "no stop string: the whole decode"
+            # the byte table's one-call push without stop strings against the general push, delta by delta
+            assert _run(_GeneralPush(tok.byte_pieces() or [], stop), ids) == (fast, fast_stopped), ids
 
 
 def test_byte_table_detokenizer_equals_the_reference(tiny_model_dir):
