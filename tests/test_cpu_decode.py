@@ -99,3 +99,23 @@ def test_short_chunks_and_verifications_run_in_the_loop_too(tiny_model_dir):
     base, _ = run(False, logprobs=False)  # (requests with logprobs are not speculated)
     spec, eng = run(True, logprobs=False, speculative="ngram", speculative_max_batch=8)
     assert spec == base and eng.drafter.accepted > 0
+
+
+def test_vectorized_silu_mul_within_a_few_ulp_of_the_reference():
+    """`silu_mul` (exponentials 8 at a time) against its reference (libm's expf per element): rows of
+    odd widths (a scalar tail), both signs, tiny and huge gates, NaN and infinities; within 4 ulp, and
+    where the reference underflows to zero (gates below -87) within 1e-30."""
+    g = torch.Generator().manual_seed(3)
+    for t, i in ((1, 8), (3, 1536), (16, 1539), (2, 5)):
+        gate = torch.randn(t, i, generator=g) * torch.tensor([0.01, 1.0, 8.0, 40.0]).repeat(i // 4 + 1)[:i]
+        gate[0, : min(i, 6)] = torch.tensor([0.0, -0.0, 88.0, -88.0, -200.0, 1e-30])[: min(i, 6)]
+        up = torch.randn(t, i, generator=g)
+        gu = torch.cat([gate, up], dim=1).contiguous()
+        fast, ref = cpu_ops.silu_mul(gu), cpu_ops.silu_mul(gu, reference=True)
+        ulp = (torch.nextafter(ref.abs(), torch.tensor(float("inf"))) - ref.abs()).clamp(min=1e-45)
+        assert (((fast - ref).abs() <= 4 * ulp) | ((fast - ref).abs() <= 1e-30)).all(), (fast - ref).abs().max()
+    special = torch.tensor([[float("nan"), float("inf"), float("-inf"), 1.0, 1.0, 1.0, 1.0, 1.0,
+                             2.0, 2.0, 2.0, 2.0, 2.0, 2.0, 2.0, 2.0]])
+    fast, ref = cpu_ops.silu_mul(special), cpu_ops.silu_mul(special, reference=True)
+    assert torch.isnan(fast[0, 0]) and torch.isnan(ref[0, 0])
+    assert fast[0, 1] == ref[0, 1] == float("inf")

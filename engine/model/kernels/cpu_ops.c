@@ -794,13 +794,40 @@ int sf_rope_store(float *qkv, int T, int H, int KVH, int D, const float *freqs, 
     return 0;
 }
 
-/* ---- SiLU(gate) * up (float32) ---- gate_up rows are [gate (I) | up (I)]. */
-void sf_silu_mul(const float *gate_up, float *out, int T, int I) {
+/* ---- SiLU(gate) * up (float32) ---- gate_up rows are [gate (I) | up (I)].
+ * The reference: libm's expf per element (a batch-16 SmolLM2 step spent ~3% of its samples here, on one
+ * thread while the other waited). */
+void sf_silu_mul_ref(const float *gate_up, float *out, int T, int I) {
     for (int t = 0; t < T; t++) {
         const float *g = gate_up + (size_t)t * 2 * I, *u = g + I;
         float *o = out + (size_t)t * I;
         for (int i = 0; i < I; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
     }
+}
+
+#if SF_AVX2
+/* SiLU of 8 floats through exp8 on -|g| (its domain, x <= 0): g / (1 + e^-g) for g >= 0 and
+ * g e^g / (1 + e^g) below, the same value; within a few ulp of the reference (a test bounds it). */
+static inline __m256 silu8(__m256 g) {
+    __m256 e = exp8(_mm256_or_ps(g, _mm256_set1_ps(-0.0f))); /* e^-|g| */
+    __m256 num = _mm256_blendv_ps(g, _mm256_mul_ps(g, e), g); /* (sign of g picks g * e) */
+    return _mm256_div_ps(num, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+}
+#endif
+
+void sf_silu_mul(const float *gate_up, float *out, int T, int I) {
+#if SF_AVX2
+    int vec = I & ~7;
+    for (int t = 0; t < T; t++) {
+        const float *g = gate_up + (size_t)t * 2 * I, *u = g + I;
+        float *o = out + (size_t)t * I;
+        for (int i = 0; i < vec; i += 8)
+            _mm256_storeu_ps(o + i, _mm256_mul_ps(silu8(_mm256_loadu_ps(g + i)), _mm256_loadu_ps(u + i)));
+        for (int i = vec; i < I; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    }
+#else
+    sf_silu_mul_ref(gate_up, out, T, I);
+#endif
 }
 
 /* ---- Integer dot products: activations quantized to int8 per 32-block (as llama.cpp's Q8) ----

@@ -95,9 +95,10 @@ def build(arch: tuple[str, ...] = NATIVE, cache_dir: Path | None = None) -> ctyp
     lib.sf_rope_store.argtypes = [_P, _I, _I, _I, _I, _P, _P, _P, _I, _I]
     lib.sf_rope_store.restype = _I
     lib.sf_silu_mul.argtypes = [_P, _P, _I, _I]
+    lib.sf_silu_mul_ref.argtypes = [_P, _P, _I, _I]
     lib.sf_paged_decode.restype = _I
     for f in (lib.sf_gemm_i8, lib.sf_gemm_i4, lib.sf_dequant_i8, lib.sf_dequant_i4, lib.sf_add_rmsnorm,
-              lib.sf_silu_mul):
+              lib.sf_silu_mul, lib.sf_silu_mul_ref):
         f.restype = None
     lib.sf_join16.argtypes = [_P, _P, _P, ctypes.c_int64, _I]
     lib.sf_join16.restype = None
@@ -209,10 +210,12 @@ def rope_store(qkv: torch.Tensor, heads: int, kv_heads: int, head_dim: int, freq
            "RoPE + KV store")
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+def silu_mul(gate_up: torch.Tensor, reference: bool = False) -> torch.Tensor:
+    """SiLU(gate) * up of rows [gate | up]: vectorized exponentials (AVX2), or libm's `expf` per
+    element with `reference` (what a test holds the fast path to, within a few ulp)."""
     t, two_i = gate_up.shape
     out = torch.empty(t, two_i // 2)
     lib = library()
     assert lib is not None
-    lib.sf_silu_mul(gate_up.data_ptr(), out.data_ptr(), t, two_i // 2)
+    (lib.sf_silu_mul_ref if reference else lib.sf_silu_mul)(gate_up.data_ptr(), out.data_ptr(), t, two_i // 2)
     return out
