@@ -21,11 +21,10 @@ import torch
 
 from common.sampling_params import SamplingParams
 from engine.batch.sampler import CANDIDATES, draw, filtered_probs, sample
-from engine.batch.scheduler import ScheduledSeq
 from engine.batch.sequence import Sequence
 from engine.engine_config import EngineConfig
 from engine.llm_engine import LLMEngine
-from loadtest.quality import PROSE
+from loadtest.quality import PROSE, window_hidden
 
 SETTINGS = {
     "greedy": dict(temperature=0.0),
@@ -41,19 +40,8 @@ SETTINGS = {
 def prose_logits(engine: LLMEngine, window: int = 512) -> torch.Tensor:
     """[positions, vocab]: the model's next-token logits at every position of the prose."""
     ids = engine.tokenizer.encode(PROSE.read_text())
-    rows = []
-    for start in range(0, len(ids) - 1, window):
-        chunk = ids[start : start + window]
-        seq = Sequence(f"logits-{start}", chunk, SamplingParams(max_tokens=1))
-        if not engine.blocks.allocate(seq, len(chunk)):
-            raise RuntimeError("KV cache too small for a window; raise kv_cache_gb")
-        try:
-            seq.num_computed_tokens = 0
-            input_ids, positions, meta, _ = engine.runner.prepare([ScheduledSeq(seq, len(chunk))])
-            rows.append(engine.model.logits(engine.model(input_ids, positions, engine.kv, meta)).float())
-        finally:
-            engine.blocks.free_seq(seq)
-    return torch.cat(rows)
+    return torch.cat([engine.model.logits(window_hidden(engine, ids[start : start + window])).float()
+                      for start in range(0, len(ids) - 1, window)])
 
 
 def _ms(fn, reps: int) -> float:

@@ -19,28 +19,33 @@ PROSE = Path(__file__).with_name("data") / "prose.txt"
 
 
 @torch.inference_mode()
+def window_hidden(engine: LLMEngine, chunk: list[int]) -> torch.Tensor:
+    """The final hidden states at every position of `chunk`, computed as one prefill through the
+    engine's own model, KV cache and attention (the blocks are freed after)."""
+    seq = Sequence(f"window-{len(chunk)}", chunk, SamplingParams(max_tokens=1))
+    if not engine.blocks.allocate(seq, len(chunk)):
+        raise RuntimeError("KV cache too small for a window; raise kv_cache_gb")
+    try:
+        seq.num_computed_tokens = 0  # every position, cached prefix or not
+        input_ids, positions, meta, _ = engine.runner.prepare([ScheduledSeq(seq, len(chunk))])
+        return engine.model(input_ids, positions, engine.kv, meta)
+    finally:
+        engine.blocks.free_seq(seq)
+
+
+@torch.inference_mode()
 def perplexity(engine: LLMEngine, text: str | None = None, window: int = 512) -> tuple[float, int]:
     """exp(mean next-token NLL) over `text` in non-overlapping windows of `window` tokens, each
-    computed as one prefill through the engine's own model, KV cache and attention. Returns
-    (perplexity, tokens scored)."""
+    computed as one prefill (`window_hidden`). Returns (perplexity, tokens scored)."""
     ids = engine.tokenizer.encode(text if text is not None else PROSE.read_text())
     nll, count = 0.0, 0
     for start in range(0, len(ids) - 1, window):
         chunk = ids[start : start + window + 1]
         if len(chunk) < 2:
             break
-        seq = Sequence(f"ppl-{start}", chunk, SamplingParams(max_tokens=1))
-        if not engine.blocks.allocate(seq, len(chunk)):
-            raise RuntimeError("KV cache too small for a perplexity window; raise kv_cache_gb")
-        try:
-            seq.num_computed_tokens = 0  # score every position, cached prefix or not
-            input_ids, positions, meta, _ = engine.runner.prepare([ScheduledSeq(seq, len(chunk))])
-            hidden = engine.model(input_ids, positions, engine.kv, meta)
-            logits = engine.model.logits(hidden[:-1])
-            nll += F.cross_entropy(logits, torch.tensor(chunk[1:]), reduction="sum").item()
-            count += len(chunk) - 1
-        finally:
-            engine.blocks.free_seq(seq)
+        logits = engine.model.logits(window_hidden(engine, chunk)[:-1])
+        nll += F.cross_entropy(logits, torch.tensor(chunk[1:]), reduction="sum").item()
+        count += len(chunk) - 1
     return math.exp(nll / count), count
 
 
