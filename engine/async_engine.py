@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 
 from common.sampling_params import SamplingParams
 from engine.batch.sequence import Mode, Sequence, TokenLogprob
+from engine.compute_threads import release_pool
 from engine.llm_engine import EngineStats, LLMEngine, RequestOutput, StepObserver
 
 log = logging.getLogger("splitfire.engine")
@@ -96,6 +97,9 @@ class AsyncEngine:
         if self.on_kv_events is not None:
             self.llm.blocks.enable_kv_events()
         self._loop = asyncio.get_running_loop()
+        # From here the engine thread computes; the OpenMP threads of whoever loaded the model (this
+        # thread, as a rule) would make libgomp sleep at every barrier (engine/compute_threads.py).
+        release_pool()
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._thread.start()
 
@@ -274,6 +278,7 @@ class AsyncEngine:
         assert self._loop is not None
         loop = self._loop
         _name_os_thread("sf-engine")
+        busy = False  # stepped since it last went idle
         while not self._stopping:
             ran = False
             while True:
@@ -288,10 +293,14 @@ class AsyncEngine:
                 self._refresh_stats()
                 self._hand_out_published()
             if not self.llm.has_work:
+                if busy:  # idle from now: its OpenMP threads back, so another engine computes alone
+                    busy = False
+                    release_pool()
                 self._wake.wait(timeout=next_timer if next_timer is not None else 1.0)
                 self._wake.clear()
                 continue
             t0 = time.perf_counter()
+            busy = True
             try:
                 outputs = self.llm.step(self.observer)
             except Exception as e:

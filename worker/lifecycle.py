@@ -24,6 +24,7 @@ from common import gc_heap
 from common.errors import RequestError
 from common.tokenizer import Tokenizer
 from engine.async_engine import AsyncEngine
+from engine.compute_threads import releasing
 from engine.engine_config import EngineConfig
 from engine.llm_engine import LLMEngine, RequestOutput, StepObserver
 from engine.loading import weight_cache
@@ -141,12 +142,12 @@ def host_models(ctx: WorkerContext, make_service: Callable[[WorkerContext], Any]
     tokenizers: dict[str, Tokenizer] = {}  # kept across evictions: a reload then only maps the weights
 
     async def load(hm: HostedModel) -> tuple[ResidentModel, int]:
-        engine = await asyncio.to_thread(LLMEngine, _hosted_engine_config(cfg, hm.path), None,
+        engine = await asyncio.to_thread(releasing(LLMEngine), _hosted_engine_config(cfg, hm.path), None,
                                          tokenizers.get(hm.name))
         tokenizers[hm.name] = engine.tokenizer
         for name, path in list(hm.adapters.items()):  # (loaded for it at run time: back in its new engine)
             try:
-                await asyncio.to_thread(engine.load_adapter, name, path)
+                await asyncio.to_thread(releasing(engine.load_adapter), name, path)
             except RequestError as e:  # (its files changed since): dropped, named in the log and metrics
                 log.error("event=lora_reinstall_failed model=%s name=%s path=%s error=%s", hm.name, name, path, e)
                 m.adapter_loads.labels(role=m.role, op="refused").inc()

@@ -12,6 +12,7 @@ import grpc
 
 from common.errors import RequestError
 from engine.async_engine import AsyncEngine
+from engine.compute_threads import releasing
 from engine.loading.lora_adapters import read_adapter
 from protos import splitfire_pb2 as pb
 from protos import splitfire_pb2_grpc as pb_grpc
@@ -127,7 +128,7 @@ class WorkerService(pb_grpc.WorkerServicer):
         if llm.loras is None:
             raise RequestError("this worker serves no LoRA adapters: start it with --enable-lora or --lora-modules")
         llm.loras.check_name(name)
-        adapter = await asyncio.to_thread(read_adapter, name, path, llm.model, llm.config.max_lora_rank)
+        adapter = await asyncio.to_thread(releasing(read_adapter), name, path, llm.model, llm.config.max_lora_rank)
         await ctx.engine.call(lambda e: e.install_adapter(adapter))
         return adapter
 

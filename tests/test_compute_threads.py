@@ -1,0 +1,98 @@
+"""engine/compute_threads.py: one team of OpenMP threads per process.
+
+Each case runs in a fresh interpreter (libgomp's pools live as long as their threads), confined to two
+CPUs with two torch threads: a thread that has computed (the main thread loading a model, or a helper
+thread kept alive as asyncio's executor threads are) leaves a pool behind, and a second thread's team
+then sleeps at every barrier — counted as voluntary context switches over 400 parallel ops. The controls
+(nothing released) show the count the release removes, so the test cannot pass on a runtime that never
+throttled.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+CHILD = textwrap.dedent("""
+    import os, sys, threading
+    os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:2])
+    import torch
+    from engine.compute_threads import _libgomp, release_pool, releasing
+    if _libgomp() is None:
+        print("no-libgomp"); sys.exit()
+    torch.set_num_threads(2)
+    mode = sys.argv[1]
+    a = torch.empty(1 << 21)  # (no parallel fill on this thread)
+    parked = threading.Event()
+    if mode.startswith("main"):
+        a.add_(1)  # the main thread's team, as loading a model leaves one
+        if mode == "main-release":
+            assert release_pool()
+    else:  # a helper thread computes, then stays alive (as an executor's thread does)
+        done = threading.Event()
+        def helper():
+            fn = (lambda: a.add_(1))
+            (releasing(fn) if mode == "helper-release" else fn)()
+            done.set()
+            parked.wait()
+        threading.Thread(target=helper, daemon=True).start()
+        done.wait()
+
+    def switches():
+        n = 0
+        for t in os.listdir("/proc/self/task"):
+            with open(f"/proc/self/task/{t}/status") as f:
+                n += sum(int(x.split()[1]) for x in f if x.startswith("voluntary_ctxt"))
+        return n
+
+    out = {}
+    def work():  # the engine thread
+        b = torch.zeros(1 << 20)
+        b.add_(1)
+        s0 = switches()
+        for _ in range(400):
+            b.add_(1)
+        out["n"] = switches() - s0
+    th = threading.Thread(target=work); th.start(); th.join()
+    print(out["n"])
+""")
+
+
+def _switches(mode: str) -> int:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "2"}
+    env.pop("OMP_WAIT_POLICY", None)
+    env.pop("GOMP_SPINCOUNT", None)
+    res = subprocess.run([sys.executable, "-c", CHILD, mode], capture_output=True, text=True, env=env, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    if res.stdout.strip() == "no-libgomp":
+        pytest.skip("torch here does not compute with libgomp")
+    return int(res.stdout.split()[-1])
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs: one team of one thread never waits")
+@pytest.mark.parametrize("who", ["main", "helper"])
+def test_a_released_pool_keeps_the_computing_threads_team_spinning(who: str) -> None:
+    kept = _switches(f"{who}-keep")
+    released = _switches(f"{who}-release")
+    # kept: a sleep and a wake at (nearly) every one of the 400 ops' barriers; released: the team spins
+    assert kept >= 300, f"control: the second pool did not throttle ({kept} switches) — the test shows nothing"
+    assert released <= 40, f"{released} voluntary switches in 400 parallel ops after releasing ({kept} without)"
+
+
+def test_releasing_returns_and_raises_as_the_function_does() -> None:
+    from engine.compute_threads import releasing
+
+    assert releasing(lambda x, y=1: x + y)(2, y=3) == 5
+
+    def boom() -> None:
+        raise ValueError("named")
+
+    with pytest.raises(ValueError, match="named"):
+        releasing(boom)()
