@@ -14,6 +14,7 @@ import ctypes
 import heapq
 import itertools
 import logging
+import os
 import queue
 import sys
 import threading
@@ -21,9 +22,11 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+import torch
+
 from common.sampling_params import SamplingParams
 from engine.batch.sequence import Mode, Sequence, TokenLogprob
-from engine.compute_threads import release_pool
+from engine.compute_threads import CoreShare, release_pool
 from engine.llm_engine import EngineStats, LLMEngine, RequestOutput, StepObserver
 
 log = logging.getLogger("splitfire.engine")
@@ -279,6 +282,7 @@ class AsyncEngine:
         loop = self._loop
         _name_os_thread("sf-engine")
         busy = False  # stepped since it last went idle
+        share = self._core_share()
         while not self._stopping:
             ran = False
             while True:
@@ -299,6 +303,10 @@ class AsyncEngine:
                 self._wake.wait(timeout=next_timer if next_timer is not None else 1.0)
                 self._wake.clear()
                 continue
+            if share is not None and share.threads() != torch.get_num_threads():
+                torch.set_num_threads(share.current)
+                log.info("event=compute_threads threads=%d of=%d cores=%d foreign_cores=%.2f", share.current,
+                         share.max_threads, len(share.cores), share.foreign)
             t0 = time.perf_counter()
             busy = True
             try:
@@ -314,6 +322,14 @@ class AsyncEngine:
             if outputs or self.on_step is not None:
                 dt = time.perf_counter() - t0
                 loop.call_soon_threadsafe(self._after_step, outputs, dt)
+
+    def _core_share(self) -> CoreShare | None:
+        """Serving on CPU with several compute threads: as many as the cores other processes leave."""
+        cfg = self.llm.config
+        if (not cfg.adaptive_threads or self.llm.device.type != "cpu" or self.llm.ranks is not None
+                or torch.get_num_threads() < 2):
+            return None
+        return CoreShare(frozenset(os.sched_getaffinity(0)), torch.get_num_threads())
 
     def kv_snapshot(self) -> asyncio.Future[tuple[int, list[bytes]]]:
         return self.call(lambda e: e.blocks.kv_snapshot())

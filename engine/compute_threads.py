@@ -14,6 +14,15 @@ loaded the model calls it before the engine thread starts (`AsyncEngine.start`),
 goes idle gives its own back (so a second engine — a model loaded on demand — computes alone), and a
 helper thread that ran torch (an adapter read, a model loaded off the event loop) calls it when done
 (`releasing`). Without libgomp (another OpenMP runtime, or none) these do nothing.
+
+A team that spins has the opposite weakness: when something else keeps a core busy (another process
+computing, a compiler, a noisy neighbour), a thread of the team is off its core for a scheduler slice
+at a time while the others spin at the barrier waiting for it — SmolLM2's served step went from 9 ms to
+over 500 ms beside one busy-looping process. `CoreShare` watches how much of the engine's cores other
+processes take (/proc/stat against this process's own CPU time, every half second) and gives the
+engine thread as many compute threads as there are cores left to it: fewer at once when a neighbour
+takes a core, the full count again once they stayed free for a few seconds. One thread has no barrier
+to wait at.
 """
 
 from __future__ import annotations
@@ -21,8 +30,11 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+import math
 import os
+import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import ParamSpec, TypeVar
 
 log = logging.getLogger(__name__)
@@ -75,3 +87,89 @@ def releasing(fn: Callable[P, T]) -> Callable[P, T]:
             release_pool()
 
     return run
+
+
+TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
+
+
+def _busy_ticks(cores: frozenset[int]) -> int:
+    """Ticks the given CPUs spent on anything (user, system, interrupts, and a hypervisor's steal)."""
+    busy = 0
+    with open("/proc/stat") as f:
+        for line in f:
+            if not line.startswith("cpu"):
+                break  # (the per-CPU lines come first)
+            if not line[3].isdigit():
+                continue  # (the all-CPU total)
+            name, *vals = line.split()
+            if int(name[3:]) in cores:
+                v = [int(x) for x in vals[:8]]  # user nice system idle iowait irq softirq steal
+                busy += sum(v) - v[3] - v[4]
+    return busy
+
+
+def _own_ticks() -> int:
+    with open("/proc/self/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])
+
+
+@dataclass
+class CoreShare:
+    """How many compute threads the engine thread should use: the cores other processes leave it.
+
+    `update` is the decision (pure: readings in, a thread count out); `threads` reads /proc at most
+    every `interval_s` and applies it. Fewer threads at once when others take a core (the spin at each
+    barrier collapses then); more only after `raise_after_s` of the cores staying free."""
+
+    cores: frozenset[int]
+    max_threads: int
+    interval_s: float = 0.5
+    raise_after_s: float = 2.0
+    current: int = 0
+    foreign: float = 0.0  # cores' worth of CPU others took over the last interval
+    _last: tuple[float, int, int] | None = None
+    _higher_since: float | None = None
+    _next_at: float = 0.0
+    changes: list[tuple[float, int, float]] = field(default_factory=list)  # (when, threads, foreign)
+
+    def __post_init__(self) -> None:
+        if not self.current:
+            self.current = self.max_threads
+
+    def update(self, now: float, busy_ticks: int, own_ticks: int) -> int:
+        if self._last is None:
+            self._last = (now, busy_ticks, own_ticks)
+            return self.current
+        t0, b0, o0 = self._last
+        self._last = (now, busy_ticks, own_ticks)
+        dt = now - t0
+        if dt <= 0:
+            return self.current
+        self.foreign = max(0.0, (busy_ticks - b0) - (own_ticks - o0)) * TICK_S / dt
+        free = len(self.cores) - self.foreign
+        want = max(1, min(self.max_threads, math.floor(free + 0.5)))
+        if want < self.current:
+            self._set(now, want)
+        elif want > self.current:
+            if self._higher_since is None:
+                self._higher_since = now
+            elif now - self._higher_since >= self.raise_after_s:
+                self._set(now, want)
+        else:
+            self._higher_since = None
+        return self.current
+
+    def _set(self, now: float, n: int) -> None:
+        self.current = n
+        self._higher_since = None
+        self.changes.append((now, n, self.foreign))
+        del self.changes[:-32]
+
+    def threads(self) -> int:
+        """The count for the next step (on the engine thread, before it)."""
+        now = time.monotonic()
+        if now < self._next_at:
+            return self.current
+        self._next_at = now + self.interval_s
+        return self.update(now, _busy_ticks(self.cores), _own_ticks())

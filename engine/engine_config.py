@@ -37,6 +37,9 @@ class EngineConfig:
     max_model_len: int | None = None  # None = the model's max_position_embeddings
     enable_prefix_cache: bool = True
     threads: int | None = None  # torch intra-op threads on CPU; None = torch's default
+    # Serving on CPU: fewer compute threads while other processes take some of the cores
+    # (engine/compute_threads.CoreShare); False: always `threads`.
+    adaptive_threads: bool = True
     quantization: str | None = None  # int8 | int4: quantize a float checkpoint's matmul weights at load
     # bfloat16 matmul weights kept losslessly compressed in device memory, decoded per tile by a Triton matmul
     # (engine/model/compressed_weight.py): ~0.75 of the bytes, identical weights.

@@ -23,10 +23,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 import urllib.request
@@ -163,6 +166,9 @@ def main() -> int:
     p.add_argument("--layout", default="colocated", choices=("colocated", "pd"),
                    help="served by one colocated worker, or by 1 prefill + 1 decode worker")
     p.add_argument("--up-arg", action="append", default=[], help="extra `splitfire up` flag (served only)")
+    p.add_argument("--hogs", type=int, default=0,
+                   help="busy-looping processes beside both measurements (a host whose cores are shared: "
+                        "how the engine's compute threads fare when they are not alone)")
     p.add_argument("--out", default="", help="append the table to this file")
     args = p.parse_args()
     model = args.model or str(builtin_gguf(DEFAULT_MODEL))
@@ -174,7 +180,9 @@ def main() -> int:
     parts: dict[str, list[float]] = {}
     layout = ["--colocated"] if args.layout == "colocated" else ["--prefill", "1", "--decode", "1"]
     up = [*layout, "--model", model, *(f"--worker-arg={a}" for a in args.worker_arg), *args.up_arg]
-    with tempfile.TemporaryDirectory(prefix="served-itl-") as logs, Stack("served-itl", up, Path(logs)) as st:
+    with contextlib.ExitStack() as stack:
+        logs = stack.enter_context(tempfile.TemporaryDirectory(prefix="served-itl-"))
+        st = stack.enter_context(Stack("served-itl", up, Path(logs)))
         st.wait_ready()
         with urllib.request.urlopen(st.url + "/v1/models", timeout=10) as r:
             name = json.load(r)["data"][0]["id"]
@@ -190,6 +198,8 @@ def main() -> int:
         in_process_gaps(engine, tok, 1, seed=999)  # warm-up
         os.sched_setaffinity(0, everywhere)
         asyncio.run(closed_loop(st.url, name, 1, 3.0, seed=99))  # warm-up
+        hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.hogs)]
+        stack.callback(lambda: [h.kill() for h in hogs])
         for r in range(args.rounds):
             me = os.getpid()
             c0, w0 = _cpu_s(f"/proc/{me}/stat"), sum(_switches(f"/proc/{me}/task/{t}/status") for t in _threads(me))
@@ -224,7 +234,7 @@ def main() -> int:
 
     ratios = [s / i for s, i in zip(sv_p50, ip_p50, strict=True)]
     lines = [f"## {time.strftime('%Y-%m-%d %H:%M')} python -m loadtest.bench_served_itl "
-             f"--layout {args.layout} {' '.join(f'--worker-arg={a}' for a in args.worker_arg)} ({cpu_flags()})",
+             f"--layout {args.layout} --hogs {args.hogs} {' '.join(f'--worker-arg={a}' for a in args.worker_arg)} ({cpu_flags()})",
              f"model {Path(model).name}; in process on cores {sorted(cores)} with {len(cores)} thread(s), as the "
              f"streaming worker; ~256-token prompts, {MAX_TOKENS} tokens out, greedy, one stream; "
              f"{args.rounds} alternating rounds (medians over rounds)", "",

@@ -96,3 +96,55 @@ def test_releasing_returns_and_raises_as_the_function_does() -> None:
 
     with pytest.raises(ValueError, match="named"):
         releasing(boom)()
+
+
+def _share(**kw):
+    from engine.compute_threads import TICK_S, CoreShare
+
+    per_s = round(1 / TICK_S)  # ticks per second
+    return CoreShare(frozenset({0, 1}), max_threads=2, **kw), per_s
+
+
+def test_core_share_gives_up_a_thread_at_once_when_a_neighbour_takes_a_core() -> None:
+    share, hz = _share()
+    assert share.update(0.0, 0, 0) == 2
+    # 1 s: the cores were busy 2 s worth, this process 1.9 s of it (its spinning team, the shell): others 0.1
+    assert share.update(1.0, 2 * hz, round(1.9 * hz)) == 2
+    assert abs(share.foreign - 0.1) < 0.02
+    # next second: a neighbour took 0.7 of a core (the team got 1.3) -> one thread, at once
+    assert share.update(2.0, 4 * hz, round(3.2 * hz)) == 1
+    assert share.changes[-1][1] == 1
+    # with one thread: its core and the neighbour's, both busy -> stays at one
+    assert share.update(3.0, 6 * hz, round(4.2 * hz)) == 1
+
+
+def test_core_share_takes_the_thread_back_only_after_the_cores_stayed_free() -> None:
+    share, hz = _share(raise_after_s=2.0)
+    share.update(0.0, 0, 0)
+    share.update(1.0, 2 * hz, hz)  # a neighbour on a whole core
+    assert share.current == 1
+    busy, own = 2 * hz, hz
+    seen = []
+    for t in range(2, 7):  # the neighbour is gone: only this process's one thread
+        busy, own = busy + hz, own + hz
+        seen.append(share.update(float(t), busy, own))
+    assert seen == [1, 1, 2, 2, 2]  # free from t=2: raised at t=4, 2 s later
+    # a blip of others' use in between restarts the wait
+    share2, _ = _share(raise_after_s=2.0)
+    share2.update(0.0, 0, 0)
+    share2.update(1.0, 2 * hz, hz)
+    b, o = 2 * hz, hz
+    out = []
+    for t, other in zip(range(2, 8), [0, 0, 1, 0, 0, 0], strict=True):  # a full core taken again at t=4
+        b, o = b + hz + other * hz, o + hz
+        out.append(share2.update(float(t), b, o))
+    assert out == [1, 1, 1, 1, 1, 2]
+
+
+def test_core_share_never_goes_below_one_thread_or_above_the_maximum() -> None:
+    share, hz = _share()
+    share.update(0.0, 0, 0)
+    assert share.update(1.0, 2 * hz, 0) == 1  # others took both cores
+    share3, _ = _share()
+    share3.update(0.0, 0, 0)
+    assert share3.update(1.0, 0, 0) == 2  # idle cores: still the configured maximum, not more

@@ -172,6 +172,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-prefix-cache", action="store_true", help="disable prefix caching")
     g.add_argument("--threads", type=int, default=_env("threads", None),
                    help="torch CPU threads (per rank with --tensor-parallel-size; default: the cores shared out)")
+    g.add_argument("--fixed-threads", action="store_true", default=_env("fixed_threads", "") not in ("", "0"),
+                   help="keep --threads compute threads even while other processes take some of the worker's "
+                        "cores (default: one fewer per core taken, so the threads never wait for each other "
+                        "behind a neighbour)")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=int(_env("tensor_parallel_size", 1)),
                    help="split the model across this many ranks (one process each; gloo on CPU, NCCL on CUDA)")
     g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=int(_env("pipeline_parallel_size", 1)),
@@ -223,6 +227,7 @@ def engine_config_from(args: argparse.Namespace) -> EngineConfig:
                                            if args.max_prefill_tokens_while_decoding not in (None, "") else None),
         enable_prefix_cache=not args.no_prefix_cache,
         threads=int(args.threads) if args.threads else None,
+        adaptive_threads=not args.fixed_threads,
         quantization=args.quantization,
         compress_weights=args.compress_weights,
         cpu_activations=args.cpu_activations,
