@@ -53,9 +53,23 @@ ROLES = ("router", "serve", "prefill", "decode")
 class Proc:
     pid: int
     role: str
-    # The worker's engine thread (named "sf-engine") and the threads it started (torch's compute
-    # threads inherit the name): the engine's CPU, apart from the serving shell's.
-    engine_tids: list[int] = field(default_factory=list)
+
+
+ENGINE_THREAD = "sf-engine"  # the worker's engine thread; the compute threads it starts inherit the name
+
+
+def shell_cpu_s(pid: int) -> float:
+    """CPU seconds of a worker's live threads other than its engine's (the serving shell: event loop,
+    gRPC, frames). The engine's compute threads come and go (an idle engine ends them), so the engine's
+    share is the process's total less this one (a thread that ended still counts in the total)."""
+    total = 0.0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            if Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip() != ENGINE_THREAD:
+                total += _cpu_s(f"/proc/{pid}/task/{tid}/stat")
+        except OSError:  # (ended since listed)
+            pass
+    return total
 
 
 def _cpu_s(path: str, system_only: bool = False) -> float:
@@ -98,11 +112,7 @@ def stack_procs(stack: Stack) -> list[Proc]:
         role = next((a for a in args[args.index("splitfire_cli") + 1:] if a in ROLES), None)
         if role is None:
             continue
-        p = Proc(pid, role)
-        for tid in os.listdir(f"/proc/{pid}/task"):
-            if Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip() == "sf-engine":
-                p.engine_tids.append(int(tid))
-        procs.append(p)
+        procs.append(Proc(pid, role))
     return sorted(procs, key=lambda p: ROLES.index(p.role))
 
 
@@ -113,8 +123,8 @@ def snapshot(procs: list[Proc]) -> dict[str, float]:
         out[name] = _cpu_s(f"/proc/{p.pid}/stat")
         # the kernel's share (sockets, loopback delivery, futexes): what no Python-level cut reaches
         out[f"{name}:sys"] = _cpu_s(f"/proc/{p.pid}/stat", system_only=True)
-        if p.engine_tids:
-            out[f"{name}:engine"] = sum(_cpu_s(f"/proc/{p.pid}/task/{t}/stat") for t in p.engine_tids)
+        if p.role != "router":
+            out[f"{name}:engine"] = out[name] - shell_cpu_s(p.pid)
     return out
 
 

@@ -35,7 +35,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from loadtest.bench_host import Proc, _cpu_s, cpu_flags, stack_procs
+from loadtest.bench_host import ENGINE_THREAD, Proc, _cpu_s, cpu_flags, shell_cpu_s, stack_procs
 from loadtest.stack import Stack
 from loadtest.vs_llama_server import MAX_TOKENS, closed_loop, prompt
 from loadtest.workload import pct
@@ -79,23 +79,22 @@ def snapshot(procs: list[Proc]) -> dict[str, float]:
         tids = _threads(p.pid)
         names = {t: _comm(p.pid, t) for t in tids}
         groups = {"router": tids} if part == "router" else {
-            "worker engine": [t for t in tids if names[t] == "sf-engine"],
-            "worker shell": [t for t in tids if names[t] != "sf-engine"]}
+            "worker engine": [t for t in tids if names[t] == ENGINE_THREAD],
+            "worker shell": [t for t in tids if names[t] != ENGINE_THREAD]}
         for name, ts in groups.items():
             for t in ts:
                 try:
                     out[f"{name} switches:{t}"] = _switches(f"/proc/{p.pid}/task/{t}/status")
                     out[f"{name} preempted:{t}"] = _switches(f"/proc/{p.pid}/task/{t}/status", "non")
-                    if name == "worker shell":
-                        out["worker shell cpu"] = out.get("worker shell cpu", 0.0) + _cpu_s(
-                            f"/proc/{p.pid}/task/{t}/stat")
                 except OSError:  # (ended since listed)
                     pass
         total = _cpu_s(f"/proc/{p.pid}/stat")
         if part == "router":
             out["router cpu"] = out.get("router cpu", 0.0) + total
         else:
-            out["worker engine cpu"] = out.get("worker engine cpu", 0.0) + total - out.get("worker shell cpu", 0.0)
+            shell = shell_cpu_s(p.pid)
+            out["worker shell cpu"] = out.get("worker shell cpu", 0.0) + shell
+            out["worker engine cpu"] = out.get("worker engine cpu", 0.0) + total - shell
     return out
 
 
