@@ -343,6 +343,9 @@ class AsyncEngine:
             self._loop.call_soon_threadsafe(self.on_fetch, self.llm.take_fetches())
 
     def _after_step(self, outputs: list[RequestOutput], step_s: float) -> None:
+        # (Loop thread.) Torch work the serving shell did here (staging, a copy) may have left a pool of
+        # OpenMP threads on this thread: back at once, so the engine's team stays the only one.
+        release_pool()
         self.deliver(outputs)
         if self.on_step is not None:
             self.on_step(outputs, step_s, len(self.llm.scheduler.running))

@@ -25,6 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from common.block_hash import block_hashes
 from engine.async_engine import AsyncEngine
+from engine.compute_threads import releasing
 from engine.loading.checkpoint import model_fingerprint
 from kvtransfer.store import KVStore
 from worker.kv_routes import KVSplit
@@ -115,7 +116,7 @@ class KVTier:
         local = await self.aengine.cached_prefix_blocks(hashes)
         if local >= last:
             return 0
-        return await asyncio.get_running_loop().run_in_executor(self._fetcher, self._present, hashes[local:])
+        return await asyncio.get_running_loop().run_in_executor(self._fetcher, releasing(self._present), hashes[local:])
 
     async def fill(self, request_id: str) -> int:
         """Read the blocks of a reserved prompt past its local hit that the store holds, into the
@@ -125,7 +126,7 @@ class KVTier:
         n = 0
         if hashes:
             t0 = time.perf_counter()
-            n = await asyncio.get_running_loop().run_in_executor(self._fetcher, self._fetch, hashes, blocks)
+            n = await asyncio.get_running_loop().run_in_executor(self._fetcher, releasing(self._fetch), hashes, blocks)
             log.info("event=kv_fetched rid=%s blocks=%d of=%d ranks=%d seconds=%.4f", request_id, n, len(hashes),
                      len(self.remote) + 1, time.perf_counter() - t0)
         self.metrics.kv_store_blocks.labels(role=self.metrics.role, op="fetched").inc(n)
@@ -179,7 +180,8 @@ class KVTier:
         while True:
             hashes, blocks = await self._queue.get()
             try:
-                done = await loop.run_in_executor(self._publisher, self._each_rank, "put", hashes, blocks, True)
+                done = await loop.run_in_executor(self._publisher, releasing(self._each_rank), "put", hashes, blocks,
+                                                  True)
                 self.metrics.kv_store_blocks.labels(role=self.metrics.role, op="published").inc(done)
             except Exception:
                 log.exception("event=kv_publish_failed blocks=%d", len(blocks))
