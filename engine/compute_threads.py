@@ -144,7 +144,9 @@ class CoreShare:
         t0, b0, o0 = self._last
         self._last = (now, busy_ticks, own_ticks)
         dt = now - t0
-        if dt <= 0:
+        if dt <= 0 or dt > 2 * self.interval_s:
+            # (the engine was idle since: whatever ran then says nothing about the cores it computes
+            # beside now — a fresh window starts here)
             return self.current
         self.foreign = max(0.0, (busy_ticks - b0) - (own_ticks - o0)) * TICK_S / dt
         free = len(self.cores) - self.foreign

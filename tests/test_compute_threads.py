@@ -148,3 +148,12 @@ def test_core_share_never_goes_below_one_thread_or_above_the_maximum() -> None:
     share3, _ = _share()
     share3.update(0.0, 0, 0)
     assert share3.update(1.0, 0, 0) == 2  # idle cores: still the configured maximum, not more
+
+
+def test_core_share_does_not_judge_a_window_the_engine_spent_idle() -> None:
+    share, hz = _share(interval_s=0.5)
+    share.update(0.0, 0, 0)
+    # 10 s idle (no steps, no samples) while another process used both cores: no verdict on that
+    assert share.update(10.0, 20 * hz, 0) == 2
+    # from here on, windows of the interval: a neighbour on a whole core counts
+    assert share.update(10.5, 20 * hz + hz, round(0.5 * hz)) == 1
