@@ -26,7 +26,7 @@ import torch
 
 from common.sampling_params import SamplingParams
 from engine.batch.sequence import Mode, Sequence, TokenLogprob
-from engine.compute_threads import CoreShare, release_pool
+from engine.compute_threads import ENGINE_THREAD, CoreShare, TeamWatch, release_pool
 from engine.llm_engine import EngineStats, LLMEngine, RequestOutput, StepObserver
 
 log = logging.getLogger("splitfire.engine")
@@ -280,9 +280,10 @@ class AsyncEngine:
     def _run(self) -> None:
         assert self._loop is not None
         loop = self._loop
-        _name_os_thread("sf-engine")
+        _name_os_thread(ENGINE_THREAD)
         busy = False  # stepped since it last went idle
         share = self._core_share()
+        watch = TeamWatch() if share is not None else None
         while not self._stopping:
             ran = False
             while True:
@@ -315,6 +316,8 @@ class AsyncEngine:
                 log.exception("event=step_failed running=%d", len(self.llm.scheduler.running))
                 outputs = self._fail_all(f"engine step failed: {type(e).__name__}: {e}")
             self.step_count += 1
+            if watch is not None:
+                watch.sample(self.step_count)
             self._hand_out_published()
             # O(sequences) to compute (~0.1 ms at 256 running): at most every 10 ms while busy.
             if time.monotonic() - self._stats_at >= 0.01 or not self.llm.has_work:

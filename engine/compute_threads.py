@@ -37,7 +37,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import ParamSpec, TypeVar
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("splitfire.engine")
 
 P = ParamSpec("P")
 T = TypeVar("T")
@@ -175,3 +175,62 @@ class CoreShare:
             return self.current
         self._next_at = now + self.interval_s
         return self.update(now, _busy_ticks(self.cores), _own_ticks())
+
+
+ENGINE_THREAD = "sf-engine"  # the engine thread's OS name; the compute threads it starts inherit it
+
+
+def _engine_switches() -> int:
+    """Voluntary context switches of this process's engine thread and its compute threads."""
+    n = 0
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                if f.read().strip() != ENGINE_THREAD:
+                    continue
+            with open(f"/proc/self/task/{tid}/status") as f:
+                n += sum(int(line.split()[1]) for line in f if line.startswith("voluntary_ctxt_switches"))
+        except OSError:  # (ended since listed)
+            pass
+    return n
+
+
+@dataclass
+class TeamWatch:
+    """Says so (once, in the log) when the engine's compute threads sleep at their barriers: a
+    spinning team makes a few voluntary context switches per step, a throttled one ~100 (SmolLM2, batch
+    1) — the sign that some other thread of the process holds a pool of OpenMP threads again."""
+
+    per_step_limit: float = 30.0
+    min_steps: int = 20
+    interval_s: float = 2.0
+    warned: bool = False
+    _last: tuple[int, int] | None = None  # (steps, switches) at the last sample
+    _next_at: float = 0.0
+
+    def update(self, steps: int, switches: int) -> float | None:
+        """Switches per step since the last sample that had at least `min_steps` steps (None: too few
+        yet); the first over the limit is logged."""
+        if self._last is None or steps < self._last[0]:
+            self._last = (steps, switches)
+            return None
+        ds = steps - self._last[0]
+        if ds < self.min_steps:
+            return None
+        rate = (switches - self._last[1]) / ds
+        self._last = (steps, switches)
+        if rate > self.per_step_limit and not self.warned:
+            self.warned = True
+            log.warning("event=compute_threads_sleeping switches_per_step=%.0f: the compute threads sleep at "
+                        "their barriers (libgomp throttles when another thread of this process keeps a pool of "
+                        "OpenMP threads: something ran torch off the engine thread without releasing it; see "
+                        "engine/compute_threads.py)", rate)
+        return rate
+
+    def sample(self, steps: int) -> float | None:
+        """On the engine thread, after a step: reads /proc at most every `interval_s`."""
+        now = time.monotonic()
+        if now < self._next_at:
+            return None
+        self._next_at = now + self.interval_s
+        return self.update(steps, _engine_switches())

@@ -43,6 +43,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from engine.compute_threads import ENGINE_THREAD
 from loadtest.stack import Stack
 
 TICK = os.sysconf("SC_CLK_TCK")
@@ -55,7 +56,6 @@ class Proc:
     role: str
 
 
-ENGINE_THREAD = "sf-engine"  # the worker's engine thread; the compute threads it starts inherit the name
 
 
 def shell_cpu_s(pid: int) -> float:

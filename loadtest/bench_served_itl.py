@@ -35,7 +35,8 @@ import time
 import urllib.request
 from pathlib import Path
 
-from loadtest.bench_host import ENGINE_THREAD, Proc, _cpu_s, cpu_flags, shell_cpu_s, stack_procs
+from engine.compute_threads import ENGINE_THREAD
+from loadtest.bench_host import Proc, _cpu_s, cpu_flags, shell_cpu_s, stack_procs
 from loadtest.stack import Stack
 from loadtest.vs_llama_server import MAX_TOKENS, closed_loop, prompt
 from loadtest.workload import pct

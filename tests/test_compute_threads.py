@@ -53,15 +53,18 @@ CHILD = textwrap.dedent("""
         return n
 
     out = {}
-    def work():  # the engine thread
+    def work():  # the engine thread, named as the worker names it (its compute threads inherit the name)
+        import ctypes
+        from engine.compute_threads import ENGINE_THREAD, _engine_switches
+        ctypes.CDLL(None).prctl(15, ENGINE_THREAD.encode(), 0, 0, 0)
         b = torch.zeros(1 << 20)
         b.add_(1)
-        s0 = switches()
+        s0, e0 = switches(), _engine_switches()
         for _ in range(400):
             b.add_(1)
-        out["n"] = switches() - s0
+        out["n"], out["engine"] = switches() - s0, _engine_switches() - e0
     th = threading.Thread(target=work); th.start(); th.join()
-    print(out["n"])
+    print(out["engine"], out["n"])
 """)
 
 
@@ -73,7 +76,9 @@ def _switches(mode: str) -> int:
     assert res.returncode == 0, res.stderr[-2000:]
     if res.stdout.strip() == "no-libgomp":
         pytest.skip("torch here does not compute with libgomp")
-    return int(res.stdout.split()[-1])
+    engine, everyone = map(int, res.stdout.split()[-2:])
+    assert engine <= everyone
+    return engine
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs: one team of one thread never waits")
@@ -157,3 +162,19 @@ def test_core_share_does_not_judge_a_window_the_engine_spent_idle() -> None:
     assert share.update(10.0, 20 * hz, 0) == 2
     # from here on, windows of the interval: a neighbour on a whole core counts
     assert share.update(10.5, 20 * hz + hz, round(0.5 * hz)) == 1
+
+
+def test_team_watch_says_so_once_when_the_compute_threads_sleep(caplog: pytest.LogCaptureFixture) -> None:
+    from engine.compute_threads import TeamWatch
+
+    w = TeamWatch(per_step_limit=30, min_steps=20)
+    assert w.update(0, 0) is None
+    assert w.update(10, 40) is None  # too few steps to judge yet
+    assert w.update(40, 160) == 4.0  # a spinning team: 4 per step
+    assert not w.warned
+    with caplog.at_level("WARNING", logger="splitfire.engine"):
+        assert w.update(60, 160 + 20 * 98) == 98.0  # throttled: ~100 per step
+        assert w.update(80, 160 + 40 * 98) == 98.0
+    assert w.warned
+    assert [r.message for r in caplog.records].count(caplog.records[0].message) == 1
+    assert "compute_threads_sleeping" in caplog.records[0].message
