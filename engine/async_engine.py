@@ -282,8 +282,7 @@ class AsyncEngine:
         loop = self._loop
         _name_os_thread(ENGINE_THREAD)
         busy = False  # stepped since it last went idle
-        share = self._core_share()
-        watch = TeamWatch() if share is not None else None
+        share, watch = self._thread_keepers()
         while not self._stopping:
             ran = False
             while True:
@@ -326,13 +325,14 @@ class AsyncEngine:
                 dt = time.perf_counter() - t0
                 loop.call_soon_threadsafe(self._after_step, outputs, dt)
 
-    def _core_share(self) -> CoreShare | None:
-        """Serving on CPU with several compute threads: as many as the cores other processes leave."""
-        cfg = self.llm.config
-        if (not cfg.adaptive_threads or self.llm.device.type != "cpu" or self.llm.ranks is not None
-                or torch.get_num_threads() < 2):
-            return None
-        return CoreShare(frozenset(os.sched_getaffinity(0)), torch.get_num_threads())
+    def _thread_keepers(self) -> tuple[CoreShare | None, TeamWatch | None]:
+        """Serving on CPU with a team of compute threads: a watch on whether it sleeps at its barriers,
+        and (unless --fixed-threads) as many threads as the cores other processes leave."""
+        n = torch.get_num_threads()
+        if self.llm.device.type != "cpu" or self.llm.ranks is not None or n < 2:
+            return None, None
+        share = CoreShare(frozenset(os.sched_getaffinity(0)), n) if self.llm.config.adaptive_threads else None
+        return share, TeamWatch()
 
     def kv_snapshot(self) -> asyncio.Future[tuple[int, list[bytes]]]:
         return self.call(lambda e: e.blocks.kv_snapshot())
