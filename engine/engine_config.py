@@ -45,6 +45,9 @@ class EngineConfig:
     # (engine/model/compressed_weight.py): ~0.75 of the bytes, identical weights.
     compress_weights: bool = False
     decode_graphs: str = "auto"  # auto (CUDA: on; CPU: off) | on | off (--enforce-eager): see graph_runner.py
+    # Queue decode step n+1 before reading step n's tokens (LLMEngine: schedule and prepare while the device
+    # computes): auto = on wherever decode steps replay from graphs on CUDA | on | off.
+    async_scheduling: str = "auto"
     cpu_activations: str = "float"  # float | int8: how quantized matmuls take batch-1/2 activations on CPU
     speculative: str = "off"  # off | ngram (prompt lookup) | draft (a smaller model) | eagle3 (a head), --draft-model
     draft_model: str | None = None  # draft: built-in name, HF directory or .gguf; eagle3: the head's directory
@@ -112,6 +115,11 @@ class EngineConfig:
                                  "at load on any device)")
         if self.decode_graphs not in ("auto", "on", "off"):
             raise ValueError(f"decode_graphs must be auto, on or off, got {self.decode_graphs!r}")
+        if self.async_scheduling not in ("auto", "on", "off"):
+            raise ValueError(f"--async-scheduling must be auto, on or off, got {self.async_scheduling!r}")
+        if self.async_scheduling == "on" and (self.decode_graphs == "off" or self.speculative != "off"):
+            raise ValueError("--async-scheduling on queues decode steps that replay from graphs, without speculative "
+                             "decoding: drop --enforce-eager / --speculative, or leave it auto")
         if self.cpu_activations not in ("int8", "float"):
             raise ValueError(f"--cpu-activations must be int8 or float, got {self.cpu_activations!r}")
         if self.speculative not in ("off", "ngram", "draft", "eagle3"):

@@ -24,9 +24,9 @@ from engine import memory_profile
 from engine.batch.block_manager import BlockManager, BlockStats
 from engine.batch.constrained import GrammarEngine
 from engine.batch.graph_runner import DecodeGraphs
-from engine.batch.model_runner import ModelRunner
+from engine.batch.model_runner import Launched, ModelRunner
 from engine.batch.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
-from engine.batch.sequence import Mode, Sequence, Status, TokenLogprob
+from engine.batch.sequence import PENDING, Mode, Sequence, Status, TokenLogprob
 from engine.batch.step_times import StepTimes
 from engine.engine_config import EngineConfig
 from engine.loading import weight_cache
@@ -195,6 +195,13 @@ class LLMEngine:
         self.eagle: Eagle3Drafter | None = None  # the drafter, when it reads the target's hidden states
         self.drafter = self._drafter()
         self.scheduler.drafter = self.drafter
+        # Async scheduling: the decode step queued on the device whose tokens are not read yet.
+        self.async_scheduling = (self.runner.graphs is not None and self.drafter is None and (
+            config.async_scheduling == "on" or (config.async_scheduling == "auto" and self.device.type == "cuda")))
+        if config.async_scheduling == "on" and not self.async_scheduling:
+            raise ModelLoadError("--async-scheduling on: this engine's decode steps do not replay from graphs "
+                                 "(tensor or pipeline parallel, LoRA, or a failed capture): leave it auto")
+        self._launched: Launched | None = None
         self.scheduler.max_model_len = self.max_model_len
         self.seqs: dict[str, Sequence] = {}
         self._arrival = itertools.count()
@@ -286,6 +293,8 @@ class LLMEngine:
                         seq.matcher = None
         if mode == Mode.FULL:
             seq.detok = detokenizer(self.tokenizer, prompt, sampling.stop)
+        seq.overlappable = (self.async_scheduling and mode == Mode.FULL and seq.matcher is None and slot < 0
+                            and sampling.greedy and not sampling.penalized and sampling.logprobs is None)
         return seq
 
     def add_request(
@@ -329,9 +338,16 @@ class LLMEngine:
                                  c.block_size, self.kv.layout.num_blocks, self.max_model_len + c.num_speculative_tokens + 1,
                                  self.model_config.vocab_size)
 
+    def _free_blocks(self, seq: Sequence) -> None:
+        """Free a stopped sequence's blocks, or once the queued step that still writes into them is read."""
+        if self._launched is not None and seq in self._launched.rows:
+            self._launched.free_after.append(seq)
+        else:
+            self.blocks.free_seq(seq)
+
     def _drop(self, seq: Sequence) -> None:
         """Free a stopped sequence's blocks (and what a draft model holds for it)."""
-        self.blocks.free_seq(seq)
+        self._free_blocks(seq)
         if self.drafter is not None:
             self.drafter.release(seq)
 
@@ -356,7 +372,7 @@ class LLMEngine:
 
     def release(self, seq: Sequence) -> None:
         """Free the blocks of a request stopped with `hold`."""
-        self.blocks.free_seq(seq)
+        self._free_blocks(seq)
 
     # -- disaggregated decode: KV filled by another process --------------------------
 
@@ -467,13 +483,31 @@ class LLMEngine:
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work
+        return self.scheduler.has_work or self._launched is not None
 
     def step(self, observer: StepObserver | None = None) -> list[RequestOutput]:
+        """Run one step; the outputs of the steps finished since the last call.
+
+        Async scheduling: a step of overlappable decodes (`Sequence.overlappable`, replayed from a graph) is
+        queued on the device and its tokens read at the next call, after the step after it is queued (its
+        inputs take the unread tokens on the device): the host schedules, prepares and commits while the
+        device computes. Anything else (a prompt to admit, a block short, another kind of row, an
+        observer) first reads the queued step and runs in order. A sequence that stops at the step read
+        had a row in the next one: that row's token is dropped."""
+        if self._launched is not None:
+            if observer is None and self._overlaps_next():
+                return self._step_ahead()
+            return self._read_launched()
         times = self.times
         t0 = time.perf_counter() if times is not None else 0.0
         batch = self.scheduler.schedule()
         if not batch:  # (admissions for fetching from the KV tier compute nothing yet)
+            return []
+        if observer is None and self.async_scheduling and self._launchable(batch):
+            if times is not None:
+                times.steps += 1
+                times.schedule += time.perf_counter() - t0
+            self._queued(self.runner.launch(batch, None))
             return []
         hook = None
         if observer is not None:
@@ -500,6 +534,82 @@ class LLMEngine:
             times.commit += time.perf_counter() - t1
         if self.loras is not None and self.loras.unloading:
             self.loras.sweep(self.adapter_in_use)
+        return outputs
+
+    # -- async scheduling -------------------------------------------------------------
+
+    def _launchable(self, batch: list[ScheduledSeq]) -> bool:
+        return all(s.num_tokens == 1 and s.samples and not s.draft and s.seq.overlappable for s in batch) \
+            and self.runner.graphable(batch)
+
+    def _overlaps_next(self) -> bool:
+        """Whether the next step will be a launchable batch of every running sequence, with nothing
+        admitted and no preemption (each needs at most one new block): decided before scheduling it."""
+        sched = self.scheduler
+        running = sched.running
+        if sched.waiting or not running or self.blocks.num_available < len(running):
+            return False
+        assert self.runner.graphs is not None
+        if len(running) > self.runner.graphs.buckets[-1]:
+            return False
+        return all(s.overlappable and s.status == Status.RUNNING and s.num_remaining == 1 for s in running)
+
+    def _step_ahead(self) -> list[RequestOutput]:
+        """Queue the next decode step behind the launched one, then read and commit the launched one."""
+        times = self.times
+        t0 = time.perf_counter() if times is not None else 0.0
+        batch = self.scheduler.schedule()
+        # A sequence whose pending token is its last by length needs no further row.
+        batch = [s for s in batch if len(s.seq.output_token_ids) < s.seq.sampling.max_tokens
+                 and s.seq.num_tokens < self.max_model_len]
+        if times is not None and batch:
+            times.steps += 1
+            times.schedule += time.perf_counter() - t0
+        prev = self._launched
+        assert prev is not None
+        # (queued first: a sequence that stops in this read still has a row there, its blocks freed after it)
+        self._launched = self.runner.launch(batch, prev) if batch else None
+        outputs = self._read(prev)
+        if self._launched is not None:
+            self._queued(self._launched)
+        return outputs
+
+    def _queued(self, launched: Launched) -> None:
+        """A step is queued: each of its sequences still running has its K/V computed one further and a
+        pending token (an entry stopped since it was scheduled keeps neither)."""
+        for s in launched.batch:
+            seq = s.seq
+            if seq.status == Status.RUNNING:
+                self.blocks.mark_computed(seq, 1)
+                seq.output_token_ids.append(PENDING)
+        self._launched = launched
+
+    def _read_launched(self) -> list[RequestOutput]:
+        launched, self._launched = self._launched, None
+        assert launched is not None
+        return self._read(launched)
+
+    def _read(self, launched: Launched) -> list[RequestOutput]:
+        """Wait for a queued step's tokens and commit them (a stopped sequence's is dropped); then the
+        blocks of the sequences that stopped while it was queued are free."""
+        try:
+            tokens = launched.read()
+        finally:
+            for seq in launched.free_after:
+                self._free_blocks(seq)  # (or after the step queued since, if it has a row there too)
+        t1 = time.perf_counter() if self.times is not None else 0.0
+        outputs: list[RequestOutput] = []
+        for s, token in zip(launched.batch, tokens, strict=True):
+            seq = s.seq
+            if seq.status != Status.RUNNING or not seq.output_token_ids or seq.output_token_ids[-1] != PENDING:
+                continue  # stopped (aborted, held) since it was queued
+            seq.output_token_ids.pop()
+            out = RequestOutput(seq.request_id, num_prompt_tokens=seq.num_prompt_tokens,
+                                num_cached_tokens=seq.num_cached_tokens)
+            self._append_token(seq, token, None, out)
+            outputs.append(out)
+        if self.times is not None:
+            self.times.commit += time.perf_counter() - t1
         return outputs
 
     # -- LoRA adapters ---------------------------------------------------------------

@@ -6,7 +6,10 @@
 # or runs past its limit is reported and the next one still runs.
 #
 #   bash loadtest/gpu_check.sh OUTDIR [steps]      # steps: comma list of env,kernels,engine,bench,host,mla,
-#                                                  #   quantk,quant,quantsweep,int4 (weight-only int8/int4)
+#                                                  #   quantk,quant,quantsweep,int4 (weight-only int8/int4),
+#                                                  #   async (async scheduling: tests + in-process on vs off),
+#                                                  #   hostsync (bench_host with --async-scheduling=off),
+#                                                  #   compressed (--compress-weights: tests + the matmul timed)
 #
 # Needs the project's Python dependencies importable (pip install -e '.[test]'); on a host with no
 # network, SPLITFIRE_HOME must already hold bench-models/host-llama (loadtest/random_models.py).
@@ -40,5 +43,8 @@ step quantk 60 $PY -m pytest -q -p no:cacheprovider --timeout 120 tests/test_tri
 step quant 120 $PY -m loadtest.bench_quant_gemm --reps 10 --methods gemv,dot,dequant --rows 1,2,4,16,32,64,128,256,2048
 step int4 60 $PY -m loadtest.bench_gpu --preset llama3-8b --quantization int4 --batches 1,32
 step quantsweep 100 $PY -m loadtest.bench_quant_gemm --sweep --methods gemv,dot --rows 1,2,16,64 --shapes gate_up,down --reps 10
+step async 240 bash -c "$PY -m pytest -q -p no:cacheprovider --timeout 120 tests/test_async_scheduling.py && $PY -m loadtest.bench_async_sched --tokens 128 --rounds 3"
+step hostsync 120 $PY -m loadtest.bench_host --device cuda --layouts colocated --rounds 2 --no-engine --worker-arg=--async-scheduling=off --json "$OUT/host_sync.json"
+step compressed 200 bash -c "$PY -m pytest -q -p no:cacheprovider --timeout 120 tests/test_compressed_weight.py; $PY -m loadtest.bench_compressed_gemm --reps 60 --json $OUT/compressed_gemm.json"
 step mla 90 $PY -m loadtest.bench_gpu --preset deepseek-v2-lite --quantization int4 --batches 1,32
 cat "$summary"

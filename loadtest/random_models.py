@@ -111,6 +111,35 @@ def host_model_dir() -> Path:
     return target
 
 
+def smollm2_shape_dir() -> Path:
+    """Random weights of SmolLM2-135M's shape (30 layers, hidden 576, 9 heads, 3 KV heads, its 49k
+    vocabulary) with SmolLM2's tokenizer taken from `host_model_dir()`: a small model whose step is
+    the device's work, not the host's (`bench_async_sched.py`)."""
+    target = home() / "bench-models" / "smollm2-shape"
+    if (target / "config.json").is_file():
+        return target
+    import torch
+    import transformers
+
+    host = host_model_dir()
+    config = transformers.LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                                      num_attention_heads=9, num_key_value_heads=3, vocab_size=49152,
+                                      max_position_embeddings=8192, tie_word_embeddings=True, rope_theta=100000.0,
+                                      bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".smollm2-shape."))
+    try:
+        model.save_pretrained(tmp)
+        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+            if (host / name).is_file():
+                shutil.copy(host / name, tmp / name)
+        tmp.rename(target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
 def write_eagle3_head(out: Path, target_dir: Path, *, aux: tuple[int, ...] | None = None, draft_vocab: int = 150,
                       seed: int = 3, embed: bool = False, norm_before_residual: bool = False,
                       extra: dict[str, Any] | None = None) -> Path:

@@ -67,6 +67,7 @@ def test_graph_decoded_tokens_are_greedy_choices_up_to_bfloat16(family):
     engine = make_engine(family.path, **GPU)
     graphs = engine.runner.graphs
     assert graphs is not None, f"{family.name}: decode graphs were not captured (see event=decode_graphs_off)"
+    assert engine.async_scheduling  # (auto: decode steps queued ahead of the last one's read on CUDA)
     ps = prompts()
     for i, p in enumerate(ps):
         engine.add_request(f"r{i}", p, SamplingParams(max_tokens=N, temperature=0.0, ignore_eos=True))

@@ -151,6 +151,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--enforce-eager", action="store_true", default=_env("enforce_eager", "") not in ("", "0"),
                    help="no CUDA graphs: every decode step runs eagerly (by default decode-only steps replay a graph "
                         "captured per batch-size bucket on CUDA; CPU always runs eagerly)")
+    g.add_argument("--async-scheduling", default=_env("async_scheduling", "auto"), choices=["auto", "on", "off"],
+                   help="queue decode step n+1 before reading step n's tokens, so the host schedules and prepares "
+                        "while the device computes (auto: on CUDA with decode graphs; greedy rows without logprobs, "
+                        "penalties or a grammar — other steps run in order)")
     g.add_argument("--cpu-activations", default=_env("cpu_activations", "float"), choices=["float", "int8"],
                    help="quantized weights on CPU at batch 1-2: multiply their codes by float activations (exactly the "
                         "dequantized model; default) or by activations rounded to int8 per 32 values (llama.cpp's "
@@ -232,6 +236,7 @@ def engine_config_from(args: argparse.Namespace) -> EngineConfig:
         compress_weights=args.compress_weights,
         cpu_activations=args.cpu_activations,
         decode_graphs="off" if args.enforce_eager else "auto",
+        async_scheduling=args.async_scheduling,
         speculative=args.speculative,
         draft_model=args.draft_model,
         num_speculative_tokens=args.num_speculative_tokens,

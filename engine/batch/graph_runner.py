@@ -85,8 +85,11 @@ class StaticBatch:
     """One bucket's fixed tensors; `hidden` is where the forward writes its output.
 
     The inputs are views of one flat device buffer `flat` laid out [input_ids | positions | k_rows |
-    context_lens | tables], filled from its mirror `host` (pinned on CUDA; the same tensor on CPU)
-    through numpy and sent in one copy per step."""
+    context_lens | carried | tables], filled from its mirror `host` (pinned on CUDA; the same tensor on
+    CPU) through numpy and sent in one copy per step. `carried` (async scheduling): per row, the index
+    of its token in the previous step's sampled tokens, still on the device (-1: the token is in
+    `input_ids`). `copied` (CUDA): recorded after the copy, waited on before the mirror is written again
+    (a step may be queued behind the previous one, its copy not yet made)."""
 
     size: int
     flat: torch.Tensor  # [4B + B * max_blocks] int64
@@ -95,17 +98,19 @@ class StaticBatch:
     positions: torch.Tensor  # [B] int64
     k_rows: torch.Tensor  # [B] int64: row of each token's K in the layer cache viewed as [rows, kv_heads, dim]
     context_lens: torch.Tensor  # [B] int64
+    carried: torch.Tensor  # [B] int64
     tables: torch.Tensor  # [B, max_blocks] int64
     host_np: Any = None  # numpy view of `host` (made once: on CPU `host` is the device buffer itself)
     hidden: torch.Tensor | None = None
     graph: object | None = None  # torch.cuda.CUDAGraph once captured
+    copied: Any = None  # torch.cuda.Event after the last copy of `host` (CUDA)
 
     @classmethod
     def make(cls, b: int, max_blocks: int, device: torch.device) -> StaticBatch:
-        flat = torch.zeros(4 * b + b * max_blocks, dtype=torch.long, device=device)
+        flat = torch.zeros(5 * b + b * max_blocks, dtype=torch.long, device=device)
         host = flat if device.type == "cpu" else torch.zeros(flat.shape, dtype=torch.long, pin_memory=True)
         return cls(b, flat, host, flat[:b], flat[b : 2 * b], flat[2 * b : 3 * b], flat[3 * b : 4 * b],
-                   flat[4 * b :].view(b, max_blocks), host.numpy())
+                   flat[4 * b : 5 * b], flat[5 * b :].view(b, max_blocks), host.numpy())
 
 
 class DecodeGraphs:
@@ -186,31 +191,45 @@ class DecodeGraphs:
         s.k_rows[n:] = self.scratch_block * self.planes * bs  # slot 0 of the scratch block's K page
 
     def run(self, input_ids: list[int], positions: list[int], k_rows: list[int], tables: list[list[int]],
-            context_lens: list[int]) -> torch.Tensor:
+            context_lens: list[int], carried: tuple[list[int], torch.Tensor] | None = None) -> torch.Tensor:
         """Hidden states [n, hidden] for n decode rows (n <= the largest bucket).
 
         The rows are written into the bucket's host mirror and sent in one copy. A table's entries past
         its own length keep whatever an earlier step left there (block ids, so always in range):
         attention reads only a row's first ceil(context / block_size) entries, the torch path masks the
-        rest. Padding rows get context 1 in the scratch block."""
+        rest. Padding rows get context 1 in the scratch block. `carried` = (per row, the index of its
+        token in `tokens` or -1, tokens): rows whose token the previous step sampled and the host has
+        not read yet (async scheduling) take it from there on the device."""
         n = len(input_ids)
         b = self.bucket(n)
         assert b is not None, "batch larger than the largest bucket: run it eagerly"
         s = self.static[b]
+        if s.copied is not None:
+            s.copied.synchronize()  # (the previous step's copy out of this mirror was made)
         h = s.host_np
         h[0:n], h[b : b + n], h[2 * b : 2 * b + n], h[3 * b : 3 * b + n] = input_ids, positions, k_rows, context_lens
         h[n:b] = 0
         h[b + n : 2 * b] = 0
         h[2 * b + n : 3 * b] = self.scratch_block * self.planes * self.block_size  # slot 0 of the scratch K page
         h[3 * b + n : 4 * b] = 1
+        if carried is not None:
+            h[4 * b : 4 * b + n] = carried[0]
+            h[4 * b + n : 5 * b] = -1
         width = s.tables.shape[1]
-        t = h[4 * b :].reshape(b, width)
+        t = h[5 * b :].reshape(b, width)
         for i, row in enumerate(tables):
             m = min(len(row), width)
             t[i, :m] = row[:m] if m < len(row) else row
         t[n:, 0] = self.scratch_block
         if s.host is not s.flat:
             s.flat.copy_(s.host, non_blocking=True)
+            if s.copied is None:
+                s.copied = torch.cuda.Event()
+            s.copied.record()
+        if carried is not None:
+            src = s.carried
+            taken = carried[1].index_select(0, src.clamp(min=0))
+            s.input_ids.copy_(torch.where(src >= 0, taken, s.input_ids))
         if s.graph is not None:
             s.graph.replay()  # type: ignore[attr-defined]
         else:

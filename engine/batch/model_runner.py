@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -12,7 +14,7 @@ from engine.batch.constrained import GrammarEngine
 from engine.batch.graph_runner import DecodeGraphs
 from engine.batch.sampler import sample, speculative_targets
 from engine.batch.scheduler import ScheduledSeq
-from engine.batch.sequence import TokenLogprob
+from engine.batch.sequence import PENDING, Sequence, TokenLogprob
 from engine.batch.step_times import StepTimes
 from engine.model.attention import AttentionMetadata, DecodeBatch, PrefillSegment, kernels_enabled
 from engine.model.decoder import DecoderModel, LayerHook
@@ -52,6 +54,26 @@ def long_tensor(values: list, device: torch.device) -> torch.Tensor:
     return t if device.type == "cpu" else t.to(device)
 
 
+@dataclass(eq=False)
+class Launched:
+    """A decode step queued on the device whose sampled tokens the host has not read yet (async
+    scheduling: `ModelRunner.launch`)."""
+
+    batch: list[ScheduledSeq]  # in the order of `tokens`
+    tokens: torch.Tensor  # [len(batch)] int64 on the device: each entry's greedy token
+    host: torch.Tensor  # where they are copied to in host memory (pinned on CUDA)
+    ready: Any  # torch.cuda.Event recorded after that copy (None on CPU: `host` is `tokens`)
+    rows: dict[Sequence, int]  # each entry's row in `tokens`
+    # Sequences stopped while it was queued: their blocks are freed once it is read (it still writes their K/V).
+    free_after: list[Sequence] = field(default_factory=list)
+
+    def read(self) -> list[int]:
+        """The tokens, waiting for the device to have made them."""
+        if self.ready is not None:
+            self.ready.synchronize()
+        return self.host[: len(self.batch)].tolist()
+
+
 class ModelRunner:
     def __init__(self, model: DecoderModel, kv: KVCache, device: torch.device, grammar: GrammarEngine | None = None,
                  eos_token_ids: frozenset[int] = frozenset()):
@@ -71,6 +93,7 @@ class ModelRunner:
         self.pipeline: Callable[[list[tuple], LayerHook | None], list[torch.Tensor]] | None = None
         self.micro_batches = 1
         self._lap_at = 0.0
+        self._token_host: list[torch.Tensor] = []  # two pinned buffers the launched steps' tokens alternate in
 
     def prepare(self, batch: list[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         """Flatten the batch: prompt chunks first (one attention segment each), then decodes."""
@@ -187,6 +210,49 @@ class ModelRunner:
             tables.append(seq.block_table)
             ctx.append(p + 1)
         return self.graphs.run(ids, pos, k_rows, tables, ctx)
+
+    @torch.inference_mode()
+    def launch(self, batch: list[ScheduledSeq], prev: Launched | None) -> Launched:
+        """Async scheduling: queue a step of plain greedy decodes (`graphable`) and the argmax of its logits on
+        the device and return without waiting for them. An entry whose last token is still `prev`'s unread
+        sample (`PENDING` on the host) takes it from `prev.tokens` on the device. The same rows, tokens and
+        order as `run` (`sample` takes a plain argmax for such a batch); a test holds the two equal."""
+        assert self.graphs is not None
+        if self.times is not None:
+            self._lap_at = time.perf_counter()
+        batch.sort(key=lambda s: s.seq.num_computed_tokens)  # the order `run` gives decodes
+        bs, planes = self.block_size, self.planes
+        ids, pos, k_rows, tables, ctx, carried = [], [], [], [], [], []
+        rows = prev.rows if prev is not None else {}
+        for s in batch:
+            seq, p = s.seq, s.seq.num_computed_tokens
+            j = rows.get(seq, -1)
+            carried.append(j)
+            if j >= 0:
+                assert seq.output_token_ids[-1] == PENDING, f"{seq.request_id}: no token pending"
+                ids.append(0)
+            else:
+                ids.extend(seq.tokens(p, p + 1))
+            pos.append(p)
+            k_rows.append(seq.block_table[p // bs] * planes * bs + p % bs)
+            tables.append(seq.block_table)
+            ctx.append(p + 1)
+        hidden = self.graphs.run(ids, pos, k_rows, tables, ctx, (carried, prev.tokens) if prev is not None else None)
+        tokens = self.model.logits(hidden).argmax(-1)
+        if self.device.type == "cpu":
+            host, ready = tokens, None
+        else:
+            if not self._token_host:
+                size = self.graphs.buckets[-1]
+                self._token_host = [torch.empty(size, dtype=torch.long, pin_memory=True) for _ in range(2)]
+            # (the other buffer's step was read before this one was launched)
+            self._token_host.reverse()
+            host = self._token_host[0]
+            host[: len(batch)].copy_(tokens, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record()
+        self._lap("forward")
+        return Launched(list(batch), tokens, host, ready, {s.seq: i for i, s in enumerate(batch)})
 
     def _lap(self, phase: str) -> None:
         """With `times` on: the time since the last lap goes to `phase`."""

@@ -10,6 +10,10 @@ from common.block_hash import cache_scope
 from common.detokenizer import Detokenizer
 from common.sampling_params import SamplingParams
 
+# Async scheduling: an output token the device has sampled and the host has not read yet (the last of
+# `output_token_ids` while its step is queued; LLMEngine replaces it when it reads the step).
+PENDING = -1
+
 
 class Status(enum.Enum):
     WAITING = "waiting"  # queued, holds no blocks
@@ -62,6 +66,9 @@ class Sequence:
     detok: Detokenizer | None = None
     num_preemptions: int = 0
     spec: Any = None  # engine.speculative.SpecState once the sequence has been drafted for
+    # Its decode steps may be queued before the last one's token is read (async scheduling): a plain
+    # greedy row, no logprobs, penalties, grammar or adapter (set by the engine at admission).
+    overlappable: bool = False
 
     @property
     def scope(self) -> str:
