@@ -1,8 +1,9 @@
 """bfloat16 weights held compressed in device memory (`engine/model/compressed_weight.py`) and the matmul
 that decodes them tile by tile (`engine/model/kernels/compressed_triton.py`): packing is bit-exact for
 every 16-bit pattern; the kernel on compressed weights equals the same kernel on the plain bfloat16
-matrix bit for bit (escapes in several tiles, partial tiles, one row or many), and both equal torch's
-matmul. Without a GPU the kernel runs in the Triton interpreter."""
+matrix bit for bit in the Triton interpreter (escapes in several tiles, partial tiles, one row or many)
+and up to float32 rounding compiled for a GPU, and both equal a float64 matmul up to float32 rounding.
+Without a GPU the kernel runs in the Triton interpreter."""
 
 from __future__ import annotations
 
@@ -69,15 +70,25 @@ def test_what_cannot_be_packed_is_refused_by_name():
     (1, 70, 100, 32, 32), (5, 64, 64, 16, 32), (17, 37, 130, 32, 64), (3, 96, 48, 64, 16),
 ])
 def test_the_kernel_on_compressed_weights_equals_it_on_plain_ones_bit_for_bit(m, n, k, block_n, block_k):
+    """Interpreted, the same arithmetic in the same order: bit for bit. Compiled for a GPU the two variants
+    may order the reduction differently (seen on an H200): equal up to float32 rounding there."""
     w = with_outliers(normal(n, k, seed=n + k), 3 * n // 4)
     g = torch.Generator().manual_seed(m)
-    x = torch.randn(m, k, generator=g).to(DEV)
+    x = torch.randn(m, k, generator=g).to(torch.bfloat16).float().to(DEV)  # (exact in tf32 as well)
     c = pack(w, block_n, block_k).to(DEV)
     assert c.escapes.numel() > 0
     y = compressed_linear(x, c)
     plain = compressed_linear(x, c, plain=w.to(DEV).contiguous())
-    assert torch.equal(y, plain)
-    torch.testing.assert_close(y, x @ w.to(DEV).float().T, rtol=1e-4, atol=1e-4)
+    ref = x.double() @ w.to(DEV).double().T
+
+    def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+        return float((a.double() - b.double()).norm() / b.double().norm())
+
+    if CUDA:
+        assert rel(y, plain) < 1e-5
+    else:
+        assert torch.equal(y, plain)
+    assert rel(y, ref) < 1e-5 and not bool(y.isnan().any())
 
 
 @pytest.mark.skipif(CUDA, reason="the GPU code path on CPU tensors, interpreted")

@@ -87,8 +87,8 @@ class StaticBatch:
     The inputs are views of one flat device buffer `flat` laid out [input_ids | positions | k_rows |
     context_lens | carried | tables], filled from its mirror `host` (pinned on CUDA; the same tensor on
     CPU) through numpy and sent in one copy per step. `carried` (async scheduling): per row, the index
-    of its token in the previous step's sampled tokens, still on the device (-1: the token is in
-    `input_ids`). `copied` (CUDA): recorded after the copy, waited on before the mirror is written again
+    of its token in `DecodeGraphs.tokens`, the previous step's samples still on the device (-1: the
+    token is in `input_ids`); the graph itself takes them from there. `copied` (CUDA): recorded after the copy, waited on before the mirror is written again
     (a step may be queued behind the previous one, its copy not yet made)."""
 
     size: int
@@ -123,6 +123,9 @@ class DecodeGraphs:
         self.scratch_block = scratch_block
         self.device = device
         self.buckets = buckets_for(max_num_seqs)
+        # The last queued step's sampled tokens (async scheduling: `ModelRunner.launch` writes them, the
+        # next step's rows with `carried` >= 0 read them inside the graph).
+        self.tokens = torch.zeros(self.buckets[-1], dtype=torch.long, device=device)
         self.static: dict[int, StaticBatch] = {}
         for b in self.buckets:
             self.static[b] = StaticBatch.make(b, max_blocks, device)
@@ -137,8 +140,12 @@ class DecodeGraphs:
         return AttentionMetadata(self.block_size, s.k_rows, s.k_rows + self.block_size, [],
                                  [DecodeBatch(0, s.tables, mask, s.context_lens)])
 
+    def _input_ids(self, s: StaticBatch) -> torch.Tensor:
+        """Each row's token: `input_ids`, or the last step's sample where `carried` points at one."""
+        return torch.where(s.carried >= 0, self.tokens.index_select(0, s.carried.clamp(min=0)), s.input_ids)
+
     def _run(self, s: StaticBatch) -> None:
-        out = self.forward(s.input_ids, s.positions, self._meta(s))
+        out = self.forward(self._input_ids(s), s.positions, self._meta(s))
         if s.hidden is None:
             s.hidden = out
         else:
@@ -156,7 +163,7 @@ class DecodeGraphs:
         self._fill_padding(s, 0)
         probe = HostSyncProbe(self.device.type)
         with probe:
-            self.forward(s.input_ids, s.positions, self._meta(s))
+            self.forward(self._input_ids(s), s.positions, self._meta(s))
         return probe.seen
 
     def capture(self) -> None:
@@ -185,21 +192,22 @@ class DecodeGraphs:
     def _fill_padding(self, s: StaticBatch, n: int) -> None:
         bs = self.block_size
         s.input_ids[n:] = 0
+        s.carried[n:] = -1
         s.positions[n:] = 0
         s.context_lens[n:] = 1
         s.tables[n:] = self.scratch_block
         s.k_rows[n:] = self.scratch_block * self.planes * bs  # slot 0 of the scratch block's K page
 
     def run(self, input_ids: list[int], positions: list[int], k_rows: list[int], tables: list[list[int]],
-            context_lens: list[int], carried: tuple[list[int], torch.Tensor] | None = None) -> torch.Tensor:
+            context_lens: list[int], carried: list[int] | None = None) -> torch.Tensor:
         """Hidden states [n, hidden] for n decode rows (n <= the largest bucket).
 
         The rows are written into the bucket's host mirror and sent in one copy. A table's entries past
         its own length keep whatever an earlier step left there (block ids, so always in range):
         attention reads only a row's first ceil(context / block_size) entries, the torch path masks the
-        rest. Padding rows get context 1 in the scratch block. `carried` = (per row, the index of its
-        token in `tokens` or -1, tokens): rows whose token the previous step sampled and the host has
-        not read yet (async scheduling) take it from there on the device."""
+        rest. Padding rows get context 1 in the scratch block. `carried`: per row, the index of its token
+        in `self.tokens` or -1 — rows whose token the previous step sampled and the host has not read yet
+        (async scheduling) take it from there inside the graph."""
         n = len(input_ids)
         b = self.bucket(n)
         assert b is not None, "batch larger than the largest bucket: run it eagerly"
@@ -213,8 +221,10 @@ class DecodeGraphs:
         h[2 * b + n : 3 * b] = self.scratch_block * self.planes * self.block_size  # slot 0 of the scratch K page
         h[3 * b + n : 4 * b] = 1
         if carried is not None:
-            h[4 * b : 4 * b + n] = carried[0]
+            h[4 * b : 4 * b + n] = carried
             h[4 * b + n : 5 * b] = -1
+        else:
+            h[4 * b : 5 * b] = -1
         width = s.tables.shape[1]
         t = h[5 * b :].reshape(b, width)
         for i, row in enumerate(tables):
@@ -226,10 +236,6 @@ class DecodeGraphs:
             if s.copied is None:
                 s.copied = torch.cuda.Event()
             s.copied.record()
-        if carried is not None:
-            src = s.carried
-            taken = carried[1].index_select(0, src.clamp(min=0))
-            s.input_ids.copy_(torch.where(src >= 0, taken, s.input_ids))
         if s.graph is not None:
             s.graph.replay()  # type: ignore[attr-defined]
         else:

@@ -60,9 +60,8 @@ class Launched:
     scheduling: `ModelRunner.launch`)."""
 
     batch: list[ScheduledSeq]  # in the order of `tokens`
-    tokens: torch.Tensor  # [len(batch)] int64 on the device: each entry's greedy token
-    host: torch.Tensor  # where they are copied to in host memory (pinned on CUDA)
-    ready: Any  # torch.cuda.Event recorded after that copy (None on CPU: `host` is `tokens`)
+    host: torch.Tensor  # each entry's greedy token, copied to host memory (pinned on CUDA)
+    ready: Any  # torch.cuda.Event recorded after that copy (None on CPU: made already)
     rows: dict[Sequence, int]  # each entry's row in `tokens`
     # Sequences stopped while it was queued: their blocks are freed once it is read (it still writes their K/V).
     free_after: list[Sequence] = field(default_factory=list)
@@ -93,7 +92,8 @@ class ModelRunner:
         self.pipeline: Callable[[list[tuple], LayerHook | None], list[torch.Tensor]] | None = None
         self.micro_batches = 1
         self._lap_at = 0.0
-        self._token_host: list[torch.Tensor] = []  # two pinned buffers the launched steps' tokens alternate in
+        # Two pinned buffers (and their copy's event) the launched steps' tokens alternate in.
+        self._token_host: list[tuple[torch.Tensor, Any]] = []
 
     def prepare(self, batch: list[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         """Flatten the batch: prompt chunks first (one attention segment each), then decodes."""
@@ -215,8 +215,9 @@ class ModelRunner:
     def launch(self, batch: list[ScheduledSeq], prev: Launched | None) -> Launched:
         """Async scheduling: queue a step of plain greedy decodes (`graphable`) and the argmax of its logits on
         the device and return without waiting for them. An entry whose last token is still `prev`'s unread
-        sample (`PENDING` on the host) takes it from `prev.tokens` on the device. The same rows, tokens and
-        order as `run` (`sample` takes a plain argmax for such a batch); a test holds the two equal."""
+        sample (`PENDING` on the host) takes it on the device (from `DecodeGraphs.tokens`, inside the graph).
+        The same rows, tokens and order as `run` (`sample` takes a plain argmax for such a batch); a test
+        holds the two equal."""
         assert self.graphs is not None
         if self.times is not None:
             self._lap_at = time.perf_counter()
@@ -237,22 +238,25 @@ class ModelRunner:
             k_rows.append(seq.block_table[p // bs] * planes * bs + p % bs)
             tables.append(seq.block_table)
             ctx.append(p + 1)
-        hidden = self.graphs.run(ids, pos, k_rows, tables, ctx, (carried, prev.tokens) if prev is not None else None)
-        tokens = self.model.logits(hidden).argmax(-1)
+        graphs = self.graphs
+        hidden = graphs.run(ids, pos, k_rows, tables, ctx, carried if prev is not None else None)
+        n = len(batch)
+        tokens = graphs.tokens[:n]  # (the next step's graph reads them there)
+        torch.argmax(self.model.logits(hidden), dim=-1, out=tokens)
         if self.device.type == "cpu":
-            host, ready = tokens, None
+            host, ready = tokens.clone(), None  # (the next launch overwrites `tokens` before this one is read)
         else:
             if not self._token_host:
-                size = self.graphs.buckets[-1]
-                self._token_host = [torch.empty(size, dtype=torch.long, pin_memory=True) for _ in range(2)]
+                size = graphs.buckets[-1]
+                self._token_host = [(torch.empty(size, dtype=torch.long, pin_memory=True), torch.cuda.Event())
+                                    for _ in range(2)]
             # (the other buffer's step was read before this one was launched)
             self._token_host.reverse()
-            host = self._token_host[0]
-            host[: len(batch)].copy_(tokens, non_blocking=True)
-            ready = torch.cuda.Event()
+            host, ready = self._token_host[0]
+            host[:n].copy_(tokens, non_blocking=True)
             ready.record()
         self._lap("forward")
-        return Launched(list(batch), tokens, host, ready, {s.seq: i for i, s in enumerate(batch)})
+        return Launched(list(batch), host, ready, {s.seq: i for i, s in enumerate(batch)})
 
     def _lap(self, phase: str) -> None:
         """With `times` on: the time since the last lap goes to `phase`."""
