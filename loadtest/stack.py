@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Collection
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -33,10 +34,11 @@ def serve_app(app: web.Application, port: int, banner: str) -> None:
     web.run_app(app, host="127.0.0.1", port=port, print=None, access_log=None)
 
 
-def free_port() -> int:
+def free_port(avoid: Collection[int] = ()) -> int:
     """A port nothing listens on, for a process started next to bind. Drawn below the kernel's ephemeral
     range (from /proc), so no outgoing connection can be handed it between now and the bind — the race
-    that `bind(0)` then close leaves open (seen in CI as EADDRINUSE)."""
+    that `bind(0)` then close leaves open (seen in CI as EADDRINUSE). `avoid`: ports already picked for
+    the same process, not bound yet (two draws can meet: seen in CI as a worker given one port twice)."""
     low = 32768
     try:
         low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
@@ -45,6 +47,8 @@ def free_port() -> int:
     pick = random.Random()  # (its own: tests seed the global generator)
     for _ in range(200):
         port = pick.randrange(max(1024, low - 12000), low)
+        if port in avoid:
+            continue
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))

@@ -86,7 +86,8 @@ def spawn(name: str, args: list[str], log_dir: Path, env: dict[str, str] | None 
 def start_worker(role: str, model_dir: Path, log_dir: Path, *extra: str, name: str | None = None,
                  wait: bool = True) -> Proc:
     for attempt in range(3):
-        grpc_port, metrics_port = free_port(), free_port()
+        grpc_port = free_port()
+        metrics_port = free_port(avoid={grpc_port})
         cmd = {"prefill": "prefill", "decode": "decode", "both": "serve"}[role]
         args = [cmd, "--model", str(model_dir), "--device", "cpu", "--grpc-port", str(grpc_port),
                 "--metrics-port", str(metrics_port), "--host", "127.0.0.1", "--kv-cache-gb", "0.01", "--threads", "1",
@@ -153,7 +154,7 @@ def start_kv_master(log_dir: Path, port: int | None = None) -> Proc:
     port = port or free_port()
     log_path = log_dir / f"kv-master-{port}.log"
     f = open(log_path, "w")
-    popen = subprocess.Popen(master_command(port, free_port()), stdout=f, stderr=subprocess.STDOUT,
+    popen = subprocess.Popen(master_command(port, free_port(avoid={port})), stdout=f, stderr=subprocess.STDOUT,
                              start_new_session=True)
     STARTED.append(popen)
     p = Proc(f"kv-master-{port}", popen, log_path, {"rpc": port})

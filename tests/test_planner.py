@@ -128,6 +128,7 @@ def test_planner_profile_and_run_through_the_cli(tiny_model_dir, tmp_path):
     import subprocess
     import sys
     import threading
+    import time
     import urllib.request
 
     from procs import address, base_url, start_router, start_worker
@@ -143,18 +144,25 @@ def test_planner_profile_and_run_through_the_cli(tiny_model_dir, tmp_path):
         prof = json.loads(out.read_text())
         assert prof["prefill_tps"] > 0 and set(prof["decode_itl"]) == {"1", "4"}
 
-        def load() -> None:  # traffic during the planner's interval
+        done = threading.Event()
+
+        def load() -> None:  # traffic until the planner has read its interval (however long it takes to start)
             body = json.dumps({"model": "tiny", "prompt": [7] * 30, "max_tokens": 6, "ignore_eos": True}).encode()
-            for _ in range(4):
+            while not done.is_set():
                 req = urllib.request.Request(base_url(router) + "/v1/completions", body,
                                              {"Content-Type": "application/json"})
                 urllib.request.urlopen(req, timeout=30).read()
+                time.sleep(0.05)
 
-        t = threading.Timer(0.3, load)
+        t = threading.Thread(target=load)
         t.start()
-        run = subprocess.run([*cli, "run", "--router", base_url(router), "--profile", str(out), "--ttft-slo", "5",
-                              "--itl-slo", "1", "--interval", "2", "--once"], capture_output=True, text=True, timeout=60)
-        t.join()
+        try:
+            run = subprocess.run([*cli, "run", "--router", base_url(router), "--profile", str(out), "--ttft-slo", "5",
+                                  "--itl-slo", "1", "--interval", "2", "--once"], capture_output=True, text=True,
+                                 timeout=60)
+        finally:
+            done.set()
+            t.join()
         assert run.returncode == 0, run.stderr[-2000:]
         line = json.loads(run.stdout.strip().splitlines()[-1])
         assert line["have"] == {"prefill": 1, "decode": 1} and line["snapshot"]["request_rate"] > 0
