@@ -1,11 +1,10 @@
 """The matmul on weights held compressed in GPU memory (`--compress-weights`:
 `engine/model/kernels/compressed_triton.py`) against the same Triton kernel reading plain bfloat16 and
 against torch's bfloat16 `F.linear`, on Llama-3-8B's projection shapes, for decode-sized row counts and
-several tile shapes (the tiling is fixed when the weight is packed).
+several launch shapes (block_n x block_k / warps / pipeline stages; the packing does not depend on them).
 
-Per shape, rows and tiling: the compressed kernel's output equals the plain kernel's bit for bit (checked
-first, on fresh random inputs), its relative error against a float64
-reference, the weight bytes each reads (compressed: sign+mantissa plane, 4-bit codes, escapes), and the
+Per shape, rows and launch shape: the compressed kernel's relative difference from the plain kernel and
+its relative error against a float64 reference (fresh random inputs), the weight bytes each reads (compressed: sign+mantissa plane, 4-bit codes, escapes), and the
 median time of each (`triton.testing.do_bench`, which clears the L2 cache between runs) with the bytes
 over that time. A decode step is bound by the bytes it reads, so the target is the compressed kernel
 at ~0.75 of torch's time; the plain kernel beside it says how much of any gap is the kernel's tiling
@@ -31,7 +30,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", default="qkv,o,gate_up,down")
     p.add_argument("--rows", default="1,16,64")
-    p.add_argument("--tiles", default="32x32,64x64,64x128,128x64", help="block_n x block_k of the packing")
+    p.add_argument("--tiles", default="64x128/4/3,32x128/4/3,64x64/4/4,128x128/8/3",
+                   help="launch shapes: block_n x block_k / warps / stages")
     p.add_argument("--reps", type=int, default=100, help="do_bench milliseconds of repetitions")
     p.add_argument("--json", default="")
     args = p.parse_args()
@@ -44,35 +44,37 @@ def main() -> None:
 
     dev = torch.device("cuda")
     print(f"{torch.cuda.get_device_name()}; medians (do_bench, L2 cleared); GB/s = weight bytes read / time\n")
-    print(f"{'shape':8} {'rows':>4} {'tile':>7} | {'torch bf16 us':>13} {'plain kernel us':>15} "
-          f"{'compressed us':>13} | {'vs torch':>8} | {'GB/s torch/compr':>16} | rel err")
+    print(f"{'shape':8} {'rows':>4} {'launch':>12} | {'torch bf16 us':>13} {'plain kernel us':>15} "
+          f"{'compressed us':>13} | {'vs torch':>8} | {'GB/s torch/compr':>16} | vs plain, vs f64")
     rows_out = []
     for name in args.shapes.split(","):
         n, k = SHAPES[name]
         w = (torch.randn(n, k, device=dev) * 0.02).to(torch.bfloat16)
+        c = pack(w)
+        plain_bytes, comp_bytes = w.numel() * 2, c.nbytes
         for tile in args.tiles.split(","):
-            bn, bk = (int(v) for v in tile.split("x"))
-            c = pack(w, bn, bk)
-            plain_bytes, comp_bytes = w.numel() * 2, c.nbytes
+            dims, warps, stages = tile.split("/")
+            bn, bk = (int(v) for v in dims.split("x"))
+            launch = dict(block_n=bn, block_k=bk, warps=int(warps), stages=int(stages))
             for m in (int(r) for r in args.rows.split(",")):
                 x = torch.randn(m, k, device=dev).to(torch.bfloat16)
-                y = compressed_linear(x, c)
-                y_plain = compressed_linear(x, c, plain=w)
-                exact = bool(torch.equal(y, y_plain)) and not bool(y.isnan().any())
+                y = compressed_linear(x, c, **launch)
+                y_plain = compressed_linear(x, c, plain=w, **launch)
                 ref = x.double() @ w.double().T
                 err = float((y.double() - ref).norm() / ref.norm())
+                diff = float((y.double() - y_plain.double()).norm() / y_plain.double().norm())
                 t_torch, t_plain, t_comp = (
                     triton.testing.do_bench(fn, rep=args.reps, return_mode="median")
-                    for fn in (partial(F.linear, x, w), partial(compressed_linear, x, c, plain=w),
-                               partial(compressed_linear, x, c)))
-                row = dict(shape=name, n=n, k=k, rows=m, tile=tile, torch_us=1e3 * t_torch, plain_us=1e3 * t_plain,
+                    for fn in (partial(F.linear, x, w), partial(compressed_linear, x, c, plain=w, **launch),
+                               partial(compressed_linear, x, c, **launch)))
+                row = dict(shape=name, n=n, k=k, rows=m, launch=tile, torch_us=1e3 * t_torch, plain_us=1e3 * t_plain,
                            compressed_us=1e3 * t_comp, plain_bytes=plain_bytes, compressed_bytes=comp_bytes,
-                           bit_exact_vs_plain_kernel=exact, rel_err=err)
+                           escapes=c.num_escapes, rel_diff_vs_plain_kernel=diff, rel_err=err)
                 rows_out.append(row)
-                print(f"{name:8} {m:>4} {tile:>7} | {1e3 * t_torch:>13.1f} {1e3 * t_plain:>15.1f} "
+                print(f"{name:8} {m:>4} {tile:>12} | {1e3 * t_torch:>13.1f} {1e3 * t_plain:>15.1f} "
                       f"{1e3 * t_comp:>13.1f} | {t_comp / t_torch:>7.2f}x | "
-                      f"{plain_bytes / t_torch / 1e6:>7.0f} / {comp_bytes / t_comp / 1e6:>6.0f} | {err:.1e}"
-                      f"{'' if exact else '  NOT EQUAL to the plain kernel'}", flush=True)
+                      f"{plain_bytes / t_torch / 1e6:>7.0f} / {comp_bytes / t_comp / 1e6:>6.0f} | {diff:.1e} {err:.1e}",
+                      flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "rows": rows_out}, f, indent=1)

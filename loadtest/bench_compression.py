@@ -197,7 +197,7 @@ def in_memory_ratio(plain: Path) -> tuple[float, float]:
         c = pack(t)
         packed += c.nbytes
         original += t.numel() * 2
-        escapes += c.escapes.numel()
+        escapes += c.num_escapes
         weights += t.numel()
     return (packed / original if original else float("nan")), (escapes / weights * 1e6 if weights else float("nan"))
 

@@ -1,12 +1,16 @@
 """y = x @ W^T with W held compressed in device memory (`engine.model.compressed_weight.CompressedBF16`):
 each program decodes its BLOCK_N x BLOCK_K tiles of W in registers — a sign+mantissa byte and a 4-bit
-exponent code per weight, the code looked up in the tensor's 16-entry table, escapes fetched at their rank
-in the tile (a prefix sum of the tile's escape flags from the tile's first escape) — and multiplies them
-in float32. The weights cross HBM at ~12 bits instead of 16 (a decode step of a bandwidth-bound model
-reads 0.75 of the bytes); nothing is materialised in bfloat16.
+exponent code per weight, exponent = base + code, an escape (code 15) as 0 — with integer operations
+only, and multiplies them in bfloat16 on the tensor cores with float32 sums. The escaped weights (rare)
+are added after, by a sparse product in torch. The weights cross HBM at ~12 bits instead of 16 (a decode
+step of a bandwidth-bound model reads 0.75 of the bytes); nothing is materialised in bfloat16.
 
-`PLAIN=True` is the same kernel reading an ordinary bfloat16 W: the tests hold the two bit-identical
-(same tiles, same order of accumulation) in the Triton interpreter on a CPU host, and both close to torch.
+Split-K (`quant_triton.split_k_for`): with a few rows (decode) there are too few (row, column) tiles to
+fill the GPU, so each program takes a share of K and writes float32 partial sums that are added after.
+
+`PLAIN=True` is the same kernel reading an ordinary bfloat16 W: on a matrix without escapes the two are
+bit-identical in the Triton interpreter (same tiles, same order of accumulation); tests hold both close
+to a float64 product. Activations are taken in bfloat16 (the engine's dtype with `--compress-weights`).
 """
 
 from __future__ import annotations
@@ -15,61 +19,69 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.model.kernels.quant_triton import split_k_for
+
 BLOCK_M = 16
+BLOCK_N = 64
+BLOCK_K = 128
 
 
 @triton.jit
-def _decode_tile(plane_ptr, codes_ptr, table_ptr, esc_ptr, start_ptr, rn, kk, tile, N, K,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The float32 weights [BLOCK_N, BLOCK_K] of rows `rn`, columns `kk` (tile number `tile`); 0 outside."""
+def _decode_tile(plane_ptr, codes_ptr, rn, kk, base, N, K):
+    """The bfloat16 weights [BLOCK_N, BLOCK_K] of rows `rn`, columns `kk`; 0 at escapes and outside."""
     wmask = (rn[:, None] < N) & (kk[None, :] < K)
     plane = tl.load(plane_ptr + rn[:, None] * K + kk[None, :], mask=wmask, other=0).to(tl.int32)
     byte = tl.load(codes_ptr + rn[:, None] * (K // 2) + (kk // 2)[None, :], mask=wmask, other=0).to(tl.int32)
     code = (byte >> (4 * (kk % 2))[None, :]) & 0x0F
-    esc = (code == 15) & wmask
-    flags = esc.to(tl.int32)
-    row_count = tl.sum(flags, axis=1)
-    row_first = tl.cumsum(row_count, axis=0) - row_count
-    rank = row_first[:, None] + tl.cumsum(flags, axis=1) - flags
-    first = tl.load(start_ptr + tile)
-    exp = tl.load(table_ptr + code, mask=wmask, other=0)
-    exp = tl.where(esc, tl.load(esc_ptr + first + rank, mask=esc, other=0), exp)
-    bits = ((plane & 0x80) << 8) | (exp << 7) | (plane & 0x7F)
-    return bits.to(tl.int16).to(tl.bfloat16, bitcast=True).to(tl.float32)
+    bits = ((plane & 0x80) << 8) | ((base + code) << 7) | (plane & 0x7F)
+    bits = tl.where((code == 15) | ~wmask, 0, bits)
+    return bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
 
 
 @triton.jit
-def _matmul_kernel(x_ptr, w_ptr, plane_ptr, codes_ptr, table_ptr, esc_ptr, start_ptr, y_ptr, M, N, K,
-                   stride_xm, stride_ym, PLAIN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr):
-    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+def _matmul_kernel(x_ptr, w_ptr, plane_ptr, codes_ptr, y_ptr, M, N, K, base, stride_xm,
+                   PLAIN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   SPLIT_K: tl.constexpr, F32_DOT: tl.constexpr):
+    """Program (m, n, s): rows m, columns n, the s-th share of K; float32 sums into y [SPLIT_K, M, N]."""
+    pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    tiles_k = tl.cdiv(K, BLOCK_K)
+    k_per = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
+    k_start = pid_k * k_per
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for t in range(0, tiles_k):
-        kk = t * BLOCK_K + tl.arange(0, BLOCK_K)
+    for k0 in range(k_start, tl.minimum(k_start + k_per, K), BLOCK_K):
+        kk = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + rm[:, None] * stride_xm + kk[None, :], mask=(rm[:, None] < M) & (kk[None, :] < K),
-                    other=0.0).to(tl.float32)
+                    other=0.0).to(tl.bfloat16)
         if PLAIN:
-            w = tl.load(w_ptr + rn[:, None] * K + kk[None, :], mask=(rn[:, None] < N) & (kk[None, :] < K),
-                        other=0.0).to(tl.float32)
+            w = tl.load(w_ptr + rn[:, None] * K + kk[None, :], mask=(rn[:, None] < N) & (kk[None, :] < K), other=0.0)
         else:
-            w = _decode_tile(plane_ptr, codes_ptr, table_ptr, esc_ptr, start_ptr, rn, kk, pid_n * tiles_k + t, N, K,
-                             BLOCK_N, BLOCK_K)
-        acc += tl.dot(x, tl.trans(w))
-    tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc, mask=(rm[:, None] < M) & (rn[None, :] < N))
+            w = _decode_tile(plane_ptr, codes_ptr, rn, kk, base, N, K)
+        if F32_DOT:  # (the interpreter: its bfloat16 dot is wrong; the same exact products in float32)
+            acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)))
+        else:
+            acc += tl.dot(x, tl.trans(w))
+    tl.store(y_ptr + pid_k * M * N + rm[:, None] * N + rn[None, :], acc, mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
-def compressed_linear(x: torch.Tensor, w, plain: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] @ W^T in float32, W a `CompressedBF16` (decoded per tile in the kernel), or with `plain`
-    (a bfloat16 [N, K]) the same kernel reading it as is."""
+def compressed_linear(x: torch.Tensor, w, plain: torch.Tensor | None = None, block_n: int = BLOCK_N,
+                      block_k: int = BLOCK_K, warps: int = 4, stages: int = 3,
+                      split_k: int | None = None) -> torch.Tensor:
+    """x [M, K] @ W^T in float32, W a `CompressedBF16` (decoded per tile in the kernel, escapes added
+    after), or with `plain` (a bfloat16 [N, K]) the same kernel reading it as is. The tile shape, warps,
+    pipeline stages and K split are launch choices (the packing does not depend on them)."""
     n, k = w.shape
     m = x.shape[0]
     x = x.contiguous()
-    y = torch.empty(m, n, dtype=torch.float32, device=x.device)
-    grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, w.block_n))
-    _matmul_kernel[grid](x, plain if plain is not None else w.plane, w.plane, w.codes, w.table, w.escapes,
-                         w.tile_start, y, m, n, k, x.stride(0), y.stride(0), PLAIN=plain is not None,
-                         BLOCK_M=BLOCK_M, BLOCK_N=w.block_n, BLOCK_K=w.block_k)
+    grid_m, grid_n = triton.cdiv(m, BLOCK_M), triton.cdiv(n, block_n)
+    split = split_k or split_k_for(x.device, grid_m * grid_n, triton.cdiv(k, block_k))
+    part = torch.empty(split, m, n, dtype=torch.float32, device=x.device)
+    _matmul_kernel[(grid_m, grid_n, split)](
+        x, plain if plain is not None else w.plane, w.plane, w.codes, part, m, n, k, w.base, x.stride(0),
+        PLAIN=plain is not None, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split,
+        F32_DOT=x.device.type != "cuda", num_warps=warps, num_stages=stages)
+    y = part[0] if split == 1 else part.sum(0)
+    if plain is None and w.num_escapes:
+        # the escaped weights: y[:, r] += x[:, c] * v for each (r, c, v)
+        y.index_add_(1, w.esc_rows, x.index_select(1, w.esc_cols).to(torch.bfloat16).float() * w.esc_vals.float())
     return y
