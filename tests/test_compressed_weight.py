@@ -60,10 +60,14 @@ def test_normal_weights_take_three_quarters_of_bfloat16_with_few_escapes():
 
 
 def test_what_cannot_be_packed_is_refused_by_name():
-    with pytest.raises(ValueError, match="even number of columns"):
-        pack(normal(4, 7))
     with pytest.raises(ValueError, match="bfloat16"):
         pack(torch.zeros(4, 8))
+    with pytest.raises(ValueError, match="2-D"):
+        pack(normal(4, 8).reshape(-1))
+    odd = normal(5, 37)  # (any number of columns: the last run of codes is padded)
+    assert torch.equal(pack(odd).decompress().view(torch.int16), odd.view(torch.int16))
+    with pytest.raises(ValueError, match="multiple of 32"):
+        compressed_linear(torch.zeros(1, 37, dtype=torch.bfloat16, device=DEV), pack(odd).to(DEV), block_k=48)
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -71,7 +75,8 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize(("m", "n", "k", "block_n", "block_k", "split_k"), [
-    (1, 70, 100, 32, 32, 1), (5, 64, 64, 16, 32, 2), (17, 37, 130, 32, 64, 3), (3, 96, 48, 64, 16, 1),
+    (1, 70, 100, 32, 32, 1), (5, 64, 64, 16, 32, 2), (17, 37, 130, 32, 64, 3), (3, 96, 48, 64, 32, 1),
+    (2, 33, 45, 16, 64, 2),
 ])
 def test_the_kernel_on_compressed_weights_equals_it_on_plain_ones(m, n, k, block_n, block_k, split_k):
     """Without escapes the compressed and plain kernels compute the same tiles in the same order: bit for

@@ -31,7 +31,9 @@ ESCAPE = 15
 @dataclass
 class CompressedBF16:
     plane: torch.Tensor  # uint8 [N, K]: sign << 7 | mantissa
-    codes: torch.Tensor  # uint8 [N, K // 2]: weight 2j's code in the low nibble of byte j, 2j+1's in the high
+    # uint8 [N, ceil(K / 32) * 16]: in each run of 32 columns, byte i holds column i's code (low nibble) and
+    # column i + 16's (high): a tile's bytes are read contiguously and give two halves of 16-column runs.
+    codes: torch.Tensor
     base: int  # the exponent of code 0 (code c < 15: exponent base + c)
     esc_rows: torch.Tensor  # int64 [E]: the escaped weights' rows,
     esc_cols: torch.Tensor  # int64 [E]: columns,
@@ -58,7 +60,8 @@ class CompressedBF16:
     def decompress(self) -> torch.Tensor:
         """The bfloat16 matrix (the plain reference the kernel is held to)."""
         n, k = self.shape
-        codes = torch.stack([self.codes & 0x0F, self.codes >> 4], dim=-1).reshape(n, k).to(torch.int32)
+        runs = self.codes.reshape(n, -1, 1, 16)
+        codes = torch.cat([runs & 0x0F, runs >> 4], dim=2).reshape(n, -1)[:, :k].to(torch.int32)
         p = self.plane.to(torch.int32)
         bits = ((p & 0x80) << 8) | (((self.base + codes) & 0xFF) << 7) | (p & 0x7F)
         w = bits.to(torch.int16).view(torch.bfloat16)
@@ -67,10 +70,10 @@ class CompressedBF16:
 
 
 def pack(w: torch.Tensor) -> CompressedBF16:
-    """A [N, K] bfloat16 matrix (K even) in the 4-bit exponent-code form."""
-    if w.dtype != torch.bfloat16 or w.dim() != 2 or w.shape[1] % 2:
-        raise ValueError(f"pack takes a 2-D bfloat16 matrix with an even number of columns, not {w.dtype} "
-                         f"{tuple(w.shape)}")
+    """A [N, K] bfloat16 matrix in the 4-bit exponent-code form."""
+    if w.dtype != torch.bfloat16 or w.dim() != 2:
+        raise ValueError(f"pack takes a 2-D bfloat16 matrix, not {w.dtype} {tuple(w.shape)}")
+    n, k = w.shape
     u = w.contiguous().view(torch.int16).to(torch.int32) & 0xFFFF
     exp = (u >> 7) & 0xFF
     plane = (((u >> 8) & 0x80) | (u & 0x7F)).to(torch.uint8)
@@ -81,7 +84,8 @@ def pack(w: torch.Tensor) -> CompressedBF16:
     esc = (codes < 0) | (codes >= ESCAPE)
     codes = torch.where(esc, ESCAPE, codes)
     rows, cols = esc.nonzero(as_tuple=True)
-    packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8)
+    runs = torch.nn.functional.pad(codes, (0, -k % 32)).reshape(n, -1, 2, 16)
+    packed = (runs[:, :, 0] | (runs[:, :, 1] << 4)).reshape(n, -1).to(torch.uint8)
     return CompressedBF16(plane, packed, base, rows, cols, w[rows, cols].contiguous())
 
 

@@ -310,7 +310,7 @@ class DecoderModel(nn.Module):
         for m in self.modules():
             w = m.weight if isinstance(m, Linear) else None
             if (w is None or m.quantized is not None or m.packed is not None or w.dtype != torch.bfloat16
-                    or w.dim() != 2 or not w.numel() or w.shape[1] % 2):
+                    or w.dim() != 2 or not w.numel()):
                 continue
             if m is self.lm_head and self.cfg.tie_word_embeddings:
                 continue
