@@ -147,8 +147,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    default=_env("compress_weights", "") not in ("", "0"),
                    help="keep bfloat16 matmul weights losslessly compressed in GPU memory (a 4-bit exponent code "
                         "per weight, ~0.75 of the bytes; a Triton matmul decodes each tile): more room for the KV "
-                        "cache, identical weights; the matmul measured 25-170x slower than bfloat16 on an H200, so "
-                        "it trades step time for memory")
+                        "cache, identical weights; the matmul measured 1.9-6x slower than bfloat16 on an H200, so it "
+                        "trades step time for memory")
     g.add_argument("--enforce-eager", action="store_true", default=_env("enforce_eager", "") not in ("", "0"),
                    help="no CUDA graphs: every decode step runs eagerly (by default decode-only steps replay a graph "
                         "captured per batch-size bucket on CUDA; CPU always runs eagerly)")
