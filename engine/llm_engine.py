@@ -294,7 +294,7 @@ class LLMEngine:
         if mode == Mode.FULL:
             seq.detok = detokenizer(self.tokenizer, prompt, sampling.stop)
         seq.overlappable = (self.async_scheduling and mode == Mode.FULL and seq.matcher is None and slot < 0
-                            and sampling.greedy and not sampling.penalized and sampling.logprobs is None)
+                            and not sampling.penalized and sampling.logprobs is None)
         return seq
 
     def add_request(

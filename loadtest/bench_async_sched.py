@@ -9,6 +9,7 @@ layers: the step is nearly all host work, `random_models.host_model_dir`) and `s
 of SmolLM2-135M's shape: 30 layers, a 49k vocabulary, `random_models.smollm2_shape_dir`).
 
     python -m loadtest.bench_async_sched                       # CUDA: host and smollm2, batches 1,16,64
+    python -m loadtest.bench_async_sched --temperature 0.8     # sampled rows (top_p 0.95)
     python -m loadtest.bench_async_sched --device cpu --models host --batches 1,4 --tokens 32   # smoke run
 """
 
@@ -36,11 +37,13 @@ def engine(model: str, device: str, on: bool, max_seqs: int) -> LLMEngine:
                                   async_scheduling="on" if on else "off"))
 
 
-def decode_round(e: LLMEngine, batch: int, tokens: int, prompt_len: int, tag: str) -> tuple[float, float, float]:
+def decode_round(e: LLMEngine, batch: int, tokens: int, prompt_len: int, tag: str,
+                 temperature: float = 0.0) -> tuple[float, float, float]:
     """(output tokens/s, ms per step, CPU ms per 1,000 tokens) of the decode phase of one round."""
     for i in range(batch):
         prompt = [(7 * i + 13 * j) % 400 + 3 for j in range(prompt_len)]
-        e.add_request(f"{tag}-{i}", prompt, SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True))
+        sampled = dict(temperature=temperature, top_p=0.95) if temperature > 0 else dict(temperature=0.0)
+        e.add_request(f"{tag}-{i}", prompt, SamplingParams(max_tokens=tokens, ignore_eos=True, **sampled))
     got: dict[str, int] = {}
     while len(got) < batch or min(got.values()) < 1:  # prefill: every stream has its first token
         for o in e.step():
@@ -68,10 +71,12 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=256, help="generated tokens per stream")
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--rounds", type=int, default=5, help="rounds per engine (alternating; medians)")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampled rows (with top_p 0.95) instead of greedy")
     args = p.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     name = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
-    print(f"{name}; {args.tokens} tokens per stream, prompt {args.prompt_len}, medians of {args.rounds} "
+    rows = f"temperature {args.temperature}, top_p 0.95" if args.temperature > 0 else "greedy"
+    print(f"{name}; {args.tokens} tokens per stream ({rows}), prompt {args.prompt_len}, medians of {args.rounds} "
           f"alternating rounds\n")
     print(f"{'model':8} {'batch':>5} | {'in order tok/s':>14} {'queued tok/s':>12} {'ratio':>6} | "
           f"{'ms/step':>15} | {'CPU ms / 1k tok':>15}")
@@ -84,7 +89,8 @@ def main() -> None:
             decode_round(engines[True], b, 8, args.prompt_len, "warm")
             for r in range(args.rounds):
                 for on in ((False, True) if r % 2 == 0 else (True, False)):
-                    res[on].append(decode_round(engines[on], b, args.tokens, args.prompt_len, f"r{r}"))
+                    res[on].append(decode_round(engines[on], b, args.tokens, args.prompt_len, f"r{r}",
+                                                args.temperature))
             med = {on: [statistics.median(x[i] for x in res[on]) for i in range(3)] for on in res}
             off, on_ = med[False], med[True]
             print(f"{model:8} {b:>5} | {off[0]:>14,.0f} {on_[0]:>12,.0f} {on_[0] / off[0]:>5.2f}x | "

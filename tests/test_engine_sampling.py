@@ -177,6 +177,50 @@ def test_sample_batch_equals_the_plain_reference_row_by_row():
         assert filtered_probs(logits[i], params[i])[t] > 0
 
 
+def test_sampling_on_the_device_equals_sample_batch_and_reads_nothing_back():
+    """`sample_on_device` (a queued step's sampler: whole sorted rows, every setting a tensor) against
+    `sample_batch` with the same uniform draws: the same tokens for every filter and their mixes, flat
+    and peaked rows, a tie at a cut, top-k past the first candidates, greedy rows among them; and no
+    host read or data-sized op while it runs (so on a GPU it never waits for the device)."""
+    from engine.batch.graph_runner import HostSyncProbe
+    from engine.batch.sampler import row_settings, sample_batch, sample_on_device, seeded_generator
+
+    vocab = 3000
+    g = torch.Generator().manual_seed(9)
+    settings = [
+        dict(temperature=1.0), dict(temperature=0.7, top_p=0.9), dict(temperature=1.3, top_k=40),
+        dict(temperature=0.8, top_k=100, top_p=0.8), dict(temperature=1.0, min_p=0.05),
+        dict(temperature=0.6, top_p=0.95, min_p=0.02), dict(temperature=1.0, top_k=1500, top_p=0.99),
+        dict(temperature=2.0, top_p=0.5), dict(temperature=1.0, top_k=3), dict(temperature=0.0),
+        dict(temperature=0.9, top_k=1),
+    ]
+    rows, params = [], []
+    for scale in (0.3, 2.0, 6.0):
+        for kw in settings:
+            rows.append(torch.randn(vocab, generator=g) * scale)
+            params.append(SamplingParams(**kw))
+    tie = torch.randn(vocab, generator=g)
+    tie[[5, 900, 2999]] = 4.0
+    rows.append(tie)
+    params.append(SamplingParams(temperature=1.0, top_k=2))
+    logits = torch.stack(rows)
+    table = torch.tensor([row_settings(sp) for sp in params], dtype=torch.float32)
+    drawn = [i for i, sp in enumerate(params) if not sp.greedy]
+    for draw_index in range(4):
+        gens = [seeded_generator(11 + i, draw_index, torch.device("cpu")) for i in drawn]
+        want = dict(zip(drawn, sample_batch(logits[drawn], [params[i] for i in drawn], gens), strict=True))
+        u = torch.zeros(len(params))
+        for i in drawn:
+            u[i] = torch.rand((), generator=seeded_generator(11 + i, draw_index, torch.device("cpu")))
+        probe = HostSyncProbe("cpu")
+        with probe:
+            got = sample_on_device(logits, table, u)
+        assert probe.seen == []
+        got_list = got.tolist()
+        assert {i: got_list[i] for i in drawn} == want
+        assert all(got_list[i] == int(logits[i].argmax()) for i, sp in enumerate(params) if sp.greedy)
+
+
 def test_draw_never_picks_a_token_of_zero_probability():
     """Zero-probability tokens between, before and after the kept ones are never drawn."""
     from engine.batch.sampler import draw

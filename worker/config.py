@@ -154,8 +154,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "captured per batch-size bucket on CUDA; CPU always runs eagerly)")
     g.add_argument("--async-scheduling", default=_env("async_scheduling", "auto"), choices=["auto", "on", "off"],
                    help="queue decode step n+1 before reading step n's tokens, so the host schedules and prepares "
-                        "while the device computes (auto: on CUDA with decode graphs; greedy rows without logprobs, "
-                        "penalties or a grammar — other steps run in order)")
+                        "while the device computes (auto: on CUDA with decode graphs; greedy or sampled rows without "
+                        "logprobs, penalties or a grammar — other steps run in order)")
     g.add_argument("--cpu-activations", default=_env("cpu_activations", "float"), choices=["float", "int8"],
                    help="quantized weights on CPU at batch 1-2: multiply their codes by float activations (exactly the "
                         "dequantized model; default) or by activations rounded to int8 per 32 values (llama.cpp's "

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -85,10 +86,11 @@ class StaticBatch:
     """One bucket's fixed tensors; `hidden` is where the forward writes its output.
 
     The inputs are views of one flat device buffer `flat` laid out [input_ids | positions | k_rows |
-    context_lens | carried | tables], filled from its mirror `host` (pinned on CUDA; the same tensor on
+    context_lens | carried | settings | tables], filled from its mirror `host` (pinned on CUDA; the same tensor on
     CPU) through numpy and sent in one copy per step. `carried` (async scheduling): per row, the index
     of its token in `DecodeGraphs.tokens`, the previous step's samples still on the device (-1: the
-    token is in `input_ids`); the graph itself takes them from there. `copied` (CUDA): recorded after the copy, waited on before the mirror is written again
+    token is in `input_ids`); the graph itself takes them from there. `settings` (async scheduling, a
+    sampled row): its `sampler.row_settings` as float32 bit patterns, for the sampler after the graph. `copied` (CUDA): recorded after the copy, waited on before the mirror is written again
     (a step may be queued behind the previous one, its copy not yet made)."""
 
     size: int
@@ -99,6 +101,7 @@ class StaticBatch:
     k_rows: torch.Tensor  # [B] int64: row of each token's K in the layer cache viewed as [rows, kv_heads, dim]
     context_lens: torch.Tensor  # [B] int64
     carried: torch.Tensor  # [B] int64
+    settings: torch.Tensor  # [B, 4] int64 (float32 bits)
     tables: torch.Tensor  # [B, max_blocks] int64
     host_np: Any = None  # numpy view of `host` (made once: on CPU `host` is the device buffer itself)
     hidden: torch.Tensor | None = None
@@ -107,10 +110,11 @@ class StaticBatch:
 
     @classmethod
     def make(cls, b: int, max_blocks: int, device: torch.device) -> StaticBatch:
-        flat = torch.zeros(5 * b + b * max_blocks, dtype=torch.long, device=device)
+        flat = torch.zeros(9 * b + b * max_blocks, dtype=torch.long, device=device)
         host = flat if device.type == "cpu" else torch.zeros(flat.shape, dtype=torch.long, pin_memory=True)
         return cls(b, flat, host, flat[:b], flat[b : 2 * b], flat[2 * b : 3 * b], flat[3 * b : 4 * b],
-                   flat[4 * b : 5 * b], flat[5 * b :].view(b, max_blocks), host.numpy())
+                   flat[4 * b : 5 * b], flat[5 * b : 9 * b].view(b, 4), flat[9 * b :].view(b, max_blocks),
+                   host.numpy())
 
 
 class DecodeGraphs:
@@ -127,6 +131,7 @@ class DecodeGraphs:
         # next step's rows with `carried` >= 0 read them inside the graph).
         self.tokens = torch.zeros(self.buckets[-1], dtype=torch.long, device=device)
         self.static: dict[int, StaticBatch] = {}
+        self.last: StaticBatch  # (the bucket the last `run` used)
         for b in self.buckets:
             self.static[b] = StaticBatch.make(b, max_blocks, device)
         self.replays = 0
@@ -199,7 +204,8 @@ class DecodeGraphs:
         s.k_rows[n:] = self.scratch_block * self.planes * bs  # slot 0 of the scratch block's K page
 
     def run(self, input_ids: list[int], positions: list[int], k_rows: list[int], tables: list[list[int]],
-            context_lens: list[int], carried: list[int] | None = None) -> torch.Tensor:
+            context_lens: list[int], carried: list[int] | None = None,
+            settings: list[tuple[float, float, float, float]] | None = None) -> torch.Tensor:
         """Hidden states [n, hidden] for n decode rows (n <= the largest bucket).
 
         The rows are written into the bucket's host mirror and sent in one copy. A table's entries past
@@ -207,7 +213,8 @@ class DecodeGraphs:
         attention reads only a row's first ceil(context / block_size) entries, the torch path masks the
         rest. Padding rows get context 1 in the scratch block. `carried`: per row, the index of its token
         in `self.tokens` or -1 — rows whose token the previous step sampled and the host has not read yet
-        (async scheduling) take it from there inside the graph."""
+        (async scheduling) take it from there inside the graph. `settings`: each row's sampling settings,
+        sent with the inputs (`sampled_settings` reads them on the device)."""
         n = len(input_ids)
         b = self.bucket(n)
         assert b is not None, "batch larger than the largest bucket: run it eagerly"
@@ -225,8 +232,10 @@ class DecodeGraphs:
             h[4 * b + n : 5 * b] = -1
         else:
             h[4 * b : 5 * b] = -1
+        if settings is not None:
+            h[5 * b : 5 * b + 4 * n] = np.asarray(settings, dtype=np.float32).view(np.int32).reshape(-1)
         width = s.tables.shape[1]
-        t = h[5 * b :].reshape(b, width)
+        t = h[9 * b :].reshape(b, width)
         for i, row in enumerate(tables):
             m = min(len(row), width)
             t[i, :m] = row[:m] if m < len(row) else row
@@ -241,5 +250,10 @@ class DecodeGraphs:
         else:
             self._run(s)
         self.replays += 1
+        self.last = s
         assert s.hidden is not None and s.hidden.device.type == self.device.type
         return s.hidden[:n]
+
+    def sampled_settings(self, n: int) -> torch.Tensor:
+        """[n, 4] float32: the settings the last `run` sent for its rows."""
+        return self.last.settings[:n].to(torch.int32).view(torch.float32)

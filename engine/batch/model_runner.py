@@ -12,7 +12,7 @@ import torch
 
 from engine.batch.constrained import GrammarEngine
 from engine.batch.graph_runner import DecodeGraphs
-from engine.batch.sampler import sample, speculative_targets
+from engine.batch.sampler import row_settings, sample, sample_on_device, seeded_generator, speculative_targets
 from engine.batch.scheduler import ScheduledSeq
 from engine.batch.sequence import PENDING, Sequence, TokenLogprob
 from engine.batch.step_times import StepTimes
@@ -213,11 +213,11 @@ class ModelRunner:
 
     @torch.inference_mode()
     def launch(self, batch: list[ScheduledSeq], prev: Launched | None) -> Launched:
-        """Async scheduling: queue a step of plain greedy decodes (`graphable`) and the argmax of its logits on
-        the device and return without waiting for them. An entry whose last token is still `prev`'s unread
+        """Async scheduling: queue a step of plain decodes (`graphable`; greedy or sampled, no penalties,
+        logprobs or grammar) and their sampling on the device, and return without waiting for them. An entry whose last token is still `prev`'s unread
         sample (`PENDING` on the host) takes it on the device (from `DecodeGraphs.tokens`, inside the graph).
-        The same rows, tokens and order as `run` (`sample` takes a plain argmax for such a batch); a test
-        holds the two equal."""
+        The same rows, tokens and order as `run`: a plain argmax when every row is greedy, else
+        `sample_on_device` with the uniform draws `sample` would make (a test holds the two equal)."""
         assert self.graphs is not None
         if self.times is not None:
             self._lap_at = time.perf_counter()
@@ -239,10 +239,17 @@ class ModelRunner:
             tables.append(seq.block_table)
             ctx.append(p + 1)
         graphs = self.graphs
-        hidden = graphs.run(ids, pos, k_rows, tables, ctx, carried if prev is not None else None)
+        seqs = [s.seq for s in batch]
+        sampled = not all(seq.sampling.greedy for seq in seqs)
+        hidden = graphs.run(ids, pos, k_rows, tables, ctx, carried if prev is not None else None,
+                            [row_settings(seq.sampling) for seq in seqs] if sampled else None)
         n = len(batch)
         tokens = graphs.tokens[:n]  # (the next step's graph reads them there)
-        torch.argmax(self.model.logits(hidden), dim=-1, out=tokens)
+        logits = self.model.logits(hidden)
+        if not sampled:
+            torch.argmax(logits, dim=-1, out=tokens)
+        else:
+            tokens.copy_(sample_on_device(logits.float(), graphs.sampled_settings(n), self._draws(seqs)))
         if self.device.type == "cpu":
             host, ready = tokens.clone(), None  # (the next launch overwrites `tokens` before this one is read)
         else:
@@ -257,6 +264,20 @@ class ModelRunner:
             ready.record()
         self._lap("forward")
         return Launched(list(batch), host, ready, {s.seq: i for i, s in enumerate(batch)})
+
+    def _draws(self, seqs: list[Sequence]) -> torch.Tensor:
+        """Each row's uniform number: a seeded row's from its own (seed, index) generator, as `sample` draws
+        it (a pending token counts: it stands for one already drawn); the others from torch's generator
+        (one draw for every row, where `sample_batch` draws for the sampled rows only: unseeded rows are
+        not reproducible either way) — all on the device."""
+        dev = self.device
+        rows = [(i, seq.sampling) for i, seq in enumerate(seqs) if not seq.sampling.greedy]
+        u = torch.rand(len(seqs), device=dev) if any(sp.seed is None for _, sp in rows) else \
+            torch.zeros(len(seqs), device=dev)
+        for i, sp in rows:
+            if sp.seed is not None:
+                u[i] = torch.rand((), generator=seeded_generator(sp.seed, seqs[i].num_generated, dev), device=dev)
+        return u
 
     def _lap(self, phase: str) -> None:
         """With `times` on: the time since the last lap goes to `phase`."""

@@ -175,6 +175,47 @@ def sample_batch(logits: torch.Tensor, params: list[SamplingParams],
     return tokens
 
 
+# The columns of `sample_on_device`'s per-row settings.
+SETTINGS = ("temperature", "top_k", "top_p", "min_p")
+
+
+def row_settings(sp: SamplingParams) -> tuple[float, float, float, float]:
+    """One row of `sample_on_device`'s settings (temperature 0: greedy)."""
+    return (0.0 if sp.greedy else sp.temperature, float(sp.top_k), sp.top_p, sp.min_p)
+
+
+def sample_on_device(logits: torch.Tensor, settings: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """A token per row of `logits` [R, V] without reading anything back to the host, so a queued step
+    samples on the device (async scheduling). `settings` [R, 4] float32 (`row_settings`), `u` [R]: each
+    row's uniform draw. Greedy rows (temperature 0) take the argmax; the others the cuts and draw of
+    `sample_batch` for the same u, computed over whole sorted rows (sample_batch looks among the most
+    likely tokens first, deciding on the host how far to look; a sort is cheap on a GPU). A test holds
+    the two equal."""
+    vocab = logits.shape[1]
+    dev = logits.device
+    temp, top_k, top_p, min_p = (c[:, None] for c in settings.to(logits.dtype).unbind(1))
+    greedy = temp == 0
+    probs = torch.softmax(logits / torch.where(greedy, torch.ones_like(temp), temp), dim=-1)
+    k = torch.where((top_k > 0) & (top_k < vocab), top_k, torch.full_like(top_k, vocab)).long()
+    ranked = probs.sort(-1, descending=True)[0]
+    has_k = k < vocab
+    cut = torch.where(has_k, ranked.gather(1, k - 1), torch.zeros_like(temp))
+    mass = ranked.cumsum(-1)
+    total = torch.where(has_k, mass.gather(1, k - 1), torch.ones_like(temp))
+    within = torch.arange(vocab, device=dev)[None, :] < k
+    keep = (((mass - ranked) < top_p * total) & within).sum(-1, keepdim=True)
+    del mass, within  # (a few [R, V] temporaries at a time)
+    cut = torch.where(top_p < 1.0, ranked.gather(1, keep - 1), cut)
+    cut = torch.maximum(cut, min_p * ranked[:, :1])
+    del ranked
+    cdf = probs.masked_fill_(probs < cut, 0.0).cumsum(-1)
+    total = cdf[:, -1:].contiguous()
+    hit = torch.searchsorted(cdf, u.to(cdf.dtype)[:, None] * total, right=True)
+    last = torch.searchsorted(cdf, total)  # the last kept token: where the sum reaches the total
+    drawn = torch.minimum(hit, last)  # (u x total rounded up past it: the last kept token)
+    return torch.where(greedy, logits.argmax(-1, keepdim=True), drawn).flatten()
+
+
 def top_logprobs(logprobs: torch.Tensor, token: int, n: int) -> TokenLogprob:
     top: list[tuple[int, float]] = []
     if n > 0:

@@ -66,8 +66,8 @@ class Sequence:
     detok: Detokenizer | None = None
     num_preemptions: int = 0
     spec: Any = None  # engine.speculative.SpecState once the sequence has been drafted for
-    # Its decode steps may be queued before the last one's token is read (async scheduling): a plain
-    # greedy row, no logprobs, penalties, grammar or adapter (set by the engine at admission).
+    # Its decode steps may be queued before the last one's token is read (async scheduling): greedy or
+    # sampled, no logprobs, penalties, grammar or adapter (set by the engine at admission).
     overlappable: bool = False
 
     @property
