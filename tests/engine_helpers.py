@@ -23,6 +23,14 @@ def make_engine(model_dir, **kw) -> LLMEngine:
     # SPLITFIRE_QUANTIZATION=int8 runs the suite's in-process engines (and, through the environment,
     # its worker processes) with quantized weights.
     kw.setdefault("quantization", os.environ.get("SPLITFIRE_QUANTIZATION") or None)
+    # SPLITFIRE_TEST_ASYNC=1 runs the in-process engines that can queue steps (decode graphs, no
+    # speculation, one rank, no LoRA) with async scheduling on CPU, whatever the test asked of graphs: a
+    # differential run of the engine suites through the queued path (tests that count blocks — graphs keep
+    # a scratch block — and test_async_scheduling's in-order references fail by design).
+    if os.environ.get("SPLITFIRE_TEST_ASYNC") == "1" and kw.get("decode_graphs") != "off" and not (
+            kw.get("speculative", "off") != "off" or kw.get("lora_modules") or kw.get("enable_lora")
+            or kw.get("tensor_parallel_size", 1) > 1 or kw.get("pipeline_parallel_size", 1) > 1):
+        kw.update(decode_graphs="on", async_scheduling="on")
     return LLMEngine(EngineConfig(model=str(model_dir), **kw))
 
 
