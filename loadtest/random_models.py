@@ -97,18 +97,7 @@ def host_model_dir() -> Path:
                                       max_position_embeddings=8192, tie_word_embeddings=True,
                                       bos_token_id=1, eos_token_id=2)
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".host-llama."))
-    try:
-        model.save_pretrained(tmp)
-        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-            if (smol / name).is_file():
-                shutil.copy(smol / name, tmp / name)
-        tmp.rename(target)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
+    return _save_with_tokenizer(transformers.AutoModelForCausalLM.from_config(config), target, smol)
 
 
 def smollm2_shape_dir() -> Path:
@@ -127,13 +116,20 @@ def smollm2_shape_dir() -> Path:
                                       max_position_embeddings=8192, tie_word_embeddings=True, rope_theta=100000.0,
                                       bos_token_id=1, eos_token_id=2)
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
-    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".smollm2-shape."))
+    return _save_with_tokenizer(transformers.AutoModelForCausalLM.from_config(config).to(torch.bfloat16), target,
+                                host)
+
+
+def _save_with_tokenizer(model: Any, target: Path, tokenizer_dir: Path) -> Path:
+    """`model` saved (transformers) with `tokenizer_dir`'s tokenizer files as `target`, made whole in a
+    temporary directory beside it and renamed into place."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}."))
     try:
         model.save_pretrained(tmp)
         for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-            if (host / name).is_file():
-                shutil.copy(host / name, tmp / name)
+            if (tokenizer_dir / name).is_file():
+                shutil.copy(tokenizer_dir / name, tmp / name)
         tmp.rename(target)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -138,6 +138,32 @@ def test_logit_bias_and_min_tokens_are_validated():
     SamplingParams(max_tokens=2, min_tokens=5, resumed_tokens=3).validate()  # after a failover: whole output
 
 
+# Every kind of filter and their mixes (sampled rows), for the batch samplers' equality tests.
+FILTERS = [
+    dict(temperature=1.0), dict(temperature=0.7, top_p=0.9), dict(temperature=1.3, top_k=40),
+    dict(temperature=0.8, top_k=100, top_p=0.8), dict(temperature=1.0, min_p=0.05),
+    dict(temperature=0.6, top_p=0.95, min_p=0.02), dict(temperature=1.0, top_k=1500, top_p=0.99),
+    dict(temperature=2.0, top_p=0.5), dict(temperature=1.0, top_k=3),
+]
+
+
+def _filter_rows(seed: int, settings: list[dict]) -> tuple[torch.Tensor, list[SamplingParams], torch.Tensor]:
+    """Logits [rows, 3000]: each setting on a flat, a medium and a peaked row, then a row with three equally
+    likely tokens at a top-2 cut (all three kept). Returns (logits, their params, the tie row)."""
+    vocab = 3000
+    g = torch.Generator().manual_seed(seed)
+    rows, params = [], []
+    for scale in (0.3, 2.0, 6.0):  # flat, medium, peaked
+        for kw in settings:
+            rows.append(torch.randn(vocab, generator=g) * scale)
+            params.append(SamplingParams(**kw))
+    tie = torch.randn(vocab, generator=g)
+    tie[[5, 900, 2999]] = 4.0
+    rows.append(tie)
+    params.append(SamplingParams(temperature=1.0, top_k=2))
+    return torch.stack(rows), params, tie
+
+
 def test_sample_batch_equals_the_plain_reference_row_by_row():
     """`sample_batch` (what the engine runs: cuts from the most likely tokens, a draw among the kept
     ones) against `draw(filtered_probs(row))` one row at a time, each row with its own seeded
@@ -146,24 +172,7 @@ def test_sample_batch_equals_the_plain_reference_row_by_row():
     last kept token; and the reference's distribution is what the filters promise."""
     from engine.batch.sampler import draw, sample_batch, seeded_generator
 
-    vocab = 3000
-    g = torch.Generator().manual_seed(7)
-    settings = [
-        dict(temperature=1.0), dict(temperature=0.7, top_p=0.9), dict(temperature=1.3, top_k=40),
-        dict(temperature=0.8, top_k=100, top_p=0.8), dict(temperature=1.0, min_p=0.05),
-        dict(temperature=0.6, top_p=0.95, min_p=0.02), dict(temperature=1.0, top_k=1500, top_p=0.99),
-        dict(temperature=2.0, top_p=0.5), dict(temperature=1.0, top_k=3),
-    ]
-    rows, params = [], []
-    for scale in (0.3, 2.0, 6.0):  # flat, medium, peaked
-        for kw in settings:
-            rows.append(torch.randn(vocab, generator=g) * scale)
-            params.append(SamplingParams(**kw))
-    tie = torch.randn(vocab, generator=g)
-    tie[[5, 900, 2999]] = 4.0  # three equally likely tokens at the top-2 cut: all three kept
-    rows.append(tie)
-    params.append(SamplingParams(temperature=1.0, top_k=2))
-    logits = torch.stack(rows)
+    logits, params, tie = _filter_rows(7, FILTERS)
     for draw_index in range(4):
         gens = [seeded_generator(11 + i, draw_index, torch.device("cpu")) for i in range(len(params))]
         got = sample_batch(logits, params, gens)
@@ -185,25 +194,7 @@ def test_sampling_on_the_device_equals_sample_batch_and_reads_nothing_back():
     from engine.batch.graph_runner import HostSyncProbe
     from engine.batch.sampler import row_settings, sample_batch, sample_on_device, seeded_generator
 
-    vocab = 3000
-    g = torch.Generator().manual_seed(9)
-    settings = [
-        dict(temperature=1.0), dict(temperature=0.7, top_p=0.9), dict(temperature=1.3, top_k=40),
-        dict(temperature=0.8, top_k=100, top_p=0.8), dict(temperature=1.0, min_p=0.05),
-        dict(temperature=0.6, top_p=0.95, min_p=0.02), dict(temperature=1.0, top_k=1500, top_p=0.99),
-        dict(temperature=2.0, top_p=0.5), dict(temperature=1.0, top_k=3), dict(temperature=0.0),
-        dict(temperature=0.9, top_k=1),
-    ]
-    rows, params = [], []
-    for scale in (0.3, 2.0, 6.0):
-        for kw in settings:
-            rows.append(torch.randn(vocab, generator=g) * scale)
-            params.append(SamplingParams(**kw))
-    tie = torch.randn(vocab, generator=g)
-    tie[[5, 900, 2999]] = 4.0
-    rows.append(tie)
-    params.append(SamplingParams(temperature=1.0, top_k=2))
-    logits = torch.stack(rows)
+    logits, params, _ = _filter_rows(9, [*FILTERS, dict(temperature=0.0), dict(temperature=0.9, top_k=1)])
     table = torch.tensor([row_settings(sp) for sp in params], dtype=torch.float32)
     drawn = [i for i, sp in enumerate(params) if not sp.greedy]
     for draw_index in range(4):

@@ -86,15 +86,16 @@ class StaticBatch:
     """One bucket's fixed tensors; `hidden` is where the forward writes its output.
 
     The inputs are views of one flat device buffer `flat` laid out [input_ids | positions | k_rows |
-    context_lens | carried | settings | tables], filled from its mirror `host` (pinned on CUDA; the same tensor on
-    CPU) through numpy and sent in one copy per step. `carried` (async scheduling): per row, the index
-    of its token in `DecodeGraphs.tokens`, the previous step's samples still on the device (-1: the
-    token is in `input_ids`); the graph itself takes them from there. `settings` (async scheduling, a
-    sampled row): its `sampler.row_settings` as float32 bit patterns, for the sampler after the graph. `copied` (CUDA): recorded after the copy, waited on before the mirror is written again
-    (a step may be queued behind the previous one, its copy not yet made)."""
+    context_lens | carried | settings | tables], filled from its mirror `host` (pinned on CUDA; the
+    same tensor on CPU) through numpy and sent in one copy per step. `carried` (async scheduling): per
+    row, the index of its token in `DecodeGraphs.tokens`, the previous step's samples still on the
+    device (-1: the token is in `input_ids`); the graph itself takes them from there. `settings` (async
+    scheduling, a sampled row): its `sampler.row_settings` as float32 bit patterns, for the sampler
+    after the graph. `copied` (CUDA): recorded after the copy, waited on before the mirror is written
+    again (a step may be queued behind the previous one, its copy not yet made)."""
 
     size: int
-    flat: torch.Tensor  # [4B + B * max_blocks] int64
+    flat: torch.Tensor  # [9B + B * max_blocks] int64
     host: torch.Tensor
     input_ids: torch.Tensor  # [B] int64
     positions: torch.Tensor  # [B] int64

@@ -59,10 +59,10 @@ class Launched:
     """A decode step queued on the device whose sampled tokens the host has not read yet (async
     scheduling: `ModelRunner.launch`)."""
 
-    batch: list[ScheduledSeq]  # in the order of `tokens`
-    host: torch.Tensor  # each entry's greedy token, copied to host memory (pinned on CUDA)
+    batch: list[ScheduledSeq]  # in the order of `host`
+    host: torch.Tensor  # each entry's sampled token, copied to host memory (pinned on CUDA)
     ready: Any  # torch.cuda.Event recorded after that copy (None on CPU: made already)
-    rows: dict[Sequence, int]  # each entry's row in `tokens`
+    rows: dict[Sequence, int]  # each entry's row in `host` (and in `DecodeGraphs.tokens` until the next step)
     # Sequences stopped while it was queued: their blocks are freed once it is read (it still writes their K/V).
     free_after: list[Sequence] = field(default_factory=list)
 
@@ -197,37 +197,17 @@ class ModelRunner:
         return (self.graphs is not None and not self.model.aux_layers and self.graphs.bucket(len(batch)) is not None
                 and all(s.num_tokens == 1 and s.samples and not s.draft for s in batch))
 
-    def _run_graph(self, batch: list[ScheduledSeq]) -> torch.Tensor:
-        assert self.graphs is not None
-        batch.sort(key=lambda s: s.seq.num_computed_tokens)  # the order prepare() gives decodes
+    def _graph_inputs(self, batch: list[ScheduledSeq], carried_rows: dict[Sequence, int]) -> tuple[
+            list[int], list[int], list[int], list[list[int]], list[int], list[int]]:
+        """A decode batch's graph inputs, sorted as `prepare` sorts decodes: (ids, positions, k_rows, block
+        tables, context lengths, carried) — `carried`: each row's index in the previous queued step's
+        tokens (`carried_rows`, async scheduling; its entry in ids is then a placeholder 0), or -1."""
+        batch.sort(key=lambda s: s.seq.num_computed_tokens)
         bs = self.block_size
-        ids, pos, k_rows, tables, ctx = [], [], [], [], []
-        for s in batch:
-            seq, p = s.seq, s.seq.num_computed_tokens
-            ids.extend(seq.tokens(p, p + 1))
-            pos.append(p)
-            k_rows.append(kv_row(seq.block_table, p, bs, self.planes))
-            tables.append(seq.block_table)
-            ctx.append(p + 1)
-        return self.graphs.run(ids, pos, k_rows, tables, ctx)
-
-    @torch.inference_mode()
-    def launch(self, batch: list[ScheduledSeq], prev: Launched | None) -> Launched:
-        """Async scheduling: queue a step of plain decodes (`graphable`; greedy or sampled, no penalties,
-        logprobs or grammar) and their sampling on the device, and return without waiting for them. An entry whose last token is still `prev`'s unread
-        sample (`PENDING` on the host) takes it on the device (from `DecodeGraphs.tokens`, inside the graph).
-        The same rows, tokens and order as `run`: a plain argmax when every row is greedy, else
-        `sample_on_device` with the uniform draws `sample` would make (a test holds the two equal)."""
-        assert self.graphs is not None
-        if self.times is not None:
-            self._lap_at = time.perf_counter()
-        batch.sort(key=lambda s: s.seq.num_computed_tokens)  # the order `run` gives decodes
-        bs, planes = self.block_size, self.planes
         ids, pos, k_rows, tables, ctx, carried = [], [], [], [], [], []
-        rows = prev.rows if prev is not None else {}
         for s in batch:
             seq, p = s.seq, s.seq.num_computed_tokens
-            j = rows.get(seq, -1)
+            j = carried_rows.get(seq, -1)
             carried.append(j)
             if j >= 0:
                 assert seq.output_token_ids[-1] == PENDING, f"{seq.request_id}: no token pending"
@@ -235,13 +215,31 @@ class ModelRunner:
             else:
                 ids.extend(seq.tokens(p, p + 1))
             pos.append(p)
-            k_rows.append(seq.block_table[p // bs] * planes * bs + p % bs)
+            k_rows.append(kv_row(seq.block_table, p, bs, self.planes))
             tables.append(seq.block_table)
             ctx.append(p + 1)
+        return ids, pos, k_rows, tables, ctx, carried
+
+    def _run_graph(self, batch: list[ScheduledSeq]) -> torch.Tensor:
+        assert self.graphs is not None
+        ids, pos, k_rows, tables, ctx, _ = self._graph_inputs(batch, {})
+        return self.graphs.run(ids, pos, k_rows, tables, ctx)
+
+    @torch.inference_mode()
+    def launch(self, batch: list[ScheduledSeq], prev: Launched | None) -> Launched:
+        """Async scheduling: queue a step of plain decodes (`graphable`; greedy or sampled, no penalties,
+        logprobs or grammar) and their sampling on the device, and return without waiting for them. An
+        entry whose last token is still `prev`'s unread sample (`PENDING` on the host) takes it on the
+        device (from `DecodeGraphs.tokens`, inside the graph). The same rows, tokens and order as `run`: a plain argmax when every row is greedy, else
+        `sample_on_device` with the uniform draws `sample` would make (a test holds the two equal)."""
+        assert self.graphs is not None
+        if self.times is not None:
+            self._lap_at = time.perf_counter()
+        ids, pos, k_rows, tables, ctx, carried = self._graph_inputs(batch, prev.rows if prev is not None else {})
         graphs = self.graphs
         seqs = [s.seq for s in batch]
         sampled = not all(seq.sampling.greedy for seq in seqs)
-        hidden = graphs.run(ids, pos, k_rows, tables, ctx, carried if prev is not None else None,
+        hidden = graphs.run(ids, pos, k_rows, tables, ctx, carried,
                             [row_settings(seq.sampling) for seq in seqs] if sampled else None)
         n = len(batch)
         tokens = graphs.tokens[:n]  # (the next step's graph reads them there)
