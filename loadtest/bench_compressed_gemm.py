@@ -4,11 +4,15 @@ against torch's bfloat16 `F.linear`, on Llama-3-8B's projection shapes, for deco
 several launch shapes (block_n x block_k / warps / pipeline stages; the packing does not depend on them).
 
 Per shape, rows and launch shape: the compressed kernel's relative difference from the plain kernel and
-its relative error against a float64 reference (fresh random inputs), the weight bytes each reads (compressed: sign+mantissa plane, 4-bit codes, escapes), and the
-median time of each (`triton.testing.do_bench`, which clears the L2 cache between runs) with the bytes
-over that time. A decode step is bound by the bytes it reads, so the target is the compressed kernel
-at ~0.75 of torch's time; the plain kernel beside it says how much of any gap is the kernel's tiling
-rather than the decoding.
+its relative error against a float64 reference (fresh random inputs), the weight bytes each reads
+(compressed: sign+mantissa plane, 4-bit codes, escapes), and the median time of each inside a CUDA
+graph (`triton.testing.do_bench_cudagraph`: what a decode step replaying its graph pays, no launch
+overhead; matrices larger than L2 are read from HBM every replay) with the bytes over that time, and the
+compressed call launched eagerly (`do_bench`, L2 cleared: with the launches' host time). A decode step is
+bound by the bytes it reads, so the target is the compressed kernel at ~0.75 of torch's time; the plain
+kernel beside it says how much of any gap is the kernel's tiling rather than the decoding. From
+`DECOMPRESS_MIN_ROWS` rows the engine decodes the matrix once and calls torch's GEMM (`matmul`): those
+rows time that path.
 
     python -m loadtest.bench_compressed_gemm                      # CUDA
     python -m loadtest.bench_compressed_gemm --rows 1 --shapes o --tiles 32x32 --reps 20   # quick
@@ -29,8 +33,8 @@ SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "dow
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", default="qkv,o,gate_up,down")
-    p.add_argument("--rows", default="1,16,64")
-    p.add_argument("--tiles", default="64x128/4/3,32x128/4/3,64x64/4/4,128x128/8/3",
+    p.add_argument("--rows", default="1,16,64,512")
+    p.add_argument("--tiles", default="64x128/4/3,32x256/4/3,64x64/4/4",
                    help="launch shapes: block_n x block_k / warps / stages")
     p.add_argument("--reps", type=int, default=100, help="do_bench milliseconds of repetitions")
     p.add_argument("--json", default="")
@@ -40,12 +44,12 @@ def main() -> None:
     import triton.testing
 
     from engine.model.compressed_weight import pack
-    from engine.model.kernels.compressed_triton import compressed_linear
+    from engine.model.kernels.compressed_triton import DECOMPRESS_MIN_ROWS, compressed_linear, matmul
 
     dev = torch.device("cuda")
     print(f"{torch.cuda.get_device_name()}; medians (do_bench, L2 cleared); GB/s = weight bytes read / time\n")
     print(f"{'shape':8} {'rows':>4} {'launch':>12} | {'torch bf16 us':>13} {'plain kernel us':>15} "
-          f"{'compressed us':>13} | {'vs torch':>8} | {'GB/s torch/compr':>16} | vs plain, vs f64")
+          f"{'compressed us':>13} | {'vs torch':>8} | {'eager us':>8} | {'GB/s torch/compr':>16} | vs plain, vs f64")
     rows_out = []
     for name in args.shapes.split(","):
         n, k = SHAPES[name]
@@ -55,24 +59,30 @@ def main() -> None:
         for tile in args.tiles.split(","):
             dims, warps, stages = tile.split("/")
             bn, bk = (int(v) for v in dims.split("x"))
-            launch = dict(block_n=bn, block_k=bk, warps=int(warps), stages=int(stages))
+            launch: dict[str, int] = dict(block_n=bn, block_k=bk, warps=int(warps), stages=int(stages))
             for m in (int(r) for r in args.rows.split(",")):
+                many = m >= DECOMPRESS_MIN_ROWS
+                if many and tile != args.tiles.split(",")[0]:
+                    continue  # (decode once + torch's GEMM: no launch shape)
                 x = torch.randn(m, k, device=dev).to(torch.bfloat16)
-                y = compressed_linear(x, c, **launch)
-                y_plain = compressed_linear(x, c, plain=w, **launch)
+                comp = partial(matmul, x, c) if many else partial(compressed_linear, x, c, None, **launch)
+                plain = partial(F.linear, x, w) if many else partial(compressed_linear, x, c, plain=w, **launch)
+                y, y_plain = comp().float(), plain().float()
                 ref = x.double() @ w.double().T
                 err = float((y.double() - ref).norm() / ref.norm())
                 diff = float((y.double() - y_plain.double()).norm() / y_plain.double().norm())
                 t_torch, t_plain, t_comp = (
-                    triton.testing.do_bench(fn, rep=args.reps, return_mode="median")
-                    for fn in (partial(F.linear, x, w), partial(compressed_linear, x, c, plain=w, **launch),
-                               partial(compressed_linear, x, c, **launch)))
-                row = dict(shape=name, n=n, k=k, rows=m, launch=tile, torch_us=1e3 * t_torch, plain_us=1e3 * t_plain,
-                           compressed_us=1e3 * t_comp, plain_bytes=plain_bytes, compressed_bytes=comp_bytes,
-                           escapes=c.num_escapes, rel_diff_vs_plain_kernel=diff, rel_err=err)
+                    triton.testing.do_bench_cudagraph(fn, rep=args.reps, return_mode="median")
+                    for fn in (partial(F.linear, x, w), plain, comp))
+                t_eager = triton.testing.do_bench(comp, rep=args.reps, return_mode="median")
+                label = "decode+mm" if many else tile
+                row = dict(shape=name, n=n, k=k, rows=m, launch=label, torch_us=1e3 * t_torch, plain_us=1e3 * t_plain,
+                           compressed_us=1e3 * t_comp, compressed_eager_us=1e3 * t_eager, plain_bytes=plain_bytes,
+                           compressed_bytes=comp_bytes, escapes=c.num_escapes, rel_diff_vs_plain_kernel=diff,
+                           rel_err=err)
                 rows_out.append(row)
-                print(f"{name:8} {m:>4} {tile:>12} | {1e3 * t_torch:>13.1f} {1e3 * t_plain:>15.1f} "
-                      f"{1e3 * t_comp:>13.1f} | {t_comp / t_torch:>7.2f}x | "
+                print(f"{name:8} {m:>4} {label:>12} | {1e3 * t_torch:>13.1f} {1e3 * t_plain:>15.1f} "
+                      f"{1e3 * t_comp:>13.1f} | {t_comp / t_torch:>7.2f}x | {1e3 * t_eager:>8.1f} | "
                       f"{plain_bytes / t_torch / 1e6:>7.0f} / {comp_bytes / t_comp / 1e6:>6.0f} | {diff:.1e} {err:.1e}",
                       flush=True)
     if args.json:

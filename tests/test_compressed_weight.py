@@ -18,7 +18,12 @@ if not CUDA:
 triton = pytest.importorskip("triton")
 
 from engine.model.compressed_weight import ESCAPE, pack  # noqa: E402
-from engine.model.kernels.compressed_triton import compressed_linear  # noqa: E402
+from engine.model.kernels.compressed_triton import (  # noqa: E402
+    DECOMPRESS_MIN_ROWS,
+    compressed_linear,
+    decompress,
+    matmul,
+)
 
 DEV = torch.device("cuda" if CUDA else "cpu")
 
@@ -95,6 +100,38 @@ def test_the_kernel_on_compressed_weights_equals_it_on_plain_ones(m, n, k, block
             assert torch.equal(y, plain)
         assert _rel(y, plain) < 1e-5 and _rel(y, ref) < 1e-5 and not bool(y.isnan().any())
     assert c.num_escapes > 0
+
+
+@pytest.mark.parametrize("block_m", [16, 64])
+def test_escapes_land_in_their_own_columns_only_nan_and_inf_included(block_m):
+    """Each escape is added into its row's output column by the program owning that row (one of several
+    K shares, rows in several row blocks): a NaN or Inf weight spoils its own column as in the reference
+    product and no other."""
+    w = with_outliers(normal(80, 96, seed=3), 60)
+    w[5, 7], w[40, 90], w[79, 0] = float("nan"), float("inf"), float("-inf")
+    c = pack(w).to(DEV)
+    x = torch.randn(block_m + 3, 96, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16).to(DEV)
+    y = compressed_linear(x, c, block_n=32, block_k=32, split_k=2, block_m=block_m)
+    ref = x.double() @ w.to(DEV).double().T
+    bad = [5, 40, 79]
+    assert torch.equal(y[:, bad].isnan(), ref[:, bad].isnan()) and torch.equal(y[:, bad].isinf(), ref[:, bad].isinf())
+    good = [i for i in range(80) if i not in bad]
+    assert _rel(y[:, good], ref[:, good]) < 1e-5
+
+
+def test_the_gpu_decoder_equals_the_reference_bit_for_bit():
+    """`decompress` (one program per tile: the many-rows path) == `CompressedBF16.decompress` for every
+    16-bit pattern and an odd shape with escapes; `matmul` from DECOMPRESS_MIN_ROWS rows is torch's GEMM
+    on that matrix, below it the tile kernel."""
+    every = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).reshape(256, 256)
+    odd = with_outliers(normal(37, 70), 25)
+    for w in (every, odd):
+        c = pack(w).to(DEV)
+        assert torch.equal(decompress(c).view(torch.int16), c.decompress().view(torch.int16))
+    x = torch.randn(DECOMPRESS_MIN_ROWS, 70, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16).to(DEV)
+    c = pack(odd).to(DEV)
+    assert torch.equal(matmul(x, c), torch.nn.functional.linear(x, odd.to(DEV)))
+    assert _rel(matmul(x[:3], c), x[:3].double() @ odd.to(DEV).double().T) < 1e-5
 
 
 @pytest.mark.skipif(CUDA, reason="the GPU code path on CPU tensors, interpreted")

@@ -9,11 +9,12 @@ stands for exponent `base + c` — the band of 15 consecutive exponents that hol
 rare (none to a few hundred per million weights), and the whole is 0.75 of bfloat16 and a little more.
 
 A tile decodes with integer operations only (no table, nothing data-dependent): an escape decodes to 0
-there, and the escaped weights — kept apart as (row, column, bfloat16 value) — are added by a sparse
-product after the dense one. (The first form looked 15 arbitrary exponents up in a table and placed
-escapes tile by tile, ranked by a prefix sum in each tile: on an H200 that matmul ran 25-170x slower
-than bfloat16.) `decompress` is the plain torch reference; `pack` then `decompress` is bit-exact for
-every 16-bit pattern (NaN, Inf and subnormals included).
+there (so do the padding columns of the last run: their code is 15 too), and the escaped weights — kept
+apart as (row, column, bfloat16 value), sorted by row with each row's first index in `esc_start` — are
+added by the program that owns their rows, after its dense tile. (The first form looked 15 arbitrary
+exponents up in a table and placed escapes tile by tile, ranked by a prefix sum in each tile: on an
+H200 that matmul ran 25-170x slower than bfloat16.) `decompress` is the plain torch reference; `pack`
+then `decompress` is bit-exact for every 16-bit pattern (NaN, Inf and subnormals included).
 """
 
 from __future__ import annotations
@@ -35,9 +36,10 @@ class CompressedBF16:
     # column i + 16's (high): a tile's bytes are read contiguously and give two halves of 16-column runs.
     codes: torch.Tensor
     base: int  # the exponent of code 0 (code c < 15: exponent base + c)
-    esc_rows: torch.Tensor  # int64 [E]: the escaped weights' rows,
-    esc_cols: torch.Tensor  # int64 [E]: columns,
-    esc_vals: torch.Tensor  # bfloat16 [E]: and values
+    esc_rows: torch.Tensor  # int32 [E]: the escaped weights' rows (ascending),
+    esc_cols: torch.Tensor  # int32 [E]: columns,
+    esc_vals: torch.Tensor  # bfloat16 [E]: and values;
+    esc_start: torch.Tensor  # int32 [N + 1]: row r's escapes are [esc_start[r], esc_start[r + 1])
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -47,7 +49,7 @@ class CompressedBF16:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.plane, self.codes, self.esc_rows, self.esc_cols,
-                                                           self.esc_vals))
+                                                           self.esc_vals, self.esc_start))
 
     @property
     def num_escapes(self) -> int:
@@ -55,7 +57,7 @@ class CompressedBF16:
 
     def to(self, device: torch.device) -> CompressedBF16:
         return CompressedBF16(self.plane.to(device), self.codes.to(device), self.base, self.esc_rows.to(device),
-                              self.esc_cols.to(device), self.esc_vals.to(device))
+                              self.esc_cols.to(device), self.esc_vals.to(device), self.esc_start.to(device))
 
     def decompress(self) -> torch.Tensor:
         """The bfloat16 matrix (the plain reference the kernel is held to)."""
@@ -65,7 +67,7 @@ class CompressedBF16:
         p = self.plane.to(torch.int32)
         bits = ((p & 0x80) << 8) | (((self.base + codes) & 0xFF) << 7) | (p & 0x7F)
         w = bits.to(torch.int16).view(torch.bfloat16)
-        w[self.esc_rows, self.esc_cols] = self.esc_vals
+        w[self.esc_rows.long(), self.esc_cols.long()] = self.esc_vals
         return w
 
 
@@ -83,20 +85,24 @@ def pack(w: torch.Tensor) -> CompressedBF16:
     codes = exp - base
     esc = (codes < 0) | (codes >= ESCAPE)
     codes = torch.where(esc, ESCAPE, codes)
-    rows, cols = esc.nonzero(as_tuple=True)
-    runs = torch.nn.functional.pad(codes, (0, -k % 32)).reshape(n, -1, 2, 16)
+    rows, cols = esc.nonzero(as_tuple=True)  # (row-major: ascending rows)
+    start = torch.zeros(n + 1, dtype=torch.int64, device=w.device)
+    start[1:] = torch.cumsum(torch.bincount(rows, minlength=n), 0)
+    runs = torch.nn.functional.pad(codes, (0, -k % 32), value=ESCAPE).reshape(n, -1, 2, 16)
     packed = (runs[:, :, 0] | (runs[:, :, 1] << 4)).reshape(n, -1).to(torch.uint8)
-    return CompressedBF16(plane, packed, base, rows, cols, w[rows, cols].contiguous())
+    return CompressedBF16(plane, packed, base, rows.to(torch.int32), cols.to(torch.int32),
+                          w[rows, cols].contiguous(), start.to(torch.int32))
 
 
 def linear(x: torch.Tensor, w: CompressedBF16, bias: torch.Tensor | None) -> torch.Tensor:
     """x [..., K] @ W^T (+ bias) in x's dtype: the Triton kernel decoding W's tiles in registers (CUDA, or
-    the interpreter in tests); elsewhere W decompressed first (the reference)."""
+    the interpreter in tests; for many rows W decoded once by the GPU); elsewhere W decompressed first
+    (the reference)."""
     gpu = kernels("compressed_triton", x.device.type)
     if gpu is None:
         return F.linear(x, w.decompress().to(x.dtype), bias)
     flat = x.reshape(-1, x.shape[-1])
-    y = gpu.compressed_linear(flat, w)
+    y = gpu.matmul(flat, w)
     if bias is not None:
         y += bias
     return y.to(x.dtype).reshape(*x.shape[:-1], w.shape[0])

@@ -2,47 +2,75 @@
 each program decodes its BLOCK_N x BLOCK_K tiles of W in registers — a sign+mantissa byte and a 4-bit
 exponent code per weight, exponent = base + code, an escape (code 15) as 0 — with integer operations
 only, and multiplies them in bfloat16 on the tensor cores with float32 sums. The escaped weights (rare)
-are added after, by a sparse product in torch. The weights cross HBM at ~12 bits instead of 16 (a decode
-step of a bandwidth-bound model reads 0.75 of the bytes); nothing is materialised in bfloat16.
+are added by the program that owns their rows, after its dense tile (atomic adds into the tile it has
+just stored, as the plain reference's `index_add_` does). The weights cross HBM at ~12 bits instead of
+16 (a decode step of a bandwidth-bound model reads 0.75 of the bytes); nothing is materialised in
+bfloat16 — except for many rows (prefill, `DECOMPRESS_MIN_ROWS`), where every row block would decode
+the whole matrix again: there one program per tile writes the bfloat16 matrix (`decompress`) for the
+vendor GEMM, and it is freed after.
+
+Rows per program: 16 up to 16 rows, 64 above (a decode step of 64 sequences decodes each tile once,
+not four times).
 
 Split-K (`quant_triton.split_k_for`): with a few rows (decode) there are too few (row, column) tiles to
 fill the GPU, so each program takes a share of K and writes float32 partial sums that are added after.
 
 `PLAIN=True` is the same kernel reading an ordinary bfloat16 W: on a matrix without escapes the two are
 bit-identical in the Triton interpreter (same tiles, same order of accumulation); tests hold both close
-to a float64 product. Activations are taken in bfloat16 (the engine's dtype with `--compress-weights`).
+to a float64 product, and `decompress` equal to `CompressedBF16.decompress` bit for bit. Activations are
+taken in bfloat16 (the engine's dtype with `--compress-weights`).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 from engine.model.kernels.quant_triton import split_k_for
 
-BLOCK_M = 16
+# Rows from which the matrix is decoded once to bfloat16 for torch's GEMM instead of in every row block's
+# program (the int4 kernels' crossover on an H200: `quant_triton.DEQUANT_MIN_ROWS`).
+DECOMPRESS_MIN_ROWS = 128
 BLOCK_N = 64
 BLOCK_K = 128
+ESC_CHUNK = 32  # escapes added per step of a program's escape loop
+
+
+def block_m_for(rows: int) -> int:
+    return 16 if rows <= 16 else 64
 
 
 @triton.jit
 def _weights(plane_ptr, rn, kk, code, base, N, K):
-    """bfloat16 weights of rows `rn`, columns `kk` from their planes and codes; 0 at escapes and outside."""
-    wmask = (rn[:, None] < N) & (kk[None, :] < K)
-    plane = tl.load(plane_ptr + rn[:, None] * K + kk[None, :], mask=wmask, other=0).to(tl.int32)
-    bits = ((plane & 0x80) << 8) | ((base + code) << 7) | (plane & 0x7F)
-    bits = tl.where((code == 15) | ~wmask, 0, bits)
+    """bfloat16 weights of rows `rn`, columns `kk` from their planes and codes; 0 at escapes (code 15: also
+    every column and row outside the matrix, whose codes are loaded as 15 or padded with it)."""
+    plane = tl.load(plane_ptr + rn[:, None] * K + kk[None, :], mask=(rn[:, None] < N) & (kk[None, :] < K),
+                    other=0).to(tl.int32)
+    # sign << 15 | mantissa is p + (p & 0x80) * 0xFF (0x80 + 0x7F80 = 0x8000); the exponent added in place
+    bits = plane + (plane & 0x80) * 0xFF + ((base + code) << 7)
+    bits = tl.where(code == 15, 0, bits)
     return bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
 
 
 @triton.jit
-def _matmul_kernel(x_ptr, w_ptr, plane_ptr, codes_ptr, y_ptr, M, N, K, base, stride_xm, code_row,
-                   PLAIN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   SPLIT_K: tl.constexpr, F32_DOT: tl.constexpr):
+def _code_bytes(codes_ptr, rn, k0, j, N, code_row):
+    """The code bytes of rows `rn` for the K tile at `k0` (byte j: columns k0 + (j//16)*32 + j%16 and +16);
+    255 (two escapes) outside the matrix."""
+    cj = k0 // 2 + j
+    return tl.load(codes_ptr + rn[:, None] * code_row + cj[None, :], mask=(rn[:, None] < N) & (cj[None, :] < code_row),
+                   other=255).to(tl.int32)
+
+
+@triton.jit
+def _matmul_kernel(x_ptr, w_ptr, plane_ptr, codes_ptr, esc_start_ptr, esc_rows_ptr, esc_cols_ptr, esc_vals_ptr,
+                   y_ptr, M, N, K, base, stride_xm, code_row,
+                   PLAIN: tl.constexpr, ESCAPES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, F32_DOT: tl.constexpr, ESC_CHUNK: tl.constexpr):
     """Program (m, n, s): rows m, columns n, the s-th share of K; float32 sums into y [SPLIT_K, M, N].
     Each K tile is two halves of 16-column runs (a code byte's low and high nibbles: `CompressedBF16.codes`),
-    one dot each."""
+    one dot each. Then the program of share 0 adds its columns' escapes into the tile it stored."""
     HALF: tl.constexpr = BLOCK_K // 2
     pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -65,8 +93,7 @@ def _matmul_kernel(x_ptr, w_ptr, plane_ptr, codes_ptr, y_ptr, M, N, K, base, str
             w_b = tl.load(w_ptr + rn[:, None] * K + k_b[None, :], mask=(rn[:, None] < N) & (k_b[None, :] < K),
                           other=0.0)
         else:
-            byte = tl.load(codes_ptr + rn[:, None] * code_row + (k0 // 2 + j)[None, :],
-                           mask=(rn[:, None] < N) & (k_a[None, :] < K), other=0).to(tl.int32)
+            byte = _code_bytes(codes_ptr, rn, k0, j, N, code_row)
             w_a = _weights(plane_ptr, rn, k_a, byte & 0x0F, base, N, K)
             w_b = _weights(plane_ptr, rn, k_b, byte >> 4, base, N, K)
         if F32_DOT:  # (the interpreter: its bfloat16 dot is wrong; the same exact products in float32)
@@ -75,30 +102,83 @@ def _matmul_kernel(x_ptr, w_ptr, plane_ptr, codes_ptr, y_ptr, M, N, K, base, str
         else:
             acc += tl.dot(x_a, tl.trans(w_a))
             acc += tl.dot(x_b, tl.trans(w_b))
-    tl.store(y_ptr + pid_k * M * N + rm[:, None] * N + rn[None, :], acc, mask=(rm[:, None] < M) & (rn[None, :] < N))
+    out = y_ptr + pid_k * M * N
+    tl.store(out + rm[:, None] * N + rn[None, :], acc, mask=xrows & (rn[None, :] < N))
+    if ESCAPES:
+        if pid_k == 0:
+            # y[:, r] += x[:, c] * v for each escape (r, c, v) of rows rn, into the tile just stored (the
+            # barrier: every thread's store is in before any thread adds)
+            tl.debug_barrier()
+            lo = tl.load(esc_start_ptr + pid_n * BLOCK_N)
+            hi = tl.load(esc_start_ptr + tl.minimum(pid_n * BLOCK_N + BLOCK_N, N))
+            e = tl.arange(0, ESC_CHUNK)
+            for e0 in range(lo, hi, ESC_CHUNK):
+                em = e0 + e < hi
+                r = tl.load(esc_rows_ptr + e0 + e, mask=em, other=0)
+                c = tl.load(esc_cols_ptr + e0 + e, mask=em, other=0)
+                v = tl.load(esc_vals_ptr + e0 + e, mask=em, other=0.0).to(tl.float32)
+                both = xrows & em[None, :]
+                xv = tl.load(x_ptr + rm[:, None] * stride_xm + c[None, :], mask=both, other=0.0)
+                tl.atomic_add(out + rm[:, None] * N + r[None, :], xv.to(tl.bfloat16).to(tl.float32) * v[None, :],
+                              mask=both)
+
+
+@triton.jit
+def _decompress_kernel(plane_ptr, codes_ptr, w_ptr, N, K, base, code_row, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr):
+    """w [N, K] bfloat16 = the compressed matrix decoded, escapes as 0 (placed after), a tile per program."""
+    HALF: tl.constexpr = BLOCK_K // 2
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k0 = tl.program_id(1) * BLOCK_K
+    j = tl.arange(0, HALF)
+    k_a = k0 + (j // 16) * 32 + j % 16
+    k_b = k_a + 16
+    byte = _code_bytes(codes_ptr, rn, k0, j, N, code_row)
+    rows = rn[:, None] < N
+    tl.store(w_ptr + rn[:, None] * K + k_a[None, :], _weights(plane_ptr, rn, k_a, byte & 0x0F, base, N, K),
+             mask=rows & (k_a[None, :] < K))
+    tl.store(w_ptr + rn[:, None] * K + k_b[None, :], _weights(plane_ptr, rn, k_b, byte >> 4, base, N, K),
+             mask=rows & (k_b[None, :] < K))
+
+
+def decompress(w) -> torch.Tensor:
+    """The bfloat16 matrix of a `CompressedBF16`, decoded by the GPU (equal to `w.decompress()` bit for bit)."""
+    n, k = w.shape
+    out = torch.empty(n, k, dtype=torch.bfloat16, device=w.plane.device)
+    _decompress_kernel[(triton.cdiv(n, BLOCK_N), triton.cdiv(k, BLOCK_K))](
+        w.plane, w.codes, out, n, k, w.base, w.codes.shape[1], BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
+    if w.num_escapes:
+        out[w.esc_rows.long(), w.esc_cols.long()] = w.esc_vals
+    return out
+
+
+def matmul(x: torch.Tensor, w) -> torch.Tensor:
+    """x [M, K] @ W^T in float32 (or, from `DECOMPRESS_MIN_ROWS` rows, in x's dtype): the kernel that
+    decodes tiles in registers, or the matrix decoded once and torch's GEMM."""
+    if x.shape[0] >= DECOMPRESS_MIN_ROWS:
+        return F.linear(x, decompress(w).to(x.dtype))
+    return compressed_linear(x, w)
 
 
 def compressed_linear(x: torch.Tensor, w, plain: torch.Tensor | None = None, block_n: int = BLOCK_N,
                       block_k: int = BLOCK_K, warps: int = 4, stages: int = 3,
-                      split_k: int | None = None) -> torch.Tensor:
-    """x [M, K] @ W^T in float32, W a `CompressedBF16` (decoded per tile in the kernel, escapes added
-    after), or with `plain` (a bfloat16 [N, K]) the same kernel reading it as is. The tile shape, warps,
-    pipeline stages and K split are launch choices (the packing does not depend on them)."""
+                      split_k: int | None = None, block_m: int | None = None) -> torch.Tensor:
+    """x [M, K] @ W^T in float32, W a `CompressedBF16` (decoded per tile in the kernel, escapes added by
+    the tiles' programs), or with `plain` (a bfloat16 [N, K]) the same kernel reading it as is. The tile
+    shape, warps, pipeline stages and K split are launch choices (the packing does not depend on them)."""
     n, k = w.shape
     m = x.shape[0]
     if block_k % 32:
         raise ValueError(f"block_k must be a multiple of 32 (the code bytes' runs), got {block_k}")
     x = x.contiguous()
-    grid_m, grid_n = triton.cdiv(m, BLOCK_M), triton.cdiv(n, block_n)
+    bm = block_m or block_m_for(m)
+    grid_m, grid_n = triton.cdiv(m, bm), triton.cdiv(n, block_n)
     split = split_k or split_k_for(x.device, grid_m * grid_n, triton.cdiv(k, block_k))
     part = torch.empty(split, m, n, dtype=torch.float32, device=x.device)
+    escapes = plain is None and w.num_escapes > 0
     _matmul_kernel[(grid_m, grid_n, split)](
-        x, plain if plain is not None else w.plane, w.plane, w.codes, part, m, n, k, w.base, x.stride(0),
-        w.codes.shape[1],
-        PLAIN=plain is not None, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split,
-        F32_DOT=x.device.type != "cuda", num_warps=warps, num_stages=stages)
-    y = part[0] if split == 1 else part.sum(0)
-    if plain is None and w.num_escapes:
-        # the escaped weights: y[:, r] += x[:, c] * v for each (r, c, v)
-        y.index_add_(1, w.esc_rows, x.index_select(1, w.esc_cols).to(torch.bfloat16).float() * w.esc_vals.float())
-    return y
+        x, plain if plain is not None else w.plane, w.plane, w.codes, w.esc_start, w.esc_rows, w.esc_cols,
+        w.esc_vals, part, m, n, k, w.base, x.stride(0), w.codes.shape[1],
+        PLAIN=plain is not None, ESCAPES=escapes, BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split,
+        F32_DOT=x.device.type != "cuda", ESC_CHUNK=ESC_CHUNK, num_warps=warps, num_stages=stages)
+    return part[0] if split == 1 else part.sum(0)
