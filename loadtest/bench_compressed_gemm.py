@@ -34,7 +34,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", default="qkv,o,gate_up,down")
     p.add_argument("--rows", default="1,16,64,512")
-    p.add_argument("--tiles", default="64x128/4/3,32x256/4/3,64x64/4/4",
+    p.add_argument("--tiles", default="64x128/4/3,32x256/4/3,64x64/4/4,64x64/8/3",
                    help="launch shapes: block_n x block_k / warps / stages")
     p.add_argument("--reps", type=int, default=100, help="do_bench milliseconds of repetitions")
     p.add_argument("--json", default="")
@@ -44,11 +44,17 @@ def main() -> None:
     import triton.testing
 
     from engine.model.compressed_weight import pack
-    from engine.model.kernels.compressed_triton import DECOMPRESS_MIN_ROWS, compressed_linear, matmul
+    from engine.model.kernels.compressed_triton import (
+        DECOMPRESS_MIN_ROWS,
+        GEMV_MAX_ROWS,
+        compressed_linear,
+        matmul,
+    )
 
     dev = torch.device("cuda")
-    print(f"{torch.cuda.get_device_name()}; medians (do_bench, L2 cleared); GB/s = weight bytes read / time\n")
-    print(f"{'shape':8} {'rows':>4} {'launch':>12} | {'torch bf16 us':>13} {'plain kernel us':>15} "
+    print(f"{torch.cuda.get_device_name()}; medians inside CUDA graphs (eager: do_bench, L2 cleared); "
+          "GB/s = weight bytes read / time; launch /gemv: one row per program, no dot\n")
+    print(f"{'shape':8} {'rows':>4} {'launch':>15} | {'torch bf16 us':>13} {'plain kernel us':>15} "
           f"{'compressed us':>13} | {'vs torch':>8} | {'eager us':>8} | {'GB/s torch/compr':>16} | vs plain, vs f64")
     rows_out = []
     for name in args.shapes.split(","):
@@ -60,13 +66,14 @@ def main() -> None:
             dims, warps, stages = tile.split("/")
             bn, bk = (int(v) for v in dims.split("x"))
             launch: dict[str, int] = dict(block_n=bn, block_k=bk, warps=int(warps), stages=int(stages))
-            for m in (int(r) for r in args.rows.split(",")):
+            for m, gemv in ((int(r), g) for r in args.rows.split(",") for g in (False, True)):
                 many = m >= DECOMPRESS_MIN_ROWS
-                if many and tile != args.tiles.split(",")[0]:
-                    continue  # (decode once + torch's GEMM: no launch shape)
+                if (many and tile != args.tiles.split(",")[0]) or (gemv and (many or m > GEMV_MAX_ROWS)):
+                    continue  # (decode once + torch's GEMM: no launch shape; one row per program: few rows)
                 x = torch.randn(m, k, device=dev).to(torch.bfloat16)
-                comp = partial(matmul, x, c) if many else partial(compressed_linear, x, c, None, **launch)
-                plain = partial(F.linear, x, w) if many else partial(compressed_linear, x, c, plain=w, **launch)
+                comp = partial(matmul, x, c) if many else partial(compressed_linear, x, c, None, gemv=gemv, **launch)
+                plain = (partial(F.linear, x, w) if many
+                         else partial(compressed_linear, x, c, plain=w, gemv=gemv, **launch))
                 y, y_plain = comp().float(), plain().float()
                 ref = x.double() @ w.double().T
                 err = float((y.double() - ref).norm() / ref.norm())
@@ -75,13 +82,13 @@ def main() -> None:
                     triton.testing.do_bench_cudagraph(fn, rep=args.reps, return_mode="median")
                     for fn in (partial(F.linear, x, w), plain, comp))
                 t_eager = triton.testing.do_bench(comp, rep=args.reps, return_mode="median")
-                label = "decode+mm" if many else tile
+                label = "decode+mm" if many else tile + ("/gemv" if gemv else "")
                 row = dict(shape=name, n=n, k=k, rows=m, launch=label, torch_us=1e3 * t_torch, plain_us=1e3 * t_plain,
                            compressed_us=1e3 * t_comp, compressed_eager_us=1e3 * t_eager, plain_bytes=plain_bytes,
                            compressed_bytes=comp_bytes, escapes=c.num_escapes, rel_diff_vs_plain_kernel=diff,
                            rel_err=err)
                 rows_out.append(row)
-                print(f"{name:8} {m:>4} {label:>12} | {1e3 * t_torch:>13.1f} {1e3 * t_plain:>15.1f} "
+                print(f"{name:8} {m:>4} {label:>15} | {1e3 * t_torch:>13.1f} {1e3 * t_plain:>15.1f} "
                       f"{1e3 * t_comp:>13.1f} | {t_comp / t_torch:>7.2f}x | {1e3 * t_eager:>8.1f} | "
                       f"{plain_bytes / t_torch / 1e6:>7.0f} / {comp_bytes / t_comp / 1e6:>6.0f} | {diff:.1e} {err:.1e}",
                       flush=True)

@@ -93,16 +93,18 @@ def test_the_kernel_on_compressed_weights_equals_it_on_plain_ones(m, n, k, block
     for w in (normal(n, k, seed=n + k), with_outliers(normal(n, k, seed=n + k), 3 * n // 4)):
         c = pack(w).to(DEV)
         wd = w.to(DEV).contiguous()
-        y = compressed_linear(x, c, block_n=block_n, block_k=block_k, split_k=split_k)
-        plain = compressed_linear(x, c, plain=wd, block_n=block_n, block_k=block_k, split_k=split_k)
-        ref = x.double() @ wd.double().T
-        if c.num_escapes == 0 and not CUDA:
-            assert torch.equal(y, plain)
-        assert _rel(y, plain) < 1e-5 and _rel(y, ref) < 1e-5 and not bool(y.isnan().any())
+        for gemv in (False, True):  # (tensor-core tiles, one row per program)
+            launch = dict(block_n=block_n, block_k=block_k, split_k=split_k, gemv=gemv)
+            y = compressed_linear(x, c, **launch)
+            plain = compressed_linear(x, c, plain=wd, **launch)
+            ref = x.double() @ wd.double().T
+            if c.num_escapes == 0 and not CUDA:
+                assert torch.equal(y, plain)
+            assert _rel(y, plain) < 1e-5 and _rel(y, ref) < 1e-5 and not bool(y.isnan().any())
     assert c.num_escapes > 0
 
 
-@pytest.mark.parametrize("block_m", [16, 64])
+@pytest.mark.parametrize("block_m", [1, 16, 64])
 def test_escapes_land_in_their_own_columns_only_nan_and_inf_included(block_m):
     """Each escape is added into its row's output column by the program owning that row (one of several
     K shares, rows in several row blocks): a NaN or Inf weight spoils its own column as in the reference
@@ -111,7 +113,7 @@ def test_escapes_land_in_their_own_columns_only_nan_and_inf_included(block_m):
     w[5, 7], w[40, 90], w[79, 0] = float("nan"), float("inf"), float("-inf")
     c = pack(w).to(DEV)
     x = torch.randn(block_m + 3, 96, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16).to(DEV)
-    y = compressed_linear(x, c, block_n=32, block_k=32, split_k=2, block_m=block_m)
+    y = compressed_linear(x, c, block_n=32, block_k=32, split_k=2, block_m=block_m, gemv=block_m == 1)
     ref = x.double() @ w.to(DEV).double().T
     bad = [5, 40, 79]
     assert torch.equal(y[:, bad].isnan(), ref[:, bad].isnan()) and torch.equal(y[:, bad].isinf(), ref[:, bad].isinf())

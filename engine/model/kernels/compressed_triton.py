@@ -9,8 +9,8 @@ bfloat16 — except for many rows (prefill, `DECOMPRESS_MIN_ROWS`), where every 
 the whole matrix again: there one program per tile writes the bfloat16 matrix (`decompress`) for the
 vendor GEMM, and it is freed after.
 
-Rows per program: 16 up to 16 rows, 64 above (a decode step of 64 sequences decodes each tile once,
-not four times).
+Rows per program: one row (`GEMV_MAX_ROWS`: products in float32 registers, no dot), 16 up to 16 rows,
+64 above (a decode step of 64 sequences decodes each tile once, not four times).
 
 Split-K (`quant_triton.split_k_for`): with a few rows (decode) there are too few (row, column) tiles to
 fill the GPU, so each program takes a share of K and writes float32 partial sums that are added after.
@@ -33,6 +33,9 @@ from engine.model.kernels.quant_triton import split_k_for
 # Rows from which the matrix is decoded once to bfloat16 for torch's GEMM instead of in every row block's
 # program (the int4 kernels' crossover on an H200: `quant_triton.DEQUANT_MIN_ROWS`).
 DECOMPRESS_MIN_ROWS = 128
+# Rows up to which each row is its own program without a tensor-core dot (`_gemv_kernel`; the int4
+# kernels' crossover: `quant_triton.GEMV_MAX_ROWS`).
+GEMV_MAX_ROWS = 1
 BLOCK_N = 64
 BLOCK_K = 128
 ESC_CHUNK = 32  # escapes added per step of a program's escape loop
@@ -106,21 +109,67 @@ def _matmul_kernel(x_ptr, w_ptr, plane_ptr, codes_ptr, esc_start_ptr, esc_rows_p
     tl.store(out + rm[:, None] * N + rn[None, :], acc, mask=xrows & (rn[None, :] < N))
     if ESCAPES:
         if pid_k == 0:
-            # y[:, r] += x[:, c] * v for each escape (r, c, v) of rows rn, into the tile just stored (the
-            # barrier: every thread's store is in before any thread adds)
-            tl.debug_barrier()
-            lo = tl.load(esc_start_ptr + pid_n * BLOCK_N)
-            hi = tl.load(esc_start_ptr + tl.minimum(pid_n * BLOCK_N + BLOCK_N, N))
-            e = tl.arange(0, ESC_CHUNK)
-            for e0 in range(lo, hi, ESC_CHUNK):
-                em = e0 + e < hi
-                r = tl.load(esc_rows_ptr + e0 + e, mask=em, other=0)
-                c = tl.load(esc_cols_ptr + e0 + e, mask=em, other=0)
-                v = tl.load(esc_vals_ptr + e0 + e, mask=em, other=0.0).to(tl.float32)
-                both = xrows & em[None, :]
-                xv = tl.load(x_ptr + rm[:, None] * stride_xm + c[None, :], mask=both, other=0.0)
-                tl.atomic_add(out + rm[:, None] * N + r[None, :], xv.to(tl.bfloat16).to(tl.float32) * v[None, :],
-                              mask=both)
+            _add_escapes(out, x_ptr, rm, xrows, stride_xm, N, pid_n * BLOCK_N, esc_start_ptr, esc_rows_ptr,
+                         esc_cols_ptr, esc_vals_ptr, BLOCK_N, ESC_CHUNK)
+
+
+@triton.jit
+def _add_escapes(out, x_ptr, rm, xrows, stride_xm, N, n0, esc_start_ptr, esc_rows_ptr, esc_cols_ptr, esc_vals_ptr,
+                 BLOCK_N: tl.constexpr, ESC_CHUNK: tl.constexpr):
+    """out[m, r] += x[m, c] * v for each escape (r, c, v) of rows n0 .. n0 + BLOCK_N and each row m of
+    `rm` where `xrows`, into the tile the program has just stored (the barrier: every thread's store is
+    in before any thread adds)."""
+    tl.debug_barrier()
+    lo = tl.load(esc_start_ptr + n0)
+    hi = tl.load(esc_start_ptr + tl.minimum(n0 + BLOCK_N, N))
+    e = tl.arange(0, ESC_CHUNK)
+    for e0 in range(lo, hi, ESC_CHUNK):
+        em = e0 + e < hi
+        r = tl.load(esc_rows_ptr + e0 + e, mask=em, other=0)
+        c = tl.load(esc_cols_ptr + e0 + e, mask=em, other=0)
+        v = tl.load(esc_vals_ptr + e0 + e, mask=em, other=0.0).to(tl.float32)
+        both = xrows & em[None, :]
+        xv = tl.load(x_ptr + rm[:, None] * stride_xm + c[None, :], mask=both, other=0.0)
+        tl.atomic_add(out + rm[:, None] * N + r[None, :], xv.to(tl.bfloat16).to(tl.float32) * v[None, :], mask=both)
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, plane_ptr, codes_ptr, esc_start_ptr, esc_rows_ptr, esc_cols_ptr, esc_vals_ptr,
+                 y_ptr, M, N, K, base, stride_xm, code_row,
+                 PLAIN: tl.constexpr, ESCAPES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 SPLIT_K: tl.constexpr, ESC_CHUNK: tl.constexpr):
+    """Program (row, n, s): one activation row (a decode step of one sequence), products summed in float32
+    registers shaped like the weight tile — no tensor-core dot (one row would use a sixteenth of it) and
+    no change of the decoded weights' layout — reduced once at the end; then escapes as `_matmul_kernel`."""
+    HALF: tl.constexpr = BLOCK_K // 2
+    row, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    j = tl.arange(0, HALF)
+    k_per = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
+    k_start = pid_k * k_per
+    acc = tl.zeros([BLOCK_N, HALF], dtype=tl.float32)
+    for k0 in range(k_start, tl.minimum(k_start + k_per, K), BLOCK_K):
+        k_a = k0 + (j // 16) * 32 + j % 16
+        k_b = k_a + 16
+        x_a = tl.load(x_ptr + row * stride_xm + k_a, mask=k_a < K, other=0.0).to(tl.bfloat16).to(tl.float32)
+        x_b = tl.load(x_ptr + row * stride_xm + k_b, mask=k_b < K, other=0.0).to(tl.bfloat16).to(tl.float32)
+        if PLAIN:
+            w_a = tl.load(w_ptr + rn[:, None] * K + k_a[None, :], mask=(rn[:, None] < N) & (k_a[None, :] < K),
+                          other=0.0)
+            w_b = tl.load(w_ptr + rn[:, None] * K + k_b[None, :], mask=(rn[:, None] < N) & (k_b[None, :] < K),
+                          other=0.0)
+        else:
+            byte = _code_bytes(codes_ptr, rn, k0, j, N, code_row)
+            w_a = _weights(plane_ptr, rn, k_a, byte & 0x0F, base, N, K)
+            w_b = _weights(plane_ptr, rn, k_b, byte >> 4, base, N, K)
+        acc += w_a.to(tl.float32) * x_a[None, :] + w_b.to(tl.float32) * x_b[None, :]
+    out = y_ptr + pid_k * M * N
+    tl.store(out + row * N + rn, tl.sum(acc, axis=1), mask=rn < N)
+    if ESCAPES:
+        if pid_k == 0:
+            rm = row + tl.arange(0, 2)  # (the escape loop takes a block of rows: this one and a masked one)
+            _add_escapes(out, x_ptr, rm, rm[:, None] == row, stride_xm, N, pid_n * BLOCK_N, esc_start_ptr,
+                         esc_rows_ptr, esc_cols_ptr, esc_vals_ptr, BLOCK_N, ESC_CHUNK)
 
 
 @triton.jit
@@ -162,23 +211,28 @@ def matmul(x: torch.Tensor, w) -> torch.Tensor:
 
 def compressed_linear(x: torch.Tensor, w, plain: torch.Tensor | None = None, block_n: int = BLOCK_N,
                       block_k: int = BLOCK_K, warps: int = 4, stages: int = 3,
-                      split_k: int | None = None, block_m: int | None = None) -> torch.Tensor:
+                      split_k: int | None = None, block_m: int | None = None,
+                      gemv: bool | None = None) -> torch.Tensor:
     """x [M, K] @ W^T in float32, W a `CompressedBF16` (decoded per tile in the kernel, escapes added by
-    the tiles' programs), or with `plain` (a bfloat16 [N, K]) the same kernel reading it as is. The tile
-    shape, warps, pipeline stages and K split are launch choices (the packing does not depend on them)."""
+    the tiles' programs), or with `plain` (a bfloat16 [N, K]) the same kernel reading it as is. The
+    kernel (one row per program up to GEMV_MAX_ROWS rows, else tensor-core tiles), tile shape, warps,
+    pipeline stages and K split are launch choices (the packing does not depend on them)."""
     n, k = w.shape
     m = x.shape[0]
     if block_k % 32:
         raise ValueError(f"block_k must be a multiple of 32 (the code bytes' runs), got {block_k}")
     x = x.contiguous()
-    bm = block_m or block_m_for(m)
+    one_row = m <= GEMV_MAX_ROWS if gemv is None else gemv
+    bm = 1 if one_row else block_m or block_m_for(m)
     grid_m, grid_n = triton.cdiv(m, bm), triton.cdiv(n, block_n)
     split = split_k or split_k_for(x.device, grid_m * grid_n, triton.cdiv(k, block_k))
     part = torch.empty(split, m, n, dtype=torch.float32, device=x.device)
-    escapes = plain is None and w.num_escapes > 0
-    _matmul_kernel[(grid_m, grid_n, split)](
-        x, plain if plain is not None else w.plane, w.plane, w.codes, w.esc_start, w.esc_rows, w.esc_cols,
-        w.esc_vals, part, m, n, k, w.base, x.stride(0), w.codes.shape[1],
-        PLAIN=plain is not None, ESCAPES=escapes, BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split,
-        F32_DOT=x.device.type != "cuda", ESC_CHUNK=ESC_CHUNK, num_warps=warps, num_stages=stages)
+    args = (x, plain if plain is not None else w.plane, w.plane, w.codes, w.esc_start, w.esc_rows, w.esc_cols,
+            w.esc_vals, part, m, n, k, w.base, x.stride(0), w.codes.shape[1])
+    consts = dict(PLAIN=plain is not None, ESCAPES=plain is None and w.num_escapes > 0, BLOCK_N=block_n,
+                  BLOCK_K=block_k, SPLIT_K=split, ESC_CHUNK=ESC_CHUNK, num_warps=warps, num_stages=stages)
+    if one_row:
+        _gemv_kernel[(grid_m, grid_n, split)](*args, **consts)
+    else:
+        _matmul_kernel[(grid_m, grid_n, split)](*args, BLOCK_M=bm, F32_DOT=x.device.type != "cuda", **consts)
     return part[0] if split == 1 else part.sum(0)
