@@ -4,6 +4,7 @@ Triton attention path vs torch SDPA, on random bf16 weights of real model shapes
     python -m loadtest.bench_gpu                          # Llama-3-8B and SmolLM2 shapes, CUDA
     python -m loadtest.bench_gpu --preset deepseek-v2-lite   # latent attention + experts
     python -m loadtest.bench_gpu --preset deepseek-v2-lite --quantization int4   # quantized experts
+    python -m loadtest.bench_gpu --preset llama3-8b --compress-weights   # weights held losslessly compressed
     python -m loadtest.bench_gpu --device cpu --preset tiny --batches 1,4 --prefill-tokens 128   # smoke test
 
 Roofline: a decode step must read every weight once plus each sequence's K/V; bytes / measured
@@ -94,7 +95,7 @@ def matmul_peak(dev: torch.device, dtype: torch.dtype) -> float:
 
 
 def build(preset: str, dev: torch.device, dtype: torch.dtype, blocks: int, block_size: int,
-          quantization: str | None = None):
+          quantization: str | None = None, compress: bool = False):
     """(config, model, KV cache, parameter counts of the float model, bytes per weight as stored)."""
     cfg = ModelConfig.from_dict({"architectures": ["LlamaForCausalLM"], "rms_norm_eps": 1e-5, **PRESETS[preset]})
     torch.manual_seed(0)
@@ -113,6 +114,9 @@ def build(preset: str, dev: torch.device, dtype: torch.dtype, blocks: int, block
         float_bytes = weight_cache.nbytes(model)
         model.quantize(quantization)
         element *= weight_cache.nbytes(model) / float_bytes  # scales and mins included
+    if compress:  # (as --compress-weights: every bfloat16 linear weight; the embedding stays)
+        float_bytes = weight_cache.nbytes(model)
+        element *= (float_bytes - model.compress_weights()) / float_bytes
     model.build_rope_cache(cfg.max_position_embeddings + 1, dev, dtype)
     if dev.type == "cpu":
         model.optimize_for_cpu()
@@ -221,20 +225,28 @@ def main() -> int:
     p.add_argument("--quantization", choices=["int8", "int4"], default=None,
                    help="quantize the random weights (weight-only, as --quantization does): the Triton "
                    "weight-only GEMM and, for experts, the grouped kernel over quantized stacks")
+    p.add_argument("--compress-weights", action="store_true",
+                   help="hold the bfloat16 linear weights losslessly compressed (as --compress-weights does; "
+                   "CUDA, Triton backend only): the roofline counts the compressed bytes")
     args = p.parse_args()
     dev = torch.device(args.device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     bw, peak = bandwidth(dev), matmul_peak(dev, dtype)
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "CPU"
     print(f"device {name}: copy bandwidth {bw / 1e9:.0f} GB/s, {dtype} matmul peak {peak / 1e12:.1f} TFLOP/s; "
-          f"weights {args.quantization or dtype}")
+          f"weights {args.quantization or dtype}{' compressed' if args.compress_weights else ''}")
     backends = ["torch", "triton"] if (dev.type == "cuda" or os.environ.get("TRITON_INTERPRET")) else ["torch"]
+    if args.compress_weights:
+        if dev.type != "cuda" or args.quantization:
+            raise SystemExit("--compress-weights needs --device cuda and no --quantization (as the engine's flag)")
+        backends = ["triton"]
     batches = [int(b) for b in args.batches.split(",")]
     print(f"{'model':<14}{'path':<8}{'case':<18}{'ms':>9}{'CPU ms':>9}{'% roofline / MFU':>18}")
     for preset in args.preset.split(","):
         block_size = 16
         need = max(batches) * (-(-(args.context + 1) // block_size)) + -(-args.prefill_tokens // block_size) + 8
-        cfg, model, kv, counts, element = build(preset, dev, dtype, need + 1, block_size, args.quantization)
+        cfg, model, kv, counts, element = build(preset, dev, dtype, need + 1, block_size, args.quantization,
+                                                args.compress_weights)
         runner = ModelRunner(model, kv, dev)
         page = kv.layout.page_bytes
         for backend in backends:

@@ -9,7 +9,8 @@
 #                                                  #   quantk,quant,quantsweep,int4 (weight-only int8/int4),
 #                                                  #   async (async scheduling: tests + in-process on vs off),
 #                                                  #   hostsync (bench_host with --async-scheduling=off),
-#                                                  #   compressed (--compress-weights: tests + the matmul timed)
+#                                                  #   compressed (--compress-weights: tests + the matmul timed),
+#                                                  #   compressedengine (8B decode/prefill, plain vs compressed)
 #
 # Needs the project's Python dependencies importable (pip install -e '.[test]'); on a host with no
 # network, SPLITFIRE_HOME must already hold bench-models/host-llama (loadtest/random_models.py).
@@ -46,5 +47,6 @@ step quantsweep 100 $PY -m loadtest.bench_quant_gemm --sweep --methods gemv,dot 
 step async 240 bash -c "$PY -m pytest -q -p no:cacheprovider --timeout 120 tests/test_async_scheduling.py && $PY -m loadtest.bench_async_sched --tokens 128 --rounds 3 && $PY -m loadtest.bench_async_sched --tokens 128 --rounds 3 --temperature 0.8"
 step hostsync 120 $PY -m loadtest.bench_host --device cuda --layouts colocated --rounds 2 --no-engine --worker-arg=--async-scheduling=off --json "$OUT/host_sync.json"
 step compressed 280 bash -c "$PY -m pytest -q -p no:cacheprovider --timeout 120 tests/test_compressed_weight.py; $PY -m loadtest.bench_compressed_gemm --reps 60 --json $OUT/compressed_gemm.json"
+step compressedengine 200 bash -c "$PY -m loadtest.bench_gpu --preset llama3-8b --batches 1,32 --iters 10 && $PY -m loadtest.bench_gpu --preset llama3-8b --batches 1,32 --iters 10 --compress-weights"
 step mla 90 $PY -m loadtest.bench_gpu --preset deepseek-v2-lite --quantization int4 --batches 1,32
 cat "$summary"
