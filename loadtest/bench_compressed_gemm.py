@@ -33,8 +33,8 @@ SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "dow
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", default="qkv,o,gate_up,down")
-    p.add_argument("--rows", default="1,16,64,512")
-    p.add_argument("--tiles", default="64x128/4/3,32x256/4/3,64x64/4/4,64x64/8/3",
+    p.add_argument("--rows", default="1,16,24,64,512")
+    p.add_argument("--tiles", default="32x256/4/3,64x64/8/3,64x128/4/3",
                    help="launch shapes: block_n x block_k / warps / stages")
     p.add_argument("--reps", type=int, default=100, help="do_bench milliseconds of repetitions")
     p.add_argument("--json", default="")

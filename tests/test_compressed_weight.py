@@ -121,18 +121,27 @@ def test_escapes_land_in_their_own_columns_only_nan_and_inf_included(block_m):
     assert _rel(y[:, good], ref[:, good]) < 1e-5
 
 
-def test_the_gpu_decoder_equals_the_reference_bit_for_bit():
-    """`decompress` (one program per tile: the many-rows path) == `CompressedBF16.decompress` for every
-    16-bit pattern and an odd shape with escapes; `matmul` from DECOMPRESS_MIN_ROWS rows is torch's GEMM
-    on that matrix, below it the tile kernel."""
+def test_the_gpu_decoder_equals_the_reference_bit_for_bit(monkeypatch):
+    """`decompress` (one program per tile, escapes placed by the tile's program: the many-rows path) ==
+    `CompressedBF16.decompress` for every 16-bit pattern and an odd shape with escapes, whole or a range
+    of rows; `matmul` from DECOMPRESS_MIN_ROWS rows is torch's GEMM on that matrix (decoded whole or a
+    chunk of rows at a time), below it the tile kernel."""
+    from engine.model.kernels import compressed_triton
+
     every = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).reshape(256, 256)
-    odd = with_outliers(normal(37, 70), 25)
+    odd = with_outliers(normal(150, 70), 120)
     for w in (every, odd):
         c = pack(w).to(DEV)
-        assert torch.equal(decompress(c).view(torch.int16), c.decompress().view(torch.int16))
+        ref = c.decompress().view(torch.int16)
+        assert torch.equal(decompress(c).view(torch.int16), ref)
+        for n0, n1 in ((0, 64), (64, 129), (3, 150), (100, 101)):
+            assert torch.equal(decompress(c, n0, min(n1, w.shape[0])).view(torch.int16), ref[n0:n1])
     x = torch.randn(DECOMPRESS_MIN_ROWS, 70, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16).to(DEV)
     c = pack(odd).to(DEV)
-    assert torch.equal(matmul(x, c), torch.nn.functional.linear(x, odd.to(DEV)))
+    whole = torch.nn.functional.linear(x, odd.to(DEV))
+    assert torch.equal(matmul(x, c), whole)
+    monkeypatch.setattr(compressed_triton, "DECOMPRESS_CHUNK", 64 * 70)  # (64 rows at a time: three chunks)
+    assert torch.equal(matmul(x, c), whole)
     assert _rel(matmul(x[:3], c), x[:3].double() @ odd.to(DEV).double().T) < 1e-5
 
 

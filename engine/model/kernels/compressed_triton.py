@@ -5,12 +5,12 @@ only, and multiplies them in bfloat16 on the tensor cores with float32 sums. The
 are added by the program that owns their rows, after its dense tile (atomic adds into the tile it has
 just stored, as the plain reference's `index_add_` does). The weights cross HBM at ~12 bits instead of
 16 (a decode step of a bandwidth-bound model reads 0.75 of the bytes); nothing is materialised in
-bfloat16 — except for many rows (prefill, `DECOMPRESS_MIN_ROWS`), where every row block would decode
-the whole matrix again: there one program per tile writes the bfloat16 matrix (`decompress`) for the
-vendor GEMM, and it is freed after.
+bfloat16 — except for many rows (prefill, decode steps of `DECOMPRESS_MIN_ROWS` sequences), where every
+row block would decode the whole matrix again: there one program per tile writes the bfloat16 matrix, a
+chunk of rows at a time (`decompress`, at most 64 MiB), for the vendor GEMM, and it is freed after.
 
-Rows per program: one row (`GEMV_MAX_ROWS`: products in float32 registers, no dot), 16 up to 16 rows,
-64 above (a decode step of 64 sequences decodes each tile once, not four times).
+Rows per program: one row (`GEMV_MAX_ROWS`: products in float32 registers, no dot; 32 x 256 tiles, the
+fastest measured), else 16 up to 16 rows and 32 up to `DECOMPRESS_MIN_ROWS`.
 
 Split-K (`quant_triton.split_k_for`): with a few rows (decode) there are too few (row, column) tiles to
 fill the GPU, so each program takes a share of K and writes float32 partial sums that are added after.
@@ -30,19 +30,21 @@ import triton.language as tl
 
 from engine.model.kernels.quant_triton import split_k_for
 
-# Rows from which the matrix is decoded once to bfloat16 for torch's GEMM instead of in every row block's
-# program (the int4 kernels' crossover on an H200: `quant_triton.DEQUANT_MIN_ROWS`).
-DECOMPRESS_MIN_ROWS = 128
+# Rows from which the matrix is decoded to bfloat16 for torch's GEMM instead of in every row block's
+# program. On an H200 (Llama-3-8B shapes, inside CUDA graphs: loadtest/results/gpu_h200/
+# bench_compressed_gemm_v4.txt) decoding + GEMM took 34-192 us at 64 rows against the tile kernel's
+# 52-352 us; the tiles won at 16 rows (gate_up 119 vs ~190).
+DECOMPRESS_MIN_ROWS = 32
 # Rows up to which each row is its own program without a tensor-core dot (`_gemv_kernel`; the int4
 # kernels' crossover: `quant_triton.GEMV_MAX_ROWS`).
 GEMV_MAX_ROWS = 1
-BLOCK_N = 64
+BLOCK_N = 64  # the decoder's tile (`decompress`)
 BLOCK_K = 128
 ESC_CHUNK = 32  # escapes added per step of a program's escape loop
 
 
 def block_m_for(rows: int) -> int:
-    return 16 if rows <= 16 else 64
+    return 16 if rows <= 16 else 32
 
 
 @triton.jit
@@ -173,44 +175,76 @@ def _gemv_kernel(x_ptr, w_ptr, plane_ptr, codes_ptr, esc_start_ptr, esc_rows_ptr
 
 
 @triton.jit
-def _decompress_kernel(plane_ptr, codes_ptr, w_ptr, N, K, base, code_row, BLOCK_N: tl.constexpr,
+def _decompress_kernel(plane_ptr, codes_ptr, esc_start_ptr, esc_rows_ptr, esc_cols_ptr, esc_vals_ptr, w_ptr, n0, n1,
+                       N, K, base, code_row, ESCAPES: tl.constexpr, ESC_CHUNK: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_K: tl.constexpr):
-    """w [N, K] bfloat16 = the compressed matrix decoded, escapes as 0 (placed after), a tile per program."""
+    """w [n1 - n0, K] bfloat16 = rows n0 .. n1 of the compressed matrix decoded, a tile per program, then
+    the tile's escapes stored in their places (after a barrier: the tile's zeros are in first)."""
     HALF: tl.constexpr = BLOCK_K // 2
-    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    first = n0 + tl.program_id(0) * BLOCK_N
+    rn = first + tl.arange(0, BLOCK_N)
     k0 = tl.program_id(1) * BLOCK_K
     j = tl.arange(0, HALF)
     k_a = k0 + (j // 16) * 32 + j % 16
     k_b = k_a + 16
-    byte = _code_bytes(codes_ptr, rn, k0, j, N, code_row)
-    rows = rn[:, None] < N
-    tl.store(w_ptr + rn[:, None] * K + k_a[None, :], _weights(plane_ptr, rn, k_a, byte & 0x0F, base, N, K),
-             mask=rows & (k_a[None, :] < K))
-    tl.store(w_ptr + rn[:, None] * K + k_b[None, :], _weights(plane_ptr, rn, k_b, byte >> 4, base, N, K),
-             mask=rows & (k_b[None, :] < K))
+    byte = _code_bytes(codes_ptr, rn, k0, j, n1, code_row)
+    rows = rn[:, None] < n1
+    out = w_ptr + (rn[:, None] - n0) * K
+    tl.store(out + k_a[None, :], _weights(plane_ptr, rn, k_a, byte & 0x0F, base, n1, K), mask=rows & (k_a[None, :] < K))
+    tl.store(out + k_b[None, :], _weights(plane_ptr, rn, k_b, byte >> 4, base, n1, K), mask=rows & (k_b[None, :] < K))
+    if ESCAPES:
+        tl.debug_barrier()
+        lo = tl.load(esc_start_ptr + first)
+        hi = tl.load(esc_start_ptr + tl.minimum(first + BLOCK_N, n1))
+        e = tl.arange(0, ESC_CHUNK)
+        for e0 in range(lo, hi, ESC_CHUNK):
+            c = tl.load(esc_cols_ptr + e0 + e, mask=e0 + e < hi, other=-1)
+            here = (e0 + e < hi) & (c >= k0) & (c < k0 + BLOCK_K)
+            r = tl.load(esc_rows_ptr + e0 + e, mask=here, other=0)
+            tl.store(w_ptr + (r - n0) * K + c, tl.load(esc_vals_ptr + e0 + e, mask=here, other=0.0), mask=here)
 
 
-def decompress(w) -> torch.Tensor:
-    """The bfloat16 matrix of a `CompressedBF16`, decoded by the GPU (equal to `w.decompress()` bit for bit)."""
+# The many-rows path decodes at most this many weights at a time (a bfloat16 buffer of 64 MiB, not the
+# whole matrix: an LM head of 128k x 4k would take 1 GiB).
+DECOMPRESS_CHUNK = 1 << 25
+
+
+def decompress(w, n0: int = 0, n1: int | None = None) -> torch.Tensor:
+    """Rows n0 .. n1 (all by default) of a `CompressedBF16` in bfloat16, decoded by the GPU with their
+    escapes (equal to `w.decompress()[n0:n1]` bit for bit; no host read of the escape index)."""
     n, k = w.shape
-    out = torch.empty(n, k, dtype=torch.bfloat16, device=w.plane.device)
-    _decompress_kernel[(triton.cdiv(n, BLOCK_N), triton.cdiv(k, BLOCK_K))](
-        w.plane, w.codes, out, n, k, w.base, w.codes.shape[1], BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
-    if w.num_escapes:
-        out[w.esc_rows.long(), w.esc_cols.long()] = w.esc_vals
+    n1 = n if n1 is None else n1
+    out = torch.empty(n1 - n0, k, dtype=torch.bfloat16, device=w.plane.device)
+    _decompress_kernel[(triton.cdiv(n1 - n0, BLOCK_N), triton.cdiv(k, BLOCK_K))](
+        w.plane, w.codes, w.esc_start, w.esc_rows, w.esc_cols, w.esc_vals, out, n0, n1, n, k, w.base,
+        w.codes.shape[1], ESCAPES=w.num_escapes > 0, ESC_CHUNK=ESC_CHUNK, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
     return out
 
 
 def matmul(x: torch.Tensor, w) -> torch.Tensor:
     """x [M, K] @ W^T in float32 (or, from `DECOMPRESS_MIN_ROWS` rows, in x's dtype): the kernel that
-    decodes tiles in registers, or the matrix decoded once and torch's GEMM."""
-    if x.shape[0] >= DECOMPRESS_MIN_ROWS:
+    decodes tiles in registers, or the matrix decoded (a chunk of rows at a time) for torch's GEMM."""
+    if x.shape[0] < DECOMPRESS_MIN_ROWS:
+        return compressed_linear(x, w)
+    n, k = w.shape
+    step = max(BLOCK_N, DECOMPRESS_CHUNK // k // BLOCK_N * BLOCK_N)
+    if step >= n:
         return F.linear(x, decompress(w).to(x.dtype))
-    return compressed_linear(x, w)
+    y = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
+    for n0 in range(0, n, step):
+        y[:, n0:n0 + step] = F.linear(x, decompress(w, n0, min(n, n0 + step)).to(x.dtype))
+    return y
 
 
-def compressed_linear(x: torch.Tensor, w, plain: torch.Tensor | None = None, block_n: int = BLOCK_N,
-                      block_k: int = BLOCK_K, warps: int = 4, stages: int = 3,
+# Launch shapes (block_n, block_k, warps, stages) per kernel, the fastest on an H200 over Llama-3-8B's
+# four projections (bench_compressed_gemm_v4: one row 1.44-1.86x of torch's bfloat16 time with the
+# row kernel's 32 x 256 against 1.69-2.20x with the tiles; 16 rows 1.90-2.32x with 64 x 64 / 8 warps).
+GEMV_LAUNCH = (32, 256, 4, 3)
+TILES_LAUNCH = (64, 64, 8, 3)
+
+
+def compressed_linear(x: torch.Tensor, w, plain: torch.Tensor | None = None, block_n: int | None = None,
+                      block_k: int | None = None, warps: int | None = None, stages: int | None = None,
                       split_k: int | None = None, block_m: int | None = None,
                       gemv: bool | None = None) -> torch.Tensor:
     """x [M, K] @ W^T in float32, W a `CompressedBF16` (decoded per tile in the kernel, escapes added by
@@ -219,10 +253,13 @@ def compressed_linear(x: torch.Tensor, w, plain: torch.Tensor | None = None, blo
     pipeline stages and K split are launch choices (the packing does not depend on them)."""
     n, k = w.shape
     m = x.shape[0]
+    one_row = m <= GEMV_MAX_ROWS if gemv is None else gemv
+    default = GEMV_LAUNCH if one_row else TILES_LAUNCH
+    block_n, block_k = block_n or default[0], block_k or default[1]
+    warps, stages = warps or default[2], stages or default[3]
     if block_k % 32:
         raise ValueError(f"block_k must be a multiple of 32 (the code bytes' runs), got {block_k}")
     x = x.contiguous()
-    one_row = m <= GEMV_MAX_ROWS if gemv is None else gemv
     bm = 1 if one_row else block_m or block_m_for(m)
     grid_m, grid_n = triton.cdiv(m, bm), triton.cdiv(n, block_n)
     split = split_k or split_k_for(x.device, grid_m * grid_n, triton.cdiv(k, block_k))
