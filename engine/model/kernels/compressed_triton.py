@@ -31,10 +31,11 @@ import triton.language as tl
 from engine.model.kernels.quant_triton import split_k_for
 
 # Rows from which the matrix is decoded to bfloat16 for torch's GEMM instead of in every row block's
-# program. On an H200 (Llama-3-8B shapes, inside CUDA graphs: loadtest/results/gpu_h200/
-# bench_compressed_gemm_v4.txt) decoding + GEMM took 34-192 us at 64 rows against the tile kernel's
-# 52-352 us; the tiles won at 16 rows (gate_up 119 vs ~190).
-DECOMPRESS_MIN_ROWS = 32
+# program: past one 32-row block. On an H200 (Llama-3-8B shapes inside CUDA graphs,
+# loadtest/results/gpu_h200/bench_compressed_gemm_v5.txt) the tiles at 24 rows (one 32-row block) took
+# 26-153 us against 30-210 us decoded + GEMM at 32 rows; at 64 rows decoding + GEMM (28-213 us) beat
+# 64-row tiles (53-352 us, v4).
+DECOMPRESS_MIN_ROWS = 33
 # Rows up to which each row is its own program without a tensor-core dot (`_gemv_kernel`; the int4
 # kernels' crossover: `quant_triton.GEMV_MAX_ROWS`).
 GEMV_MAX_ROWS = 1
