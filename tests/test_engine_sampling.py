@@ -212,6 +212,30 @@ def test_sampling_on_the_device_equals_sample_batch_and_reads_nothing_back():
         assert all(got_list[i] == int(logits[i].argmax()) for i, sp in enumerate(params) if sp.greedy)
 
 
+def test_sample_rows_on_the_device_path_equals_sample_batch(monkeypatch):
+    """`sample_rows` (what `sample` and speculative verification call): its GPU path (`sample_on_device`,
+    forced here on CPU tensors) draws the same tokens as `sample_batch` for the same rows and draws —
+    seeded rows, and unseeded ones from the same state of torch's generator."""
+    from engine.batch import sampler
+    from engine.batch.sampler import sample_rows, seeded_generator
+
+    calls: list[bool] = []
+    for name in ("sample_on_device", "sample_batch"):
+        real = getattr(sampler, name)
+        monkeypatch.setattr(sampler, name, lambda *a, _r=real, _n=name: calls.append(_n == "sample_on_device") or _r(*a))
+
+    logits, params, _ = _filter_rows(13, FILTERS)
+    cpu = torch.device("cpu")
+    for draw_index in range(3):
+        got = {}
+        for on_device in (False, True):
+            gens = [seeded_generator(5 + i, draw_index, cpu) if i % 2 else None for i in range(len(params))]
+            torch.manual_seed(draw_index)
+            got[on_device] = sample_rows(logits, params, gens, on_device=on_device)
+            assert calls.pop() == on_device
+        assert got[True] == got[False]
+
+
 def test_draw_never_picks_a_token_of_zero_probability():
     """Zero-probability tokens between, before and after the kept ones are never drawn."""
     from engine.batch.sampler import draw

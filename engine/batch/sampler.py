@@ -84,6 +84,31 @@ def draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
 CANDIDATES = (64, 1024)
 
 
+def uniform_draws(generators: list[torch.Generator | None], dtype: torch.dtype, dev: torch.device) -> torch.Tensor:
+    """Each sampled row's uniform number: from its generator, or (the others) one draw per row from
+    torch's."""
+    u = torch.empty(len(generators), dtype=dtype, device=dev)
+    if any(g is None for g in generators):
+        u.uniform_()
+    for i, g in enumerate(generators):
+        if g is not None:
+            u[i] = torch.rand((), generator=g, dtype=dtype, device=dev)
+    return u
+
+
+def sample_rows(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
+                on_device: bool | None = None) -> list[int]:
+    """`sample_batch`'s tokens for these rows and draws. On a GPU (`on_device`, by default when the logits
+    are on CUDA) by `sample_on_device` — whole sorted rows, the settings one copy, nothing read back but
+    the tokens — where `sample_batch`'s host-made tensors and host reads cost milliseconds a step; on a
+    CPU `sample_batch` itself (a whole-row sort costs there). A test holds the two equal."""
+    if not (logits.device.type == "cuda" if on_device is None else on_device):
+        return sample_batch(logits, params, generators)
+    dev = logits.device
+    settings = torch.tensor([row_settings(sp) for sp in params], dtype=torch.float32, device=dev)
+    return sample_on_device(logits, settings, uniform_draws(generators, logits.dtype, dev)).tolist()
+
+
 def sample_batch(logits: torch.Tensor, params: list[SamplingParams],
                  generators: list[torch.Generator | None]) -> list[int]:
     """`draw(filtered_probs(row, sp), generator)` for every row of `logits` [R, V], in a few
@@ -95,12 +120,7 @@ def sample_batch(logits: torch.Tensor, params: list[SamplingParams],
     dev = logits.device
     temps = torch.tensor([sp.temperature for sp in params], dtype=logits.dtype, device=dev)
     probs = torch.softmax(logits / temps[:, None], dim=-1)
-    u = torch.empty(rows, dtype=probs.dtype, device=dev)
-    if any(g is None for g in generators):
-        u.uniform_()
-    for i, g in enumerate(generators):
-        if g is not None:
-            u[i] = torch.rand((), generator=g, dtype=probs.dtype, device=dev)
+    u = uniform_draws(generators, probs.dtype, dev)
     ks = [sp.top_k if 0 < sp.top_k < vocab else vocab for sp in params]
     cuts = torch.zeros(rows, 1, dtype=probs.dtype, device=dev)  # (0: keep everything)
     narrow = torch.zeros(rows, dtype=torch.bool, device=dev)  # every kept token among the first candidates
@@ -268,7 +288,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], grammar: GrammarEngine | 
             rows = torch.stack([penalized.get(i, logits[i]) for i in drawn])
         else:  # (no copy of a [batch, vocab] tensor when every row is drawn as it is)
             rows = logits if len(drawn) == len(seqs) else logits.index_select(0, torch.tensor(drawn, device=logits.device))
-        tokens.update(zip(drawn, sample_batch(rows, params, gens), strict=True))
+        tokens.update(zip(drawn, sample_rows(rows, params, gens), strict=True))
     for i, seq in enumerate(seqs):
         token = tokens[i]
         info = (top_logprobs(raw_lp[i], token, seq.sampling.logprobs) if raw_lp is not None and want_lp[i]
@@ -287,7 +307,7 @@ def speculative_targets(rows: torch.Tensor, seq: Sequence, draft: list[int]) -> 
     gens = [seeded_generator(sp.seed, seq.num_generated + j, rows.device) if sp.seed is not None else None
             for j in range(rows.shape[0])]
     out: list[int] = []
-    for j, token in enumerate(sample_batch(rows, [sp] * rows.shape[0], gens)):
+    for j, token in enumerate(sample_rows(rows, [sp] * rows.shape[0], gens)):
         out.append(token)
         if j < len(draft) and token != draft[j]:
             break
