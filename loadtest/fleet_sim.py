@@ -28,7 +28,10 @@ after `--startup` seconds, drained ones leave when empty); every static prefill:
 `--max-workers`, the best chosen in hindsight (the fewest worker-hours with attainment at least the
 planner's, else the best attainment); and a CPU-utilization HPA per role (target 70%, 10% tolerance,
 5-minute scale-down stabilization, as Kubernetes' defaults), where a worker's utilization is the time
-it is busy — which a decode worker is whenever it holds a stream.
+it is busy — which a decode worker is whenever it holds a stream. `--start steady` gives the planner
+the fleet and learned state of one earlier pass over the trace (what `--state` keeps across restarts);
+`--clairvoyant` adds what hindsight could do with autoscaling (`clairvoyant`: a per-interval schedule
+with no start-up, searched greedily to the best static split's attainment).
 
     python -m loadtest.fleet_sim --trace ../shared/data/mooncake_traces/conversation_trace.jsonl \\
         --prefill 4 --decode 4 --policy token --store
@@ -567,11 +570,12 @@ def compare_live(live: dict, model: CostModel, *, prefill: int, decode: int, pol
 class Scaler:
     """Runs every interval inside the simulation: the planner or a CPU HPA deciding each role's size."""
 
-    kind: str  # planner | cpu_hpa
+    kind: str  # planner | cpu_hpa | schedule
     interval: float
     startup: float
     limits: Limits
     planner: Planner | None = None
+    plan: list[tuple[int, int]] = field(default_factory=list)  # schedule: (prefill, decode) per interval
     history: list[tuple[float, int, int]] = field(default_factory=list)
     _last: dict[str, float] = field(default_factory=dict)
     _busy: dict[int, float] = field(default_factory=dict)
@@ -597,6 +601,9 @@ class Scaler:
                             prefill_workers=have["prefill"], decode_workers=have["decode"])
             d = self.planner.decide(snap)
             want = {"prefill": d.prefill, "decode": d.decode}
+        elif self.kind == "schedule":  # (the interval starting now)
+            p, dec = self.plan[min(round(now / self.interval), len(self.plan) - 1)]
+            want = {"prefill": p, "decode": dec}
         else:
             want = {}
             for role in ("prefill", "decode"):
@@ -645,12 +652,55 @@ def warm_start(reqs: list[TraceRequest], model: CostModel, args: argparse.Namesp
     return d.prefill, d.decode
 
 
+def clairvoyant(reqs: list[TraceRequest], model: CostModel, split: tuple[int, int], target: float, interval: float,
+                kw: dict, sweeps: int = 2) -> tuple[dict[str, float], list[tuple[int, int]]]:
+    """What hindsight could do with autoscaling: a (prefill, decode) count per interval, new workers
+    serving at once (no start-up), found greedily — from `split` everywhere, each interval in turn gives
+    up one worker of a role whenever the whole trace still meets `target` attainment, `sweeps` times
+    over both roles. A feasible schedule, not a proven optimum: how far below a static split's
+    worker-hours an autoscaler that knew the future could go (one simulation per try: minutes)."""
+    end = max(r.at_s for r in reqs)
+    plan = [list(split) for _ in range(int(end // interval) + 2)]
+
+    def run() -> dict[str, float]:
+        sched = [(p, d) for p, d in plan]
+        summ, _ = run_scaled(reqs, model, Scaler("schedule", interval, 0.0, Limits(), plan=sched), sched[0], **kw)
+        return summ
+
+    best = run()
+    for _ in range(sweeps):
+        for role in (0, 1):
+            for k in range(len(plan)):
+                if plan[k][role] <= 1:
+                    continue
+                plan[k][role] -= 1
+                trial = run()
+                if trial["slo_attainment"] >= target:
+                    best = trial
+                else:
+                    plan[k][role] += 1
+            print(f"clairvoyant: {best['slo_attainment']:.4f} at {best['worker_hours']:.3f} worker-hours",
+                  file=sys.stderr, flush=True)
+    return best, [(p, d) for p, d in plan]
+
+
 def compare_planner(reqs: list[TraceRequest], model: CostModel, args: argparse.Namespace) -> dict[str, object]:
     limits = Limits(min_prefill=1, max_prefill=args.max_workers, min_decode=1, max_decode=args.max_workers)
     planner = Planner(model.profile(), args.ttft_slo, args.itl_slo, limits)
     kw = dict(policy=args.policy, store=args.store, ttft_slo=args.ttft_slo, itl_slo=args.itl_slo,
               block_tokens=args.block or TRACE_BLOCK)
     start = warm_start(reqs, model, args, limits) if args.start == "warm" else (1, 1)
+    first: dict[str, object] = {}
+    if args.start == "steady":
+        # A planner that had served this workload before: one earlier pass over the trace from 1 + 1, and the
+        # measured pass begins with its fleet and what it learned (`Planner.learned`, as `--state` keeps it).
+        f_sum, f_scaler = run_scaled(reqs, model, Scaler("planner", args.interval, args.startup, limits, planner),
+                                     start, **kw)
+        first = {"slo_attainment": f_sum["slo_attainment"], "worker_hours": f_sum["worker_hours"]}
+        learned = planner.learned()
+        planner = Planner(model.profile(), args.ttft_slo, args.itl_slo, limits)
+        planner.resume(learned)
+        start = f_scaler.history[-1][1], f_scaler.history[-1][2]
     p_sum, p_scaler = run_scaled(reqs, model, Scaler("planner", args.interval, args.startup, limits, planner),
                                  start, **kw)
     h_sum, h_scaler = run_scaled(reqs, model, Scaler("cpu_hpa", args.interval, args.startup, limits), start, **kw)
@@ -666,14 +716,20 @@ def compare_planner(reqs: list[TraceRequest], model: CostModel, args: argparse.N
     good = {k: v for k, v in statics.items() if v["slo_attainment"] >= p_sum["slo_attainment"]}
     best = min(good, key=lambda k: statics[k]["worker_hours"]) if good else \
         max(statics, key=lambda k: statics[k]["slo_attainment"])
-    return {"planner": {**p_sum, "replicas": p_scaler.history},
-            "best_static": {**statics[best], "split": best},
-            "cpu_hpa": {**h_sum, "replicas": h_scaler.history},
-            "statics": statics,
-            "settings": {"ttft_slo_s": args.ttft_slo, "itl_slo_s": args.itl_slo, "interval_s": args.interval,
-                         "startup_s": args.startup, "max_workers": args.max_workers, "cost_model": args.cost_model,
-                         "policy": args.policy, "store": args.store, "requests": len(reqs),
-                         "start": args.start, "start_workers": list(start)}}
+    result: dict[str, object] = {
+        "planner": {**p_sum, "replicas": p_scaler.history, **({"first_pass": first} if first else {})},
+        "best_static": {**statics[best], "split": best},
+        "cpu_hpa": {**h_sum, "replicas": h_scaler.history},
+        "statics": statics,
+        "settings": {"ttft_slo_s": args.ttft_slo, "itl_slo_s": args.itl_slo, "interval_s": args.interval,
+                     "startup_s": args.startup, "max_workers": args.max_workers, "cost_model": args.cost_model,
+                     "policy": args.policy, "store": args.store, "requests": len(reqs),
+                     "start": args.start, "start_workers": list(start)}}
+    if args.clairvoyant:
+        p_, d_ = best.removesuffix("D").split("P")
+        c_sum, plan = clairvoyant(reqs, model, (int(p_), int(d_)), statics[best]["slo_attainment"], args.interval, kw)
+        result["clairvoyant"] = {**c_sum, "from": best, "plan": plan}
+    return result
 
 
 def plot(result: dict[str, object], path: str) -> None:
@@ -722,9 +778,13 @@ def main() -> int:
                         "(--prefill/--decode/--policy/--store as the live fleet; --cost-model-json its workers)")
     p.add_argument("--interval", type=float, default=60.0, help="autoscaling interval, seconds")
     p.add_argument("--startup", type=float, default=60.0, help="seconds before a new worker takes requests")
-    p.add_argument("--start", default="cold", choices=("cold", "warm"),
-                   help="--compare-planner: the autoscaled fleets begin at 1 prefill + 1 decode (cold), or at what "
-                   "the planner decides for the first interval's arrivals (warm: as if it had run before the trace)")
+    p.add_argument("--start", default="cold", choices=("cold", "warm", "steady"),
+                   help="--compare-planner: the autoscaled fleets begin at 1 prefill + 1 decode (cold), at what "
+                   "the planner decides for the first interval's arrivals (warm), or with the fleet and the learned "
+                   "state of a planner that had run over the trace once before (steady: as one kept with --state)")
+    p.add_argument("--clairvoyant", action="store_true",
+                   help="--compare-planner: also search (greedily, minutes) a per-interval schedule with no start-up "
+                        "that meets the best static split's attainment with the fewest worker-hours found")
     p.add_argument("--max-workers", type=int, default=12, help="autoscaling: most workers per role; static: in all")
     p.add_argument("--json", default="")
     p.add_argument("--plot", default="")
@@ -758,7 +818,9 @@ def main() -> int:
         reqs = scaled(reqs, Scale(args.block, 2, max_output=args.max_output), args.speed)
     if args.compare_planner:
         result: dict[str, object] = compare_planner(reqs, model, args)
-        for name in ("planner", "best_static", "cpu_hpa"):
+        for name in ("planner", "best_static", "cpu_hpa", "clairvoyant"):
+            if name not in result:
+                continue
             r = result[name]
             print(f"{name:<12} attainment {r['slo_attainment']:.3f}  worker-hours {r['worker_hours']:.2f}  "  # type: ignore[index]
                   f"TTFT p90 {r['ttft_p90_s']:.2f} s  ITL p90 {r['itl_p90_ms']:.1f} ms"  # type: ignore[index]

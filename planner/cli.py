@@ -23,6 +23,8 @@ from planner.decision import Limits, Planner
 from planner.kubernetes import DeploymentScaler, KubeAPI
 from planner.metrics import Scrape, snapshot
 from planner.profile import load, measure, save
+from planner.state import resume as resume_state
+from planner.state import save as save_state
 
 log = logging.getLogger("splitfire.planner")
 
@@ -49,6 +51,9 @@ def scaler_from(args: argparse.Namespace) -> DeploymentScaler | None:
 async def run(args: argparse.Namespace) -> int:
     planner = Planner(load(args.profile), args.ttft_slo, args.itl_slo,
                       Limits(args.min_prefill, args.max_prefill, args.min_decode, args.max_decode))
+    if args.state and resume_state(planner, args.state):
+        log.info("event=planner_resumed state=%s correction_prefill=%.3f correction_decode=%.3f", args.state,
+                 planner.correction["prefill"], planner.correction["decode"])
     scaler = scaler_from(args)
     url = args.router.rstrip("/")
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as s:
@@ -61,6 +66,8 @@ async def run(args: argparse.Namespace) -> int:
                 snap = dataclasses.replace(snap, prefill_workers=await scaler.replicas(s, "prefill"),
                                            decode_workers=await scaler.replicas(s, "decode"))
             d = planner.decide(snap)
+            if args.state:
+                save_state(planner, args.state)
             if scaler is not None:
                 for role, want, have in (("prefill", d.prefill, snap.prefill_workers),
                                          ("decode", d.decode, snap.decode_workers)):
@@ -113,6 +120,9 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     rn.add_argument("--min-decode", type=int, default=1)
     rn.add_argument("--max-decode", type=int, default=64)
     rn.add_argument("--once", action="store_true", help="one interval, one decision, then exit")
+    rn.add_argument("--state", default="", metavar="FILE",
+                    help="keep what the planner learns (its corrections, the load average) in FILE: read at start, "
+                         "written after each decision, so a restart does not relearn from SLO misses")
     rn.add_argument("--scale-deployments", default="", metavar="PREFILL,DECODE",
                     help="apply the decisions: set these Deployments' replicas through their scale subresource")
     rn.add_argument("--namespace", default=os.environ.get("POD_NAMESPACE", "default"))

@@ -25,6 +25,11 @@ keep workers for good. Scaling up is immediate; scaling down waits `down_after` 
 wanting fewer — the load fitting fewer workers at `down_margin` of the target utilization, so a load at
 a whole number of workers does not add and drain one in turn — and then drains one worker per
 interval; both stay within the role's `[min, max]`.
+
+What it has learned (the corrections, the load average, the last means) outlives the process:
+`learned()` / `resume()`, kept in a state file by `planner/state.py` (`--state`), so a restarted planner
+does not relearn its fleet's corrections from SLO misses — and refused if learned against other SLOs
+or another profile, whose errors the corrections measured.
 """
 
 from __future__ import annotations
@@ -117,6 +122,32 @@ class Planner:
             raise ValueError("target_utilization, alpha and down_margin in (0, 1], down_after >= 1")
         if self.profile.prefill_tps <= 0 or not self.profile.decode_itl:
             raise ValueError("the profile needs prefill tokens/s and at least one decode batch's ITL")
+
+    def learned(self) -> dict[str, object]:
+        """What this planner has learned, with the SLOs and profile it learned against (JSON-ready)."""
+        return {"ttft_slo_s": self.ttft_slo_s, "itl_slo_s": self.itl_slo_s,
+                "profile": {"prefill_tps": self.profile.prefill_tps,
+                            "decode_itl": {str(b): v for b, v in sorted(self.profile.decode_itl.items())}},
+                "correction": dict(self.correction), "rate": self._rate, "means": list(self._means)}
+
+    def resume(self, state: dict[str, object]) -> None:
+        """Go on from an earlier planner's `learned()`. Raises ValueError naming what differs when it was
+        learned against other SLOs or another profile, or is not such a state."""
+        mine = self.learned()
+        for key, what in (("ttft_slo_s", "TTFT SLO"), ("itl_slo_s", "ITL SLO"), ("profile", "profile")):
+            if state.get(key) != mine[key]:
+                raise ValueError(f"learned against another {what}: {state.get(key)!r}, this planner's is "
+                                 f"{mine[key]!r}")
+        corr, rate, means = state.get("correction"), state.get("rate"), state.get("means")
+        if (not isinstance(corr, dict) or set(corr) != {"prefill", "decode"}
+                or not all(isinstance(v, (int, float)) and 1.0 <= v <= self.max_correction for v in corr.values())
+                or not (rate is None or (isinstance(rate, (int, float)) and rate >= 0))
+                or not (isinstance(means, list) and len(means) == 2
+                        and all(isinstance(v, (int, float)) and v >= 0 for v in means))):
+            raise ValueError(f"not a planner state (correction {corr!r}, rate {rate!r}, means {means!r})")
+        self.correction = {role: float(v) for role, v in corr.items()}
+        self._rate = None if rate is None else float(rate)
+        self._means = (float(means[0]), float(means[1]))
 
     def predicted_rate(self, s: Snapshot) -> float:
         self._rate = s.request_rate if self._rate is None else (

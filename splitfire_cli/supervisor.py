@@ -367,7 +367,7 @@ async def up(args: argparse.Namespace) -> int:
 
 
 # `--planner`'s own flags and their defaults (given without --planner, they are refused).
-PLANNER_DEFAULTS = {"planner_profile": "", "planner_interval": 30.0, "ttft_slo": 2.0, "itl_slo": 0.1,
+PLANNER_DEFAULTS = {"planner_profile": "", "planner_state": "", "planner_interval": 30.0, "ttft_slo": 2.0, "itl_slo": 0.1,
                     "min_prefill": 1, "max_prefill": 4, "min_decode": 1, "max_decode": 4}
 
 
@@ -394,10 +394,15 @@ class LocalScaler:
         from planner.decision import Limits, Planner
         from planner.metrics import snapshot
         from planner.profile import load
+        from planner.state import resume, save
 
         a = self.args
         planner = Planner(load(a.planner_profile), a.ttft_slo, a.itl_slo,
                           Limits(a.min_prefill, a.max_prefill, a.min_decode, a.max_decode))
+        if a.planner_state and resume(planner, a.planner_state):
+            print(f"splitfire up: event=planner_resumed state={a.planner_state} correction_prefill="
+                  f"{planner.correction['prefill']:.3f} correction_decode={planner.correction['decode']:.3f}",
+                  flush=True)
         url = f"http://127.0.0.1:{a.port}"
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as s:
             before = await scrape(s, url)
@@ -409,6 +414,8 @@ class LocalScaler:
                                            decode_workers=len(self.live("decode")))
                 before = after
                 d = planner.decide(snap)
+                if a.planner_state:
+                    save(planner, a.planner_state)
                 for role, want in (("prefill", d.prefill), ("decode", d.decode)):
                     have = self.live(role)
                     if want != len(have):
@@ -488,6 +495,8 @@ def add_subcommand(sub) -> None:
                         "(`planner/decision.py`): add worker processes, drain them (needs Redis, --planner-profile)")
     d = PLANNER_DEFAULTS
     p.add_argument("--planner-profile", default=d["planner_profile"], help="from `splitfire planner profile`")
+    p.add_argument("--planner-state", default=d["planner_state"], metavar="FILE",
+                   help="--planner: keep what it learns (corrections, load average) in FILE across restarts")
     p.add_argument("--planner-interval", type=float, default=d["planner_interval"], help="seconds between decisions")
     p.add_argument("--ttft-slo", type=float, default=d["ttft_slo"], help="--planner: seconds (p90)")
     p.add_argument("--itl-slo", type=float, default=d["itl_slo"], help="--planner: seconds (p90)")

@@ -167,6 +167,26 @@ def test_planner_profile_and_run_through_the_cli(tiny_model_dir, tmp_path):
         line = json.loads(run.stdout.strip().splitlines()[-1])
         assert line["have"] == {"prefill": 1, "decode": 1} and line["snapshot"]["request_rate"] > 0
         assert line["prefill"] >= 1 and line["decode"] >= 1 and line["reasons"]
+        # --state: what it learned is written after the decision; a state learned against other SLOs is
+        # refused at start, naming the file
+        state = tmp_path / "state.json"
+        done.clear()
+        t = threading.Thread(target=load)
+        t.start()
+        try:
+            run = subprocess.run([*cli, "run", "--router", base_url(router), "--profile", str(out), "--ttft-slo", "5",
+                                  "--itl-slo", "1", "--interval", "2", "--once", "--state", str(state)],
+                                 capture_output=True, text=True, timeout=60)
+        finally:
+            done.set()
+            t.join()
+        assert run.returncode == 0, run.stderr[-2000:]
+        learned = json.loads(state.read_text())
+        assert learned["ttft_slo_s"] == 5 and learned["rate"] > 0 and set(learned["correction"]) == {"prefill", "decode"}
+        other = subprocess.run([*cli, "run", "--router", base_url(router), "--profile", str(out), "--ttft-slo", "3",
+                                "--itl-slo", "1", "--interval", "2", "--once", "--state", str(state)],
+                               capture_output=True, text=True, timeout=60)
+        assert other.returncode != 0 and str(state) in other.stderr and "TTFT SLO" in other.stderr
         bad = subprocess.run([*cli, "run", "--router", base_url(router), "--profile", str(tmp_path / "nope.json"),
                               "--ttft-slo", "5", "--itl-slo", "1", "--once"], capture_output=True, text=True, timeout=60)
         assert bad.returncode == 2 and "not a planner profile" in bad.stderr
@@ -189,6 +209,36 @@ def test_a_miss_the_profile_did_not_foresee_is_learned_and_the_worker_kept():
     for _ in range(4):
         p = pl.decide(snap(rate=1.0, ttft=0.5, p=p, d=2)).prefill
     assert p == 2
+
+
+def test_what_the_planner_learned_survives_a_restart(tmp_path):
+    """A restarted planner given the state file decides as the one that learned (the correction kept: no
+    relearning from misses), and refuses a state learned against other SLOs or another profile, or a
+    corrupt file, naming it."""
+    from planner.state import resume, save
+
+    def learned_planner() -> Planner:
+        pl = Planner(PROFILE, ttft_slo_s=1.0, itl_slo_s=0.1, alpha=1.0)
+        pl.decide(snap(ttft=3.0, p=2, d=2))  # learns prefill x2.25
+        return pl
+
+    first = learned_planner()
+    path = tmp_path / "planner-state.json"
+    save(first, path)
+    fresh = Planner(PROFILE, ttft_slo_s=1.0, itl_slo_s=0.1, alpha=1.0)
+    assert resume(fresh, path) and fresh.correction == first.correction and fresh.correction["prefill"] > 1
+    again = Planner(PROFILE, ttft_slo_s=1.0, itl_slo_s=0.1, alpha=1.0)
+    assert again.decide(snap(ttft=0.5, p=2, d=2)).prefill == 2  # (without it: the profile's 2)
+    assert fresh.decide(snap(ttft=0.5, p=2, d=2)).prefill == 3  # (with it: the learned 3, at once)
+    assert not resume(Planner(PROFILE, 1.0, 0.1), tmp_path / "none.json")
+    with pytest.raises(ValueError, match="TTFT SLO"):
+        resume(Planner(PROFILE, ttft_slo_s=2.0, itl_slo_s=0.1), path)
+    with pytest.raises(ValueError, match="profile"):
+        resume(Planner(Profile(500.0, PROFILE.decode_itl), ttft_slo_s=1.0, itl_slo_s=0.1), path)
+    for text in ("{not json", "[1, 2]", '{"ttft_slo_s": 1.0}'):
+        path.write_text(text)
+        with pytest.raises(ValueError, match=r"planner-state\.json"):
+            resume(Planner(PROFILE, 1.0, 0.1), path)
 
 
 def test_misses_right_after_a_scale_up_wait_for_the_new_workers():
