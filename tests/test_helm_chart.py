@@ -228,6 +228,15 @@ def test_planner_gets_exactly_the_scale_of_the_worker_deployments_and_args_its_c
     ns = build_parser().parse_args(args)  # the planner's own parser takes what the chart renders
     assert ns.scale_deployments == "rel-splitfire-prefill,rel-splitfire-decode" and ns.max_decode == 6
     assert ns.router == "http://rel-splitfire-router:8000" and ns.namespace == "llm"
+    # what it learns is kept on the state volume (an emptyDir unless planner.stateClaim names a claim)
+    mount = {m["name"]: m["mountPath"] for m in pod["containers"][0]["volumeMounts"]}["state"]
+    assert ns.state == mount + "/state.json"
+    assert {v["name"]: v for v in pod["volumes"]}["state"] == {"name": "state", "emptyDir": {}}
+    claimed = render(helm, ROOT / "helm/ci/default-values.yaml", "-f", str(values), "--set",
+                     "planner.stateClaim=planner-state")
+    pod2 = {(d["kind"], d["metadata"]["name"]): d for d in yaml.safe_load_all(claimed.stdout)
+            if d}[("Deployment", "rel-splitfire-planner")]["spec"]["template"]["spec"]
+    assert {v["name"]: v for v in pod2["volumes"]}["state"]["persistentVolumeClaim"] == {"claimName": "planner-state"}
     import json
 
     profile = json.loads(by[("ConfigMap", "rel-splitfire-planner")]["data"]["profile.json"])
