@@ -191,3 +191,27 @@ def test_compress_weights_is_refused_where_it_cannot_run(monkeypatch):
                     ({"device": "cpu", "dtype": "bfloat16", "quantization": "int8"}, "choose one")]:
         with pytest.raises(ValueError, match=why):
             EngineConfig(model="m", compress_weights=True, **kw).validate()
+
+
+def test_the_cpu_kernel_decodes_compressed_weights_as_the_reference_does():
+    """`cpu_ops.gemv_cbf16` (one row against a `CompressedBF16`, weights rebuilt in registers; the CPU's
+    answer to whether decoding in the kernel keeps up with memory: loadtest/bench_compressed_cpu.py) and
+    its plain-bfloat16 twin `gemv_bf16` against a float64 product: full runs of 32 columns and a scalar
+    tail, escapes (a NaN spoiling only its own row), one thread or two."""
+    from engine.model.kernels import cpu_ops
+
+    if cpu_ops.library() is None:
+        pytest.skip("no C compiler: the CPU kernels are not built")
+    for n, k in ((37, 70), (64, 512), (5, 33), (3, 16)):
+        w = with_outliers(normal(n, k, seed=k), n)
+        w[n // 2, k // 3] = float("nan")
+        c = pack(w)
+        x = torch.randn(k, generator=torch.Generator().manual_seed(n))
+        ref = x.double() @ w.double().T
+        good = [i for i in range(n) if i != n // 2]
+        for threads in (1, 2):
+            y, plain = cpu_ops.gemv_cbf16(x, c, threads), cpu_ops.gemv_bf16(x, w, threads)
+            for out in (y, plain):
+                assert _rel(out[good], ref[good]) < 1e-5 and not bool(out[good].isnan().any())
+                assert bool(out[n // 2].isnan())
+        assert c.num_escapes > 0

@@ -70,6 +70,20 @@ def _code_bytes(codes_ptr, rn, k0, j, N, code_row):
 
 
 @triton.jit
+def _weight_halves(w_ptr, plane_ptr, codes_ptr, rn, k0, j, k_a, k_b, base, N, K, code_row, PLAIN: tl.constexpr):
+    """The K tile at `k0` of rows `rn` as its two halves (columns `k_a`, `k_b`) in bfloat16: decoded from the
+    planes and codes, or (`PLAIN`) read from an ordinary bfloat16 matrix at `w_ptr`."""
+    if PLAIN:
+        w_a = tl.load(w_ptr + rn[:, None] * K + k_a[None, :], mask=(rn[:, None] < N) & (k_a[None, :] < K), other=0.0)
+        w_b = tl.load(w_ptr + rn[:, None] * K + k_b[None, :], mask=(rn[:, None] < N) & (k_b[None, :] < K), other=0.0)
+    else:
+        byte = _code_bytes(codes_ptr, rn, k0, j, N, code_row)
+        w_a = _weights(plane_ptr, rn, k_a, byte & 0x0F, base, N, K)
+        w_b = _weights(plane_ptr, rn, k_b, byte >> 4, base, N, K)
+    return w_a, w_b
+
+
+@triton.jit
 def _matmul_kernel(x_ptr, w_ptr, plane_ptr, codes_ptr, esc_start_ptr, esc_rows_ptr, esc_cols_ptr, esc_vals_ptr,
                    y_ptr, M, N, K, base, stride_xm, code_row,
                    PLAIN: tl.constexpr, ESCAPES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -93,15 +107,7 @@ def _matmul_kernel(x_ptr, w_ptr, plane_ptr, codes_ptr, esc_start_ptr, esc_rows_p
                       other=0.0).to(tl.bfloat16)
         x_b = tl.load(x_ptr + rm[:, None] * stride_xm + k_b[None, :], mask=xrows & (k_b[None, :] < K),
                       other=0.0).to(tl.bfloat16)
-        if PLAIN:
-            w_a = tl.load(w_ptr + rn[:, None] * K + k_a[None, :], mask=(rn[:, None] < N) & (k_a[None, :] < K),
-                          other=0.0)
-            w_b = tl.load(w_ptr + rn[:, None] * K + k_b[None, :], mask=(rn[:, None] < N) & (k_b[None, :] < K),
-                          other=0.0)
-        else:
-            byte = _code_bytes(codes_ptr, rn, k0, j, N, code_row)
-            w_a = _weights(plane_ptr, rn, k_a, byte & 0x0F, base, N, K)
-            w_b = _weights(plane_ptr, rn, k_b, byte >> 4, base, N, K)
+        w_a, w_b = _weight_halves(w_ptr, plane_ptr, codes_ptr, rn, k0, j, k_a, k_b, base, N, K, code_row, PLAIN)
         if F32_DOT:  # (the interpreter: its bfloat16 dot is wrong; the same exact products in float32)
             acc += tl.dot(x_a.to(tl.float32), tl.trans(w_a.to(tl.float32)))
             acc += tl.dot(x_b.to(tl.float32), tl.trans(w_b.to(tl.float32)))
@@ -156,15 +162,7 @@ def _gemv_kernel(x_ptr, w_ptr, plane_ptr, codes_ptr, esc_start_ptr, esc_rows_ptr
         k_b = k_a + 16
         x_a = tl.load(x_ptr + row * stride_xm + k_a, mask=k_a < K, other=0.0).to(tl.bfloat16).to(tl.float32)
         x_b = tl.load(x_ptr + row * stride_xm + k_b, mask=k_b < K, other=0.0).to(tl.bfloat16).to(tl.float32)
-        if PLAIN:
-            w_a = tl.load(w_ptr + rn[:, None] * K + k_a[None, :], mask=(rn[:, None] < N) & (k_a[None, :] < K),
-                          other=0.0)
-            w_b = tl.load(w_ptr + rn[:, None] * K + k_b[None, :], mask=(rn[:, None] < N) & (k_b[None, :] < K),
-                          other=0.0)
-        else:
-            byte = _code_bytes(codes_ptr, rn, k0, j, N, code_row)
-            w_a = _weights(plane_ptr, rn, k_a, byte & 0x0F, base, N, K)
-            w_b = _weights(plane_ptr, rn, k_b, byte >> 4, base, N, K)
+        w_a, w_b = _weight_halves(w_ptr, plane_ptr, codes_ptr, rn, k0, j, k_a, k_b, base, N, K, code_row, PLAIN)
         acc += w_a.to(tl.float32) * x_a[None, :] + w_b.to(tl.float32) * x_b[None, :]
     out = y_ptr + pid_k * M * N
     tl.store(out + row * N + rn, tl.sum(acc, axis=1), mask=rn < N)

@@ -1196,6 +1196,98 @@ void sf_join16(const uint8_t *raw, const uint8_t *coded, uint16_t *out, int64_t 
     }
 }
 
+/* One activation row times a bfloat16 matrix held compressed in memory (engine/model/compressed_weight.py's
+ * CompressedBF16): y[n] = sum_k x[k] * W[n, k], each weight rebuilt in registers from its sign+mantissa
+ * byte (`plane`) and its 4-bit exponent code (in each run of 32 columns, code byte i holds column i low
+ * and column i + 16 high; exponent = base + code; 15 an escape, 0 in the dense loop, its weight added
+ * after from the row's CSR list). `sf_gemv_bf16` is the same loop on plain bfloat16 weights. The CPU half
+ * of the compressed-weights question: does decoding in the kernel keep up with memory
+ * (`python -m loadtest.bench_compressed_cpu`)? Rows are split over threads; the scalar tail and the
+ * plain-C build (no AVX2) compute the same sums in another order. */
+static inline float sf_bf16_f32(uint32_t bits16) {
+    uint32_t u = bits16 << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint32_t sf_cbf16_bits(uint8_t p, uint32_t code, int base) {
+    return code == 15 ? 0u : (((uint32_t)(p & 0x80u) << 8) | ((uint32_t)(base + (int)code) << 7) | (p & 0x7Fu));
+}
+
+#if SF_AVX2
+static inline __m256 sf_cbf16_8(__m128i p8, __m128i c8, __m256i vbase) {
+    /* the low 8 bytes of p8 and c8: 8 weights as float32 (bfloat16 << 16), escapes as 0 */
+    __m256i p = _mm256_cvtepu8_epi32(p8), c = _mm256_cvtepu8_epi32(c8);
+    __m256i sign = _mm256_slli_epi32(_mm256_and_si256(p, _mm256_set1_epi32(0x80)), 24);
+    __m256i man = _mm256_slli_epi32(_mm256_and_si256(p, _mm256_set1_epi32(0x7F)), 16);
+    __m256i ex = _mm256_slli_epi32(_mm256_add_epi32(c, vbase), 23);
+    __m256i bits = _mm256_or_si256(_mm256_or_si256(sign, man), ex);
+    bits = _mm256_andnot_si256(_mm256_cmpeq_epi32(c, _mm256_set1_epi32(15)), bits);
+    return _mm256_castsi256_ps(bits);
+}
+#endif
+
+static float sf_cbf16_row(const float *x, int K, const uint8_t *p, const uint8_t *c, int base) {
+    float acc = 0.0f;
+    int k = 0;
+#if SF_AVX2
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+    const __m256i vbase = _mm256_set1_epi32(base);
+    const __m128i low4 = _mm_set1_epi8(0x0F);
+    for (; k + 32 <= K; k += 32) {
+        __m128i cb = _mm_loadu_si128((const __m128i *)(c + k / 2));
+        __m128i lo = _mm_and_si128(cb, low4), hi = _mm_and_si128(_mm_srli_epi16(cb, 4), low4);
+        __m128i pa = _mm_loadu_si128((const __m128i *)(p + k)), pb = _mm_loadu_si128((const __m128i *)(p + k + 16));
+        a0 = _mm256_fmadd_ps(sf_cbf16_8(pa, lo, vbase), _mm256_loadu_ps(x + k), a0);
+        a1 = _mm256_fmadd_ps(sf_cbf16_8(_mm_srli_si128(pa, 8), _mm_srli_si128(lo, 8), vbase),
+                             _mm256_loadu_ps(x + k + 8), a1);
+        a2 = _mm256_fmadd_ps(sf_cbf16_8(pb, hi, vbase), _mm256_loadu_ps(x + k + 16), a2);
+        a3 = _mm256_fmadd_ps(sf_cbf16_8(_mm_srli_si128(pb, 8), _mm_srli_si128(hi, 8), vbase),
+                             _mm256_loadu_ps(x + k + 24), a3);
+    }
+    acc = hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+#endif
+    for (; k < K; k++) {
+        int run = k / 32, j = k % 32;
+        uint32_t code = (c[run * 16 + j % 16] >> (j < 16 ? 0 : 4)) & 15u;
+        acc += x[k] * sf_bf16_f32(sf_cbf16_bits(p[k], code, base));
+    }
+    return acc;
+}
+
+void sf_gemv_cbf16(const float *x, int K, const uint8_t *plane, const uint8_t *codes, int code_row, int base,
+                   const int32_t *esc_start, const int32_t *esc_cols, const uint16_t *esc_vals, int N, float *y,
+                   int threads) {
+    #pragma omp parallel for schedule(guided, 16) num_threads(threads)
+    for (int n = 0; n < N; n++) {
+        float acc = sf_cbf16_row(x, K, plane + (int64_t)n * K, codes + (int64_t)n * code_row, base);
+        for (int32_t e = esc_start[n]; e < esc_start[n + 1]; e++) acc += x[esc_cols[e]] * sf_bf16_f32(esc_vals[e]);
+        y[n] = acc;
+    }
+}
+
+void sf_gemv_bf16(const float *x, int K, const uint16_t *w, int N, float *y, int threads) {
+    #pragma omp parallel for schedule(guided, 16) num_threads(threads)
+    for (int n = 0; n < N; n++) {
+        const uint16_t *r = w + (int64_t)n * K;
+        float acc = 0.0f;
+        int k = 0;
+#if SF_AVX2
+        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+        for (; k + 16 <= K; k += 16) {
+            __m256i b0 = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(r + k)));
+            __m256i b1 = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(r + k + 8)));
+            a0 = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_slli_epi32(b0, 16)), _mm256_loadu_ps(x + k), a0);
+            a1 = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_slli_epi32(b1, 16)), _mm256_loadu_ps(x + k + 8), a1);
+        }
+        acc = hsum(_mm256_add_ps(a0, a1));
+#endif
+        for (; k < K; k++) acc += x[k] * sf_bf16_f32(r[k]);
+        y[n] = acc;
+    }
+}
+
 /* Raw DEFLATE streams of literals only (what compressed.py writes for exponent chunks), decoded
  * table-first: a 4,096-entry table indexed by the next 12 bits gives up to six literals and the bits they
  * take at once (an exponent plane's codes are mostly 1-6 bits long), codes longer than

@@ -100,6 +100,10 @@ def build(arch: tuple[str, ...] = NATIVE, cache_dir: Path | None = None) -> ctyp
     for f in (lib.sf_gemm_i8, lib.sf_gemm_i4, lib.sf_dequant_i8, lib.sf_dequant_i4, lib.sf_add_rmsnorm,
               lib.sf_silu_mul, lib.sf_silu_mul_ref):
         f.restype = None
+    lib.sf_gemv_cbf16.argtypes = [_P, _I, _P, _P, _I, _I, _P, _P, _P, _I, _P, _I]
+    lib.sf_gemv_cbf16.restype = None
+    lib.sf_gemv_bf16.argtypes = [_P, _I, _P, _I, _P, _I]
+    lib.sf_gemv_bf16.restype = None
     lib.sf_join16.argtypes = [_P, _P, _P, ctypes.c_int64, _I]
     lib.sf_join16.restype = None
     lib.sf_inflate_literals.argtypes = [_P, ctypes.c_int64, _P, ctypes.c_int64]
@@ -148,6 +152,30 @@ def dequant_i4(q: torch.Tensor, s: torch.Tensor, mn: torch.Tensor, gs: int, rows
     n, k = q.shape[0], q.shape[1] * 2
     nrows = n if rows is None else rows.numel()
     lib.sf_dequant_i4(_ptr(q), _ptr(s), _ptr(mn), n, k, gs, _ptr(rows), nrows, _ptr(out), torch.get_num_threads())
+
+
+def gemv_cbf16(x: torch.Tensor, w, threads: int | None = None) -> torch.Tensor:
+    """x [K] float32 @ W^T for W a `CompressedBF16` on the CPU, decoded in registers: y [N] float32."""
+    lib = library()
+    assert lib is not None
+    n, k = w.shape
+    x = x.contiguous()
+    y = torch.empty(n, dtype=torch.float32)
+    lib.sf_gemv_cbf16(x.data_ptr(), k, w.plane.data_ptr(), w.codes.data_ptr(), w.codes.shape[1], w.base,
+                      w.esc_start.data_ptr(), w.esc_cols.data_ptr(), w.esc_vals.data_ptr(), n, y.data_ptr(),
+                      threads or torch.get_num_threads())
+    return y
+
+
+def gemv_bf16(x: torch.Tensor, w: torch.Tensor, threads: int | None = None) -> torch.Tensor:
+    """x [K] float32 @ W^T for a plain bfloat16 W [N, K] on the CPU (the same loop as `gemv_cbf16`)."""
+    lib = library()
+    assert lib is not None
+    n, k = w.shape
+    x, w = x.contiguous(), w.contiguous()
+    y = torch.empty(n, dtype=torch.float32)
+    lib.sf_gemv_bf16(x.data_ptr(), k, w.data_ptr(), n, y.data_ptr(), threads or torch.get_num_threads())
+    return y
 
 
 def add_rmsnorm(x: torch.Tensor, h: torch.Tensor | None, w: torch.Tensor, eps: float) -> torch.Tensor:
