@@ -146,10 +146,12 @@ def test_the_gpu_decoder_equals_the_reference_bit_for_bit(monkeypatch):
 
 
 @pytest.mark.skipif(CUDA, reason="the GPU code path on CPU tensors, interpreted")
-def test_an_engine_with_compressed_weights_decodes_as_with_plain_ones(tmp_path, monkeypatch):
+@pytest.mark.parametrize("family", ["llama3", "qwen2"])  # (an untied LM head; a head tied to the embedding)
+def test_an_engine_with_compressed_weights_decodes_as_with_plain_ones(tmp_path, monkeypatch, family):
     """`--compress-weights` through the whole engine (every Triton kernel in its seam, interpreted): every
-    bfloat16 linear layer holds its weight compressed, the compressed matmul runs every step, and greedy
-    tokens equal the same engine's on the plain bfloat16 weights."""
+    bfloat16 linear layer and the embedding table hold their weights compressed (a tied LM head the
+    table itself), the compressed matmul and row lookup run every step, and greedy tokens equal the same
+    engine's on the plain bfloat16 weights."""
     from engine_helpers import drain, make_engine
     from hf_models import make_hf_model
 
@@ -157,29 +159,52 @@ def test_an_engine_with_compressed_weights_decodes_as_with_plain_ones(tmp_path, 
     from engine.model.kernels import compressed_triton, kernels
     from engine.model.layers import Linear
 
-    hf = make_hf_model("llama3", tmp_path / "m")
+    hf = make_hf_model(family, tmp_path / "m")
     monkeypatch.setenv("SPLITFIRE_KERNELS", "triton")
     kernels.cache_clear()
     try:
         prompts = [list(range(3, 30)), [5, 6, 7]]
         outs = {}
-        kernel = compressed_triton.compressed_linear
-        calls: list[int] = []
-        monkeypatch.setattr(compressed_triton, "compressed_linear", lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
+        calls: list[str] = []
+        for name in ("compressed_linear", "rows"):
+            real = getattr(compressed_triton, name)
+            monkeypatch.setattr(compressed_triton, name, lambda *a, _r=real, _n=name, **kw: calls.append(_n) or _r(*a, **kw))
         for compress in (False, True):
             calls.clear()
             engine = make_engine(hf.path, dtype="bfloat16", compress_weights=compress, max_num_batched_tokens=32,
                                  max_num_seqs=4)
-            linears = [m for m in engine.model.modules() if isinstance(m, Linear) and m is not engine.model.lm_head]
+            model = engine.model
+            linears = [m for m in model.modules() if isinstance(m, Linear)]
             assert all((m.compressed is not None) == compress for m in linears)
+            assert (model.embed_compressed is not None) == compress
+            if compress and model.cfg.tie_word_embeddings:
+                assert model.lm_head.compressed is model.embed_compressed and not model.embed.weight.numel()
             for i, p in enumerate(prompts):
                 engine.add_request(f"r{i}", p, SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
             done = drain(engine)
             outs[compress] = [done[f"r{i}"].token_ids for i in range(len(prompts))]
-            assert (len(calls) > 0) == compress
+            assert set(calls) == ({"compressed_linear", "rows"} if compress else set())
         assert outs[True] == outs[False]
     finally:
         kernels.cache_clear()
+
+
+def test_rows_of_a_compressed_table_equal_the_reference_lookup():
+    """`rows` (an embedding lookup decoding only the rows asked for, each with its escapes) == indexing the
+    reference `decompress()` bit for bit: repeated and out-of-order ids, 2-D ids, more ids than a program
+    takes, a row full of escapes, none at all."""
+    from engine.model.kernels.compressed_triton import rows
+
+    w = with_outliers(normal(50, 70, seed=8), 60)
+    w[7] = torch.tensor([1e-30, 5e5, -3.0, 8.0] * 17 + [2.0, 1e-20], dtype=torch.bfloat16)  # row 7: mostly escapes
+    c = pack(w).to(DEV)
+    ref = c.decompress().view(torch.int16)
+    for ids in (torch.tensor([7, 0, 49, 7, 3]), torch.arange(50).flip(0), torch.tensor([[1, 7], [7, 2]]),
+                torch.tensor([], dtype=torch.long)):
+        ids = ids.to(DEV)
+        got = rows(c, ids)
+        assert got.shape == (*ids.shape, 70) and torch.equal(got.view(torch.int16), ref[ids])
+    assert int((c.esc_rows == 7).sum()) > 30
 
 
 def test_compress_weights_is_refused_where_it_cannot_run(monkeypatch):

@@ -94,6 +94,15 @@ def pack(w: torch.Tensor) -> CompressedBF16:
                           w[rows, cols].contiguous(), start.to(torch.int32))
 
 
+def embedding(ids: torch.Tensor, w: CompressedBF16) -> torch.Tensor:
+    """W's rows `ids` in bfloat16 [*ids.shape, K] (a compressed embedding table's lookup): decoded by the
+    GPU (or the interpreter in tests), elsewhere from W decompressed whole (the reference)."""
+    gpu = kernels("compressed_triton", ids.device.type)
+    if gpu is None:
+        return w.decompress()[ids]
+    return gpu.rows(w, ids)
+
+
 def linear(x: torch.Tensor, w: CompressedBF16, bias: torch.Tensor | None) -> torch.Tensor:
     """x [..., K] @ W^T (+ bias) in x's dtype: the Triton kernel decoding W's tiles in registers (CUDA, or
     the interpreter in tests; for many rows W decoded once by the GPU); elsewhere W decompressed first

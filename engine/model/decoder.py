@@ -20,8 +20,9 @@ import torch
 from torch import nn
 
 from common.errors import ModelLoadError
-from engine.model import quant
+from engine.model import compressed_weight, quant
 from engine.model.attention import AttentionMetadata, kernels_enabled, paged_attention, write_kv
+from engine.model.compressed_weight import CompressedBF16
 from engine.model.cpu_decode import CpuDecodeLayers, supported
 from engine.model.kernels import cpu_ops
 from engine.model.kv_cache import KVCache
@@ -158,6 +159,8 @@ class DecoderModel(nn.Module):
         self.dtype = torch.get_default_dtype()  # `weights._allocate` builds the model under its dtype
         # A quantized embedding table (rows dequantized on lookup); when tied it is the LM head's.
         self.embed_quantized: quant.QuantizedWeight | None = None
+        # `--compress-weights`: the table held compressed (rows decoded on lookup); when tied, the LM head's.
+        self.embed_compressed: CompressedBF16 | None = None
         # Decode steps' layers in one C call where the model allows (cpu_decode.py); built on first use.
         self.cpu_layers: CpuDecodeLayers | None = None
         self.cpu_layers_off: str | None = None  # why not, once known
@@ -291,6 +294,8 @@ class DecoderModel(nn.Module):
     def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
         if self.embed_quantized is not None:
             return self.embed_quantized.dequantize(ids).to(self.dtype)
+        if self.embed_compressed is not None:
+            return compressed_weight.embedding(ids, self.embed_compressed).to(self.dtype)
         return self.embed(ids)
 
     def set_embedding_quantized(self, qw: quant.QuantizedWeight) -> None:
@@ -301,18 +306,25 @@ class DecoderModel(nn.Module):
         self.embed.weight = nn.Parameter(self.embed.weight.new_empty(0, self.cfg.hidden_size), requires_grad=False)
 
     def compress_weights(self) -> int:
-        """`--compress-weights`: every bfloat16 linear layer's weight (routers and LM head included; a
-        head tied to the embedding, stacked experts and the embedding stay as they are) packed into the
-        in-memory compressed form and its bfloat16 tensor freed. Returns the bytes saved."""
+        """`--compress-weights`: every bfloat16 linear layer's weight (routers and LM head included) and the
+        embedding table (when tied, the LM head multiplies by the same compressed table) packed into the
+        in-memory compressed form and their bfloat16 tensors freed; stacked experts stay as they are.
+        Returns the bytes saved."""
         from engine.model.compressed_weight import pack
 
         saved = 0
+        table = self.embed.weight
+        if table.dtype == torch.bfloat16 and table.numel() and self.embed_quantized is None:
+            c = pack(table)
+            saved += table.numel() * table.element_size() - c.nbytes
+            self.embed_compressed = c
+            if self.cfg.tie_word_embeddings and self.lm_head.weight is not None and self.lm_head.weight.numel():
+                self.lm_head.set_compressed(c)
+            self.embed.weight = nn.Parameter(table.new_empty(0, self.cfg.hidden_size), requires_grad=False)
         for m in self.modules():
             w = m.weight if isinstance(m, Linear) else None
             if (w is None or m.quantized is not None or m.packed is not None or w.dtype != torch.bfloat16
                     or w.dim() != 2 or not w.numel()):
-                continue
-            if m is self.lm_head and self.cfg.tie_word_embeddings:
                 continue
             c = pack(w)
             saved += w.numel() * w.element_size() - c.nbytes

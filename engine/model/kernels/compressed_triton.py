@@ -203,6 +203,54 @@ def _decompress_kernel(plane_ptr, codes_ptr, esc_start_ptr, esc_rows_ptr, esc_co
             tl.store(w_ptr + (r - n0) * K + c, tl.load(esc_vals_ptr + e0 + e, mask=here, other=0.0), mask=here)
 
 
+@triton.jit
+def _rows_kernel(ids_ptr, plane_ptr, codes_ptr, esc_start_ptr, esc_cols_ptr, esc_vals_ptr, out_ptr, T, N, K, base,
+                 code_row, ESCAPES: tl.constexpr, ESC_CHUNK: tl.constexpr, BLOCK_T: tl.constexpr,
+                 BLOCK_K: tl.constexpr):
+    """out [T, K] bfloat16 = the rows `ids` of the compressed matrix (an embedding lookup), a BLOCK_T x
+    BLOCK_K tile per program, then each row's escapes in the tile's columns (after a barrier)."""
+    HALF: tl.constexpr = BLOCK_K // 2
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    live = t < T
+    rn = tl.load(ids_ptr + t, mask=live, other=0)
+    k0 = tl.program_id(1) * BLOCK_K
+    j = tl.arange(0, HALF)
+    k_a = k0 + (j // 16) * 32 + j % 16
+    k_b = k_a + 16
+    byte = _code_bytes(codes_ptr, rn, k0, j, N, code_row)
+    out = out_ptr + t[:, None] * K
+    tl.store(out + k_a[None, :], _weights(plane_ptr, rn, k_a, byte & 0x0F, base, N, K),
+             mask=live[:, None] & (k_a[None, :] < K))
+    tl.store(out + k_b[None, :], _weights(plane_ptr, rn, k_b, byte >> 4, base, N, K),
+             mask=live[:, None] & (k_b[None, :] < K))
+    if ESCAPES:
+        tl.debug_barrier()
+        e = tl.arange(0, ESC_CHUNK)
+        for i in tl.static_range(BLOCK_T):
+            ti = tl.program_id(0) * BLOCK_T + i
+            if ti < T:
+                row = tl.load(ids_ptr + ti)
+                lo = tl.load(esc_start_ptr + row)
+                hi = tl.load(esc_start_ptr + row + 1)
+                for e0 in range(lo, hi, ESC_CHUNK):
+                    c = tl.load(esc_cols_ptr + e0 + e, mask=e0 + e < hi, other=-1)
+                    here = (e0 + e < hi) & (c >= k0) & (c < k0 + BLOCK_K)
+                    tl.store(out_ptr + ti * K + c, tl.load(esc_vals_ptr + e0 + e, mask=here, other=0.0), mask=here)
+
+
+def rows(w, ids: torch.Tensor) -> torch.Tensor:
+    """The rows `ids` (any shape) of a `CompressedBF16` in bfloat16, [*ids.shape, K], decoded by the GPU with
+    their escapes (an embedding lookup; no host read, so it runs inside a captured graph)."""
+    n, k = w.shape
+    flat = ids.reshape(-1).contiguous()
+    out = torch.empty(flat.numel(), k, dtype=torch.bfloat16, device=w.plane.device)
+    if flat.numel():
+        _rows_kernel[(triton.cdiv(flat.numel(), 16), triton.cdiv(k, BLOCK_K))](
+            flat, w.plane, w.codes, w.esc_start, w.esc_cols, w.esc_vals, out, flat.numel(), n, k, w.base,
+            w.codes.shape[1], ESCAPES=w.num_escapes > 0, ESC_CHUNK=ESC_CHUNK, BLOCK_T=16, BLOCK_K=BLOCK_K)
+    return out.reshape(*ids.shape, k)
+
+
 # The many-rows path decodes at most this many weights at a time (a bfloat16 buffer of 64 MiB, not the
 # whole matrix: an LM head of 128k x 4k would take 1 GiB).
 DECOMPRESS_CHUNK = 1 << 25
