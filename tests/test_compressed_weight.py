@@ -64,6 +64,20 @@ def test_normal_weights_take_three_quarters_of_bfloat16_with_few_escapes():
     assert c.num_escapes >= 20 and len(set(c.esc_rows.tolist())) >= 10
 
 
+def test_packing_a_chunk_of_rows_at_a_time_gives_the_same_form():
+    """`pack` works through a matrix a few rows at a time (bounded temporaries for an LM head): any chunk
+    size gives the same planes, codes, base and escapes as one pass."""
+    w = with_outliers(normal(41, 70, seed=4), 50)
+    whole = pack(w, chunk=1 << 30)
+    for chunk in (1, 70, 71, 700, 41 * 70 - 1):
+        c = pack(w, chunk=chunk)
+        assert c.base == whole.base
+        for name in ("plane", "codes", "esc_rows", "esc_cols", "esc_start"):
+            assert torch.equal(getattr(c, name), getattr(whole, name)), (chunk, name)
+        assert torch.equal(c.esc_vals.view(torch.int16), whole.esc_vals.view(torch.int16))
+    assert torch.equal(whole.decompress().view(torch.int16), w.view(torch.int16))
+
+
 def test_what_cannot_be_packed_is_refused_by_name():
     with pytest.raises(ValueError, match="bfloat16"):
         pack(torch.zeros(4, 8))

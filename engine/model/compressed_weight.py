@@ -71,27 +71,49 @@ class CompressedBF16:
         return w
 
 
-def pack(w: torch.Tensor) -> CompressedBF16:
-    """A [N, K] bfloat16 matrix in the 4-bit exponent-code form."""
+# pack works through this many weights at a time: its int32 temporaries stay ~64 MiB each, not 4 bytes per
+# weight of the whole matrix (an LM head of 128k x 8k would otherwise take ~16 GiB of the device at load).
+PACK_CHUNK = 1 << 24
+
+
+def pack(w: torch.Tensor, chunk: int = PACK_CHUNK) -> CompressedBF16:
+    """A [N, K] bfloat16 matrix in the 4-bit exponent-code form, a chunk of rows at a time (the same result
+    whatever the chunk)."""
     if w.dtype != torch.bfloat16 or w.dim() != 2:
         raise ValueError(f"pack takes a 2-D bfloat16 matrix, not {w.dtype} {tuple(w.shape)}")
     n, k = w.shape
-    u = w.contiguous().view(torch.int16).to(torch.int32) & 0xFFFF
-    exp = (u >> 7) & 0xFF
-    plane = (((u >> 8) & 0x80) | (u & 0x7F)).to(torch.uint8)
-    counts = torch.bincount(exp.reshape(-1), minlength=256).cpu()
-    band = counts.unfold(0, ESCAPE, 1).sum(-1)  # weights in each band of 15 exponents [b, b + 15)
+    w = w.contiguous()
+    step = max(1, chunk // max(k, 1))
+
+    def exponents(part: torch.Tensor) -> torch.Tensor:
+        return (part.view(torch.int16).to(torch.int32) >> 7) & 0xFF
+
+    counts = torch.zeros(256, dtype=torch.int64, device=w.device)
+    for r in range(0, n, step):
+        counts += torch.bincount(exponents(w[r:r + step]).reshape(-1), minlength=256)
+    band = counts.cpu().unfold(0, ESCAPE, 1).sum(-1)  # weights in each band of 15 exponents [b, b + 15)
     base = int(torch.argmax(band))  # (the first of the fullest)
-    codes = exp - base
-    esc = (codes < 0) | (codes >= ESCAPE)
-    codes = torch.where(esc, ESCAPE, codes)
-    rows, cols = esc.nonzero(as_tuple=True)  # (row-major: ascending rows)
+    plane = torch.empty(n, k, dtype=torch.uint8, device=w.device)
+    packed = torch.empty(n, -(-k // 32) * 16, dtype=torch.uint8, device=w.device)
+    rows, cols = [], []
+    for r in range(0, n, step):
+        part = w[r:r + step]
+        u = part.view(torch.int16).to(torch.int32)
+        plane[r:r + step] = (((u >> 8) & 0x80) | (u & 0x7F)).to(torch.uint8)
+        codes = exponents(part) - base
+        esc = (codes < 0) | (codes >= ESCAPE)
+        codes = torch.where(esc, ESCAPE, codes)
+        er, ec = esc.nonzero(as_tuple=True)  # (row-major: ascending rows)
+        rows.append(er + r)
+        cols.append(ec)
+        runs = torch.nn.functional.pad(codes, (0, -k % 32), value=ESCAPE).reshape(part.shape[0], -1, 2, 16)
+        packed[r:r + step] = (runs[:, :, 0] | (runs[:, :, 1] << 4)).reshape(part.shape[0], -1).to(torch.uint8)
+    esc_rows = torch.cat(rows) if rows else torch.zeros(0, dtype=torch.int64, device=w.device)
+    esc_cols = torch.cat(cols) if cols else torch.zeros(0, dtype=torch.int64, device=w.device)
     start = torch.zeros(n + 1, dtype=torch.int64, device=w.device)
-    start[1:] = torch.cumsum(torch.bincount(rows, minlength=n), 0)
-    runs = torch.nn.functional.pad(codes, (0, -k % 32), value=ESCAPE).reshape(n, -1, 2, 16)
-    packed = (runs[:, :, 0] | (runs[:, :, 1] << 4)).reshape(n, -1).to(torch.uint8)
-    return CompressedBF16(plane, packed, base, rows.to(torch.int32), cols.to(torch.int32),
-                          w[rows, cols].contiguous(), start.to(torch.int32))
+    start[1:] = torch.cumsum(torch.bincount(esc_rows, minlength=n), 0)
+    return CompressedBF16(plane, packed, base, esc_rows.to(torch.int32), esc_cols.to(torch.int32),
+                          w[esc_rows, esc_cols].contiguous(), start.to(torch.int32))
 
 
 def embedding(ids: torch.Tensor, w: CompressedBF16) -> torch.Tensor:
