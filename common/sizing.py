@@ -43,8 +43,8 @@ WEIGHT_BYTES = {"bfloat16": 2.0, "float16": 2.0, "float32": 4.0, "fp8": 1.0 + 4 
 KV_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "fp8": 1}
 # `--compress-weights`: bfloat16 matmul weights held in device memory at this share of their bytes (a 4-bit
 # exponent code + the sign/mantissa byte + rare escapes: 0.752-0.755 measured over normal-init and SmolLM2
-# matrices, `python -m loadtest.bench_engine --compression`). Attention, dense MLPs, the embedding and an
-# untied LM head: stacked experts stay as they are.
+# matrices, `python -m loadtest.bench_engine --compression`). Every matrix: attention, MLPs, stacked experts,
+# routers, the embedding and an untied LM head.
 COMPRESSED_RATIO = 0.755
 
 
@@ -229,7 +229,7 @@ def plan(model: Model, device: Device, layout: Layout, quantization: str | None 
     head = 0 if model.tied else embed  # the last the LM head (the heavier of the two ends is sized)
     ends = embed + head if pp == 1 else max(embed, head)
     squeezed = COMPRESSED_RATIO if compress_weights else 1.0
-    weights = int(((attn + dense + ends) * squeezed + experts) * wb)
+    weights = int((attn + dense + ends + experts) * squeezed * wb)
     if compress_weights:
         wfmt = "bfloat16, matmuls compressed in memory"
     # Activations: the largest prefill chunk's hidden states and MLP intermediates (a few copies),
@@ -260,14 +260,13 @@ def _step_ms(model: Model, device: Device, layout: Layout, wb: float, kv_per_tok
     """Decode step time at `batch` as a roofline on one stage: the weights a step reads (a MoE layer reads
     the experts its tokens chose: E(1 - (1 - k/E)^batch) of them) and the batch's KV at HBM speed, plus
     the collectives at link speed. Pipeline stages run one after another for one micro-batch. `squeezed`:
-    the share of their bytes attention, dense-MLP and LM-head weights are read at (`--compress-weights`)."""
+    the share of their bytes the weights are read at (`--compress-weights`: every matrix)."""
     p = model.params()
     read = float(sum(p.values()))
-    head = model.vocab * model.hidden  # (of the "embedding" part: the step reads the head, looks rows up)
-    read -= (1.0 - squeezed) * (p["attention"] + p["dense_mlp"] + head)
     if model.experts:
         touched = model.experts * (1 - (1 - model.experts_per_token / model.experts) ** batch)
         read = read - p["experts"] + p["experts"] * touched / model.experts
+    read *= squeezed
     per_device = read * wb / layout.devices
     kv = batch * context * kv_per_token
     t = (per_device + kv) / device.hbm + batch * comm / device.link if layout.devices > 1 else (per_device + kv) / device.hbm

@@ -159,8 +159,43 @@ def test_the_gpu_decoder_equals_the_reference_bit_for_bit(monkeypatch):
     assert _rel(matmul(x[:3], c), x[:3].double() @ odd.to(DEV).double().T) < 1e-5
 
 
+@pytest.mark.parametrize("tokens, top_k, experts", [(1, 2, 4), (9, 2, 5)])
+def test_compressed_expert_stacks_through_the_grouped_kernel_equal_the_plain_experts(tokens, top_k, experts):
+    """Each projection's experts stacked as rows and compressed (`Experts.compress`), through the grouped
+    MoE kernel (tiles decoded in registers, escapes added by the tile's program — scaled by the routing
+    weight in the down projection) and through the per-expert loop that decodes each chosen expert's
+    rows: both equal the plain bfloat16 experts' loop up to float32 rounding; escapes in many experts."""
+    import torch.nn.functional as F
+
+    from engine.model.compressed_weight import row_range
+    from engine.model.kernels import moe_triton
+    from engine.model.moe import grouped_experts, grouped_experts_reference, route
+
+    torch.manual_seed(tokens)
+    hidden, inter = (1024, 512) if CUDA else (64, 32)
+    x = torch.randn(tokens, hidden, device=DEV, dtype=torch.bfloat16)
+    weights, ids = route(torch.randn(tokens, experts, device=DEV), top_k, renormalize=True)
+    weights = weights.to(torch.bfloat16)
+    gu = with_outliers(normal(experts * 2 * inter, hidden, seed=1), experts * 8).reshape(experts, 2 * inter, hidden)
+    dn = with_outliers(normal(experts * hidden, inter, seed=2), experts * 8).reshape(experts, hidden, inter)
+    gu, dn = gu.to(DEV), dn.to(DEV)
+    cgu, cdn = pack(gu.reshape(-1, hidden)), pack(dn.reshape(-1, inter))
+    assert cgu.num_escapes > 0 and cdn.num_escapes > 0
+    exact = grouped_experts_reference(x.double(), ids, weights.double(), gu.double(), dn.double(), F.silu)
+    blocks = {} if CUDA else dict(block_m=16, block_n=32, block_k=32)
+    fused = moe_triton.fused_experts(x, ids, weights, cgu, cdn, F.silu, num_experts=experts, **blocks)
+    loop = grouped_experts(x.float(), ids, weights.float(), experts,
+                           lambda e, r: F.linear(r, row_range(cgu, e * 2 * inter, 2 * inter).float()),
+                           lambda e, r: F.linear(r, row_range(cdn, e * hidden, hidden).float()), F.silu)
+    for ours in (fused.float(), loop):
+        assert _rel(ours, exact) < 1e-2  # (bfloat16 activations between the two projections)
+    assert fused.dtype == torch.bfloat16 and _rel(fused.float(), loop) < 1e-2
+    with pytest.raises(ValueError, match="num_experts"):
+        moe_triton.fused_experts(x, ids, weights, cgu, cdn, F.silu, **blocks)
+
+
 @pytest.mark.skipif(CUDA, reason="the GPU code path on CPU tensors, interpreted")
-@pytest.mark.parametrize("family", ["llama3", "qwen2"])  # (an untied LM head; a head tied to the embedding)
+@pytest.mark.parametrize("family", ["llama3", "qwen2", "qwen3_moe"])  # (untied head; tied head; experts)
 def test_an_engine_with_compressed_weights_decodes_as_with_plain_ones(tmp_path, monkeypatch, family):
     """`--compress-weights` through the whole engine (every Triton kernel in its seam, interpreted): every
     bfloat16 linear layer and the embedding table hold their weights compressed (a tied LM head the
@@ -191,6 +226,8 @@ def test_an_engine_with_compressed_weights_decodes_as_with_plain_ones(tmp_path, 
             linears = [m for m in model.modules() if isinstance(m, Linear)]
             assert all((m.compressed is not None) == compress for m in linears)
             assert (model.embed_compressed is not None) == compress
+            experts = [m for m in model.modules() if type(m).__name__ == "Experts"]
+            assert all((m.compressed is not None) == compress for m in experts)
             if compress and model.cfg.tie_word_embeddings:
                 assert model.lm_head.compressed is model.embed_compressed and not model.embed.weight.numel()
             for i, p in enumerate(prompts):

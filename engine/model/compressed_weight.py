@@ -125,6 +125,15 @@ def embedding(ids: torch.Tensor, w: CompressedBF16) -> torch.Tensor:
     return gpu.rows(w, ids)
 
 
+def row_range(w: CompressedBF16, first: int, count: int) -> torch.Tensor:
+    """Rows first .. first + count of W in bfloat16 (an expert's matrix of a compressed stack): decoded by
+    the GPU, elsewhere from W decompressed whole (the reference)."""
+    gpu = kernels("compressed_triton", w.plane.device.type)
+    if gpu is None:
+        return w.decompress()[first:first + count]
+    return gpu.decompress(w, first, first + count)
+
+
 def linear(x: torch.Tensor, w: CompressedBF16, bias: torch.Tensor | None) -> torch.Tensor:
     """x [..., K] @ W^T (+ bias) in x's dtype: the Triton kernel decoding W's tiles in registers (CUDA, or
     the interpreter in tests; for many rows W decoded once by the GPU); elsewhere W decompressed first

@@ -306,10 +306,10 @@ class DecoderModel(nn.Module):
         self.embed.weight = nn.Parameter(self.embed.weight.new_empty(0, self.cfg.hidden_size), requires_grad=False)
 
     def compress_weights(self) -> int:
-        """`--compress-weights`: every bfloat16 linear layer's weight (routers and LM head included) and the
-        embedding table (when tied, the LM head multiplies by the same compressed table) packed into the
-        in-memory compressed form and their bfloat16 tensors freed; stacked experts stay as they are.
-        Returns the bytes saved."""
+        """`--compress-weights`: every bfloat16 linear layer's weight (routers and LM head included), the
+        stacked experts and the embedding table (when tied, the LM head multiplies by the same compressed
+        table) packed into the in-memory compressed form and their bfloat16 tensors freed. Returns the bytes
+        saved."""
         from engine.model.compressed_weight import pack
 
         saved = 0
@@ -322,6 +322,8 @@ class DecoderModel(nn.Module):
                 self.lm_head.set_compressed(c)
             self.embed.weight = nn.Parameter(table.new_empty(0, self.cfg.hidden_size), requires_grad=False)
         for m in self.modules():
+            if isinstance(m, Experts) and m.quantized is None and m.packed is None:
+                saved += m.compress()
             w = m.weight if isinstance(m, Linear) else None
             if (w is None or m.quantized is not None or m.packed is not None or w.dtype != torch.bfloat16
                     or w.dim() != 2 or not w.numel()):

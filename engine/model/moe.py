@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from common.errors import ModelLoadError
-from engine.model import quant
+from engine.model import compressed_weight, quant
 from engine.model.kernels import kernels
 from engine.model.layers import MLP, Linear, activation, cpu_linear, pack_weight
 from engine.model.lora import ExpertLoRA
@@ -128,6 +128,8 @@ class Experts(nn.Module):
         self.quantized: tuple[list[quant.QuantizedWeight], list[quant.QuantizedWeight]] | None = None
         # The same quantized experts stacked per projection, where the grouped GPU kernel runs them.
         self.stacked: tuple[quant.QuantizedStack, quant.QuantizedStack] | None = None
+        # `--compress-weights`: each projection's stack held compressed as rows ([E * 2I, H], [E * H, I]).
+        self.compressed: tuple[compressed_weight.CompressedBF16, compressed_weight.CompressedBF16] | None = None
         # Expert parallel: some tokens' choices are another rank's experts (the grouped torch path skips
         # them; the Triton kernel does not know them yet, so it is not used).
         self.partial = False
@@ -162,6 +164,21 @@ class Experts(nn.Module):
         self.set_quantized([quant.quantize(w, kind, group(w.shape[1], kind)) for w in self.gate_up],
                            [quant.quantize(w, kind, group(w.shape[1], kind)) for w in self.down])
 
+    def compress(self) -> int:
+        """`--compress-weights`: both bfloat16 stacks packed (`compressed_weight.pack`, each as the rows of
+        one matrix) and freed. Returns the bytes saved (0 if there is nothing to compress)."""
+        if self.gate_up is None or self.gate_up.dtype != torch.bfloat16 or not self.gate_up.numel():
+            return 0
+        saved = 0
+        packed = []
+        for w in (self.gate_up, self.down):
+            c = compressed_weight.pack(w.reshape(-1, w.shape[2]))
+            saved += w.numel() * w.element_size() - c.nbytes
+            packed.append(c)
+        self.compressed = (packed[0], packed[1])
+        self.gate_up = self.down = None  # type: ignore[assignment]
+        return saved
+
     def pack_for_cpu(self) -> None:
         """oneDNN-packed copy of each expert (see `layers.Linear`); the stacked weights are dropped
         (unless the Triton kernel, which reads them, is forced on the CPU)."""
@@ -177,6 +194,16 @@ class Experts(nn.Module):
         fused = kernels("moe_triton", x.device.type) if not self.partial and lora is None else None
         if self.stacked is not None and fused is not None:
             return fused.fused_experts(x, ids, weights, *self.stacked, self.act)
+        if self.compressed is not None:
+            cgu, cdn = self.compressed
+            if fused is not None:
+                return fused.fused_experts(x, ids, weights, cgu, cdn, self.act, num_experts=self.num_experts)
+            # (expert parallel, expert adapters, or no Triton: each chosen expert's rows decoded for its GEMM)
+            n_gu, n_dn = cgu.shape[0] // self.num_experts, cdn.shape[0] // self.num_experts
+            return grouped_experts(x, ids, weights, self.num_experts,
+                                   lambda e, r: F.linear(r, compressed_weight.row_range(cgu, e * n_gu, n_gu).to(r.dtype)),
+                                   lambda e, r: F.linear(r, compressed_weight.row_range(cdn, e * n_dn, n_dn).to(r.dtype)),
+                                   self.act, lora, slots)
         if self.quantized is not None:
             gu, dn = self.quantized
             return grouped_experts(x, ids, weights, self.num_experts, lambda e, r: quant.linear(r, [gu[e]], None),

@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.model.kernels.compressed_triton import ESC_CHUNK, _code_bytes, _weights
 from engine.model.kernels.quant_triton import dequant_halves, dequant_tile, packed_group
 
 
@@ -31,19 +32,47 @@ class QuantizedStack(Protocol):
     group_size: int
 
 
+class CompressedStack(Protocol):
+    """What the kernel reads of a `compressed_weight.CompressedBF16` holding a layer's experts' matrices
+    stacked as rows ([E * N, K]: expert e's rows e*N .. e*N + N)."""
+
+    plane: torch.Tensor
+    codes: torch.Tensor
+    base: int
+    esc_start: torch.Tensor
+    esc_rows: torch.Tensor
+    esc_cols: torch.Tensor
+    esc_vals: torch.Tensor
+
+    @property
+    def num_escapes(self) -> int: ...
+
+
+@triton.jit
+def _dot(a, b, F32_DOT: tl.constexpr):
+    """a @ b with float32 sums; F32_DOT (the Triton interpreter, whose bfloat16 dot is wrong — a bfloat16
+    MoE interpreted came out ~1e12 off) in float32: the same exact products."""
+    if F32_DOT:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32))
+    return tl.dot(a, b)
+
+
 @triton.jit
 def _grouped_gemm_kernel(
     a_ptr, w_ptr, s_ptr, m_ptr, c_ptr, rows_ptr, tile_expert_ptr, scale_ptr,
+    codes_ptr, esc_start_ptr, esc_rows_ptr, esc_cols_ptr, esc_vals_ptr, base, code_row,
     N, K, stride_am, stride_we, stride_wn, stride_wk, stride_se, groups, stride_cm,
     GATHER: tl.constexpr, HAS_SCALE: tl.constexpr, QUANT: tl.constexpr, GROUP: tl.constexpr, INT4: tl.constexpr,
-    PACKED: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PACKED: tl.constexpr, COMPRESSED: tl.constexpr, ESCAPES: tl.constexpr, F32_DOT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ESC_CHUNK: tl.constexpr,
 ):
     """C[slot] = A[row(slot)] @ W[expert(tile)]^T (* scale[slot]) for one BLOCK_M x BLOCK_N tile.
     rows[slot] < 0 marks padding. GATHER: A's row is rows[slot]; else A is already in slot order.
     QUANT: W is quantized (codes at w_ptr, per-group scales/mins at s_ptr/m_ptr, `stride_se` apart
     per expert), dequantized in registers by `quant_triton.dequant_halves` (PACKED: a power-of-two group)
-    or `dequant_tile`."""
+    or `dequant_tile`. COMPRESSED: W is a `CompressedStack` (sign+mantissa planes at w_ptr, exponent codes
+    at codes_ptr; expert e's rows e*N ..), decoded in registers as `compressed_triton` does, C float32,
+    and the tile's escaped weights added after it is stored (atomic adds, scaled as the tile was)."""
     tile = tl.program_id(0)
     pid_n = tl.program_id(1)
     e = tl.load(tile_expert_ptr + tile)
@@ -57,31 +86,68 @@ def _grouped_gemm_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, tl.cdiv(K, BLOCK_K)):
         k = k0 * BLOCK_K + tl.arange(0, BLOCK_K)
-        if QUANT and PACKED:  # in the activations' dtype: bf16 tensor cores on CUDA
+        if COMPRESSED:
+            HALF: tl.constexpr = BLOCK_K // 2
+            j = tl.arange(0, HALF)
+            kk = k0 * BLOCK_K
+            k_a = kk + (j // 16) * 32 + j % 16
+            k_b = k_a + 16
+            wrow = e * N + n  # (rows past this expert's N are masked as outside the matrix)
+            byte = _code_bytes(codes_ptr, wrow, kk, j, e * N + N, code_row)
+            w_a = _weights(w_ptr, wrow, k_a, byte & 0x0F, base, e * N + N, K)
+            w_b = _weights(w_ptr, wrow, k_b, byte >> 4, base, e * N + N, K)
+            a_a = tl.load(a_ptr + a_rows[:, None] * stride_am + k_a[None, :],
+                          mask=valid[:, None] & (k_a[None, :] < K), other=0.0)
+            a_b = tl.load(a_ptr + a_rows[:, None] * stride_am + k_b[None, :],
+                          mask=valid[:, None] & (k_b[None, :] < K), other=0.0)
+            acc += _dot(a_a, tl.trans(w_a.to(a_a.dtype)), F32_DOT)
+            acc += _dot(a_b, tl.trans(w_b.to(a_b.dtype)), F32_DOT)
+        elif QUANT and PACKED:  # in the activations' dtype: bf16 tensor cores on CUDA
             w_a, k_a, w_b, k_b = dequant_halves(w_ptr + e * stride_we, s_ptr + e * stride_se, m_ptr + e * stride_se,
                                                 n, k0 * BLOCK_K, N, K, groups, GROUP, INT4, BLOCK_N, BLOCK_K)
             a_a = tl.load(a_ptr + a_rows[:, None] * stride_am + k_a[None, :],
                           mask=valid[:, None] & (k_a[None, :] < K), other=0.0)
             a_b = tl.load(a_ptr + a_rows[:, None] * stride_am + k_b[None, :],
                           mask=valid[:, None] & (k_b[None, :] < K), other=0.0)
-            acc += tl.dot(a_a, tl.trans(w_a.to(a_a.dtype)))
-            acc += tl.dot(a_b, tl.trans(w_b.to(a_b.dtype)))
+            acc += _dot(a_a, tl.trans(w_a.to(a_a.dtype)), F32_DOT)
+            acc += _dot(a_b, tl.trans(w_b.to(a_b.dtype)), F32_DOT)
         elif QUANT:
             a = tl.load(a_ptr + a_rows[:, None] * stride_am + k[None, :], mask=valid[:, None] & (k[None, :] < K),
                         other=0.0)
             w = dequant_tile(w_ptr + e * stride_we, s_ptr + e * stride_se, m_ptr + e * stride_se, n, k, N, K,
                              groups, GROUP, INT4)
-            acc += tl.dot(a, tl.trans(w.to(a.dtype)))
+            acc += _dot(a, tl.trans(w.to(a.dtype)), F32_DOT)
         else:
             a = tl.load(a_ptr + a_rows[:, None] * stride_am + k[None, :], mask=valid[:, None] & (k[None, :] < K),
                         other=0.0)
             w = tl.load(w_ptr + e * stride_we + n[None, :] * stride_wn + k[:, None] * stride_wk,
                         mask=(k[:, None] < K) & (n[None, :] < N), other=0.0)
-            acc += tl.dot(a, w)
+            acc += _dot(a, w, F32_DOT)
     if HAS_SCALE:
-        acc *= tl.load(scale_ptr + slots, mask=valid, other=0.0).to(tl.float32)[:, None]
+        slot_scale = tl.load(scale_ptr + slots, mask=valid, other=0.0).to(tl.float32)
+        acc *= slot_scale[:, None]
     tl.store(c_ptr + slots[:, None] * stride_cm + n[None, :], acc.to(c_ptr.dtype.element_ty),
              mask=valid[:, None] & (n[None, :] < N))
+    if COMPRESSED:
+        if ESCAPES:
+            # c[slot, r] += a[row(slot), col] * v (* scale[slot]) for each escape (e*N + r, col, v) of the tile's
+            # columns, into the tile just stored (the barrier: every thread's store is in first)
+            tl.debug_barrier()
+            first = e * N + pid_n * BLOCK_N
+            lo = tl.load(esc_start_ptr + first)
+            hi = tl.load(esc_start_ptr + tl.minimum(first + BLOCK_N, e * N + N))
+            ee = tl.arange(0, ESC_CHUNK)
+            for e0 in range(lo, hi, ESC_CHUNK):
+                em = e0 + ee < hi
+                r = tl.load(esc_rows_ptr + e0 + ee, mask=em, other=0) - e * N
+                col = tl.load(esc_cols_ptr + e0 + ee, mask=em, other=0)
+                v = tl.load(esc_vals_ptr + e0 + ee, mask=em, other=0.0).to(tl.float32)
+                both = valid[:, None] & em[None, :]
+                av = tl.load(a_ptr + a_rows[:, None] * stride_am + col[None, :], mask=both, other=0.0)
+                add = av.to(tl.float32) * v[None, :]
+                if HAS_SCALE:
+                    add = add * slot_scale[:, None]
+                tl.atomic_add(c_ptr + slots[:, None] * stride_cm + r[None, :], add, mask=both)
 
 
 def align_to_experts(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -116,11 +182,23 @@ def align_to_experts(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple
     return slot_of, tile_expert, dest
 
 
-def _gemm(a: torch.Tensor, w: torch.Tensor | QuantizedStack, rows: torch.Tensor, tile_expert: torch.Tensor,
-          out_rows: int, gather: bool, scale: torch.Tensor | None, block_m: int, block_n: int,
-          block_k: int) -> torch.Tensor:
+def _gemm(a: torch.Tensor, w: torch.Tensor | QuantizedStack | CompressedStack, rows: torch.Tensor,
+          tile_expert: torch.Tensor, out_rows: int, gather: bool, scale: torch.Tensor | None, block_m: int,
+          block_n: int, block_k: int, expert_rows: int = 0) -> torch.Tensor:
+    """`expert_rows`: a `CompressedStack`'s rows per expert (N); its C is float32."""
     c_dtype = a.dtype
-    if not isinstance(w, torch.Tensor):
+    cmpr = dict(COMPRESSED=False, ESCAPES=False)
+    extra: tuple = (rows, rows, rows, rows, rows, 0, 0)  # (unused unless compressed)
+    if hasattr(w, "plane"):
+        assert not isinstance(w, torch.Tensor) and expert_rows > 0 and block_k % 32 == 0
+        n, k, groups = expert_rows, w.plane.shape[1], 1
+        ptrs = (w.plane, rows, rows)
+        strides = (0, 0, 0, 0)
+        quant = dict(QUANT=False, GROUP=1, INT4=False, PACKED=False)
+        extra = (w.codes, w.esc_start, w.esc_rows, w.esc_cols, w.esc_vals, w.base, w.codes.shape[1])
+        cmpr = dict(COMPRESSED=True, ESCAPES=w.num_escapes > 0)
+        c_dtype = torch.float32  # (escapes are added to it atomically)
+    elif not isinstance(w, torch.Tensor):
         n, k = w.scales.shape[1], w.q.shape[2] * (2 if w.kind == "int4" else 1)
         groups = w.scales.shape[2]
         ptrs = (w.q, w.scales, w.mins if w.mins is not None else w.scales)
@@ -134,27 +212,40 @@ def _gemm(a: torch.Tensor, w: torch.Tensor | QuantizedStack, rows: torch.Tensor,
     c = torch.empty(out_rows, n, dtype=c_dtype, device=a.device)
     grid = (tile_expert.numel(), triton.cdiv(n, block_n))
     _grouped_gemm_kernel[grid](
-        a, *ptrs, c, rows, tile_expert, scale if scale is not None else rows,
+        a, *ptrs, c, rows, tile_expert, scale if scale is not None else rows, *extra,
         n, k, a.stride(0), *strides, groups, c.stride(0),
-        GATHER=gather, HAS_SCALE=scale is not None, **quant, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        GATHER=gather, HAS_SCALE=scale is not None, **quant, **cmpr, F32_DOT=a.device.type != "cuda",
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, ESC_CHUNK=ESC_CHUNK,
     )
     return c
 
 
-def fused_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gate_up: torch.Tensor | QuantizedStack,
-                  w_down: torch.Tensor | QuantizedStack, act: Callable[[torch.Tensor], torch.Tensor],
-                  block_m: int = 64, block_n: int = 64, block_k: int = 32) -> torch.Tensor:
+def fused_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                  w_gate_up: torch.Tensor | QuantizedStack | CompressedStack,
+                  w_down: torch.Tensor | QuantizedStack | CompressedStack, act: Callable[[torch.Tensor], torch.Tensor],
+                  block_m: int = 64, block_n: int = 64, block_k: int = 32, num_experts: int = 0) -> torch.Tensor:
     """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]). x: [T, H]; w_gate_up: [E, 2I, H]; w_down: [E, H, I]
-    (float, or each a `QuantizedStack` of the experts' int8/int4 matrices)."""
+    (float, or each a `QuantizedStack` of the experts' int8/int4 matrices, or a `CompressedStack` of their
+    bfloat16 ones as [E * 2I, H] and [E * H, I], with `num_experts`)."""
     t, k = ids.shape
-    stacked = w_gate_up if isinstance(w_gate_up, torch.Tensor) else w_gate_up.scales
-    num_experts, inter = stacked.shape[0], stacked.shape[1] // 2
+    compressed = hasattr(w_gate_up, "plane")
+    if compressed:
+        if num_experts <= 0:
+            raise ValueError("compressed expert stacks need num_experts")
+        inter = w_gate_up.plane.shape[0] // num_experts // 2  # type: ignore[union-attr]
+        rows = (2 * inter, w_down.plane.shape[0] // num_experts)  # type: ignore[union-attr]
+    else:
+        stacked = w_gate_up if isinstance(w_gate_up, torch.Tensor) else w_gate_up.scales  # type: ignore[union-attr]
+        num_experts, inter = stacked.shape[0], stacked.shape[1] // 2
+        rows = (0, 0)
     slot_of, tile_expert, _ = align_to_experts(ids, num_experts, block_m)
     token_rows = torch.where(slot_of >= 0, slot_of // k, slot_of)
-    gate_up = _gemm(x, w_gate_up, token_rows, tile_expert, slot_of.numel(), True, None, block_m, block_n, block_k)
-    h = act(gate_up[:, :inter]) * gate_up[:, inter:]
+    gate_up = _gemm(x, w_gate_up, token_rows, tile_expert, slot_of.numel(), True, None, block_m, block_n, block_k,
+                    rows[0])
+    h = (act(gate_up[:, :inter]) * gate_up[:, inter:]).to(x.dtype)
     slot_weight = torch.where(slot_of >= 0, weights.flatten()[slot_of.clamp(min=0)], torch.zeros_like(slot_of, dtype=weights.dtype))
-    down = _gemm(h, w_down, slot_of, tile_expert, slot_of.numel(), False, slot_weight, block_m, block_n, block_k)
+    down = _gemm(h, w_down, slot_of, tile_expert, slot_of.numel(), False, slot_weight, block_m, block_n, block_k,
+                 rows[1]).to(x.dtype)
     # Padding rows (garbage, never stored) go to a spare row t that is dropped.
     target = torch.where(slot_of >= 0, slot_of // k, torch.full_like(slot_of, t))
     down = torch.where((slot_of >= 0)[:, None], down, torch.zeros((), dtype=down.dtype, device=down.device))
