@@ -10,7 +10,7 @@
 #                                                  #   async (async scheduling: tests + in-process on vs off),
 #                                                  #   hostsync (bench_host with --async-scheduling=off),
 #                                                  #   compressed (--compress-weights: tests + the matmul timed),
-#                                                  #   compressedengine (8B decode/prefill, plain vs compressed)
+#                                                  #   compressedengine (8B and MoE decode/prefill, plain vs compressed)
 #
 # Needs the project's Python dependencies importable (pip install -e '.[test]'); on a host with no
 # network, SPLITFIRE_HOME must already hold bench-models/host-llama (loadtest/random_models.py).
@@ -47,6 +47,6 @@ step quantsweep 100 $PY -m loadtest.bench_quant_gemm --sweep --methods gemv,dot 
 step async 240 bash -c "$PY -m pytest -q -p no:cacheprovider --timeout 120 tests/test_async_scheduling.py && $PY -m loadtest.bench_async_sched --tokens 128 --rounds 3 && $PY -m loadtest.bench_async_sched --tokens 128 --rounds 3 --temperature 0.8"
 step hostsync 120 $PY -m loadtest.bench_host --device cuda --layouts colocated --rounds 2 --no-engine --worker-arg=--async-scheduling=off --json "$OUT/host_sync.json"
 step compressed 280 bash -c "$PY -m pytest -q -p no:cacheprovider --timeout 120 tests/test_compressed_weight.py; $PY -m loadtest.bench_compressed_gemm --reps 60 --tiles 32x256/4/3,64x64/8/3 --rows 1,16,24,32,64,512 --json $OUT/compressed_gemm.json"
-step compressedengine 200 bash -c "$PY -m loadtest.bench_gpu --preset llama3-8b --batches 1,32 --iters 10 && $PY -m loadtest.bench_gpu --preset llama3-8b --batches 1,32 --iters 10 --compress-weights"
+step compressedengine 300 bash -c "$PY -m loadtest.bench_gpu --preset llama3-8b,deepseek-v2-lite --batches 1,32 --iters 10 && $PY -m loadtest.bench_gpu --preset llama3-8b,deepseek-v2-lite --batches 1,32 --iters 10 --compress-weights"
 step mla 90 $PY -m loadtest.bench_gpu --preset deepseek-v2-lite --quantization int4 --batches 1,32
 cat "$summary"
