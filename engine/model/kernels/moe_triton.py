@@ -83,28 +83,24 @@ def _grouped_gemm_kernel(
     valid = rows >= 0
     a_rows = rows if GATHER else slots
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    HALF: tl.constexpr = BLOCK_K // 2
+    j = tl.arange(0, HALF)  # (COMPRESSED: a half-tile's code bytes)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, tl.cdiv(K, BLOCK_K)):
         k = k0 * BLOCK_K + tl.arange(0, BLOCK_K)
-        if COMPRESSED:
-            HALF: tl.constexpr = BLOCK_K // 2
-            j = tl.arange(0, HALF)
-            kk = k0 * BLOCK_K
-            k_a = kk + (j // 16) * 32 + j % 16
-            k_b = k_a + 16
-            wrow = e * N + n  # (rows past this expert's N are masked as outside the matrix)
-            byte = _code_bytes(codes_ptr, wrow, kk, j, e * N + N, code_row)
-            w_a = _weights(w_ptr, wrow, k_a, byte & 0x0F, base, e * N + N, K)
-            w_b = _weights(w_ptr, wrow, k_b, byte >> 4, base, e * N + N, K)
-            a_a = tl.load(a_ptr + a_rows[:, None] * stride_am + k_a[None, :],
-                          mask=valid[:, None] & (k_a[None, :] < K), other=0.0)
-            a_b = tl.load(a_ptr + a_rows[:, None] * stride_am + k_b[None, :],
-                          mask=valid[:, None] & (k_b[None, :] < K), other=0.0)
-            acc += _dot(a_a, tl.trans(w_a.to(a_a.dtype)), F32_DOT)
-            acc += _dot(a_b, tl.trans(w_b.to(a_b.dtype)), F32_DOT)
-        elif QUANT and PACKED:  # in the activations' dtype: bf16 tensor cores on CUDA
-            w_a, k_a, w_b, k_b = dequant_halves(w_ptr + e * stride_we, s_ptr + e * stride_se, m_ptr + e * stride_se,
-                                                n, k0 * BLOCK_K, N, K, groups, GROUP, INT4, BLOCK_N, BLOCK_K)
+        if COMPRESSED or (QUANT and PACKED):  # the tile as two halves, in the activations' dtype
+            if COMPRESSED:
+                kk = k0 * BLOCK_K
+                k_a = kk + (j // 16) * 32 + j % 16
+                k_b = k_a + 16
+                wrow = e * N + n  # (rows past this expert's N are masked as outside the matrix)
+                byte = _code_bytes(codes_ptr, wrow, kk, j, e * N + N, code_row)
+                w_a = _weights(w_ptr, wrow, k_a, byte & 0x0F, base, e * N + N, K)
+                w_b = _weights(w_ptr, wrow, k_b, byte >> 4, base, e * N + N, K)
+            else:  # (bf16 tensor cores on CUDA)
+                w_a, k_a, w_b, k_b = dequant_halves(w_ptr + e * stride_we, s_ptr + e * stride_se,
+                                                    m_ptr + e * stride_se, n, k0 * BLOCK_K, N, K, groups, GROUP,
+                                                    INT4, BLOCK_N, BLOCK_K)
             a_a = tl.load(a_ptr + a_rows[:, None] * stride_am + k_a[None, :],
                           mask=valid[:, None] & (k_a[None, :] < K), other=0.0)
             a_b = tl.load(a_ptr + a_rows[:, None] * stride_am + k_b[None, :],
