@@ -230,8 +230,9 @@ class ModelRunner:
         """Async scheduling: queue a step of plain decodes (`graphable`; greedy or sampled, no penalties,
         logprobs or grammar) and their sampling on the device, and return without waiting for them. An
         entry whose last token is still `prev`'s unread sample (`PENDING` on the host) takes it on the
-        device (from `DecodeGraphs.tokens`, inside the graph). The same rows, tokens and order as `run`: a plain argmax when every row is greedy, else
-        `sample_on_device` with the uniform draws `sample` would make (a test holds the two equal)."""
+        device (from `DecodeGraphs.tokens`, inside the graph). The same rows, tokens and order as `run`: a
+        plain argmax when every row is greedy, else `sample_on_device` with the uniform draws `sample` would
+        make (a test holds the two equal)."""
         assert self.graphs is not None
         if self.times is not None:
             self._lap_at = time.perf_counter()

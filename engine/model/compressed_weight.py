@@ -85,12 +85,14 @@ def pack(w: torch.Tensor, chunk: int = PACK_CHUNK) -> CompressedBF16:
     w = w.contiguous()
     step = max(1, chunk // max(k, 1))
 
-    def exponents(part: torch.Tensor) -> torch.Tensor:
-        return (part.view(torch.int16).to(torch.int32) >> 7) & 0xFF
+    def bits(part: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the 16 bits sign-extended to int32, the exponents) of a chunk of rows."""
+        u = part.view(torch.int16).to(torch.int32)
+        return u, (u >> 7) & 0xFF
 
     counts = torch.zeros(256, dtype=torch.int64, device=w.device)
     for r in range(0, n, step):
-        counts += torch.bincount(exponents(w[r:r + step]).reshape(-1), minlength=256)
+        counts += torch.bincount(bits(w[r:r + step])[1].reshape(-1), minlength=256)
     band = counts.cpu().unfold(0, ESCAPE, 1).sum(-1)  # weights in each band of 15 exponents [b, b + 15)
     base = int(torch.argmax(band))  # (the first of the fullest)
     plane = torch.empty(n, k, dtype=torch.uint8, device=w.device)
@@ -98,9 +100,9 @@ def pack(w: torch.Tensor, chunk: int = PACK_CHUNK) -> CompressedBF16:
     rows, cols = [], []
     for r in range(0, n, step):
         part = w[r:r + step]
-        u = part.view(torch.int16).to(torch.int32)
+        u, exp = bits(part)
         plane[r:r + step] = (((u >> 8) & 0x80) | (u & 0x7F)).to(torch.uint8)
-        codes = exponents(part) - base
+        codes = exp - base
         esc = (codes < 0) | (codes >= ESCAPE)
         codes = torch.where(esc, ESCAPE, codes)
         er, ec = esc.nonzero(as_tuple=True)  # (row-major: ascending rows)

@@ -322,8 +322,8 @@ class DecoderModel(nn.Module):
                 self.lm_head.set_compressed(c)
             self.embed.weight = nn.Parameter(table.new_empty(0, self.cfg.hidden_size), requires_grad=False)
         for m in self.modules():
-            if isinstance(m, Experts) and m.quantized is None and m.packed is None:
-                saved += m.compress()
+            if isinstance(m, Experts):
+                saved += m.compress()  # (nothing when quantized or packed: their stacks are gone)
             w = m.weight if isinstance(m, Linear) else None
             if (w is None or m.quantized is not None or m.packed is not None or w.dtype != torch.bfloat16
                     or w.dim() != 2 or not w.numel()):

@@ -154,11 +154,17 @@ def dequant_i4(q: torch.Tensor, s: torch.Tensor, mn: torch.Tensor, gs: int, rows
     lib.sf_dequant_i4(_ptr(q), _ptr(s), _ptr(mn), n, k, gs, _ptr(rows), nrows, _ptr(out), torch.get_num_threads())
 
 
+def _check_row(x: torch.Tensor, k: int) -> None:
+    if x.dtype != torch.float32 or x.device.type != "cpu" or x.shape != (k,):
+        raise ValueError(f"one float32 CPU row of {k} is multiplied, not {x.dtype} {tuple(x.shape)} on {x.device}")
+
+
 def gemv_cbf16(x: torch.Tensor, w, threads: int | None = None) -> torch.Tensor:
     """x [K] float32 @ W^T for W a `CompressedBF16` on the CPU, decoded in registers: y [N] float32."""
     lib = library()
     assert lib is not None
     n, k = w.shape
+    _check_row(x, k)
     x = x.contiguous()
     y = torch.empty(n, dtype=torch.float32)
     lib.sf_gemv_cbf16(x.data_ptr(), k, w.plane.data_ptr(), w.codes.data_ptr(), w.codes.shape[1], w.base,
@@ -172,6 +178,9 @@ def gemv_bf16(x: torch.Tensor, w: torch.Tensor, threads: int | None = None) -> t
     lib = library()
     assert lib is not None
     n, k = w.shape
+    _check_row(x, k)
+    if w.dtype != torch.bfloat16 or w.device.type != "cpu":
+        raise ValueError(f"gemv_bf16 takes a bfloat16 CPU matrix, not {w.dtype} on {w.device}")
     x, w = x.contiguous(), w.contiguous()
     y = torch.empty(n, dtype=torch.float32)
     lib.sf_gemv_bf16(x.data_ptr(), k, w.data_ptr(), n, y.data_ptr(), threads or torch.get_num_threads())
