@@ -404,3 +404,35 @@ def test_the_plain_c_fallback_computes_the_same(tmp_path):
         for h in range(4):
             w = torch.softmax(k[:, h // 2] @ q[b, h] * 0.25, 0)
             torch.testing.assert_close(out[b, h], w @ v[:, h // 2], rtol=1e-5, atol=1e-5)
+
+
+def test_cpu_march_builds_the_kernels_for_another_architecture(tmp_path, monkeypatch):
+    """SPLITFIRE_CPU_MARCH=haswell builds AVX2 + FMA code without AVX-512 (what an AVX2 host runs, on any
+    newer machine): the AVX2 path is taken, no zmm register is used, the int4 tiles give torch's result;
+    a value that is not an architecture name is refused naming the variable."""
+    import shutil
+    import subprocess
+
+    if cpu_ops.library() is None:
+        pytest.skip("no C compiler")
+    monkeypatch.delenv("SPLITFIRE_CPU_MARCH", raising=False)
+    assert cpu_ops.target_arch() == cpu_ops.NATIVE
+    monkeypatch.setenv("SPLITFIRE_CPU_MARCH", "haswell")
+    assert cpu_ops.target_arch() == ("-march=haswell",)
+    lib = cpu_ops.build(cpu_ops.target_arch(), tmp_path)
+    assert lib.sf_has_avx2() == 1
+    if shutil.which("objdump"):
+        so = next(tmp_path.glob("cpu_ops-*.so"))
+        asm = subprocess.run(["objdump", "-d", str(so)], capture_output=True, text=True, check=True).stdout
+        assert "%ymm" in asm and "%zmm" not in asm
+    g = torch.Generator().manual_seed(7)
+    qw = quant.quantize(torch.randn(70, 128, generator=g), "int4", 32)
+    x = torch.randn(5, 128, generator=g)
+    out = torch.empty(5, 70)
+    lib.sf_gemm_i4(x.data_ptr(), 128, 5, 128, qw.q.data_ptr(), qw.scales.data_ptr(), qw.mins.data_ptr(), 70, 32,
+                   None, out.data_ptr(), 70, 2)
+    torch.testing.assert_close(out, x @ qw.dequantize_torch().T, rtol=1e-5, atol=1e-4)
+    for bad in ("native -O0", "haswell;rm", "-mavx512f"):
+        monkeypatch.setenv("SPLITFIRE_CPU_MARCH", bad)
+        with pytest.raises(ValueError, match="SPLITFIRE_CPU_MARCH"):
+            cpu_ops.target_arch()

@@ -18,6 +18,7 @@ import ctypes
 import hashlib
 import logging
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -128,9 +129,22 @@ def library() -> ctypes.CDLL | None:
     if not (os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")):
         log.warning("no C compiler found: quantized matmuls run through torch (slower); install gcc")
         return None
-    lib = build()
+    lib = build(target_arch())
     log.info("CPU kernels loaded (AVX2+FMA path: %s)", bool(lib.sf_has_avx2()))
     return lib
+
+
+def target_arch() -> tuple[str, ...]:
+    """The -march the kernels are built for: this machine's (native), or SPLITFIRE_CPU_MARCH's (e.g.
+    `haswell`: AVX2 + FMA code on an AVX-512 machine, to compare what an AVX2 host runs). A value that is
+    not a bare architecture name is refused naming the variable; one the compiler does not know fails the
+    build with the compiler's message."""
+    march = os.environ.get("SPLITFIRE_CPU_MARCH", "").strip()
+    if not march:
+        return NATIVE
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", march):
+        raise ValueError(f"SPLITFIRE_CPU_MARCH must be a -march name such as 'haswell' or 'x86-64-v3', got {march!r}")
+    return (f"-march={march}",)
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
