@@ -5,7 +5,8 @@ Part 1 (HTTP): an OpenAI-compatible upstream that streams 64 tokens with no dela
 the TTFT the router adds, throughput, and the router's CPU seconds per 1000 streamed chunks
 (from /proc, so the load generator's own CPU is not counted), beside the CPU of a minimal
 aiohttp proxy (`min_proxy.py`: the same HTTP client, no validation, placement or metrics) under
-the same load — the floor for a Python router on this machine.
+the same load — the floor for a Python router on this machine — and, as a row of its own, that proxy
+on a bare asyncio.Protocol server (`--server asyncio`): the floor without aiohttp's server.
 
 With `--vllm-router PATH` (its executable, e.g. from `pip install vllm-router` in a venv of its own):
 the same load through vllm-router (Rust) in front of the same upstream, measured the same way in the
@@ -168,7 +169,11 @@ def http_servers(upstream_args: list[str], tag: str, out: Path, cpus: set[int] |
     proxy = spawn(["-m", "loadtest.min_proxy", "--port", str(mp), "--upstream", f"http://127.0.0.1:{up}"],
                   "min proxy ready", out / f"min_proxy{tag}.log", cpus)
     procs.append(proxy)
-    ports = [rp, mp]
+    bp = free_port()
+    bare = spawn(["-m", "loadtest.min_proxy", "--port", str(bp), "--upstream", f"http://127.0.0.1:{up}",
+                  "--server", "asyncio"], "min proxy ready", out / f"min_proxy_asyncio{tag}.log", cpus)
+    procs.append(bare)
+    ports = [rp, mp, bp]
     other = None
     if vllm_router:
         vp = free_port()
@@ -181,16 +186,18 @@ def http_servers(upstream_args: list[str], tag: str, out: Path, cpus: set[int] |
     for port in ports:
         asyncio.run(http_load(f"http://127.0.0.1:{port}", 4, 1.0, "fake", 64))
     return (f"http://127.0.0.1:{up}", (f"http://127.0.0.1:{rp}", router), (f"http://127.0.0.1:{mp}", proxy),
-            (f"http://127.0.0.1:{ports[-1]}", other) if other else None)
+            (f"http://127.0.0.1:{bp}", bare), (f"http://127.0.0.1:{ports[-1]}", other) if other else None)
 
 
 def http_row(label: str, c: int, servers: tuple, duration: float) -> str:
     """The same load direct, through the router and through the minimal proxy, as one table row (and a
     row for vllm-router when it runs, measured against the same direct run)."""
-    up_url, (r_url, router), (m_url, proxy), vllm = servers
+    up_url, (r_url, router), (m_url, proxy), (b_url, bare), vllm = servers
     direct = asyncio.run(http_load(up_url, c, duration, "fake", 64))
     routed, cpu = measure(r_url, router, c, duration, "fake")
     out = row(label, c, direct, routed, cpu, measure(m_url, proxy, c, duration, "fake"))
+    b_routed, b_cpu = measure(b_url, bare, c, duration, "fake")
+    out += "\n" + row(f"{label} (asyncio floor)", c, direct, b_routed, b_cpu)
     if vllm is not None:
         v_routed, v_cpu = measure(vllm[0], vllm[1], c, duration, "fake")
         out += "\n" + row(f"{label} (vllm-router)", c, direct, v_routed, v_cpu)
@@ -268,7 +275,9 @@ def main() -> int:
             pr.terminate()
             pr.wait(20)
     print("\ntargets: added p50 TTFT <= 0.5 ms at concurrency 1; router CPU <= 0.0075 s per 1000 chunks")
-    print("floor: the same load through loadtest/min_proxy.py (aiohttp + the router's HTTP client, nothing else)")
+    print("floor: the same load through loadtest/min_proxy.py (aiohttp + the router's HTTP client, nothing else); "
+          "asyncio floor: the same proxy on a bare asyncio.Protocol server (--server asyncio): what leaving aiohttp's "
+          "server would leave")
     return 0
 
 
