@@ -13,6 +13,11 @@ shared memory.
 
     python -m loadtest.triton_aot                       # sm_90: one row per launch
     python -m loadtest.triton_aot --arch 80,90 --out loadtest/results/triton_aot.txt
+    python -m loadtest.triton_aot --only "compressed 1 rows" --set num_warps=8   # another launch shape
+
+Columns beside registers, spills and shared bytes: the SASS's shared-memory instructions and barriers and
+the TTGIR's layout conversions (a loop that moves its operands through shared memory every iteration
+shows there).
 
 `tests/test_triton_aot.py` compiles every launch for sm_90 in CI.
 """
@@ -64,6 +69,9 @@ class Compiled:
     registers: int = 0
     local_bytes: int = 0  # per thread: spilled registers (and local arrays)
     shared_bytes: int = 0
+    shared_ops: int = 0  # SASS instructions that load or store shared memory (LDS/STS/LDSM/STSM)
+    barriers: int = 0  # SASS BAR instructions
+    conversions: int = 0  # TTGIR convert_layout ops (a register layout change; through shared memory unless trivial)
     tensor_cores: bool = False  # the PTX has mma / wgmma instructions
     error: str = ""
 
@@ -115,8 +123,13 @@ def _mock(v: Any) -> Any:
     return MockTensor(v.dtype) if isinstance(v, torch.Tensor) else v
 
 
-def _resources(cubin: bytes) -> tuple[int, int, int]:
-    """(registers, local bytes, shared bytes) of the cubin's one kernel, from `cuobjdump -res-usage`."""
+_SHARED_OP = re.compile(r"\b(?:LDS|STS|LDSM|STSM)(?:\.[\w.]+)?\b")
+_BARRIER = re.compile(r"\bBAR\.")
+
+
+def _resources(cubin: bytes) -> tuple[int, int, int, int, int]:
+    """(registers, local bytes, shared bytes, shared-memory instructions, barriers) of the cubin's one
+    kernel, from `cuobjdump -res-usage` and `-sass`."""
     import triton
 
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
@@ -126,11 +139,12 @@ def _resources(cubin: bytes) -> tuple[int, int, int]:
         f.write(cubin)
         f.flush()
         out = subprocess.run([str(tool), "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+        sass = subprocess.run([str(tool), "-sass", f.name], capture_output=True, text=True, check=True).stdout
     m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", out)
     if m is None:
         raise RuntimeError(f"cuobjdump printed no resource usage:\n{out[-1000:]}")
     reg, _stack, shared, local = (int(g) for g in m.groups())
-    return reg, local, shared
+    return reg, local, shared, len(_SHARED_OP.findall(sass)), len(_BARRIER.findall(sass))
 
 
 def compile_launch(launch: Launch, arch: int) -> Compiled:
@@ -155,12 +169,13 @@ def compile_launch(launch: Launch, arch: int) -> Compiled:
         bound, spec, options = binder(*map(_mock, launch.args), **kwargs)
         options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, spec, options)
         kernel = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
-        reg, local, shared = _resources(kernel.asm["cubin"])
+        reg, local, shared, shared_ops, barriers = _resources(kernel.asm["cubin"])
     except Exception as e:  # reported per launch with the launch named; the caller decides
         return Compiled(launch, arch, time.perf_counter() - t0, error=f"{type(e).__name__}: {str(e)[-3000:]}")
     shared = max(shared, int(kernel.metadata.shared))
     ptx = kernel.asm["ptx"]
-    return Compiled(launch, arch, time.perf_counter() - t0, reg, local, shared, "mma." in ptx or "wgmma." in ptx)
+    return Compiled(launch, arch, time.perf_counter() - t0, reg, local, shared, shared_ops, barriers,
+                    kernel.asm["ttgir"].count("ttg.convert_layout"), "mma." in ptx or "wgmma." in ptx)
 
 
 # -- the representative calls --------------------------------------------------------------------------
@@ -316,14 +331,16 @@ def unique(launches: list[Launch]) -> list[Launch]:
 
 def table(results: list[Compiled]) -> str:
     lines = ["| kernel [first case] constexprs | arch | compile s | registers | local (spill) bytes | shared bytes "
-             "| tensor cores |", "| --- | ---: | ---: | ---: | ---: | ---: | --- |"]
+             "| shared-memory instructions | barriers | layout conversions | tensor cores |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
     for r in results:
         if r.ok:
             lines.append(f"| {r.launch.label} | sm_{r.arch} | {r.seconds:.1f} | {r.registers} | {r.local_bytes} | "
-                         f"{r.shared_bytes} | {'yes' if r.tensor_cores else 'no'} |")
+                         f"{r.shared_bytes} | {r.shared_ops} | {r.barriers} | {r.conversions} | "
+                         f"{'yes' if r.tensor_cores else 'no'} |")
         else:
             lines.append(f"| {r.launch.label} | sm_{r.arch} | {r.seconds:.1f} | FAILED: {r.error.splitlines()[0][:200]} "
-                         "| | | |")
+                         "| | | | | | |")
     return "\n".join(lines)
 
 
@@ -331,21 +348,30 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--arch", default="90", help="compute capabilities, comma-separated (80: A100, 90: H100/H200)")
     p.add_argument("--only", default="", help="only launches whose label contains this")
+    p.add_argument("--set", default="", metavar="K=V,...",
+                   help="launch choices to try instead, on the launches selected (e.g. with --only 'compressed 1 "
+                        "rows' --set BLOCK_N=32,BLOCK_K=128,num_warps=8); integers or true/false")
     p.add_argument("--out", default="", help="append the table to this file")
     a = p.parse_args()
     launches = [x for x in unique(capture_all()) if a.only in x.label]
+    if a.set:
+        changes = dict(kv.split("=", 1) for kv in a.set.split(","))
+        values = {k: v.lower() == "true" if v.lower() in ("true", "false") else int(v) for k, v in changes.items()}
+        launches = [Launch(x.case, x.module, x.name, x.fn, x.args, {**x.kwargs, **values}) for x in launches]
     results = []
     for arch in (int(v) for v in a.arch.split(",")):
         for launch in launches:
             r = compile_launch(launch, arch)
             results.append(r)
             print(f"sm_{arch} {launch.label}: " + (f"{r.registers} registers, {r.local_bytes} B local, "
-                  f"{r.shared_bytes} B shared, tensor cores {r.tensor_cores} ({r.seconds:.1f} s)" if r.ok
+                  f"{r.shared_bytes} B shared, {r.shared_ops} shared-memory instructions, {r.barriers} barriers, "
+                  f"{r.conversions} layout conversions, tensor cores {r.tensor_cores} ({r.seconds:.1f} s)" if r.ok
                   else f"FAILED {r.error}"),
                   file=sys.stderr, flush=True)
     import triton
 
-    text = (f"## {time.strftime('%Y-%m-%d %H:%M')} python -m loadtest.triton_aot --arch {a.arch}  (Triton "
+    args = " ".join(f"--{k} {v!r}" for k, v in (("only", a.only), ("set", a.set)) if v)
+    text = (f"## {time.strftime('%Y-%m-%d %H:%M')} python -m loadtest.triton_aot --arch {a.arch} {args} (Triton "
             f"{triton.__version__}, compiled on a CPU-only host)\n\n{table(results)}\n")
     print(text)
     if a.out:
