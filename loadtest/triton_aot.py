@@ -93,9 +93,9 @@ class _Recorder:
 
 
 @contextmanager
-def captured() -> Iterator[tuple[list[Launch], list[str]]]:
+def captured() -> Iterator[tuple[list[Launch], list[str], set[str]]]:
     """Every `*_kernel` of the kernel modules swapped for a recorder; yields (the launches, a one-item
-    list naming the current case, which the caller sets)."""
+    list naming the current case, which the caller sets, and every kernel swapped as "module.name")."""
     import importlib
 
     log: list[Launch] = []
@@ -111,7 +111,7 @@ def captured() -> Iterator[tuple[list[Launch], list[str]]]:
         if not swapped:
             raise RuntimeError("no Triton kernels found to capture (TRITON_INTERPRET set? the kernels must be "
                                "JITFunctions here)")
-        yield log, case
+        yield log, case, {f"{mod.__name__.rsplit('.', 1)[1]}.{name}" for mod, name, _ in swapped}
     finally:
         for mod, name, obj in swapped:
             setattr(mod, name, obj)
@@ -138,13 +138,13 @@ def _resources(cubin: bytes) -> tuple[int, int, int, int, int]:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        out = subprocess.run([str(tool), "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
-        sass = subprocess.run([str(tool), "-sass", f.name], capture_output=True, text=True, check=True).stdout
+        out = subprocess.run([str(tool), "-res-usage", "-sass", f.name], capture_output=True, text=True,
+                             check=True).stdout
     m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", out)
     if m is None:
         raise RuntimeError(f"cuobjdump printed no resource usage:\n{out[-1000:]}")
     reg, _stack, shared, local = (int(g) for g in m.groups())
-    return reg, local, shared, len(_SHARED_OP.findall(sass)), len(_BARRIER.findall(sass))
+    return reg, local, shared, len(_SHARED_OP.findall(out)), len(_BARRIER.findall(out))
 
 
 def compile_launch(launch: Launch, arch: int) -> Compiled:
@@ -300,10 +300,7 @@ def cases() -> list[Case]:
 def capture_all() -> list[Launch]:
     """Every launch the representative calls make (the kernels swapped for recorders meanwhile). Raises
     naming any kernel no call launched: a new kernel needs a case here, or it is never compiled."""
-    with captured() as (log, case):
-        every = {f"{short}.{name}" for short in KERNEL_MODULES for name, obj in
-                 vars(__import__(f"engine.model.kernels.{short}", fromlist=["_"])).items()
-                 if isinstance(obj, _Recorder)}
+    with captured() as (log, case, every):
         for c in cases():
             case[0] = c.name
             c.run()
@@ -355,8 +352,11 @@ def main() -> int:
     a = p.parse_args()
     launches = [x for x in unique(capture_all()) if a.only in x.label]
     if a.set:
-        changes = dict(kv.split("=", 1) for kv in a.set.split(","))
-        values = {k: v.lower() == "true" if v.lower() in ("true", "false") else int(v) for k, v in changes.items()}
+        pairs = [kv.split("=", 1) for kv in a.set.split(",")]
+        if any(len(kv) != 2 or not (kv[1].lower() in ("true", "false") or kv[1].lstrip("-").isdigit())
+               for kv in pairs):
+            p.error(f"--set takes K=V,... with integer or true/false values, got {a.set!r}")
+        values = {k: v.lower() == "true" if v.lower() in ("true", "false") else int(v) for k, v in pairs}
         launches = [Launch(x.case, x.module, x.name, x.fn, x.args, {**x.kwargs, **values}) for x in launches]
     results = []
     for arch in (int(v) for v in a.arch.split(",")):
