@@ -36,7 +36,7 @@ from engine.batch.scheduler import ScheduledSeq
 from engine.batch.sequence import Sequence
 from engine.loading import weight_cache
 from engine.model.decoder import DecoderModel
-from engine.model.kernels import kernels
+from engine.model.kernels import compressed_triton, kernels
 from engine.model.kv_cache import KVCache, KVLayout
 from engine.model.model_config import ModelConfig
 
@@ -207,6 +207,16 @@ def time_graph(runner: ModelRunner, batch: list[ScheduledSeq], dev: torch.device
     return statistics.median(walls), statistics.median(cpus)
 
 
+def parse_launch(text: str) -> tuple[int, int, int, int]:
+    """"32x256/8/3" -> (block_n, block_k, warps, stages), as bench_compressed_gemm's --tiles spells them."""
+    try:
+        dims, warps, stages = text.split("/")
+        bn, bk = (int(v) for v in dims.split("x"))
+        return bn, bk, int(warps), int(stages)
+    except ValueError:
+        raise SystemExit(f"--gemv-launch: {text!r} is not NxK/WARPS/STAGES (e.g. 32x256/8/3)") from None
+
+
 def set_backend(name: str) -> None:
     os.environ["SPLITFIRE_KERNELS"] = name
     kernels.cache_clear()
@@ -228,6 +238,9 @@ def main() -> int:
     p.add_argument("--compress-weights", action="store_true",
                    help="hold the bfloat16 linear weights losslessly compressed (as --compress-weights does; "
                    "CUDA, Triton backend only): the roofline counts the compressed bytes")
+    p.add_argument("--gemv-launch", default=None, metavar="NxK/W/S,...",
+                   help="with --compress-weights: time the decode steps once per one-row kernel launch shape "
+                   "(block_n x block_k / warps / stages; default compressed_triton.GEMV_LAUNCH)")
     args = p.parse_args()
     dev = torch.device(args.device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
@@ -240,8 +253,14 @@ def main() -> int:
         if dev.type != "cuda" or args.quantization:
             raise SystemExit("--compress-weights needs --device cuda and no --quantization (as the engine's flag)")
         backends = ["triton"]
+    launches: list[tuple[int, int, int, int] | None] = [None]
+    if args.gemv_launch:
+        if not args.compress_weights:
+            raise SystemExit("--gemv-launch needs --compress-weights (it shapes the compressed one-row kernel)")
+        launches = [parse_launch(t) for t in args.gemv_launch.split(",")]
     batches = [int(b) for b in args.batches.split(",")]
-    print(f"{'model':<14}{'path':<8}{'case':<18}{'ms':>9}{'CPU ms':>9}{'% roofline / MFU':>18}")
+    pw = 18 if args.gemv_launch else 8  # (the path column names the launch shape too)
+    print(f"{'model':<14}{'path':<{pw}}{'case':<18}{'ms':>9}{'CPU ms':>9}{'% roofline / MFU':>18}")
     for preset in args.preset.split(","):
         block_size = 16
         need = max(batches) * (-(-(args.context + 1) // block_size)) + -(-args.prefill_tokens // block_size) + 8
@@ -249,8 +268,11 @@ def main() -> int:
                                                 args.compress_weights)
         runner = ModelRunner(model, kv, dev)
         page = kv.layout.page_bytes
-        for backend in backends:
+        for backend, launch in [(b, la) for b in backends for la in launches]:
             set_backend(backend)
+            if launch is not None:
+                compressed_triton.GEMV_LAUNCH = launch
+                backend = f"{backend}@{launch[0]}x{launch[1]}/{launch[2]}"
             # Decode graphs: the last block is the padding rows' scratch, outside every BlockManager below.
             runner.graphs = DecodeGraphs(lambda ids, pos, meta, m=runner.model, c=runner.kv: m(ids, pos, c, meta),
                                          max(batches),
@@ -260,7 +282,7 @@ def main() -> int:
             try:
                 runner.graphs.capture()
             except RuntimeError as e:  # as the engine does: say why, decode eagerly
-                print(f"{preset:<14}{backend:<8}no decode graphs: {str(e).splitlines()[0]}", flush=True)
+                print(f"{preset:<14}{backend:<{pw}}no decode graphs: {str(e).splitlines()[0]}", flush=True)
                 paths = paths[:1]
             for b in batches:
                 kv_bytes = b * cfg.num_layers * -(-args.context // block_size) * page
@@ -268,7 +290,7 @@ def main() -> int:
                 for path, timer in paths:
                     bm = BlockManager(need, block_size, enable_prefix_cache=False)
                     wall, cpu = timer(runner, decode_batch(bm, b, args.context), dev, args.iters)
-                    print(f"{preset:<14}{backend:<8}{f'decode b={b} {path}':<18}{wall * 1e3:>9.2f}{cpu * 1e3:>9.2f}"
+                    print(f"{preset:<14}{backend:<{pw}}{f'decode b={b} {path}':<18}{wall * 1e3:>9.2f}{cpu * 1e3:>9.2f}"
                           f"{roof / wall:>17.0%}", flush=True)
             runner.graphs = None
             bm = BlockManager(need, block_size, enable_prefix_cache=False)
@@ -280,7 +302,7 @@ def main() -> int:
             # (Per token: its own top-k experts, not every expert the batch touches: that count is for bytes.)
             flops = (2 * (params_per_token(counts, cfg) - cfg.vocab_size * cfg.hidden_size) * n
                      + 2 * cfg.vocab_size * cfg.hidden_size + attention_flops(cfg, n))
-            print(f"{preset:<14}{backend:<8}{f'prefill {n}':<18}{wall * 1e3:>9.2f}{cpu * 1e3:>9.2f}"
+            print(f"{preset:<14}{backend:<{pw}}{f'prefill {n}':<18}{wall * 1e3:>9.2f}{cpu * 1e3:>9.2f}"
                   f"{flops / wall / peak:>17.0%}  ({n / wall:.0f} tok/s)", flush=True)
         del model, kv, runner
         if dev.type == "cuda":

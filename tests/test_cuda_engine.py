@@ -54,8 +54,7 @@ def bf16_bound(family: HFModel, ps: list[list[int]]) -> float:
     return 2 * worst + 0.02
 
 
-def test_bfloat16_logits_on_the_gpu_within_transformers_own_error(family):
-    engine = make_engine(family.path, **GPU)
+def _logits_within_bound(family: HFModel, engine) -> None:
     bound = bf16_bound(family, prompts())
     for p in prompts():
         err = (engine_logits(engine, p).float().cpu() - family.logits(p)).abs().max().item()
@@ -63,8 +62,7 @@ def test_bfloat16_logits_on_the_gpu_within_transformers_own_error(family):
 
 
 @torch.no_grad()
-def test_graph_decoded_tokens_are_greedy_choices_up_to_bfloat16(family):
-    engine = make_engine(family.path, **GPU)
+def _graph_tokens_are_greedy_choices(family: HFModel, engine) -> None:
     graphs = engine.runner.graphs
     assert graphs is not None, f"{family.name}: decode graphs were not captured (see event=decode_graphs_off)"
     assert engine.async_scheduling  # (auto: decode steps queued ahead of the last one's read on CUDA)
@@ -83,6 +81,34 @@ def test_graph_decoded_tokens_are_greedy_choices_up_to_bfloat16(family):
         assert gap.max().item() <= bound, (
             f"{family.name}: prompt {i}, token {worst} ({toks[worst]}) is {gap.max().item():.3f} below the "
             f"float32 argmax ({int(logits[worst].argmax())}); bfloat16 bound {bound:.3f}")
+
+
+def test_bfloat16_logits_on_the_gpu_within_transformers_own_error(family):
+    _logits_within_bound(family, make_engine(family.path, **GPU))
+
+
+def test_graph_decoded_tokens_are_greedy_choices_up_to_bfloat16(family):
+    _graph_tokens_are_greedy_choices(family, make_engine(family.path, **GPU))
+
+
+def test_compressed_weights_on_the_gpu_hold_the_same_bar(family):
+    """`--compress-weights` compiled on the device, every family: each bfloat16 matrix (attention, MLPs,
+    routed experts through the grouped kernel, routers, LM head) and the embedding table stay compressed
+    and are decoded inside the kernels; the weights are bit-identical, only the matmuls' summation order
+    differs from cuBLAS, so logits and graph-decoded greedy tokens meet the same bfloat16 bar."""
+    from engine.model.layers import Linear
+
+    engine = make_engine(family.path, **GPU, compress_weights=True)
+    model = engine.model
+    linears = {n: m for n, m in model.named_modules() if isinstance(m, Linear)}
+    plain = [n for n, m in linears.items() if m.compressed is None and m.weight is not None
+             and m.weight.dtype == torch.bfloat16 and m.weight.numel()]
+    assert not plain and any(m.compressed is not None for m in linears.values()), (family.name, plain)
+    assert model.embed_compressed is not None, family.name
+    experts = [m for m in model.modules() if type(m).__name__ == "Experts"]
+    assert all(m.compressed is not None for m in experts), family.name
+    _logits_within_bound(family, engine)
+    _graph_tokens_are_greedy_choices(family, engine)
 
 
 @torch.no_grad()
