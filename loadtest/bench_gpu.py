@@ -240,7 +240,7 @@ def main() -> int:
                    "CUDA, Triton backend only): the roofline counts the compressed bytes")
     p.add_argument("--gemv-launch", default=None, metavar="NxK/W/S,...",
                    help="with --compress-weights: time the decode steps once per one-row kernel launch shape "
-                   "(block_n x block_k / warps / stages; default compressed_triton.GEMV_LAUNCH)")
+                   "(block_n x block_k / warps / stages, for every K; 'auto': the kernel's defaults per K)")
     args = p.parse_args()
     dev = torch.device(args.device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
@@ -254,10 +254,11 @@ def main() -> int:
             raise SystemExit("--compress-weights needs --device cuda and no --quantization (as the engine's flag)")
         backends = ["triton"]
     launches: list[tuple[int, int, int, int] | None] = [None]
+    defaults = compressed_triton.GEMV_LAUNCH, compressed_triton.GEMV_LAUNCH_LONG_K
     if args.gemv_launch:
         if not args.compress_weights:
             raise SystemExit("--gemv-launch needs --compress-weights (it shapes the compressed one-row kernel)")
-        launches = [parse_launch(t) for t in args.gemv_launch.split(",")]
+        launches = [None if t == "auto" else parse_launch(t) for t in args.gemv_launch.split(",")]
     batches = [int(b) for b in args.batches.split(",")]
     pw = 18 if args.gemv_launch else 8  # (the path column names the launch shape too)
     print(f"{'model':<14}{'path':<{pw}}{'case':<18}{'ms':>9}{'CPU ms':>9}{'% roofline / MFU':>18}")
@@ -270,9 +271,9 @@ def main() -> int:
         page = kv.layout.page_bytes
         for backend, launch in [(b, la) for b in backends for la in launches]:
             set_backend(backend)
-            if launch is not None:
-                compressed_triton.GEMV_LAUNCH = launch
-                backend = f"{backend}@{launch[0]}x{launch[1]}/{launch[2]}"
+            compressed_triton.GEMV_LAUNCH, compressed_triton.GEMV_LAUNCH_LONG_K = (launch, launch) if launch else defaults
+            if args.gemv_launch:
+                backend += f"@{launch[0]}x{launch[1]}/{launch[2]}" if launch else "@auto"
             # Decode graphs: the last block is the padding rows' scratch, outside every BlockManager below.
             runner.graphs = DecodeGraphs(lambda ids, pos, meta, m=runner.model, c=runner.kv: m(ids, pos, c, meta),
                                          max(batches),
