@@ -127,9 +127,9 @@ _SHARED_OP = re.compile(r"\b(?:LDS|STS|LDSM|STSM)(?:\.[\w.]+)?\b")
 _BARRIER = re.compile(r"\bBAR\.")
 
 
-def _resources(cubin: bytes) -> tuple[int, int, int, int, int]:
+def _resources(cubin: bytes, sass_to: Path | None = None) -> tuple[int, int, int, int, int]:
     """(registers, local bytes, shared bytes, shared-memory instructions, barriers) of the cubin's one
-    kernel, from `cuobjdump -res-usage` and `-sass`."""
+    kernel, from `cuobjdump -res-usage` and `-sass` (written to `sass_to` when given)."""
     import triton
 
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
@@ -140,6 +140,8 @@ def _resources(cubin: bytes) -> tuple[int, int, int, int, int]:
         f.flush()
         out = subprocess.run([str(tool), "-res-usage", "-sass", f.name], capture_output=True, text=True,
                              check=True).stdout
+    if sass_to is not None:
+        sass_to.write_text(out)
     m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", out)
     if m is None:
         raise RuntimeError(f"cuobjdump printed no resource usage:\n{out[-1000:]}")
@@ -147,9 +149,10 @@ def _resources(cubin: bytes) -> tuple[int, int, int, int, int]:
     return reg, local, shared, len(_SHARED_OP.findall(out)), len(_BARRIER.findall(out))
 
 
-def compile_launch(launch: Launch, arch: int) -> Compiled:
+def compile_launch(launch: Launch, arch: int, dump: Path | None = None) -> Compiled:
     """`launch` compiled for sm_`arch` through Triton's own binding of its arguments (as a launch on that
-    GPU would); the kernel's dynamic shared memory from its metadata (cuobjdump counts static only)."""
+    GPU would); the kernel's dynamic shared memory from its metadata (cuobjdump counts static only).
+    With `dump`, the launch's TTGIR, PTX and SASS are written there (one file each, named for it)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, make_backend
@@ -169,7 +172,14 @@ def compile_launch(launch: Launch, arch: int) -> Compiled:
         bound, spec, options = binder(*map(_mock, launch.args), **kwargs)
         options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, spec, options)
         kernel = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
-        reg, local, shared, shared_ops, barriers = _resources(kernel.asm["cubin"])
+        stem = None
+        if dump is not None:
+            dump.mkdir(parents=True, exist_ok=True)
+            stem = dump / re.sub(r"[^\w.-]+", "_", f"sm{arch}_{launch.label}").strip("_")[:150]
+            for kind in ("ttgir", "ptx"):
+                stem.with_suffix(f".{kind}").write_text(kernel.asm[kind])
+        reg, local, shared, shared_ops, barriers = _resources(kernel.asm["cubin"],
+                                                              stem.with_suffix(".sass") if stem else None)
     except Exception as e:  # reported per launch with the launch named; the caller decides
         return Compiled(launch, arch, time.perf_counter() - t0, error=f"{type(e).__name__}: {str(e)[-3000:]}")
     shared = max(shared, int(kernel.metadata.shared))
@@ -349,6 +359,7 @@ def main() -> int:
                    help="launch choices to try instead, on the launches selected (e.g. with --only 'compressed 1 "
                         "rows' --set BLOCK_N=32,BLOCK_K=128,num_warps=8); integers or true/false")
     p.add_argument("--out", default="", help="append the table to this file")
+    p.add_argument("--dump", default="", metavar="DIR", help="write each launch's TTGIR, PTX and SASS into DIR")
     a = p.parse_args()
     launches = [x for x in unique(capture_all()) if a.only in x.label]
     if a.set:
@@ -361,7 +372,7 @@ def main() -> int:
     results = []
     for arch in (int(v) for v in a.arch.split(",")):
         for launch in launches:
-            r = compile_launch(launch, arch)
+            r = compile_launch(launch, arch, Path(a.dump) if a.dump else None)
             results.append(r)
             print(f"sm_{arch} {launch.label}: " + (f"{r.registers} registers, {r.local_bytes} B local, "
                   f"{r.shared_bytes} B shared, {r.shared_ops} shared-memory instructions, {r.barriers} barriers, "

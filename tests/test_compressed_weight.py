@@ -110,6 +110,9 @@ def test_the_kernel_on_compressed_weights_equals_it_on_plain_ones(m, n, k, block
         for gemv in (False, True):  # (tensor-core tiles, one row per program)
             launch = dict(block_n=block_n, block_k=block_k, split_k=split_k, gemv=gemv)
             y = compressed_linear(x, c, **launch)
+            if gemv:  # (the float32-bits decode against the decode through bfloat16: the same weights)
+                y_ref = compressed_linear(x, c, reference_decode=True, **launch)
+                assert torch.equal(y, y_ref) if not CUDA else _rel(y, y_ref) < 1e-6
             plain = compressed_linear(x, c, plain=wd, **launch)
             ref = x.double() @ wd.double().T
             if c.num_escapes == 0 and not CUDA:

@@ -61,6 +61,19 @@ def _weights(plane_ptr, rn, kk, code, base, N, K):
 
 
 @triton.jit
+def _weights_f32(plane_ptr, rn, kk, code, base23, N, K):
+    """`_weights` widened to float32, built as float32 bits directly (the same values: a bfloat16 is the
+    top half of its float32), `base23` = base << 23: the sign+mantissa byte read as a signed byte and
+    shifted 16 puts the mantissa at bits 16-22 and copies of the sign above it; keep bit 31 of those,
+    then the exponent (base + code) << 23 goes in between. 0 at escapes."""
+    plane = tl.load(plane_ptr.to(tl.pointer_type(tl.int8)) + rn[:, None] * K + kk[None, :],
+                    mask=(rn[:, None] < N) & (kk[None, :] < K), other=0).to(tl.int32)
+    bits = ((plane << 16) & -2139095041) | (code * 8388608 + base23)  # (-2139095041: 0x807FFFFF)
+    bits = tl.where(code == 15, 0, bits)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _code_bytes(codes_ptr, rn, k0, j, N, code_row):
     """The code bytes of rows `rn` for the K tile at `k0` (byte j: columns k0 + (j//16)*32 + j%16 and +16);
     255 (two escapes) outside the matrix."""
@@ -146,7 +159,7 @@ def _add_escapes(out, x_ptr, rm, xrows, stride_xm, N, n0, esc_start_ptr, esc_row
 def _gemv_kernel(x_ptr, w_ptr, plane_ptr, codes_ptr, esc_start_ptr, esc_rows_ptr, esc_cols_ptr, esc_vals_ptr,
                  y_ptr, M, N, K, base, stride_xm, code_row,
                  PLAIN: tl.constexpr, ESCAPES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 SPLIT_K: tl.constexpr, ESC_CHUNK: tl.constexpr):
+                 SPLIT_K: tl.constexpr, ESC_CHUNK: tl.constexpr, F32_BITS: tl.constexpr):
     """Program (row, n, s): one activation row (a decode step of one sequence), products summed in float32
     registers shaped like the weight tile — no tensor-core dot (one row would use a sixteenth of it) and
     no change of the decoded weights' layout — reduced once at the end; then escapes as `_matmul_kernel`."""
@@ -162,8 +175,15 @@ def _gemv_kernel(x_ptr, w_ptr, plane_ptr, codes_ptr, esc_start_ptr, esc_rows_ptr
         k_b = k_a + 16
         x_a = tl.load(x_ptr + row * stride_xm + k_a, mask=k_a < K, other=0.0).to(tl.bfloat16).to(tl.float32)
         x_b = tl.load(x_ptr + row * stride_xm + k_b, mask=k_b < K, other=0.0).to(tl.bfloat16).to(tl.float32)
-        w_a, w_b = _weight_halves(w_ptr, plane_ptr, codes_ptr, rn, k0, j, k_a, k_b, base, N, K, code_row, PLAIN)
-        acc += w_a.to(tl.float32) * x_a[None, :] + w_b.to(tl.float32) * x_b[None, :]
+        if F32_BITS and not PLAIN:
+            byte = _code_bytes(codes_ptr, rn, k0, j, N, code_row)
+            w_a = _weights_f32(plane_ptr, rn, k_a, byte & 0x0F, base << 23, N, K)
+            w_b = _weights_f32(plane_ptr, rn, k_b, byte >> 4, base << 23, N, K)
+        else:
+            w_a, w_b = _weight_halves(w_ptr, plane_ptr, codes_ptr, rn, k0, j, k_a, k_b, base, N, K, code_row,
+                                      PLAIN)
+        acc += w_a.to(tl.float32) * x_a[None, :]
+        acc += w_b.to(tl.float32) * x_b[None, :]
     out = y_ptr + pid_k * M * N
     tl.store(out + row * N + rn, tl.sum(acc, axis=1), mask=rn < N)
     if ESCAPES:
@@ -300,11 +320,14 @@ GEMV_LAUNCH_LONG_K = (32, 256, 8, 3)
 def compressed_linear(x: torch.Tensor, w, plain: torch.Tensor | None = None, block_n: int | None = None,
                       block_k: int | None = None, warps: int | None = None, stages: int | None = None,
                       split_k: int | None = None, block_m: int | None = None,
-                      gemv: bool | None = None) -> torch.Tensor:
+                      gemv: bool | None = None, reference_decode: bool = False) -> torch.Tensor:
     """x [M, K] @ W^T in float32, W a `CompressedBF16` (decoded per tile in the kernel, escapes added by
     the tiles' programs), or with `plain` (a bfloat16 [N, K]) the same kernel reading it as is. The
     kernel (one row per program up to GEMV_MAX_ROWS rows, else tensor-core tiles), tile shape, warps,
-    pipeline stages and K split are launch choices (the packing does not depend on them)."""
+    pipeline stages and K split are launch choices (the packing does not depend on them).
+    `reference_decode`: the one-row kernel widens each weight through bfloat16 (`_weights`) instead of
+    building its float32 bits directly (`_weights_f32`, fewer instructions per weight): the same values,
+    the reference the tests hold the fast decode equal to."""
     n, k = w.shape
     m = x.shape[0]
     one_row = m <= GEMV_MAX_ROWS if gemv is None else gemv
@@ -323,7 +346,7 @@ def compressed_linear(x: torch.Tensor, w, plain: torch.Tensor | None = None, blo
     consts = dict(PLAIN=plain is not None, ESCAPES=plain is None and w.num_escapes > 0, BLOCK_N=block_n,
                   BLOCK_K=block_k, SPLIT_K=split, ESC_CHUNK=ESC_CHUNK, num_warps=warps, num_stages=stages)
     if one_row:
-        _gemv_kernel[(grid_m, grid_n, split)](*args, **consts)
+        _gemv_kernel[(grid_m, grid_n, split)](*args, **consts, F32_BITS=not reference_decode)
     else:
         _matmul_kernel[(grid_m, grid_n, split)](*args, BLOCK_M=bm, F32_DOT=x.device.type != "cuda", **consts)
     return part[0] if split == 1 else part.sum(0)
