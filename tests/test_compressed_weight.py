@@ -110,9 +110,13 @@ def test_the_kernel_on_compressed_weights_equals_it_on_plain_ones(m, n, k, block
         for gemv in (False, True):  # (tensor-core tiles, one row per program)
             launch = dict(block_n=block_n, block_k=block_k, split_k=split_k, gemv=gemv)
             y = compressed_linear(x, c, **launch)
-            if gemv:  # (the float32-bits decode against the decode through bfloat16: the same weights)
-                y_ref = compressed_linear(x, c, reference_decode=True, **launch)
-                assert torch.equal(y, y_ref) if not CUDA else _rel(y, y_ref) < 1e-6
+            if gemv:  # (the float32-bits decodes against the decode through bfloat16: the same weights)
+                y_ref = compressed_linear(x, c, decode="bfloat16", **launch)
+                y_sel = compressed_linear(x, c, decode="select", **launch)
+                assert torch.equal(y_sel, y_ref) if not CUDA else _rel(y_sel, y_ref) < 1e-6
+                if c.num_escapes == 0 and not CUDA:  # (else stand-ins added and taken back out: rounding)
+                    assert torch.equal(y, y_ref)
+                assert _rel(y, y_ref) < 1e-5
             plain = compressed_linear(x, c, plain=wd, **launch)
             ref = x.double() @ wd.double().T
             if c.num_escapes == 0 and not CUDA:
@@ -136,6 +140,25 @@ def test_escapes_land_in_their_own_columns_only_nan_and_inf_included(block_m):
     assert torch.equal(y[:, bad].isnan(), ref[:, bad].isnan()) and torch.equal(y[:, bad].isinf(), ref[:, bad].isinf())
     good = [i for i in range(80) if i not in bad]
     assert _rel(y[:, good], ref[:, good]) < 1e-5
+
+
+def test_escape_stand_ins_only_where_they_stay_small():
+    """The one-row kernel's fast decode lets an escape decode at exponent base + 15 and takes that product
+    back out; a band high enough that the stand-in could overflow x * w (base > STAND_IN_MAX_BASE) takes
+    the select path instead, exact as ever (weights around 2^20, escapes among them, huge and tiny)."""
+    from engine.model.kernels.compressed_triton import STAND_IN_MAX_BASE
+
+    w = with_outliers(normal(40, 96, seed=9), 30) * 2.0 ** 20
+    w[3, 5], w[7, 70] = 2.0 ** 100, 2.0 ** -100
+    c = pack(w.to(torch.bfloat16)).to(DEV)
+    assert c.base > STAND_IN_MAX_BASE and c.num_escapes > 0
+    x = torch.randn(1, 96, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16).to(DEV)
+    y = compressed_linear(x, c, block_n=16, block_k=32, gemv=True)
+    ref = x.double() @ w.to(torch.bfloat16).to(DEV).double().T
+    assert not bool(y.isinf().any()) and _rel(y, ref) < 1e-5
+    assert torch.equal(y, compressed_linear(x, c, block_n=16, block_k=32, gemv=True, decode="select"))
+    with pytest.raises(ValueError, match="decode"):
+        compressed_linear(x, c, gemv=True, decode="fastest")
 
 
 def test_the_gpu_decoder_equals_the_reference_bit_for_bit(monkeypatch):

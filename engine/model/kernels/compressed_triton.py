@@ -61,15 +61,21 @@ def _weights(plane_ptr, rn, kk, code, base, N, K):
 
 
 @triton.jit
-def _weights_f32(plane_ptr, rn, kk, code, base23, N, K):
-    """`_weights` widened to float32, built as float32 bits directly (the same values: a bfloat16 is the
-    top half of its float32), `base23` = base << 23: the sign+mantissa byte read as a signed byte and
-    shifted 16 puts the mantissa at bits 16-22 and copies of the sign above it; keep bit 31 of those,
-    then the exponent (base + code) << 23 goes in between. 0 at escapes."""
+def _weights_f32(plane_ptr, rn, kk, code, base, N, K, SELECT: tl.constexpr):
+    """`_weights` widened to float32, built as float32 bits directly (a bfloat16 is the top half of its
+    float32): the sign+mantissa byte read as a signed byte and shifted 16 puts the mantissa at bits 16-22
+    and copies of the sign above it; keep bit 31 of those and put an exponent in between. SELECT: the
+    exponent base + code, 0 at escapes — the weights themselves. Else the exponent is 112 + code, ORed in
+    (no add): the weights times 2^(112 - base), which the caller scales back once per sum (exact: a power
+    of two); an escape (code 15) decodes as its own sign and mantissa at exponent 127, which the escape
+    loop takes back out (`_add_escapes` SUBTRACT)."""
     plane = tl.load(plane_ptr.to(tl.pointer_type(tl.int8)) + rn[:, None] * K + kk[None, :],
                     mask=(rn[:, None] < N) & (kk[None, :] < K), other=0).to(tl.int32)
-    bits = ((plane << 16) & -2139095041) | (code * 8388608 + base23)  # (-2139095041: 0x807FFFFF)
-    bits = tl.where(code == 15, 0, bits)
+    if SELECT:
+        bits = ((plane << 16) & -2139095041) | (code * 8388608 + (base << 23))  # (-2139095041: 0x807FFFFF)
+        bits = tl.where(code == 15, 0, bits)
+    else:
+        bits = ((plane << 16) & -2139095041) | (code << 23) | (112 << 23)
     return bits.to(tl.float32, bitcast=True)
 
 
@@ -137,10 +143,12 @@ def _matmul_kernel(x_ptr, w_ptr, plane_ptr, codes_ptr, esc_start_ptr, esc_rows_p
 
 @triton.jit
 def _add_escapes(out, x_ptr, rm, xrows, stride_xm, N, n0, esc_start_ptr, esc_rows_ptr, esc_cols_ptr, esc_vals_ptr,
-                 BLOCK_N: tl.constexpr, ESC_CHUNK: tl.constexpr):
+                 BLOCK_N: tl.constexpr, ESC_CHUNK: tl.constexpr, base=0, SUBTRACT: tl.constexpr = False):
     """out[m, r] += x[m, c] * v for each escape (r, c, v) of rows n0 .. n0 + BLOCK_N and each row m of
     `rm` where `xrows`, into the tile the program has just stored (the barrier: every thread's store is
-    in before any thread adds)."""
+    in before any thread adds). SUBTRACT: the tile decoded the escape as v's sign and mantissa at exponent
+    base + 15 (`_weights_f32` without SELECT); that product is taken back out with the same add (both
+    products of two bfloat16 values, exact in float32)."""
     tl.debug_barrier()
     lo = tl.load(esc_start_ptr + n0)
     hi = tl.load(esc_start_ptr + tl.minimum(n0 + BLOCK_N, N))
@@ -149,17 +157,23 @@ def _add_escapes(out, x_ptr, rm, xrows, stride_xm, N, n0, esc_start_ptr, esc_row
         em = e0 + e < hi
         r = tl.load(esc_rows_ptr + e0 + e, mask=em, other=0)
         c = tl.load(esc_cols_ptr + e0 + e, mask=em, other=0)
-        v = tl.load(esc_vals_ptr + e0 + e, mask=em, other=0.0).to(tl.float32)
+        v = tl.load(esc_vals_ptr + e0 + e, mask=em, other=0.0)
         both = xrows & em[None, :]
-        xv = tl.load(x_ptr + rm[:, None] * stride_xm + c[None, :], mask=both, other=0.0)
-        tl.atomic_add(out + rm[:, None] * N + r[None, :], xv.to(tl.bfloat16).to(tl.float32) * v[None, :], mask=both)
+        xv = tl.load(x_ptr + rm[:, None] * stride_xm + c[None, :], mask=both, other=0.0).to(tl.bfloat16).to(tl.float32)
+        add = xv * v.to(tl.float32)[None, :]
+        if SUBTRACT:
+            sm = v.to(tl.int16, bitcast=True).to(tl.int32) & 0x807F  # (sign-extended: bit 15 kept)
+            fake = ((sm | ((base + 15) << 7)) << 16).to(tl.float32, bitcast=True)
+            add -= xv * fake[None, :]
+        tl.atomic_add(out + rm[:, None] * N + r[None, :], add, mask=both)
 
 
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, plane_ptr, codes_ptr, esc_start_ptr, esc_rows_ptr, esc_cols_ptr, esc_vals_ptr,
                  y_ptr, M, N, K, base, stride_xm, code_row,
                  PLAIN: tl.constexpr, ESCAPES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 SPLIT_K: tl.constexpr, ESC_CHUNK: tl.constexpr, F32_BITS: tl.constexpr):
+                 SPLIT_K: tl.constexpr, ESC_CHUNK: tl.constexpr, F32_BITS: tl.constexpr,
+                 ESC_SELECT: tl.constexpr):
     """Program (row, n, s): one activation row (a decode step of one sequence), products summed in float32
     registers shaped like the weight tile — no tensor-core dot (one row would use a sixteenth of it) and
     no change of the decoded weights' layout — reduced once at the end; then escapes as `_matmul_kernel`."""
@@ -177,20 +191,24 @@ def _gemv_kernel(x_ptr, w_ptr, plane_ptr, codes_ptr, esc_start_ptr, esc_rows_ptr
         x_b = tl.load(x_ptr + row * stride_xm + k_b, mask=k_b < K, other=0.0).to(tl.bfloat16).to(tl.float32)
         if F32_BITS and not PLAIN:
             byte = _code_bytes(codes_ptr, rn, k0, j, N, code_row)
-            w_a = _weights_f32(plane_ptr, rn, k_a, byte & 0x0F, base << 23, N, K)
-            w_b = _weights_f32(plane_ptr, rn, k_b, byte >> 4, base << 23, N, K)
+            w_a = _weights_f32(plane_ptr, rn, k_a, byte & 0x0F, base, N, K, ESC_SELECT)
+            w_b = _weights_f32(plane_ptr, rn, k_b, byte >> 4, base, N, K, ESC_SELECT)
         else:
             w_a, w_b = _weight_halves(w_ptr, plane_ptr, codes_ptr, rn, k0, j, k_a, k_b, base, N, K, code_row,
                                       PLAIN)
         acc += w_a.to(tl.float32) * x_a[None, :]
         acc += w_b.to(tl.float32) * x_b[None, :]
+    total = tl.sum(acc, axis=1)
+    if F32_BITS and not PLAIN and not ESC_SELECT:  # (weights decoded times 2^(112 - base): scaled back)
+        total = total * ((base + 15) << 23).to(tl.float32, bitcast=True)
     out = y_ptr + pid_k * M * N
-    tl.store(out + row * N + rn, tl.sum(acc, axis=1), mask=rn < N)
+    tl.store(out + row * N + rn, total, mask=rn < N)
     if ESCAPES:
         if pid_k == 0:
             rm = row + tl.arange(0, 2)  # (the escape loop takes a block of rows: this one and a masked one)
             _add_escapes(out, x_ptr, rm, rm[:, None] == row, stride_xm, N, pid_n * BLOCK_N, esc_start_ptr,
-                         esc_rows_ptr, esc_cols_ptr, esc_vals_ptr, BLOCK_N, ESC_CHUNK)
+                         esc_rows_ptr, esc_cols_ptr, esc_vals_ptr, BLOCK_N, ESC_CHUNK, base,
+                         F32_BITS and not PLAIN and not ESC_SELECT)
 
 
 @triton.jit
@@ -314,20 +332,24 @@ TILES_LAUNCH = (64, 64, 8, 3)
 # registers per thread and converts the activations' layout through shared memory inside its K loop;
 # at 8 warps, 98 registers and no shared memory in the loop: loadtest/results/triton_aot.txt.)
 GEMV_LONG_K = 8192
+DECODES = ("fast", "select", "bfloat16")
+STAND_IN_MAX_BASE = 128
 GEMV_LAUNCH_LONG_K = (32, 256, 8, 3)
 
 
 def compressed_linear(x: torch.Tensor, w, plain: torch.Tensor | None = None, block_n: int | None = None,
                       block_k: int | None = None, warps: int | None = None, stages: int | None = None,
                       split_k: int | None = None, block_m: int | None = None,
-                      gemv: bool | None = None, reference_decode: bool = False) -> torch.Tensor:
+                      gemv: bool | None = None, decode: str = "fast") -> torch.Tensor:
     """x [M, K] @ W^T in float32, W a `CompressedBF16` (decoded per tile in the kernel, escapes added by
     the tiles' programs), or with `plain` (a bfloat16 [N, K]) the same kernel reading it as is. The
     kernel (one row per program up to GEMV_MAX_ROWS rows, else tensor-core tiles), tile shape, warps,
     pipeline stages and K split are launch choices (the packing does not depend on them).
-    `reference_decode`: the one-row kernel widens each weight through bfloat16 (`_weights`) instead of
-    building its float32 bits directly (`_weights_f32`, fewer instructions per weight): the same values,
-    the reference the tests hold the fast decode equal to."""
+    `decode` (the one-row kernel's): "fast" builds each weight's float32 bits directly (`_weights_f32`)
+    and lets an escape decode as a finite stand-in that its escape add takes back out (no select per
+    weight; when the band's top exponent keeps that stand-in small, else as "select"); "select" the same
+    bits with escapes selected to 0; "bfloat16" widens each weight through bfloat16 (`_weights`), the
+    reference: the same weights, and the same sums but for the escapes' rounding."""
     n, k = w.shape
     m = x.shape[0]
     one_row = m <= GEMV_MAX_ROWS if gemv is None else gemv
@@ -346,7 +368,12 @@ def compressed_linear(x: torch.Tensor, w, plain: torch.Tensor | None = None, blo
     consts = dict(PLAIN=plain is not None, ESCAPES=plain is None and w.num_escapes > 0, BLOCK_N=block_n,
                   BLOCK_K=block_k, SPLIT_K=split, ESC_CHUNK=ESC_CHUNK, num_warps=warps, num_stages=stages)
     if one_row:
-        _gemv_kernel[(grid_m, grid_n, split)](*args, **consts, F32_BITS=not reference_decode)
+        if decode not in DECODES:
+            raise ValueError(f"decode must be one of {DECODES}, got {decode!r}")
+        # (an escape's stand-in, scaled back, has exponent base + 15: below 2^17 from base 128, so the escape
+        # loop's x * stand-in stays finite)
+        select = decode == "select" or w.base > STAND_IN_MAX_BASE
+        _gemv_kernel[(grid_m, grid_n, split)](*args, **consts, F32_BITS=decode != "bfloat16", ESC_SELECT=select)
     else:
         _matmul_kernel[(grid_m, grid_n, split)](*args, BLOCK_M=bm, F32_DOT=x.device.type != "cuda", **consts)
     return part[0] if split == 1 else part.sum(0)
