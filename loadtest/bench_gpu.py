@@ -254,7 +254,7 @@ def main() -> int:
             raise SystemExit("--compress-weights needs --device cuda and no --quantization (as the engine's flag)")
         backends = ["triton"]
     launches: list[tuple[int, int, int, int] | None] = [None]
-    defaults = compressed_triton.GEMV_LAUNCH, compressed_triton.GEMV_LAUNCH_LONG_K
+    default = compressed_triton.GEMV_LAUNCH
     if args.gemv_launch:
         if not args.compress_weights:
             raise SystemExit("--gemv-launch needs --compress-weights (it shapes the compressed one-row kernel)")
@@ -271,7 +271,7 @@ def main() -> int:
         page = kv.layout.page_bytes
         for backend, launch in [(b, la) for b in backends for la in launches]:
             set_backend(backend)
-            compressed_triton.GEMV_LAUNCH, compressed_triton.GEMV_LAUNCH_LONG_K = (launch, launch) if launch else defaults
+            compressed_triton.GEMV_LAUNCH = launch or default
             if args.gemv_launch:
                 backend += f"@{launch[0]}x{launch[1]}/{launch[2]}" if launch else "@auto"
             # Decode graphs: the last block is the padding rows' scratch, outside every BlockManager below.

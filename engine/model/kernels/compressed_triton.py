@@ -322,19 +322,14 @@ def matmul(x: torch.Tensor, w) -> torch.Tensor:
 
 
 # Launch shapes (block_n, block_k, warps, stages) per kernel, the fastest on an H200 over Llama-3-8B's
-# four projections (bench_compressed_gemm_v4: one row 1.44-1.86x of torch's bfloat16 time with the
-# row kernel's 32 x 256 against 1.69-2.20x with the tiles; 16 rows 1.90-2.32x with 64 x 64 / 8 warps).
-GEMV_LAUNCH = (32, 256, 4, 3)
+# four projections. The row kernel with its fast decode: 32 x 256 with 8 warps, 1.11-1.24x of torch's
+# bfloat16 time against 1.13-1.66x with 4 warps (bench_compressed_gemm_v6_decodes: 8 warps faster on every
+# projection; the 8B decode step 6.43-6.50 ms against 6.76-6.92 with 4 warps below K 8192). The tiles:
+# 16 rows 1.90-2.32x with 64 x 64 / 8 warps (bench_compressed_gemm_v4).
+GEMV_LAUNCH = (32, 256, 8, 3)
 TILES_LAUNCH = (64, 64, 8, 3)
-# A long reduction (K >= GEMV_LONG_K: Llama-3-8B's down projection, K 14336) runs the row kernel with 8
-# warps: 50.1 against 60.1 us on the H200 (loadtest/results/gpu_h200/bench_compressed_sweep.txt), where
-# qkv and gate_up (K 4096) are 17-19% slower with 8 warps than with 4. (At 4 warps the kernel holds 164
-# registers per thread and converts the activations' layout through shared memory inside its K loop;
-# at 8 warps, 98 registers and no shared memory in the loop: loadtest/results/triton_aot.txt.)
-GEMV_LONG_K = 8192
 DECODES = ("fast", "select", "bfloat16")
 STAND_IN_MAX_BASE = 128
-GEMV_LAUNCH_LONG_K = (32, 256, 8, 3)
 
 
 def compressed_linear(x: torch.Tensor, w, plain: torch.Tensor | None = None, block_n: int | None = None,
@@ -353,7 +348,7 @@ def compressed_linear(x: torch.Tensor, w, plain: torch.Tensor | None = None, blo
     n, k = w.shape
     m = x.shape[0]
     one_row = m <= GEMV_MAX_ROWS if gemv is None else gemv
-    default = (GEMV_LAUNCH_LONG_K if k >= GEMV_LONG_K else GEMV_LAUNCH) if one_row else TILES_LAUNCH
+    default = GEMV_LAUNCH if one_row else TILES_LAUNCH
     block_n, block_k = block_n or default[0], block_k or default[1]
     warps, stages = warps or default[2], stages or default[3]
     if block_k % 32:
