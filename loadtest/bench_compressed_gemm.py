@@ -37,9 +37,9 @@ def main() -> None:
     p.add_argument("--tiles", default="32x256/4/3,64x64/8/3,64x128/4/3",
                    help="launch shapes: block_n x block_k / warps / stages")
     p.add_argument("--reps", type=int, default=100, help="do_bench milliseconds of repetitions")
-    p.add_argument("--gemv-decodes", default="", metavar="select,bfloat16",
-                   help="also time the one-row kernel with these decodes (compressed_linear's `decode`; launch "
-                   "'/gemv-select', '/gemv-bfloat16': the reference its fast decode replaced)")
+    p.add_argument("--decodes", default="auto", metavar="auto,fast,select,bfloat16",
+                   help="time each kernel with these decodes (compressed_linear's `decode`; the launch column "
+                   "names any but auto: '/gemv-select', '-fast')")
     p.add_argument("--json", default="")
     args = p.parse_args()
     if not torch.cuda.is_available():
@@ -56,8 +56,8 @@ def main() -> None:
 
     dev = torch.device("cuda")
     print(f"{torch.cuda.get_device_name()}; medians inside CUDA graphs (eager: do_bench, L2 cleared); "
-          "GB/s = weight bytes read / time; launch /gemv: one row per program, no dot (-select, -bfloat16: "
-          "its other decodes)\n")
+          "GB/s = weight bytes read / time; launch /gemv: one row per program, no dot (-fast, -select, -bfloat16: "
+          "a decode other than the default)\n")
     print(f"{'shape':8} {'rows':>4} {'launch':>22} | {'torch bf16 us':>13} {'plain kernel us':>15} "
           f"{'compressed us':>13} | {'vs torch':>8} | {'eager us':>8} | {'GB/s torch/compr':>16} | vs plain, vs f64")
     rows_out = []
@@ -70,7 +70,7 @@ def main() -> None:
             dims, warps, stages = tile.split("/")
             bn, bk = (int(v) for v in dims.split("x"))
             launch: dict[str, int] = dict(block_n=bn, block_k=bk, warps=int(warps), stages=int(stages))
-            kinds = [(False, "fast"), (True, "fast")] + [(True, d) for d in args.gemv_decodes.split(",") if d]
+            kinds = [(g, d) for g in (False, True) for d in args.decodes.split(",")]
             for m, gemv, decode in ((int(r), g, d) for r in args.rows.split(",") for g, d in kinds):
                 many = m >= DECOMPRESS_MIN_ROWS
                 if (many and tile != args.tiles.split(",")[0]) or (gemv and (many or m > GEMV_MAX_ROWS)):
@@ -88,7 +88,7 @@ def main() -> None:
                     triton.testing.do_bench_cudagraph(fn, rep=args.reps, return_mode="median")
                     for fn in (partial(F.linear, x, w), plain, comp))
                 t_eager = triton.testing.do_bench(comp, rep=args.reps, return_mode="median")
-                label = "decode+mm" if many else tile + ("/gemv" if gemv else "") + ("" if decode == "fast" else f"-{decode}")
+                label = "decode+mm" if many else tile + ("/gemv" if gemv else "") + ("" if decode == "auto" else f"-{decode}")
                 row = dict(shape=name, n=n, k=k, rows=m, launch=label, torch_us=1e3 * t_torch, plain_us=1e3 * t_plain,
                            compressed_us=1e3 * t_comp, compressed_eager_us=1e3 * t_eager, plain_bytes=plain_bytes,
                            compressed_bytes=comp_bytes, escapes=c.num_escapes, rel_diff_vs_plain_kernel=diff,

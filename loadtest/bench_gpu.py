@@ -238,6 +238,9 @@ def main() -> int:
     p.add_argument("--compress-weights", action="store_true",
                    help="hold the bfloat16 linear weights losslessly compressed (as --compress-weights does; "
                    "CUDA, Triton backend only): the roofline counts the compressed bytes")
+    p.add_argument("--tiles-decode", choices=["select", "fast"], default=None,
+                   help="with --compress-weights: the decode of the 17-32-row tiles and the compressed experts "
+                   "(compressed_triton.TILES_DECODE, moe_triton.EXPERTS_DECODE; default: theirs)")
     p.add_argument("--gemv-launch", default=None, metavar="NxK/W/S,...",
                    help="with --compress-weights: time the decode steps once per one-row kernel launch shape "
                    "(block_n x block_k / warps / stages, for every K; 'auto': the kernel's defaults per K)")
@@ -247,12 +250,19 @@ def main() -> int:
     bw, peak = bandwidth(dev), matmul_peak(dev, dtype)
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "CPU"
     print(f"device {name}: copy bandwidth {bw / 1e9:.0f} GB/s, {dtype} matmul peak {peak / 1e12:.1f} TFLOP/s; "
-          f"weights {args.quantization or dtype}{' compressed' if args.compress_weights else ''}")
+          f"weights {args.quantization or dtype}{' compressed' if args.compress_weights else ''}"
+          f"{f' (tiles decode {args.tiles_decode})' if args.tiles_decode else ''}")
     backends = ["torch", "triton"] if (dev.type == "cuda" or os.environ.get("TRITON_INTERPRET")) else ["torch"]
     if args.compress_weights:
         if dev.type != "cuda" or args.quantization:
             raise SystemExit("--compress-weights needs --device cuda and no --quantization (as the engine's flag)")
         backends = ["triton"]
+    if args.tiles_decode:
+        if not args.compress_weights:
+            raise SystemExit("--tiles-decode needs --compress-weights")
+        from engine.model.kernels import moe_triton
+
+        compressed_triton.TILES_DECODE = moe_triton.EXPERTS_DECODE = args.tiles_decode
     launches: list[tuple[int, int, int, int] | None] = [None]
     default = compressed_triton.GEMV_LAUNCH
     if args.gemv_launch:

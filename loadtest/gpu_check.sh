@@ -11,6 +11,7 @@
 #                                                  #   hostsync (bench_host with --async-scheduling=off),
 #                                                  #   compressed (--compress-weights: tests + the matmul timed),
 #                                                  #   compressedtests (its tests and every family's engine compressed),
+#                                                  #   compressedfast (the tiles' and experts' fast decode vs select),
 #                                                  #   compressedengine (8B and MoE decode/prefill, plain vs compressed),
 #                                                  #   compressedsweep (the one-row kernel's launch shapes by registers:
 #                                                  #   loadtest/results/triton_aot.txt)
@@ -49,11 +50,14 @@ step int4 60 $PY -m loadtest.bench_gpu --preset llama3-8b --quantization int4 --
 step quantsweep 100 $PY -m loadtest.bench_quant_gemm --sweep --methods gemv,dot --rows 1,2,16,64 --shapes gate_up,down --reps 10
 step async 240 bash -c "$PY -m pytest -q -p no:cacheprovider --timeout 120 tests/test_async_scheduling.py && $PY -m loadtest.bench_async_sched --tokens 128 --rounds 3 && $PY -m loadtest.bench_async_sched --tokens 128 --rounds 3 --temperature 0.8"
 step hostsync 120 $PY -m loadtest.bench_host --device cuda --layouts colocated --rounds 2 --no-engine --worker-arg=--async-scheduling=off --json "$OUT/host_sync.json"
-step compressed 280 bash -c "$PY -m pytest -q -p no:cacheprovider --timeout 120 tests/test_compressed_weight.py; $PY -m loadtest.bench_compressed_gemm --reps 60 --tiles 32x256/8/3,64x64/8/3 --rows 1,16,24,32,64,512 --gemv-decodes bfloat16 --json $OUT/compressed_gemm.json"
+step compressed 280 bash -c "$PY -m pytest -q -p no:cacheprovider --timeout 120 tests/test_compressed_weight.py; $PY -m loadtest.bench_compressed_gemm --reps 60 --tiles 32x256/8/3,64x64/8/3 --rows 1,16,24,32,64,512 --decodes auto,bfloat16 --json $OUT/compressed_gemm.json"
 step compressedtests 240 $PY -m pytest -q -p no:cacheprovider --timeout 120 tests/test_compressed_weight.py tests/test_cuda_engine.py -k "compress"
 step compressedengine 300 bash -c "$PY -m loadtest.bench_gpu --preset llama3-8b,deepseek-v2-lite --batches 1,32 --iters 10 && $PY -m loadtest.bench_gpu --preset llama3-8b,deepseek-v2-lite --batches 1,32 --iters 10 --compress-weights --gemv-launch 32x256/4/3,32x256/8/3,32x128/4/3"
 # The one-row compressed kernel's launch shapes (its default: 32x256 with 8 warps; triton_aot for registers): fewer per
 # thread (8 warps, narrower K) keeps more warps in flight for a memory-bound GEMV.
 step compressedsweep 200 $PY -m loadtest.bench_compressed_gemm --reps 60 --rows 1 --tiles 32x256/4/3,32x256/8/3,32x128/4/3,16x256/4/3,64x64/8/3,32x64/4/3 --json $OUT/compressed_sweep.json
+# The tiles' (17-32 rows) and the compressed experts' fast decode (TILES_DECODE / EXPERTS_DECODE, select until
+# timed): correct compiled on the device, then per matrix and per decode step against select.
+step compressedfast 300 bash -c "$PY -m pytest -q -p no:cacheprovider --timeout 120 tests/test_compressed_weight.py tests/test_cuda_engine.py -k compress; $PY -m loadtest.bench_compressed_gemm --reps 40 --rows 16,24,32 --tiles 64x64/8/3 --decodes select,fast --json $OUT/compressed_tiles_fast.json; for d in select fast select fast; do $PY -m loadtest.bench_gpu --preset llama3-8b,deepseek-v2-lite --batches 16,32 --iters 20 --prefill-tokens 512 --compress-weights --tiles-decode \$d; done"
 step mla 90 $PY -m loadtest.bench_gpu --preset deepseek-v2-lite --quantization int4 --batches 1,32
 cat "$summary"

@@ -110,13 +110,14 @@ def test_the_kernel_on_compressed_weights_equals_it_on_plain_ones(m, n, k, block
         for gemv in (False, True):  # (tensor-core tiles, one row per program)
             launch = dict(block_n=block_n, block_k=block_k, split_k=split_k, gemv=gemv)
             y = compressed_linear(x, c, **launch)
-            if gemv:  # (the float32-bits decodes against the decode through bfloat16: the same weights)
-                y_ref = compressed_linear(x, c, decode="bfloat16", **launch)
-                y_sel = compressed_linear(x, c, decode="select", **launch)
-                assert torch.equal(y_sel, y_ref) if not CUDA else _rel(y_sel, y_ref) < 1e-6
-                if c.num_escapes == 0 and not CUDA:  # (else stand-ins added and taken back out: rounding)
-                    assert torch.equal(y, y_ref)
-                assert _rel(y, y_ref) < 1e-5
+            # Every decode against the reference (through bfloat16): the same weights, the same sums but
+            # for the fast decode's escape stand-ins, added and taken back out (float32 rounding)
+            y_ref = compressed_linear(x, c, decode="bfloat16", **launch)
+            for decode in ("select", "fast"):
+                y_d = compressed_linear(x, c, decode=decode, **launch)
+                if (decode == "select" or c.num_escapes == 0) and not CUDA:
+                    assert torch.equal(y_d, y_ref), (decode, gemv)
+                assert _rel(y_d, y_ref) < 1e-5 and _rel(y_d, x.double() @ wd.double().T) < 1e-5, (decode, gemv)
             plain = compressed_linear(x, c, plain=wd, **launch)
             ref = x.double() @ wd.double().T
             if c.num_escapes == 0 and not CUDA:
@@ -134,12 +135,15 @@ def test_escapes_land_in_their_own_columns_only_nan_and_inf_included(block_m):
     w[5, 7], w[40, 90], w[79, 0] = float("nan"), float("inf"), float("-inf")
     c = pack(w).to(DEV)
     x = torch.randn(block_m + 3, 96, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16).to(DEV)
-    y = compressed_linear(x, c, block_n=32, block_k=32, split_k=2, block_m=block_m, gemv=block_m == 1)
     ref = x.double() @ w.to(DEV).double().T
     bad = [5, 40, 79]
-    assert torch.equal(y[:, bad].isnan(), ref[:, bad].isnan()) and torch.equal(y[:, bad].isinf(), ref[:, bad].isinf())
     good = [i for i in range(80) if i not in bad]
-    assert _rel(y[:, good], ref[:, good]) < 1e-5
+    for decode in ("fast", "select"):  # (fast: the NaN/Inf escape's stand-in comes back out as NaN/Inf too)
+        y = compressed_linear(x, c, block_n=32, block_k=32, split_k=2, block_m=block_m, gemv=block_m == 1,
+                              decode=decode)
+        assert torch.equal(y[:, bad].isnan(), ref[:, bad].isnan()), decode
+        assert torch.equal(y[:, bad].isinf(), ref[:, bad].isinf()), decode
+        assert _rel(y[:, good], ref[:, good]) < 1e-5, decode
 
 
 def test_escape_stand_ins_only_where_they_stay_small():
@@ -153,10 +157,11 @@ def test_escape_stand_ins_only_where_they_stay_small():
     c = pack(w.to(torch.bfloat16)).to(DEV)
     assert c.base > STAND_IN_MAX_BASE and c.num_escapes > 0
     x = torch.randn(1, 96, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16).to(DEV)
-    y = compressed_linear(x, c, block_n=16, block_k=32, gemv=True)
     ref = x.double() @ w.to(torch.bfloat16).to(DEV).double().T
-    assert not bool(y.isinf().any()) and _rel(y, ref) < 1e-5
-    assert torch.equal(y, compressed_linear(x, c, block_n=16, block_k=32, gemv=True, decode="select"))
+    for gemv in (True, False):
+        y = compressed_linear(x, c, block_n=16, block_k=32, gemv=gemv, decode="fast")
+        assert not bool(y.isinf().any()) and _rel(y, ref) < 1e-5
+        assert torch.equal(y, compressed_linear(x, c, block_n=16, block_k=32, gemv=gemv, decode="select"))
     with pytest.raises(ValueError, match="decode"):
         compressed_linear(x, c, gemv=True, decode="fastest")
 
@@ -185,18 +190,22 @@ def test_the_gpu_decoder_equals_the_reference_bit_for_bit(monkeypatch):
     assert _rel(matmul(x[:3], c), x[:3].double() @ odd.to(DEV).double().T) < 1e-5
 
 
+@pytest.mark.parametrize("decode", ["select", "fast"])
 @pytest.mark.parametrize("tokens, top_k, experts", [(1, 2, 4), (9, 2, 5)])
-def test_compressed_expert_stacks_through_the_grouped_kernel_equal_the_plain_experts(tokens, top_k, experts):
+def test_compressed_expert_stacks_through_the_grouped_kernel_equal_the_plain_experts(tokens, top_k, experts,
+                                                                                      decode, monkeypatch):
     """Each projection's experts stacked as rows and compressed (`Experts.compress`), through the grouped
-    MoE kernel (tiles decoded in registers, escapes added by the tile's program — scaled by the routing
-    weight in the down projection) and through the per-expert loop that decodes each chosen expert's
-    rows: both equal the plain bfloat16 experts' loop up to float32 rounding; escapes in many experts."""
+    MoE kernel (tiles decoded in registers by either decode, escapes added by the tile's program — scaled
+    by the routing weight in the down projection) and through the per-expert loop that decodes each
+    chosen expert's rows: both equal the plain bfloat16 experts' loop up to float32 rounding; escapes in
+    many experts."""
     import torch.nn.functional as F
 
     from engine.model.compressed_weight import row_range
     from engine.model.kernels import moe_triton
     from engine.model.moe import grouped_experts, grouped_experts_reference, route
 
+    monkeypatch.setattr(moe_triton, "EXPERTS_DECODE", decode)
     torch.manual_seed(tokens)
     hidden, inter = (1024, 512) if CUDA else (64, 32)
     x = torch.randn(tokens, hidden, device=DEV, dtype=torch.bfloat16)
@@ -221,8 +230,9 @@ def test_compressed_expert_stacks_through_the_grouped_kernel_equal_the_plain_exp
 
 
 @pytest.mark.skipif(CUDA, reason="the GPU code path on CPU tensors, interpreted")
+@pytest.mark.parametrize("tiles_decode", ["select", "fast"])
 @pytest.mark.parametrize("family", ["llama3", "qwen2", "qwen3_moe"])  # (untied head; tied head; experts)
-def test_an_engine_with_compressed_weights_decodes_as_with_plain_ones(tmp_path, monkeypatch, family):
+def test_an_engine_with_compressed_weights_decodes_as_with_plain_ones(tmp_path, monkeypatch, family, tiles_decode):
     """`--compress-weights` through the whole engine (every Triton kernel in its seam, interpreted): every
     bfloat16 linear layer and the embedding table hold their weights compressed (a tied LM head the
     table itself), the compressed matmul and row lookup run every step, and greedy tokens equal the same
@@ -231,10 +241,12 @@ def test_an_engine_with_compressed_weights_decodes_as_with_plain_ones(tmp_path, 
     from hf_models import make_hf_model
 
     from common.sampling_params import SamplingParams
-    from engine.model.kernels import compressed_triton, kernels
+    from engine.model.kernels import compressed_triton, kernels, moe_triton
     from engine.model.layers import Linear
 
     hf = make_hf_model(family, tmp_path / "m")
+    monkeypatch.setattr(compressed_triton, "TILES_DECODE", tiles_decode)  # (the prompts' <= 32-row chunks)
+    monkeypatch.setattr(moe_triton, "EXPERTS_DECODE", tiles_decode)
     monkeypatch.setenv("SPLITFIRE_KERNELS", "triton")
     kernels.cache_clear()
     try:

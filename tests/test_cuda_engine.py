@@ -101,12 +101,18 @@ def test_graph_decoded_tokens_are_greedy_choices_up_to_bfloat16(family):
     _graph_tokens_are_greedy_choices(family, make_engine(family.path, **GPU))
 
 
-def test_compressed_weights_on_the_gpu_hold_the_same_bar(family):
+@pytest.mark.parametrize("tiles_decode", ["select", "fast"])
+def test_compressed_weights_on_the_gpu_hold_the_same_bar(family, tiles_decode, monkeypatch):
     """`--compress-weights` compiled on the device, every family: each bfloat16 matrix (attention, MLPs,
     routed experts through the grouped kernel, routers, LM head) and the embedding table stay compressed
     and are decoded inside the kernels; the weights are bit-identical, only the matmuls' summation order
-    differs from cuBLAS, so logits and graph-decoded greedy tokens meet the same bfloat16 bar."""
+    differs from cuBLAS, so logits and graph-decoded greedy tokens meet the same bfloat16 bar — with the
+    tiles' and experts' select decode and with their fast one."""
+    from engine.model.kernels import compressed_triton, moe_triton
     from engine.model.layers import Linear
+
+    monkeypatch.setattr(compressed_triton, "TILES_DECODE", tiles_decode)
+    monkeypatch.setattr(moe_triton, "EXPERTS_DECODE", tiles_decode)
 
     engine = make_engine(family.path, **GPU, compress_weights=True)
     model = engine.model

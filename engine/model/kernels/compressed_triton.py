@@ -80,6 +80,33 @@ def _weights_f32(plane_ptr, rn, kk, code, base, N, K, SELECT: tl.constexpr):
 
 
 @triton.jit
+def _weights_scaled(plane_ptr, rn, kk, code, N, K):
+    """`_weights` times 2^(112 - base) in bfloat16 for the tensor-core tiles, the fast decode's form: the
+    sign+mantissa byte read as a signed byte keeps its sign at bit 15 and its mantissa at bits 0-6, and
+    the exponent 112 + code is ORed in (no add, no select); an escape (code 15) decodes as its own sign
+    and mantissa at exponent 127, taken back out by the escape loop (`_stand_in`). The caller scales the
+    sums back by `_unscale(base)`."""
+    plane = tl.load(plane_ptr.to(tl.pointer_type(tl.int8)) + rn[:, None] * K + kk[None, :],
+                    mask=(rn[:, None] < N) & (kk[None, :] < K), other=0).to(tl.int32)
+    bits = (plane & 0x807F) | (code << 7) | (112 << 7)
+    return bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def _unscale(base):
+    """2^(base - 112) in float32 (exponent field base + 15): what the fast decode's sums are scaled back by."""
+    return ((base + 15) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _stand_in(v, base):
+    """The value the fast decode gave escaped weight `v` (bfloat16), scaled back, in float32: v's sign and
+    mantissa at exponent base + 15."""
+    sm = v.to(tl.int16, bitcast=True).to(tl.int32) & 0x807F  # (sign-extended: bit 15 kept)
+    return ((sm | ((base + 15) << 7)) << 16).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _code_bytes(codes_ptr, rn, k0, j, N, code_row):
     """The code bytes of rows `rn` for the K tile at `k0` (byte j: columns k0 + (j//16)*32 + j%16 and +16);
     255 (two escapes) outside the matrix."""
@@ -89,7 +116,8 @@ def _code_bytes(codes_ptr, rn, k0, j, N, code_row):
 
 
 @triton.jit
-def _weight_halves(w_ptr, plane_ptr, codes_ptr, rn, k0, j, k_a, k_b, base, N, K, code_row, PLAIN: tl.constexpr):
+def _weight_halves(w_ptr, plane_ptr, codes_ptr, rn, k0, j, k_a, k_b, base, N, K, code_row, PLAIN: tl.constexpr,
+                   FAST: tl.constexpr = False):
     """The K tile at `k0` of rows `rn` as its two halves (columns `k_a`, `k_b`) in bfloat16: decoded from the
     planes and codes, or (`PLAIN`) read from an ordinary bfloat16 matrix at `w_ptr`."""
     if PLAIN:
@@ -97,8 +125,12 @@ def _weight_halves(w_ptr, plane_ptr, codes_ptr, rn, k0, j, k_a, k_b, base, N, K,
         w_b = tl.load(w_ptr + rn[:, None] * K + k_b[None, :], mask=(rn[:, None] < N) & (k_b[None, :] < K), other=0.0)
     else:
         byte = _code_bytes(codes_ptr, rn, k0, j, N, code_row)
-        w_a = _weights(plane_ptr, rn, k_a, byte & 0x0F, base, N, K)
-        w_b = _weights(plane_ptr, rn, k_b, byte >> 4, base, N, K)
+        if FAST:  # (times 2^(112 - base), escapes as stand-ins: `_weights_scaled`)
+            w_a = _weights_scaled(plane_ptr, rn, k_a, byte & 0x0F, N, K)
+            w_b = _weights_scaled(plane_ptr, rn, k_b, byte >> 4, N, K)
+        else:
+            w_a = _weights(plane_ptr, rn, k_a, byte & 0x0F, base, N, K)
+            w_b = _weights(plane_ptr, rn, k_b, byte >> 4, base, N, K)
     return w_a, w_b
 
 
@@ -106,7 +138,8 @@ def _weight_halves(w_ptr, plane_ptr, codes_ptr, rn, k0, j, k_a, k_b, base, N, K,
 def _matmul_kernel(x_ptr, w_ptr, plane_ptr, codes_ptr, esc_start_ptr, esc_rows_ptr, esc_cols_ptr, esc_vals_ptr,
                    y_ptr, M, N, K, base, stride_xm, code_row,
                    PLAIN: tl.constexpr, ESCAPES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, F32_DOT: tl.constexpr, ESC_CHUNK: tl.constexpr):
+                   BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, F32_DOT: tl.constexpr, ESC_CHUNK: tl.constexpr,
+                   FAST: tl.constexpr):
     """Program (m, n, s): rows m, columns n, the s-th share of K; float32 sums into y [SPLIT_K, M, N].
     Each K tile is two halves of 16-column runs (a code byte's low and high nibbles: `CompressedBF16.codes`),
     one dot each. Then the program of share 0 adds its columns' escapes into the tile it stored."""
@@ -126,19 +159,22 @@ def _matmul_kernel(x_ptr, w_ptr, plane_ptr, codes_ptr, esc_start_ptr, esc_rows_p
                       other=0.0).to(tl.bfloat16)
         x_b = tl.load(x_ptr + rm[:, None] * stride_xm + k_b[None, :], mask=xrows & (k_b[None, :] < K),
                       other=0.0).to(tl.bfloat16)
-        w_a, w_b = _weight_halves(w_ptr, plane_ptr, codes_ptr, rn, k0, j, k_a, k_b, base, N, K, code_row, PLAIN)
+        w_a, w_b = _weight_halves(w_ptr, plane_ptr, codes_ptr, rn, k0, j, k_a, k_b, base, N, K, code_row, PLAIN,
+                                  FAST and not PLAIN)
         if F32_DOT:  # (the interpreter: its bfloat16 dot is wrong; the same exact products in float32)
             acc += tl.dot(x_a.to(tl.float32), tl.trans(w_a.to(tl.float32)))
             acc += tl.dot(x_b.to(tl.float32), tl.trans(w_b.to(tl.float32)))
         else:
             acc += tl.dot(x_a, tl.trans(w_a))
             acc += tl.dot(x_b, tl.trans(w_b))
+    if FAST and not PLAIN:
+        acc = acc * _unscale(base)
     out = y_ptr + pid_k * M * N
     tl.store(out + rm[:, None] * N + rn[None, :], acc, mask=xrows & (rn[None, :] < N))
     if ESCAPES:
         if pid_k == 0:
             _add_escapes(out, x_ptr, rm, xrows, stride_xm, N, pid_n * BLOCK_N, esc_start_ptr, esc_rows_ptr,
-                         esc_cols_ptr, esc_vals_ptr, BLOCK_N, ESC_CHUNK)
+                         esc_cols_ptr, esc_vals_ptr, BLOCK_N, ESC_CHUNK, base, FAST and not PLAIN)
 
 
 @triton.jit
@@ -162,9 +198,7 @@ def _add_escapes(out, x_ptr, rm, xrows, stride_xm, N, n0, esc_start_ptr, esc_row
         xv = tl.load(x_ptr + rm[:, None] * stride_xm + c[None, :], mask=both, other=0.0).to(tl.bfloat16).to(tl.float32)
         add = xv * v.to(tl.float32)[None, :]
         if SUBTRACT:
-            sm = v.to(tl.int16, bitcast=True).to(tl.int32) & 0x807F  # (sign-extended: bit 15 kept)
-            fake = ((sm | ((base + 15) << 7)) << 16).to(tl.float32, bitcast=True)
-            add -= xv * fake[None, :]
+            add -= xv * _stand_in(v, base)[None, :]
         tl.atomic_add(out + rm[:, None] * N + r[None, :], add, mask=both)
 
 
@@ -200,7 +234,7 @@ def _gemv_kernel(x_ptr, w_ptr, plane_ptr, codes_ptr, esc_start_ptr, esc_rows_ptr
         acc += w_b.to(tl.float32) * x_b[None, :]
     total = tl.sum(acc, axis=1)
     if F32_BITS and not PLAIN and not ESC_SELECT:  # (weights decoded times 2^(112 - base): scaled back)
-        total = total * ((base + 15) << 23).to(tl.float32, bitcast=True)
+        total = total * _unscale(base)
     out = y_ptr + pid_k * M * N
     tl.store(out + row * N + rn, total, mask=rn < N)
     if ESCAPES:
@@ -328,23 +362,37 @@ def matmul(x: torch.Tensor, w) -> torch.Tensor:
 # 16 rows 1.90-2.32x with 64 x 64 / 8 warps (bench_compressed_gemm_v4).
 GEMV_LAUNCH = (32, 256, 8, 3)
 TILES_LAUNCH = (64, 64, 8, 3)
-DECODES = ("fast", "select", "bfloat16")
+DECODES = ("auto", "fast", "select", "bfloat16")
+# What "auto" takes per kernel: the row kernel's fast decode is timed (bench_compressed_gemm_v6_decodes:
+# 1.11-1.24x of torch against 1.38-2.06x); the tiles' fast decode (the same integer work per weight, into
+# bfloat16 for the dot) is tested interpreted and compiles with fewer instructions (triton_aot) but has not
+# been timed or run on a GPU yet: the tiles keep the select decode until it has.
+GEMV_DECODE = "fast"
+TILES_DECODE = "select"
 STAND_IN_MAX_BASE = 128
+
+
+def stand_ins_fit(base: int) -> bool:
+    """Whether the fast decode may let escapes decode as stand-ins: scaled back, a stand-in has exponent
+    base + 15, below 2^17 from base 128, so x * stand-in in the escape loop stays finite."""
+    return base <= STAND_IN_MAX_BASE
 
 
 def compressed_linear(x: torch.Tensor, w, plain: torch.Tensor | None = None, block_n: int | None = None,
                       block_k: int | None = None, warps: int | None = None, stages: int | None = None,
                       split_k: int | None = None, block_m: int | None = None,
-                      gemv: bool | None = None, decode: str = "fast") -> torch.Tensor:
+                      gemv: bool | None = None, decode: str = "auto") -> torch.Tensor:
     """x [M, K] @ W^T in float32, W a `CompressedBF16` (decoded per tile in the kernel, escapes added by
     the tiles' programs), or with `plain` (a bfloat16 [N, K]) the same kernel reading it as is. The
     kernel (one row per program up to GEMV_MAX_ROWS rows, else tensor-core tiles), tile shape, warps,
     pipeline stages and K split are launch choices (the packing does not depend on them).
-    `decode` (the one-row kernel's): "fast" builds each weight's float32 bits directly (`_weights_f32`)
-    and lets an escape decode as a finite stand-in that its escape add takes back out (no select per
-    weight; when the band's top exponent keeps that stand-in small, else as "select"); "select" the same
-    bits with escapes selected to 0; "bfloat16" widens each weight through bfloat16 (`_weights`), the
-    reference: the same weights, and the same sums but for the escapes' rounding."""
+    `decode`: "fast" ORs each weight's exponent in as 112 + code (weights times 2^(112 - base), the sums
+    scaled back once) and lets an escape decode as a finite stand-in that its escape add takes back out
+    (no add or select per weight; when the band's top exponent keeps that stand-in small, else as
+    "select"): float32 bits in the row kernel (`_weights_f32`), bfloat16 in the tiles (`_weights_scaled`);
+    "select" adds base + code and selects escapes to 0; "bfloat16" (the row kernel's reference) widens
+    each weight through bfloat16 (`_weights`), as the tiles' select decode does; "auto": GEMV_DECODE or
+    TILES_DECODE. The same weights whichever: the sums differ only by the stand-ins' rounding."""
     n, k = w.shape
     m = x.shape[0]
     one_row = m <= GEMV_MAX_ROWS if gemv is None else gemv
@@ -362,13 +410,14 @@ def compressed_linear(x: torch.Tensor, w, plain: torch.Tensor | None = None, blo
             w.esc_vals, part, m, n, k, w.base, x.stride(0), w.codes.shape[1])
     consts = dict(PLAIN=plain is not None, ESCAPES=plain is None and w.num_escapes > 0, BLOCK_N=block_n,
                   BLOCK_K=block_k, SPLIT_K=split, ESC_CHUNK=ESC_CHUNK, num_warps=warps, num_stages=stages)
+    if decode not in DECODES:
+        raise ValueError(f"decode must be one of {DECODES}, got {decode!r}")
+    if decode == "auto":
+        decode = GEMV_DECODE if one_row else TILES_DECODE
+    fast = decode == "fast" and stand_ins_fit(w.base)
     if one_row:
-        if decode not in DECODES:
-            raise ValueError(f"decode must be one of {DECODES}, got {decode!r}")
-        # (an escape's stand-in, scaled back, has exponent base + 15: below 2^17 from base 128, so the escape
-        # loop's x * stand-in stays finite)
-        select = decode == "select" or w.base > STAND_IN_MAX_BASE
-        _gemv_kernel[(grid_m, grid_n, split)](*args, **consts, F32_BITS=decode != "bfloat16", ESC_SELECT=select)
-    else:
-        _matmul_kernel[(grid_m, grid_n, split)](*args, BLOCK_M=bm, F32_DOT=x.device.type != "cuda", **consts)
+        _gemv_kernel[(grid_m, grid_n, split)](*args, **consts, F32_BITS=decode != "bfloat16", ESC_SELECT=not fast)
+    else:  # (the tiles decode to bfloat16 either way: "select" and "bfloat16" are the same decode there)
+        _matmul_kernel[(grid_m, grid_n, split)](*args, BLOCK_M=bm, F32_DOT=x.device.type != "cuda", FAST=fast,
+                                                **consts)
     return part[0] if split == 1 else part.sum(0)

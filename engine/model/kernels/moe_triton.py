@@ -17,7 +17,15 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.model.kernels.compressed_triton import ESC_CHUNK, _code_bytes, _weights
+from engine.model.kernels.compressed_triton import (
+    ESC_CHUNK,
+    _code_bytes,
+    _stand_in,
+    _unscale,
+    _weights,
+    _weights_scaled,
+    stand_ins_fit,
+)
 from engine.model.kernels.quant_triton import dequant_halves, dequant_tile, packed_group
 
 
@@ -65,6 +73,7 @@ def _grouped_gemm_kernel(
     GATHER: tl.constexpr, HAS_SCALE: tl.constexpr, QUANT: tl.constexpr, GROUP: tl.constexpr, INT4: tl.constexpr,
     PACKED: tl.constexpr, COMPRESSED: tl.constexpr, ESCAPES: tl.constexpr, F32_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ESC_CHUNK: tl.constexpr,
+    FAST: tl.constexpr = False,
 ):
     """C[slot] = A[row(slot)] @ W[expert(tile)]^T (* scale[slot]) for one BLOCK_M x BLOCK_N tile.
     rows[slot] < 0 marks padding. GATHER: A's row is rows[slot]; else A is already in slot order.
@@ -72,7 +81,9 @@ def _grouped_gemm_kernel(
     per expert), dequantized in registers by `quant_triton.dequant_halves` (PACKED: a power-of-two group)
     or `dequant_tile`. COMPRESSED: W is a `CompressedStack` (sign+mantissa planes at w_ptr, exponent codes
     at codes_ptr; expert e's rows e*N ..), decoded in registers as `compressed_triton` does, C float32,
-    and the tile's escaped weights added after it is stored (atomic adds, scaled as the tile was)."""
+    and the tile's escaped weights added after it is stored (atomic adds, scaled as the tile was); FAST:
+    by the fast decode (`compressed_triton._weights_scaled`: the sums scaled back, the escapes' stand-ins
+    taken back out with their adds)."""
     tile = tl.program_id(0)
     pid_n = tl.program_id(1)
     e = tl.load(tile_expert_ptr + tile)
@@ -95,8 +106,12 @@ def _grouped_gemm_kernel(
                 k_b = k_a + 16
                 wrow = e * N + n  # (rows past this expert's N are masked as outside the matrix)
                 byte = _code_bytes(codes_ptr, wrow, kk, j, e * N + N, code_row)
-                w_a = _weights(w_ptr, wrow, k_a, byte & 0x0F, base, e * N + N, K)
-                w_b = _weights(w_ptr, wrow, k_b, byte >> 4, base, e * N + N, K)
+                if FAST:
+                    w_a = _weights_scaled(w_ptr, wrow, k_a, byte & 0x0F, e * N + N, K)
+                    w_b = _weights_scaled(w_ptr, wrow, k_b, byte >> 4, e * N + N, K)
+                else:
+                    w_a = _weights(w_ptr, wrow, k_a, byte & 0x0F, base, e * N + N, K)
+                    w_b = _weights(w_ptr, wrow, k_b, byte >> 4, base, e * N + N, K)
             else:  # (bf16 tensor cores on CUDA)
                 w_a, k_a, w_b, k_b = dequant_halves(w_ptr + e * stride_we, s_ptr + e * stride_se,
                                                     m_ptr + e * stride_se, n, k0 * BLOCK_K, N, K, groups, GROUP,
@@ -119,6 +134,8 @@ def _grouped_gemm_kernel(
             w = tl.load(w_ptr + e * stride_we + n[None, :] * stride_wn + k[:, None] * stride_wk,
                         mask=(k[:, None] < K) & (n[None, :] < N), other=0.0)
             acc += _dot(a, w, F32_DOT)
+    if COMPRESSED and FAST:
+        acc = acc * _unscale(base)
     if HAS_SCALE:
         slot_scale = tl.load(scale_ptr + slots, mask=valid, other=0.0).to(tl.float32)
         acc *= slot_scale[:, None]
@@ -137,13 +154,21 @@ def _grouped_gemm_kernel(
                 em = e0 + ee < hi
                 r = tl.load(esc_rows_ptr + e0 + ee, mask=em, other=0) - e * N
                 col = tl.load(esc_cols_ptr + e0 + ee, mask=em, other=0)
-                v = tl.load(esc_vals_ptr + e0 + ee, mask=em, other=0.0).to(tl.float32)
+                v = tl.load(esc_vals_ptr + e0 + ee, mask=em, other=0.0)
                 both = valid[:, None] & em[None, :]
                 av = tl.load(a_ptr + a_rows[:, None] * stride_am + col[None, :], mask=both, other=0.0)
-                add = av.to(tl.float32) * v[None, :]
+                add = av.to(tl.float32) * v.to(tl.float32)[None, :]
+                if FAST:
+                    add -= av.to(tl.float32) * _stand_in(v, base)[None, :]
                 if HAS_SCALE:
                     add = add * slot_scale[:, None]
                 tl.atomic_add(c_ptr + slots[:, None] * stride_cm + r[None, :], add, mask=both)
+
+
+# The compressed experts' decode: "fast" (`compressed_triton._weights_scaled`) or "select". Tested
+# interpreted, compiles with fewer instructions per weight (loadtest/triton_aot.py), not yet timed or run
+# on a GPU: select until it has (as compressed_triton.TILES_DECODE).
+EXPERTS_DECODE = "select"
 
 
 def align_to_experts(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -192,7 +217,8 @@ def _gemm(a: torch.Tensor, w: torch.Tensor | QuantizedStack | CompressedStack, r
         strides = (0, 0, 0, 0)
         quant = dict(QUANT=False, GROUP=1, INT4=False, PACKED=False)
         extra = (w.codes, w.esc_start, w.esc_rows, w.esc_cols, w.esc_vals, w.base, w.codes.shape[1])
-        cmpr = dict(COMPRESSED=True, ESCAPES=w.num_escapes > 0)
+        cmpr = dict(COMPRESSED=True, ESCAPES=w.num_escapes > 0,
+                    FAST=EXPERTS_DECODE == "fast" and stand_ins_fit(w.base))
         c_dtype = torch.float32  # (escapes are added to it atomically)
     elif not isinstance(w, torch.Tensor):
         n, k = w.scales.shape[1], w.q.shape[2] * (2 if w.kind == "int4" else 1)
