@@ -231,6 +231,9 @@ def cases() -> list[Case]:
     out.append(Case("compressed 16 rows, split K", lambda: ct.compressed_linear(randn(16, 512), w_esc, split_k=2)))
     out.append(Case("compressed kernel on plain weights", lambda: ct.compressed_linear(randn(16, 512), w_esc,
                                                                                         plain=randn(256, 512))))
+    for m, decode in ((1, "select"), (16, "fast"), (32, "fast")):  # (the decodes "auto" does not take)
+        out.append(Case(f"compressed {m} rows, {decode} decode",
+                        lambda m=m, decode=decode: ct.compressed_linear(randn(m, 512), w_esc, decode=decode)))
     out.append(Case("compressed decode", lambda: ct.decompress(w_esc)))
     out.append(Case("compressed rows (embedding)", lambda: ct.rows(w_esc, torch.tensor([1, 5, 7]))))
 
@@ -266,6 +269,17 @@ def cases() -> list[Case]:
     cgu, cdn = compressed(experts * 2 * inter, hidden, True), compressed(experts * hidden, inter, True)
     out.append(Case("MoE compressed experts", lambda: moe_triton.fused_experts(
         x, ids, weights, cgu, cdn, F.silu, num_experts=experts)))
+
+    def experts_decoded(decode: str) -> None:
+        kept = moe_triton.EXPERTS_DECODE
+        moe_triton.EXPERTS_DECODE = decode
+        try:
+            moe_triton.fused_experts(x, ids, weights, cgu, cdn, F.silu, num_experts=experts)
+        finally:
+            moe_triton.EXPERTS_DECODE = kept
+
+    other = "fast" if moe_triton.EXPERTS_DECODE == "select" else "select"
+    out.append(Case(f"MoE compressed experts, {other} decode", lambda: experts_decoded(other)))
 
     def lora(rank: int) -> None:
         rows = [-1, 2, 2, 0, 0, 0, 1]
