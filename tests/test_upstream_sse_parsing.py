@@ -105,17 +105,19 @@ def test_framed_fast_path_gives_the_text_full_parsing_gives(monkeypatch):
         body = _stream(rng, texts, spaced=trial % 10 == 9)
         cuts = sorted(rng.sample(range(1, len(body)), min(len(body) - 1, rng.randint(1, 40))))
         p = ou.EventParser()
-        text, finish, usage, done = "", None, None, False
+        text, finish, usage, done, reasoning = "", None, None, False, ""
         for a, b in zip([0, *cuts], [*cuts, len(body)], strict=True):
             c, d = p.feed(body[a:b])
             if c is not None:
                 text += c.text
+                reasoning += (c.extra or {}).get("reasoning_content", "")
                 finish = c.finish_reason or finish
                 usage = (c.prompt_tokens, c.completion_tokens) if c.completion_tokens else usage
             if d:
                 done = True
                 break
         assert done and text == "".join(texts) and finish == "length", trial
+        assert reasoning == "hm" * body.count(b'"reasoning_content"'), trial  # (never taken for a framed read)
         assert usage == (9, len(texts)), trial
     # A plain stream read event by event (68 reads): only the role event, the first delta (where
     # the frame is learned) and finish, usage and [DONE] need full parsing.
