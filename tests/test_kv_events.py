@@ -113,6 +113,19 @@ async def _complete(s: aiohttp.ClientSession, router, prompt: list[int]) -> str:
         return r.headers["X-Splitfire-Decode"]
 
 
+async def _spread(s: aiohttp.ClientSession, router, count: int, salt: int) -> tuple[list[list[int]], list[str]]:
+    """`count` 96-token conversations sent at once through `router` until they land on both workers (what
+    the tests need to mean something: one router alone would send each to the worker holding its
+    prefix). On a loaded machine the requests can arrive one after another, each done before the next is
+    placed, and then load puts them all on one worker: a few tries with fresh prompts."""
+    for attempt in range(5):
+        conversations = [[(salt * j + 5 * i + 31 * attempt) % 390 + 3 for j in range(96)] for i in range(count)]
+        first = await asyncio.gather(*(_complete(s, router, c) for c in conversations))
+        if len(set(first)) == 2:
+            return conversations, first
+    raise AssertionError(f"{count} concurrent requests never spread over both workers: {first}")
+
+
 async def _synced(s: aiohttp.ClientSession, router) -> dict[str, dict]:
     for _ in range(100):
         async with s.get(f"{base_url(router)}/health") as r:
@@ -125,12 +138,10 @@ async def _synced(s: aiohttp.ClientSession, router) -> dict[str, dict]:
 
 async def test_a_second_turn_on_the_other_replica_finds_its_prefix(fleet):
     r1, r2 = fleet["routers"]
-    conversations = [[(11 * j + 7 * i) % 390 + 3 for j in range(96)] for i in range(8)]
     async with aiohttp.ClientSession() as s:
         await _synced(s, r1)
         await _synced(s, r2)
-        first = await asyncio.gather(*(_complete(s, r1, c) for c in conversations))  # at once: spread by load
-        assert len(set(first)) == 2  # (the test means something: router 2 alone would send all to one)
+        conversations, first = await _spread(s, r1, 8, 11)  # at once: spread by load
         await asyncio.sleep(0.5)  # the events reach Redis and router 2
         views = await _synced(s, r2)
         assert sum(v["blocks"] for v in views.values()) >= 8 * 5
@@ -147,10 +158,8 @@ async def test_a_restarted_replica_bootstraps_from_the_workers(fleet):
     r1, r2 = fleet["routers"]
     r2.stop()
     r2 = fleet["routers"][1] = start_router(fleet["tiny"], fleet["logs"], *fleet["common"], name="router1b")
-    conversations = [[(13 * j + 5 * i) % 390 + 3 for j in range(96)] for i in range(6)]
     async with aiohttp.ClientSession() as s:
-        first = await asyncio.gather(*(_complete(s, r1, c) for c in conversations))
-        assert len(set(first)) == 2
+        conversations, first = await _spread(s, r1, 6, 13)
         await asyncio.sleep(0.5)
         await _synced(s, r2)
         second = [await _complete(s, r2, c + [9]) for c in conversations]
