@@ -238,9 +238,10 @@ def main() -> int:
     p.add_argument("--compress-weights", action="store_true",
                    help="hold the bfloat16 linear weights losslessly compressed (as --compress-weights does; "
                    "CUDA, Triton backend only): the roofline counts the compressed bytes")
-    p.add_argument("--tiles-decode", choices=["select", "fast"], default=None,
-                   help="with --compress-weights: the decode of the 17-32-row tiles and the compressed experts "
-                   "(compressed_triton.TILES_DECODE, moe_triton.EXPERTS_DECODE; default: theirs)")
+    p.add_argument("--tiles-decode", default=None, metavar="select,fast,...",
+                   help="with --compress-weights: time the decode steps once per decode of the 2-32-row tiles and "
+                   "the compressed experts, in this order (compressed_triton.TILES_DECODE, "
+                   "moe_triton.EXPERTS_DECODE; default: theirs)")
     p.add_argument("--gemv-launch", default=None, metavar="NxK/W/S,...",
                    help="with --compress-weights: time the decode steps once per one-row kernel launch shape "
                    "(block_n x block_k / warps / stages, for every K; 'auto': the kernel's defaults per K)")
@@ -250,19 +251,22 @@ def main() -> int:
     bw, peak = bandwidth(dev), matmul_peak(dev, dtype)
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "CPU"
     print(f"device {name}: copy bandwidth {bw / 1e9:.0f} GB/s, {dtype} matmul peak {peak / 1e12:.1f} TFLOP/s; "
-          f"weights {args.quantization or dtype}{' compressed' if args.compress_weights else ''}"
-          f"{f' (tiles decode {args.tiles_decode})' if args.tiles_decode else ''}")
+          f"weights {args.quantization or dtype}{' compressed' if args.compress_weights else ''}")
     backends = ["torch", "triton"] if (dev.type == "cuda" or os.environ.get("TRITON_INTERPRET")) else ["torch"]
     if args.compress_weights:
         if dev.type != "cuda" or args.quantization:
             raise SystemExit("--compress-weights needs --device cuda and no --quantization (as the engine's flag)")
         backends = ["triton"]
+    from engine.model.kernels import moe_triton
+
+    decodes: list[str | None] = [None]
     if args.tiles_decode:
         if not args.compress_weights:
             raise SystemExit("--tiles-decode needs --compress-weights")
-        from engine.model.kernels import moe_triton
-
-        compressed_triton.TILES_DECODE = moe_triton.EXPERTS_DECODE = args.tiles_decode
+        decodes = list(args.tiles_decode.split(","))
+        if not set(decodes) <= {"select", "fast"}:
+            raise SystemExit(f"--tiles-decode takes select and fast, got {args.tiles_decode!r}")
+    default_decode = compressed_triton.TILES_DECODE
     launches: list[tuple[int, int, int, int] | None] = [None]
     default = compressed_triton.GEMV_LAUNCH
     if args.gemv_launch:
@@ -270,7 +274,7 @@ def main() -> int:
             raise SystemExit("--gemv-launch needs --compress-weights (it shapes the compressed one-row kernel)")
         launches = [None if t == "auto" else parse_launch(t) for t in args.gemv_launch.split(",")]
     batches = [int(b) for b in args.batches.split(",")]
-    pw = 18 if args.gemv_launch else 8  # (the path column names the launch shape too)
+    pw = 8 + 10 * bool(args.gemv_launch) + 7 * bool(args.tiles_decode)  # (the path names launch and decode)
     print(f"{'model':<14}{'path':<{pw}}{'case':<18}{'ms':>9}{'CPU ms':>9}{'% roofline / MFU':>18}")
     for preset in args.preset.split(","):
         block_size = 16
@@ -279,11 +283,14 @@ def main() -> int:
                                                 args.compress_weights)
         runner = ModelRunner(model, kv, dev)
         page = kv.layout.page_bytes
-        for backend, launch in [(b, la) for b in backends for la in launches]:
+        for backend, launch, decode in [(b, la, d) for b in backends for la in launches for d in decodes]:
             set_backend(backend)
             compressed_triton.GEMV_LAUNCH = launch or default
+            compressed_triton.TILES_DECODE = moe_triton.EXPERTS_DECODE = decode or default_decode
             if args.gemv_launch:
                 backend += f"@{launch[0]}x{launch[1]}/{launch[2]}" if launch else "@auto"
+            if decode:
+                backend += f"/{decode}"
             # Decode graphs: the last block is the padding rows' scratch, outside every BlockManager below.
             runner.graphs = DecodeGraphs(lambda ids, pos, meta, m=runner.model, c=runner.kv: m(ids, pos, c, meta),
                                          max(batches),

@@ -58,6 +58,6 @@ step compressedengine 300 bash -c "$PY -m loadtest.bench_gpu --preset llama3-8b,
 step compressedsweep 200 $PY -m loadtest.bench_compressed_gemm --reps 60 --rows 1 --tiles 32x256/4/3,32x256/8/3,32x128/4/3,16x256/4/3,64x64/8/3,32x64/4/3 --json $OUT/compressed_sweep.json
 # The tiles' (17-32 rows) and the compressed experts' fast decode (TILES_DECODE / EXPERTS_DECODE, select until
 # timed): correct compiled on the device, then per matrix and per decode step against select.
-step compressedfast 300 bash -c "$PY -m pytest -q -p no:cacheprovider --timeout 120 tests/test_compressed_weight.py tests/test_cuda_engine.py -k compress; $PY -m loadtest.bench_compressed_gemm --reps 40 --rows 16,24,32 --tiles 64x64/8/3 --decodes select,fast --json $OUT/compressed_tiles_fast.json; for d in select fast select fast; do $PY -m loadtest.bench_gpu --preset llama3-8b,deepseek-v2-lite --batches 16,32 --iters 20 --prefill-tokens 512 --compress-weights --tiles-decode \$d; done"
+step compressedfast 400 bash -c "$PY -m pytest -q -p no:cacheprovider --timeout 120 tests/test_compressed_weight.py tests/test_cuda_engine.py -k compress; $PY -m loadtest.bench_compressed_gemm --reps 40 --rows 16,24,32 --tiles 64x64/8/3 --decodes select,fast --json $OUT/compressed_tiles_fast.json; $PY -m loadtest.bench_gpu --preset llama3-8b,deepseek-v2-lite --batches 16,32 --iters 20 --prefill-tokens 512 --compress-weights --tiles-decode select,fast,select,fast"
 step mla 90 $PY -m loadtest.bench_gpu --preset deepseek-v2-lite --quantization int4 --batches 1,32
 cat "$summary"

@@ -119,7 +119,8 @@ def _code_bytes(codes_ptr, rn, k0, j, N, code_row):
 def _weight_halves(w_ptr, plane_ptr, codes_ptr, rn, k0, j, k_a, k_b, base, N, K, code_row, PLAIN: tl.constexpr,
                    FAST: tl.constexpr = False):
     """The K tile at `k0` of rows `rn` as its two halves (columns `k_a`, `k_b`) in bfloat16: decoded from the
-    planes and codes, or (`PLAIN`) read from an ordinary bfloat16 matrix at `w_ptr`."""
+    planes and codes (`FAST`: times 2^(112 - base), escapes as stand-ins), or (`PLAIN`) read from an
+    ordinary bfloat16 matrix at `w_ptr`."""
     if PLAIN:
         w_a = tl.load(w_ptr + rn[:, None] * K + k_a[None, :], mask=(rn[:, None] < N) & (k_a[None, :] < K), other=0.0)
         w_b = tl.load(w_ptr + rn[:, None] * K + k_b[None, :], mask=(rn[:, None] < N) & (k_b[None, :] < K), other=0.0)
@@ -183,8 +184,8 @@ def _add_escapes(out, x_ptr, rm, xrows, stride_xm, N, n0, esc_start_ptr, esc_row
     """out[m, r] += x[m, c] * v for each escape (r, c, v) of rows n0 .. n0 + BLOCK_N and each row m of
     `rm` where `xrows`, into the tile the program has just stored (the barrier: every thread's store is
     in before any thread adds). SUBTRACT: the tile decoded the escape as v's sign and mantissa at exponent
-    base + 15 (`_weights_f32` without SELECT); that product is taken back out with the same add (both
-    products of two bfloat16 values, exact in float32)."""
+    base + 15, scaled back (the fast decode: `_weights_f32` without SELECT, `_weights_scaled`); that
+    product is taken back out with the same add (both products of two bfloat16 values, exact in float32)."""
     tl.debug_barrier()
     lo = tl.load(esc_start_ptr + n0)
     hi = tl.load(esc_start_ptr + tl.minimum(n0 + BLOCK_N, N))
