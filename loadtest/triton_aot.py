@@ -73,6 +73,7 @@ class Compiled:
     barriers: int = 0  # SASS BAR instructions
     conversions: int = 0  # TTGIR convert_layout ops (a register layout change; through shared memory unless trivial)
     tensor_cores: bool = False  # the PTX has mma / wgmma instructions
+    loop: int = 0  # SASS instructions in the main loop (see `main_loop`): the work of one iteration
     error: str = ""
 
     @property
@@ -127,9 +128,32 @@ _SHARED_OP = re.compile(r"\b(?:LDS|STS|LDSM|STSM)(?:\.[\w.]+)?\b")
 _BARRIER = re.compile(r"\bBAR\.")
 
 
-def _resources(cubin: bytes, sass_to: Path | None = None) -> tuple[int, int, int, int, int]:
-    """(registers, local bytes, shared bytes, shared-memory instructions, barriers) of the cubin's one
-    kernel, from `cuobjdump -res-usage` and `-sass` (written to `sass_to` when given)."""
+_SASS_LINE = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+([^;]*);", re.MULTILINE)
+_BRANCH = re.compile(r"\bBRA\s+(0x[0-9a-f]+)")
+
+
+_MMA = re.compile(r"^(?:@!?U?P\w+\s+)?(?:HMMA|HGMMA|IMMA)\b")
+_FMA = re.compile(r"^(?:@!?U?P\w+\s+)?FFMA\b")
+
+
+def main_loop(sass: str) -> int:
+    """Instructions in a kernel's main loop, per thread and iteration: of the SASS's loops (a branch to an
+    earlier address, and the instructions from its target to it) one with tensor-core MMAs if any, else
+    the one with the most FFMAs (an escape or epilogue loop has neither), the larger on a tie."""
+    addrs = [(int(a, 16), text.strip()) for a, text in _SASS_LINE.findall(sass)]
+    best = (False, 0, 0)
+    for at, text in addrs:
+        m = _BRANCH.search(text)
+        if m is not None and int(m.group(1), 16) < at:
+            body = [t for a, t in addrs if int(m.group(1), 16) <= a <= at]
+            best = max(best, (any(_MMA.match(t) for t in body), sum(1 for t in body if _FMA.match(t)), len(body)))
+    return best[2]
+
+
+def _resources(cubin: bytes, sass_to: Path | None = None) -> tuple[int, int, int, int, int, int]:
+    """(registers, local bytes, shared bytes, shared-memory instructions, barriers, main loop's
+    instructions) of the cubin's one kernel, from `cuobjdump -res-usage` and `-sass` (written to `sass_to`
+    when given)."""
     import triton
 
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
@@ -146,7 +170,7 @@ def _resources(cubin: bytes, sass_to: Path | None = None) -> tuple[int, int, int
     if m is None:
         raise RuntimeError(f"cuobjdump printed no resource usage:\n{out[-1000:]}")
     reg, _stack, shared, local = (int(g) for g in m.groups())
-    return reg, local, shared, len(_SHARED_OP.findall(out)), len(_BARRIER.findall(out))
+    return reg, local, shared, len(_SHARED_OP.findall(out)), len(_BARRIER.findall(out)), main_loop(out)
 
 
 def compile_launch(launch: Launch, arch: int, dump: Path | None = None) -> Compiled:
@@ -178,14 +202,14 @@ def compile_launch(launch: Launch, arch: int, dump: Path | None = None) -> Compi
             stem = dump / re.sub(r"[^\w.-]+", "_", f"sm{arch}_{launch.label}").strip("_")[:150]
             for kind in ("ttgir", "ptx"):
                 stem.with_suffix(f".{kind}").write_text(kernel.asm[kind])
-        reg, local, shared, shared_ops, barriers = _resources(kernel.asm["cubin"],
-                                                              stem.with_suffix(".sass") if stem else None)
+        reg, local, shared, shared_ops, barriers, loop = _resources(kernel.asm["cubin"],
+                                                                    stem.with_suffix(".sass") if stem else None)
     except Exception as e:  # reported per launch with the launch named; the caller decides
         return Compiled(launch, arch, time.perf_counter() - t0, error=f"{type(e).__name__}: {str(e)[-3000:]}")
     shared = max(shared, int(kernel.metadata.shared))
     ptx = kernel.asm["ptx"]
     return Compiled(launch, arch, time.perf_counter() - t0, reg, local, shared, shared_ops, barriers,
-                    kernel.asm["ttgir"].count("ttg.convert_layout"), "mma." in ptx or "wgmma." in ptx)
+                    kernel.asm["ttgir"].count("ttg.convert_layout"), "mma." in ptx or "wgmma." in ptx, loop)
 
 
 # -- the representative calls --------------------------------------------------------------------------
@@ -352,16 +376,16 @@ def unique(launches: list[Launch]) -> list[Launch]:
 
 def table(results: list[Compiled]) -> str:
     lines = ["| kernel [first case] constexprs | arch | compile s | registers | local (spill) bytes | shared bytes "
-             "| shared-memory instructions | barriers | layout conversions | tensor cores |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+             "| shared-memory instructions | barriers | layout conversions | tensor cores | main loop (instructions) |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |"]
     for r in results:
         if r.ok:
             lines.append(f"| {r.launch.label} | sm_{r.arch} | {r.seconds:.1f} | {r.registers} | {r.local_bytes} | "
                          f"{r.shared_bytes} | {r.shared_ops} | {r.barriers} | {r.conversions} | "
-                         f"{'yes' if r.tensor_cores else 'no'} |")
+                         f"{'yes' if r.tensor_cores else 'no'} | {r.loop} |")
         else:
             lines.append(f"| {r.launch.label} | sm_{r.arch} | {r.seconds:.1f} | FAILED: {r.error.splitlines()[0][:200]} "
-                         "| | | | | | |")
+                         "| | | | | | | |")
     return "\n".join(lines)
 
 
@@ -390,7 +414,8 @@ def main() -> int:
             results.append(r)
             print(f"sm_{arch} {launch.label}: " + (f"{r.registers} registers, {r.local_bytes} B local, "
                   f"{r.shared_bytes} B shared, {r.shared_ops} shared-memory instructions, {r.barriers} barriers, "
-                  f"{r.conversions} layout conversions, tensor cores {r.tensor_cores} ({r.seconds:.1f} s)" if r.ok
+                  f"{r.conversions} layout conversions, tensor cores {r.tensor_cores}, main loop {r.loop} "
+                  f"instructions ({r.seconds:.1f} s)" if r.ok
                   else f"FAILED {r.error}"),
                   file=sys.stderr, flush=True)
     import triton

@@ -41,13 +41,23 @@ def test_every_kernel_launch_compiles_for_sm90_without_spills(tmp_path):
     for name in ("_gemv_kernel", "_matmul_kernel", "_decompress_kernel", "_rows_kernel", "_grouped_gemm_kernel",
                  "_wo_gemm_kernel", "_mla_decode_kernel", "_decode_attention_kernel", "_prefill_attention_kernel"):
         assert name in kernels
+    loops: dict[str, list[int]] = {}  # main-loop instructions by launch label ("kernel [case]")
     for row in rows:
         cells = [c.strip() for c in row.strip("|").split("|")]
         assert "FAILED" not in row, row
         assert cells[1] == "sm_90" and int(cells[3]) > 0, row
         assert int(cells[4]) == 0, f"registers spilled to local memory: {row}"
-    # the CUDA path of the compressed tiles and the grouped MoE kernel multiplies on tensor cores
-    assert all(row.rstrip(" |").endswith("yes") for row in rows if "_matmul_kernel" in row or "_grouped_gemm" in row)
+        if "_matmul_kernel" in row or "_grouped_gemm" in row:  # (the CUDA path multiplies on tensor cores)
+            assert cells[9] == "yes", row
+        loops.setdefault(cells[0].split("]")[0] + "]", []).append(int(cells[10]))
+    # The fast decode's point, in the compiled code: fewer instructions per main-loop iteration than the
+    # select decode, in the row kernel, the tiles and the experts (each kernel's default decode is its case
+    # without a suffix; triton_aot adds a case for the other).
+    for case in ("_gemv_kernel [compressed 1 rows", "_matmul_kernel [compressed 16 rows",
+                 "_grouped_gemm_kernel [MoE compressed experts"):
+        fast, select = (loops.get(f"{case}, {d} decode]", loops.get(f"{case}]")) for d in ("fast", "select"))
+        assert fast and select and fast is not select, (case, sorted(k for k in loops if k.startswith(case)))
+        assert 0 < max(fast) < min(select), (case, fast, select)
 
 
 _BROKEN = '''
