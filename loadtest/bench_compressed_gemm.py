@@ -27,6 +27,8 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
+from loadtest.bench_gpu import parse_launch
+
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 
 
@@ -67,9 +69,8 @@ def main() -> None:
         c = pack(w)
         plain_bytes, comp_bytes = w.numel() * 2, c.nbytes
         for tile in args.tiles.split(","):
-            dims, warps, stages = tile.split("/")
-            bn, bk = (int(v) for v in dims.split("x"))
-            launch: dict[str, int] = dict(block_n=bn, block_k=bk, warps=int(warps), stages=int(stages))
+            bn, bk, warps, stages = parse_launch(tile, "--tiles")
+            launch: dict[str, int] = dict(block_n=bn, block_k=bk, warps=warps, stages=stages)
             kinds = [(g, d) for g in (False, True) for d in args.decodes.split(",")]
             for m, gemv, decode in ((int(r), g, d) for r in args.rows.split(",") for g, d in kinds):
                 many = m >= DECOMPRESS_MIN_ROWS

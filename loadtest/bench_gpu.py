@@ -36,7 +36,7 @@ from engine.batch.scheduler import ScheduledSeq
 from engine.batch.sequence import Sequence
 from engine.loading import weight_cache
 from engine.model.decoder import DecoderModel
-from engine.model.kernels import compressed_triton, kernels
+from engine.model.kernels import compressed_triton, kernels, moe_triton
 from engine.model.kv_cache import KVCache, KVLayout
 from engine.model.model_config import ModelConfig
 
@@ -207,14 +207,15 @@ def time_graph(runner: ModelRunner, batch: list[ScheduledSeq], dev: torch.device
     return statistics.median(walls), statistics.median(cpus)
 
 
-def parse_launch(text: str) -> tuple[int, int, int, int]:
-    """"32x256/8/3" -> (block_n, block_k, warps, stages), as bench_compressed_gemm's --tiles spells them."""
+def parse_launch(text: str, flag: str) -> tuple[int, int, int, int]:
+    """"32x256/8/3" -> (block_n, block_k, warps, stages): a launch shape as `flag` spells it (this script's
+    --gemv-launch, bench_compressed_gemm's --tiles)."""
     try:
         dims, warps, stages = text.split("/")
         bn, bk = (int(v) for v in dims.split("x"))
         return bn, bk, int(warps), int(stages)
     except ValueError:
-        raise SystemExit(f"--gemv-launch: {text!r} is not NxK/WARPS/STAGES (e.g. 32x256/8/3)") from None
+        raise SystemExit(f"{flag}: {text!r} is not NxK/WARPS/STAGES (e.g. 32x256/8/3)") from None
 
 
 def set_backend(name: str) -> None:
@@ -244,7 +245,7 @@ def main() -> int:
                    "moe_triton.EXPERTS_DECODE; default: theirs)")
     p.add_argument("--gemv-launch", default=None, metavar="NxK/W/S,...",
                    help="with --compress-weights: time the decode steps once per one-row kernel launch shape "
-                   "(block_n x block_k / warps / stages, for every K; 'auto': the kernel's defaults per K)")
+                   "(block_n x block_k / warps / stages; 'auto': compressed_triton.GEMV_LAUNCH)")
     args = p.parse_args()
     dev = torch.device(args.device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
@@ -257,8 +258,6 @@ def main() -> int:
         if dev.type != "cuda" or args.quantization:
             raise SystemExit("--compress-weights needs --device cuda and no --quantization (as the engine's flag)")
         backends = ["triton"]
-    from engine.model.kernels import moe_triton
-
     decodes: list[str | None] = [None]
     if args.tiles_decode:
         if not args.compress_weights:
@@ -272,7 +271,7 @@ def main() -> int:
     if args.gemv_launch:
         if not args.compress_weights:
             raise SystemExit("--gemv-launch needs --compress-weights (it shapes the compressed one-row kernel)")
-        launches = [None if t == "auto" else parse_launch(t) for t in args.gemv_launch.split(",")]
+        launches = [None if t == "auto" else parse_launch(t, "--gemv-launch") for t in args.gemv_launch.split(",")]
     batches = [int(b) for b in args.batches.split(",")]
     pw = 8 + 10 * bool(args.gemv_launch) + 7 * bool(args.tiles_decode)  # (the path names launch and decode)
     print(f"{'model':<14}{'path':<{pw}}{'case':<18}{'ms':>9}{'CPU ms':>9}{'% roofline / MFU':>18}")

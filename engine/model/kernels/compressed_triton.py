@@ -180,7 +180,7 @@ def _matmul_kernel(x_ptr, w_ptr, plane_ptr, codes_ptr, esc_start_ptr, esc_rows_p
 
 @triton.jit
 def _add_escapes(out, x_ptr, rm, xrows, stride_xm, N, n0, esc_start_ptr, esc_rows_ptr, esc_cols_ptr, esc_vals_ptr,
-                 BLOCK_N: tl.constexpr, ESC_CHUNK: tl.constexpr, base=0, SUBTRACT: tl.constexpr = False):
+                 BLOCK_N: tl.constexpr, ESC_CHUNK: tl.constexpr, base, SUBTRACT: tl.constexpr):
     """out[m, r] += x[m, c] * v for each escape (r, c, v) of rows n0 .. n0 + BLOCK_N and each row m of
     `rm` where `xrows`, into the tile the program has just stored (the barrier: every thread's store is
     in before any thread adds). SUBTRACT: the tile decoded the escape as v's sign and mantissa at exponent

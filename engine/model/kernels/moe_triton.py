@@ -19,11 +19,9 @@ import triton.language as tl
 
 from engine.model.kernels.compressed_triton import (
     ESC_CHUNK,
-    _code_bytes,
     _stand_in,
     _unscale,
-    _weights,
-    _weights_scaled,
+    _weight_halves,
     stand_ins_fit,
 )
 from engine.model.kernels.quant_triton import dequant_halves, dequant_tile, packed_group
@@ -105,13 +103,8 @@ def _grouped_gemm_kernel(
                 k_a = kk + (j // 16) * 32 + j % 16
                 k_b = k_a + 16
                 wrow = e * N + n  # (rows past this expert's N are masked as outside the matrix)
-                byte = _code_bytes(codes_ptr, wrow, kk, j, e * N + N, code_row)
-                if FAST:
-                    w_a = _weights_scaled(w_ptr, wrow, k_a, byte & 0x0F, e * N + N, K)
-                    w_b = _weights_scaled(w_ptr, wrow, k_b, byte >> 4, e * N + N, K)
-                else:
-                    w_a = _weights(w_ptr, wrow, k_a, byte & 0x0F, base, e * N + N, K)
-                    w_b = _weights(w_ptr, wrow, k_b, byte >> 4, base, e * N + N, K)
+                w_a, w_b = _weight_halves(w_ptr, w_ptr, codes_ptr, wrow, kk, j, k_a, k_b, base, e * N + N, K,
+                                          code_row, False, FAST)
             else:  # (bf16 tensor cores on CUDA)
                 w_a, k_a, w_b, k_b = dequant_halves(w_ptr + e * stride_we, s_ptr + e * stride_se,
                                                     m_ptr + e * stride_se, n, k0 * BLOCK_K, N, K, groups, GROUP,
