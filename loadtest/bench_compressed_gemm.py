@@ -12,10 +12,12 @@ compressed call launched eagerly (`do_bench`, L2 cleared: with the launches' hos
 bound by the bytes it reads, so the target is the compressed kernel at ~0.75 of torch's time; the plain
 kernel beside it says how much of any gap is the kernel's tiling rather than the decoding. From
 `DECOMPRESS_MIN_ROWS` rows the engine decodes the matrix once and calls torch's GEMM (`matmul`): those
-rows time that path.
+rows time that path. `--decoder-launches` times that decoder (`decompress`) alone per tile shape instead:
+its bytes are the compressed matrix read and the bfloat16 one written.
 
     python -m loadtest.bench_compressed_gemm                      # CUDA
     python -m loadtest.bench_compressed_gemm --rows 1 --shapes o --tiles 32x32 --reps 20   # quick
+    python -m loadtest.bench_compressed_gemm --decoder-launches 64x128/4,32x256/8   # the prefill's decoder
 """
 
 from __future__ import annotations
@@ -42,11 +44,18 @@ def main() -> None:
     p.add_argument("--decodes", default="auto", metavar="auto,fast,select,bfloat16",
                    help="time each kernel with these decodes (compressed_linear's `decode`; the launch column "
                    "names any but auto: '/gemv-select', '-fast')")
+    p.add_argument("--decoder-launches", default="", metavar="NxK/WARPS,...",
+                   help="time the many-rows decoder (`decompress`, its default decode) alone with these tiles and "
+                   "warps ('auto': compressed_triton.DECOMPRESS_LAUNCH) instead of the matmuls")
     p.add_argument("--json", default="")
     args = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU (tests/test_compressed_weight.py runs the kernel interpreted on CPU)")
     import triton.testing
+
+    if args.decoder_launches:
+        time_decoder(args)
+        return
 
     from engine.model.compressed_weight import pack
     from engine.model.kernels.compressed_triton import (
@@ -74,10 +83,11 @@ def main() -> None:
             kinds = [(g, d) for g in (False, True) for d in args.decodes.split(",")]
             for m, gemv, decode in ((int(r), g, d) for r in args.rows.split(",") for g, d in kinds):
                 many = m >= DECOMPRESS_MIN_ROWS
-                if (many and tile != args.tiles.split(",")[0]) or (gemv and (many or m > GEMV_MAX_ROWS)):
+                if ((many and (tile != args.tiles.split(",")[0] or decode == "bfloat16"))
+                        or (gemv and (many or m > GEMV_MAX_ROWS))):
                     continue  # (decode once + torch's GEMM: no launch shape; one row per program: few rows)
                 x = torch.randn(m, k, device=dev).to(torch.bfloat16)
-                comp = (partial(matmul, x, c) if many
+                comp = (partial(matmul, x, c, decode=decode) if many
                         else partial(compressed_linear, x, c, None, gemv=gemv, decode=decode, **launch))
                 plain = (partial(F.linear, x, w) if many
                          else partial(compressed_linear, x, c, plain=w, gemv=gemv, **launch))
@@ -89,7 +99,7 @@ def main() -> None:
                     triton.testing.do_bench_cudagraph(fn, rep=args.reps, return_mode="median")
                     for fn in (partial(F.linear, x, w), plain, comp))
                 t_eager = triton.testing.do_bench(comp, rep=args.reps, return_mode="median")
-                label = "decode+mm" if many else tile + ("/gemv" if gemv else "") + ("" if decode == "auto" else f"-{decode}")
+                label = ("decode+mm" + ("" if decode == "auto" else f"-{decode}")) if many else tile + ("/gemv" if gemv else "") + ("" if decode == "auto" else f"-{decode}")
                 row = dict(shape=name, n=n, k=k, rows=m, launch=label, torch_us=1e3 * t_torch, plain_us=1e3 * t_plain,
                            compressed_us=1e3 * t_comp, compressed_eager_us=1e3 * t_eager, plain_bytes=plain_bytes,
                            compressed_bytes=comp_bytes, escapes=c.num_escapes, rel_diff_vs_plain_kernel=diff,
@@ -102,6 +112,41 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "rows": rows_out}, f, indent=1)
+
+
+def time_decoder(args: argparse.Namespace) -> None:
+    """The many-rows decoder alone, per shape and launch: median us inside a CUDA graph and the bytes it
+    moves (compressed read + bfloat16 written) over that time; each launch's output checked bit for bit."""
+    import triton.testing
+
+    from engine.model.compressed_weight import pack
+    from engine.model.kernels.compressed_triton import DECOMPRESS_LAUNCH, decompress
+
+    dev = torch.device("cuda")
+    print(f"{torch.cuda.get_device_name()}; the decoder alone, medians inside CUDA graphs; GB/s = (compressed "
+          f"bytes read + bfloat16 written) / time; auto = {DECOMPRESS_LAUNCH}\n")
+    print(f"{'shape':8} {'launch':>10} | {'us':>8} | {'GB/s':>6} | {'torch copy us':>13}")
+    rows_out = []
+    for name in args.shapes.split(","):
+        n, k = SHAPES[name]
+        w = (torch.randn(n, k, device=dev) * 0.02).to(torch.bfloat16)
+        c = pack(w)
+        moved = c.nbytes + w.numel() * 2
+        copy = torch.empty_like(w)
+        t_copy = triton.testing.do_bench_cudagraph(partial(copy.copy_, w), rep=args.reps, return_mode="median")
+        for text in args.decoder_launches.split(","):
+            bn, bk, warps, _ = (DECOMPRESS_LAUNCH + (0,)) if text == "auto" else parse_launch(text + "/0",
+                                                                                             "--decoder-launches")
+            fn = partial(decompress, c, block_n=bn, block_k=bk, warps=warps)
+            if not torch.equal(fn().view(torch.int16), w.view(torch.int16)):
+                raise SystemExit(f"{name} {text}: the decoder's matrix differs from the original")
+            t = triton.testing.do_bench_cudagraph(fn, rep=args.reps, return_mode="median")
+            rows_out.append(dict(shape=name, n=n, k=k, launch=text, decoder_us=1e3 * t, bytes_moved=moved,
+                                 torch_copy_us=1e3 * t_copy))
+            print(f"{name:8} {text:>10} | {1e3 * t:>8.1f} | {moved / t / 1e6:>6.0f} | {1e3 * t_copy:>13.1f}", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "decoder": rows_out}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -240,9 +240,14 @@ def main() -> int:
                    help="hold the bfloat16 linear weights losslessly compressed (as --compress-weights does; "
                    "CUDA, Triton backend only): the roofline counts the compressed bytes")
     p.add_argument("--tiles-decode", default=None, metavar="select,fast,...",
-                   help="with --compress-weights: time the decode steps once per decode of the 2-32-row tiles and "
-                   "the compressed experts, in this order (compressed_triton.TILES_DECODE, "
-                   "moe_triton.EXPERTS_DECODE; default: theirs)")
+                   help="with --compress-weights: time every case once per decode of the many-row kernels: the "
+                   "2-32-row tiles, the compressed experts and the prefill's decoder, in this order "
+                   "(compressed_triton.TILES_DECODE, moe_triton.EXPERTS_DECODE, "
+                   "compressed_triton.DECOMPRESS_DECODE; default: theirs)")
+    p.add_argument("--experts-min-blocks", default=None, metavar="2,0,...",
+                   help="with --compress-weights: time every case once per moe_triton.DECODED_EXPERTS_MIN_BLOCKS "
+                   "(blocks per expert from which the compressed stacks are decoded for the plain grouped GEMM; "
+                   "0: never), in this order")
     p.add_argument("--gemv-launch", default=None, metavar="NxK/W/S,...",
                    help="with --compress-weights: time the decode steps once per one-row kernel launch shape "
                    "(block_n x block_k / warps / stages; 'auto': compressed_triton.GEMV_LAUNCH)")
@@ -265,7 +270,16 @@ def main() -> int:
         decodes = list(args.tiles_decode.split(","))
         if not set(decodes) <= {"select", "fast"}:
             raise SystemExit(f"--tiles-decode takes select and fast, got {args.tiles_decode!r}")
-    default_decode = compressed_triton.TILES_DECODE
+    default_decodes = (compressed_triton.TILES_DECODE, moe_triton.EXPERTS_DECODE, compressed_triton.DECOMPRESS_DECODE)
+    min_blocks: list[int | None] = [None]
+    default_min_blocks = moe_triton.DECODED_EXPERTS_MIN_BLOCKS
+    if args.experts_min_blocks:
+        if not args.compress_weights:
+            raise SystemExit("--experts-min-blocks needs --compress-weights")
+        try:
+            min_blocks = [int(v) for v in args.experts_min_blocks.split(",")]
+        except ValueError:
+            raise SystemExit(f"--experts-min-blocks takes integers, got {args.experts_min_blocks!r}") from None
     launches: list[tuple[int, int, int, int] | None] = [None]
     default = compressed_triton.GEMV_LAUNCH
     if args.gemv_launch:
@@ -273,7 +287,8 @@ def main() -> int:
             raise SystemExit("--gemv-launch needs --compress-weights (it shapes the compressed one-row kernel)")
         launches = [None if t == "auto" else parse_launch(t, "--gemv-launch") for t in args.gemv_launch.split(",")]
     batches = [int(b) for b in args.batches.split(",")]
-    pw = 8 + 10 * bool(args.gemv_launch) + 7 * bool(args.tiles_decode)  # (the path names launch and decode)
+    # (the path names the launch, decode and experts' blocks)
+    pw = 8 + 10 * bool(args.gemv_launch) + 7 * bool(args.tiles_decode) + 5 * bool(args.experts_min_blocks)
     print(f"{'model':<14}{'path':<{pw}}{'case':<18}{'ms':>9}{'CPU ms':>9}{'% roofline / MFU':>18}")
     for preset in args.preset.split(","):
         block_size = 16
@@ -282,14 +297,19 @@ def main() -> int:
                                                 args.compress_weights)
         runner = ModelRunner(model, kv, dev)
         page = kv.layout.page_bytes
-        for backend, launch, decode in [(b, la, d) for b in backends for la in launches for d in decodes]:
+        for backend, launch, decode, blocks in [(b, la, d, mb) for b in backends for la in launches for d in decodes
+                                                for mb in min_blocks]:
             set_backend(backend)
             compressed_triton.GEMV_LAUNCH = launch or default
-            compressed_triton.TILES_DECODE = moe_triton.EXPERTS_DECODE = decode or default_decode
+            (compressed_triton.TILES_DECODE, moe_triton.EXPERTS_DECODE,
+             compressed_triton.DECOMPRESS_DECODE) = (decode,) * 3 if decode else default_decodes
             if args.gemv_launch:
                 backend += f"@{launch[0]}x{launch[1]}/{launch[2]}" if launch else "@auto"
+            moe_triton.DECODED_EXPERTS_MIN_BLOCKS = default_min_blocks if blocks is None else blocks
             if decode:
                 backend += f"/{decode}"
+            if blocks is not None:
+                backend += f"/mb{blocks}"
             # Decode graphs: the last block is the padding rows' scratch, outside every BlockManager below.
             runner.graphs = DecodeGraphs(lambda ids, pos, meta, m=runner.model, c=runner.kv: m(ids, pos, c, meta),
                                          max(batches),

@@ -12,6 +12,8 @@
 #                                                  #   compressed (--compress-weights: tests + the matmul timed),
 #                                                  #   compressedtests (its tests and every family's engine compressed),
 #                                                  #   compressedfast (the tiles' and experts' fast decode vs select),
+#                                                  #   compresseddecoder (the prefill's decoder: fast vs select),
+#                                                  #   compressedmoeprefill (compressed experts at prefill: stacks decoded vs tiles),
 #                                                  #   compressedengine (8B and MoE decode/prefill, plain vs compressed),
 #                                                  #   compressedsweep (the one-row kernel's launch shapes by registers:
 #                                                  #   loadtest/results/triton_aot.txt)
@@ -59,5 +61,11 @@ step compressedsweep 200 $PY -m loadtest.bench_compressed_gemm --reps 60 --rows 
 # The tiles' (17-32 rows) and the compressed experts' fast decode (TILES_DECODE / EXPERTS_DECODE, select until
 # timed): correct compiled on the device, then per matrix and per decode step against select.
 step compressedfast 400 bash -c "$PY -m pytest -q -p no:cacheprovider --timeout 120 tests/test_compressed_weight.py tests/test_cuda_engine.py -k compress; $PY -m loadtest.bench_compressed_gemm --reps 40 --rows 16,24,32 --tiles 64x64/8/3 --decodes select,fast --json $OUT/compressed_tiles_fast.json; $PY -m loadtest.bench_gpu --preset llama3-8b,deepseek-v2-lite --batches 16,32 --iters 20 --prefill-tokens 512 --compress-weights --tiles-decode select,fast,select,fast"
+# The prefill's decoder (`decompress`, from 33 rows) without its escape select (DECOMPRESS_DECODE), per matrix and
+# in the 8B and MoE prefill of 2048 tokens, against select and the plain bfloat16 engine.
+step compresseddecoder 380 bash -c "$PY -m pytest -q -p no:cacheprovider --timeout 120 tests/test_compressed_weight.py; $PY -m loadtest.bench_compressed_gemm --reps 30 --rows 64,512,2048 --decodes select,fast --json $OUT/compressed_decoder.json; $PY -m loadtest.bench_gpu --preset llama3-8b,deepseek-v2-lite --batches 1 --iters 10 --prefill-tokens 2048 --compress-weights --tiles-decode select,fast,select,fast; $PY -m loadtest.bench_gpu --preset llama3-8b,deepseek-v2-lite --batches 1 --iters 10 --prefill-tokens 2048"
+# The compressed experts at prefill: the stacks decoded for the plain grouped GEMM (DECODED_EXPERTS_MIN_BLOCKS 2) vs
+# decoded in the tiles (0), DeepSeek-V2-Lite shape, 2048 and 512 tokens, alternating; then plain weights.
+step compressedmoeprefill 300 bash -c "$PY -m loadtest.bench_gpu --preset deepseek-v2-lite --batches 1 --iters 30 --prefill-tokens 2048 --compress-weights --experts-min-blocks 2,0,2,0 && $PY -m loadtest.bench_gpu --preset deepseek-v2-lite --batches 1 --iters 30 --prefill-tokens 512 --compress-weights --experts-min-blocks 1,0,1,0 && $PY -m loadtest.bench_gpu --preset deepseek-v2-lite --batches 1 --iters 30 --prefill-tokens 2048"
 step mla 90 $PY -m loadtest.bench_gpu --preset deepseek-v2-lite --quantization int4 --batches 1,32
 cat "$summary"

@@ -255,10 +255,15 @@ def cases() -> list[Case]:
     out.append(Case("compressed 16 rows, split K", lambda: ct.compressed_linear(randn(16, 512), w_esc, split_k=2)))
     out.append(Case("compressed kernel on plain weights", lambda: ct.compressed_linear(randn(16, 512), w_esc,
                                                                                         plain=randn(256, 512))))
-    for m, decode in ((1, "select"), (16, "fast"), (32, "fast")):  # (the decodes "auto" does not take)
+    def other(default: str) -> str:  # (the decode "auto" does not take)
+        return "select" if default == "fast" else "fast"
+
+    for m, decode in ((1, other(ct.GEMV_DECODE)), (16, other(ct.TILES_DECODE)), (32, other(ct.TILES_DECODE))):
         out.append(Case(f"compressed {m} rows, {decode} decode",
                         lambda m=m, decode=decode: ct.compressed_linear(randn(m, 512), w_esc, decode=decode)))
     out.append(Case("compressed decode", lambda: ct.decompress(w_esc)))
+    decoder = other(ct.DECOMPRESS_DECODE)
+    out.append(Case(f"compressed decode, {decoder} decode", lambda: ct.decompress(w_esc, decode=decoder)))
     out.append(Case("compressed rows (embedding)", lambda: ct.rows(w_esc, torch.tensor([1, 5, 7]))))
 
     for kind, group in (("int4", 32), ("int4", 64), ("int8", 32), ("int8", 56)):  # (56: per-weight reads)
@@ -302,8 +307,8 @@ def cases() -> list[Case]:
         finally:
             moe_triton.EXPERTS_DECODE = kept
 
-    other = "fast" if moe_triton.EXPERTS_DECODE == "select" else "select"
-    out.append(Case(f"MoE compressed experts, {other} decode", lambda: experts_decoded(other)))
+    experts_other = other(moe_triton.EXPERTS_DECODE)
+    out.append(Case(f"MoE compressed experts, {experts_other} decode", lambda: experts_decoded(experts_other)))
 
     def lora(rank: int) -> None:
         rows = [-1, 2, 2, 0, 0, 0, 1]

@@ -166,28 +166,55 @@ def test_escape_stand_ins_only_where_they_stay_small():
         compressed_linear(x, c, gemv=True, decode="fastest")
 
 
-def test_the_gpu_decoder_equals_the_reference_bit_for_bit(monkeypatch):
+@pytest.mark.parametrize("decode", ["select", "fast"])
+def test_the_gpu_decoder_equals_the_reference_bit_for_bit(decode, monkeypatch):
     """`decompress` (one program per tile, escapes placed by the tile's program: the many-rows path) ==
-    `CompressedBF16.decompress` for every 16-bit pattern and an odd shape with escapes, whole or a range
-    of rows; `matmul` from DECOMPRESS_MIN_ROWS rows is torch's GEMM on that matrix (decoded whole or a
-    chunk of rows at a time), below it the tile kernel."""
+    `CompressedBF16.decompress` for every 16-bit pattern, an odd shape with escapes and a band whose
+    escapes' base + 15 overflows the exponent field, whole or a range of rows, with either decode (the
+    fast one leaves the escapes undecoded for their stores to overwrite); `matmul` from
+    DECOMPRESS_MIN_ROWS rows is torch's GEMM on that matrix (decoded whole or a chunk of rows at a time),
+    below it the tile kernel."""
     from engine.model.kernels import compressed_triton
 
     every = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).reshape(256, 256)
     odd = with_outliers(normal(150, 70), 120)
-    for w in (every, odd):
+    high = with_outliers(normal(96, 64) * 2.0**130, 40)  # (a band based at 241: base + 15 > 255)
+    assert pack(high).base + 15 > 255 and pack(high).num_escapes > 0
+    for w in (every, odd, high):
         c = pack(w).to(DEV)
         ref = c.decompress().view(torch.int16)
-        assert torch.equal(decompress(c).view(torch.int16), ref)
+        assert torch.equal(decompress(c, decode=decode).view(torch.int16), ref)
         for n0, n1 in ((0, 64), (64, 129), (3, 150), (100, 101)):
-            assert torch.equal(decompress(c, n0, min(n1, w.shape[0])).view(torch.int16), ref[n0:n1])
+            n1 = min(n1, w.shape[0])
+            if n0 < n1:
+                assert torch.equal(decompress(c, n0, n1, decode=decode).view(torch.int16), ref[n0:n1])
+    monkeypatch.setattr(compressed_triton, "DECOMPRESS_DECODE", decode)
     x = torch.randn(DECOMPRESS_MIN_ROWS, 70, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16).to(DEV)
     c = pack(odd).to(DEV)
     whole = torch.nn.functional.linear(x, odd.to(DEV))
     assert torch.equal(matmul(x, c), whole)
     monkeypatch.setattr(compressed_triton, "DECOMPRESS_CHUNK", 64 * 70)  # (64 rows at a time: three chunks)
     assert torch.equal(matmul(x, c), whole)
+    with pytest.raises(ValueError, match="decode"):
+        decompress(c, decode="bfloat16")
     assert _rel(matmul(x[:3], c), x[:3].double() @ odd.to(DEV).double().T) < 1e-5
+
+
+def _expert_stacks(tokens: int, top_k: int, experts: int, seed: int) -> tuple:
+    """Activations, routing (bfloat16 weights, ids), the plain expert stacks ([E, 2I, H], [E, H, I]) and
+    each compressed as rows, with escapes in many experts."""
+    from engine.model.moe import route
+
+    torch.manual_seed(seed)
+    hidden, inter = (1024, 512) if CUDA else (64, 32)
+    x = torch.randn(tokens, hidden, device=DEV, dtype=torch.bfloat16)
+    weights, ids = route(torch.randn(tokens, experts, device=DEV), top_k, renormalize=True)
+    gu = with_outliers(normal(experts * 2 * inter, hidden, seed=1), experts * 8).reshape(experts, 2 * inter, hidden)
+    dn = with_outliers(normal(experts * hidden, inter, seed=2), experts * 8).reshape(experts, hidden, inter)
+    gu, dn = gu.to(DEV), dn.to(DEV)
+    cgu, cdn = pack(gu.reshape(-1, hidden)), pack(dn.reshape(-1, inter))
+    assert cgu.num_escapes > 0 and cdn.num_escapes > 0
+    return x, weights.to(torch.bfloat16), ids, (gu, dn), (cgu, cdn)
 
 
 @pytest.mark.parametrize("decode", ["select", "fast"])
@@ -203,19 +230,11 @@ def test_compressed_expert_stacks_through_the_grouped_kernel_equal_the_plain_exp
 
     from engine.model.compressed_weight import row_range
     from engine.model.kernels import moe_triton
-    from engine.model.moe import grouped_experts, grouped_experts_reference, route
+    from engine.model.moe import grouped_experts, grouped_experts_reference
 
     monkeypatch.setattr(moe_triton, "EXPERTS_DECODE", decode)
-    torch.manual_seed(tokens)
-    hidden, inter = (1024, 512) if CUDA else (64, 32)
-    x = torch.randn(tokens, hidden, device=DEV, dtype=torch.bfloat16)
-    weights, ids = route(torch.randn(tokens, experts, device=DEV), top_k, renormalize=True)
-    weights = weights.to(torch.bfloat16)
-    gu = with_outliers(normal(experts * 2 * inter, hidden, seed=1), experts * 8).reshape(experts, 2 * inter, hidden)
-    dn = with_outliers(normal(experts * hidden, inter, seed=2), experts * 8).reshape(experts, hidden, inter)
-    gu, dn = gu.to(DEV), dn.to(DEV)
-    cgu, cdn = pack(gu.reshape(-1, hidden)), pack(dn.reshape(-1, inter))
-    assert cgu.num_escapes > 0 and cdn.num_escapes > 0
+    x, weights, ids, (gu, dn), (cgu, cdn) = _expert_stacks(tokens, top_k, experts, seed=tokens)
+    hidden, inter = x.shape[1], gu.shape[1] // 2
     exact = grouped_experts_reference(x.double(), ids, weights.double(), gu.double(), dn.double(), F.silu)
     blocks = {} if CUDA else dict(block_m=16, block_n=32, block_k=32)
     fused = moe_triton.fused_experts(x, ids, weights, cgu, cdn, F.silu, num_experts=experts, **blocks)
@@ -227,6 +246,36 @@ def test_compressed_expert_stacks_through_the_grouped_kernel_equal_the_plain_exp
     assert fused.dtype == torch.bfloat16 and _rel(fused.float(), loop) < 1e-2
     with pytest.raises(ValueError, match="num_experts"):
         moe_triton.fused_experts(x, ids, weights, cgu, cdn, F.silu, **blocks)
+
+
+@pytest.mark.parametrize("chunk_experts", [1, 3, 8])
+def test_compressed_stacks_decoded_for_a_prefill_equal_the_plain_stacks_bit_for_bit(chunk_experts, monkeypatch):
+    """From DECODED_EXPERTS_MIN_BLOCKS blocks per expert (a prefill) the grouped MoE kernel runs on the
+    compressed stacks decoded to bfloat16, a chunk of whole experts at a time: exactly the plain stacks'
+    grouped GEMM (the same weights, the same kernel and tiles), whatever the chunk (one expert, some, all);
+    below that count (a decode step) the tiles decode in registers."""
+    import torch.nn.functional as F
+
+    from engine.model.kernels import compressed_triton, moe_triton
+
+    experts, top_k, tokens = 5, 2, 40
+    x, weights, ids, (gu, dn), (cgu, cdn) = _expert_stacks(tokens, top_k, experts, seed=3)
+    hidden, inter = x.shape[1], gu.shape[1] // 2
+    block_m = 64 if CUDA else 16
+    blocks = {} if CUDA else dict(block_m=16, block_n=32, block_k=32)
+    plain = moe_triton.fused_experts(x, ids, weights, gu, dn, F.silu, **blocks)
+    monkeypatch.setattr(compressed_triton, "DECOMPRESS_CHUNK", chunk_experts * 2 * inter * hidden)
+    monkeypatch.setattr(moe_triton, "DECODED_EXPERTS_MIN_BLOCKS", 1)
+    assert moe_triton.decodes_stacks(tokens * top_k, experts, block_m)
+    decoded = moe_triton.fused_experts(x, ids, weights, cgu, cdn, F.silu, num_experts=experts, **blocks)
+    assert decoded.dtype == plain.dtype and torch.equal(decoded, plain)
+    monkeypatch.setattr(moe_triton, "DECODED_EXPERTS_MIN_BLOCKS", 0)  # (never: the tiles decode in registers)
+    assert not moe_triton.decodes_stacks(tokens * top_k, experts, block_m)
+    tiles = moe_triton.fused_experts(x, ids, weights, cgu, cdn, F.silu, num_experts=experts, **blocks)
+    assert not torch.equal(tiles, plain) and _rel(tiles.float(), plain.float()) < 1e-2
+    monkeypatch.setattr(moe_triton, "DECODED_EXPERTS_MIN_BLOCKS", 2)
+    assert not moe_triton.decodes_stacks(2 * experts * block_m - 1, experts, block_m)
+    assert moe_triton.decodes_stacks(2 * experts * block_m, experts, block_m)
 
 
 @pytest.mark.skipif(CUDA, reason="the GPU code path on CPU tensors, interpreted")

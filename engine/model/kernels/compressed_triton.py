@@ -7,7 +7,7 @@ just stored, as the plain reference's `index_add_` does). The weights cross HBM 
 16 (a decode step of a bandwidth-bound model reads 0.75 of the bytes); nothing is materialised in
 bfloat16 — except for many rows (prefill, decode steps of `DECOMPRESS_MIN_ROWS` sequences), where every
 row block would decode the whole matrix again: there one program per tile writes the bfloat16 matrix, a
-chunk of rows at a time (`decompress`, at most 64 MiB), for the vendor GEMM, and it is freed after.
+chunk of rows at a time (`decompress`, at most 256 MiB), for the vendor GEMM, and it is freed after.
 
 Rows per program: one row (`GEMV_MAX_ROWS`: products in float32 registers, no dot; 32 x 256 tiles, the
 fastest measured), else 16 up to 16 rows and 32 up to `DECOMPRESS_MIN_ROWS`.
@@ -39,8 +39,12 @@ DECOMPRESS_MIN_ROWS = 33
 # Rows up to which each row is its own program without a tensor-core dot (`_gemv_kernel`; the int4
 # kernels' crossover: `quant_triton.GEMV_MAX_ROWS`).
 GEMV_MAX_ROWS = 1
-BLOCK_N = 64  # the decoder's tile (`decompress`)
+BLOCK_N = 64  # the embedding's decoder's tile (`rows`) and the many-rows path's chunk rounding (`matmul`)
 BLOCK_K = 128
+# The many-rows decoder's (`decompress`) tile and warps: block_n, block_k, warps. On an H200 16 x 512 / 4
+# moved 3.46-3.82 TB/s over Llama-3-8B's four projections (as fast as torch's copy of the bfloat16 matrix)
+# against 64 x 128 / 4's 3.22-3.38 (gpu_h200/bench_compressed_decoder_launches_v7.txt).
+DECOMPRESS_LAUNCH = (16, 512, 4)
 ESC_CHUNK = 32  # escapes added per step of a program's escape loop
 
 
@@ -77,6 +81,18 @@ def _weights_f32(plane_ptr, rn, kk, code, base, N, K, SELECT: tl.constexpr):
     else:
         bits = ((plane << 16) & -2139095041) | (code << 23) | (112 << 23)
     return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _weights_unselected(plane_ptr, rn, kk, code, base, N, K):
+    """`_weights` without its escape select, for a decoder that stores every escape in its place after
+    (`_decompress_kernel`): the sign+mantissa byte read as a signed byte keeps its sign at bit 15 and its
+    mantissa at bits 0-6, the exponent base + code ORed in between; an escape (code 15) decodes as
+    whatever base + 15 makes of it, never read."""
+    plane = tl.load(plane_ptr.to(tl.pointer_type(tl.int8)) + rn[:, None] * K + kk[None, :],
+                    mask=(rn[:, None] < N) & (kk[None, :] < K), other=0).to(tl.int32)
+    bits = (plane & 0x807F) | ((base + code) << 7)
+    return bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
 
 
 @triton.jit
@@ -249,9 +265,11 @@ def _gemv_kernel(x_ptr, w_ptr, plane_ptr, codes_ptr, esc_start_ptr, esc_rows_ptr
 @triton.jit
 def _decompress_kernel(plane_ptr, codes_ptr, esc_start_ptr, esc_rows_ptr, esc_cols_ptr, esc_vals_ptr, w_ptr, n0, n1,
                        N, K, base, code_row, ESCAPES: tl.constexpr, ESC_CHUNK: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr):
+                       BLOCK_K: tl.constexpr, SELECT: tl.constexpr):
     """w [n1 - n0, K] bfloat16 = rows n0 .. n1 of the compressed matrix decoded, a tile per program, then
-    the tile's escapes stored in their places (after a barrier: the tile's zeros are in first)."""
+    the tile's escapes stored in their places (after a barrier: the tile's own stores are in first).
+    SELECT: escapes decoded as 0 first (`_weights`, the reference), else as anything (`_weights_unselected`:
+    no select per weight; the escape loop overwrites them)."""
     HALF: tl.constexpr = BLOCK_K // 2
     first = n0 + tl.program_id(0) * BLOCK_N
     rn = first + tl.arange(0, BLOCK_N)
@@ -262,8 +280,14 @@ def _decompress_kernel(plane_ptr, codes_ptr, esc_start_ptr, esc_rows_ptr, esc_co
     byte = _code_bytes(codes_ptr, rn, k0, j, n1, code_row)
     rows = rn[:, None] < n1
     out = w_ptr + (rn[:, None] - n0) * K
-    tl.store(out + k_a[None, :], _weights(plane_ptr, rn, k_a, byte & 0x0F, base, n1, K), mask=rows & (k_a[None, :] < K))
-    tl.store(out + k_b[None, :], _weights(plane_ptr, rn, k_b, byte >> 4, base, n1, K), mask=rows & (k_b[None, :] < K))
+    if SELECT:
+        w_a = _weights(plane_ptr, rn, k_a, byte & 0x0F, base, n1, K)
+        w_b = _weights(plane_ptr, rn, k_b, byte >> 4, base, n1, K)
+    else:
+        w_a = _weights_unselected(plane_ptr, rn, k_a, byte & 0x0F, base, n1, K)
+        w_b = _weights_unselected(plane_ptr, rn, k_b, byte >> 4, base, n1, K)
+    tl.store(out + k_a[None, :], w_a, mask=rows & (k_a[None, :] < K))
+    tl.store(out + k_b[None, :], w_b, mask=rows & (k_b[None, :] < K))
     if ESCAPES:
         tl.debug_barrier()
         lo = tl.load(esc_start_ptr + first)
@@ -324,35 +348,50 @@ def rows(w, ids: torch.Tensor) -> torch.Tensor:
     return out.reshape(*ids.shape, k)
 
 
-# The many-rows path decodes at most this many weights at a time (a bfloat16 buffer of 64 MiB, not the
-# whole matrix: an LM head of 128k x 4k would take 1 GiB).
-DECOMPRESS_CHUNK = 1 << 25
+# The many-rows path decodes at most this many weights at a time: a bfloat16 buffer of 256 MiB, not the
+# whole matrix (an LM head of 128k x 4k would take 1 GiB); the engine's activation profile counts it
+# before sizing the KV cache. 64 MiB cut Llama-3-8B's gate_up (117M weights) into four GEMMs: the 8B
+# prefill of 2048 tokens on an H200 took 72.7 ms against 65.4-65.6 at 256 MiB (plain 58.6;
+# gpu_h200/bench_gpu_llama3_compressed_prefill_v7.txt).
+DECOMPRESS_CHUNK = 1 << 27
 
 
-def decompress(w, n0: int = 0, n1: int | None = None) -> torch.Tensor:
+def decompress(w, n0: int = 0, n1: int | None = None, decode: str = "auto", block_n: int | None = None,
+               block_k: int | None = None, warps: int | None = None) -> torch.Tensor:
     """Rows n0 .. n1 (all by default) of a `CompressedBF16` in bfloat16, decoded by the GPU with their
-    escapes (equal to `w.decompress()[n0:n1]` bit for bit; no host read of the escape index)."""
+    escapes (equal to `w.decompress()[n0:n1]` bit for bit; no host read of the escape index). `decode`:
+    "select" zeroes escapes as it decodes (the reference), "fast" leaves them to the escape stores that
+    follow; "auto": DECOMPRESS_DECODE. The same bits either way. The tile (block_n x block_k, a multiple
+    of 32) and warps: DECOMPRESS_LAUNCH unless given."""
+    if decode not in ("auto", "fast", "select"):
+        raise ValueError(f"decompress's decode must be auto, fast or select, got {decode!r}")
+    select = (DECOMPRESS_DECODE if decode == "auto" else decode) == "select"
+    block_n, block_k = block_n or DECOMPRESS_LAUNCH[0], block_k or DECOMPRESS_LAUNCH[1]
+    if block_k % 32:
+        raise ValueError(f"block_k must be a multiple of 32 (the code bytes' runs), got {block_k}")
     n, k = w.shape
     n1 = n if n1 is None else n1
     out = torch.empty(n1 - n0, k, dtype=torch.bfloat16, device=w.plane.device)
-    _decompress_kernel[(triton.cdiv(n1 - n0, BLOCK_N), triton.cdiv(k, BLOCK_K))](
+    _decompress_kernel[(triton.cdiv(n1 - n0, block_n), triton.cdiv(k, block_k))](
         w.plane, w.codes, w.esc_start, w.esc_rows, w.esc_cols, w.esc_vals, out, n0, n1, n, k, w.base,
-        w.codes.shape[1], ESCAPES=w.num_escapes > 0, ESC_CHUNK=ESC_CHUNK, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
+        w.codes.shape[1], ESCAPES=w.num_escapes > 0, ESC_CHUNK=ESC_CHUNK, BLOCK_N=block_n, BLOCK_K=block_k,
+        SELECT=select, num_warps=warps or DECOMPRESS_LAUNCH[2])
     return out
 
 
-def matmul(x: torch.Tensor, w) -> torch.Tensor:
+def matmul(x: torch.Tensor, w, decode: str = "auto") -> torch.Tensor:
     """x [M, K] @ W^T in float32 (or, from `DECOMPRESS_MIN_ROWS` rows, in x's dtype): the kernel that
-    decodes tiles in registers, or the matrix decoded (a chunk of rows at a time) for torch's GEMM."""
+    decodes tiles in registers, or the matrix decoded (a chunk of rows at a time) for torch's GEMM.
+    `decode`: the kernel's (`compressed_linear`) or the decoder's (`decompress`)."""
     if x.shape[0] < DECOMPRESS_MIN_ROWS:
-        return compressed_linear(x, w)
+        return compressed_linear(x, w, decode=decode)
     n, k = w.shape
     step = max(BLOCK_N, DECOMPRESS_CHUNK // k // BLOCK_N * BLOCK_N)
     if step >= n:
-        return F.linear(x, decompress(w).to(x.dtype))
+        return F.linear(x, decompress(w, decode=decode).to(x.dtype))
     y = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
     for n0 in range(0, n, step):
-        y[:, n0:n0 + step] = F.linear(x, decompress(w, n0, min(n, n0 + step)).to(x.dtype))
+        y[:, n0:n0 + step] = F.linear(x, decompress(w, n0, min(n, n0 + step), decode=decode).to(x.dtype))
     return y
 
 
@@ -364,12 +403,15 @@ def matmul(x: torch.Tensor, w) -> torch.Tensor:
 GEMV_LAUNCH = (32, 256, 8, 3)
 TILES_LAUNCH = (64, 64, 8, 3)
 DECODES = ("auto", "fast", "select", "bfloat16")
-# What "auto" takes per kernel: the row kernel's fast decode is timed (bench_compressed_gemm_v6_decodes:
-# 1.11-1.24x of torch against 1.38-2.06x); the tiles' fast decode (the same integer work per weight, into
-# bfloat16 for the dot) is tested interpreted and compiles with fewer instructions (triton_aot) but has not
-# been timed or run on a GPU yet: the tiles keep the select decode until it has.
+# What "auto" takes per kernel: the row kernel's fast decode (bench_compressed_gemm_v6_decodes: 1.11-1.24x
+# of torch against 1.38-2.06x); the tiles' (16-32 rows, H200, bench_compressed_gemm_v7_tiles_fast: 7-21%
+# under select on every projection; the 8B decode step at batch 32 12.54-12.59 ms against 14.26-14.27).
+# The decoder (`decompress`, prefill): "fast" skips the escape select (its escapes are stored after):
+# 1-4% less time per decode + GEMM at 512 rows, the same at 2048 (bench_compressed_decoder_v7: the
+# decoder moves bytes at the copy's rate either way; the select was not its limit).
 GEMV_DECODE = "fast"
-TILES_DECODE = "select"
+TILES_DECODE = "fast"
+DECOMPRESS_DECODE = "fast"
 STAND_IN_MAX_BASE = 128
 
 

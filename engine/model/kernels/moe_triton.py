@@ -11,17 +11,20 @@ The torch reference is `moe.grouped_experts_reference`; tests hold the two equal
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Protocol
 
 import torch
 import triton
 import triton.language as tl
 
+from engine.model.kernels import compressed_triton
 from engine.model.kernels.compressed_triton import (
     ESC_CHUNK,
     _stand_in,
     _unscale,
     _weight_halves,
+    decompress,
     stand_ins_fit,
 )
 from engine.model.kernels.quant_triton import dequant_halves, dequant_tile, packed_group
@@ -52,6 +55,9 @@ class CompressedStack(Protocol):
 
     @property
     def num_escapes(self) -> int: ...
+
+    @property
+    def shape(self) -> tuple[int, ...]: ...
 
 
 @triton.jit
@@ -158,10 +164,25 @@ def _grouped_gemm_kernel(
                 tl.atomic_add(c_ptr + slots[:, None] * stride_cm + r[None, :], add, mask=both)
 
 
-# The compressed experts' decode: "fast" (`compressed_triton._weights_scaled`) or "select". Tested
-# interpreted, compiles with fewer instructions per weight (loadtest/triton_aot.py), not yet timed or run
-# on a GPU: select until it has (as compressed_triton.TILES_DECODE).
-EXPERTS_DECODE = "select"
+# The compressed experts' decode: "fast" (`compressed_triton._weights_scaled`) or "select". Fewer
+# instructions per weight (loadtest/triton_aot.py); on an H200 the DeepSeek-V2-Lite-shaped decode step
+# (64 experts compressed) at batch 16/32 took 17.19-17.52 / 19.10-19.19 ms against select's 17.51-17.57 /
+# 19.29-19.34 (gpu_h200/bench_gpu_compressed_v7_tiles_fast.txt).
+EXPERTS_DECODE = "fast"
+# From this many padded BLOCK_M-row blocks per expert on average (a prefill's tokens), the compressed stacks
+# are decoded to bfloat16 instead — whole experts at a time, at most compressed_triton.DECOMPRESS_CHUNK
+# weights (`decompress`, the dense layers' many-rows decoder) — for the plain grouped GEMM: each weight is
+# then decoded once, where the tiles decode it again for every block of its expert's rows, and the decoder
+# writes at the rate of a copy (gpu_h200/bench_compressed_decoder_launches_v7.txt). From 2 blocks the
+# in-register decode does at least twice the decoding of the stacks' every expert. Chosen by that count,
+# not yet timed (the DeepSeek-V2-Lite-shape prefill of 2,048 tokens — 3 blocks per expert — took 101-112 ms
+# compressed against 64.8 plain on an H200: gpu_h200/bench_compressed_decoder_v7.txt); 0: never.
+DECODED_EXPERTS_MIN_BLOCKS = 2
+
+
+def decodes_stacks(pairs: int, num_experts: int, block_m: int) -> bool:
+    """Whether `fused_experts` decodes compressed stacks to bfloat16 for `pairs` (token, expert) choices."""
+    return DECODED_EXPERTS_MIN_BLOCKS > 0 and pairs >= DECODED_EXPERTS_MIN_BLOCKS * num_experts * block_m
 
 
 def align_to_experts(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -198,8 +219,9 @@ def align_to_experts(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple
 
 def _gemm(a: torch.Tensor, w: torch.Tensor | QuantizedStack | CompressedStack, rows: torch.Tensor,
           tile_expert: torch.Tensor, out_rows: int, gather: bool, scale: torch.Tensor | None, block_m: int,
-          block_n: int, block_k: int, expert_rows: int = 0) -> torch.Tensor:
-    """`expert_rows`: a `CompressedStack`'s rows per expert (N); its C is float32."""
+          block_n: int, block_k: int, expert_rows: int = 0, out: torch.Tensor | None = None) -> torch.Tensor:
+    """`expert_rows`: a `CompressedStack`'s rows per expert (N); its C is float32. `out`: C to write the
+    tiles of `tile_expert`'s experts into (the others' rows left as they are), else a new one."""
     c_dtype = a.dtype
     cmpr = dict(COMPRESSED=False, ESCAPES=False)
     extra: tuple = (rows, rows, rows, rows, rows, 0, 0)  # (unused unless compressed)
@@ -224,7 +246,7 @@ def _gemm(a: torch.Tensor, w: torch.Tensor | QuantizedStack | CompressedStack, r
         ptrs = (w, w, w)  # (no scales or mins)
         strides = (w.stride(0), w.stride(1), w.stride(2), 0)
         quant = dict(QUANT=False, GROUP=1, INT4=False, PACKED=False)
-    c = torch.empty(out_rows, n, dtype=c_dtype, device=a.device)
+    c = torch.empty(out_rows, n, dtype=c_dtype, device=a.device) if out is None else out
     grid = (tile_expert.numel(), triton.cdiv(n, block_n))
     _grouped_gemm_kernel[grid](
         a, *ptrs, c, rows, tile_expert, scale if scale is not None else rows, *extra,
@@ -235,13 +257,31 @@ def _gemm(a: torch.Tensor, w: torch.Tensor | QuantizedStack | CompressedStack, r
     return c
 
 
+def _gemm_decoded(a: torch.Tensor, w: CompressedStack, rows: torch.Tensor, tile_expert: torch.Tensor, out_rows: int,
+                  gather: bool, scale: torch.Tensor | None, block_m: int, block_n: int, block_k: int,
+                  expert_rows: int, num_experts: int) -> torch.Tensor:
+    """`_gemm` over a compressed stack decoded to bfloat16 a chunk of whole experts at a time, each chunk
+    through the plain grouped GEMM for the tiles of its experts (C in a's dtype, as the plain stacks')."""
+    k = w.plane.shape[1]
+    per = max(1, compressed_triton.DECOMPRESS_CHUNK // (expert_rows * k))
+    c = torch.empty(out_rows, expert_rows, dtype=a.dtype, device=a.device)
+    none = torch.full_like(tile_expert, -1)
+    for e0 in range(0, num_experts, per):
+        e1 = min(num_experts, e0 + per)
+        stack = decompress(w, e0 * expert_rows, e1 * expert_rows).view(e1 - e0, expert_rows, k).to(a.dtype)
+        local = torch.where((tile_expert >= e0) & (tile_expert < e1), tile_expert - e0, none)
+        _gemm(a, stack, rows, local, out_rows, gather, scale, block_m, block_n, block_k, out=c)
+    return c
+
+
 def fused_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                   w_gate_up: torch.Tensor | QuantizedStack | CompressedStack,
                   w_down: torch.Tensor | QuantizedStack | CompressedStack, act: Callable[[torch.Tensor], torch.Tensor],
                   block_m: int = 64, block_n: int = 64, block_k: int = 32, num_experts: int = 0) -> torch.Tensor:
     """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]). x: [T, H]; w_gate_up: [E, 2I, H]; w_down: [E, H, I]
     (float, or each a `QuantizedStack` of the experts' int8/int4 matrices, or a `CompressedStack` of their
-    bfloat16 ones as [E * 2I, H] and [E * H, I], with `num_experts`)."""
+    bfloat16 ones as [E * 2I, H] and [E * H, I], with `num_experts`: decoded in the tiles, or from
+    DECODED_EXPERTS_MIN_BLOCKS blocks per expert decoded to bfloat16 for the plain GEMM)."""
     t, k = ids.shape
     compressed = hasattr(w_gate_up, "plane")
     if compressed:
@@ -255,12 +295,15 @@ def fused_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
         rows = (0, 0)
     slot_of, tile_expert, _ = align_to_experts(ids, num_experts, block_m)
     token_rows = torch.where(slot_of >= 0, slot_of // k, slot_of)
-    gate_up = _gemm(x, w_gate_up, token_rows, tile_expert, slot_of.numel(), True, None, block_m, block_n, block_k,
-                    rows[0])
+    gemm = _gemm
+    if compressed and decodes_stacks(t * k, num_experts, block_m):
+        gemm = partial(_gemm_decoded, num_experts=num_experts)
+    gate_up = gemm(x, w_gate_up, token_rows, tile_expert, slot_of.numel(), True, None, block_m, block_n, block_k,
+                   rows[0])
     h = (act(gate_up[:, :inter]) * gate_up[:, inter:]).to(x.dtype)
     slot_weight = torch.where(slot_of >= 0, weights.flatten()[slot_of.clamp(min=0)], torch.zeros_like(slot_of, dtype=weights.dtype))
-    down = _gemm(h, w_down, slot_of, tile_expert, slot_of.numel(), False, slot_weight, block_m, block_n, block_k,
-                 rows[1]).to(x.dtype)
+    down = gemm(h, w_down, slot_of, tile_expert, slot_of.numel(), False, slot_weight, block_m, block_n, block_k,
+                rows[1]).to(x.dtype)
     # Padding rows (garbage, never stored) go to a spare row t that is dropped.
     target = torch.where(slot_of >= 0, slot_of // k, torch.full_like(slot_of, t))
     down = torch.where((slot_of >= 0)[:, None], down, torch.zeros((), dtype=down.dtype, device=down.device))
