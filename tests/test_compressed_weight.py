@@ -258,10 +258,11 @@ def test_compressed_stacks_decoded_for_a_prefill_equal_the_plain_stacks_bit_for_
 
     from engine.model.kernels import compressed_triton, moe_triton
 
-    experts, top_k, tokens = 5, 2, 40
+    block_m = 64 if CUDA else 16
+    experts, top_k = 5, 2
+    tokens = experts * block_m // top_k  # (one block per expert on average)
     x, weights, ids, (gu, dn), (cgu, cdn) = _expert_stacks(tokens, top_k, experts, seed=3)
     hidden, inter = x.shape[1], gu.shape[1] // 2
-    block_m = 64 if CUDA else 16
     blocks = {} if CUDA else dict(block_m=16, block_n=32, block_k=32)
     plain = moe_triton.fused_experts(x, ids, weights, gu, dn, F.silu, **blocks)
     monkeypatch.setattr(compressed_triton, "DECOMPRESS_CHUNK", chunk_experts * 2 * inter * hidden)
