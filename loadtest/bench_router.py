@@ -219,6 +219,8 @@ def main() -> int:
                    help="also measure vllm-router (this executable) in front of the same upstreams")
     p.add_argument("--out", default="loadtest/results")
     args = p.parse_args()
+    if args.paced_ms > 0 and args.paced_concurrency < 1:
+        p.error("--paced-concurrency must be at least 1 (--paced-ms 0 skips the paced measurement)")
     if args.shared_cores:
         cpus, layout = None, f"cores: {len(os.sched_getaffinity(0))}, all shared"
     else:
