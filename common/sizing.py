@@ -46,6 +46,10 @@ KV_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "fp8": 1}
 # matrices, `python -m loadtest.bench_engine --compression`). Every matrix: attention, MLPs, stacked experts,
 # routers, the embedding and an untied LM head.
 COMPRESSED_RATIO = 0.755
+# ... and, from 33 rows (a prefill chunk), each matrix is decoded to bfloat16 at most this many bytes at a time
+# for the vendor GEMM (`engine/model/kernels/compressed_triton.py` takes its DECOMPRESS_CHUNK from here): a
+# transient buffer the activation reserve holds too.
+DECOMPRESS_BUFFER_BYTES = 256 * 2**20
 
 
 @dataclass(frozen=True)
@@ -235,7 +239,7 @@ def plan(model: Model, device: Device, layout: Layout, quantization: str | None 
     # Activations: the largest prefill chunk's hidden states and MLP intermediates (a few copies),
     # its logits rows (sampled rows only), plus CUDA graphs' pool and NCCL buffers.
     width = max(model.hidden * 4, 2 * max(model.intermediate, model.expert_intermediate * max(model.experts_per_token, 1)) // tp)
-    reserve = int(chunk_tokens * width * 2 * 2 + 2 * GiB)
+    reserve = int(chunk_tokens * width * 2 * 2 + 2 * GiB) + (DECOMPRESS_BUFFER_BYTES if compress_weights else 0)
     if model.mla:
         kv_per_token = per_stage * (model.kv_lora_rank + model.rope_dim) * kb  # replicated on each TP rank
     else:

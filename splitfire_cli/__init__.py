@@ -96,7 +96,8 @@ def _plan(args: argparse.Namespace) -> int:
         if args.compress_weights:
             plain = sizing.plan(model, device, layout, args.quantization, args.kv_cache_dtype)
             print(f"  --compress-weights frees     {(plain.weight_bytes - p.weight_bytes) / sizing.GiB:10.1f} GiB "
-                  f"per device: {p.kv_tokens - plain.kv_tokens:+,d} KV tokens")
+                  f"per device: {p.kv_tokens - plain.kv_tokens:+,d} KV tokens (after "
+                  f"{sizing.DECOMPRESS_BUFFER_BYTES / sizing.GiB:.2f} GiB for the prefill's decoder)")
         print()
     best = sizing.smallest(model, device, args.quantization, args.kv_cache_dtype, args.min_kv_tokens)
     if best is None:

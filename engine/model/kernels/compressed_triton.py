@@ -28,6 +28,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from common.sizing import DECOMPRESS_BUFFER_BYTES
 from engine.model.kernels.quant_triton import split_k_for
 
 # Rows from which the matrix is decoded to bfloat16 for torch's GEMM instead of in every row block's
@@ -353,7 +354,7 @@ def rows(w, ids: torch.Tensor) -> torch.Tensor:
 # before sizing the KV cache. 64 MiB cut Llama-3-8B's gate_up (117M weights) into four GEMMs: the 8B
 # prefill of 2048 tokens on an H200 took 72.7 ms against 65.4-65.6 at 256 MiB (plain 58.6;
 # gpu_h200/bench_gpu_llama3_compressed_prefill_v7.txt).
-DECOMPRESS_CHUNK = 1 << 27
+DECOMPRESS_CHUNK = DECOMPRESS_BUFFER_BYTES // 2  # (1 << 27; `splitfire plan` reserves the same bytes)
 
 
 def decompress(w, n0: int = 0, n1: int | None = None, decode: str = "auto", block_n: int | None = None,
