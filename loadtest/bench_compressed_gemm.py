@@ -61,6 +61,7 @@ def main() -> None:
     from engine.model.kernels.compressed_triton import (
         DECOMPRESS_MIN_ROWS,
         GEMV_MAX_ROWS,
+        GEMV_ROWS,
         compressed_linear,
         matmul,
     )
@@ -84,7 +85,7 @@ def main() -> None:
             for m, gemv, decode in ((int(r), g, d) for r in args.rows.split(",") for g, d in kinds):
                 many = m >= DECOMPRESS_MIN_ROWS
                 if ((many and (tile != args.tiles.split(",")[0] or decode == "bfloat16"))
-                        or (gemv and (many or m > GEMV_MAX_ROWS))):
+                        or (gemv and (many or m > max(GEMV_MAX_ROWS, GEMV_ROWS[-1])))):
                     continue  # (decode once + torch's GEMM: no launch shape; one row per program: few rows)
                 x = torch.randn(m, k, device=dev).to(torch.bfloat16)
                 comp = (partial(matmul, x, c, decode=decode) if many

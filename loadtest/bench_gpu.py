@@ -218,6 +218,19 @@ def parse_launch(text: str, flag: str) -> tuple[int, int, int, int]:
         raise SystemExit(f"{flag}: {text!r} is not NxK/WARPS/STAGES (e.g. 32x256/8/3)") from None
 
 
+def compressed_ints(args: argparse.Namespace, name: str) -> list[int | None]:
+    """A --compress-weights sweep flag's integers, in order ([None]: not given, the module's default)."""
+    text, flag = getattr(args, name), "--" + name.replace("_", "-")
+    if not text:
+        return [None]
+    if not args.compress_weights:
+        raise SystemExit(f"{flag} needs --compress-weights")
+    try:
+        return [int(v) for v in text.split(",")]
+    except ValueError:
+        raise SystemExit(f"{flag} takes integers, got {text!r}") from None
+
+
 def set_backend(name: str) -> None:
     os.environ["SPLITFIRE_KERNELS"] = name
     kernels.cache_clear()
@@ -248,6 +261,9 @@ def main() -> int:
                    help="with --compress-weights: time every case once per moe_triton.DECODED_EXPERTS_MIN_BLOCKS "
                    "(blocks per expert from which the compressed stacks are decoded for the plain grouped GEMM; "
                    "0: never), in this order")
+    p.add_argument("--gemv-max-rows", default=None, metavar="1,4,...",
+                   help="with --compress-weights: time every case once per compressed_triton.GEMV_MAX_ROWS (rows up "
+                   "to which the row kernel runs, 1, 2 or 4 rows per program, instead of the tiles), in this order")
     p.add_argument("--gemv-launch", default=None, metavar="NxK/W/S,...",
                    help="with --compress-weights: time the decode steps once per one-row kernel launch shape "
                    "(block_n x block_k / warps / stages; 'auto': compressed_triton.GEMV_LAUNCH)")
@@ -271,15 +287,10 @@ def main() -> int:
         if not set(decodes) <= {"select", "fast"}:
             raise SystemExit(f"--tiles-decode takes select and fast, got {args.tiles_decode!r}")
     default_decodes = (compressed_triton.TILES_DECODE, moe_triton.EXPERTS_DECODE, compressed_triton.DECOMPRESS_DECODE)
-    min_blocks: list[int | None] = [None]
+    min_blocks = compressed_ints(args, "experts_min_blocks")
     default_min_blocks = moe_triton.DECODED_EXPERTS_MIN_BLOCKS
-    if args.experts_min_blocks:
-        if not args.compress_weights:
-            raise SystemExit("--experts-min-blocks needs --compress-weights")
-        try:
-            min_blocks = [int(v) for v in args.experts_min_blocks.split(",")]
-        except ValueError:
-            raise SystemExit(f"--experts-min-blocks takes integers, got {args.experts_min_blocks!r}") from None
+    max_rows = compressed_ints(args, "gemv_max_rows")
+    default_max_rows = compressed_triton.GEMV_MAX_ROWS
     launches: list[tuple[int, int, int, int] | None] = [None]
     default = compressed_triton.GEMV_LAUNCH
     if args.gemv_launch:
@@ -288,7 +299,8 @@ def main() -> int:
         launches = [None if t == "auto" else parse_launch(t, "--gemv-launch") for t in args.gemv_launch.split(",")]
     batches = [int(b) for b in args.batches.split(",")]
     # (the path names the launch, decode and experts' blocks)
-    pw = 8 + 10 * bool(args.gemv_launch) + 7 * bool(args.tiles_decode) + 5 * bool(args.experts_min_blocks)
+    pw = (8 + 10 * bool(args.gemv_launch) + 7 * bool(args.tiles_decode) + 5 * bool(args.experts_min_blocks)
+          + 5 * bool(args.gemv_max_rows))
     print(f"{'model':<14}{'path':<{pw}}{'case':<18}{'ms':>9}{'CPU ms':>9}{'% roofline / MFU':>18}")
     for preset in args.preset.split(","):
         block_size = 16
@@ -297,8 +309,8 @@ def main() -> int:
                                                 args.compress_weights)
         runner = ModelRunner(model, kv, dev)
         page = kv.layout.page_bytes
-        for backend, launch, decode, blocks in [(b, la, d, mb) for b in backends for la in launches for d in decodes
-                                                for mb in min_blocks]:
+        for backend, launch, decode, blocks, rows in [(b, la, d, mb, r) for b in backends for la in launches
+                                                      for d in decodes for mb in min_blocks for r in max_rows]:
             set_backend(backend)
             compressed_triton.GEMV_LAUNCH = launch or default
             (compressed_triton.TILES_DECODE, moe_triton.EXPERTS_DECODE,
@@ -308,8 +320,11 @@ def main() -> int:
             moe_triton.DECODED_EXPERTS_MIN_BLOCKS = default_min_blocks if blocks is None else blocks
             if decode:
                 backend += f"/{decode}"
+            compressed_triton.GEMV_MAX_ROWS = default_max_rows if rows is None else rows
             if blocks is not None:
                 backend += f"/mb{blocks}"
+            if rows is not None:
+                backend += f"/gr{rows}"
             # Decode graphs: the last block is the padding rows' scratch, outside every BlockManager below.
             runner.graphs = DecodeGraphs(lambda ids, pos, meta, m=runner.model, c=runner.kv: m(ids, pos, c, meta),
                                          max(batches),

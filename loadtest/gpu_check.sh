@@ -14,6 +14,7 @@
 #                                                  #   compressedfast (the tiles' and experts' fast decode vs select),
 #                                                  #   compresseddecoder (the prefill's decoder: fast vs select),
 #                                                  #   compressedmoeprefill (compressed experts at prefill: stacks decoded vs tiles),
+#                                                  #   compressedrows (the row kernel at 2-4 rows per program vs the tiles),
 #                                                  #   compressedengine (8B and MoE decode/prefill, plain vs compressed),
 #                                                  #   compressedsweep (the one-row kernel's launch shapes by registers:
 #                                                  #   loadtest/results/triton_aot.txt)
@@ -67,5 +68,8 @@ step compresseddecoder 380 bash -c "$PY -m pytest -q -p no:cacheprovider --timeo
 # The compressed experts at prefill: the stacks decoded for the plain grouped GEMM (DECODED_EXPERTS_MIN_BLOCKS 2) vs
 # decoded in the tiles (0), DeepSeek-V2-Lite shape, 2048 and 512 tokens, alternating; then plain weights.
 step compressedmoeprefill 300 bash -c "$PY -m pytest -q -p no:cacheprovider --timeout 120 tests/test_compressed_weight.py -k 'expert or prefill'; $PY -m loadtest.bench_gpu --preset deepseek-v2-lite --batches 1 --iters 30 --prefill-tokens 2048 --compress-weights --experts-min-blocks 2,0,2,0 && $PY -m loadtest.bench_gpu --preset deepseek-v2-lite --batches 1 --iters 30 --prefill-tokens 512 --compress-weights --experts-min-blocks 1,0,1,0 && $PY -m loadtest.bench_gpu --preset deepseek-v2-lite --batches 1 --iters 30 --prefill-tokens 2048"
+# The row kernel with 2 and 4 rows per program (each weight decoded once for them) against the tiles at 2-4 rows, per
+# matrix and in the 8B decode step at batch 2 and 4 (GEMV_MAX_ROWS 1 = tiles vs 4 = the row kernel, alternating).
+step compressedrows 300 bash -c "$PY -m pytest -q -p no:cacheprovider --timeout 120 tests/test_compressed_weight.py -k 'several_rows or plain_ones'; $PY -m loadtest.bench_compressed_gemm --reps 40 --rows 1,2,3,4 --tiles 32x256/8/3,64x64/8/3 --json $OUT/compressed_rows.json; $PY -m loadtest.bench_gpu --preset llama3-8b --batches 1,2,4 --iters 20 --compress-weights --gemv-max-rows 1,4,1,4"
 step mla 90 $PY -m loadtest.bench_gpu --preset deepseek-v2-lite --quantization int4 --batches 1,32
 cat "$summary"

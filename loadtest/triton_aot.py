@@ -252,6 +252,9 @@ def cases() -> list[Case]:
         out.append(Case(f"compressed {m} rows", lambda m=m: ct.compressed_linear(randn(m, 512), w_esc)))
         out.append(Case(f"compressed {m} rows, no escapes", lambda m=m: ct.compressed_linear(randn(m, 512), w_plain)))
     out.append(Case("compressed 1 row, split K", lambda: ct.compressed_linear(randn(1, 512), w_esc, split_k=2)))
+    for rows in ct.GEMV_ROWS[1:]:  # (the row kernel's several rows per program: each weight decoded once)
+        out.append(Case(f"compressed {rows} rows, row kernel", lambda rows=rows: ct.compressed_linear(
+            randn(rows, 512), w_esc, gemv=True, block_m=rows)))
     out.append(Case("compressed 16 rows, split K", lambda: ct.compressed_linear(randn(16, 512), w_esc, split_k=2)))
     out.append(Case("compressed kernel on plain weights", lambda: ct.compressed_linear(randn(16, 512), w_esc,
                                                                                         plain=randn(256, 512))))

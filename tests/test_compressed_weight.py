@@ -126,6 +126,28 @@ def test_the_kernel_on_compressed_weights_equals_it_on_plain_ones(m, n, k, block
     assert c.num_escapes > 0
 
 
+@pytest.mark.parametrize(("m", "rows", "split_k"), [(2, 2, 1), (3, 2, 2), (3, 4, 1), (7, 4, 3), (1, 4, 2)])
+def test_the_row_kernel_with_several_rows_per_program_equals_it_one_row_at_a_time(m, rows, split_k):
+    """`_gemv_kernel` with 2 or 4 rows per program (each weight decoded once for them) gives every row the
+    one-row program's sums: bit for bit interpreted, within float32 rounding compiled; every decode, the
+    rows past the last masked, escapes (NaN and Inf among them) added to their own rows only."""
+    w = with_outliers(normal(70, 200, seed=11), 50)
+    w[3, 9], w[60, 150] = float("nan"), float("inf")
+    c = pack(w).to(DEV)
+    x = torch.randn(m, 200, generator=torch.Generator().manual_seed(m)).to(torch.bfloat16).to(DEV)
+    for decode in ("fast", "select", "bfloat16"):
+        launch = dict(block_n=16, block_k=64, split_k=split_k, gemv=True, decode=decode)
+        one = torch.cat([compressed_linear(x[i:i + 1], c, **launch) for i in range(m)])
+        many = compressed_linear(x, c, block_m=rows, **launch)
+        assert torch.equal(many.isnan(), one.isnan()) and torch.equal(many.isinf(), one.isinf()), decode
+        if not CUDA:
+            assert torch.equal(many.nan_to_num(), one.nan_to_num()), decode  # (NaN != NaN)
+        fine = ~(one.isnan() | one.isinf())
+        assert _rel(many[fine], one[fine]) < 1e-6, decode
+    with pytest.raises(ValueError, match="rows per program"):
+        compressed_linear(x, c, gemv=True, block_m=3)
+
+
 @pytest.mark.parametrize("block_m", [1, 16, 64])
 def test_escapes_land_in_their_own_columns_only_nan_and_inf_included(block_m):
     """Each escape is added into its row's output column by the program owning that row (one of several

@@ -40,6 +40,17 @@ DECOMPRESS_MIN_ROWS = 33
 # Rows up to which each row is its own program without a tensor-core dot (`_gemv_kernel`; the int4
 # kernels' crossover: `quant_triton.GEMV_MAX_ROWS`).
 GEMV_MAX_ROWS = 1
+# Rows per program the row kernel takes (`compressed_linear(gemv=True, block_m=...)`; by default the fewest
+# that hold the rows): 2 or 4 decode each weight once for that many rows, one FFMA per weight and row (SASS
+# main loop at 32 x 256 / 8 warps, sm_90: 342 instructions per iteration at 1 row, 351 at 2, 434 at 4,
+# no spills). Not yet timed on a GPU: GEMV_MAX_ROWS stays 1 (2-4 rows take the tiles) until it is
+# (`gpu_check.sh OUT compressedrows`).
+GEMV_ROWS = (1, 2, 4)
+
+
+def gemv_rows_for(rows: int) -> int:
+    """The row kernel's rows per program for `rows` rows: the fewest of GEMV_ROWS that hold them (else the most)."""
+    return next((r for r in GEMV_ROWS if r >= rows), GEMV_ROWS[-1])
 BLOCK_N = 64  # the embedding's decoder's tile (`rows`) and the many-rows path's chunk rounding (`matmul`)
 BLOCK_K = 128
 # The many-rows decoder's (`decompress`) tile and warps: block_n, block_k, warps. On an H200 16 x 512 / 4
@@ -225,22 +236,36 @@ def _gemv_kernel(x_ptr, w_ptr, plane_ptr, codes_ptr, esc_start_ptr, esc_rows_ptr
                  y_ptr, M, N, K, base, stride_xm, code_row,
                  PLAIN: tl.constexpr, ESCAPES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  SPLIT_K: tl.constexpr, ESC_CHUNK: tl.constexpr, F32_BITS: tl.constexpr,
-                 ESC_SELECT: tl.constexpr):
-    """Program (row, n, s): one activation row (a decode step of one sequence), products summed in float32
-    registers shaped like the weight tile — no tensor-core dot (one row would use a sixteenth of it) and
-    no change of the decoded weights' layout — reduced once at the end; then escapes as `_matmul_kernel`."""
+                 ESC_SELECT: tl.constexpr, ROWS: tl.constexpr = 1, ESC_ROWS: tl.constexpr = 2):
+    """Program (rows, n, s): ROWS activation rows (decode steps of 1, 2 or 4 sequences), products summed in
+    float32 registers shaped like the weight tile — no tensor-core dot (a few rows would use a sixteenth of
+    it or less) and no change of the decoded weights' layout; each weight decoded once for its ROWS rows —
+    reduced once at the end; then escapes as `_matmul_kernel` (ESC_ROWS: max(ROWS, 2), the escape loop's
+    block of rows, the ones past ROWS masked)."""
     HALF: tl.constexpr = BLOCK_K // 2
-    row, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    row = pid_m * ROWS
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     j = tl.arange(0, HALF)
     k_per = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
     k_start = pid_k * k_per
-    acc = tl.zeros([BLOCK_N, HALF], dtype=tl.float32)
+    if ROWS == 1:
+        acc = tl.zeros([BLOCK_N, HALF], dtype=tl.float32)
+    else:
+        rs = row + tl.arange(0, ROWS)
+        acc3 = tl.zeros([ROWS, BLOCK_N, HALF], dtype=tl.float32)
     for k0 in range(k_start, tl.minimum(k_start + k_per, K), BLOCK_K):
         k_a = k0 + (j // 16) * 32 + j % 16
         k_b = k_a + 16
-        x_a = tl.load(x_ptr + row * stride_xm + k_a, mask=k_a < K, other=0.0).to(tl.bfloat16).to(tl.float32)
-        x_b = tl.load(x_ptr + row * stride_xm + k_b, mask=k_b < K, other=0.0).to(tl.bfloat16).to(tl.float32)
+        if ROWS == 1:
+            x_a = tl.load(x_ptr + row * stride_xm + k_a, mask=k_a < K, other=0.0).to(tl.bfloat16).to(tl.float32)
+            x_b = tl.load(x_ptr + row * stride_xm + k_b, mask=k_b < K, other=0.0).to(tl.bfloat16).to(tl.float32)
+        else:
+            live = rs[:, None] < M
+            x_a = tl.load(x_ptr + rs[:, None] * stride_xm + k_a[None, :], mask=live & (k_a[None, :] < K),
+                          other=0.0).to(tl.bfloat16).to(tl.float32)
+            x_b = tl.load(x_ptr + rs[:, None] * stride_xm + k_b[None, :], mask=live & (k_b[None, :] < K),
+                          other=0.0).to(tl.bfloat16).to(tl.float32)
         if F32_BITS and not PLAIN:
             byte = _code_bytes(codes_ptr, rn, k0, j, N, code_row)
             w_a = _weights_f32(plane_ptr, rn, k_a, byte & 0x0F, base, N, K, ESC_SELECT)
@@ -248,19 +273,29 @@ def _gemv_kernel(x_ptr, w_ptr, plane_ptr, codes_ptr, esc_start_ptr, esc_rows_ptr
         else:
             w_a, w_b = _weight_halves(w_ptr, plane_ptr, codes_ptr, rn, k0, j, k_a, k_b, base, N, K, code_row,
                                       PLAIN)
-        acc += w_a.to(tl.float32) * x_a[None, :]
-        acc += w_b.to(tl.float32) * x_b[None, :]
-    total = tl.sum(acc, axis=1)
-    if F32_BITS and not PLAIN and not ESC_SELECT:  # (weights decoded times 2^(112 - base): scaled back)
-        total = total * _unscale(base)
+        if ROWS == 1:
+            acc += w_a.to(tl.float32) * x_a[None, :]
+            acc += w_b.to(tl.float32) * x_b[None, :]
+        else:
+            acc3 += w_a.to(tl.float32)[None, :, :] * x_a[:, None, :]
+            acc3 += w_b.to(tl.float32)[None, :, :] * x_b[:, None, :]
     out = y_ptr + pid_k * M * N
-    tl.store(out + row * N + rn, total, mask=rn < N)
+    if ROWS == 1:
+        total = tl.sum(acc, axis=1)
+        if F32_BITS and not PLAIN and not ESC_SELECT:  # (weights decoded times 2^(112 - base): scaled back)
+            total = total * _unscale(base)
+        tl.store(out + row * N + rn, total, mask=rn < N)
+    else:
+        totals = tl.sum(acc3, axis=2)
+        if F32_BITS and not PLAIN and not ESC_SELECT:
+            totals = totals * _unscale(base)
+        tl.store(out + rs[:, None] * N + rn[None, :], totals, mask=(rs[:, None] < M) & (rn[None, :] < N))
     if ESCAPES:
         if pid_k == 0:
-            rm = row + tl.arange(0, 2)  # (the escape loop takes a block of rows: this one and a masked one)
-            _add_escapes(out, x_ptr, rm, rm[:, None] == row, stride_xm, N, pid_n * BLOCK_N, esc_start_ptr,
-                         esc_rows_ptr, esc_cols_ptr, esc_vals_ptr, BLOCK_N, ESC_CHUNK, base,
-                         F32_BITS and not PLAIN and not ESC_SELECT)
+            rm = row + tl.arange(0, ESC_ROWS)  # (the escape loop takes a block of rows: these, the rest masked)
+            _add_escapes(out, x_ptr, rm, (rm[:, None] < row + ROWS) & (rm[:, None] < M), stride_xm, N,
+                         pid_n * BLOCK_N, esc_start_ptr, esc_rows_ptr, esc_cols_ptr, esc_vals_ptr, BLOCK_N, ESC_CHUNK,
+                         base, F32_BITS and not PLAIN and not ESC_SELECT)
 
 
 @triton.jit
@@ -446,7 +481,9 @@ def compressed_linear(x: torch.Tensor, w, plain: torch.Tensor | None = None, blo
     if block_k % 32:
         raise ValueError(f"block_k must be a multiple of 32 (the code bytes' runs), got {block_k}")
     x = x.contiguous()
-    bm = 1 if one_row else block_m or block_m_for(m)
+    bm = (block_m or gemv_rows_for(m)) if one_row else block_m or block_m_for(m)
+    if one_row and bm not in GEMV_ROWS:
+        raise ValueError(f"the row kernel takes {GEMV_ROWS} rows per program (block_m), got {bm}")
     grid_m, grid_n = triton.cdiv(m, bm), triton.cdiv(n, block_n)
     split = split_k or split_k_for(x.device, grid_m * grid_n, triton.cdiv(k, block_k))
     part = torch.empty(split, m, n, dtype=torch.float32, device=x.device)
@@ -460,7 +497,8 @@ def compressed_linear(x: torch.Tensor, w, plain: torch.Tensor | None = None, blo
         decode = GEMV_DECODE if one_row else TILES_DECODE
     fast = decode == "fast" and stand_ins_fit(w.base)
     if one_row:
-        _gemv_kernel[(grid_m, grid_n, split)](*args, **consts, F32_BITS=decode != "bfloat16", ESC_SELECT=not fast)
+        _gemv_kernel[(grid_m, grid_n, split)](*args, **consts, F32_BITS=decode != "bfloat16", ESC_SELECT=not fast,
+                                              ROWS=bm, ESC_ROWS=max(bm, 2))
     else:  # (the tiles decode to bfloat16 either way: "select" and "bfloat16" are the same decode there)
         _matmul_kernel[(grid_m, grid_n, split)](*args, BLOCK_M=bm, F32_DOT=x.device.type != "cuda", FAST=fast,
                                                 **consts)
