@@ -100,7 +100,8 @@ def main() -> None:
                     triton.testing.do_bench_cudagraph(fn, rep=args.reps, return_mode="median")
                     for fn in (partial(F.linear, x, w), plain, comp))
                 t_eager = triton.testing.do_bench(comp, rep=args.reps, return_mode="median")
-                label = ("decode+mm" + ("" if decode == "auto" else f"-{decode}")) if many else tile + ("/gemv" if gemv else "") + ("" if decode == "auto" else f"-{decode}")
+                label = ("decode+mm" if many else tile + ("/gemv" if gemv else "")) + ("" if decode == "auto"
+                                                                                       else f"-{decode}")
                 row = dict(shape=name, n=n, k=k, rows=m, launch=label, torch_us=1e3 * t_torch, plain_us=1e3 * t_plain,
                            compressed_us=1e3 * t_comp, compressed_eager_us=1e3 * t_eager, plain_bytes=plain_bytes,
                            compressed_bytes=comp_bytes, escapes=c.num_escapes, rel_diff_vs_plain_kernel=diff,
@@ -136,8 +137,7 @@ def time_decoder(args: argparse.Namespace) -> None:
         copy = torch.empty_like(w)
         t_copy = triton.testing.do_bench_cudagraph(partial(copy.copy_, w), rep=args.reps, return_mode="median")
         for text in args.decoder_launches.split(","):
-            bn, bk, warps, _ = (DECOMPRESS_LAUNCH + (0,)) if text == "auto" else parse_launch(text + "/0",
-                                                                                             "--decoder-launches")
+            bn, bk, warps = DECOMPRESS_LAUNCH if text == "auto" else parse_launch(text, "--decoder-launches", False)
             fn = partial(decompress, c, block_n=bn, block_k=bk, warps=warps)
             if not torch.equal(fn().view(torch.int16), w.view(torch.int16)):
                 raise SystemExit(f"{name} {text}: the decoder's matrix differs from the original")

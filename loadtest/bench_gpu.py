@@ -207,15 +207,19 @@ def time_graph(runner: ModelRunner, batch: list[ScheduledSeq], dev: torch.device
     return statistics.median(walls), statistics.median(cpus)
 
 
-def parse_launch(text: str, flag: str) -> tuple[int, int, int, int]:
+def parse_launch(text: str, flag: str, stages: bool = True) -> tuple[int, ...]:
     """"32x256/8/3" -> (block_n, block_k, warps, stages): a launch shape as `flag` spells it (this script's
-    --gemv-launch, bench_compressed_gemm's --tiles)."""
+    --gemv-launch, bench_compressed_gemm's --tiles); with `stages` False "16x512/4" -> (block_n, block_k,
+    warps) (a kernel without a pipelined loop: bench_compressed_gemm's --decoder-launches)."""
+    form, example = ("NxK/WARPS/STAGES", "32x256/8/3") if stages else ("NxK/WARPS", "16x512/4")
     try:
-        dims, warps, stages = text.split("/")
+        dims, *rest = text.split("/")
         bn, bk = (int(v) for v in dims.split("x"))
-        return bn, bk, int(warps), int(stages)
+        if len(rest) != (2 if stages else 1):
+            raise ValueError(text)
+        return (bn, bk, *(int(v) for v in rest))
     except ValueError:
-        raise SystemExit(f"{flag}: {text!r} is not NxK/WARPS/STAGES (e.g. 32x256/8/3)") from None
+        raise SystemExit(f"{flag}: {text!r} is not {form} (e.g. {example})") from None
 
 
 def compressed_ints(args: argparse.Namespace, name: str) -> list[int | None]:

@@ -46,11 +46,6 @@ GEMV_MAX_ROWS = 1
 # no spills). Not yet timed on a GPU: GEMV_MAX_ROWS stays 1 (2-4 rows take the tiles) until it is
 # (`gpu_check.sh OUT compressedrows`).
 GEMV_ROWS = (1, 2, 4)
-
-
-def gemv_rows_for(rows: int) -> int:
-    """The row kernel's rows per program for `rows` rows: the fewest of GEMV_ROWS that hold them (else the most)."""
-    return next((r for r in GEMV_ROWS if r >= rows), GEMV_ROWS[-1])
 BLOCK_N = 64  # the embedding's decoder's tile (`rows`) and the many-rows path's chunk rounding (`matmul`)
 BLOCK_K = 128
 # The many-rows decoder's (`decompress`) tile and warps: block_n, block_k, warps. On an H200 16 x 512 / 4
@@ -62,6 +57,11 @@ ESC_CHUNK = 32  # escapes added per step of a program's escape loop
 
 def block_m_for(rows: int) -> int:
     return 16 if rows <= 16 else 32
+
+
+def gemv_rows_for(rows: int) -> int:
+    """The row kernel's rows per program for `rows` rows: the fewest of GEMV_ROWS that hold them (else the most)."""
+    return next((r for r in GEMV_ROWS if r >= rows), GEMV_ROWS[-1])
 
 
 @triton.jit
