@@ -22,6 +22,7 @@ Two tables, one run:
     python -m loadtest.bench_host                                   # 64 streams x 256 tokens
     python -m loadtest.bench_host --streams 16 --tokens 128 --layouts colocated --flame loadtest/results/flame
     python -m loadtest.bench_host --worker-streams mux,http --no-engine     # one connection vs one per stream
+    python -m loadtest.bench_host --stream-relays direct,queued --no-engine  # the router's direct relay vs its reader
 """
 
 from __future__ import annotations
@@ -184,13 +185,13 @@ def flame(procs: list[Proc], out_dir: Path, tag: str, seconds: float) -> list[su
 
 
 def bench_stack(args: argparse.Namespace, layout: str, model_dir: Path, log_dir: Path,
-                worker_stream: str = "mux") -> dict[str, float]:
+                worker_stream: str = "mux", relay: str = "direct") -> dict[str, float]:
     up = ["--model", str(model_dir), "--device", args.device, "--no-redis", "--served-model-name", "host",
-          f"--router-arg=--worker-stream={worker_stream}"]
+          f"--router-arg=--worker-stream={worker_stream}", f"--router-arg=--stream-relay={relay}"]
     up += ["--colocated"] if layout == "colocated" else ["--prefill", "1", "--decode", "1"]
     up += [f"--worker-arg=--max-num-seqs={max(args.streams, 64)}", "--worker-arg=--speculative=off",
            "--worker-arg=--kv-cache-gb=0.5", *(f"--worker-arg={a}" for a in args.worker_arg)]
-    with Stack(f"host-{layout}-{worker_stream}", up, log_dir) as stack:
+    with Stack(f"host-{layout}-{worker_stream}-{relay}", up, log_dir) as stack:
         stack.wait_ready()
         # Warm-up: connections, the first steps of every batch size, the allocator, torch's threads.
         asyncio.run(run_load(stack.url, "host", args.streams, 16, args.prompt_len, 0))
@@ -302,6 +303,8 @@ def main() -> int:
     p.add_argument("--worker-arg", action="append", default=[], help="extra worker flag (e.g. --threads=1)")
     p.add_argument("--worker-streams", default="mux", help="the router's --worker-stream for each layout: "
                    "mux, http and/or grpc (several: side by side)")
+    p.add_argument("--stream-relays", default="direct", help="the router's --stream-relay for each layout: "
+                   "direct and/or queued (several: side by side)")
     p.add_argument("--json", default="", help="also write the numbers here")
     args = p.parse_args()
 
@@ -317,8 +320,11 @@ def main() -> int:
                                   "tokens": args.tokens}
     log_dir = Path(tempfile.mkdtemp(prefix="bench-host-"))
     modes = [m for m in args.worker_streams.split(",") if m]
-    stacks = {(layout if len(modes) == 1 else f"{layout}/{mode}"): bench_stack(args, layout, model_dir, log_dir, mode)
-              for layout in args.layouts.split(",") if layout for mode in modes}
+    relays = [r for r in args.stream_relays.split(",") if r]
+    variants = [(m, r, "".join([f"/{m}"] * (len(modes) > 1) + [f"/{r}"] * (len(relays) > 1)))
+                for m in modes for r in relays]
+    stacks = {f"{layout}{tag}": bench_stack(args, layout, model_dir, log_dir, mode, relay)
+              for layout in args.layouts.split(",") if layout for mode, relay, tag in variants}
     results["stack"] = stacks
     print(f"\n{results['machine']}; {args.streams} streams x {args.tokens} tokens, medians of {args.rounds} rounds")
     if stacks:
@@ -330,8 +336,7 @@ def main() -> int:
             print(f"{n:<20}" + "".join(f"{s.get(n, float('nan')):>16.4f}" for s in stacks.values()))
         print(f"{'output tok/s':<20}" + "".join(f"{s['tok/s']:>16.0f}" for s in stacks.values()))
         print(f"{'ITL p50 ms':<20}" + "".join(f"{s['itl_p50_ms']:>16.2f}" for s in stacks.values()))
-        for mode in modes:
-            tag = "" if len(modes) == 1 else f"/{mode}"
+        for _, _, tag in variants:
             if f"colocated{tag}" in stacks and f"pd{tag}" in stacks:
                 print(f"{'pd / colocated' + tag:<20}"
                       f"{stacks[f'pd{tag}']['stack'] / stacks[f'colocated{tag}']['stack']:>14.2f}")

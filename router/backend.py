@@ -3,7 +3,7 @@ OpenAI-compatible servers over HTTP). Dispatch and health checks speak only this
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -13,6 +13,11 @@ from router.endpoints import Endpoint
 
 if TYPE_CHECKING:
     from router.protocol import GenRequest
+
+
+# A stream's plain tokens (text, token ids) taken as they arrive, outside the stream's reader: True when
+# taken in full, False to have them yielded as a Chunk instead (router/dispatcher.py's direct relay).
+TokenRelay = Callable[[str, Sequence[int]], bool]
 
 
 @dataclass
@@ -53,7 +58,10 @@ class Backend(Protocol):
     token_level: bool
 
     def generate(self, route: Route, req: GenRequest, generated: list[int], max_tokens: int, attempt: int,
-                 timeout_s: float) -> AsyncIterator[Chunk]: ...
+                 timeout_s: float, relay: TokenRelay | None = None) -> AsyncIterator[Chunk]:
+        """The stream of one attempt. `relay`: a backend that can hand plain tokens over as they arrive
+        does so (the multiplexed worker stream); one that cannot yields everything as Chunks."""
+        ...
 
     async def probe(self, ep: Endpoint, timeout_s: float) -> Probe: ...
 

@@ -49,6 +49,8 @@ class RouterConfig:
     unhealthy_after: int = 2  # consecutive failed checks
     worker_stream: str = "mux"  # token streams from workers: "mux" (all on one connection to their HTTP port),
     # "http" (one HTTP stream each) or "grpc"; a worker that serves no mux or HTTP stream is read over the next
+    stream_relay: str = "direct"  # "direct": plain tokens of a mux stream written from the connection's read
+    # callback (router/direct_relay.py); "queued": every token through the stream's reader (the reference)
     breaker_error_rate: float = 0.5  # eject an endpoint when this share of its recent requests failed
     breaker_open_s: float = 2.0  # how long an ejected endpoint waits before a probe request (doubles per failed probe)
     stats_interval_s: float = 1.0
@@ -110,6 +112,8 @@ class RouterConfig:
             raise ValueError("--keepalive-timeout must be > 0")
         if self.worker_stream not in ("mux", "http", "grpc"):
             raise ValueError(f"--worker-stream must be mux, http or grpc, got {self.worker_stream!r}")
+        if self.stream_relay not in ("direct", "queued"):
+            raise ValueError(f"--stream-relay must be direct or queued, got {self.stream_relay!r}")
         if not 0 < self.breaker_error_rate <= 1 or self.breaker_open_s <= 0:
             raise ValueError("--breaker-error-rate must be in (0, 1] and --breaker-open-s > 0")
         if self.max_concurrency < 1 or self.max_queue < 0 or self.max_retries < 0:
@@ -180,6 +184,10 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--worker-stream", default=_env("worker_stream", "mux"), choices=("mux", "http", "grpc"),
                    help="read workers' token streams all on one connection to each worker's HTTP port (mux: a "
                         "step's tokens in one read), one HTTP stream each (length-prefixed frames), or over gRPC")
+    p.add_argument("--stream-relay", default=_env("stream_relay", "direct"), choices=("direct", "queued"),
+                   help="direct: a mux stream's plain tokens are rendered and written to the client from the worker "
+                        "connection's read (no task switch per token); queued: every token through the stream's "
+                        "reader (the reference path)")
     p.add_argument("--breaker-error-rate", type=float, default=float(_env("breaker_error_rate", "0.5")),
                    help="eject an endpoint when this share of its last 20 requests failed (or 3 in a row)")
     p.add_argument("--breaker-open-s", type=float, default=float(_env("breaker_open_s", "2.0")),
@@ -198,5 +206,6 @@ def router_config_from(args: argparse.Namespace) -> RouterConfig:
         max_concurrency=args.max_concurrency, max_queue=args.max_queue, max_retries=args.max_retries,
         max_body_bytes=args.max_body_bytes, api_keys_file=args.api_keys, health_interval_s=args.health_interval,
         keepalive_timeout_s=args.keepalive_timeout, early_headers=args.early_headers,
-        enable_cache_reset=args.enable_cache_reset, worker_stream=args.worker_stream, breaker_error_rate=args.breaker_error_rate, breaker_open_s=args.breaker_open_s,
+        enable_cache_reset=args.enable_cache_reset, worker_stream=args.worker_stream,
+        stream_relay=args.stream_relay, breaker_error_rate=args.breaker_error_rate, breaker_open_s=args.breaker_open_s,
     ).validate()

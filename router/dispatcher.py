@@ -10,13 +10,14 @@ from __future__ import annotations
 import logging
 import statistics
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from typing import Protocol
 
 from common.block_hash import block_hashes, cache_scope
 from common.tokenizer import Tokenizer
 from router.affinity import SessionAffinity
 from router.attempt import Attempt
-from router.backend import Backends, Route
+from router.backend import Backends, Route, TokenRelay
 from router.balancer import Placement, Policy
 from router.chunks import Chunk, WorkerError
 from router.config import RouterConfig
@@ -36,6 +37,18 @@ def index_scope(req: GenRequest) -> str:
     ones their KV events carry (router/kv_events.py). With several models, each endpoint serves one
     model, so its map never mixes them; only the fleet-wide estimate of the shared store could."""
     return cache_scope(req.tenant, req.adapter)
+
+
+class TokenWriter(Protocol):
+    """Where the direct relay sends a stream's plain tokens (router/direct_relay.py's `DirectStream`)."""
+
+    def ready(self) -> bool:
+        """Whether it can take tokens now (the response head is out, the client keeps up)."""
+        ...
+
+    def tokens(self, text: str, token_ids: Sequence[int]) -> None:
+        """Count and write them as the stream's reader would have."""
+        ...
 
 
 class Dispatcher:
@@ -123,15 +136,17 @@ class Dispatcher:
 
     # -- the request ------------------------------------------------------------------
 
-    async def run(self, req: GenRequest) -> AsyncGenerator[Chunk, None]:
-        """Yields the request's chunks; the last carries finish_reason and usage for the whole request."""
+    async def run(self, req: GenRequest, direct: TokenWriter | None = None) -> AsyncGenerator[Chunk, None]:
+        """Yields the request's chunks; the last carries finish_reason and usage for the whole request.
+        `direct`: a backend that can (the multiplexed worker stream) hands the plain tokens of the stream to
+        it as they arrive, with this request's bookkeeping done as `_relay` does it; those are not yielded."""
         hashes = (block_hashes(index_scope(req), req.prompt_token_ids, self.registry.block_size)
                   if self.cfg.prefix_aware and self.tokenizer is not None else [])
         progress, retry = Progress(), Retry(self.cfg, self.metrics, req.id)
         while True:
             attempt = await self._attempt(req, hashes, progress, retry)
             try:
-                async for c in self._relay(req, attempt, progress):
+                async for c in self._relay(req, attempt, progress, direct):
                     yield c
                 break
             except WorkerError as e:
@@ -157,11 +172,13 @@ class Dispatcher:
                        len(req.prompt_token_ids), len(progress.generated),
                        req.sampling.max_tokens - len(progress.generated))
 
-    async def _relay(self, req: GenRequest, attempt: Attempt, progress: Progress) -> AsyncIterator[Chunk]:
+    async def _relay(self, req: GenRequest, attempt: Attempt, progress: Progress,
+                     direct: TokenWriter | None = None) -> AsyncIterator[Chunk]:
         """One attempt's stream to the client; the chunk that brings the finish is held back (it
         leaves as the final chunk, with the whole request's usage)."""
+        relay = direct_relay(attempt, progress, direct) if direct is not None else None
         stream = attempt.backend.generate(attempt.route, req, progress.generated, attempt.max_tokens,
-                                          attempt.number, self.cfg.request_timeout_s)
+                                          attempt.number, self.cfg.request_timeout_s, relay)
         async for c in stream:
             if c.prefill_mode:
                 attempt.on_prefill_mode(c.prefill_mode)
@@ -198,6 +215,27 @@ class Dispatcher:
         return last
 
 
+def direct_relay(attempt: Attempt, progress: Progress, writer: TokenWriter) -> TokenRelay:
+    """`_relay`'s work for a chunk of plain tokens (no finish, logprobs or prefill mode), done where the
+    backend receives them, then the tokens to `writer`: the fast path beside `_relay`, which stays the
+    reference (tests/test_direct_relay.py holds the two to the same stream). It declines — and the
+    tokens go through `_relay` — whenever `_relay` would do more than that: after a finish, while a
+    failover's replayed text is being skipped, or when the writer cannot take them now."""
+
+    def relay(text: str, token_ids: Sequence[int]) -> bool:
+        if (progress.finish is not None or progress.skip_chars or progress.skip_tokens or progress.held.has_output
+                or not writer.ready()):
+            return False
+        if text or token_ids:  # (Chunk.has_output)
+            attempt.on_output(len(token_ids) or 1)
+            progress.generated += token_ids
+            progress.sent_text += text
+            writer.tokens(text, token_ids)
+        return True
+
+    return relay
+
+
 class Latency:
     """TTFT and inter-token latency of one choice as the client sees them, observed where the
     chunks are written (a generator layer of its own cost a frame switch per chunk)."""
@@ -210,12 +248,15 @@ class Latency:
         self.last: float | None = None
 
     def observe(self, c: Chunk) -> None:
-        if not (c.text or c.token_ids):
+        self.tokens(c.text, len(c.token_ids))
+
+    def tokens(self, text: str, n_tokens: int) -> None:
+        if not (text or n_tokens):
             return
         now = time.perf_counter()
         if self.last is None:
             self.metrics.ttft.observe(now - self.t0)
         else:
-            n = max(len(c.token_ids), 1)
+            n = max(n_tokens, 1)
             self.metrics.itl.observe((now - self.last) / n, n)
         self.last = now

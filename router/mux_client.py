@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+from collections.abc import Callable
 
 from protos import frames
 from router.http_client import HTTPClientError, Origin, Response
@@ -21,14 +22,30 @@ log = logging.getLogger("splitfire.router")
 
 
 class MuxStream:
-    """One stream's frames as they arrive, until its last (or the connection's failure)."""
+    """One stream's frames as they arrive, until its last (or the connection's failure).
 
-    __slots__ = ("error", "frames", "waiter")
+    `sink` (optional) takes a frame synchronously, in the connection's read callback: it returns True
+    when it has dealt with the frame in full (the direct relay writes a plain token straight to the
+    client), False to leave it to the stream's reader as any other. It is offered a frame only while the
+    reader waits in `take` with nothing queued, so frames are handled in their order either way."""
+
+    __slots__ = ("error", "frames", "sink", "waiter")
 
     def __init__(self) -> None:
         self.frames: list[tuple[int, bytes]] = []
         self.waiter: asyncio.Future[None] | None = None
         self.error: BaseException | None = None
+        self.sink: Callable[[int, bytes], bool] | None = None
+
+    def offer(self, kind: int, payload: bytes) -> None:
+        """A frame from the connection: to the sink when it may take it, else queued for the reader."""
+        sink, w = self.sink, self.waiter
+        # (A reader still waiting has nothing queued: a queued frame wakes it.)
+        if sink is not None and w is not None and not w.done() and sink(kind, payload):
+            return
+        self.frames.append((kind, payload))
+        if w is not None and not w.done():
+            w.set_result(None)
 
     def wake(self) -> None:
         w = self.waiter
@@ -108,8 +125,7 @@ class MuxConnection(Response):
             for kind, sid, payload in parsed:
                 stream = streams.get(sid)
                 if stream is not None:  # (else cancelled here, its last frames still in flight)
-                    stream.frames.append((kind, payload))
-                    stream.wake()
+                    stream.offer(kind, payload)
         if self._exc is not None or self._complete:
             error = self._exc or HTTPClientError(f"{self.origin.host}:{self.origin.port} ended the stream connection")
             for stream in self.streams.values():

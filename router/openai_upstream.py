@@ -12,7 +12,7 @@ from json.decoder import scanstring  # type: ignore[attr-defined]  # (public, mi
 from operator import itemgetter
 from typing import TYPE_CHECKING, Any
 
-from router.backend import Probe
+from router.backend import Probe, TokenRelay
 from router.chunks import Chunk, WorkerError, merge_delta_extra, merge_logprobs
 from router.endpoints import Endpoint
 from router.http_client import HTTPClient, HTTPClientError
@@ -238,7 +238,8 @@ class OpenAIUpstreamClient:
         await self.http.close()
 
     async def generate(self, route: Route, req: GenRequest, generated: list[int], max_tokens: int, attempt: int,
-                       timeout_s: float) -> AsyncIterator[Chunk]:
+                       timeout_s: float, relay: TokenRelay | None = None) -> AsyncIterator[Chunk]:
+        # (`relay` unused: an upstream's SSE events are parsed here, every one yielded as a Chunk.)
         base_url = route.decode.address
         path = "/v1/chat/completions" if req.kind == "chat" else "/v1/completions"
         # One choice per call: the router fans n (and best_of) out itself, seed + j for the j-th.

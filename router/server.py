@@ -25,6 +25,7 @@ from router.backend import Backends
 from router.balancer import make_policy
 from router.chunks import Chunk, merge_delta_extra, merge_logprobs
 from router.config import RouterConfig
+from router.direct_relay import DirectStream
 from router.discovery import dns_discovery, redis_discovery
 from router.dispatcher import Dispatcher, Latency
 from router.endpoints import EndpointRegistry
@@ -598,14 +599,15 @@ class Router:
                                  headers={"X-Request-Id": reqs[0].id, **_served_headers(reqs[0])})
 
     @staticmethod
-    def _log_done(req: GenRequest, results: list[dict[str, Any]], t0: float) -> None:
+    def _log_done(req: GenRequest, results: list[dict[str, Any]], t0: float, direct: DirectStream | None = None) -> None:
         pin = req.served_by
         log.info("event=request_done rid=%s kind=%s stream=%s tenant=%s end_user=%s prompt=%d completion=%d "
-                 "cached=%d decode=%s prefill=%s total_ms=%.1f", req.id, req.kind, req.stream, req.tenant,
-                 req.body.get("safety_identifier") or req.body.get("user") or "-",
+                 "cached=%d decode=%s prefill=%s total_ms=%.1f relayed_direct=%d", req.id, req.kind, req.stream,
+                 req.tenant, req.body.get("safety_identifier") or req.body.get("user") or "-",
                  sum(r["prompt"] for r in results), sum(r["completion"] for r in results),
                  sum(r["cached"] for r in results), pin.decode if pin else "-",
-                 (pin.prefill or "-") if pin else "-", (time.perf_counter() - t0) * 1000)
+                 (pin.prefill or "-") if pin else "-", (time.perf_counter() - t0) * 1000,
+                 direct.relayed if direct is not None else 0)
 
     def _count_usage(self, results: list[dict[str, Any]], used: dict[str, int]) -> None:
         used["completion"] = completion = sum(r["completion"] for r in results)
@@ -615,21 +617,25 @@ class Router:
     async def _stream(self, request: web.Request, reqs: list[GenRequest], fmt: ReplyFormat,
                       t0: float, used: dict[str, int]) -> web.StreamResponse:
         writers = fmt.writers(reqs)
+        latencies = [Latency(self.metrics, t0) for _ in reqs]
         source: AsyncGenerator[Any, None]
+        direct = None
         if len(reqs) == 1:
-            source = self.dispatcher.run(reqs[0])
+            if self.cfg.stream_relay == "direct" and reqs[0].reply is None and not _continuous_usage(reqs[0]):
+                direct = DirectStream(writers[0], latencies[0], used)
+            source = self.dispatcher.run(reqs[0], direct)
         else:
             source = _merge([self.dispatcher.run(r) for r in reqs])
         try:
-            return await self._write_stream(request, reqs, fmt, writers, source, t0, used)
+            return await self._write_stream(request, reqs, fmt, writers, latencies, source, t0, used, direct)
         finally:
             # Release the worker call and the load estimates now, not when the GC gets to it
             # (the client may have gone away while we were writing).
             await source.aclose()
 
     async def _write_stream(self, request: web.Request, reqs: list[GenRequest], fmt: ReplyFormat,
-                            writers: list[ChoiceWriter], source, t0: float,
-                            used: dict[str, int]) -> web.StreamResponse:
+                            writers: list[ChoiceWriter], latencies: list[Latency], source, t0: float,
+                            used: dict[str, int], direct: DirectStream | None = None) -> web.StreamResponse:
         # By default the head waits for the first chunk, so that failures before any token (bad
         # input found by a worker, no capacity, no workers) get a proper HTTP status. With
         # --early-headers the 200 and the role chunk leave at once (clients with short header
@@ -640,8 +646,12 @@ class Router:
         resp = _SSEResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                      "X-Request-Id": reqs[0].id, **({} if early else _served_headers(reqs[0]))})
         await resp.prepare(request)
+        if direct is not None:
+            direct.attach(request, resp)
         if early:  # the head leaves with the first body bytes: the role chunks, or an SSE comment
             await resp.write(fmt.opening(reqs, writers, early=True))
+            if direct is not None:
+                direct.armed = True
             try:
                 first = await anext(source, None)
             except APIError as e:
@@ -653,12 +663,10 @@ class Router:
         # together, and so do the last text, the finish, usage and [DONE] (a syscall each was
         # most of the router's per-request cost in front of a fast upstream).
         out: list[bytes] = [] if early else [fmt.opening(reqs, writers, early=False)]
-        latencies = [Latency(self.metrics, t0) for _ in reqs]
         # Replies with reasoning or tool calls are parsed as they stream (one parser per choice).
         parsers = [r.reply.parser() if r.reply is not None else None for r in reqs]
         finished = 0
-        so = reqs[0].body.get("stream_options") or {}
-        continuous = bool(so.get("continuous_usage_stats"))  # usage so far on every chunk
+        continuous = _continuous_usage(reqs[0])
         produced = [0] * len(reqs)
         prompt_once = sum(len(r.prompt_token_ids) for r in reqs if r.sample_index == 0)
         try:
@@ -699,17 +707,25 @@ class Router:
                 if out:
                     await resp.write(b"".join(out))
                     out.clear()
+                    if direct is not None:  # the head and all before it are out: tokens may go direct now
+                        direct.armed = True
                 item = await anext(source, None)
             if reqs[0].include_usage:
                 out.append(writers[0].usage(usage_dict(usage["prompt"], usage["completion"], usage["cached"])))
             self._count_usage([usage], used)
-            self._log_done(reqs[0], [usage], t0)
+            self._log_done(reqs[0], [usage], t0, direct)
         except APIError as e:  # failed after the stream started: a final error event, never a hang
             log.warning("event=stream_failed rid=%s status=%d error=%r", reqs[0].id, e.status, e.message)
             out.append(fmt.error(e.message, e.type, e.code or "worker_failed"))
         out.append(fmt.done)
         await resp.write_eof(b"".join(out))
         return resp
+
+
+def _continuous_usage(req: GenRequest) -> bool:
+    """stream_options.continuous_usage_stats: usage so far on every chunk."""
+    so = req.body.get("stream_options") or {}
+    return bool(so.get("continuous_usage_stats"))
 
 
 class _SSEResponse(web.StreamResponse):

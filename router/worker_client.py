@@ -5,17 +5,18 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from common.block_hash import HASH_BYTES
 from protos import frames, sampling, trailers
 from protos import splitfire_pb2 as pb
 from protos import splitfire_pb2_grpc as pbg
-from router.backend import Probe
+from router.backend import Probe, TokenRelay
 from router.chunks import Chunk, Logprob, WorkerError
 from router.endpoints import Endpoint
 from router.errors import bad_request
@@ -87,6 +88,24 @@ def frame_error(payload: bytes, called: str) -> WorkerError:
                        failed=failed, failed_role=role)
 
 
+def _token_sink(relay: TokenRelay) -> Callable[[int, bytes], bool]:
+    """A mux stream's sink (`MuxStream.sink`): the frames that are plain tokens, to `relay`."""
+    from_string = pb.GenerateEvent.FromString
+
+    def sink(kind: int, payload: bytes) -> bool:
+        if kind != frames.EVENT:
+            return False
+        try:
+            ev = from_string(payload)
+        except DecodeError:
+            return False  # (the stream's reader parses it again and fails the stream with the error)
+        if ev.finish_reason or ev.logprobs or ev.prefill_mode:
+            return False
+        return relay(ev.text, ev.token_ids)
+
+    return sink
+
+
 @dataclass
 class KVSnapshot:
     stream: str  # the Redis stream of the worker's KV events
@@ -120,8 +139,9 @@ class WorkerClient:
         await self.mux.close()
 
     def generate(self, route: Route, req: GenRequest, generated: list[int], max_tokens: int, attempt: int,
-                 timeout_s: float) -> AsyncIterator[Chunk]:
-        """`generated`: this request's output from failed attempts (the worker continues after it)."""
+                 timeout_s: float, relay: TokenRelay | None = None) -> AsyncIterator[Chunk]:
+        """`generated`: this request's output from failed attempts (the worker continues after it).
+        `relay`: on the multiplexed stream, plain token events go to it as they arrive (see `_generate_mux`)."""
         msg = pb.GenerateRequest(request_id=f"{req.id}-{req.prompt_index}-{attempt}",
                                  token_ids=req.prompt_token_ids + generated,
                                  sampling=sampling.to_proto(replace(req.sampling, max_tokens=max_tokens,
@@ -130,7 +150,7 @@ class WorkerClient:
                                  tenant_weight=req.weight, adapter=req.adapter, model=req.pool)
         ep = route.decode
         if self.stream == "mux" and ep.stream_port and ep.stream_mux:
-            return self._generate_mux(ep, msg, timeout_s)
+            return self._generate_mux(ep, msg, timeout_s, relay)
         if self.stream in ("mux", "http") and ep.stream_port:
             return self._generate_http(ep, msg, timeout_s)
         return self._generate_grpc(ep.address, msg, timeout_s)
@@ -188,15 +208,23 @@ class WorkerClient:
             if resp is not None:
                 self.http.release(resp)  # closes it unless the stream ended: the worker cancels the request
 
-    async def _generate_mux(self, ep: Endpoint, msg: pb.GenerateRequest, timeout_s: float) -> AsyncIterator[Chunk]:
+    async def _generate_mux(self, ep: Endpoint, msg: pb.GenerateRequest, timeout_s: float,
+                            relay: TokenRelay | None = None) -> AsyncIterator[Chunk]:
         """The same stream on the worker's one multiplexed connection (`router/mux_client.py`): one
-        Chunk per read of the connection that carried frames of this stream."""
+        Chunk per read of the connection that carried frames of this stream.
+
+        With `relay`, an event that is nothing but tokens (no finish, logprobs or prefill mode) is handed
+        to it from the connection's read callback while this generator waits: `relay(text, token_ids)`
+        returns True when it has taken them (then they are not yielded), False to have them yielded as
+        usual. That skips the task switch and the generators' frames per token per stream."""
         try:
             conn = await self.mux.connection(ep.address.rpartition(":")[0], ep.stream_port)
         except HTTPClientError as e:
             raise WorkerError(f"UNAVAILABLE: decode worker {ep.address}: {e}", retryable=True, status=503,
                               failed=ep.address, failed_role="decode") from e
         sid, stream = conn.open(msg.SerializeToString())
+        if relay is not None:
+            stream.sink = _token_sink(relay)
         timer = asyncio.get_running_loop().call_later(
             timeout_s, conn.fail, sid, HTTPClientError(f"no complete response within {timeout_s:g} s"))
         ended = False
