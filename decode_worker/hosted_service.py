@@ -5,7 +5,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 
@@ -23,8 +23,8 @@ class HostedDecodeService(pb_grpc.DecodeServicer):
         self.ctx = ctx  # the worker's (its first model's): draining, requests in flight
         self.host = host
 
-    async def Generate(self, request: pb.GenerateRequest,
-                       context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateEvent]:
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext,
+                       direct: Callable[[pb.GenerateEvent], None] | None = None) -> AsyncIterator[pb.GenerateEvent]:
         await self.ctx.refuse_if_draining(context)
         try:
             model = await self.host.acquire(request.model)
@@ -36,7 +36,7 @@ class HostedDecodeService(pb_grpc.DecodeServicer):
         try:
             m = self.ctx.metrics
             m.model_requests.labels(role=m.role, model=model.name).inc()
-            events = model.resident.service.Generate(request, context)
+            events = model.resident.service.Generate(request, context, direct)
             try:
                 async for ev in events:
                     yield ev

@@ -2,7 +2,9 @@
 connection (`protos/frames.py`, MUX_PATH).
 
 Each stream runs the same handler as the gRPC call and the plain HTTP stream; its events go into the
-connection's out-buffer, and one writer task sends whatever has gathered in one write. An engine step
+connection's out-buffer (a step's plain tokens straight from the engine's hand-out, `--stream-relay
+direct`: no task switch per token per stream), and one writer task sends whatever has gathered in one
+write. An engine step
 wakes all its streams in one turn of the event loop, so the step's tokens leave together: one socket
 write per step per router instead of one per token per stream.
 """
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 
 from aiohttp import web
 
@@ -72,7 +75,8 @@ class MuxConnection:
         ctx = self.service.ctx
         marker = f"mux-{id(self)}-{stream}"
         ctx.inflight.add(marker)  # a drain waits for the last frame to be handed to the writer
-        events = self.service.Generate(msg, FrameContext())
+        direct = self._direct(stream) if ctx.config.stream_relay == "direct" else None
+        events = self.service.Generate(msg, FrameContext(), direct)
         try:
             async for ev in events:
                 self.send(frames.EVENT, stream, ev.SerializeToString())
@@ -86,6 +90,15 @@ class MuxConnection:
             await events.aclose()
             self.streams.pop(stream, None)
             ctx.inflight.discard(marker)
+
+    def _direct(self, stream: int) -> Callable[[pb.GenerateEvent], None]:
+        """Where the handler sends stream `stream`'s plain tokens as the engine hands them out (its direct
+        path, decode_worker/service.py): framed into the out-buffer at once, as its loop would."""
+
+        def send(ev: pb.GenerateEvent) -> None:
+            self.send(frames.EVENT, stream, ev.SerializeToString())
+
+        return send
 
     async def close(self) -> None:
         """The router went away (or the worker stops): cancel every stream, stop writing."""

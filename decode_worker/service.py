@@ -7,7 +7,8 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING
 
 import grpc
 
@@ -27,6 +28,9 @@ from worker.convert import (
 )
 from worker.lifecycle import GRPC_OPTIONS
 from worker.worker_service import WorkerContext
+
+if TYPE_CHECKING:
+    from engine.llm_engine import RequestOutput
 
 log = logging.getLogger("splitfire.decode")
 
@@ -215,7 +219,13 @@ class DecodeService(pb_grpc.DecodeServicer):
 
     # -- the RPC ----------------------------------------------------------------------
 
-    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateEvent]:
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext,
+                       direct: Callable[[pb.GenerateEvent], None] | None = None) -> AsyncIterator[pb.GenerateEvent]:
+        """The request's events. `direct` (the mux connection's, decode_worker/mux_stream.py): after the
+        first event, an output of plain tokens is turned into its event as the engine hands it out and given
+        to `direct` instead of being yielded — this loop's work for it done there (`plain` below), without a
+        task switch per token per stream. Everything else is yielded as always; the order is kept (an
+        output is offered to `plain` only while this loop waits with nothing held)."""
         ctx, aeng = self.ctx, self.ctx.engine
         await ctx.refuse_if_draining(context)
         if request.model and request.model != ctx.model_name:  # (a worker hosting several: hosted_service.py)
@@ -250,6 +260,25 @@ class DecodeService(pb_grpc.DecodeServicer):
             pending = None
             interval = ctx.config.stream_interval
             itl = m.itl.labels(**lbl)  # (per token: the child once, not a label lookup each)
+            sent_direct = 0  # tokens that went the direct way (the log line says)
+            if direct is not None:
+                send = direct
+
+                def plain(out: RequestOutput) -> bool:
+                    nonlocal last, sent_direct
+                    n = len(out.token_ids)
+                    if pending is not None or last is None or out.finished or out.error is not None or n < interval:
+                        return False
+                    now = time.perf_counter()
+                    per = (now - last) / n
+                    for _ in range(n):
+                        itl.observe(per)
+                    last = now
+                    sent_direct += n
+                    send(event_from_output(out))
+                    return True
+
+                stream.sink = plain
             async for got in stream:
                 if pending is None:
                     pending = got
@@ -284,9 +313,9 @@ class DecodeService(pb_grpc.DecodeServicer):
                                                 kind="prompt").inc(out.num_prompt_tokens)
                         m.adapter_tokens.labels(role=ctx.config.role, adapter=request.adapter,
                                                 kind="completion").inc(out.num_output_tokens)
-                    log.info("event=generate_done rid=%s mode=%s prompt=%d cached=%d output=%d finish=%s total_s=%.3f",
-                             rid, mode, out.num_prompt_tokens, out.num_cached_tokens, out.num_output_tokens,
-                             out.finish_reason, now - t0)
+                    log.info("event=generate_done rid=%s mode=%s prompt=%d cached=%d output=%d finish=%s total_s=%.3f "
+                             "sent_direct=%d", rid, mode, out.num_prompt_tokens, out.num_cached_tokens,
+                             out.num_output_tokens, out.finish_reason, now - t0, sent_direct)
                 yield ev
         finally:
             aeng.close_stream(rid)

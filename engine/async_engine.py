@@ -34,29 +34,43 @@ T = TypeVar("T")
 
 
 class RequestStream:
-    """Outputs of one request, merged while unread."""
+    """Outputs of one request, merged while unread.
+
+    `sink` (optional) takes an output synchronously, on the event loop as the step's outputs are handed
+    out: True when it has dealt with it in full (the decode worker's direct path writes a plain token's
+    frame at once), False to leave it to the reader. It is offered an output only while the reader waits
+    in `next` with nothing pending, so outputs are handled in their order either way."""
 
     def __init__(self, request_id: str):
         self.request_id = request_id
         self._pending: RequestOutput | None = None
-        self._event = asyncio.Event()
+        self._waiter: asyncio.Future[None] | None = None
         self.finished = False
+        self.sink: Callable[[RequestOutput], bool] | None = None
 
     def push(self, out: RequestOutput) -> None:
+        w = self._waiter
+        waiting = w is not None and not w.done()  # (then nothing is pending: an output wakes it)
+        if waiting and self.sink is not None and self.sink(out):
+            return
         if self._pending is None:
             self._pending = out
         else:
             self._pending.merge(out)
-        self._event.set()
+        if waiting:
+            w.set_result(None)  # type: ignore[union-attr]
 
     async def next(self) -> RequestOutput | None:
         """Everything produced since the last call; None once the request is over."""
         if self.finished:
             return None
-        await self._event.wait()
-        self._event.clear()
+        while self._pending is None:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
         out, self._pending = self._pending, None
-        assert out is not None
         self.finished = out.finished
         return out
 

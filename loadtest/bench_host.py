@@ -22,7 +22,7 @@ Two tables, one run:
     python -m loadtest.bench_host                                   # 64 streams x 256 tokens
     python -m loadtest.bench_host --streams 16 --tokens 128 --layouts colocated --flame loadtest/results/flame
     python -m loadtest.bench_host --worker-streams mux,http --no-engine     # one connection vs one per stream
-    python -m loadtest.bench_host --stream-relays direct,queued --no-engine  # the router's direct relay vs its reader
+    python -m loadtest.bench_host --stream-relays direct,queued --no-engine  # the direct relays vs the streams' handlers
 """
 
 from __future__ import annotations
@@ -187,7 +187,8 @@ def flame(procs: list[Proc], out_dir: Path, tag: str, seconds: float) -> list[su
 def bench_stack(args: argparse.Namespace, layout: str, model_dir: Path, log_dir: Path,
                 worker_stream: str = "mux", relay: str = "direct") -> dict[str, float]:
     up = ["--model", str(model_dir), "--device", args.device, "--no-redis", "--served-model-name", "host",
-          f"--router-arg=--worker-stream={worker_stream}", f"--router-arg=--stream-relay={relay}"]
+          f"--router-arg=--worker-stream={worker_stream}", f"--router-arg=--stream-relay={relay}",
+          f"--decode-arg=--stream-relay={relay}"]
     up += ["--colocated"] if layout == "colocated" else ["--prefill", "1", "--decode", "1"]
     up += [f"--worker-arg=--max-num-seqs={max(args.streams, 64)}", "--worker-arg=--speculative=off",
            "--worker-arg=--kv-cache-gb=0.5", *(f"--worker-arg={a}" for a in args.worker_arg)]
@@ -303,8 +304,8 @@ def main() -> int:
     p.add_argument("--worker-arg", action="append", default=[], help="extra worker flag (e.g. --threads=1)")
     p.add_argument("--worker-streams", default="mux", help="the router's --worker-stream for each layout: "
                    "mux, http and/or grpc (several: side by side)")
-    p.add_argument("--stream-relays", default="direct", help="the router's --stream-relay for each layout: "
-                   "direct and/or queued (several: side by side)")
+    p.add_argument("--stream-relays", default="direct", help="the router's and the decode workers' "
+                   "--stream-relay for each layout: direct and/or queued (several: side by side)")
     p.add_argument("--json", default="", help="also write the numbers here")
     args = p.parse_args()
 
@@ -331,11 +332,12 @@ def main() -> int:
         names = sorted({n for s in stacks.values() for n in s} - {"tok/s", "itl_p50_ms", "stack"})
         print(
             "\nWhole stack: CPU-seconds per 1,000 generated tokens (engine = the worker's engine thread and torch's threads; sys = kernel time)")
-        print(f"{'process':<20}" + "".join(f"{lay:>16}" for lay in stacks))
+        w = max(16, *(len(lay) + 2 for lay in stacks))
+        print(f"{'process':<20}" + "".join(f"{lay:>{w}}" for lay in stacks))
         for n in [*names, "stack"]:
-            print(f"{n:<20}" + "".join(f"{s.get(n, float('nan')):>16.4f}" for s in stacks.values()))
-        print(f"{'output tok/s':<20}" + "".join(f"{s['tok/s']:>16.0f}" for s in stacks.values()))
-        print(f"{'ITL p50 ms':<20}" + "".join(f"{s['itl_p50_ms']:>16.2f}" for s in stacks.values()))
+            print(f"{n:<20}" + "".join(f"{s.get(n, float('nan')):>{w}.4f}" for s in stacks.values()))
+        print(f"{'output tok/s':<20}" + "".join(f"{s['tok/s']:>{w}.0f}" for s in stacks.values()))
+        print(f"{'ITL p50 ms':<20}" + "".join(f"{s['itl_p50_ms']:>{w}.2f}" for s in stacks.values()))
         for _, _, tag in variants:
             if f"colocated{tag}" in stacks and f"pd{tag}" in stacks:
                 print(f"{'pd / colocated' + tag:<20}"

@@ -70,7 +70,9 @@ class Endpoint:
         self.held_tokens += held_tokens
         self.remaining_tokens += remaining_tokens
         self.active += active
-        if prefill_tokens > 0 or held_tokens > 0 or remaining_tokens > 0:
+        # The load can only have grown if the prefill part or the decode part did (a decoded token moves
+        # one from remaining to held: no change, so the peak is not recomputed per token).
+        if prefill_tokens > 0 or held_tokens + remaining_tokens > 0:
             self.peak_load = max(self.peak_load, self.load())
 
     def prefill_load(self) -> int:

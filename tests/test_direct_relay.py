@@ -1,6 +1,7 @@
-"""The direct relay (router/direct_relay.py): a mux stream's plain tokens written to the client from the
-worker connection's read callback, held equal to the reference path (`--stream-relay queued`: every
-token through the stream's reader) — same text, finish, usage and logprobs for chat and completions read
+"""The direct relay, both ends: in the router (router/direct_relay.py) a mux stream's plain tokens are
+written to the client from the worker connection's read callback; in the decode worker
+(decode_worker/service.py) they are framed as the engine hands them out. Held equal to the reference
+paths (`--stream-relay queued` on both: every token through the streams' handlers) — same text, finish, usage and logprobs for chat and completions read
 by the official client, frames never reordered, a client that does not keep up still gets every token in
 order, and a failover mid-stream still resumes exactly (tests/test_router_routing.py runs that one on the
 default, direct, path)."""
@@ -49,19 +50,57 @@ async def test_frames_go_to_the_sink_only_while_the_reader_waits_with_nothing_qu
     assert s.frames == [(1, b"e")] and taken == [b"b"]
 
 
+async def test_outputs_go_to_the_sink_only_while_the_reader_waits_with_nothing_pending():
+    from engine.async_engine import RequestStream
+    from engine.llm_engine import RequestOutput
+
+    taken: list[list[int]] = []
+    accept = True
+
+    def sink(out: RequestOutput) -> bool:
+        if accept:
+            taken.append(out.token_ids)
+        return accept
+
+    s = RequestStream("r")
+    s.sink = sink
+    s.push(RequestOutput("r", token_ids=[1]))  # the reader is busy: pending
+    assert taken == [] and (await s.next()).token_ids == [1]
+    reader = asyncio.create_task(s.next())
+    await asyncio.sleep(0)
+    s.push(RequestOutput("r", token_ids=[2]))
+    assert taken == [[2]]
+    accept = False
+    s.push(RequestOutput("r", token_ids=[3]))  # declined: pending, the reader woken
+    accept = True
+    s.push(RequestOutput("r", token_ids=[4]))  # merged after 3, never sent before it
+    assert taken == [[2]] and (await reader).token_ids == [3, 4]
+    s.push(RequestOutput("r", token_ids=[5], finished=True, finish_reason="length"))
+    assert (await s.next()).finished and await s.next() is None
+
+
 @pytest.fixture(scope="module")
 def routers(tiny_model_dir, tmp_path_factory):
+    """Each path whole: a router and a worker both on the direct relay, and both on the reference."""
     logs = tmp_path_factory.mktemp("logs")
-    worker = start_worker("both", tiny_model_dir, logs, "--max-num-seqs", "32")
-    out = {mode: start_router(tiny_model_dir, logs, "--served-model-name", MODEL, "--colocated", address(worker),
-                              "--stream-relay", mode, name=f"router-{mode}") for mode in ("direct", "queued")}
+    out = {}
+    for mode in ("direct", "queued"):
+        worker = start_worker("both", tiny_model_dir, logs, "--max-num-seqs", "32", "--stream-relay", mode,
+                              name=f"worker-{mode}")
+        out[mode] = (start_router(tiny_model_dir, logs, "--served-model-name", MODEL, "--colocated", address(worker),
+                                  "--stream-relay", mode, name=f"router-{mode}"), worker)
     yield out
-    for p in (*out.values(), worker):
-        p.stop()
+    for router, worker in out.values():
+        router.stop()
+        worker.stop()
 
 
 def relayed(router) -> list[int]:
     return [int(n) for n in re.findall(r"relayed_direct=(\d+)", router.log())]
+
+
+def sent_direct(worker) -> list[int]:
+    return [int(n) for n in re.findall(r"sent_direct=(\d+)", worker.log())]
 
 
 async def read_chat(client: AsyncOpenAI, i: int, **extra) -> dict:
@@ -93,8 +132,8 @@ async def read_completion(client: AsyncOpenAI, i: int) -> dict:
 
 async def test_the_direct_relay_streams_what_the_reader_streams(routers):
     got = {}
-    for mode, router in routers.items():
-        before = len(relayed(router))
+    for mode, (router, worker) in routers.items():
+        before, worker_before = len(relayed(router)), len(sent_direct(worker))
         client = AsyncOpenAI(base_url=base_url(router) + "/v1", api_key="none")
         chats = [read_chat(client, i) for i in range(10)]
         completions = [read_completion(client, i) for i in range(6)]
@@ -103,14 +142,19 @@ async def test_the_direct_relay_streams_what_the_reader_streams(routers):
         await client.close()
         await asyncio.sleep(0.2)  # (the last request's log line)
         got[mode + " relayed"] = relayed(router)[before:]
+        got[mode + " sent"] = sent_direct(worker)[worker_before:]
     assert got["direct"] == got["queued"]
     assert all(r["text"] for r in got["direct"])
     assert got["direct"][0]["usage"]["completion_tokens"] == 20
     assert len(got["direct relayed"]) == 18 and len(got["queued relayed"]) == 18
     assert sum(got["direct relayed"]) > 0.5 * sum(r["usage"]["completion_tokens"] for r in got["direct"][:10])
     assert got["queued relayed"] == [0] * 18
-    # Every token of a logprobs request carries logprobs: those never take the direct path.
+    # Every token of a logprobs request carries logprobs: those never take the router's direct path.
     assert sorted(got["direct relayed"])[:2] == [0, 0]
+    # The worker's: every request, most of its tokens (not the first, nor the finish).
+    total = sum(r["usage"]["completion_tokens"] for r in got["direct"][:10])
+    assert len(got["direct sent"]) == 18 and sum(got["direct sent"][:10]) > 0 and sum(got["direct sent"]) > 0.5 * total
+    assert got["queued sent"] == [0] * 18
 
 
 async def test_the_writer_declines_before_the_head_past_the_high_water_mark_and_once_closing():
@@ -157,7 +201,7 @@ async def test_a_client_that_reads_slowly_gets_every_token_in_order(routers):
     body = {"model": MODEL, "prompt": "Count forever", "max_tokens": 900, "temperature": 0, "ignore_eos": True,
             "stream": True}
     texts = {}
-    for mode, router in routers.items():
+    for mode, (router, _) in routers.items():
         port = router.ports["http"]
         sock = socket.socket()
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)

@@ -1,15 +1,21 @@
 """Decode-side stream coalescing: `--stream-interval N` sends the first token at once, then events
-of at least N tokens, and the tokens are exactly those of an every-token stream."""
+of at least N tokens, and the tokens are exactly those of an every-token stream — over gRPC, and on the
+multiplexed connection, where the handler's direct path (decode_worker/service.py) must hold tokens
+back the same way."""
 
 from __future__ import annotations
+
+import asyncio
 
 import grpc
 from grpc_client import greedy
 from procs import address, start_worker
 from reference import Reference
 
+from protos import frames
 from protos import splitfire_pb2 as pb
 from protos import splitfire_pb2_grpc as pbg
+from router.mux_client import MuxClient
 
 
 async def test_stream_interval_coalesces_events_without_changing_tokens(tiny_model_dir, tmp_path):
@@ -19,10 +25,24 @@ async def test_stream_interval_coalesces_events_without_changing_tokens(tiny_mod
         async with grpc.aio.insecure_channel(address(w)) as ch:
             events = [ev async for ev in pbg.DecodeStub(ch).Generate(pb.GenerateRequest(token_ids=prompt,
                                                                                         sampling=greedy(21)))]
-        sizes = [len(ev.token_ids) for ev in events]
-        assert sizes[0] == 1 and all(n >= 4 for n in sizes[1:-1]) and sum(sizes) == 21, sizes
-        assert len(events) <= 1 + 20 // 4 + 1
-        assert [t for ev in events for t in ev.token_ids] == Reference(tiny_model_dir).greedy(prompt, 21)
-        assert events[-1].finish_reason == "length"
+        client = MuxClient()
+        try:
+            conn = await client.connection("127.0.0.1", w.ports["metrics"])
+            sid, stream = conn.open(pb.GenerateRequest(token_ids=prompt, sampling=greedy(21)).SerializeToString())
+            muxed: list[pb.GenerateEvent] = []
+            while not (muxed and muxed[-1].finish_reason):
+                muxed += [pb.GenerateEvent.FromString(p) for k, p in await asyncio.wait_for(stream.take(), 10)
+                          if k == frames.EVENT]
+            conn.finish(sid, cancel=False)
+        finally:
+            await client.close()
+        reference = Reference(tiny_model_dir).greedy(prompt, 21)
+        for got in (events, muxed):
+            sizes = [len(ev.token_ids) for ev in got]
+            assert sizes[0] == 1 and all(n >= 4 for n in sizes[1:-1]) and sum(sizes) == 21, sizes
+            assert len(got) <= 1 + 20 // 4 + 1
+            assert [t for ev in got for t in ev.token_ids] == reference
+            assert got[-1].finish_reason == "length"
+        assert "sent_direct=" in w.log()
     finally:
         w.stop()

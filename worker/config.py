@@ -33,6 +33,8 @@ class WorkerConfig:
     kv_landing: bool = True  # offer spare blocks to prefill workers split over more ranks (KVCache.land)
     reserve_timeout_s: float = 30.0  # wait this long for free KV blocks before refusing a request
     stream_interval: int = 1  # send a stream event every N new tokens (first token and the end: at once)
+    stream_relay: str = "direct"  # mux streams: "direct" (a step's plain tokens framed as the engine hands them
+    # out, decode_worker/service.py) or "queued" (every output through the stream's handler: the reference)
     kv_store: str = ""  # host:port of mooncake_master: the cluster-wide KV tier ("" = none)
     kv_store_gb: float = 0.0  # memory this worker lends to that tier
     lora_roots: list[str] = field(default_factory=list)  # run-time adapter loads only from under these
@@ -69,6 +71,8 @@ class WorkerConfig:
                 raise ValueError(f"--lora-root {root} is not a directory")
         if self.stream_interval < 1:
             raise ValueError(f"--stream-interval must be >= 1, got {self.stream_interval}")
+        if self.stream_relay not in ("direct", "queued"):
+            raise ValueError(f"--stream-relay must be direct or queued, got {self.stream_relay!r}")
         for name in ("prefill_timeout_s", "kv_quarantine_s", "reserve_timeout_s", "drain_timeout_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
@@ -317,6 +321,10 @@ def add_worker_args(p: argparse.ArgumentParser, role: str) -> None:
         d.add_argument("--stream-interval", type=int, default=int(_env("stream_interval", 1)),
                        help="send a stream event every N tokens: fewer gRPC messages (router CPU) for "
                             "coarser streaming; the first token and the end are always sent at once")
+        d.add_argument("--stream-relay", default=_env("stream_relay", "direct"), choices=("direct", "queued"),
+                       help="streams multiplexed to a router: direct frames a step's plain tokens as the engine "
+                            "hands them out (no task switch per token per stream); queued sends every output "
+                            "through the stream's handler (the reference path)")
 
 
 def worker_config_from(args: argparse.Namespace, role: str) -> WorkerConfig:
@@ -349,4 +357,5 @@ def worker_config_from(args: argparse.Namespace, role: str) -> WorkerConfig:
         cfg.kv_quarantine_s = args.kv_quarantine
         cfg.kv_landing = not args.no_kv_landing
         cfg.stream_interval = args.stream_interval
+        cfg.stream_relay = args.stream_relay
     return cfg.validate()
