@@ -16,8 +16,10 @@ With `--paced-ms` (default 2): the same upstream pacing its tokens like a decode
 token reaches the router in a read of its own — the per-token cost a production router pays.
 
 Part 2 (--pd): a worker running the tiny test model, called directly over gRPC vs through the
-router, which reads the worker's token stream over gRPC (`--worker-stream grpc`) or over the
-worker's HTTP port (`http`, length-prefixed frames: the default); same figures.
+router, which reads the worker's token stream over gRPC (`--worker-stream grpc`), over the worker's
+HTTP port one stream each (`http`, length-prefixed frames), or every stream on one connection (`mux`,
+the default), the last with the router's direct relay (the default) and without (`--stream-relay
+queued`); same figures.
 
     python -m loadtest.bench_router            # ~1 minute
 """
@@ -255,17 +257,20 @@ def main() -> int:
                                 "--kv-cache-gb", "0.05", "--max-num-seqs", "128", "--max-num-batched-tokens", "1024",
                                 "--stream-interval", str(args.stream_interval)],
                                "worker ready", out / "worker.log", cpus))
-            # The same worker behind two routers: token streams read over gRPC, and over the
-            # worker's HTTP port (length-prefixed frames, the default).
+            # The same worker behind four routers: token streams read over gRPC, over the worker's HTTP
+            # port one stream each (length-prefixed frames), and all on one connection (mux, the default)
+            # with the router's direct relay (the default) and without it.
             routers = {}
-            for transport in ("grpc", "http"):
+            for label, flags in (("grpc", ["--worker-stream", "grpc"]), ("http", ["--worker-stream", "http"]),
+                                 ("mux queued", ["--worker-stream", "mux", "--stream-relay", "queued"]),
+                                 ("mux", ["--worker-stream", "mux", "--stream-relay", "direct"])):
                 r_port = free_port()
                 r = spawn(["-m", "splitfire_cli", "router", "--host", "127.0.0.1", "--port", str(r_port), "--model",
                            str(model), "--served-model-name", "tiny", "--colocated", f"127.0.0.1:{w_port}",
-                           "--max-concurrency", "1024", "--worker-stream", transport], "router ready",
-                          out / f"router_{transport}.log", cpus)
+                           "--max-concurrency", "1024", *flags], "router ready",
+                          out / f"router_{label.replace(' ', '_')}.log", cpus)
                 procs.append(r)
-                routers[transport] = (f"http://127.0.0.1:{r_port}", r)
+                routers[label] = (f"http://127.0.0.1:{r_port}", r)
                 asyncio.run(http_load(f"http://127.0.0.1:{r_port}", 4, 1.0, "tiny", 64))
             for c in levels:
                 direct = asyncio.run(grpc_load(f"127.0.0.1:{w_port}", c, args.duration, 64))
