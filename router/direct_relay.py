@@ -33,7 +33,7 @@ HIGH_WATER = 0x10000
 class DirectStream:
     """One streamed choice's writer for the direct relay (`dispatcher.TokenWriter`)."""
 
-    __slots__ = ("armed", "chunked", "latency", "relayed", "transport", "used", "writer")
+    __slots__ = ("armed", "chunked", "latency", "reads", "relayed", "transport", "used", "writer")
 
     def __init__(self, writer: ChoiceWriter, latency: Latency, used: dict[str, int]):
         self.writer = writer
@@ -43,6 +43,7 @@ class DirectStream:
         self.chunked = False
         self.armed = False  # the response head and everything before has been handed to the transport
         self.relayed = 0  # tokens that came this way (the request's log line says)
+        self.reads = 0  # and the reads that brought them (an OpenAI upstream's carry text, no token ids)
 
     def attach(self, request: web.Request, resp: web.StreamResponse) -> None:
         """After `resp.prepare`: where to write, and whether aiohttp frames the body in chunks (HTTP/1.1)."""
@@ -58,6 +59,7 @@ class DirectStream:
         self.latency.tokens(text, n)
         self.used["completion"] += n
         self.relayed += n
+        self.reads += 1
         if text:
             data = self.writer.text(text)
             assert self.transport is not None  # (ready() said so)

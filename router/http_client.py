@@ -80,6 +80,9 @@ class Response(asyncio.Protocol):
         self._paused = False
         self._deadline: asyncio.TimerHandle | None = None
         self._on_end: Callable[[], None] | None = None  # nobody reads any more: call when the body ends
+        # Body bytes offered as they arrive while the reader waits (the router's direct relay): True when
+        # taken in full (the reader is not woken), False to leave them to the reader. Per response.
+        self.sink: Callable[[bytes], bool] | None = None
 
     # -- protocol callbacks --------------------------------------------------------------
 
@@ -156,6 +159,10 @@ class Response(asyncio.Protocol):
             return
         w = self._waiter
         if w is not None and not w.done():
+            if (self.sink is not None and self._body and self._exc is None and not self._complete and not self._paused
+                    and self.sink(bytes(self._body))):
+                self._body.clear()
+                return
             w.set_result(None)
 
     # -- parsing -------------------------------------------------------------------------
@@ -333,6 +340,7 @@ class Response(asyncio.Protocol):
         self._left = self._skip = 0
         self._exc = None
         self._on_end = None
+        self.sink = None
 
 
 class HTTPClient:

@@ -150,6 +150,13 @@ class EventParser:
         lines, self._buf = self._buf.rsplit(b"\n", 1)
         return self.parse(lines)
 
+    def plain_text(self, data: bytes) -> str | None:
+        """The text `feed(data)` would give when `data` is a read of whole plain deltas in the learned
+        frame (then `feed` would change nothing but return it); None for anything else. Changes nothing."""
+        if self._buf or not self._pre or not data.endswith(b"\n"):
+            return None
+        return self._framed_text(data[:-1])
+
     def parse(self, lines: bytes) -> tuple[Chunk, bool]:
         if not self._pre:
             c, done = parse_events(lines)
@@ -239,7 +246,9 @@ class OpenAIUpstreamClient:
 
     async def generate(self, route: Route, req: GenRequest, generated: list[int], max_tokens: int, attempt: int,
                        timeout_s: float, relay: TokenRelay | None = None) -> AsyncIterator[Chunk]:
-        # (`relay` unused: an upstream's SSE events are parsed here, every one yielded as a Chunk.)
+        """With `relay`, a read of nothing but plain deltas in the stream's learned frame goes to it from the
+        connection's read callback while this generator waits (`EventParser.plain_text`), and is not
+        yielded when it takes it; everything else is read and yielded here."""
         base_url = route.decode.address
         path = "/v1/chat/completions" if req.kind == "chat" else "/v1/completions"
         # One choice per call: the router fans n (and best_of) out itself, seed + j for the j-th.
@@ -265,6 +274,8 @@ class OpenAIUpstreamClient:
             # its lines arrive together and leave as one write (a syscall per token was the
             # router's largest per-chunk cost).
             events = EventParser()
+            if relay is not None:
+                r.sink = _plain_sink(events, relay)
             while data := await r.read_some():
                 c, done = events.feed(data)
                 if c is None:
@@ -320,6 +331,17 @@ class OpenAIUpstreamClient:
         finally:
             if resp is not None:
                 self.http.release(resp)
+
+
+def _plain_sink(events: EventParser, relay: TokenRelay) -> Callable[[bytes], bool]:
+    """A response's sink (`Response.sink`): reads of plain deltas, their text to `relay` (no token ids:
+    an upstream's stream carries text)."""
+
+    def sink(data: bytes) -> bool:
+        text = events.plain_text(data)
+        return text is not None and relay(text, ())
+
+    return sink
 
 
 def model_ids(body: bytes, source: str) -> list[str]:

@@ -231,3 +231,33 @@ async def test_a_client_that_reads_slowly_gets_every_token_in_order(routers):
         texts[mode] = "".join(ch["text"] for e in events for ch in e["choices"])
         assert events[-1]["choices"][0]["finish_reason"] == "length"
     assert texts["direct"] == texts["queued"] and len(texts["direct"]) > 900
+
+
+async def test_in_front_of_an_openai_server_the_direct_relay_streams_what_the_reader_streams(routers, tiny_model_dir,
+                                                                                             tmp_path):
+    """`--openai-upstream`: a read of plain deltas in the stream's learned frame goes to the client from
+    the upstream connection's read callback (`EventParser.plain_text`); the upstream here is the reference
+    stack above (a real OpenAI-compatible server streaming compact JSON, as vLLM and SGLang do)."""
+    upstream = base_url(routers["queued"][0])
+    fronts = {mode: start_router(tiny_model_dir, tmp_path, "--served-model-name", MODEL, "--openai-upstream", upstream,
+                                 "--stream-relay", mode,
+                                 name=f"front-{mode}") for mode in ("direct", "queued")}
+    try:
+        got = {}
+        for mode, front in fronts.items():
+            client = AsyncOpenAI(base_url=base_url(front) + "/v1", api_key="none")
+            got[mode] = await asyncio.gather(*(read_chat(client, i) for i in range(6)),
+                                             *(read_completion(client, i) for i in range(4)),
+                                             read_chat(client, 1, logprobs=True, top_logprobs=2))
+            await client.close()
+        await asyncio.sleep(0.2)
+        assert got["direct"] == got["queued"] and all(r["text"] for r in got["direct"])
+        assert got["direct"][-1]["logprobs"]  # (logprobs deltas are parsed by the reader: extras)
+        direct, queued = relayed(fronts["direct"]), relayed(fronts["queued"])
+        assert len(direct) == len(queued) == 11 and sum(direct) == 0 == sum(queued)  # (no token ids upstream)
+        assert "relayed_reads=" in fronts["direct"].log()
+        reads = [int(n) for n in re.findall(r"relayed_reads=(\d+)", fronts["direct"].log())]
+        assert sum(reads) > 0 and not any(int(n) for n in re.findall(r"relayed_reads=(\d+)", fronts["queued"].log()))
+    finally:
+        for p in fronts.values():
+            p.stop()
