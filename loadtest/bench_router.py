@@ -158,7 +158,7 @@ def measure(url: str, proc: subprocess.Popen, c: int, duration: float, model: st
 
 
 def http_servers(upstream_args: list[str], tag: str, out: Path, cpus: set[int] | None,
-                 procs: list[subprocess.Popen], vllm_router: str = "") -> tuple:
+                 procs: list[subprocess.Popen], vllm_router: str = "", queued_relay: bool = False) -> tuple:
     """A fake upstream, the router in front of it, and the minimal proxy in front of it (warmed up); with
     `vllm_router`, vllm-router in front of it too."""
     up, rp, mp = free_port(), free_port(), free_port()
@@ -176,6 +176,14 @@ def http_servers(upstream_args: list[str], tag: str, out: Path, cpus: set[int] |
                   "--server", "asyncio"], "min proxy ready", out / f"min_proxy_asyncio{tag}.log", cpus)
     procs.append(bare)
     ports = [rp, mp, bp]
+    queued = None
+    if queued_relay:  # the same router without its direct relay (--stream-relay queued): the reference path
+        qp = free_port()
+        queued = spawn(["-m", "splitfire_cli", "router", "--host", "127.0.0.1", "--port", str(qp), "--served-model-name",
+                        "fake", "--openai-upstream", f"http://127.0.0.1:{up}", "--max-concurrency", "1024",
+                        "--stream-relay", "queued"], "router ready", out / f"router_http_queued{tag}.log", cpus)
+        procs.append(queued)
+        ports.append(qp)
     other = None
     if vllm_router:
         vp = free_port()
@@ -188,18 +196,22 @@ def http_servers(upstream_args: list[str], tag: str, out: Path, cpus: set[int] |
     for port in ports:
         asyncio.run(http_load(f"http://127.0.0.1:{port}", 4, 1.0, "fake", 64))
     return (f"http://127.0.0.1:{up}", (f"http://127.0.0.1:{rp}", router), (f"http://127.0.0.1:{mp}", proxy),
-            (f"http://127.0.0.1:{bp}", bare), (f"http://127.0.0.1:{ports[-1]}", other) if other else None)
+            (f"http://127.0.0.1:{bp}", bare), (f"http://127.0.0.1:{ports[-1]}", other) if other else None,
+            (f"http://127.0.0.1:{qp}", queued) if queued else None)
 
 
 def http_row(label: str, c: int, servers: tuple, duration: float) -> str:
     """The same load direct, through the router and through the minimal proxy, as one table row (and a
     row for vllm-router when it runs, measured against the same direct run)."""
-    up_url, (r_url, router), (m_url, proxy), (b_url, bare), vllm = servers
+    up_url, (r_url, router), (m_url, proxy), (b_url, bare), vllm, queued = servers
     direct = asyncio.run(http_load(up_url, c, duration, "fake", 64))
     routed, cpu = measure(r_url, router, c, duration, "fake")
     out = row(label, c, direct, routed, cpu, measure(m_url, proxy, c, duration, "fake"))
     b_routed, b_cpu = measure(b_url, bare, c, duration, "fake")
     out += "\n" + row(f"{label} (asyncio floor)", c, direct, b_routed, b_cpu)
+    if queued is not None:
+        q_routed, q_cpu = measure(queued[0], queued[1], c, duration, "fake")
+        out += "\n" + row(f"{label} (queued relay)", c, direct, q_routed, q_cpu)
     if vllm is not None:
         v_routed, v_cpu = measure(vllm[0], vllm[1], c, duration, "fake")
         out += "\n" + row(f"{label} (vllm-router)", c, direct, v_routed, v_cpu)
@@ -217,6 +229,8 @@ def main() -> int:
     p.add_argument("--paced-ms", type=float, default=2.0, help="also measure an upstream that paces its tokens this "
                    "far apart (each token its own read, as in production); 0: skip")
     p.add_argument("--paced-concurrency", type=int, default=16)
+    p.add_argument("--queued-relay", action="store_true",
+                   help="also measure the router with --stream-relay queued (without its direct relay)")
     p.add_argument("--vllm-router", default="", metavar="PATH",
                    help="also measure vllm-router (this executable) in front of the same upstreams")
     p.add_argument("--out", default="loadtest/results")
@@ -235,14 +249,14 @@ def main() -> int:
     print(f"{'mode':<22}{'conc':>4}{'TTFT direct':>12}{'TTFT router':>12}{'added ms':>10}{'req/s dir':>11}"
           f"{'req/s rtr':>11}{'CPU s/1k chk':>14}{'floor s/1k':>12}")
     try:
-        servers = http_servers([], "", out, cpus, procs, args.vllm_router)
+        servers = http_servers([], "", out, cpus, procs, args.vllm_router, args.queued_relay)
         for c in levels:
             print(http_row("http", c, servers, args.duration), flush=True)
         if args.paced_ms > 0:
             # Production-shaped: a real upstream's tokens arrive one decode step apart, so every
             # token is a network read and a client write of its own; no batching of reads.
             paced = http_servers(["--token-interval-ms", str(args.paced_ms)], "_paced", out, cpus, procs,
-                                 args.vllm_router)
+                                 args.vllm_router, args.queued_relay)
             print(http_row(f"http {args.paced_ms:g}ms", args.paced_concurrency, paced, args.duration), flush=True)
         if args.pd:
             import tempfile
