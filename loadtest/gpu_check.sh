@@ -9,6 +9,7 @@
 #                                                  #   quantk,quant,quantsweep,int4 (weight-only int8/int4),
 #                                                  #   async (async scheduling: tests + in-process on vs off),
 #                                                  #   hostsync (bench_host with --async-scheduling=off),
+#                                                  #   hostrelay (bench_host: the direct relays vs the streams' handlers),
 #                                                  #   compressed (--compress-weights: tests + the matmul timed),
 #                                                  #   compressedtests (its tests and every family's engine compressed),
 #                                                  #   compressedfast (the tiles' and experts' fast decode vs select),
@@ -53,6 +54,7 @@ step int4 60 $PY -m loadtest.bench_gpu --preset llama3-8b --quantization int4 --
 step quantsweep 100 $PY -m loadtest.bench_quant_gemm --sweep --methods gemv,dot --rows 1,2,16,64 --shapes gate_up,down --reps 10
 step async 240 bash -c "$PY -m pytest -q -p no:cacheprovider --timeout 120 tests/test_async_scheduling.py && $PY -m loadtest.bench_async_sched --tokens 128 --rounds 3 && $PY -m loadtest.bench_async_sched --tokens 128 --rounds 3 --temperature 0.8"
 step hostsync 120 $PY -m loadtest.bench_host --device cuda --layouts colocated --rounds 2 --no-engine --worker-arg=--async-scheduling=off --json "$OUT/host_sync.json"
+step hostrelay 200 $PY -m loadtest.bench_host --device cuda --layouts colocated,pd --rounds 2 --no-engine --stream-relays direct,queued --json "$OUT/host_relay.json"
 step compressed 280 bash -c "$PY -m pytest -q -p no:cacheprovider --timeout 120 tests/test_compressed_weight.py; $PY -m loadtest.bench_compressed_gemm --reps 60 --tiles 32x256/8/3,64x64/8/3 --rows 1,16,24,32,64,512 --decodes auto,bfloat16 --json $OUT/compressed_gemm.json"
 step compressedtests 240 $PY -m pytest -q -p no:cacheprovider --timeout 120 tests/test_compressed_weight.py tests/test_cuda_engine.py -k "compress"
 step compressedengine 300 bash -c "$PY -m loadtest.bench_gpu --preset llama3-8b,deepseek-v2-lite --batches 1,32 --iters 10 && $PY -m loadtest.bench_gpu --preset llama3-8b,deepseek-v2-lite --batches 1,32 --iters 10 --compress-weights --gemv-launch 32x256/4/3,32x256/8/3,32x128/4/3"
