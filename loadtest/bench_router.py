@@ -161,7 +161,9 @@ def http_servers(upstream_args: list[str], tag: str, out: Path, cpus: set[int] |
                  procs: list[subprocess.Popen], vllm_router: str = "", queued_relay: bool = False) -> tuple:
     """A fake upstream, the router in front of it, and the minimal proxy in front of it (warmed up); with
     `vllm_router`, vllm-router in front of it too."""
-    up, rp, mp = free_port(), free_port(), free_port()
+    up = free_port()
+    rp = free_port({up})  # (none of the three is bound yet: two draws can meet)
+    mp = free_port({up, rp})
     procs.append(spawn(["-m", "loadtest.fake_upstream", "--port", str(up), *upstream_args], "fake upstream ready",
                        out / f"fake_upstream{tag}.log", cpus))
     router = spawn(["-m", "splitfire_cli", "router", "--host", "127.0.0.1", "--port", str(rp), "--served-model-name",
@@ -267,7 +269,7 @@ def main() -> int:
             model = make_tiny_llama(Path(tempfile.mkdtemp()) / "tiny")
             w_port = free_port()
             procs.append(spawn(["-m", "splitfire_cli", "serve", "--model", str(model), "--host", "127.0.0.1",
-                                "--grpc-port", str(w_port), "--metrics-port", str(free_port()),
+                                "--grpc-port", str(w_port), "--metrics-port", str(free_port({w_port})),
                                 "--kv-cache-gb", "0.05", "--max-num-seqs", "128", "--max-num-batched-tokens", "1024",
                                 "--stream-interval", str(args.stream_interval)],
                                "worker ready", out / "worker.log", cpus))

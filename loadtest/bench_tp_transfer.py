@@ -39,7 +39,8 @@ TRANSFER_METRICS = ("splitfire_worker_kv_transfer_bytes_total", "splitfire_worke
 
 class Worker:
     def __init__(self, role: str, model: Path, tp: int, log_dir: Path, extra: list[str]):
-        self.port, self.metrics = free_port(), free_port()
+        self.port = free_port()
+        self.metrics = free_port({self.port})  # (neither is bound yet: two draws can meet)
         self.log = log_dir / f"{role}-tp{tp}-{self.port}.log"
         args = [sys.executable, "-m", "splitfire_cli", role, "--model", str(model), "--device", "cpu",
                 "--grpc-port", str(self.port), "--metrics-port", str(self.metrics), "--host", "127.0.0.1",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import random
 import signal
@@ -20,8 +21,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def serve_app(app: web.Application, port: int, banner: str) -> None:
-    """Runs a benchmark's helper server (fake upstream, minimal proxy) on uvloop when installed,
-    after printing the banner the harness waits for."""
+    """Runs a benchmark's helper server (fake upstream, minimal proxy) on uvloop when installed, and
+    prints the banner the harness waits for once it listens (a harness that took the banner for a bound
+    port measured another process in CI when the bind then failed). Runs until the process is stopped."""
     from aiohttp import web
 
     try:
@@ -30,8 +32,15 @@ def serve_app(app: web.Application, port: int, banner: str) -> None:
         uvloop.install()
     except ImportError:
         pass
-    print(banner, flush=True)
-    web.run_app(app, host="127.0.0.1", port=port, print=None, access_log=None)
+
+    async def serve() -> None:
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        print(banner, flush=True)
+        await asyncio.Event().wait()
+
+    asyncio.run(serve())
 
 
 def free_port(avoid: Collection[int] = ()) -> int:
