@@ -20,7 +20,7 @@ from typing import cast
 from aiohttp import web
 
 from loadtest.stack import serve_app
-from router.http_client import HTTPClient
+from router.http_client import HTTPClient, chunk
 from router.openai_upstream import EventParser
 
 _PRE = b'data: {"id":"x","object":"chat.completion.chunk","created":1,"model":"fake","choices":[{"index":0,"delta":{"content":'
@@ -66,10 +66,6 @@ def make_app(upstream: str) -> web.Application:
 _HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
 
 
-def _chunk(data: bytes) -> bytes:
-    return b"%x\r\n%s\r\n" % (len(data), data)
-
-
 class _Connection(asyncio.Protocol):
     """One client connection of the bare server: a request at a time."""
 
@@ -106,7 +102,7 @@ class _Connection(asyncio.Protocol):
             while data := await r.read_some():
                 c, done = events.feed(data)
                 if c is not None and c.text:
-                    self.transport.write(head + _chunk(_PRE + json.dumps(c.text).encode() + _POST))
+                    self.transport.write(head + chunk(_PRE + json.dumps(c.text).encode() + _POST))
                     head = b""
                 if done:
                     self.client.release_after_end(r)
@@ -115,7 +111,7 @@ class _Connection(asyncio.Protocol):
         finally:
             if r is not None:
                 self.client.release(r)
-        self.transport.write(head + _chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
+        self.transport.write(head + chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
 
 
 def serve_bare(upstream: str, port: int, banner: str) -> None:

@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from aiohttp import hdrs, web
 
 from router.dispatcher import Latency
+from router.http_client import chunk
 from router.sse import ChoiceWriter
 
 # The transport's buffer beyond which tokens wait for the reader (which waits for the client to drain
@@ -63,4 +64,4 @@ class DirectStream:
         if text:
             data = self.writer.text(text)
             assert self.transport is not None  # (ready() said so)
-            self.transport.write(b"%x\r\n%b\r\n" % (len(data), data) if self.chunked else data)
+            self.transport.write(chunk(data) if self.chunked else data)

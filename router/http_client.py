@@ -49,6 +49,11 @@ class Origin:
         return Origin(u.scheme, u.hostname, port, u.path.rstrip("/"), host)
 
 
+def chunk(data: bytes) -> bytes:
+    """`data` as one chunk of a chunked HTTP/1.1 body."""
+    return b"%x\r\n%b\r\n" % (len(data), data)
+
+
 def _chunk_size(line: bytes) -> int:
     try:
         return int(line.split(b";", 1)[0], 16)

@@ -16,7 +16,7 @@ import socket
 from collections.abc import Callable
 
 from protos import frames
-from router.http_client import HTTPClientError, Origin, Response
+from router.http_client import HTTPClientError, Origin, Response, chunk
 
 log = logging.getLogger("splitfire.router")
 
@@ -44,8 +44,7 @@ class MuxStream:
         if sink is not None and w is not None and not w.done() and sink(kind, payload):
             return
         self.frames.append((kind, payload))
-        if w is not None and not w.done():
-            w.set_result(None)
+        self.wake()
 
     def wake(self) -> None:
         w = self.waiter
@@ -102,7 +101,7 @@ class MuxConnection(Response):
     def _send(self, kind: int, sid: int, payload: bytes) -> None:
         assert self.transport is not None
         frame = frames.encode_mux(kind, sid, payload)
-        self.transport.write(b"%x\r\n%b\r\n" % (len(frame), frame))
+        self.transport.write(chunk(frame))
 
     def _wake(self) -> None:  # (Response's hook after every read, close or timeout)
         if self._head_done and self.status != 200 and self._exc is None:

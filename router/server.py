@@ -602,9 +602,8 @@ class Router:
     def _log_done(req: GenRequest, results: list[dict[str, Any]], t0: float, direct: DirectStream | None = None) -> None:
         pin = req.served_by
         log.info("event=request_done rid=%s kind=%s stream=%s tenant=%s end_user=%s prompt=%d completion=%d "
-                 "cached=%d decode=%s prefill=%s total_ms=%.1f relayed_direct=%d relayed_reads=%d", req.id, req.kind,
-                 req.stream,
-                 req.tenant, req.body.get("safety_identifier") or req.body.get("user") or "-",
+                 "cached=%d decode=%s prefill=%s total_ms=%.1f relayed_direct=%d relayed_reads=%d",
+                 req.id, req.kind, req.stream, req.tenant, req.body.get("safety_identifier") or req.body.get("user") or "-",
                  sum(r["prompt"] for r in results), sum(r["completion"] for r in results),
                  sum(r["cached"] for r in results), pin.decode if pin else "-",
                  (pin.prefill or "-") if pin else "-", (time.perf_counter() - t0) * 1000,
