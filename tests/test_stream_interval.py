@@ -39,7 +39,11 @@ async def test_stream_interval_coalesces_events_without_changing_tokens(tiny_mod
         reference = Reference(tiny_model_dir).greedy(prompt, 21)
         for got in (events, muxed):
             sizes = [len(ev.token_ids) for ev in got]
-            assert sizes[0] == 1 and all(n >= 4 for n in sizes[1:-1]) and sum(sizes) == 21, sizes
+            # (The first event is one token when the handler is already reading when it comes — as it was
+            # over gRPC here every time; on the mux, started beside the router's other streams, a loaded
+            # machine once let five more steps pass first, and they were merged into it, as designed.)
+            first_ok = sizes[0] == 1 if got is events else sizes[0] >= 1
+            assert first_ok and all(n >= 4 for n in sizes[1:-1]) and sum(sizes) == 21, sizes
             assert len(got) <= 1 + 20 // 4 + 1
             assert [t for ev in got for t in ev.token_ids] == reference
             assert got[-1].finish_reason == "length"
