@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 from engine_helpers import drain, make_engine
-from hf_models import make_hf_model
+from hf_models import FAMILIES, make_gemma3_multimodal, make_hf_model
 from safetensors.torch import save_file
 
 from common.errors import ModelLoadError
@@ -114,11 +114,14 @@ def test_a_corrupt_chunk_is_refused_naming_its_tensor(tmp_path):
         Checkpoint(dst).get("a")
 
 
-@pytest.fixture(scope="module", params=["llama3", "qwen3_moe", "deepseek_v3", "gemma3"])
+@pytest.fixture(scope="module", params=[*FAMILIES, "gemma3-multimodal"])
 def bf16_pair(request, tmp_path_factory):
-    """A transformers-built model saved in bfloat16, and its compressed copy."""
+    """A transformers-built model of every family saved in bfloat16, and its compressed copy."""
     root = tmp_path_factory.mktemp(request.param)
-    hf = make_hf_model(request.param, root / "fp32")
+    if request.param == "gemma3-multimodal":  # (a vision tower's weights beside the text model's)
+        hf = make_gemma3_multimodal(root / "fp32")
+    else:
+        hf = make_hf_model(request.param, root / "fp32")
     plain = root / "bf16"
     hf.model.to(torch.bfloat16).save_pretrained(plain)
     for f in (hf.path / "tokenizer.json", hf.path / "tokenizer_config.json"):
