@@ -101,3 +101,39 @@ def test_a_mapped_start_gives_back_the_pages_packing_copied(tmp_path):
     first, second = load_memory(d, env), load_memory(d, env)
     assert (first.mapped, second.mapped) == (False, True)  # the first writes the cache, the second maps it
     assert second.rss_added < 1.3 * size and second.peak_added < 1.3 * size, (size, second)
+
+
+def test_a_compressed_checkpoint_is_cached_like_any_other(tmp_path, monkeypatch):
+    """`splitfire compress`'s output: the first start decodes it and writes the cache, the second maps the
+    cache (no tensor decoded) and computes what the uncompressed bfloat16 checkpoint computes; a rewritten
+    data file misses."""
+    import json
+
+    from engine.loading import compressed
+    from engine.loading.compress import compress_dir
+
+    hf = make_hf_model("llama3", tmp_path / "fp32")
+    plain = tmp_path / "bf16"
+    hf.model.to(torch.bfloat16).save_pretrained(plain)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        (plain / f).write_bytes((hf.path / f).read_bytes())
+    (plain / "config.json").write_text(json.dumps({**hf.config, "torch_dtype": "bfloat16"}))
+    packed = tmp_path / "z"
+    compress_dir(plain, packed)
+    monkeypatch.setenv("SPLITFIRE_WEIGHT_CACHE", "0")
+    want, _ = _greedy(plain, dtype="bfloat16")
+    monkeypatch.setenv("SPLITFIRE_WEIGHT_CACHE", "1")
+    first, engine = _greedy(packed, dtype="bfloat16")
+    assert engine.model.weight_mapping is None
+    path = weight_cache.cache_path(packed, torch.bfloat16, None)
+    assert path.is_file()
+    with monkeypatch.context() as m:
+        def refuse(*a, **k):
+            raise AssertionError("decoded a compressed tensor: the cache should have served it")
+
+        m.setattr(compressed, "decode_into", refuse)
+        second, engine = _greedy(packed, dtype="bfloat16")
+    assert engine.model.weight_mapping is not None
+    assert first == want and second == want  # tokens and logprobs, bit for bit
+    (packed / "weights-00000.sfz").touch()
+    assert weight_cache.cache_path(packed, torch.bfloat16, None) != path
