@@ -72,7 +72,8 @@ def _compress(args: argparse.Namespace) -> int:
     from engine.loading.model_store import resolve_model
 
     t0 = time.perf_counter()
-    stats = compress_dir(Path(resolve_model(args.model_dir)), Path(args.out_dir), args.chunk or CHUNK, progress=True)
+    stats = compress_dir(Path(resolve_model(args.model_dir)), Path(args.out_dir), args.chunk or CHUNK, progress=True,
+                         coder=args.coder)
     took = time.perf_counter() - t0
     for kind, (orig, stored, ent) in sorted(stats.by_kind.items()):
         # 16-bit weights: n = orig / 2 of them, 8 raw bits each plus the coded plane's order-0 entropy `ent` bits
@@ -153,10 +154,13 @@ def build_parser() -> argparse.ArgumentParser:
     pp.set_defaults(func=_plan)
 
     cp = sub.add_parser("compress", help="losslessly compress a model's bfloat16/float16 weights (exponents "
-                        "Huffman-coded; loads bit-exact)")
+                        "entropy-coded; loads bit-exact)")
     cp.add_argument("model_dir", help="a model directory (safetensors) or a built-in name")
     cp.add_argument("out_dir")
     cp.add_argument("--chunk", type=int, default=None, help="weights per independently decodable chunk (default 1M)")
+    cp.add_argument("--coder", choices=["huffman", "rans"], default="huffman",
+                    help="the exponents' entropy coder: huffman (raw DEFLATE, zlib-readable; default) or rans "
+                         "(0.2-0.3%% of the bf16 bytes smaller, decodes at about the same speed)")
     cp.set_defaults(func=_compress)
 
     mp = sub.add_parser("model", help="model management")

@@ -40,12 +40,13 @@ def test_planes_split_and_join_every_16_bit_pattern():
         assert np.array_equal(out, u) and np.array_equal(ref, u), codec
 
 
-def test_round_trip_is_bit_exact(tmp_path):
+@pytest.mark.parametrize("coder", ["huffman", "rans"])
+def test_round_trip_is_bit_exact(tmp_path, coder):
     src, dst = tmp_path / "m", tmp_path / "z"
     src.mkdir()
     tensors = {
         "odd.bf16": special_bf16(3 * 1031 * 7, torch.bfloat16).reshape(3, 1031, 7),
-        "odd.f16": special_bf16(5 * 999, torch.float16).reshape(5, 999),
+        "odd.f16": special_bf16(5 * 4001, torch.float16).reshape(5, 4001),
         "big.bf16": (torch.randn(700, 3001) * 0.02).to(torch.bfloat16),  # several 64k-weight chunks
         "f32": torch.randn(17, 3),
         "i64": torch.arange(10),
@@ -54,9 +55,11 @@ def test_round_trip_is_bit_exact(tmp_path):
     }
     save_file(tensors, str(src / "model.safetensors"))
     (src / "config.json").write_text("{}")
-    stats = compress_dir(src, dst, chunk=1 << 16)
+    stats = compress_dir(src, dst, chunk=1 << 16, coder=coder)
     assert (dst / "config.json").read_text() == "{}" and not list(dst.glob("*.safetensors"))
     assert stats.by_kind["bfloat16"][1] < 0.8 * stats.by_kind["bfloat16"][0]  # normal weights: ~2.7 bits of exponent
+    codecs = {e.codec for e in compressed.read_manifest(dst).values()}
+    assert {*compressed.CODERS[coder].values(), compressed.CODEC_RAW} <= codecs
     ck = Checkpoint(dst)
     for name, t in tensors.items():
         got = ck.get(name)
@@ -90,12 +93,13 @@ def test_round_trip_is_bit_exact(tmp_path):
         assert torch.equal(out.reshape(-1).view(torch.uint8), tensors[name].reshape(-1).view(torch.uint8)), name
 
 
-def test_a_corrupt_chunk_is_refused_naming_its_tensor(tmp_path):
+@pytest.mark.parametrize("coder", ["huffman", "rans"])
+def test_a_corrupt_chunk_is_refused_naming_its_tensor(tmp_path, coder):
     src, dst = tmp_path / "m", tmp_path / "z"
     src.mkdir()
     b = torch.randn(4, 4).to(torch.bfloat16)
     save_file({"a": (torch.randn(300, 300) * 0.02).to(torch.bfloat16), "b": b}, str(src / "model.safetensors"))
-    compress_dir(src, dst, chunk=1 << 14)
+    compress_dir(src, dst, chunk=1 << 14, coder=coder)
     entry = compressed.read_manifest(dst)["a"]
     data = bytearray((dst / entry.file).read_bytes())
     off, length, _ = entry.chunks[2]

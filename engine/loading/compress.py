@@ -19,11 +19,11 @@ from engine.loading.checkpoint import DTYPES, Checkpoint
 from engine.loading.compressed import (
     _THREADS,
     CHUNK,
-    CODEC_BF16,
-    CODEC_F16,
     CODEC_RAW,
+    CODERS,
     FORMAT,
     MANIFEST,
+    SMALL_CHUNK,
     encode_chunk,
     entropy_bits,
     split,
@@ -47,9 +47,13 @@ class Stats:
         k[2] += entropy_weighted
 
 
-def compress_dir(model_dir: Path, out_dir: Path, chunk: int = CHUNK, progress: bool = False) -> Stats:
-    """Write the compressed form of `model_dir` (its safetensors weights) to `out_dir`."""
+def compress_dir(model_dir: Path, out_dir: Path, chunk: int = CHUNK, progress: bool = False,
+                 coder: str = "huffman") -> Stats:
+    """Write the compressed form of `model_dir` (its safetensors weights) to `out_dir`, the exponents coded
+    by `coder` (a `compressed.CODERS` key)."""
     model_dir, out_dir = Path(model_dir), Path(out_dir)
+    if coder not in CODERS:
+        raise ValueError(f"coder must be one of {sorted(CODERS)}, got {coder!r}")
     if (model_dir / MANIFEST).is_file():
         raise ModelLoadError(f"{model_dir} is already compressed")
     ckpt = Checkpoint(model_dir)
@@ -78,7 +82,8 @@ def compress_dir(model_dir: Path, out_dir: Path, chunk: int = CHUNK, progress: b
                 file_no, written = file_no + 1, 0
                 out = open(out_dir / f"weights-{file_no:05d}.sfz", "wb")
             fname = f"weights-{file_no:05d}.sfz"
-            codec = {torch.bfloat16: CODEC_BF16, torch.float16: CODEC_F16}.get(t.dtype, CODEC_RAW)
+            # (rANS's header — 32 lanes' states and counts — outweighs what it saves on a tensor this small)
+            codec = CODERS[coder if t.numel() >= SMALL_CHUNK else "huffman"].get(t.dtype, CODEC_RAW)
             e: dict[str, Any] = {"name": name, "dtype": dtype_name[t.dtype], "shape": list(t.shape), "codec": codec,
                                  "file": fname, "crc32": crc}
             start = written
@@ -96,7 +101,7 @@ def compress_dir(model_dir: Path, out_dir: Path, chunk: int = CHUNK, progress: b
             written += plane.nbytes
             pieces = [exp[i : i + chunk] for i in range(0, exp.size, chunk)]
             with ThreadPoolExecutor(_THREADS) as pool:
-                coded = list(pool.map(encode_chunk, pieces))
+                coded = list(pool.map(encode_chunk, pieces, [codec] * len(pieces)))
             e["chunks"] = []
             for streams in coded:
                 for data, n in streams:

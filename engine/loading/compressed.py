@@ -6,10 +6,12 @@ exponents (a few bits of entropy where 8 are stored) while sign and mantissa are
 only the exponents are worth coding (DFloat11's observation). Here each tensor becomes
 
 - the **sign+mantissa plane**: one byte per weight (bfloat16: sign << 7 | mantissa), stored as is;
-- the **exponent plane**: one byte per weight, Huffman-coded as raw DEFLATE of literals only (no LZ77
-  matching: `deflate_literals.py`, one block and code per chunk, written and read by C kernels with zlib as
-  the reference and fallback) in chunks of `CHUNK` weights, each decodable on its own, so a load decodes
-  chunks on several threads.
+- the **exponent plane**: one byte per weight, entropy-coded in chunks of `CHUNK` weights, each decodable
+  on its own, so a load decodes chunks on several threads. The coder (`CODERS`) is Huffman by default:
+  raw DEFLATE of literals only (no LZ77 matching: `deflate_literals.py`, one block and code per chunk,
+  written and read by C kernels with zlib as the reference and fallback); or rANS (`rans.py`,
+  `splitfire compress --coder rans`), 0.2-0.3% of the bf16 bytes smaller and no faster to decode here
+  (README: Lossless weight compression).
 
 float16 (5 exponent bits) splits at the byte instead: its high byte (sign, exponent, 2 mantissa bits) is
 the coded plane and its low byte the raw one.
@@ -37,7 +39,7 @@ import numpy as np
 import torch
 
 from common.errors import ModelLoadError
-from engine.loading import deflate_literals
+from engine.loading import deflate_literals, rans
 
 MANIFEST = "splitfire_compressed.json"
 FORMAT = 1
@@ -45,7 +47,14 @@ CHUNK = 1 << 20  # weights per exponent chunk
 SMALL_CHUNK = 1 << 14  # fewer exponents than this: one stream from zlib's Huffman-only deflate
 CODEC_BF16 = "bf16-exponent-huffman"
 CODEC_F16 = "f16-exponent-huffman"
+CODEC_BF16_RANS = "bf16-exponent-rans"
+CODEC_F16_RANS = "f16-exponent-rans"
 CODEC_RAW = "raw"
+# coder -> {dtype: codec}
+CODERS = {"huffman": {torch.bfloat16: CODEC_BF16, torch.float16: CODEC_F16},
+          "rans": {torch.bfloat16: CODEC_BF16_RANS, torch.float16: CODEC_F16_RANS}}
+BF16_CODECS = (CODEC_BF16, CODEC_BF16_RANS)
+RANS_CODECS = (CODEC_BF16_RANS, CODEC_F16_RANS)
 _THREADS = 4
 
 
@@ -73,7 +82,7 @@ class Entry:
 
 def split(u: np.ndarray, codec: str) -> tuple[np.ndarray, np.ndarray]:
     """(raw plane, exponent plane) of uint16 bit patterns."""
-    if codec == CODEC_BF16:
+    if codec in BF16_CODECS:
         return (((u >> 8) & 0x80) | (u & 0x7F)).astype(np.uint8), ((u >> 7) & 0xFF).astype(np.uint8)
     return (u & 0xFF).astype(np.uint8), (u >> 8).astype(np.uint8)
 
@@ -87,12 +96,12 @@ def join(plane: np.ndarray, exp: np.ndarray, codec: str, out: np.ndarray) -> Non
     if lib is None or not (plane.flags.c_contiguous and exp.flags.c_contiguous and out.flags.c_contiguous):
         join_reference(plane, exp, codec, out)
         return
-    lib.sf_join16(plane.ctypes.data, exp.ctypes.data, out.ctypes.data, out.size, int(codec == CODEC_BF16))
+    lib.sf_join16(plane.ctypes.data, exp.ctypes.data, out.ctypes.data, out.size, int(codec in BF16_CODECS))
 
 
 def join_reference(plane: np.ndarray, exp: np.ndarray, codec: str, out: np.ndarray) -> None:
     """`split`'s inverse in numpy (the plain reference)."""
-    if codec == CODEC_BF16:
+    if codec in BF16_CODECS:
         sm = plane.astype(np.uint16)
         np.bitwise_or((sm & 0x80) << 8, exp.astype(np.uint16) << 7, out=out)
         out |= sm & 0x7F
@@ -100,9 +109,12 @@ def join_reference(plane: np.ndarray, exp: np.ndarray, codec: str, out: np.ndarr
         np.bitwise_or(plane.astype(np.uint16), exp.astype(np.uint16) << 8, out=out)
 
 
-def encode_chunk(exp: np.ndarray) -> list[tuple[bytes, int]]:
-    """Raw DEFLATE, literals only (the exponents' order-0 entropy is what there is to take): the chunk's
-    two halves as two streams with one code, (stream, exponents) each — a load decodes them together."""
+def encode_chunk(exp: np.ndarray, codec: str = CODEC_BF16) -> list[tuple[bytes, int]]:
+    """(stream, exponents) of each stream a chunk is written as. Huffman: raw DEFLATE, literals only (the
+    exponents' order-0 entropy is what there is to take), the chunk's two halves as two streams with one
+    code — a load decodes them together. rANS: one stream (its 32 lanes are decoded together)."""
+    if codec in RANS_CODECS:
+        return [(rans.encode(exp), exp.size)]
     if exp.size < SMALL_CHUNK:  # (a code and header built in Python cost more than zlib's whole encode here)
         c = zlib.compressobj(9, zlib.DEFLATED, -15, 9, zlib.Z_HUFFMAN_ONLY)
         return [(c.compress(exp.tobytes()) + c.flush(), exp.size)]
@@ -188,8 +200,9 @@ def decode_into(model_dir: Path, e: Entry, out: torch.Tensor, direct: bool = Fal
             if e.codec == CODEC_RAW:
                 dst[:] = np.frombuffer(f.read(*e.plane), np.uint8)
             else:
-                if e.codec not in (CODEC_BF16, CODEC_F16):
+                if e.codec not in (CODEC_BF16, CODEC_F16, *RANS_CODECS):
                     raise ModelLoadError(f"tensor {e.name!r}: unknown codec {e.codec!r}")
+                group = 1 if e.codec in RANS_CODECS else 2  # (a Huffman chunk's two streams are read together)
                 plane_at = e.plane[0]
                 u16 = dst.view(np.uint16)
                 starts = np.cumsum([0] + [n for _, _, n in e.chunks]).tolist()
@@ -198,15 +211,17 @@ def decode_into(model_dir: Path, e: Entry, out: torch.Tensor, direct: bool = Fal
                                      f"{e.numel} weights")
 
                 def one(first: int) -> list[int]:
-                    """Chunks `first` and the next (two streams a chunk was written as, read together)
+                    """Chunks `first` and the next (Huffman: two streams a chunk was written as, read together)
                     read, decoded into place; the CRC-32 of each one's bytes (here, while they are in cache)."""
-                    ids = list(range(first, min(first + 2, len(e.chunks))))
+                    ids = list(range(first, min(first + group, len(e.chunks))))
                     sizes = [e.chunks[i][2] for i in ids]
                     coded = [bytes(f.read(e.chunks[i][0], e.chunks[i][1])) for i in ids]
                     lo, hi = starts[ids[0]], starts[ids[-1]] + sizes[-1]
                     plane = np.frombuffer(f.read(plane_at + lo, hi - lo), np.uint8)
                     try:
-                        if len(ids) == 2:
+                        if group == 1:
+                            exps = [rans.decode(coded[0], sizes[0])]
+                        elif len(ids) == 2:
                             exps = list(deflate_literals.decode_pair(coded[0], sizes[0], coded[1], sizes[1]))
                         else:
                             exps = [deflate_literals.decode(coded[0], sizes[0])]
@@ -219,7 +234,7 @@ def decode_into(model_dir: Path, e: Entry, out: torch.Tensor, direct: bool = Fal
                         crcs.append(zlib.crc32(u16[start : start + n]))
                     return crcs
 
-                firsts = range(0, len(e.chunks), 2)
+                firsts = range(0, len(e.chunks), group)
                 crcs = [c for part in (map(one, firsts) if len(firsts) == 1 else _pool().map(one, firsts))
                         for c in part]
                 crc = crcs[0] if crcs else zlib.crc32(b"")

@@ -1681,3 +1681,151 @@ done:
     free(h);
     return rc;
 }
+
+/* -- rANS (engine/loading/rans.py): an order-0 coder of bytes, SF_RANS_LANES interleaved 32-bit states, 16-bit
+ * renormalization, frequencies quantized to SF_RANS_BITS bits. Symbol i belongs to lane i % LANES and each lane
+ * has its own words, so no lane's renormalization waits on another's. The encoder runs backwards and writes a
+ * lane's words from the end of that lane's part of its buffer, so the decoder reads each lane's forwards. rans.py
+ * holds the plain reference of both directions and writes/reads the stream's header. */
+#define SF_RANS_BITS 12
+#define SF_RANS_LANES 32
+#define SF_RANS_VECS (SF_RANS_LANES / 8)
+#define SF_RANS_L (1u << 16)
+
+/* Encode in[0..n) with freq/cum (256 each; freq of a present symbol >= 1, the freqs summing to 1 << BITS).
+ * Lane j's words go to words[j * cap + cap - k_j .. (j + 1) * cap), k_j to counts[j], its final state to
+ * states[j]. Returns 0, or -1 when cap words per lane are too few, -2 for a symbol of frequency 0. */
+int64_t sf_rans_encode(const uint8_t *in, int64_t n, const uint32_t *freq, const uint32_t *cum, uint16_t *words,
+                       int64_t cap, uint32_t *states, int64_t *counts) {
+    uint32_t x[SF_RANS_LANES];
+    int64_t p[SF_RANS_LANES];
+    for (int j = 0; j < SF_RANS_LANES; j++) x[j] = SF_RANS_L, p[j] = (j + 1) * cap;
+    for (int64_t i = n - 1; i >= 0; i--) {
+        int j = (int)(i % SF_RANS_LANES);
+        uint32_t f = freq[in[i]], s = x[j];
+        if (!f) return -2;
+        /* (64-bit: a symbol of frequency 1 << BITS makes the bound 2^32) */
+        if ((uint64_t)s >= ((uint64_t)(SF_RANS_L >> SF_RANS_BITS) << 16) * f) {
+            if (p[j] == j * cap) return -1;
+            words[--p[j]] = (uint16_t)s;
+            s >>= 16;
+        }
+        x[j] = ((s / f) << SF_RANS_BITS) + (s % f) + cum[in[i]];
+    }
+    for (int j = 0; j < SF_RANS_LANES; j++) states[j] = x[j], counts[j] = (j + 1) * cap - p[j];
+    return 0;
+}
+
+/* Decode n symbols from the lanes' states and words (lane j's counts[j] words at words + offset_j, the lanes'
+ * parts one after another; the buffer holds two words more past the last, read and never used). The slot table
+ * packs, per slot, the symbol (8 bits), its frequency - 1 (12) and slot - cum (12) into one uint32 (16 KiB:
+ * in L1). Returns 0 when every word was read and every lane ended where the encoder started (L); negative for
+ * a stream that is not that. */
+__attribute__((optimize("no-tree-slp-vectorize", "no-tree-vectorize")))
+int64_t sf_rans_decode(const uint32_t *freq, const uint32_t *states, const uint16_t *words, const int64_t *counts,
+                       uint8_t *out, int64_t n) {
+    uint32_t *tab = malloc(sizeof(uint32_t) << SF_RANS_BITS);
+    if (!tab) return -3;
+    uint32_t c = 0;
+    for (uint32_t s = 0; s < 256; s++) {
+        uint32_t f = freq[s];
+        if (f && (f > (1u << SF_RANS_BITS) || c + f > (1u << SF_RANS_BITS))) { free(tab); return -1; }
+        for (uint32_t k = 0; k < f; k++) tab[c + k] = s | ((f - 1) << 8) | (k << 20);
+        c += f;
+    }
+    if (c != (1u << SF_RANS_BITS)) { free(tab); return -1; }
+    const uint32_t mask = (1u << SF_RANS_BITS) - 1;
+    uint32_t x[SF_RANS_LANES], w[SF_RANS_LANES];
+    int64_t p[SF_RANS_LANES], end[SF_RANS_LANES], room = INT64_MAX, at = 0;
+    for (int j = 0; j < SF_RANS_LANES; j++) {
+        x[j] = states[j];
+        if (x[j] < SF_RANS_L || counts[j] < 0) { free(tab); return -1; }
+        p[j] = at;
+        at += counts[j];
+        end[j] = at;
+        w[j] = words[p[j]]; /* (the word after a lane's part is the next lane's, or the padding) */
+        if (counts[j] < room) room = counts[j];
+    }
+    int64_t i = 0;
+#if defined(__AVX2__)
+    /* Eight lanes to a vector, four vectors: a group of 32 symbols is four table gathers, four word gathers and
+     * the arithmetic on whole vectors; the four chains (gather -> multiply -> compare -> blend) overlap. */
+    if (SF_RANS_LANES % 32 == 0 && at < (1LL << 30)) {
+        __m256i X[SF_RANS_VECS], P[SF_RANS_VECS];
+        int32_t p32[SF_RANS_LANES];
+        for (int j = 0; j < SF_RANS_LANES; j++) p32[j] = (int32_t)p[j];
+        for (int v = 0; v < SF_RANS_VECS; v++) {
+            X[v] = _mm256_loadu_si256((const __m256i *)(x + 8 * v));
+            P[v] = _mm256_loadu_si256((const __m256i *)(p32 + 8 * v));
+        }
+        const __m256i m12 = _mm256_set1_epi32((int)mask), lo16 = _mm256_set1_epi32(0xFFFF), one = _mm256_set1_epi32(1);
+        const __m256i zero = _mm256_setzero_si256(), order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+        for (; i + SF_RANS_LANES <= n; i += SF_RANS_LANES) {
+            if (room < 1) {
+                for (int v = 0; v < SF_RANS_VECS; v++) _mm256_storeu_si256((__m256i *)(p32 + 8 * v), P[v]);
+                room = INT64_MAX;
+                for (int j = 0; j < SF_RANS_LANES; j++) room = end[j] - p32[j] < room ? end[j] - p32[j] : room;
+                if (room < 1) break;
+            }
+            __m256i B[SF_RANS_VECS];
+            for (int v = 0; v < SF_RANS_VECS; v++) {
+                __m256i e = _mm256_i32gather_epi32((const int *)tab, _mm256_and_si256(X[v], m12), 4);
+                B[v] = _mm256_and_si256(e, _mm256_set1_epi32(0xFF));
+                __m256i f = _mm256_add_epi32(_mm256_and_si256(_mm256_srli_epi32(e, 8), m12), one);
+                __m256i st = _mm256_add_epi32(_mm256_mullo_epi32(f, _mm256_srli_epi32(X[v], SF_RANS_BITS)),
+                                              _mm256_srli_epi32(e, 20));
+                __m256i need = _mm256_cmpeq_epi32(_mm256_srli_epi32(st, 16), zero);
+                __m256i w = _mm256_and_si256(_mm256_i32gather_epi32((const int *)words, P[v], 2), lo16);
+                X[v] = _mm256_blendv_epi8(st, _mm256_or_si256(_mm256_slli_epi32(st, 16), w), need);
+                P[v] = _mm256_sub_epi32(P[v], need);
+            }
+            for (int v = 0; v < SF_RANS_VECS; v += 4) {
+                __m256i b = _mm256_packus_epi16(_mm256_packus_epi32(B[v], B[v + 1]), _mm256_packus_epi32(B[v + 2], B[v + 3]));
+                _mm256_storeu_si256((__m256i *)(out + i + 8 * v), _mm256_permutevar8x32_epi32(b, order));
+            }
+            room--;
+        }
+        for (int v = 0; v < SF_RANS_VECS; v++) {
+            _mm256_storeu_si256((__m256i *)(x + 8 * v), X[v]);
+            _mm256_storeu_si256((__m256i *)(p32 + 8 * v), P[v]);
+        }
+        for (int j = 0; j < SF_RANS_LANES; j++) p[j] = p32[j];
+    }
+#endif
+    /* Groups of LANES symbols while every lane has a group's worth of words left (a lane reads at most one per
+     * symbol), so nothing is bounds-checked inside: each lane steps its state, takes its preloaded word when it
+     * renormalizes (masks, not a ?: the compiler turns into a branch that mispredicts on ~1 symbol in 6) and
+     * loads its next word off the state's chain. */
+    for (; i + SF_RANS_LANES <= n; i += SF_RANS_LANES) {
+        if (room < 1) {
+            room = INT64_MAX;
+            for (int j = 0; j < SF_RANS_LANES; j++) room = end[j] - p[j] < room ? end[j] - p[j] : room;
+            if (room < 1) break;
+        }
+        for (int j = 0; j < SF_RANS_LANES; j++) {
+            uint32_t e = tab[x[j] & mask];
+            out[i + j] = (uint8_t)e;
+            uint32_t s = (((e >> 8) & mask) + 1) * (x[j] >> SF_RANS_BITS) + (e >> 20);
+            uint32_t need = s < SF_RANS_L, m = 0u - need;
+            x[j] = (s & ~m) | (((s << 16) | w[j]) & m);
+            p[j] += need;
+            w[j] = words[p[j]];
+        }
+        room--;
+    }
+    for (; i < n; i++) {
+        int j = (int)(i % SF_RANS_LANES);
+        uint32_t e = tab[x[j] & mask], s;
+        out[i] = (uint8_t)e;
+        s = (((e >> 8) & mask) + 1) * (x[j] >> SF_RANS_BITS) + (e >> 20);
+        if (s < SF_RANS_L) {
+            if (p[j] >= end[j]) { free(tab); return -2; }
+            s = (s << 16) | words[p[j]++];
+        }
+        x[j] = s;
+    }
+    free(tab);
+    for (int j = 0; j < SF_RANS_LANES; j++)
+        if (p[j] != end[j] || x[j] != SF_RANS_L) return -2;
+    return 0;
+}
