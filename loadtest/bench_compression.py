@@ -183,6 +183,26 @@ def codec_rates(model_dir: Path, rounds: int = 3) -> dict[str, float]:
             "c_on_zlib_own": best(deflate_literals.decode, made_by_zlib)}
 
 
+def rans_rate(model_dir: Path, rounds: int = 3) -> float:
+    """G exponent symbols/s the rANS decoder reads on one thread over a `--coder rans` directory's chunks
+    (best of `rounds`, codec only), to set beside `codec_rates`' Huffman figures."""
+    from engine.loading import rans
+
+    chunks = []
+    for e in compressed.read_manifest(model_dir).values():
+        if e.codec in compressed.RANS_CODECS:
+            with compressed.DataFile(model_dir / e.file) as f:
+                chunks += [(bytes(f.read(off, length)), n) for off, length, n in e.chunks]
+    symbols = sum(n for _, n in chunks)
+    times = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for c, n in chunks:
+            rans.decode(c, n)
+        times.append(time.perf_counter() - t0)
+    return symbols / min(times) / 1e9 if symbols else float("nan")
+
+
 def in_memory_ratio(plain: Path) -> tuple[float, float]:
     """The device-memory form's bytes against bfloat16's over the checkpoint's 2-D bfloat16 matrices
     (`engine.model.compressed_weight`: what the Triton matmul reads per weight), and escapes per million."""
@@ -220,7 +240,18 @@ def bench_one(label: str, plain: Path, work: Path, rounds: int) -> dict[str, obj
         loads["compressed"].append(load_all(packed))
         direct["plain"].append(load_direct_plain(plain))
         direct["compressed"].append(load_direct_compressed(packed))
-    return {"label": label, "by_kind": by_kind, "size_ratio": packed_bytes / plain_bytes,
+    # The other coder, on the same weights: size, speed, and the load from the device.
+    ranspath = work / f"{label}-rans"
+    t0 = time.perf_counter()
+    rstats = compress_dir(plain, ranspath, coder="rans")
+    rtook = time.perf_counter() - t0
+    orig, stored, _ = rstats.by_kind["bfloat16"]
+    rdirect = statistics.median(load_direct_compressed(ranspath) for _ in range(rounds))
+    coders = {"rans": {"bf16_ratio": stored / orig, "compress_gbps": rstats.original_bytes / rtook / 1e9,
+                       "decode_gbps_1_thread": decode_rate(ranspath, 1),
+                       f"decode_gbps_{compressed._THREADS}_threads": decode_rate(ranspath, compressed._THREADS),
+                       "direct_load_s": rdirect, "gsym_s": rans_rate(ranspath)}}
+    return {"label": label, "by_kind": by_kind, "size_ratio": packed_bytes / plain_bytes, "coders": coders,
             "compress_gbps": stats.original_bytes / took / 1e9,
             "decode_gbps_1_thread": decode_rate(packed, 1), f"decode_gbps_{compressed._THREADS}_threads":
             decode_rate(packed, compressed._THREADS),
@@ -276,6 +307,16 @@ def main_compression(args: argparse.Namespace) -> int:
         k = r["codec_gsym_s"]
         print(f"{r['label']:<22}{k['c_pairs']:>10.2f}{k['c']:>8.2f}{k['zlib']:>8.2f}"  # type: ignore[index]
               f"{k['c_on_zlib_own']:>16.2f}{k['zlib_own']:>19.2f}")  # type: ignore[index]
+    print("\nthe other coder (splitfire compress --coder rans: 32 lanes, 12-bit frequencies), against the Huffman rows above:")
+    print(f"{'checkpoint':<22}{'bf16 ratio':>11}{'huffman':>9}{'compress':>10}{'decode 1T':>10}{'decode':>8}"
+          f"{'G sym/s 1T':>11}{'huffman':>9}{'O_DIRECT load':>14}{'huffman':>9}")
+    for r in rows:
+        c = r["coders"]["rans"]  # type: ignore[index]
+        print(f"{r['label']:<22}{c['bf16_ratio']:>11.4f}{r['by_kind']['bfloat16']['ratio']:>9.4f}"  # type: ignore[index]
+              f"{c['compress_gbps']:>8.2f}GB/s{c['decode_gbps_1_thread']:>6.2f}GB/s"
+              f"{c[f'decode_gbps_{compressed._THREADS}_threads']:>6.2f}GB/s{c['gsym_s']:>11.2f}"
+              f"{r['codec_gsym_s']['c_pairs']:>9.2f}{c['direct_load_s']:>12.3f} s"  # type: ignore[index]
+              f"{r['direct_load_s']['compressed']:>7.3f} s")  # type: ignore[index]
     print("\nin device memory (engine/model/compressed_weight.py, the Triton matmul's operand): bytes / bfloat16's "
           "over 2-D bf16 matrices, escapes per million weights")
     for r in rows:
