@@ -10,7 +10,7 @@ only the exponents are worth coding (DFloat11's observation). Here each tensor b
   on its own, so a load decodes chunks on several threads. The coder (`CODERS`) is Huffman by default:
   raw DEFLATE of literals only (no LZ77 matching: `deflate_literals.py`, one block and code per chunk,
   written and read by C kernels with zlib as the reference and fallback); or rANS (`rans.py`,
-  `splitfire compress --coder rans`), 0.2-0.3% of the bf16 bytes smaller and no faster to decode here
+  `splitfire compress --coder rans`), 0.4-2.4% fewer bytes and no faster to decode here
   (README: Lossless weight compression).
 
 float16 (5 exponent bits) splits at the byte instead: its high byte (sign, exponent, 2 mantissa bits) is
