@@ -212,12 +212,23 @@ def decode_into(model_dir: Path, e: Entry, out: torch.Tensor, direct: bool = Fal
 
                 def one(first: int) -> list[int]:
                     """Chunks `first` and the next (Huffman: two streams a chunk was written as, read together)
-                    read, decoded into place; the CRC-32 of each one's bytes (here, while they are in cache)."""
+                    read, decoded into place; the CRC-32 of each one's bytes (here, while they are in cache).
+                    A tensor of one such group is read in one piece (its plane and chunks lie together):
+                    one request to the device, not three."""
                     ids = list(range(first, min(first + group, len(e.chunks))))
                     sizes = [e.chunks[i][2] for i in ids]
-                    coded = [bytes(f.read(e.chunks[i][0], e.chunks[i][1])) for i in ids]
+                    read = f.read
+                    if len(ids) == len(e.chunks):
+                        at = min(plane_at, *(off for off, _, _ in e.chunks))
+                        end = max(plane_at + e.plane[1], *(off + length for off, length, _ in e.chunks))
+                        whole = f.read(at, end - at)
+
+                        def read(offset: int, length: int) -> memoryview:
+                            return whole[offset - at : offset - at + length]
+
+                    coded = [bytes(read(e.chunks[i][0], e.chunks[i][1])) for i in ids]
                     lo, hi = starts[ids[0]], starts[ids[-1]] + sizes[-1]
-                    plane = np.frombuffer(f.read(plane_at + lo, hi - lo), np.uint8)
+                    plane = np.frombuffer(read(plane_at + lo, hi - lo), np.uint8)
                     try:
                         if group == 1:
                             exps = [rans.decode(coded[0], sizes[0])]
