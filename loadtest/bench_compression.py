@@ -152,7 +152,7 @@ def codec_rates(model_dir: Path, rounds: int = 3) -> dict[str, float]:
         if e.codec == compressed.CODEC_RAW:
             continue
         with compressed.DataFile(model_dir / e.file) as f:
-            mine = [(bytes(f.read(off, length)), n) for off, length, n in e.chunks]
+            mine = [(bytes(f.read(off, length)), n) for off, length, n, *_ in e.chunks]
         chunks += mine
         groups += [mine[i : i + 2] for i in range(0, len(mine), 2)]
     symbols = sum(n for _, n in chunks)
@@ -192,7 +192,7 @@ def rans_rate(model_dir: Path, rounds: int = 3) -> float:
     for e in compressed.read_manifest(model_dir).values():
         if e.codec in compressed.RANS_CODECS:
             with compressed.DataFile(model_dir / e.file) as f:
-                chunks += [(bytes(f.read(off, length)), n) for off, length, n in e.chunks]
+                chunks += [(bytes(f.read(off, length)), n) for off, length, n, *_ in e.chunks]
     symbols = sum(n for _, n in chunks)
     times = []
     for _ in range(rounds):

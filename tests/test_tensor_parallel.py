@@ -202,6 +202,27 @@ def test_quantized_gguf_two_ranks_equal_one_rank(tmp_path, engines, monkeypatch)
     assert {k: v.token_ids for k, v in drain(one).items()} == {k: v.token_ids for k, v in drain(two).items()}
 
 
+def test_a_compressed_checkpoint_over_two_ranks_equals_the_plain_one(tmp_path, engines):
+    """`splitfire compress`'s output split over two ranks: each rank decodes its rows' chunks (and its
+    columns from whole tensors) to the same weights, so tokens and logprobs equal the plain bfloat16 split."""
+    from engine.loading.compress import compress_dir
+
+    fam = make_hf_model("llama3", tmp_path / "fp32", intermediate_size=128)
+    plain = tmp_path / "bf16"
+    fam.model.to(torch.bfloat16).save_pretrained(plain)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        (plain / f).write_bytes((fam.path / f).read_bytes())
+    (plain / "config.json").write_text(json.dumps({**fam.config, "torch_dtype": "bfloat16"}))
+    compress_dir(plain, tmp_path / "z", chunk=1 << 12)  # (chunks small enough that a rank's rows skip some)
+    outs = []
+    for d in (plain, tmp_path / "z"):
+        e = engines(d, dtype="bfloat16", tensor_parallel_size=2)
+        for i, p in enumerate(prompts()):
+            e.add_request(f"r{i}", p, SamplingParams(max_tokens=N, logprobs=2, **GREEDY))
+        outs.append({k: (v.token_ids, v.logprobs) for k, v in drain(e).items()})
+    assert outs[0] == outs[1]
+
+
 def test_a_rank_holds_its_share_of_the_weights(tmp_path, engines):
     fam = make_hf_model("llama3", tmp_path / "m", intermediate_size=128, hidden_size=128)
 

@@ -186,8 +186,19 @@ class Checkpoint:
         t = self.info(name)
         if len(t.shape) not in (1, 2) or (cols is not None and len(t.shape) != 2):
             raise ModelLoadError(f"{t.path}: tensor {name!r} of shape {t.shape} cannot be sliced this way")
-        if name in self.compressed:  # decoded whole, then sliced
-            whole = torch.empty(t.shape, dtype=t.dtype)
+        if name in self.compressed:
+            e = self.compressed[name]
+            width = t.shape[1] if len(t.shape) == 2 else 1
+            if rows is not None and name not in self._ahead and compressed.decodes_ranges(e):
+                # A row slice is one range of weights: only the chunks holding it are decoded.
+                if rows.stop > t.shape[0]:
+                    raise ModelLoadError(f"{t.path}: tensor {name!r} of shape {t.shape} has no rows {rows}")
+                whole = torch.empty((len(rows), *t.shape[1:]), dtype=t.dtype)
+                compressed.decode_range_into(self.model_dir, e, rows.start * width, rows.stop * width, whole,
+                                             self.direct)
+                self.unread.discard(name)
+                return whole[:, cols.start : cols.stop].contiguous() if cols is not None else whole
+            whole = torch.empty(t.shape, dtype=t.dtype)  # decoded whole (or handed over), then sliced
             self._read(name, whole)
             part = whole[rows.start : rows.stop] if rows is not None else whole
             if cols is not None:

@@ -103,11 +103,13 @@ def compress_dir(model_dir: Path, out_dir: Path, chunk: int = CHUNK, progress: b
             with ThreadPoolExecutor(_THREADS) as pool:
                 coded = list(pool.map(encode_chunk, pieces, [codec] * len(pieces)))
             e["chunks"] = []
+            first = 0  # (each chunk's CRC-32 is of its weights' original bytes: a range decodes and checks alone)
             for streams in coded:
                 for data, n in streams:
-                    e["chunks"].append([written, len(data), n])
+                    e["chunks"].append([written, len(data), n, zlib.crc32(raw[2 * first : 2 * (first + n)])])
                     out.write(data)
                     written += len(data)
+                    first += n
             stats.add(str(t.dtype).removeprefix("torch."), raw.nbytes, written - start, entropy_bits(exp) * exp.size)
             entries.append(e)
     finally:

@@ -66,7 +66,8 @@ class Entry:
     codec: str
     file: str
     plane: list[int]  # [offset, length] of the raw plane (the whole tensor for "raw")
-    chunks: list[list[int]] = field(default_factory=list)  # [offset, length, weights] per exponent chunk
+    # [offset, length, weights, CRC-32 of its weights' bytes] per exponent chunk (the CRC: from this build on)
+    chunks: list[list[int]] = field(default_factory=list)
     crc32: int = 0  # of the original tensor's bytes
 
     @property
@@ -190,6 +191,55 @@ class DataFile:
         self.close()
 
 
+def _layout(e: Entry) -> tuple[int, list[int]]:
+    """(chunks decoded together — a Huffman chunk's two streams are read as a pair —, each chunk's first
+    weight and the end), the entry's shape checked."""
+    if e.codec not in (CODEC_BF16, CODEC_F16, *RANS_CODECS):
+        raise ModelLoadError(f"tensor {e.name!r}: unknown codec {e.codec!r}")
+    starts = np.cumsum([0] + [c[2] for c in e.chunks]).tolist()
+    if starts[-1] != e.numel or e.plane[1] != e.numel:
+        raise ValueError(f"chunks of {starts[-1]} weights and a plane of {e.plane[1]} bytes for {e.numel} weights")
+    return (1 if e.codec in RANS_CODECS else 2), starts
+
+
+def _decode_chunks(f: DataFile, e: Entry, ids: list[int], starts: list[int], dst: np.ndarray) -> list[int]:
+    """Chunks `ids` (consecutive) read, decoded and joined into `dst` (uint16: the weights from `starts[ids[0]]`
+    on); the CRC-32 of each one's bytes, computed here while they are in cache, and checked against the chunk's
+    own where the manifest has one. All of a tensor's chunks are read in one piece (its plane and chunks lie
+    together): one request to the device, not three."""
+    plane_at = e.plane[0]
+    sizes = [e.chunks[i][2] for i in ids]
+    read = f.read
+    if len(ids) == len(e.chunks):
+        at = min(plane_at, *(c[0] for c in e.chunks))
+        end = max(plane_at + e.plane[1], *(c[0] + c[1] for c in e.chunks))
+        whole = f.read(at, end - at)
+
+        def read(offset: int, length: int) -> memoryview:
+            return whole[offset - at : offset - at + length]
+
+    coded = [bytes(read(e.chunks[i][0], e.chunks[i][1])) for i in ids]
+    lo, hi = starts[ids[0]], starts[ids[-1]] + sizes[-1]
+    plane = np.frombuffer(read(plane_at + lo, hi - lo), np.uint8)
+    try:
+        if e.codec in RANS_CODECS:
+            exps = [rans.decode(c, n) for c, n in zip(coded, sizes, strict=True)]
+        elif len(ids) == 2:
+            exps = list(deflate_literals.decode_pair(coded[0], sizes[0], coded[1], sizes[1]))
+        else:
+            exps = [deflate_literals.decode(c, n) for c, n in zip(coded, sizes, strict=True)]
+    except ValueError as err:
+        raise ValueError(f"chunk {ids[0]}{'-' + str(ids[-1]) if len(ids) > 1 else ''}: {err}") from err
+    crcs = []
+    for i, n, exp in zip(ids, sizes, exps, strict=True):
+        at = starts[i] - lo
+        join(plane[at : at + n], exp, e.codec, dst[at : at + n])
+        crcs.append(zlib.crc32(dst[at : at + n]))
+        if len(e.chunks[i]) > 3 and crcs[-1] != e.chunks[i][3]:
+            raise ValueError(f"chunk {i} fails its checksum")
+    return crcs
+
+
 def decode_into(model_dir: Path, e: Entry, out: torch.Tensor, direct: bool = False) -> None:
     """Fill `out` (contiguous, CPU, e's dtype and shape) with the tensor, checked against its CRC. Each pair
     of chunks is read and decoded by one task of the pool, so while one thread waits on the file's bytes
@@ -200,62 +250,62 @@ def decode_into(model_dir: Path, e: Entry, out: torch.Tensor, direct: bool = Fal
             if e.codec == CODEC_RAW:
                 dst[:] = np.frombuffer(f.read(*e.plane), np.uint8)
             else:
-                if e.codec not in (CODEC_BF16, CODEC_F16, *RANS_CODECS):
-                    raise ModelLoadError(f"tensor {e.name!r}: unknown codec {e.codec!r}")
-                group = 1 if e.codec in RANS_CODECS else 2  # (a Huffman chunk's two streams are read together)
-                plane_at = e.plane[0]
+                group, starts = _layout(e)
                 u16 = dst.view(np.uint16)
-                starts = np.cumsum([0] + [n for _, _, n in e.chunks]).tolist()
-                if starts[-1] != e.numel or e.plane[1] != e.numel:
-                    raise ValueError(f"chunks of {starts[-1]} weights and a plane of {e.plane[1]} bytes for "
-                                     f"{e.numel} weights")
 
                 def one(first: int) -> list[int]:
-                    """Chunks `first` and the next (Huffman: two streams a chunk was written as, read together)
-                    read, decoded into place; the CRC-32 of each one's bytes (here, while they are in cache).
-                    A tensor of one such group is read in one piece (its plane and chunks lie together):
-                    one request to the device, not three."""
                     ids = list(range(first, min(first + group, len(e.chunks))))
-                    sizes = [e.chunks[i][2] for i in ids]
-                    read = f.read
-                    if len(ids) == len(e.chunks):
-                        at = min(plane_at, *(off for off, _, _ in e.chunks))
-                        end = max(plane_at + e.plane[1], *(off + length for off, length, _ in e.chunks))
-                        whole = f.read(at, end - at)
-
-                        def read(offset: int, length: int) -> memoryview:
-                            return whole[offset - at : offset - at + length]
-
-                    coded = [bytes(read(e.chunks[i][0], e.chunks[i][1])) for i in ids]
-                    lo, hi = starts[ids[0]], starts[ids[-1]] + sizes[-1]
-                    plane = np.frombuffer(read(plane_at + lo, hi - lo), np.uint8)
-                    try:
-                        if group == 1:
-                            exps = [rans.decode(coded[0], sizes[0])]
-                        elif len(ids) == 2:
-                            exps = list(deflate_literals.decode_pair(coded[0], sizes[0], coded[1], sizes[1]))
-                        else:
-                            exps = [deflate_literals.decode(coded[0], sizes[0])]
-                    except ValueError as err:
-                        raise ValueError(f"chunk {ids[0]}{'-' + str(ids[-1]) if len(ids) > 1 else ''}: {err}") from err
-                    crcs = []
-                    for i, n, exp in zip(ids, sizes, exps, strict=True):
-                        start = starts[i]
-                        join(plane[start - lo : start - lo + n], exp, e.codec, u16[start : start + n])
-                        crcs.append(zlib.crc32(u16[start : start + n]))
-                    return crcs
+                    return _decode_chunks(f, e, ids, starts, u16[starts[first] :])
 
                 firsts = range(0, len(e.chunks), group)
                 crcs = [c for part in (map(one, firsts) if len(firsts) == 1 else _pool().map(one, firsts))
                         for c in part]
                 crc = crcs[0] if crcs else zlib.crc32(b"")
-                for (_, _, n), c in zip(e.chunks[1:], crcs[1:], strict=True):
-                    crc = crc32_combine(crc, c, 2 * n)
+                for c, chunk_crc in zip(e.chunks[1:], crcs[1:], strict=True):
+                    crc = crc32_combine(crc, chunk_crc, 2 * c[2])
     except (OSError, EOFError, ValueError, zlib.error) as err:
         raise ModelLoadError(f"{model_dir}: compressed tensor {e.name!r} is corrupt ({err})") from err
     if (zlib.crc32(dst) if e.codec == CODEC_RAW else crc) != e.crc32:
         raise ModelLoadError(f"{model_dir}: compressed tensor {e.name!r} fails its checksum: the data file is "
                              "corrupt (its weights were not used)")
+
+
+def decodes_ranges(e: Entry) -> bool:
+    """Whether a range of `e`'s weights can be decoded alone: a coded tensor whose chunks carry their own
+    CRCs (manifests written before those decode whole, to check the tensor's)."""
+    return e.codec != CODEC_RAW and all(len(c) > 3 for c in e.chunks)
+
+
+def decode_range_into(model_dir: Path, e: Entry, lo: int, hi: int, out: torch.Tensor, direct: bool = False) -> None:
+    """Weights [lo, hi) of the tensor (flat, row-major) into `out` (contiguous, hi - lo of e's dtype): only the
+    chunks that hold them are read and decoded — a tensor-parallel rank's rows of a matrix cost its share of
+    the decoding, not the whole tensor's — each checked against its own CRC (`decodes_ranges(e)` must hold)."""
+    if not decodes_ranges(e):
+        raise ValueError(f"tensor {e.name!r} has no per-chunk checksums: decode it whole")
+    if not 0 <= lo <= hi <= e.numel or out.numel() != hi - lo:
+        raise ValueError(f"weights [{lo}, {hi}) of tensor {e.name!r} ({e.numel}) into {out.numel()}")
+    dst = out.reshape(-1).view(torch.int16).numpy().view(np.uint16) if out.numel() else np.zeros(0, np.uint16)
+    try:
+        with DataFile(model_dir / e.file, direct) as f:
+            group, starts = _layout(e)
+            firsts = [g for g in range(0, len(e.chunks), group)
+                      if starts[g] < hi and starts[min(g + group, len(e.chunks))] > lo]
+
+            def one(first: int) -> None:
+                ids = list(range(first, min(first + group, len(e.chunks))))
+                a, b = starts[first], starts[ids[-1] + 1]
+                if lo <= a and b <= hi:  # wholly inside: decoded in place
+                    _decode_chunks(f, e, ids, starts, dst[a - lo :])
+                    return
+                tmp = np.empty(b - a, np.uint16)
+                _decode_chunks(f, e, ids, starts, tmp)
+                x, y = max(a, lo), min(b, hi)
+                dst[x - lo : y - lo] = tmp[x - a : y - a]
+
+            for _ in (map(one, firsts) if len(firsts) <= 1 else _pool().map(one, firsts)):
+                pass
+    except (OSError, EOFError, ValueError, zlib.error) as err:
+        raise ModelLoadError(f"{model_dir}: compressed tensor {e.name!r} is corrupt ({err})") from err
 
 
 def _gf2_times(mat: tuple[int, ...], vec: int) -> int:
