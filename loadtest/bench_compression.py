@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from engine.loading import compressed
-from engine.loading.checkpoint import Checkpoint
+from engine.loading.checkpoint import DTYPES, Checkpoint
 from engine.loading.compress import compress_dir
 
 
@@ -86,7 +86,6 @@ def read_direct(path: Path, block: int = 8 << 20) -> memoryview:
 def load_direct_plain(model_dir: Path) -> float:
     """Seconds to read the safetensors files from the device (O_DIRECT) and copy every tensor into memory
     of its own (what loading into a model's parameters does)."""
-    from engine.loading.checkpoint import DTYPES
 
     t0 = time.perf_counter()
     for path in sorted(model_dir.glob("*.safetensors")):
@@ -203,6 +202,31 @@ def rans_rate(model_dir: Path, rounds: int = 3) -> float:
     return symbols / min(times) / 1e9 if symbols else float("nan")
 
 
+def rank_slices(model_dir: Path, ranks: int, rounds: int = 3) -> dict[str, float]:
+    """Seconds for rank 0 of `ranks` to read its slice of every 2-D compressed tensor (page cache warm: the
+    decoding): its rows (a column-parallel layer's split: only the chunks holding them decoded) and its
+    columns (a row-parallel layer's: every chunk), against the whole tensors; best of `rounds`."""
+    ck = Checkpoint(model_dir)
+    names = [n for n, e in ck.compressed.items() if e.codec != compressed.CODEC_RAW and len(e.shape) == 2]
+    out = {}
+    for kind in ("whole", "rows", "cols"):
+        times = []
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            for n in names:
+                rows_, cols_ = ck.compressed[n].shape
+                if kind == "whole":  # (decode_into itself: Checkpoint's reads would also start decoding ahead)
+                    e = ck.compressed[n]
+                    compressed.decode_into(model_dir, e, torch.empty(e.shape, dtype=DTYPES[e.dtype]))
+                elif kind == "rows":
+                    ck.read_part(n, range(0, rows_ // ranks), None)
+                else:
+                    ck.read_part(n, None, range(0, cols_ // ranks))
+            times.append(time.perf_counter() - t0)
+        out[kind] = min(times)
+    return out
+
+
 def in_memory_ratio(plain: Path) -> tuple[float, float]:
     """The device-memory form's bytes against bfloat16's over the checkpoint's 2-D bfloat16 matrices
     (`engine.model.compressed_weight`: what the Triton matmul reads per weight), and escapes per million."""
@@ -251,7 +275,9 @@ def bench_one(label: str, plain: Path, work: Path, rounds: int) -> dict[str, obj
                        "decode_gbps_1_thread": decode_rate(ranspath, 1),
                        f"decode_gbps_{compressed._THREADS}_threads": decode_rate(ranspath, compressed._THREADS),
                        "direct_load_s": rdirect, "gsym_s": rans_rate(ranspath)}}
+    slices = {str(n): rank_slices(packed, n, rounds) for n in (2, 8)}
     return {"label": label, "by_kind": by_kind, "size_ratio": packed_bytes / plain_bytes, "coders": coders,
+            "rank_slices_s": slices,
             "compress_gbps": stats.original_bytes / took / 1e9,
             "decode_gbps_1_thread": decode_rate(packed, 1), f"decode_gbps_{compressed._THREADS}_threads":
             decode_rate(packed, compressed._THREADS),
@@ -317,6 +343,13 @@ def main_compression(args: argparse.Namespace) -> int:
               f"{c[f'decode_gbps_{compressed._THREADS}_threads']:>6.2f}GB/s{c['gsym_s']:>11.2f}"
               f"{r['codec_gsym_s']['c_pairs']:>9.2f}{c['direct_load_s']:>12.3f} s"  # type: ignore[index]
               f"{r['direct_load_s']['compressed']:>7.3f} s")  # type: ignore[index]
+    print("\na tensor-parallel rank's slices of the 2-D tensors, decode seconds (rank 0; rows: only their chunks "
+          "decoded; columns: every chunk):")
+    print(f"{'checkpoint':<22}{'whole':>8}{'rows /2':>9}{'cols /2':>9}{'rows /8':>9}{'cols /8':>9}")
+    for r in rows:
+        sl = r["rank_slices_s"]
+        print(f"{r['label']:<22}{sl['2']['whole']:>8.3f}{sl['2']['rows']:>9.3f}{sl['2']['cols']:>9.3f}"  # type: ignore[index]
+              f"{sl['8']['rows']:>9.3f}{sl['8']['cols']:>9.3f}")  # type: ignore[index]
     print("\nin device memory (engine/model/compressed_weight.py, the Triton matmul's operand): bytes / bfloat16's "
           "over 2-D bf16 matrices, escapes per million weights")
     for r in rows:
