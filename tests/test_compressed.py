@@ -234,3 +234,32 @@ def test_crc32_combine_equals_zlib_over_the_joined_bytes():
     for la, lb in [(0, 5), (7, 0), (1, 1), (1000, 2**21), (2**20 + 3, 77)]:
         a, b = os.urandom(la), os.urandom(lb)
         assert crc32_combine(zlib.crc32(a), zlib.crc32(b), lb) == zlib.crc32(a + b), (la, lb)
+
+
+def test_the_crc_kernel_equals_zlib():
+    """`cpu_ops.c` sf_crc32 (carry-less-multiply folding where built with PCLMULQDQ, a table otherwise), which
+    checks every decoded chunk, against zlib.crc32: lengths around its 16- and 64-byte steps, unaligned
+    starts, a running CRC carried in; the portable build too."""
+    import os
+    import zlib
+
+    from engine.model.kernels import cpu_ops
+
+    lib = cpu_ops.library()
+    if lib is None:
+        pytest.skip("no C compiler: zlib computes every CRC")
+    data = np.frombuffer(os.urandom((1 << 16) + 64), np.uint8)
+    libs = [lib]
+    if lib.sf_has_pclmul():  # (else the native build already is the table path)
+        import tempfile
+        from pathlib import Path
+
+        libs.append(cpu_ops.build(cpu_ops.BASELINE, Path(tempfile.mkdtemp())))
+    for n in (0, 1, 15, 16, 17, 63, 64, 65, 79, 80, 127, 128, 129, 1000, 4097, 1 << 16):
+        for start in (0, 1, 7, 16):
+            part = data[start : start + n]
+            for crc in (0, 0xDEADBEEF):
+                want = zlib.crc32(part, crc)
+                for one in libs:
+                    assert one.sf_crc32(part.ctypes.data, part.size, crc) == want, (n, start, crc)
+    assert compressed.crc32(data) == zlib.crc32(data) and compressed.crc32(data[3:], 5) == zlib.crc32(data[3:], 5)

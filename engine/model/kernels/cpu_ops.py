@@ -113,6 +113,9 @@ def build(arch: tuple[str, ...] = NATIVE, cache_dir: Path | None = None) -> ctyp
     lib.sf_inflate_literals2.restype = ctypes.c_int64
     lib.sf_deflate_literals.argtypes = [_P, ctypes.c_int64, _P, _P, _P, ctypes.c_int64, ctypes.c_int64]
     lib.sf_deflate_literals.restype = ctypes.c_int64
+    lib.sf_crc32.argtypes = [_P, ctypes.c_int64, ctypes.c_uint32]
+    lib.sf_crc32.restype = ctypes.c_uint32
+    lib.sf_has_pclmul.restype = _I
     lib.sf_rans_encode.argtypes = [_P, ctypes.c_int64, _P, _P, _P, ctypes.c_int64, _P, _P]
     lib.sf_rans_encode.restype = ctypes.c_int64
     lib.sf_rans_decode.argtypes = [_P, _P, _P, _P, _P, ctypes.c_int64]
