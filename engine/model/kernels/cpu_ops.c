@@ -1789,7 +1789,7 @@ int64_t sf_rans_decode(const uint32_t *freq, const uint32_t *states, const uint1
             _mm256_storeu_si256((__m256i *)(x + 8 * v), X[v]);
             _mm256_storeu_si256((__m256i *)(p32 + 8 * v), P[v]);
         }
-        for (int j = 0; j < SF_RANS_LANES; j++) p[j] = p32[j];
+        for (int j = 0; j < SF_RANS_LANES; j++) p[j] = p32[j], w[j] = words[p32[j]];
     }
 #endif
     /* Groups of LANES symbols while every lane has a group's worth of words left (a lane reads at most one per
