@@ -222,6 +222,9 @@ def test_splitfire_compress_cli(tmp_path, capsys):
     assert compressed.MANIFEST in {p.name for p in (tmp_path / "z").iterdir()}
     with pytest.raises(ModelLoadError, match="already compressed"):
         compress_dir(tmp_path / "z", tmp_path / "zz")
+    with pytest.raises(ModelLoadError, match="another directory"):
+        compress_dir(src, src / ".")
+    assert main(["compress", str(src), str(src)]) != 0 and "another directory" in capsys.readouterr().err
 
 
 def test_crc32_combine_equals_zlib_over_the_joined_bytes():

@@ -56,6 +56,8 @@ def compress_dir(model_dir: Path, out_dir: Path, chunk: int = CHUNK, progress: b
         raise ValueError(f"coder must be one of {sorted(CODERS)}, got {coder!r}")
     if (model_dir / MANIFEST).is_file():
         raise ModelLoadError(f"{model_dir} is already compressed")
+    if out_dir.resolve() == model_dir.resolve():
+        raise ModelLoadError(f"{out_dir}: write the compressed copy to another directory, not the model's own")
     ckpt = Checkpoint(model_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     for f in model_dir.iterdir():  # config, tokenizer, ...: as they are
