@@ -193,11 +193,11 @@ class Checkpoint:
                 # A row slice is one range of weights: only the chunks holding it are decoded.
                 if rows.stop > t.shape[0]:
                     raise ModelLoadError(f"{t.path}: tensor {name!r} of shape {t.shape} has no rows {rows}")
-                whole = torch.empty((len(rows), *t.shape[1:]), dtype=t.dtype)
-                compressed.decode_range_into(self.model_dir, e, rows.start * width, rows.stop * width, whole,
+                mine = torch.empty((len(rows), *t.shape[1:]), dtype=t.dtype)
+                compressed.decode_range_into(self.model_dir, e, rows.start * width, rows.stop * width, mine,
                                              self.direct)
                 self.unread.discard(name)
-                return whole[:, cols.start : cols.stop].contiguous() if cols is not None else whole
+                return mine[:, cols.start : cols.stop].contiguous() if cols is not None else mine
             whole = torch.empty(t.shape, dtype=t.dtype)  # decoded whole (or handed over), then sliced
             self._read(name, whole)
             part = whole[rows.start : rows.stop] if rows is not None else whole
