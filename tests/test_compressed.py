@@ -33,7 +33,9 @@ def special_bf16(n: int, dtype: torch.dtype) -> torch.Tensor:
 def test_planes_split_and_join_every_16_bit_pattern():
     u = np.arange(1 << 16, dtype=np.uint16)
     for codec in (compressed.CODEC_BF16, compressed.CODEC_F16):
-        plane, exp = compressed.split(u, codec)
+        plane, exp = compressed.split(u, codec)  # the C kernel (when built)
+        want = compressed.split_reference(u, codec)
+        assert np.array_equal(plane, want[0]) and np.array_equal(exp, want[1]), codec
         out, ref = np.empty_like(u), np.empty_like(u)
         compressed.join(plane, exp, codec, out)  # the C kernel (when built)
         compressed.join_reference(plane, exp, codec, ref)
@@ -237,6 +239,15 @@ def test_crc32_combine_equals_zlib_over_the_joined_bytes():
     for la, lb in [(0, 5), (7, 0), (1, 1), (1000, 2**21), (2**20 + 3, 77)]:
         a, b = os.urandom(la), os.urandom(lb)
         assert crc32_combine(zlib.crc32(a), zlib.crc32(b), lb) == zlib.crc32(a + b), (la, lb)
+
+
+def test_byte_counts_equal_numpys():
+    from engine.loading.byte_counts import count_bytes
+
+    rng = np.random.default_rng(3)
+    for data in (np.zeros(0, np.uint8), np.full(7, 200, np.uint8), rng.integers(0, 256, 100_003, dtype=np.uint8),
+                 (rng.standard_normal(70_001) * 3).astype(np.int64).clip(0, 255).astype(np.uint8)):
+        assert np.array_equal(count_bytes(data), np.bincount(data, minlength=256))
 
 
 def test_the_crc_kernel_equals_zlib():

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import shutil
 import zlib
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -17,13 +16,13 @@ import torch
 from common.errors import ModelLoadError
 from engine.loading.checkpoint import DTYPES, Checkpoint
 from engine.loading.compressed import (
-    _THREADS,
     CHUNK,
     CODEC_RAW,
     CODERS,
     FORMAT,
     MANIFEST,
     SMALL_CHUNK,
+    _pool,
     encode_chunk,
     entropy_bits,
     split,
@@ -102,8 +101,10 @@ def compress_dir(model_dir: Path, out_dir: Path, chunk: int = CHUNK, progress: b
             e["plane"] = [start, plane.nbytes]
             written += plane.nbytes
             pieces = [exp[i : i + chunk] for i in range(0, exp.size, chunk)]
-            with ThreadPoolExecutor(_THREADS) as pool:
-                coded = list(pool.map(encode_chunk, pieces, [codec] * len(pieces)))
+            if len(pieces) == 1:  # (a pool's hand-off costs more than a small tensor's encoding)
+                coded = [encode_chunk(pieces[0], codec)]
+            else:
+                coded = list(_pool().map(encode_chunk, pieces, [codec] * len(pieces)))
             e["chunks"] = []
             first = 0  # (each chunk's CRC-32 is of its weights' original bytes: a range decodes and checks alone)
             for streams in coded:

@@ -41,6 +41,7 @@ import torch
 
 from common.errors import ModelLoadError
 from engine.loading import deflate_literals, rans
+from engine.loading.byte_counts import count_bytes
 
 MANIFEST = "splitfire_compressed.json"
 FORMAT = 1
@@ -83,7 +84,21 @@ class Entry:
 
 
 def split(u: np.ndarray, codec: str) -> tuple[np.ndarray, np.ndarray]:
-    """(raw plane, exponent plane) of uint16 bit patterns."""
+    """(raw plane, exponent plane) of uint16 bit patterns: the C kernel (`cpu_ops.c` sf_split16, one pass)
+    where it is built, else `split_reference`; a test holds the two equal over every 16-bit pattern."""
+    from engine.model.kernels import cpu_ops
+
+    lib = cpu_ops.library()
+    if lib is None:
+        return split_reference(u, codec)
+    u = np.ascontiguousarray(u, np.uint16)
+    raw, coded = np.empty(u.size, np.uint8), np.empty(u.size, np.uint8)
+    lib.sf_split16(u.ctypes.data, raw.ctypes.data, coded.ctypes.data, u.size, int(codec in BF16_CODECS))
+    return raw.reshape(u.shape), coded.reshape(u.shape)
+
+
+def split_reference(u: np.ndarray, codec: str) -> tuple[np.ndarray, np.ndarray]:
+    """`split` in numpy (the plain reference)."""
     if codec in BF16_CODECS:
         return (((u >> 8) & 0x80) | (u & 0x7F)).astype(np.uint8), ((u >> 7) & 0xFF).astype(np.uint8)
     return (u & 0xFF).astype(np.uint8), (u >> 8).astype(np.uint8)
@@ -137,7 +152,7 @@ def encode_chunk(exp: np.ndarray, codec: str = CODEC_BF16) -> list[tuple[bytes, 
 
 def entropy_bits(exp: np.ndarray) -> float:
     """Order-0 entropy of the exponent symbols, bits per weight: the bound any per-symbol coder meets."""
-    counts = np.bincount(exp.reshape(-1), minlength=256).astype(np.float64)
+    counts = count_bytes(exp).astype(np.float64)
     p = counts[counts > 0] / counts.sum()
     return float(-(p * np.log2(p)).sum())
 

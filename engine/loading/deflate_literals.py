@@ -19,6 +19,8 @@ import zlib
 
 import numpy as np
 
+from engine.loading.byte_counts import count_bytes
+
 EOB = 256
 _ORDER = (16, 17, 18, 0, 8, 7, 9, 6, 10, 5, 11, 4, 12, 3, 13, 2, 14, 1, 15)
 
@@ -156,8 +158,7 @@ def encode_parts(data: np.ndarray, parts: int) -> list[tuple[bytes, int]]:
             c = zlib.compressobj(9, zlib.DEFLATED, -15, 9, zlib.Z_HUFFMAN_ONLY)
             out.append((c.compress(p.tobytes()) + c.flush(), p.size))
         return out
-    counts = np.bincount(data, minlength=257)
-    counts[EOB] = 1
+    counts = np.append(count_bytes(data), 1)  # (257: the end-of-block symbol once)
     lens = huffman_lengths(counts, 15)
     codes = canonical_codes(lens)
     header = block_header(lens)
@@ -165,7 +166,7 @@ def encode_parts(data: np.ndarray, parts: int) -> list[tuple[bytes, int]]:
     lens8 = lens.astype(np.uint8)
     streams = []
     for p in pieces:
-        cap = len(head) + (int((np.bincount(p, minlength=257) * lens).sum()) + int(lens[EOB]) + 7) // 8 + 8
+        cap = len(head) + (int((count_bytes(p) * lens[:256]).sum()) + int(lens[EOB]) + 7) // 8 + 8
         out = np.zeros(cap, np.uint8)
         out[: len(head)] = np.frombuffer(head, np.uint8)
         n = lib.sf_deflate_literals(p.ctypes.data, p.size, codes.ctypes.data, lens8.ctypes.data, out.ctypes.data,

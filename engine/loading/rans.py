@@ -24,6 +24,8 @@ import struct
 
 import numpy as np
 
+from engine.loading.byte_counts import count_bytes
+
 BITS = 12
 LANES = 32
 L = 1 << 16
@@ -101,7 +103,7 @@ def encode(data: np.ndarray, lib: ctypes.CDLL | None = None) -> bytes:
     data = np.ascontiguousarray(data, np.uint8)
     if lib is None:
         return encode_reference(data)
-    counts = np.bincount(data, minlength=256)
+    counts = count_bytes(data)
     freqs = quantize(counts)
     cum = np.concatenate([[0], np.cumsum(freqs)[:-1]]).astype(np.uint32)
     f32 = freqs.astype(np.uint32)

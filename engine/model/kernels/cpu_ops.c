@@ -1196,6 +1196,46 @@ void sf_join16(const uint8_t *raw, const uint8_t *coded, uint16_t *out, int64_t 
     }
 }
 
+/* sf_join16's inverse (compressed.split): 16-bit patterns into the raw plane (bf16: sign << 7 | mantissa;
+ * float16: the low byte) and the coded plane (bf16: the exponent; float16: the high byte), one pass. */
+void sf_split16(const uint16_t *in, uint8_t *raw, uint8_t *coded, int64_t n, int bf16) {
+    if (bf16) {
+        for (int64_t i = 0; i < n; i++) {
+            uint32_t u = in[i];
+            raw[i] = (uint8_t)(((u >> 8) & 0x80u) | (u & 0x7Fu));
+            coded[i] = (uint8_t)(u >> 7);
+        }
+    } else {
+        for (int64_t i = 0; i < n; i++) {
+            raw[i] = (uint8_t)in[i];
+            coded[i] = (uint8_t)(in[i] >> 8);
+        }
+    }
+}
+
+/* counts[b] += how many of in[0..n) are b: four sub-histograms, so a run of one byte value (an exponent
+ * plane is mostly a few) does not serialize on one counter's store-to-load forwarding. */
+void sf_count_bytes(const uint8_t *in, int64_t n, int64_t *counts) {
+    uint32_t h[4][256];
+    memset(h, 0, sizeof(h));
+    while (n > 0) { /* (in blocks: a uint32 counter cannot overflow within one) */
+        int64_t m = n < (1LL << 30) ? n : (1LL << 30), i = 0;
+        for (; i + 4 <= m; i += 4) {
+            h[0][in[i]]++;
+            h[1][in[i + 1]]++;
+            h[2][in[i + 2]]++;
+            h[3][in[i + 3]]++;
+        }
+        for (; i < m; i++) h[0][in[i]]++;
+        for (int b = 0; b < 256; b++) {
+            counts[b] += (int64_t)h[0][b] + h[1][b] + h[2][b] + h[3][b];
+            h[0][b] = h[1][b] = h[2][b] = h[3][b] = 0;
+        }
+        in += m;
+        n -= m;
+    }
+}
+
 /* One activation row times a bfloat16 matrix held compressed in memory (engine/model/compressed_weight.py's
  * CompressedBF16): y[n] = sum_k x[k] * W[n, k], each weight rebuilt in registers from its sign+mantissa
  * byte (`plane`) and its 4-bit exponent code (in each run of 32 columns, code byte i holds column i low

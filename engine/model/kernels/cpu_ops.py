@@ -107,6 +107,10 @@ def build(arch: tuple[str, ...] = NATIVE, cache_dir: Path | None = None) -> ctyp
     lib.sf_gemv_bf16.restype = None
     lib.sf_join16.argtypes = [_P, _P, _P, ctypes.c_int64, _I]
     lib.sf_join16.restype = None
+    lib.sf_split16.argtypes = [_P, _P, _P, ctypes.c_int64, _I]
+    lib.sf_split16.restype = None
+    lib.sf_count_bytes.argtypes = [_P, ctypes.c_int64, _P]
+    lib.sf_count_bytes.restype = None
     lib.sf_inflate_literals.argtypes = [_P, ctypes.c_int64, _P, ctypes.c_int64]
     lib.sf_inflate_literals.restype = ctypes.c_int64
     lib.sf_inflate_literals2.argtypes = [_P, ctypes.c_int64, _P, ctypes.c_int64] * 2
