@@ -188,9 +188,9 @@ class Checkpoint:
             raise ModelLoadError(f"{t.path}: tensor {name!r} of shape {t.shape} cannot be sliced this way")
         if name in self.compressed:
             e = self.compressed[name]
-            width = t.shape[1] if len(t.shape) == 2 else 1
             if rows is not None and name not in self._ahead and compressed.decodes_ranges(e):
                 # A row slice is one range of weights: only the chunks holding it are decoded.
+                width = t.shape[1] if len(t.shape) == 2 else 1
                 if rows.stop > t.shape[0]:
                     raise ModelLoadError(f"{t.path}: tensor {name!r} of shape {t.shape} has no rows {rows}")
                 mine = torch.empty((len(rows), *t.shape[1:]), dtype=t.dtype)

@@ -32,9 +32,11 @@ import mmap
 import os
 import threading
 import zlib
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -58,6 +60,7 @@ CODERS = {"huffman": {torch.bfloat16: CODEC_BF16, torch.float16: CODEC_F16},
 BF16_CODECS = (CODEC_BF16, CODEC_BF16_RANS)
 RANS_CODECS = (CODEC_BF16_RANS, CODEC_F16_RANS)
 _THREADS = 4
+T = TypeVar("T")
 
 
 @dataclass
@@ -242,15 +245,21 @@ class DataFile:
         self.close()
 
 
-def _layout(e: Entry) -> tuple[int, list[int]]:
-    """(chunks decoded together — a Huffman chunk's two streams are read as a pair —, each chunk's first
-    weight and the end), the entry's shape checked."""
+def _layout(e: Entry) -> tuple[list[list[int]], list[int]]:
+    """(the groups of chunks decoded together — a Huffman chunk's two streams are read as a pair, a rANS
+    chunk alone —, each chunk's first weight and the end), the entry's shape checked."""
     if e.codec not in (CODEC_BF16, CODEC_F16, *RANS_CODECS):
         raise ModelLoadError(f"tensor {e.name!r}: unknown codec {e.codec!r}")
     starts = np.cumsum([0] + [c[2] for c in e.chunks]).tolist()
     if starts[-1] != e.numel or e.plane[1] != e.numel:
         raise ValueError(f"chunks of {starts[-1]} weights and a plane of {e.plane[1]} bytes for {e.numel} weights")
-    return (1 if e.codec in RANS_CODECS else 2), starts
+    step = 1 if e.codec in RANS_CODECS else 2
+    return [list(range(g, min(g + step, len(e.chunks)))) for g in range(0, len(e.chunks), step)], starts
+
+
+def _each(fn: Callable[[list[int]], T], groups: list[list[int]]) -> list[T]:
+    """`fn` over the groups: on the pool when there are several, here when one."""
+    return list(map(fn, groups) if len(groups) <= 1 else _pool().map(fn, groups))
 
 
 def _decode_chunks(f: DataFile, e: Entry, ids: list[int], starts: list[int], dst: np.ndarray) -> list[int]:
@@ -301,16 +310,10 @@ def decode_into(model_dir: Path, e: Entry, out: torch.Tensor, direct: bool = Fal
             if e.codec == CODEC_RAW:
                 dst[:] = np.frombuffer(f.read(*e.plane), np.uint8)
             else:
-                group, starts = _layout(e)
+                groups, starts = _layout(e)
                 u16 = dst.view(np.uint16)
-
-                def one(first: int) -> list[int]:
-                    ids = list(range(first, min(first + group, len(e.chunks))))
-                    return _decode_chunks(f, e, ids, starts, u16[starts[first] :])
-
-                firsts = range(0, len(e.chunks), group)
-                crcs = [c for part in (map(one, firsts) if len(firsts) == 1 else _pool().map(one, firsts))
-                        for c in part]
+                parts = _each(lambda ids: _decode_chunks(f, e, ids, starts, u16[starts[ids[0]] :]), groups)
+                crcs = [c for part in parts for c in part]
                 crc = crcs[0] if crcs else zlib.crc32(b"")
                 for c, chunk_crc in zip(e.chunks[1:], crcs[1:], strict=True):
                     crc = crc32_combine(crc, chunk_crc, 2 * c[2])
@@ -338,13 +341,10 @@ def decode_range_into(model_dir: Path, e: Entry, lo: int, hi: int, out: torch.Te
     dst = out.reshape(-1).view(torch.int16).numpy().view(np.uint16) if out.numel() else np.zeros(0, np.uint16)
     try:
         with DataFile(model_dir / e.file, direct) as f:
-            group, starts = _layout(e)
-            firsts = [g for g in range(0, len(e.chunks), group)
-                      if starts[g] < hi and starts[min(g + group, len(e.chunks))] > lo]
+            groups, starts = _layout(e)
 
-            def one(first: int) -> None:
-                ids = list(range(first, min(first + group, len(e.chunks))))
-                a, b = starts[first], starts[ids[-1] + 1]
+            def one(ids: list[int]) -> None:
+                a, b = starts[ids[0]], starts[ids[-1] + 1]
                 if lo <= a and b <= hi:  # wholly inside: decoded in place
                     _decode_chunks(f, e, ids, starts, dst[a - lo :])
                     return
@@ -353,8 +353,7 @@ def decode_range_into(model_dir: Path, e: Entry, lo: int, hi: int, out: torch.Te
                 x, y = max(a, lo), min(b, hi)
                 dst[x - lo : y - lo] = tmp[x - a : y - a]
 
-            for _ in (map(one, firsts) if len(firsts) <= 1 else _pool().map(one, firsts)):
-                pass
+            _each(one, [ids for ids in groups if starts[ids[0]] < hi and starts[ids[-1] + 1] > lo])
     except (OSError, EOFError, ValueError, zlib.error) as err:
         raise ModelLoadError(f"{model_dir}: compressed tensor {e.name!r} is corrupt ({err})") from err
 

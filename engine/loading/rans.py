@@ -1,4 +1,4 @@
-"""rANS — the other entropy coder `splitfire compress --codec rans` can code an exponent plane with
+"""rANS — the other entropy coder `splitfire compress --coder rans` can code an exponent plane with
 (`compressed.py`; Huffman, as DEFLATE, is the default): order 0, one static frequency table per chunk.
 
 A Huffman code spends a whole number of bits on each symbol; an asymmetric numeral system (Duda's rANS)
