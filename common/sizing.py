@@ -36,10 +36,14 @@ DEVICES = {
     "a100-80gb": Device("A100 80GB SXM", 81920 * 2**20, 2.04e12, 300e9),
     "l40s": Device("L40S 48GB", 46068 * 2**20, 0.864e12, 32e9),  # (no NVLink: PCIe 4.0 x16)
 }
-# Bytes per weight: float formats, FP8 (one byte, block scales), and splitfire's weight-only int8/int4
-# (a float32 scale per 128 / 32 weights, and an int4 minimum).
-WEIGHT_BYTES = {"bfloat16": 2.0, "float16": 2.0, "float32": 4.0, "fp8": 1.0 + 4 / (128 * 128),
+# Bytes per weight as the engine holds them (engine/model/quant.py): float formats; FP8 (one byte, and the
+# checkpoint's block scales kept per row: a float32 per 128 weights); weight-only int8/int4 (a float32 scale
+# per 128 / 32 weights, and an int4 minimum).
+WEIGHT_BYTES = {"bfloat16": 2.0, "float16": 2.0, "float32": 4.0, "fp8": 1.0 + 4 / 128,
                 "int8": 1.0 + 4 / 128, "int4": 0.5 + 8 / 32}
+# The embedding and LM head under each weight format: FP8 checkpoints (and --quantization fp8) keep them in
+# the model dtype, int4 keeps them at int8 (a 4-bit head costs perplexity), others as the matmuls.
+ENDS_FORMAT = {"fp8": None, "int4": "int8"}
 KV_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "fp8": 1}
 # `--compress-weights`: bfloat16 matmul weights held in device memory at this share of their bytes (a 4-bit
 # exponent code + the sign/mantissa byte + rare escapes: 0.752-0.755 measured over normal-init and SmolLM2
@@ -233,7 +237,8 @@ def plan(model: Model, device: Device, layout: Layout, quantization: str | None 
     head = 0 if model.tied else embed  # the last the LM head (the heavier of the two ends is sized)
     ends = embed + head if pp == 1 else max(embed, head)
     squeezed = COMPRESSED_RATIO if compress_weights else 1.0
-    weights = int((attn + dense + ends + experts) * squeezed * wb)
+    efmt = ENDS_FORMAT.get(wfmt, wfmt) or ("bfloat16" if model.dtype == "float32" else model.dtype)
+    weights = int((attn + dense + experts) * squeezed * wb + ends * squeezed * WEIGHT_BYTES[efmt])
     if compress_weights:
         wfmt = "bfloat16, matmuls compressed in memory"
     # Activations: the largest prefill chunk's hidden states and MLP intermediates (a few copies),

@@ -40,7 +40,7 @@ class EngineConfig:
     # Serving on CPU: fewer compute threads while other processes take some of the cores
     # (engine/compute_threads.CoreShare); False: always `threads`.
     adaptive_threads: bool = True
-    quantization: str | None = None  # int8 | int4: quantize a float checkpoint's matmul weights at load
+    quantization: str | None = None  # int8 | int4 | fp8: quantize a float checkpoint's matmul weights at load
     # bfloat16 matmul weights kept losslessly compressed in device memory, decoded per tile by a Triton matmul
     # (engine/model/compressed_weight.py): ~0.75 of the bytes, identical weights.
     compress_weights: bool = False
@@ -98,8 +98,8 @@ class EngineConfig:
         if self.max_prefill_tokens_while_decoding is not None and self.max_prefill_tokens_while_decoding < 0:
             raise ValueError("--max-prefill-tokens-while-decoding must be >= 1, 0 (no cap) or unset (the device's "
                              f"default), got {self.max_prefill_tokens_while_decoding}")
-        if self.quantization not in (None, "int8", "int4"):
-            raise ValueError(f"--quantization must be int8 or int4 (or unset), got {self.quantization!r}")
+        if self.quantization not in (None, "int8", "int4", "fp8"):
+            raise ValueError(f"--quantization must be int8, int4 or fp8 (or unset), got {self.quantization!r}")
         if self.compress_weights:
             from engine.model.kernels import backend
 

@@ -39,7 +39,11 @@ from typing import Any
 
 import torch
 
-KERNEL_MODULES = ("compressed_triton", "quant_triton", "moe_triton", "lora_triton", "mla_triton", "triton_ops")
+KERNEL_MODULES = ("compressed_triton", "quant_triton", "fp8_triton", "moe_triton", "lora_triton", "mla_triton",
+                  "triton_ops")
+# Kernels that need a newer GPU than some --arch asks for: FP8 tensor-core dots from sm_89 (an sm_80 GPU runs
+# FP8 weights through the weight-only kernels instead). Launches of these cases are compiled from this arch up.
+MIN_ARCH = {"fp8_triton": 89}
 # Constexprs that say "not on CUDA" when the wrapper is called with CPU tensors, and their CUDA values.
 CUDA_CONSTEXPRS = {"F32_DOT": False}
 
@@ -229,7 +233,7 @@ def cases() -> list[Case]:
     from engine.model import quant
     from engine.model.compressed_weight import pack
     from engine.model.kernels import compressed_triton as ct
-    from engine.model.kernels import lora_triton, mla_triton, moe_triton, quant_triton, triton_ops
+    from engine.model.kernels import fp8_triton, lora_triton, mla_triton, moe_triton, quant_triton, triton_ops
     from engine.model.moe import route
 
     bf = torch.bfloat16
@@ -269,7 +273,7 @@ def cases() -> list[Case]:
     out.append(Case(f"compressed decode, {decoder} decode", lambda: ct.decompress(w_esc, decode=decoder)))
     out.append(Case("compressed rows (embedding)", lambda: ct.rows(w_esc, torch.tensor([1, 5, 7]))))
 
-    for kind, group in (("int4", 32), ("int4", 64), ("int8", 32), ("int8", 56)):  # (56: per-weight reads)
+    for kind, group in (("int4", 32), ("int4", 64), ("int8", 32), ("int8", 56), ("fp8", 64), ("fp8", 56)):
         qw = quant.quantize(torch.randn(256, 448, generator=g), kind, group)
         methods = ("per_weight",) if not quant_triton.packed_group(group) else ("gemv", "dot", "dequant")
         for method in methods:
@@ -289,7 +293,7 @@ def cases() -> list[Case]:
     weights = weights.to(bf)
     out.append(Case("MoE bf16 experts", lambda: moe_triton.fused_experts(
         x, ids, weights, randn(experts, 2 * inter, hidden), randn(experts, hidden, inter), F.silu)))
-    for kind, group in (("int4", 32), ("int8", 64)):
+    for kind, group in (("int4", 32), ("int8", 64), ("fp8", 128)):
         def stack(n: int, k: int, kind: str = kind, group: int = group) -> Any:
             s = quant.QuantizedStack.of([quant.quantize(torch.randn(n, k, generator=g), kind, group)
                                          for _ in range(experts)])
@@ -301,6 +305,13 @@ def cases() -> list[Case]:
     cgu, cdn = compressed(experts * 2 * inter, hidden, True), compressed(experts * hidden, inter, True)
     out.append(Case("MoE compressed experts", lambda: moe_triton.fused_experts(
         x, ids, weights, cgu, cdn, F.silu, num_experts=experts)))
+
+    w8 = quant.quantize(torch.randn(256, 512, generator=g), "fp8", 128)
+    for rows in (16, 64, 256):
+        def w8a8(rows: int = rows) -> None:
+            fp8_triton.w8a8_gemm(randn(rows, 512), w8.q, w8.scales, w8.group_size, randn(256),
+                                 torch.empty(rows, 256, dtype=bf))
+        out.append(Case(f"FP8 w8a8 {rows} rows", w8a8))
 
     def experts_decoded(decode: str) -> None:
         kept = moe_triton.EXPERTS_DECODE
@@ -418,6 +429,8 @@ def main() -> int:
     results = []
     for arch in (int(v) for v in a.arch.split(",")):
         for launch in launches:
+            if arch < MIN_ARCH.get(launch.module, 0):
+                continue
             r = compile_launch(launch, arch, Path(a.dump) if a.dump else None)
             results.append(r)
             print(f"sm_{arch} {launch.label}: " + (f"{r.registers} registers, {r.local_bytes} B local, "

@@ -156,3 +156,58 @@ def make_gemma3_multimodal(out: Path, seed: int = 0) -> HFModel:
     model.tie_weights()
     model.save_pretrained(out)
     return HFModel("gemma3-multimodal", out, model, json.loads((out / "config.json").read_text()))
+
+
+def write_block_fp8(src: Path, dst: Path, block: int = 128) -> None:
+    """`src` (a float checkpoint) as a fine-grained FP8 checkpoint in the published layout (DeepSeek-V3,
+    Kimi-K2, Qwen3-*-FP8): every decoder-layer projection float8_e4m3fn with a float32 `weight_scale_inv`
+    per `block` x `block` tile (amax / 448; trailing tiles partial), routers, norms, embeddings and the LM
+    head left as they were, and the config's `quantization_config` saying so."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    out = {}
+    for name, w in load_file(dst / "model.safetensors").items():
+        if not (name.endswith(("_proj.weight", "_proj_with_mqa.weight")) and w.ndim == 2 and ".layers." in name):
+            out[name] = w
+            continue
+        r, c = w.shape
+        rb, cb = -(-r // block), -(-c // block)
+        padded = torch.zeros(rb * block, cb * block)
+        padded[:r, :c] = w.float()
+        tiles = padded.view(rb, block, cb, block)
+        scale = tiles.abs().amax(dim=(1, 3)).clamp(min=1e-12) / 448.0
+        codes = (tiles / scale[:, None, :, None]).view(rb * block, cb * block)[:r, :c]
+        out[name] = codes.contiguous().to(torch.float8_e4m3fn)
+        out[name + "_scale_inv"] = scale.float()
+    save_file(out, dst / "model.safetensors", metadata={"format": "pt"})
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                  "weight_block_size": [block, block]}
+    (dst / "config.json").write_text(json.dumps(cfg))
+
+
+def write_dequantized(src: Path, dst: Path) -> None:
+    """A block-FP8 checkpoint `src` dequantized to a plain float32 one (codes x their block's scale):
+    the model the FP8 weights mean, for an engine to compute without any FP8 path."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    br, bc = cfg.pop("quantization_config")["weight_block_size"]
+    tensors = load_file(dst / "model.safetensors")
+    out = {}
+    for name, w in tensors.items():
+        if name.endswith("_scale_inv"):
+            continue
+        if w.dtype == torch.float8_e4m3fn:
+            s = tensors[name + "_scale_inv"]
+            r, c = w.shape
+            w = w.float() * s.repeat_interleave(br, 0)[:r].repeat_interleave(bc, 1)[:, :c]
+        out[name] = w
+    save_file(out, dst / "model.safetensors", metadata={"format": "pt"})
+    (dst / "config.json").write_text(json.dumps(cfg))

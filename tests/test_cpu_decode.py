@@ -1,5 +1,5 @@
 """The decode step's layers in one C call (engine/model/cpu_decode.py) compute exactly what the module
-path computes: same tokens and bit-identical logprobs, for int8 and int4 weights, int8 activations,
+path computes: same tokens and bit-identical logprobs, for int8, int4 and fp8 weights, int8 activations,
 a sliding window, q/k/v biases and tied embeddings; models it cannot run say why and keep the
 module path."""
 
@@ -44,6 +44,7 @@ def _run(model_dir, fused: bool, **kw) -> tuple[dict, object]:
 @pytest.mark.parametrize("family,quantization,activations,kv", [
     ("llama3", "int4", "float", "float32"),
     ("llama3", "int8", "float", "auto"),
+    ("llama3", "fp8", "float", "float32"),
     ("llama3", "int4", "int8", "float32"),
     ("llama3", "int4", "float", "float16"),
     ("mistral", "int4", "float", "float16"),  # sliding window of 12 keys

@@ -243,36 +243,15 @@ def test_multimodal_gemma3_checkpoint_serves_its_text_model(tmp_path):
 
 
 def _write_fp8(src: Path, dst: Path, block: int) -> None:
-    """`src` as a fine-grained FP8 checkpoint (DeepSeek-V3's format): every layer's projection weight
-    float8_e4m3fn with a float32 `weight_scale_inv` per block (amax / 448)."""
-    import json
-    import shutil
+    from hf_models import write_block_fp8
 
-    import torch
-    from safetensors.torch import load_file, save_file
-
-    shutil.copytree(src, dst)
-    out = {}
-    for name, w in load_file(dst / "model.safetensors").items():
-        if not (name.endswith("_proj.weight") and w.ndim == 2 and ".layers." in name):
-            out[name] = w
-            continue
-        r, c = w.shape
-        blocks = w.view(r // block, block, c // block, block)
-        scale = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / 448.0
-        out[name] = (blocks / scale[:, None, :, None]).view(r, c).to(torch.float8_e4m3fn)
-        out[name + "_scale_inv"] = scale.float()
-    save_file(out, dst / "model.safetensors", metadata={"format": "pt"})
-    cfg = json.loads((dst / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                  "weight_block_size": [block, block]}
-    (dst / "config.json").write_text(json.dumps(cfg))
+    write_block_fp8(src, dst, block)
 
 
 @pytest.mark.parametrize("name", ["llama3", "deepseek_v3"])
 def test_fp8_checkpoint_equals_transformers_dequantizing_it(name, tmp_path):
-    """A block-wise FP8 checkpoint (DeepSeek-V3 / Kimi-K2 / Qwen3-FP8 format) is dequantized on load; the
-    oracle is transformers loading the same files (it dequantizes too without an FP8 GPU)."""
+    """A block-wise FP8 checkpoint (DeepSeek-V3 / Kimi-K2 / Qwen3-FP8 format) computes what its files mean;
+    the oracle is transformers loading the same files (it dequantizes them without an FP8 GPU)."""
     pytest.importorskip("accelerate")
     import torch
     import transformers

@@ -1,4 +1,4 @@
-"""Weight-only int8/int4: the kernel equals dequantize-then-matmul, GGUF blocks are read exactly,
+"""Weight-only int8/int4 (and fp8's C kernels): the kernel equals dequantize-then-matmul, GGUF blocks are read exactly,
 and quantized models serve (colocated, disaggregated, from a quantized GGUF)."""
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ needs_kernel = pytest.mark.skipif(cpu_ops.library() is None, reason="no C compil
 
 
 @needs_kernel
-@pytest.mark.parametrize("kind,group", [("int8", 32), ("int8", 64), ("int8", 16), ("int4", 32), ("int4", 64)])
+@pytest.mark.parametrize("kind,group", [("int8", 32), ("int8", 64), ("int8", 16), ("int4", 32), ("int4", 64),
+                                        ("fp8", 64), ("fp8", 8)])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 8, 16, 67])
 def test_kernel_equals_dequantize_then_matmul(kind, group, rows):
     g = torch.Generator().manual_seed(rows * 7 + group)
@@ -35,7 +36,7 @@ def test_kernel_equals_dequantize_then_matmul(kind, group, rows):
 
 
 @needs_kernel
-@pytest.mark.parametrize("kind,group", [("int8", 32), ("int4", 32)])
+@pytest.mark.parametrize("kind,group", [("int8", 32), ("int4", 32), ("fp8", 128)])
 def test_results_do_not_depend_on_the_threads_or_their_schedule(kind, group):
     """Row tiles go to threads `schedule(guided, 1)` (a thread that loses its core leaves its tiles to the
     others): one thread, two, and more threads than cores — tiles, panels and dequantized rows — give the
@@ -57,7 +58,7 @@ def test_results_do_not_depend_on_the_threads_or_their_schedule(kind, group):
 
 
 @needs_kernel
-@pytest.mark.parametrize("kind,group", [("int8", 32), ("int8", 16), ("int4", 32), ("int4", 64)])
+@pytest.mark.parametrize("kind,group", [("int8", 32), ("int8", 16), ("int4", 32), ("int4", 64), ("fp8", 64)])
 def test_panel_gemm_equals_the_tiles_bit_for_bit(kind, group):
     """From PANEL_MIN_ROWS rows the AVX2 build dequantizes panels of 12 weight rows into a buffer and
     multiplies in 3x4 register blocks: the same floats in the same lane order as the tiles, so the
@@ -132,7 +133,7 @@ def test_mixed_format_row_blocks_and_the_large_batch_path():
 @needs_kernel
 def test_kernel_dequantize_equals_torch_reference_bit_for_bit():
     g = torch.Generator().manual_seed(1)
-    for kind, group in (("int8", 32), ("int4", 32), ("int4", 128)):
+    for kind, group in (("int8", 32), ("int4", 32), ("int4", 128), ("fp8", 128), ("fp8", 16)):
         qw = quant.quantize(torch.randn(40, 256, generator=g), kind, group)
         assert torch.equal(qw.dequantize(), qw.dequantize_torch())
         rows = torch.tensor([39, 0, 7, 7])

@@ -200,7 +200,7 @@ def test_fused_experts_match_torch(tokens, top_k, experts):
     torch.testing.assert_close(ours, ref, **TOL)
 
 
-@pytest.mark.parametrize("kind,group", [("int8", 32), ("int4", 32), ("int4", 64)])
+@pytest.mark.parametrize("kind,group", [("int8", 32), ("int4", 32), ("int4", 64), ("fp8", 32)])
 @pytest.mark.parametrize("tokens, top_k, experts", [(1, 2, 8), (9, 4, 6)])
 def test_fused_quantized_experts_match_the_per_expert_loop(kind, group, tokens, top_k, experts):
     """Quantized experts stacked per projection through the same grouped kernel (dequantized in
@@ -300,7 +300,8 @@ def test_engine_on_triton_kernels_equals_transformers(family, overrides, kernel_
 # method None: the kernel's own choice for the rows; split_k None: the device's choice (1 on CPU)
 @pytest.mark.parametrize("method,split_k", [(None, None), ("gemv", None), ("gemv", 4), ("dot", None), ("dot", 4),
                                             ("dequant", None), ("per_weight", None), ("per_weight", 2)])
-@pytest.mark.parametrize("kind,group", [("int8", 32), ("int8", 16), ("int8", 56), ("int4", 32), ("int4", 64)])
+@pytest.mark.parametrize("kind,group", [("int8", 32), ("int8", 16), ("int8", 56), ("int4", 32), ("int4", 64),
+                                        ("fp8", 64), ("fp8", 56)])
 @pytest.mark.parametrize("rows", [1, 5, 33])
 def test_weight_only_gemm_matches_dequantize_then_matmul(kind, group, rows, method, split_k):
     """Every method (one row per program, tensor-core tiles, dequantize then GEMM, per-weight reads)
@@ -594,3 +595,125 @@ def test_adapters_on_the_triton_path_equal_peft(family, tmp_path_factory, monkey
         assert bool(latent) == (family == "deepseek_v3")  # (and the latent decode through its kernel)
     finally:
         kernels.cache_clear()
+
+
+@pytest.mark.parametrize("group", [16, 128])
+def test_fp8_activation_quantization_rounds_as_torch_casts(group):
+    """Per token per group: scale = amax / 448, codes = e4m3(x / scale) rounded to nearest even — bit for
+    bit torch's cast (the interpreter's own cast truncates; the kernel rounds on the e4m3 grid first)."""
+    from engine.model.kernels import fp8_triton
+
+    g = torch.Generator().manual_seed(group)
+    x = (torch.randn(37, 4 * group, generator=g) * torch.exp(torch.randn(37, 1, generator=g) * 2)).to(DEV)
+    x[3] = 0.0  # an all-zero row: the scale floor, codes 0
+    q, s = fp8_triton.quantize_activations(x, group)
+    xf = x.float().view(37, 4, group)
+    want_s = (xf.abs().amax(-1) / 448.0).clamp(min=1e-12)
+    want_q = (xf / want_s.unsqueeze(-1)).clamp(-448, 448).to(torch.float8_e4m3fn).view(37, -1)
+    assert torch.equal(s, want_s)
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+
+
+@pytest.mark.parametrize("rows", [1, 19, 70])
+@pytest.mark.parametrize("group", [32, 128])
+def test_w8a8_gemm_equals_its_reference(rows, group):
+    """FP8 x FP8 with both scales per group (a tile of rows and weight rows, partial at the edges) equals
+    the plain torch computation of the same codes and scales, and is within FP8's rounding of the exact
+    product (the reason it needs the per-group activation scales at all)."""
+    from engine.model import quant
+    from engine.model.kernels import fp8_triton
+
+    g = torch.Generator().manual_seed(rows + group)
+    n, k = 90, 4 * group
+    qw = quant.quantize(torch.randn(n, k, generator=g) * 0.05, "fp8", group).to(DEV)
+    x = torch.randn(rows, k, generator=g).to(DEV)
+    bias = torch.randn(n, generator=g).to(DEV)
+    out = torch.empty(rows, n + 6, device=DEV)[:, 3 : 3 + n]
+    blocks = {} if CUDA else dict(block_m=16, block_n=32, block_k=min(group, 64))
+    fp8_triton.w8a8_gemm(x, qw.q, qw.scales, group, bias, out, **blocks)
+    ref = fp8_triton.w8a8_reference(x, qw.q, qw.scales, group, bias)
+    torch.testing.assert_close(out.float(), ref, atol=1e-4, rtol=1e-4)
+    exact = x.float() @ qw.dequantize_torch().float().T + bias
+    assert (out - exact).abs().max() < 0.05 * exact.abs().max()
+
+
+@ON_CPU_ONLY
+@pytest.mark.parametrize("method", ["weight-only", "w8a8"])
+def test_fp8_checkpoint_on_the_gpu_path(method, tmp_path, monkeypatch):
+    """A block-FP8 checkpoint through the whole engine on the GPU code path (interpreted). Weight-only
+    (every GPU): the CPU path's greedy tokens and logits — e4m3 widens exactly on both. w8a8 (GPUs with
+    FP8 tensor cores; forced here for every step): the greedy tokens and teacher-forced logits (96
+    positions) of the same engine with every FP8 matmul computed by `w8a8_reference` in torch, and
+    logits within e4m3's activation rounding of the exact model's."""
+    from engine_helpers import drain, make_engine
+    from hf_models import make_hf_model, write_block_fp8
+
+    from common.sampling_params import SamplingParams
+    from engine.model.kernels import cpu_ops, fp8_triton, kernels
+    from loadtest.quality import window_hidden
+
+    hf = make_hf_model("llama3", tmp_path / "hf", hidden_size=128, intermediate_size=256, head_dim=32)
+    write_block_fp8(hf.path, tmp_path / "fp8", block=32)
+    prompts = [[(7 * j + 3 * i) % 390 + 3 for j in range(n)] for i, n in enumerate((40, 9))]
+    forced = [(5 * j * j + 11 * j) % 390 + 3 for j in range(97)]
+
+    def run(module_path: bool = False) -> tuple[dict[str, list[int]], torch.Tensor]:
+        engine = make_engine(tmp_path / "fp8", max_num_batched_tokens=128, max_num_seqs=4, cpu_activations="float",
+                             kv_cache_gb=0.02)
+        if module_path:  # (every matmul through quant.linear: not the fused C decode loop)
+            engine.model.cpu_layers_off = "every matmul through quant.linear"
+        for i, p in enumerate(prompts):
+            engine.add_request(str(i), p, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+        tokens = {k: v.token_ids for k, v in drain(engine).items()}
+        with torch.inference_mode():
+            logits = engine.model.logits(window_hidden(engine, forced)[:-1])
+        return tokens, logits
+
+    want, want_logits = run()
+    if method == "w8a8":  # the w8a8 numerics in plain torch on the CPU path: every FP8 matmul by the reference
+        from engine.model import quant
+
+        plain_linear = quant.linear
+
+        def simulated(x, parts, bias, int8_activations=False):
+            if all(p.kind == "fp8" for p in parts):
+                return torch.cat([fp8_triton.w8a8_reference(x, p.q, p.scales, p.group_size) for p in parts],
+                                 -1) + (0 if bias is None else bias)
+            return plain_linear(x, parts, bias, int8_activations)
+
+        with monkeypatch.context() as m:
+            m.setattr(quant, "linear", simulated)
+            sim, sim_logits = run(module_path=True)
+    calls = []
+    gemm = fp8_triton.w8a8_gemm
+    monkeypatch.setattr(fp8_triton, "w8a8_gemm", lambda *a, **kw: calls.append(1) or gemm(*a, **kw))
+    if method == "w8a8":
+        monkeypatch.setattr(fp8_triton, "fp8_tensor_cores", lambda device: True)
+        monkeypatch.setattr(fp8_triton, "W8A8_MIN_ROWS", 1)
+    caches = (kernels, cpu_ops.library, cpu_ops.kv_supported)
+    with monkeypatch.context() as m:
+        m.setenv("SPLITFIRE_KERNELS", "triton")
+        m.setenv("SPLITFIRE_CPU_KERNELS", "0")
+        for c in caches:
+            c.cache_clear()
+        try:
+            got, logits = run()
+        finally:
+            for c in caches:
+                c.cache_clear()
+    if method == "weight-only":
+        assert got == want and not calls
+        torch.testing.assert_close(logits, want_logits, atol=1e-4, rtol=1e-4)
+        return
+    assert calls
+    # The kernels compute the w8a8 numerics exactly as the torch reference does (sums in another order):
+    assert got == sim
+    assert (logits.argmax(-1) == sim_logits.argmax(-1)).float().mean().item() >= 0.99
+    assert (logits - sim_logits).abs().mean() < 1e-3 * sim_logits.std()
+    # ... and those numerics stay near the exact model (e4m3 activations: 3 mantissa bits, ~3.6% rms per
+    # element; this random model's attention is near one-hot, so its logits move more than a trained one's).
+    err = (logits - want_logits).abs()
+    agree = (logits.argmax(-1) == want_logits.argmax(-1)).float().mean().item()
+    print(f"w8a8 vs exact: top-1 agreement {agree:.3f}, mean |logit error| {err.mean():.3f} "
+          f"(logit std {want_logits.std():.3f})")
+    assert err.mean() < 0.2 * want_logits.std()

@@ -143,10 +143,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    choices=["auto", "float32", "float16", "bfloat16"],
                    help="KV cache element type (auto: the model dtype). float16 on CPU halves the memory per cached "
                         "token and the bytes decode attention streams (~1.06-1.10x decode); on CUDA only the model dtype")
-    g.add_argument("--quantization", default=_env("quantization", None), choices=["int8", "int4"],
-                   help="keep matmul weights quantized (weight-only, group-wise; decode moves 4x / 8x fewer bytes "
-                        "than float32): quantizes a float checkpoint at load; a GGUF's Q8_0/Q6_K/Q4_0/Q4_1/Q4_K "
-                        "tensors stay quantized without it")
+    g.add_argument("--quantization", default=_env("quantization", None), choices=["int8", "int4", "fp8"],
+                   help="keep matmul weights quantized (group-wise; decode moves 4x / 8x / 4x fewer bytes "
+                        "than float32): quantizes a float checkpoint at load (fp8: e4m3 with a scale per row per 128 "
+                        "columns); a GGUF's Q8_0/Q6_K/Q4_0/Q4_1/Q4_K tensors and a block-FP8 checkpoint's weights "
+                        "stay as stored without it")
     g.add_argument("--compress-weights", action="store_true",
                    default=_env("compress_weights", "") not in ("", "0"),
                    help="keep bfloat16 matmul weights losslessly compressed in GPU memory (a 4-bit exponent code "

@@ -64,9 +64,10 @@ class _Loader:
     def is_fp8(self, name: str) -> bool:
         return self.ckpt.has(name) and self.ckpt.info(name).dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
 
-    def fp8(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        """float32 `q * scale_inv`, one scale per (rows, cols) block of the config's weight_block_size
-        (trailing blocks may be partial, as DeepSeek's 576-row kv_a_proj_with_mqa)."""
+    def fp8(self, name: str, shape: tuple[int, ...]) -> quant.QuantizedWeight:
+        """An FP8 weight as stored: e4m3 codes and the `weight_scale_inv` of each (rows, cols) block of
+        the config's weight_block_size (trailing blocks may be partial, as DeepSeek's 576-row
+        kv_a_proj_with_mqa), in `quant`'s per-row layout."""
         self._check(name, shape)
         scale_name = name + "_scale_inv"
         if self.fp8_block is None or not self.ckpt.has(scale_name):
@@ -75,15 +76,13 @@ class _Loader:
         if len(shape) != 2:
             raise ModelLoadError(f"{self.ckpt.model_dir}: FP8 tensor {name!r} of shape {shape}: only 2-D FP8 "
                                  "weights are read (stacked FP8 experts are not)")
-        br, bc = self.fp8_block
-        rows, cols = shape
-        scale = self.ckpt.get(scale_name).float()
-        grid = (-(-rows // br), -(-cols // bc))
-        if tuple(scale.shape) != grid:
-            raise ModelLoadError(f"{self.ckpt.model_dir}: {scale_name!r} has shape {tuple(scale.shape)}, a "
-                                 f"{rows}x{cols} weight in {br}x{bc} blocks needs {grid}")
-        full = scale.repeat_interleave(br, 0)[:rows].repeat_interleave(bc, 1)[:, :cols]
-        return self.ckpt.get(name).float() * full
+        if self.ckpt.info(name).dtype != torch.float8_e4m3fn:
+            raise ModelLoadError(f"{self.ckpt.model_dir}: FP8 tensor {name!r} is {self.ckpt.info(name).dtype}; "
+                                 "only e4m3 (float8_e4m3fn) weights are read")
+        try:
+            return quant.from_block_fp8(self.ckpt.get(name), self.ckpt.get(scale_name), self.fp8_block)
+        except ModelLoadError as e:
+            raise ModelLoadError(f"{self.ckpt.model_dir}: tensor {name!r}: {e}") from e
 
     def _check(self, name: str, shape: tuple[int, ...]) -> None:
         found = self.ckpt.shape(name)
@@ -92,10 +91,15 @@ class _Loader:
             raise ModelLoadError(f"{path}: tensor {name!r} has shape {found}, the config implies {tuple(shape)}")
 
     def is_quantized(self, name: str) -> bool:
-        return not self.ckpt.has(name) and self.ckpt.has(name + ".qweight")
+        """Stored in a format kept as stored: `quant`'s int8/int4 layout, or block-FP8."""
+        return (not self.ckpt.has(name) and self.ckpt.has(name + ".qweight")) or self.is_fp8(name)
 
     def quantized(self, name: str, shape: tuple[int, ...], rope_heads: int = 0) -> quant.QuantizedWeight:
-        """Tensor `name` stored quantized (`quant`'s checkpoint layout), rows reordered for RoPE if asked."""
+        """Tensor `name` stored quantized (`quant`'s checkpoint layout or block-FP8), rows reordered for
+        RoPE if asked."""
+        if self.is_fp8(name):
+            qw = self.fp8(name, shape)
+            return qw.map_rows(lambda t: interleave_rope_rows(t, rope_heads)) if rope_heads else qw
         mins = name + ".mins"
         try:
             qw = quant.QuantizedWeight.from_parts(self.ckpt.get(name + ".qweight"), self.ckpt.get(name + ".scales"),
@@ -117,7 +121,10 @@ class _Loader:
             if part is None:
                 return self.quantized(name, shape, rope_heads)
             clip = part.clipped()
-            qw = self.quantized(name, part.full).narrow(clip.rows, clip.cols)
+            try:
+                qw = self.quantized(name, part.full).narrow(clip.rows, clip.cols)
+            except ModelLoadError as e:
+                raise ModelLoadError(f"{self.ckpt.model_dir}: tensor {name!r}: {e}") from e
             qw = _pad_rows(qw, shape[0])
             return qw.map_rows(lambda t: interleave_rope_rows(t, rope_heads)) if rope_heads else qw
         w = torch.empty(shape)
@@ -130,10 +137,6 @@ class _Loader:
         clip = part.clipped()
         if self.is_quantized(name):
             w = self.quantized(name, part.full).narrow(clip.rows, clip.cols).dequantize()
-        elif self.is_fp8(name):
-            w = self.fp8(name, part.full)
-            w = w[clip.rows.start : clip.rows.stop] if clip.rows is not None else w
-            w = w[:, clip.cols.start : clip.cols.stop] if clip.cols is not None else w
         else:
             self._check(name, part.full)
             w = self.ckpt.read_part(name, clip.rows, clip.cols)
@@ -150,10 +153,6 @@ class _Loader:
             return
         if self.is_quantized(name):
             dst.copy_(self.quantized(name, tuple(dst.shape), rope_heads).dequantize())
-            return
-        if self.is_fp8(name):
-            w = self.fp8(name, tuple(dst.shape))
-            dst.copy_(interleave_rope_rows(w, rope_heads) if rope_heads else w)
             return
         self._check(name, tuple(dst.shape))
         self.ckpt.read_into(name, dst)
@@ -469,9 +468,20 @@ def rope_rows_perm(heads: int, head_rows: int, rope: int) -> torch.Tensor:
 
 
 def _permute_rows(lin: Linear, rows: torch.Tensor, p: str) -> None:
-    if lin.quantized is not None:
-        raise ModelLoadError(f"{p}: rope_interleave=false with quantized weights is not implemented")
-    lin.weight.copy_(lin.weight[rows])
+    """Reorder `lin`'s output rows (quantized: codes and scales alike — each row's quantization lives in
+    its own row; row blocks in different formats each within themselves)."""
+    if lin.quantized is None:
+        lin.weight.copy_(lin.weight[rows])
+        return
+    out, start = [], 0
+    for part in lin.quantized:
+        n = part.shape[0]
+        own = rows[start : start + n] - start
+        if not torch.equal(own.sort().values, torch.arange(n)):
+            raise ModelLoadError(f"{p}: a row order across weights stored in different formats")
+        out.append(part.map_rows(lambda t, own=own: t[own.to(t.device)]))
+        start += n
+    lin.quantized = out
 
 
 def _load_moe(load: _Loader, cfg: ModelConfig, moe: MoE, p: str, shard: Shard = ONE) -> None:

@@ -9,7 +9,7 @@ small prompt chunks — go through the same decode attention, one query per row 
 its position (the module path runs those through SDPA: equal up to float rounding).
 
 It applies to plain pre-norm decoders whose every matmul weight is quantized (a GGUF served as
-stored, or `--quantization int8|int4`), in float32 with a float32 or float16 KV cache: Llama,
+stored, a block-FP8 checkpoint, or `--quantization int8|int4|fp8`), in float32 with a float32 or float16 KV cache: Llama,
 Mistral, Qwen2, SmolLM2, for steps of up to 64 rows. Everything else — q/k norms, latent attention, experts,
 Gemma's norms, float weights, longer steps — takes the module path.
 """
@@ -28,10 +28,11 @@ from engine.model.layers import MLP, Linear
 from engine.model.model_config import ModelConfig
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+KINDS = {"int8": 0, "int4": 1, "fp8": 2}  # SfLinear.kind (cpu_ops.c KIND_*)
 
 
 class SfLinear(ctypes.Structure):
-    _fields_ = [("q", _P), ("s", _P), ("mn", _P), ("bias", _P), ("n", _I), ("k", _I), ("gs", _I), ("int4", _I),
+    _fields_ = [("q", _P), ("s", _P), ("mn", _P), ("bias", _P), ("n", _I), ("k", _I), ("gs", _I), ("kind", _I),
                 ("q8x", _I), ("la", _P), ("lb", _P), ("lr", _I), ("lhalf", _I)]
 
 
@@ -117,7 +118,7 @@ class CpuDecodeLayers:
         if lora is not None:
             assert lora.bt is not None and lora.a_c.dtype == lora.bt.dtype in (torch.float32, torch.float16)
         return SfLinear(w.q.data_ptr(), w.scales.data_ptr(), None if w.mins is None else w.mins.data_ptr(),
-                        None if bias is None else bias.data_ptr(), n, k, w.group_size, int(w.kind == "int4"), int(q8x),
+                        None if bias is None else bias.data_ptr(), n, k, w.group_size, KINDS[w.kind], int(q8x),
                         None if lora is None else lora.a_c.data_ptr(),
                         None if lora is None or lora.bt is None else lora.bt.data_ptr(), 0 if lora is None else lora.rank,
                         int(lora is not None and lora.bt is not None and lora.bt.dtype == torch.float16))

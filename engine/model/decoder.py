@@ -334,10 +334,11 @@ class DecoderModel(nn.Module):
         return saved
 
     def quantize(self, kind: str) -> None:
-        """`--quantization int8|int4` on a float checkpoint: every matmul weight quantized round-to-nearest
-        per group of 32 (int4) or up to 128 (int8) weights; the LM head (and, when tied, the
-        embedding with it) at int8 either way. Routers stay float (a flipped expert choice costs
-        more than the bytes save); experts are quantized one by one."""
+        """`--quantization int8|int4|fp8` on a float checkpoint: every matmul weight quantized round-to-nearest
+        per group of 32 (int4) or up to 128 (int8, fp8) weights; under int8/int4 the LM head (and, when
+        tied, the embedding with it) at int8, under fp8 left in the model dtype (as the published FP8
+        checkpoints leave it). Routers stay float (a flipped expert choice costs more than the bytes
+        save); experts are quantized one by one."""
         skip: set[int] = set()
         for m in self.modules():
             if isinstance(m, MoE):
@@ -348,6 +349,8 @@ class DecoderModel(nn.Module):
                 m.set_quantized([quant.quantize(m.weight, kind, self._group_size(name, m, kind))])
             elif isinstance(m, Experts):
                 m.quantize(kind)
+        if kind == "fp8":
+            return
         # (Pipeline parallel: a first stage without the LM head still quantizes a tied embedding the same way.)
         tied_table = self.cfg.tie_word_embeddings and self.embed_quantized is None and self.embed.weight.numel()
         if self.lm_head.quantized is None and (self.lm_head.weight.numel() or tied_table):

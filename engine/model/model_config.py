@@ -194,7 +194,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     checkpoint_prefix: str = ""  # where the text model's tensors live ("language_model." in multimodal ones)
     # Block-wise FP8 checkpoint: matmul weights are float8_e4m3fn with a `weight_scale_inv` per
-    # (rows, cols) block, dequantized on load (`weights._Loader`).
+    # (rows, cols) block, kept FP8 in memory (`quant.from_block_fp8`; `weights._Loader`).
     fp8_weight_block: tuple[int, int] | None = None
 
     @property
@@ -282,8 +282,8 @@ class ModelConfig:
 
 def _fp8_block(q: dict[str, Any], path: Path) -> tuple[int, int]:
     """The (rows, cols) block of a fine-grained FP8 checkpoint: e4m3 weights, dynamic activation scales
-    (activations stay in the model dtype here: the weights are dequantized on load, as transformers does
-    without an FP8 GPU)."""
+    (on an FP8 GPU activations are quantized per token per 128 columns for the w8a8 GEMM; elsewhere the
+    weights widen exactly inside the matmul and activations stay in the model dtype)."""
     if q.get("fmt", "e4m3") != "e4m3":
         raise ModelLoadError(f"{path}: quantization_config.fmt={q.get('fmt')!r} is not supported (only e4m3)")
     if q.get("activation_scheme", "dynamic") != "dynamic":

@@ -5,10 +5,16 @@ Decode streams every weight once per step, so its speed is bytes moved; keeping 
 stay in the model dtype: only matmul weights are quantized, and they are dequantized inside the
 matmul (`kernels/cpu_ops.c` on CPU; elsewhere, or without a C compiler, by torch first).
 
-Formats (both group-wise along K, one scale per `group_size` weights of a row):
+Formats (all group-wise along K, one scale per `group_size` weights of a row):
 - int8: `q` int8 [N, K], w = q * scale                           (GGUF Q8_0 / Q6_K / Q5_0 exactly)
 - int4: `q` uint8 [N, K/2], w = q * scale + min, q in 0..15; each 16 bytes hold 32 weights,
   byte j = w[j] | w[j+16] << 4                                    (GGUF Q4_0 / Q4_1 / Q4_K exactly)
+- fp8:  `q` float8_e4m3fn [N, K], w = q * scale                   (block-FP8 checkpoints exactly:
+  DeepSeek-V3, Kimi-K2, Qwen3-*-FP8 ship e4m3 weights with one `weight_scale_inv` per 128 x 128
+  block; here each row carries its block's scales, [N, K / 128], so any row split is exact and
+  the kernels read one layout for all three formats). An e4m3 code widens to float exactly: the
+  CPU kernels place its bits in a float16 (sign, 4 exponent and 3 mantissa bits at the top of
+  float16's 5 and 10) and multiply by 2^8, the portable C loop and torch read a 256-entry table.
 
 Checkpoint layout (written by the GGUF conversion; also how to ship a pre-quantized model): a
 quantized `X.weight` is stored as `X.weight.qweight` (the codes above), `X.weight.scales` and, for
@@ -19,6 +25,7 @@ tensors' dtypes and shapes.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -28,7 +35,9 @@ import torch.nn.functional as F
 from common.errors import ModelLoadError
 from engine.model.kernels import cpu_ops, kernels
 
-METHODS = ("int8", "int4")
+METHODS = ("int8", "int4", "fp8")
+FP8_MAX = 448.0  # the largest finite float8_e4m3fn
+
 QUANT_METHOD = "splitfire"
 SUFFIXES = (".qweight", ".scales", ".mins")
 # Up to this many rows the C kernels beat dequantizing the whole weight once and one float32 GEMM.
@@ -47,7 +56,7 @@ Q8X_MAX_ROWS = 2
 class QuantizedWeight:
     """One [N, K] matmul weight kept quantized."""
 
-    kind: str  # "int8" | "int4"
+    kind: str  # "int8" | "int4" | "fp8"
     q: torch.Tensor
     scales: torch.Tensor  # float32 [N, K / group_size]
     mins: torch.Tensor | None  # int4 only
@@ -59,6 +68,9 @@ class QuantizedWeight:
         if self.kind not in METHODS:
             raise ModelLoadError(f"unknown quantized format {self.kind!r}")
         step = 32 if self.kind == "int4" else 8
+        dtype = {"int8": torch.int8, "int4": torch.uint8, "fp8": torch.float8_e4m3fn}[self.kind]
+        if self.q.dtype != dtype:
+            raise ModelLoadError(f"{self.kind} weight codes must be {dtype}, got {self.q.dtype}")
         if self.group_size % step or k % self.group_size or tuple(self.scales.shape) != (n, k // self.group_size):
             raise ModelLoadError(f"{self.kind} weight [{n}, {k}]: scales {tuple(self.scales.shape)} do not give a "
                                  f"group size that is a multiple of {step} dividing {k}")
@@ -81,8 +93,11 @@ class QuantizedWeight:
             kind, k = "int8", q.shape[1]
         elif q.dtype == torch.uint8:
             kind, k = "int4", 2 * q.shape[1]
+        elif q.dtype == torch.float8_e4m3fn:
+            kind, k = "fp8", q.shape[1]
         else:
-            raise ModelLoadError(f"quantized codes must be int8 (int8) or uint8 (int4), got {q.dtype}")
+            raise ModelLoadError(f"quantized codes must be int8 (int8), uint8 (int4) or float8_e4m3fn (fp8), "
+                                 f"got {q.dtype}")
         if q.ndim != 2 or scales.ndim != 2 or scales.shape[1] == 0 or k % scales.shape[1]:
             raise ModelLoadError(f"quantized weight codes {tuple(q.shape)} and scales {tuple(scales.shape)} disagree")
         return cls(kind, q.contiguous(), scales.float().contiguous(),
@@ -114,6 +129,8 @@ class QuantizedWeight:
             idx = None if rows is None else rows.to(torch.int64).contiguous()
             if self.kind == "int8":
                 cpu_ops.dequant_i8(self.q, self.scales, self.group_size, idx, out)
+            elif self.kind == "fp8":
+                cpu_ops.dequant_f8(self.q, self.scales, self.group_size, idx, out)
             else:
                 assert self.mins is not None
                 cpu_ops.dequant_i4(self.q, self.scales, self.mins, self.group_size, idx, out)
@@ -127,7 +144,7 @@ class QuantizedWeight:
             q, s = q[rows], s[rows]
             m = None if m is None else m[rows]
         gs = self.group_size
-        if self.kind == "int8":
+        if self.kind in ("int8", "fp8"):  # (torch widens e4m3 exactly)
             w = q.float().view(q.shape[0], -1, gs) * s.unsqueeze(-1)
         else:
             assert m is not None
@@ -154,6 +171,9 @@ class QuantizedWeight:
             elif self.kind == "int8":
                 w_args = (self.q.data_ptr(), self.scales.data_ptr(), n, self.group_size)
                 fn = lib.sf_gemm_i8
+            elif self.kind == "fp8":
+                w_args = (self.q.data_ptr(), self.scales.data_ptr(), n, self.group_size)
+                fn = lib.sf_gemm_f8
             else:
                 w_args = (self.q.data_ptr(), self.scales.data_ptr(), mins, n, self.group_size)
                 fn = lib.sf_gemm_i4
@@ -162,7 +182,8 @@ class QuantizedWeight:
 
     def _q8x_ok(self) -> bool:
         lib = cpu_ops.library()
-        return lib is not None and bool(lib.sf_has_avx2()) and self.shape[1] % 32 == 0 and self.group_size % 32 == 0
+        return (lib is not None and bool(lib.sf_has_avx2()) and self.kind != "fp8" and self.shape[1] % 32 == 0
+                and self.group_size % 32 == 0)
 
     def map_rows(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> QuantizedWeight:
         """`fn` (a reordering of rows, e.g. RoPE's interleave) applied to codes, scales and mins alike:
@@ -193,10 +214,13 @@ def pack_int4(codes: torch.Tensor) -> torch.Tensor:
 
 def quantize(w: torch.Tensor, kind: str, group_size: int) -> QuantizedWeight:
     """Round-to-nearest weight-only quantization of a float [N, K] weight: int8 symmetric per
-    group (absmax / 127), int4 asymmetric per group (min..max over 15 steps)."""
+    group (absmax / 127), int4 asymmetric per group (min..max over 15 steps), fp8 symmetric per
+    group (absmax / 448, `quantize_fp8`)."""
     n, k = w.shape
     if k % group_size:
         raise ModelLoadError(f"cannot quantize a weight with {k} columns in groups of {group_size}")
+    if kind == "fp8":
+        return quantize_fp8(w, group_size)
     g = w.detach().float().reshape(n, k // group_size, group_size)
     if kind == "int8":
         scale = g.abs().amax(-1) / 127.0
@@ -210,10 +234,42 @@ def quantize(w: torch.Tensor, kind: str, group_size: int) -> QuantizedWeight:
     raise ModelLoadError(f"unknown quantization {kind!r} (supported: {', '.join(METHODS)})")
 
 
+def quantize_fp8(w: torch.Tensor, group_size: int) -> QuantizedWeight:
+    """e4m3 codes with one scale per row per `group_size` columns (absmax / 448). The published
+    checkpoints share a scale over 128 x 128 blocks; this layout keeps a scale per row anyway, so a
+    1 x 128 block costs no byte more, rounds each row to its own range, and needs no row alignment
+    when tensor parallel splits rows (each rank quantizes exactly what one device would)."""
+    n, k = w.shape
+    g = w.detach().float().reshape(n, k // group_size, group_size)
+    scale = (g.abs().amax(-1) / FP8_MAX).clamp(min=1e-12)
+    codes = (g / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).reshape(n, k)
+    return QuantizedWeight("fp8", codes.to(torch.float8_e4m3fn).contiguous(), scale.contiguous(), None, group_size)
+
+
+def from_block_fp8(codes: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> QuantizedWeight:
+    """A checkpoint's block-FP8 weight: e4m3 `codes` [N, K] and float32 `scale_inv` [ceil(N / rows),
+    ceil(K / cols)] for `block` = (rows, cols). Column blocks become groups of gcd(K, cols) columns
+    (DeepSeek-V3's 576-column matrices end in a half block), so every layout is kept exactly."""
+    n, k = codes.shape
+    br, bc = block
+    grid = (-(-n // br), -(-k // bc))
+    if tuple(scale_inv.shape) != grid:
+        raise ModelLoadError(f"block scales of shape {tuple(scale_inv.shape)}: a {n}x{k} weight in {br}x{bc} blocks "
+                             f"needs {grid}")
+    group = math.gcd(k, bc)
+    if group % 8:
+        raise ModelLoadError(f"an FP8 weight with {k} columns in blocks of {bc}: groups of {group} columns are not "
+                             "a multiple of 8, which the FP8 kernels read")
+    per_row = scale_inv.float().repeat_interleave(br, 0)[:n]
+    scales = per_row.repeat_interleave(bc // group, 1)[:, : k // group]
+    return QuantizedWeight("fp8", codes.view(torch.float8_e4m3fn).contiguous(), scales.contiguous(), None, group)
+
+
 def group_size_for(k: int, kind: str) -> int:
     """The default group: 32 for int4 (GGUF's Q4 blocks; coarser costs accuracy), 128 for int8
-    (its error is small either way), or the largest power of two from 32 up that divides K."""
-    for g in ((32,) if kind == "int4" else (128, 64, 32)):
+    (its error is small either way) and fp8 (the checkpoints' blocks), or the largest power of two
+    from 32 up (fp8: 8 up) that divides K."""
+    for g in ((32,) if kind == "int4" else (128, 64, 32, 16, 8) if kind == "fp8" else (128, 64, 32)):
         if k % g == 0:
             return g
     raise ModelLoadError(f"cannot quantize a weight with {k} columns: not a multiple of 32")
@@ -257,6 +313,13 @@ class QuantizedStack:
                                 self.group_size) for e in range(self.q.shape[0])]
 
 
+def w8a8_ok(w: QuantizedWeight) -> bool:
+    """Whether the FP8 x FP8 kernel takes this fp8 weight: scale groups a power of two of 16 or more
+    (one tensor-core dot per group)."""
+    g = w.group_size
+    return g >= 16 and g & (g - 1) == 0
+
+
 def kernel_max_rows() -> int:
     """Most rows the C kernels take (0 without them)."""
     lib = cpu_ops.library()
@@ -274,11 +337,15 @@ def linear(x: torch.Tensor, parts: list[QuantizedWeight], bias: torch.Tensor | N
     gpu = kernels("quant_triton", x.device.type)
     if gpu is not None:  # CUDA (or the Triton interpreter in tests): dequantized in registers
         out = torch.empty(rows, sum(p.shape[0] for p in parts), dtype=x.dtype, device=x.device)
+        fp8 = kernels("fp8_triton", x.device.type)
         start = 0
         for p in parts:
             n = p.shape[0]
             b = None if bias is None else bias[start : start + n]
-            gpu.wo_gemm(x, p.kind, p.q, p.scales, p.mins, p.group_size, b, out[:, start : start + n])
+            if p.kind == "fp8" and fp8 is not None and w8a8_ok(p) and fp8.method_for(rows, x.device) == "w8a8":
+                fp8.w8a8_gemm(x, p.q, p.scales, p.group_size, b, out[:, start : start + n])
+            else:
+                gpu.wo_gemm(x, p.kind, p.q, p.scales, p.mins, p.group_size, b, out[:, start : start + n])
             start += n
         return out
     if x.device.type == "cpu" and rows <= kernel_max_rows():

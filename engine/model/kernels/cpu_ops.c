@@ -12,6 +12,9 @@
  *   int8: q int8 [N, K], w[n,k] = q[n,k] * s[n, k/gs]                     (gs % 8 == 0)
  *   int4: q uint8 [N, K/2]; each run of 16 bytes holds 32 weights, byte j = w[j] | w[j+16] << 4
  *         (GGUF Q4_0/Q4_1 order), w[n,k] = q[n,k] * s[n, k/gs] + m[n, k/gs] (gs % 32 == 0)
+ *   fp8:  q float8_e4m3fn bytes [N, K], w[n,k] = e4m3(q[n,k]) * s[n, k/gs]   (gs % 8 == 0)
+ *         The int8 loops run it with `f8` set: a code widens exactly, by the 256-entry table in
+ *         plain C and, with AVX2, by placing its bits in a float16 (F16C) and scaling by 2^8.
  *
  * Threads take a matmul's row tiles `schedule(guided, 1)`, not in two fixed halves: a served worker
  * shares its cores with its own event loop, the router and the clients, and whichever thread loses
@@ -35,10 +38,27 @@
 #endif
 
 #define NR 4      /* weight rows per task */
+#define KIND_I8 0 /* weight formats (SfLinear.kind, gemm_panels) */
+#define KIND_I4 1
+#define KIND_F8 2
 #define MAX_ACC 8 /* accumulators per tile: 4 x 1 or 2 x 4 */
 #define INLINE static inline __attribute__((always_inline))
 
 int sf_has_avx2(void) { return SF_AVX2; }
+
+/* e4m3 (float8_e4m3fn) -> float: bits s.eeee.mmm, bias 7, no infinities, s.1111.111 is NaN. The
+ * table is the reference every FP8 path is held to (tests compare it with torch's own widening). */
+static float f8_table[256];
+__attribute__((constructor)) static void f8_table_init(void) {
+    for (int b = 0; b < 256; b++) {
+        int e = (b >> 3) & 0x0F, m = b & 7;
+        float v = e ? ldexpf(1.0f + (float)m / 8.0f, e - 7) : ldexpf((float)m / 8.0f, -6);
+        if ((b & 0x7F) == 0x7F) v = NAN;
+        f8_table[b] = (b & 0x80) ? -v : v;
+    }
+}
+void sf_f8_table(float *out) { memcpy(out, f8_table, sizeof f8_table); }
+#define F8(q) f8_table[(uint8_t)(q)]
 
 #if SF_AVX2
 static inline float hsum(__m256 v) {
@@ -51,6 +71,20 @@ static inline float hsum(__m256 v) {
 static inline __m256 load_i8(const int8_t *p, __m256 scale) {
     return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p))), scale);
 }
+
+/* 8 e4m3 codes -> 8 floats times `scale256` (the scale times 2^8): the code's sign to float16's sign,
+ * its exponent and mantissa to the low exponent bits and top mantissa bits, so the float16 is the
+ * e4m3 value / 2^8 exactly (subnormals included); the product equals F8(q) * scale bit for bit. */
+static inline __m256 load_f8(const int8_t *p, __m256 scale256) {
+    __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)p));
+    __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8),
+                             _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x7F)), 7));
+    return _mm256_mul_ps(_mm256_cvtph_ps(h), scale256);
+}
+
+/* The int8 loops' weight load: int8 codes, or (f8, a constant at every call site) e4m3 codes. */
+#define LOAD_W(f8, p, sc) ((f8) ? load_f8((p), (sc)) : load_i8((p), (sc)))
+#define W_SCALE(f8, v) ((f8) ? (v) * 256.0f : (v))
 
 /* 32 int4 weights (16 bytes) -> 4 vectors of 8 floats, q * s + m. */
 static inline void load_i4(const uint8_t *p, __m256 s, __m256 m, __m256 out[4]) {
@@ -69,18 +103,18 @@ static inline void load_i4(const uint8_t *p, __m256 s, __m256 m, __m256 out[4]) 
 /* AVX2 tiles. nrt (weight rows) and mrt (activation rows) are constants at every call site, so the
  * accumulators unroll into registers: 16 ymm hold nrt * mrt accumulators, the dequantized weight
  * vectors and the group's scale (and min). Scales are broadcast per group, not kept across groups. */
-INLINE void avx_tile_i8(const float *x, int ldx, int K, const int8_t *q, const float *s, int gs, int n0, int m0,
-                        float *y, int ldy, const int nrt, const int mrt) {
+INLINE void avx_tile_i8(const float *x, int ldx, int K, const int8_t *q, const float *s, int gs, const int f8,
+                        int n0, int m0, float *y, int ldy, const int nrt, const int mrt) {
     int groups = K / gs;
     __m256 acc[MAX_ACC];
     for (int a = 0; a < nrt * mrt; a++) acc[a] = _mm256_setzero_ps();
     for (int g = 0; g < groups; g++) {
         __m256 sc[NR];
-        for (int i = 0; i < nrt; i++) sc[i] = _mm256_broadcast_ss(s + (size_t)(n0 + i) * groups + g);
+        for (int i = 0; i < nrt; i++) sc[i] = _mm256_set1_ps(W_SCALE(f8, s[(size_t)(n0 + i) * groups + g]));
         for (int k = g * gs; k < (g + 1) * gs; k += 8) {
             for (int i = 0; i < nrt; i++) {
                 if ((k & 63) == 0) _mm_prefetch((const char *)(q + (size_t)(n0 + i + NR) * K + k), _MM_HINT_T0);
-                __m256 w = load_i8(q + (size_t)(n0 + i) * K + k, sc[i]);
+                __m256 w = LOAD_W(f8, q + (size_t)(n0 + i) * K + k, sc[i]);
                 for (int r = 0; r < mrt; r++)
                     acc[i * mrt + r] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + (size_t)(m0 + r) * ldx + k), acc[i * mrt + r]);
             }
@@ -174,8 +208,8 @@ INLINE void avx_tile_i4_m1(const float *x, const float *xs, int K, const uint8_t
 #endif
 
 /* Plain C: the fallback without AVX2/FMA and for the last (N % tile) output rows. */
-static void ref_tile_i8(const float *x, int ldx, int K, const int8_t *q, const float *s, int gs, int n0, int nr,
-                        int m0, int mr, float *y, int ldy) {
+static void ref_tile_i8(const float *x, int ldx, int K, const int8_t *q, const float *s, int gs, int f8, int n0,
+                        int nr, int m0, int mr, float *y, int ldy) {
     int groups = K / gs;
     for (int i = 0; i < nr; i++) {
         const int8_t *qr = q + (size_t)(n0 + i) * K;
@@ -185,7 +219,7 @@ static void ref_tile_i8(const float *x, int ldx, int K, const int8_t *q, const f
             float total = 0.f;
             for (int g = 0; g < groups; g++) {
                 float part = 0.f;
-                for (int k = g * gs; k < (g + 1) * gs; k++) part += (float)qr[k] * xr[k];
+                for (int k = g * gs; k < (g + 1) * gs; k++) part += (f8 ? F8(qr[k]) : (float)qr[k]) * xr[k];
                 total += part * sr[g];
             }
             y[(size_t)(m0 + r) * ldy + n0 + i] = total;
@@ -219,15 +253,15 @@ static void ref_tile_i4(const float *x, int ldx, int K, const uint8_t *q, const 
 }
 
 /* Rows n0..n0+nr of W against every activation row. */
-static void rows_i8(const float *x, int ldx, int M, int K, const int8_t *q, const float *s, int gs, int n0, int nr,
-                    float *y, int ldy) {
+INLINE void rows_i8(const float *x, int ldx, int M, int K, const int8_t *q, const float *s, int gs, const int f8,
+                    int n0, int nr, float *y, int ldy) {
 #if SF_AVX2
     if (nr == NR) {
-        AVX_ROWS(avx_tile_i8, x, ldx, K, q, s, gs);
+        AVX_ROWS(avx_tile_i8, x, ldx, K, q, s, gs, f8);
         return;
     }
 #endif
-    ref_tile_i8(x, ldx, K, q, s, gs, n0, nr, 0, M, y, ldy);
+    ref_tile_i8(x, ldx, K, q, s, gs, f8, n0, nr, 0, M, y, ldy);
 }
 
 static void rows_i4(const float *x, const float *xs, int ldx, int M, int K, const uint8_t *q, const float *s,
@@ -256,10 +290,10 @@ static void rows_i4(const float *x, const float *xs, int ldx, int M, int K, cons
 #define PANEL 12
 #define MC 64
 
-INLINE void deq_row_i8(const int8_t *q, const float *s, int K, int gs, float *out) {
+INLINE void deq_row_i8(const int8_t *q, const float *s, int K, int gs, const int f8, float *out) {
     for (int g = 0; g < K / gs; g++) {
-        __m256 sc = _mm256_broadcast_ss(s + g);
-        for (int k = g * gs; k < (g + 1) * gs; k += 8) _mm256_store_ps(out + k, load_i8(q + k, sc));
+        __m256 sc = _mm256_set1_ps(W_SCALE(f8, s[g]));
+        for (int k = g * gs; k < (g + 1) * gs; k += 8) _mm256_store_ps(out + k, LOAD_W(f8, q + k, sc));
     }
 }
 
@@ -317,7 +351,7 @@ static void panel_gemm(const float *x, int ldx, int m0, int m1, int K, const flo
 
 /* Returns 0, or -1 when a thread's panel buffer could not be allocated (the caller then takes the tiles). */
 static int gemm_panels(const float *x, int ldx, int M, int K, const void *q, const float *s, const float *mn, int N,
-                       int gs, int int4, const float *bias, float *y, int ldy, int threads) {
+                       int gs, int kind, const float *bias, float *y, int ldy, int threads) {
     int panels = (N + PANEL - 1) / PANEL, failed = 0, groups = K / gs;
 #pragma omp parallel num_threads(threads)
     {
@@ -333,11 +367,13 @@ static int gemm_panels(const float *x, int ldx, int M, int K, const void *q, con
                     int n0 = p * PANEL, np = N - n0 < PANEL ? N - n0 : PANEL;
                     for (int i = 0; i < np; i++) {
                         size_t n = (size_t)(n0 + i);
-                        if (int4)
+                        if (kind == KIND_I4)
                             deq_row_i4((const uint8_t *)q + n * K / 2, s + n * groups, mn + n * groups, K, gs,
                                        wbuf + (size_t)i * K);
+                        else if (kind == KIND_F8)
+                            deq_row_i8((const int8_t *)q + n * K, s + n * groups, K, gs, 1, wbuf + (size_t)i * K);
                         else
-                            deq_row_i8((const int8_t *)q + n * K, s + n * groups, K, gs, wbuf + (size_t)i * K);
+                            deq_row_i8((const int8_t *)q + n * K, s + n * groups, K, gs, 0, wbuf + (size_t)i * K);
                     }
                     panel_gemm(x, ldx, mc, m1, K, wbuf, np, y, ldy, n0);
                     if (bias)
@@ -357,26 +393,39 @@ void sf_set_panel_min_rows(int rows) { panel_min_rows = rows; }
 
 /* y[m, n] = sum_k x[m, k] * W[n, k] (+ bias[n]); x rows ldx apart, y rows ldy apart.
  * Work is split over output rows, so each thread streams its own slice of W once. */
-void sf_gemm_i8(const float *x, int ldx, int M, int K, const int8_t *q, const float *s, int N, int gs,
-                const float *bias, float *y, int ldy, int threads) {
+INLINE void gemm_i8(const float *x, int ldx, int M, int K, const int8_t *q, const float *s, int N, int gs,
+                    const float *bias, float *y, int ldy, int threads, const int f8) {
 #if SF_AVX2
-    if (M >= panel_min_rows && gemm_panels(x, ldx, M, K, q, s, NULL, N, gs, 0, bias, y, ldy, threads) == 0) return;
+    if (M >= panel_min_rows &&
+        gemm_panels(x, ldx, M, K, q, s, NULL, N, gs, f8 ? KIND_F8 : KIND_I8, bias, y, ldy, threads) == 0)
+        return;
 #endif
     int tiles = (N + NR - 1) / NR;
 #pragma omp parallel for num_threads(threads) schedule(guided, 1)
     for (int t = 0; t < tiles; t++) {
         int n0 = t * NR, nr = N - n0 < NR ? N - n0 : NR;
-        rows_i8(x, ldx, M, K, q, s, gs, n0, nr, y, ldy);
+        rows_i8(x, ldx, M, K, q, s, gs, f8, n0, nr, y, ldy);
         if (bias)
             for (int m = 0; m < M; m++)
                 for (int i = 0; i < nr; i++) y[(size_t)m * ldy + n0 + i] += bias[n0 + i];
     }
 }
 
+void sf_gemm_i8(const float *x, int ldx, int M, int K, const int8_t *q, const float *s, int N, int gs,
+                const float *bias, float *y, int ldy, int threads) {
+    gemm_i8(x, ldx, M, K, q, s, N, gs, bias, y, ldy, threads, 0);
+}
+
+/* q: float8_e4m3fn codes [N, K] (see the layouts above). */
+void sf_gemm_f8(const float *x, int ldx, int M, int K, const uint8_t *q, const float *s, int N, int gs,
+                const float *bias, float *y, int ldy, int threads) {
+    gemm_i8(x, ldx, M, K, (const int8_t *)q, s, N, gs, bias, y, ldy, threads, 1);
+}
+
 void sf_gemm_i4(const float *x, int ldx, int M, int K, const uint8_t *q, const float *s, const float *mn, int N,
                 int gs, const float *bias, float *y, int ldy, int threads) {
 #if SF_AVX2
-    if (M >= panel_min_rows && gemm_panels(x, ldx, M, K, q, s, mn, N, gs, 1, bias, y, ldy, threads) == 0) return;
+    if (M >= panel_min_rows && gemm_panels(x, ldx, M, K, q, s, mn, N, gs, KIND_I4, bias, y, ldy, threads) == 0) return;
 #endif
     int tiles = (N + NR - 1) / NR;
     float xs_buf[1024], *xs = NULL; /* per-group sums of a single activation row (K <= 32768) */
@@ -415,6 +464,23 @@ void sf_dequant_i8(const int8_t *q, const float *s, int N, int K, int gs, const 
             const int8_t *qg = qr + (size_t)g * gs;
             float *og = o + (size_t)g * gs;
             for (int j = 0; j < gs; j++) og[j] = (float)qg[j] * sc;
+        }
+    }
+}
+
+void sf_dequant_f8(const uint8_t *q, const float *s, int N, int K, int gs, const int64_t *rows, int nrows,
+                   float *out, int threads) {
+    int groups = K / gs;
+    (void)N;
+#pragma omp parallel for num_threads(threads) schedule(guided, 1)
+    for (int i = 0; i < nrows; i++) {
+        int64_t n = rows ? rows[i] : i;
+        const uint8_t *qr = q + (size_t)n * K;
+        const float *sr = s + (size_t)n * groups;
+        float *o = out + (size_t)i * K;
+        for (int g = 0; g < groups; g++) {
+            float sc = sr[g];
+            for (int j = g * gs; j < (g + 1) * gs; j++) o[j] = f8_table[qr[j]] * sc;
         }
     }
 }
@@ -953,7 +1019,7 @@ int sf_gemm_q8x(const float *x, int ldx, int M, int K, const void *q, const floa
         } else if (int4) {
             ref_tile_i4(x, ldx, K, (const uint8_t *)q, s, mn, gs, n0, nr, 0, M, y, ldy);
         } else {
-            ref_tile_i8(x, ldx, K, (const int8_t *)q, s, gs, n0, nr, 0, M, y, ldy);
+            ref_tile_i8(x, ldx, K, (const int8_t *)q, s, gs, 0, n0, nr, 0, M, y, ldy);
         }
         if (bias)
             for (int m = 0; m < M; m++)
@@ -974,12 +1040,12 @@ int sf_gemm_q8x(const float *x, int ldx, int M, int K, const void *q, const floa
  * of a 16 ms step, measured). For plain pre-norm layers only: fused q|k|v and gate|up weights
  * quantized in one part each, float32 activations and KV cache, RMSNorm, SiLU, RoPE on q and k. */
 typedef struct {
-    const void *q;      /* codes: int8 [N, K] or packed int4 [N, K/2] */
+    const void *q;      /* codes: int8 [N, K], packed int4 [N, K/2] or e4m3 [N, K] */
     const float *s;     /* [N, K/gs] */
     const float *mn;    /* int4 mins [N, K/gs], else NULL */
     const float *bias;  /* [N] or NULL */
     int n, k, gs;
-    int int4;           /* 0: int8 codes, 1: int4 */
+    int kind;           /* KIND_I8, KIND_I4 or KIND_F8 */
     int q8x;            /* int8-rounded activations allowed (at most `q8x_rows` rows) */
     const void *la;     /* LoRA adapters' A stacked by slot [S, lr, K], or NULL (lora.LoRAWeights) */
     const void *lb;     /* ... their B (scale folded in), transposed: [S, lr, N] */
@@ -1002,12 +1068,15 @@ typedef struct {
 } SfDims;
 
 static int sf_linear(const SfLinear *w, const float *x, int M, float *y, int q8x_rows, int threads) {
-    if (w->q8x && M <= q8x_rows) {
-        int rc = sf_gemm_q8x(x, w->k, M, w->k, w->q, w->s, w->mn, w->n, w->gs, w->int4, w->bias, y, w->n, threads);
+    if (w->q8x && w->kind != KIND_F8 && M <= q8x_rows) {
+        int rc = sf_gemm_q8x(x, w->k, M, w->k, w->q, w->s, w->mn, w->n, w->gs, w->kind == KIND_I4, w->bias, y, w->n,
+                             threads);
         if (rc <= 0) return rc;
     }
-    if (w->int4)
+    if (w->kind == KIND_I4)
         sf_gemm_i4(x, w->k, M, w->k, (const uint8_t *)w->q, w->s, w->mn, w->n, w->gs, w->bias, y, w->n, threads);
+    else if (w->kind == KIND_F8)
+        sf_gemm_f8(x, w->k, M, w->k, (const uint8_t *)w->q, w->s, w->n, w->gs, w->bias, y, w->n, threads);
     else
         sf_gemm_i8(x, w->k, M, w->k, (const int8_t *)w->q, w->s, w->n, w->gs, w->bias, y, w->n, threads);
     return 0;

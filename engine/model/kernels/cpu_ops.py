@@ -87,7 +87,10 @@ def build(arch: tuple[str, ...] = NATIVE, cache_dir: Path | None = None) -> ctyp
     lib = ctypes.CDLL(str(out))
     lib.sf_gemm_i8.argtypes = [_P, _I, _I, _I, _P, _P, _I, _I, _P, _P, _I, _I]
     lib.sf_gemm_i4.argtypes = [_P, _I, _I, _I, _P, _P, _P, _I, _I, _P, _P, _I, _I]
+    lib.sf_gemm_f8.argtypes = [_P, _I, _I, _I, _P, _P, _I, _I, _P, _P, _I, _I]
     lib.sf_dequant_i8.argtypes = [_P, _P, _I, _I, _I, _P, _I, _P, _I]
+    lib.sf_dequant_f8.argtypes = [_P, _P, _I, _I, _I, _P, _I, _P, _I]
+    lib.sf_f8_table.argtypes = [_P]
     lib.sf_dequant_i4.argtypes = [_P, _P, _P, _I, _I, _I, _P, _I, _P, _I]
     lib.sf_gemm_q8x.argtypes = [_P, _I, _I, _I, _P, _P, _P, _I, _I, _I, _P, _P, _I, _I]
     lib.sf_gemm_q8x.restype = _I
@@ -98,7 +101,8 @@ def build(arch: tuple[str, ...] = NATIVE, cache_dir: Path | None = None) -> ctyp
     lib.sf_silu_mul.argtypes = [_P, _P, _I, _I]
     lib.sf_silu_mul_ref.argtypes = [_P, _P, _I, _I]
     lib.sf_paged_decode.restype = _I
-    for f in (lib.sf_gemm_i8, lib.sf_gemm_i4, lib.sf_dequant_i8, lib.sf_dequant_i4, lib.sf_add_rmsnorm,
+    for f in (lib.sf_gemm_i8, lib.sf_gemm_i4, lib.sf_gemm_f8, lib.sf_dequant_i8, lib.sf_dequant_f8, lib.sf_f8_table,
+              lib.sf_dequant_i4, lib.sf_add_rmsnorm,
               lib.sf_silu_mul, lib.sf_silu_mul_ref):
         f.restype = None
     lib.sf_gemv_cbf16.argtypes = [_P, _I, _P, _P, _I, _I, _P, _P, _P, _I, _P, _I]
@@ -168,6 +172,24 @@ def dequant_i8(q: torch.Tensor, s: torch.Tensor, gs: int, rows: torch.Tensor | N
     n, k = q.shape
     nrows = n if rows is None else rows.numel()
     lib.sf_dequant_i8(_ptr(q), _ptr(s), n, k, gs, _ptr(rows), nrows, _ptr(out), torch.get_num_threads())
+
+
+def dequant_f8(q: torch.Tensor, s: torch.Tensor, gs: int, rows: torch.Tensor | None, out: torch.Tensor) -> None:
+    """float32 rows of an fp8 weight (`quant`'s layout: e4m3 codes [N, K], scales [N, K / gs])."""
+    lib = library()
+    assert lib is not None
+    n, k = q.shape
+    nrows = n if rows is None else rows.numel()
+    lib.sf_dequant_f8(_ptr(q), _ptr(s), n, k, gs, _ptr(rows), nrows, _ptr(out), torch.get_num_threads())
+
+
+def f8_table(lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """The C kernels' e4m3 -> float table (256 floats), to hold against torch's own widening."""
+    lib = lib or library()
+    assert lib is not None
+    out = torch.empty(256, dtype=torch.float32)
+    lib.sf_f8_table(out.data_ptr())
+    return out
 
 
 def dequant_i4(q: torch.Tensor, s: torch.Tensor, mn: torch.Tensor, gs: int, rows: torch.Tensor | None,

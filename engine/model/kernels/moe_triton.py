@@ -77,13 +77,13 @@ def _grouped_gemm_kernel(
     GATHER: tl.constexpr, HAS_SCALE: tl.constexpr, QUANT: tl.constexpr, GROUP: tl.constexpr, INT4: tl.constexpr,
     PACKED: tl.constexpr, COMPRESSED: tl.constexpr, ESCAPES: tl.constexpr, F32_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ESC_CHUNK: tl.constexpr,
-    FAST: tl.constexpr = False,
+    FAST: tl.constexpr = False, FP8: tl.constexpr = False,
 ):
     """C[slot] = A[row(slot)] @ W[expert(tile)]^T (* scale[slot]) for one BLOCK_M x BLOCK_N tile.
     rows[slot] < 0 marks padding. GATHER: A's row is rows[slot]; else A is already in slot order.
     QUANT: W is quantized (codes at w_ptr, per-group scales/mins at s_ptr/m_ptr, `stride_se` apart
     per expert), dequantized in registers by `quant_triton.dequant_halves` (PACKED: a power-of-two group)
-    or `dequant_tile`. COMPRESSED: W is a `CompressedStack` (sign+mantissa planes at w_ptr, exponent codes
+    or `dequant_tile` (FP8: e4m3 codes, widened exactly). COMPRESSED: W is a `CompressedStack` (sign+mantissa planes at w_ptr, exponent codes
     at codes_ptr; expert e's rows e*N ..), decoded in registers as `compressed_triton` does, C float32,
     and the tile's escaped weights added after it is stored (atomic adds, scaled as the tile was); FAST:
     by the fast decode (`compressed_triton._weights_scaled`: the sums scaled back, the escapes' stand-ins
@@ -114,7 +114,7 @@ def _grouped_gemm_kernel(
             else:  # (bf16 tensor cores on CUDA)
                 w_a, k_a, w_b, k_b = dequant_halves(w_ptr + e * stride_we, s_ptr + e * stride_se,
                                                     m_ptr + e * stride_se, n, k0 * BLOCK_K, N, K, groups, GROUP,
-                                                    INT4, BLOCK_N, BLOCK_K)
+                                                    INT4, BLOCK_N, BLOCK_K, FP8)
             a_a = tl.load(a_ptr + a_rows[:, None] * stride_am + k_a[None, :],
                           mask=valid[:, None] & (k_a[None, :] < K), other=0.0)
             a_b = tl.load(a_ptr + a_rows[:, None] * stride_am + k_b[None, :],
@@ -125,7 +125,7 @@ def _grouped_gemm_kernel(
             a = tl.load(a_ptr + a_rows[:, None] * stride_am + k[None, :], mask=valid[:, None] & (k[None, :] < K),
                         other=0.0)
             w = dequant_tile(w_ptr + e * stride_we, s_ptr + e * stride_se, m_ptr + e * stride_se, n, k, N, K,
-                             groups, GROUP, INT4)
+                             groups, GROUP, INT4, FP8)
             acc += _dot(a, tl.trans(w.to(a.dtype)), F32_DOT)
         else:
             a = tl.load(a_ptr + a_rows[:, None] * stride_am + k[None, :], mask=valid[:, None] & (k[None, :] < K),
@@ -238,9 +238,11 @@ def _gemm(a: torch.Tensor, w: torch.Tensor | QuantizedStack | CompressedStack, r
     elif not isinstance(w, torch.Tensor):
         n, k = w.scales.shape[1], w.q.shape[2] * (2 if w.kind == "int4" else 1)
         groups = w.scales.shape[2]
-        ptrs = (w.q, w.scales, w.mins if w.mins is not None else w.scales)
+        codes = w.q.view(torch.uint8) if w.kind == "fp8" else w.q  # (e4m3 bytes, widened in the kernel)
+        ptrs = (codes, w.scales, w.mins if w.mins is not None else w.scales)
         strides = (w.q.stride(0), 0, 0, w.scales.stride(0))
-        quant = dict(QUANT=True, GROUP=w.group_size, INT4=w.kind == "int4", PACKED=packed_group(w.group_size))
+        quant = dict(QUANT=True, GROUP=w.group_size, INT4=w.kind == "int4", PACKED=packed_group(w.group_size),
+                     FP8=w.kind == "fp8")
     else:
         n, k, groups = w.shape[1], w.shape[2], 1
         ptrs = (w, w, w)  # (no scales or mins)

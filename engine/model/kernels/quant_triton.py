@@ -7,7 +7,10 @@ scale (and min) once per run of columns sharing it; `dequant_tile`, the first ve
 scale and a min per weight and each int4 byte twice (on an H200 it ran Llama-3-8B's int4 decode
 step at 172 ms, 30x the bfloat16 step) and remains only for group sizes that are not a power of two. int4 codes are in
 `engine.model.quant`'s run layout: weight k of a row lives in byte (k // 32) * 16 + k % 16, low nibble
-for k % 32 < 16, high otherwise. Tested on CPU with the Triton interpreter against
+for k % 32 < 16, high otherwise. fp8 codes (e4m3) are read as the int8 path reads its bytes and widened
+exactly by `e4m3_to_float` (bit placement into a float16, on any GPU: no FP8 instructions needed), so an
+FP8 checkpoint moves half of bfloat16's bytes on every GPU; where the GPU has FP8 tensor cores,
+`fp8_triton` multiplies FP8 by FP8 instead. Tested on CPU with the Triton interpreter against
 `QuantizedWeight.dequantize_torch` (tests/test_triton_kernels.py).
 """
 
@@ -23,7 +26,26 @@ from engine.model.kernels.triton_ops import splits_to_fill
 
 
 @triton.jit
-def dequant_tile(q_ptr, s_ptr, m_ptr, rn, kk, N, K, groups, GROUP: tl.constexpr, INT4: tl.constexpr):
+def e4m3_to_float(code):
+    """e4m3 bytes (any integer type) -> float32, exactly: sign, exponent and mantissa placed in a float16
+    (e4m3's bias 7 against float16's 15 leaves the value / 2^8, subnormals included), then x 2^8. The
+    NaN pattern reads as +-480 (checkpoints hold none)."""
+    b = code.to(tl.uint16) & 0xFF
+    h = ((b & 0x80) << 8) | ((b & 0x7F) << 7)
+    return h.to(tl.float16, bitcast=True).to(tl.float32) * 256.0
+
+
+@triton.jit
+def widen(code, FP8: tl.constexpr):
+    """int8 codes or (FP8) e4m3 codes as float32."""
+    if FP8:
+        return e4m3_to_float(code)
+    return code.to(tl.float32)
+
+
+@triton.jit
+def dequant_tile(q_ptr, s_ptr, m_ptr, rn, kk, N, K, groups, GROUP: tl.constexpr, INT4: tl.constexpr,
+                 FP8: tl.constexpr = False):
     """float32 weights [len(rn), len(kk)] of rows `rn`, columns `kk` of one quantized [N, K] matrix
     (codes at q_ptr, row-major; per-group scales and mins [N, groups]); 0 outside N x K. Shared with
     the grouped-expert kernel (`moe_triton`), which points it at one expert's matrices."""
@@ -37,13 +59,13 @@ def dequant_tile(q_ptr, s_ptr, m_ptr, rn, kk, N, K, groups, GROUP: tl.constexpr,
         mn = tl.load(m_ptr + rn[:, None] * groups + g[None, :], mask=wmask, other=0.0)
         return code.to(tl.float32) * scale + mn
     code = tl.load(q_ptr + rn[:, None] * K + kk[None, :], mask=wmask, other=0)
-    return code.to(tl.float32) * scale
+    return widen(code, FP8) * scale
 
 
 @triton.jit
 def dequant_halves(q_ptr, s_ptr, m_ptr, rn, k0, N, K, groups,
                    GROUP: tl.constexpr, INT4: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr):
+                   BLOCK_K: tl.constexpr, FP8: tl.constexpr = False):
     """The tile of rows `rn`, columns k0 .. k0 + BLOCK_K of one quantized [N, K] matrix, as two float32
     halves [BLOCK_N, BLOCK_K / 2] and their columns: (w_a, k_a, w_b, k_b); 0 outside N x K. Codes
     are read once each, contiguously (int4: the tile's bytes, low nibbles giving one half and high
@@ -84,8 +106,8 @@ def dequant_halves(q_ptr, s_ptr, m_ptr, rn, k0, N, K, groups,
                   other=0.0)[:, :, None]
     s_b = tl.load(s_ptr + rn[:, None] * groups + (seg_b // GROUP)[None, :], mask=rows & (seg_b[None, :] < K),
                   other=0.0)[:, :, None]
-    w_a = tl.reshape(tl.reshape(c_a.to(tl.float32), (BLOCK_N, NSEG, SEG)) * s_a, (BLOCK_N, HALF))
-    w_b = tl.reshape(tl.reshape(c_b.to(tl.float32), (BLOCK_N, NSEG, SEG)) * s_b, (BLOCK_N, HALF))
+    w_a = tl.reshape(tl.reshape(widen(c_a, FP8), (BLOCK_N, NSEG, SEG)) * s_a, (BLOCK_N, HALF))
+    w_b = tl.reshape(tl.reshape(widen(c_b, FP8), (BLOCK_N, NSEG, SEG)) * s_b, (BLOCK_N, HALF))
     return w_a, k_a, w_b, k_b
 
 
@@ -101,6 +123,7 @@ def _wo_gemm_kernel(
     M, N, K, stride_xm, stride_ym, groups,
     GROUP: tl.constexpr, INT4: tl.constexpr, HAS_BIAS: tl.constexpr, PACKED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    FP8: tl.constexpr = False,
 ):
     """SPLIT_K > 1: program (m, n, s) covers the s-th share of K and writes its float32 partial sums
     to `part` [SPLIT_K, M, N] (the caller sums them): a few rows (decode) then still fill the GPU."""
@@ -118,7 +141,7 @@ def _wo_gemm_kernel(
         # Dequantized in float32, multiplied in the activations' dtype (bfloat16 tensor cores on CUDA).
         if PACKED:
             w_a, k_a, w_b, k_b = dequant_halves(q_ptr, s_ptr, m_ptr, rn, k0, N, K, groups, GROUP, INT4, BLOCK_N,
-                                                BLOCK_K)
+                                                BLOCK_K, FP8)
             x_a = tl.load(x_ptr + rm[:, None] * stride_xm + k_a[None, :], mask=rows & (k_a[None, :] < K), other=0.0)
             x_b = tl.load(x_ptr + rm[:, None] * stride_xm + k_b[None, :], mask=rows & (k_b[None, :] < K), other=0.0)
             acc += tl.dot(x_a, tl.trans(w_a.to(x_a.dtype)))
@@ -126,7 +149,7 @@ def _wo_gemm_kernel(
         else:
             kk = k0 + rk
             x = tl.load(x_ptr + rm[:, None] * stride_xm + kk[None, :], mask=rows & (kk[None, :] < K), other=0.0)
-            w = dequant_tile(q_ptr, s_ptr, m_ptr, rn, kk, N, K, groups, GROUP, INT4).to(x.dtype)
+            w = dequant_tile(q_ptr, s_ptr, m_ptr, rn, kk, N, K, groups, GROUP, INT4, FP8).to(x.dtype)
             acc += tl.dot(x, tl.trans(w))
     mask = (rm[:, None] < M) & (rn[None, :] < N)
     if SPLIT_K == 1:
@@ -142,7 +165,7 @@ def _wo_gemv_kernel(
     x_ptr, q_ptr, s_ptr, m_ptr, bias_ptr, y_ptr, part_ptr,
     M, N, K, stride_xm, stride_ym, groups,
     GROUP: tl.constexpr, INT4: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, FP8: tl.constexpr = False,
 ):
     """One activation row per program (a decode step of one or two sequences): products summed in
     float32 registers shaped like the weight tile, no tensor-core dot (a single row would use a
@@ -156,7 +179,7 @@ def _wo_gemv_kernel(
     k_start = pid_k * k_per
     for k0 in range(k_start, tl.minimum(k_start + k_per, K), BLOCK_K):
         w_a, k_a, w_b, k_b = dequant_halves(q_ptr, s_ptr, m_ptr, rn, k0, N, K, groups, GROUP, INT4, BLOCK_N,
-                                            BLOCK_K)
+                                            BLOCK_K, FP8)
         x_a = tl.load(x_ptr + row * stride_xm + k_a, mask=k_a < K, other=0.0).to(tl.float32)
         x_b = tl.load(x_ptr + row * stride_xm + k_b, mask=k_b < K, other=0.0).to(tl.float32)
         acc += w_a * x_a[None, :] + w_b * x_b[None, :]
@@ -171,13 +194,14 @@ def _wo_gemv_kernel(
 
 @triton.jit
 def _dequant_kernel(q_ptr, s_ptr, m_ptr, w_ptr, N, K, groups,
-                    GROUP: tl.constexpr, INT4: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                    GROUP: tl.constexpr, INT4: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    FP8: tl.constexpr = False):
     """w [N, K] (the output's dtype) = the quantized matrix dequantized, one BLOCK_N x BLOCK_K tile per
     program: for many rows (prefill), where one dequantization then the vendor GEMM beats
     dequantizing inside every row tile's program."""
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     w_a, k_a, w_b, k_b = dequant_halves(q_ptr, s_ptr, m_ptr, rn, tl.program_id(1) * BLOCK_K, N, K, groups, GROUP,
-                                        INT4, BLOCK_N, BLOCK_K)
+                                        INT4, BLOCK_N, BLOCK_K, FP8)
     rows = rn[:, None] < N
     tl.store(w_ptr + rn[:, None] * K + k_a[None, :], w_a.to(w_ptr.dtype.element_ty), mask=rows & (k_a[None, :] < K))
     tl.store(w_ptr + rn[:, None] * K + k_b[None, :], w_b.to(w_ptr.dtype.element_ty), mask=rows & (k_b[None, :] < K))
@@ -252,12 +276,14 @@ def wo_gemm(x: torch.Tensor, kind: str, q: torch.Tensor, scales: torch.Tensor, m
         raise ValueError(f"group size {group_size} is not a power of two: only per_weight reads take it")
     t = tiles or tiles_for(m, how)
     minp = mins if mins is not None else scales
-    int4 = kind == "int4"
+    int4, fp8 = kind == "int4", kind == "fp8"
+    if fp8:
+        q = q.view(torch.uint8)  # (the bytes; `e4m3_to_float` widens them)
     if how == "dequant":
         w = torch.empty(n, k, dtype=x.dtype, device=x.device)
         _dequant_kernel[(triton.cdiv(n, t.block_n), triton.cdiv(k, t.block_k))](
             q, scales, minp, w, n, k, scales.shape[1], GROUP=group_size, INT4=int4, BLOCK_N=t.block_n,
-            BLOCK_K=t.block_k, num_warps=t.warps, num_stages=t.stages)
+            BLOCK_K=t.block_k, FP8=fp8, num_warps=t.warps, num_stages=t.stages)
         out.copy_(torch.mm(x, w.t()) if bias is None else torch.addmm(bias, x, w.t()))
         return
     gemv = how == "gemv"
@@ -269,11 +295,11 @@ def wo_gemm(x: torch.Tensor, kind: str, q: torch.Tensor, scales: torch.Tensor, m
     grid = (grid_m, triton.cdiv(n, t.block_n), split)
     if gemv:
         _wo_gemv_kernel[grid](*args, GROUP=group_size, INT4=int4, HAS_BIAS=bias is not None, BLOCK_N=t.block_n,
-                              BLOCK_K=t.block_k, SPLIT_K=split, num_warps=t.warps, num_stages=t.stages)
+                              BLOCK_K=t.block_k, SPLIT_K=split, FP8=fp8, num_warps=t.warps, num_stages=t.stages)
     else:
         _wo_gemm_kernel[grid](*args, GROUP=group_size, INT4=int4, HAS_BIAS=bias is not None,
                               PACKED=how == "dot", BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
-                              SPLIT_K=split, num_warps=t.warps, num_stages=t.stages)
+                              SPLIT_K=split, FP8=fp8, num_warps=t.warps, num_stages=t.stages)
     if split > 1:
         total = part.sum(0)
         if bias is not None:

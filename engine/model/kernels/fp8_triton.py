@@ -1,0 +1,131 @@
+"""FP8 x FP8 GEMM for block-FP8 weights on GPUs with FP8 tensor cores (sm_89, sm_90): w8a8.
+
+The published FP8 checkpoints (DeepSeek-V3, Kimi-K2, Qwen3-*-FP8) were calibrated for exactly this:
+activations quantized to e4m3 per token per 128 columns with a dynamic scale (amax / 448), weights
+e4m3 with a scale per 128 x 128 block (kept here per row: `engine.model.quant`'s fp8 layout). One
+program multiplies a BLOCK_M x BLOCK_N tile; every BLOCK_K step lies inside one scale group, so its
+FP8 dot (float32 sums) is scaled by the activation rows' and weight rows' scales of that group
+before it joins the accumulator: C = sum_g (A_g @ W_g^T) * a_s[:, g] * w_s[:, g].
+
+`quantize_activations` rounds to nearest even explicitly (`round_e4m3`): the Triton interpreter's own
+float -> e4m3 cast truncates, so the kernel rounds to the e4m3 grid in float32 first and the cast
+is then exact on every backend; the result equals torch's `.to(torch.float8_e4m3fn)` bit for bit.
+
+Where the GPU has no FP8 tensor cores (sm_80), and for small batches, FP8 weights take the
+weight-only path (`quant_triton`: codes widened exactly in registers, activations unquantized).
+`method_for` decides; `w8a8_reference` is the plain torch computation both kernels are held to.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+FP8_MAX = 448.0
+_E4M3_MAX = tl.constexpr(448.0)  # (the same, as the kernels may read it)
+# From this many activation rows an FP8-capable GPU takes the w8a8 kernel (fewer: weight-only, which
+# skips the activation pass; both read each weight byte once). Not yet timed on a device: the
+# `fp8gemm` step of loadtest/gpu_check.sh measures both methods across rows and sets it.
+W8A8_MIN_ROWS = 64
+
+
+@triton.jit
+def round_e4m3(v):
+    """v (float32) rounded to the nearest e4m3 value, ties to even, saturating at +-448: a magic-number
+    add at the spacing of v's binade (2^(max(e, -6) - 3): e4m3's 3 mantissa bits, subnormals below
+    2^-6) rounds in float32 exactly as the hardware cast rounds."""
+    a = tl.abs(v)
+    e = (a.to(tl.uint32, bitcast=True) >> 23).to(tl.int32) - 127
+    se = tl.maximum(e, -6) - 3
+    c = (((se + 150) << 23) | 0x400000).to(tl.uint32).to(tl.float32, bitcast=True)  # 1.5 * 2^(se + 23)
+    r = tl.minimum((a + c) - c, _E4M3_MAX)
+    return tl.where(v < 0, -r, r)
+
+
+@triton.jit
+def _quantize_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, groups, GROUP: tl.constexpr):
+    """One (row, group): scale = amax / 448 (1e-12 at least), q = e4m3(x / scale)."""
+    row = tl.program_id(0)
+    g = tl.program_id(1)
+    k = g * GROUP + tl.arange(0, GROUP)
+    x = tl.load(x_ptr + row * stride_xm + k, mask=k < K, other=0.0).to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(x), axis=0) / _E4M3_MAX, 1e-12)
+    q = round_e4m3(tl.math.div_rn(x, scale))
+    tl.store(q_ptr + row * K + k, q.to(tl.float8e4nv), mask=k < K)
+    tl.store(s_ptr + row * groups + g, scale)
+
+
+@triton.jit
+def _w8a8_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, bias_ptr, c_ptr, M, N, K, stride_cm, groups,
+                 GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr):
+    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + rk
+        a = tl.load(a_ptr + rm[:, None] * K + kk[None, :], mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
+        w = tl.load(w_ptr + rn[:, None] * K + kk[None, :], mask=(rn[:, None] < N) & (kk[None, :] < K), other=0.0)
+        g = k0 // GROUP
+        a_s = tl.load(as_ptr + rm * groups + g, mask=rm < M, other=0.0)
+        w_s = tl.load(ws_ptr + rn * groups + g, mask=rn < N, other=0.0)
+        acc += tl.dot(a, tl.trans(w)) * a_s[:, None] * w_s[None, :]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+    mask = (rm[:, None] < M) & (rn[None, :] < N)
+    tl.store(c_ptr + rm[:, None] * stride_cm + rn[None, :], acc.to(c_ptr.dtype.element_ty), mask=mask)
+
+
+def fp8_tensor_cores(device: torch.device) -> bool:
+    """Whether `device` multiplies e4m3 in its tensor cores (compute capability 8.9 or later)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def method_for(rows: int, device: torch.device) -> str:
+    """'w8a8' or 'weight-only' for a step of `rows` activation rows on `device`."""
+    return "w8a8" if fp8_tensor_cores(device) and rows >= W8A8_MIN_ROWS else "weight-only"
+
+
+def quantize_activations(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (e4m3 codes [M, K], float32 scales [M, K / group]), one scale per row per `group`."""
+    m, k = x.shape
+    if k % group or group & (group - 1):
+        raise ValueError(f"activations of {k} columns in groups of {group}: a power-of-two group dividing K")
+    x = x.contiguous()
+    q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
+    s = torch.empty(m, k // group, dtype=torch.float32, device=x.device)
+    _quantize_kernel[(m, k // group)](x, q, s, m, k, x.stride(0), k // group, GROUP=group)
+    return q, s
+
+
+def w8a8_gemm(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, group_size: int, bias: torch.Tensor | None,
+              out: torch.Tensor, block_m: int = 64, block_n: int = 128, block_k: int = 128) -> None:
+    """out [M, N] (row-strided view allowed) = e4m3(x) @ W^T (+ bias): x quantized per row per group, W the
+    e4m3 codes `q` [N, K] with `scales` [N, K / group_size]. BLOCK_K is cut to the group when larger."""
+    m, k = x.shape
+    n = q.shape[0]
+    block_k = min(block_k, group_size)
+    if group_size % block_k:
+        raise ValueError(f"BLOCK_K {block_k} must divide the scale group {group_size}")
+    xq, xs = quantize_activations(x, group_size)
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+    _w8a8_kernel[grid](xq, xs, q, scales, bias if bias is not None else scales, out, m, n, k, out.stride(0),
+                       k // group_size, GROUP=group_size, HAS_BIAS=bias is not None, BLOCK_M=block_m,
+                       BLOCK_N=block_n, BLOCK_K=block_k)
+
+
+def w8a8_reference(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, group_size: int,
+                   bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The w8a8 product in plain torch (float32): activations rounded to e4m3 per row per group (torch's
+    cast), each group's dot of codes scaled by both scales, summed over the groups."""
+    m, k = x.shape
+    g = k // group_size
+    xf = x.float().view(m, g, group_size)
+    xs = (xf.abs().amax(-1) / FP8_MAX).clamp(min=1e-12)
+    xq = (xf / xs.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float()
+    wq = q.float().view(q.shape[0], g, group_size)
+    dots = torch.einsum("mgk,ngk->mng", xq, wq)
+    out = (dots * xs.unsqueeze(1) * scales.float().unsqueeze(0)).sum(-1)
+    return out if bias is None else out + bias.float()
