@@ -22,6 +22,7 @@ from protos import splitfire_pb2_grpc as pb_grpc
 from protos import trailers
 from worker.convert import (
     event_from_output,
+    kv_dtype_name,
     logprob_from_proto,
     sampling_from_proto,
     token_ids_from_proto,
@@ -143,6 +144,7 @@ class DecodeService(pb_grpc.DecodeServicer):
             segment=self.segment, base_address=self.region.base_address, num_blocks=self.region.num_blocks,
             num_layers=self.region.num_layers, page_bytes=self.region.page_bytes, first_block=first,
             block_ids=blocks[first:], ranks=self.peer_ranks, landing_block_ids=landing or [],
+            kv_dtype=kv_dtype_name(self.ctx.engine.llm.kv.layout.dtype),
         )
         preq = pb.PrefillRequest(request_id=rid, token_ids=request.token_ids, sampling=request.sampling,
                                  tenant=request.tenant, destination=dest,

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
 # 1.59x its output tokens/s; 32: 125 ms, 1.64x; 16: 78 ms, 1.51x and 5x the time to first token
 # (`python -m loadtest.vs_llama_server`, README). On CUDA a chunk costs a fraction of a step: no cap.
 CPU_PREFILL_WHILE_DECODING = 24
+KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", "fp8", "fp8_e4m3")  # fp8 = fp8_e4m3 (e4m3)
 
 
 @dataclass
@@ -26,7 +27,7 @@ class EngineConfig:
     device: str = "auto"  # auto | cpu | cuda
     dtype: str = "auto"  # auto (float32 on CPU, bfloat16 on CUDA) | float32 | bfloat16
     block_size: int = 16
-    kv_cache_dtype: str = "auto"  # auto (the model dtype) | float32 | float16 | bfloat16 (see torch_kv_dtype)
+    kv_cache_dtype: str = "auto"  # auto (the model dtype) | float32 | float16 | bfloat16 | fp8 (see torch_kv_dtype)
     kv_cache_gb: float = 1.0  # KV budget on CPU
     gpu_memory_fraction: float = 0.85  # of free GPU memory after weights: KV + activation peaks (memory_profile.py)
     max_num_seqs: int = 64
@@ -74,12 +75,13 @@ class EngineConfig:
             raise ValueError(f"--device must be auto, cpu or cuda, got {self.device!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"--dtype must be auto, float32 or bfloat16, got {self.dtype!r}")
-        if self.kv_cache_dtype not in ("auto", "float32", "float16", "bfloat16"):
-            raise ValueError(f"--kv-cache-dtype must be auto, float32, float16 or bfloat16, got {self.kv_cache_dtype!r}")
-        if self.kv_cache_dtype != "auto" and self.torch_device.type == "cuda" and (
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype not in ("auto", "fp8", "fp8_e4m3") and self.torch_device.type == "cuda" and (
                 getattr(_torch(), self.kv_cache_dtype) != self.torch_dtype):
             raise ValueError(f"--kv-cache-dtype {self.kv_cache_dtype} differs from the model dtype ({self.torch_dtype}): "
-                             "on CUDA the attention kernels read the KV cache in the model dtype; leave it auto")
+                             "on CUDA the attention kernels read the KV cache in the model dtype or in fp8; leave it "
+                             "auto or use fp8")
         if self.device == "cuda" and not _torch().cuda.is_available():
             raise ValueError("--device cuda asked for, but torch sees no CUDA device")
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128, 256):
@@ -169,9 +171,13 @@ class EngineConfig:
         cached token (twice the tokens in `--kv-cache-gb`) and what decode attention streams (SmolLM2,
         Q4_1, 2-core AVX2: decode 1.06x at batch 1 and 1.10x at batch 16 after 256-token prompts,
         perplexity unchanged to 3 decimals; `python -m loadtest.bench_engine --kv-dtypes`), at the cost
-        of exactness: logits then differ from the float32 model by float16's rounding of K and V."""
+        of exactness: logits then differ from the float32 model by float16's rounding of K and V. fp8 (e4m3,
+        1 byte: 2x bfloat16's tokens per byte, 4x float32's) rounds K and V to 3 mantissa bits, with a scale of
+        1 per layer (e4m3 reaches +-448; vLLM's default without calibrated scales); kernels widen it exactly."""
         if self.kv_cache_dtype == "auto":
             return self.torch_dtype
+        if self.kv_cache_dtype in ("fp8", "fp8_e4m3"):
+            return _torch().float8_e4m3fn
         return getattr(_torch(), self.kv_cache_dtype)
 
     @property

@@ -356,6 +356,17 @@ def cases() -> list[Case]:
                                                            max_q_len=32, window=window)))
     out.append(Case("store KV", lambda: triton_ops.store_kv(kv, randn(3, kv_heads, dim), randn(3, kv_heads, dim),
                                                             torch.tensor([0, 1, 1]), torch.tensor([3, 0, 1]))))
+    kv8 = kv.to(torch.float8_e4m3fn)  # --kv-cache-dtype fp8: the same kernels over the cache's bytes
+    out.append(Case("store KV e4m3", lambda: triton_ops.store_kv(kv8, randn(3, kv_heads, dim), randn(3, kv_heads, dim),
+                                                                 torch.tensor([0, 1, 1]), torch.tensor([3, 0, 1]))))
+    for splits in (1, 4):
+        out.append(Case(f"decode attention e4m3 splits {splits}", lambda splits=splits: triton_ops.paged_decode_attention(
+            randn(2, kv_heads * 4, dim), kv8, table, torch.tensor([7, 100]), 0.1, splits=splits)))
+    out.append(Case("prefill attention e4m3", lambda: triton_ops.paged_prefill_attention(
+        randn(48, kv_heads * 4, dim), kv8, table, segs, 0.1, randn(48, kv_heads * 4, dim), max_q_len=32)))
+    cache8 = cache.to(torch.float8_e4m3fn)
+    out.append(Case("MLA decode e4m3", lambda: mla_triton.mla_decode(randn(2, 16, rank), randn(2, 16, rope), cache8,
+                                                                     tables, ctx, 0.1, splits=1)))
     out.append(Case("RMSNorm", lambda: triton_ops.rms_norm(randn(4, 4096), randn(4096), 1e-5)))
     out.append(Case("RMSNorm + residual", lambda: triton_ops.rms_norm(randn(4, 4096), randn(4096), 1e-5,
                                                                       randn(4, 4096))))

@@ -17,19 +17,24 @@ from kvtransfer.descriptors import KVRegion
 from prefill_worker.kv_sender import LayerwiseKVSender, TransferPlan
 from protos import splitfire_pb2 as pb
 from protos import splitfire_pb2_grpc as pb_grpc
-from worker.convert import logprob_to_proto, sampling_from_proto, token_ids_from_proto
+from worker.convert import kv_dtype_name, logprob_to_proto, sampling_from_proto, token_ids_from_proto
 from worker.kv_routes import KVSplit, stage_layout
 from worker.worker_service import WorkerContext
 
 log = logging.getLogger("splitfire.prefill")
 
 
-def plan_from_request(request: pb.PrefillRequest, rid: str, own: KVRegion, split: KVSplit, n: int) -> TransferPlan:
+def plan_from_request(request: pb.PrefillRequest, rid: str, own: KVRegion, split: KVSplit, n: int,
+                      kv_dtype: str = "") -> TransferPlan:
     """`split`: how this worker's pages are split over its ranks; the decode worker may be split over
-    another number of ranks (its rank 0 plus `destination.ranks`): each head goes where it is held."""
+    another number of ranks (its rank 0 plus `destination.ranks`): each head goes where it is held.
+    `kv_dtype`: this worker's KV element type, checked against the decode worker's."""
     d = request.destination
     if not d.segment:
         raise RequestError("destination.segment is empty")
+    if d.kv_dtype and kv_dtype and d.kv_dtype != kv_dtype:
+        raise RequestError(f"decode worker's KV cache holds {d.kv_dtype}, this prefill worker's {kv_dtype}: start "
+                           "both with the same --kv-cache-dtype (and --dtype)")
     # Each decode rank's layers: rank 0's region holds `num_layers` from layer 0; a rank that names none
     # holds the same layers (tensor parallel only).
     held = [range(0, d.num_layers)] + [range(r.first_layer, r.first_layer + (r.num_layers or d.num_layers))
@@ -91,7 +96,8 @@ class PrefillService(pb_grpc.PrefillServicer):
         try:
             ids = token_ids_from_proto(request.token_ids)
             sampling = sampling_from_proto(request.sampling)
-            plan = plan_from_request(request, rid, self.region, self.sender.split, len(ids))
+            plan = plan_from_request(request, rid, self.region, self.sender.split, len(ids),
+                                     kv_dtype_name(aeng.llm.kv.layout.dtype))
         except RequestError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         stream = aeng.open_stream(rid)

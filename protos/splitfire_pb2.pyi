@@ -114,7 +114,7 @@ class GenerateEvent(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., prefill_mode: _Optional[str] = ..., prefill_reason: _Optional[str] = ...) -> None: ...
 
 class KVDestination(_message.Message):
-    __slots__ = ("segment", "base_address", "num_blocks", "num_layers", "page_bytes", "first_block", "block_ids", "ranks", "landing_block_ids")
+    __slots__ = ("segment", "base_address", "num_blocks", "num_layers", "page_bytes", "first_block", "block_ids", "ranks", "landing_block_ids", "kv_dtype")
     SEGMENT_FIELD_NUMBER: _ClassVar[int]
     BASE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -124,6 +124,7 @@ class KVDestination(_message.Message):
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     RANKS_FIELD_NUMBER: _ClassVar[int]
     LANDING_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    KV_DTYPE_FIELD_NUMBER: _ClassVar[int]
     segment: str
     base_address: int
     num_blocks: int
@@ -133,7 +134,8 @@ class KVDestination(_message.Message):
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     ranks: _containers.RepeatedCompositeFieldContainer[KVRank]
     landing_block_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, segment: _Optional[str] = ..., base_address: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_layers: _Optional[int] = ..., page_bytes: _Optional[int] = ..., first_block: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., ranks: _Optional[_Iterable[_Union[KVRank, _Mapping]]] = ..., landing_block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    kv_dtype: str
+    def __init__(self, segment: _Optional[str] = ..., base_address: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_layers: _Optional[int] = ..., page_bytes: _Optional[int] = ..., first_block: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., ranks: _Optional[_Iterable[_Union[KVRank, _Mapping]]] = ..., landing_block_ids: _Optional[_Iterable[int]] = ..., kv_dtype: _Optional[str] = ...) -> None: ...
 
 class KVSection(_message.Message):
     __slots__ = ("rank", "first", "count")

@@ -196,3 +196,16 @@ def test_splitfire_plan_counts_the_bytes_the_engine_holds(tmp_path):
     assert p.weight_format == "fp8"
     held = resident_weight_bytes(engine.model)
     assert abs(p.weight_bytes - held) <= 0.03 * held, (p.weight_bytes, held)
+
+
+def test_an_e4m3_kv_cache_split_over_two_ranks_equals_one_rank(tmp_path):
+    """--kv-cache-dtype fp8 with the KV heads split over two tensor-parallel ranks: each rank stores and reads
+    its own heads' e4m3 pages, the same tokens as one rank."""
+    hf = make_hf_model("llama3", tmp_path / "hf")
+    one = make_engine(hf.path, threads=1, kv_cache_dtype="fp8")
+    two = make_engine(hf.path, threads=1, kv_cache_dtype="fp8", tensor_parallel_size=2)
+    try:
+        assert two.kv.buffer.dtype == torch.float8_e4m3fn
+        assert greedy_tokens(one) == greedy_tokens(two)
+    finally:
+        two.close()

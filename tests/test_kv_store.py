@@ -122,6 +122,29 @@ async def test_another_model_or_layout_misses_instead_of_reading_wrong_blocks(co
             w.stop()
 
 
+async def test_e4m3_caches_share_through_the_store_and_never_read_other_types(colocated, tiny_model_dir, tmp_path):
+    """--kv-cache-dtype fp8 workers: their blocks are keyed by the cache type, so they miss a float32
+    worker's published prompt (never read its pages as e4m3), and share their own: the second fp8 worker
+    serves the prompt from the store with the first one's tokens."""
+    a = colocated["a"]
+    p = prompt(6)
+    before = published_count(a)
+    await generate(address(a), p, greedy(2))
+    await published(a, before + len(p) // 16)
+    args = ("--kv-store", colocated["store"], "--kv-store-gb", GB, "--kv-cache-dtype", "fp8")
+    c = start_worker("both", tiny_model_dir, tmp_path, *args, name="C8")
+    d = start_worker("both", tiny_model_dir, tmp_path, *args, name="D8")
+    try:
+        first = await generate(address(c), p, greedy(8))
+        assert first.usage.cached_tokens == 0  # (a's float32 blocks are not an fp8 worker's)
+        await published(c, len(p) // 16)
+        second = await generate(address(d), p, greedy(8))
+        assert second.usage.cached_tokens == full_blocks(p)
+        assert second.token_ids == first.token_ids
+    finally:
+        assert stop_all(c, d) == [0, 0]
+
+
 async def test_master_outage_costs_only_cache_hits_and_sharing_resumes_after_restart(tiny_model_dir, tmp_path):
     master = start_kv_master(tmp_path)
     port = master.ports["rpc"]

@@ -94,7 +94,7 @@ def test_quantized_checkpoint_is_staged_too(tmp_path, monkeypatch):
     assert staging.uploads > 3 * 7 * 2  # every layer's codes and scales at least
 
 
-def test_fp8_checkpoint_is_staged_and_dequantized(tmp_path):
+def test_fp8_checkpoint_is_staged(tmp_path):
     from test_model_loading import _write_fp8
 
     hf = make_hf_model("llama3", tmp_path / "hf")

@@ -717,3 +717,116 @@ def test_fp8_checkpoint_on_the_gpu_path(method, tmp_path, monkeypatch):
     print(f"w8a8 vs exact: top-1 agreement {agree:.3f}, mean |logit error| {err.mean():.3f} "
           f"(logit std {want_logits.std():.3f})")
     assert err.mean() < 0.2 * want_logits.std()
+
+
+E4M3 = torch.float8_e4m3fn
+
+
+@pytest.mark.parametrize("window,splits", [(0, 1), (0, 4), (5, 1)])
+def test_attention_over_an_e4m3_cache_matches_torch(window, splits):
+    """Decode and prefill attention reading an e4m3 cache as bytes (widened exactly in registers) equal the
+    torch path reading the same cache (widened by torch), for split-KV and a sliding window."""
+    from engine.model.attention import PrefillSegment
+
+    torch.manual_seed(window + splits)
+    block_size, kv_heads, group = 16, 2, 4
+    ctx = torch.tensor([1, block_size + 1, 5 * block_size + 3, 12 * block_size + 5], device=DEV)
+    b, nb = len(ctx), 13
+    cache = _cache(b * nb, block_size, kv_heads, HEAD_DIM).to(E4M3)
+    perm = torch.randperm(b * nb, device=DEV).view(b, nb)
+    q = torch.randn(b, kv_heads * group, HEAD_DIM, device=DEV, dtype=DTYPE)
+    scale = HEAD_DIM**-0.5
+    ours = triton_ops.paged_decode_attention(q, cache, perm, ctx, scale, window=window, splits=splits)
+    mask = (torch.arange(nb * block_size, device=DEV)[None, :] < ctx[:, None]).view(b, 1, 1, -1)
+    meta = AttentionMetadata(block_size, torch.empty(0), torch.empty(0), [], [DecodeBatch(0, perm, mask)])
+    torch.testing.assert_close(ours, paged_attention(q, cache, meta, scale, window or None), **TOL)
+    # prefill: a fresh prompt and a chunk after cached blocks
+    specs, tables, segs, metas, row = [(21, 21), (16, 3 * 16 + 5)], [], [], [], 0
+    for new, c in specs:
+        blocks = perm[len(tables), : -(-c // block_size)].tolist()
+        tables.append(blocks + [0] * (nb - len(blocks)))
+        segs.append((row, new, c))
+        metas.append(PrefillSegment(row, new, c, torch.tensor(blocks, device=DEV)))
+        row += new
+    qp = torch.randn(row, kv_heads * group, HEAD_DIM, device=DEV, dtype=DTYPE)
+    ours = triton_ops.paged_prefill_attention(qp, cache, torch.tensor(tables, device=DEV),
+                                              torch.tensor(segs, device=DEV), scale, torch.empty_like(qp),
+                                              max_q_len=21, block_m=16, window=window)
+    ref = paged_attention(qp, cache, AttentionMetadata(block_size, torch.empty(0), torch.empty(0), metas, []), scale,
+                          window or None)
+    torch.testing.assert_close(ours, ref, **TOL)
+
+
+def test_store_kv_into_an_e4m3_cache_rounds_as_torch_casts():
+    torch.manual_seed(2)
+    block_size, kv_heads = 16, 4
+    cache_a = torch.zeros(8, 2, block_size, kv_heads, HEAD_DIM, device=DEV, dtype=E4M3)
+    cache_b = cache_a.clone()
+    pairs = torch.randperm(8 * block_size, device=DEV)[:37]
+    blocks, slots = pairs // block_size, pairs % block_size
+    k = torch.randn(37, kv_heads, HEAD_DIM, device=DEV, dtype=DTYPE) * 200  # past 448 too: saturates
+    v = torch.randn(37, kv_heads, HEAD_DIM, device=DEV, dtype=DTYPE) * 1e-2  # subnormals
+    triton_ops.store_kv(cache_a, k, v, blocks, slots)
+    rows = blocks * 2 * block_size + slots
+    write_kv(cache_b, k, v, AttentionMetadata(block_size, rows, rows + block_size, [], []))
+    assert torch.equal(cache_a.view(torch.uint8), cache_b.view(torch.uint8))
+    assert cache_a.float().abs().max() == 448
+
+
+def test_mla_decode_kernel_over_an_e4m3_latent_cache_matches_the_torch_path():
+    from engine.model.kernels import mla_triton
+    from engine.model.mla import MLAttention
+    from engine.model.model_config import ModelConfig
+
+    heads, rank, rope, bs = 4, 32, 16, 16
+    cfg = ModelConfig.from_dict({"architectures": ["DeepseekV3ForCausalLM"], "hidden_size": 64,
+                                 "num_attention_heads": heads, "kv_lora_rank": rank, "q_lora_rank": 32,
+                                 "qk_nope_head_dim": 16, "qk_rope_head_dim": rope, "v_head_dim": 16,
+                                 "num_hidden_layers": 1, "n_routed_experts": 4, "n_group": 1, "topk_group": 1,
+                                 "num_experts_per_tok": 2})
+    torch.manual_seed(5)
+    attn = MLAttention(cfg, cfg.layers[0]).to(device=DEV, dtype=DTYPE)
+    attn.kv_b.copy_(torch.randn_like(attn.kv_b) * 0.2)
+    cache = torch.randn(24, 1, bs, 1, rank + rope, device=DEV).to(E4M3)
+    ctx = torch.tensor([1, bs + 1, 5 * bs + 3], device=DEV)
+    tables = torch.stack([torch.randperm(24, device=DEV)[:6] for _ in ctx])
+    mask = (torch.arange(6 * bs, device=DEV)[None, :] < ctx[:, None]).view(len(ctx), 1, 1, -1)
+    q_nope = torch.randn(len(ctx), heads, 16, device=DEV, dtype=DTYPE)
+    q_rope = torch.randn(len(ctx), heads, rope, device=DEV, dtype=DTYPE)
+    q_c = torch.bmm(q_nope.transpose(0, 1), attn.w_uk()).transpose(0, 1)
+    o_c = mla_triton.mla_decode(q_c, q_rope, cache, tables, ctx, attn.scale, splits=2)
+    ours = torch.bmm(o_c.transpose(0, 1), attn.w_uv().transpose(1, 2)).transpose(0, 1)
+    reference = attn.attend_decode_expanded(q_nope, q_rope, cache, DecodeBatch(0, tables, mask, ctx))
+    torch.testing.assert_close(ours, reference, **(TOL if not CUDA else dict(atol=3e-2, rtol=3e-2)))
+
+
+@ON_CPU_ONLY
+@pytest.mark.parametrize("family", ["llama3", "deepseek_v3"])
+def test_an_e4m3_kv_cache_on_the_gpu_path_equals_the_cpu_path(family, tmp_path, gpu_code_path):
+    """--kv-cache-dtype fp8 through the whole engine on the GPU code path (Triton store, decode, prefill and
+    latent-attention kernels over the cache's bytes, interpreted) gives the CPU path's greedy tokens: both
+    round K and V to nearest even on store and widen exactly on read."""
+    from engine_helpers import drain, make_engine
+    from hf_models import make_hf_model
+
+    from common.sampling_params import SamplingParams
+    from engine.model.kernels import cpu_ops, kernels
+
+    hf = make_hf_model(family, tmp_path / family, **({"qk_rope_head_dim": 16} if family == "deepseek_v3" else {}))
+    prompts = [list(range(3, 40)), [5, 6, 7]]
+
+    def run() -> dict[str, list[int]]:
+        engine = make_engine(hf.path, kv_cache_dtype="fp8", max_num_seqs=4, max_num_batched_tokens=32)
+        assert engine.kv.buffer.dtype == E4M3
+        for i, p in enumerate(prompts):
+            engine.add_request(str(i), p, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+        return {k: v.token_ids for k, v in drain(engine).items()}
+
+    gpu = run()
+    with pytest.MonkeyPatch.context() as m:
+        m.setenv("SPLITFIRE_KERNELS", "torch")
+        m.delenv("SPLITFIRE_CPU_KERNELS")
+        for c in (kernels, cpu_ops.library, cpu_ops.kv_supported):
+            c.cache_clear()
+        cpu = run()
+    assert gpu == cpu

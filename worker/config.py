@@ -140,9 +140,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default=_env("device", "auto"), choices=["auto", "cpu", "cuda"])
     g.add_argument("--dtype", default=_env("dtype", "auto"), choices=["auto", "float32", "bfloat16"])
     g.add_argument("--kv-cache-dtype", default=_env("kv_cache_dtype", "auto"),
-                   choices=["auto", "float32", "float16", "bfloat16"],
-                   help="KV cache element type (auto: the model dtype). float16 on CPU halves the memory per cached "
-                        "token and the bytes decode attention streams (~1.06-1.10x decode); on CUDA only the model dtype")
+                   choices=["auto", "float32", "float16", "bfloat16", "fp8", "fp8_e4m3"],
+                   help="KV cache element type (auto: the model dtype). fp8 (= fp8_e4m3) holds 2x bfloat16's tokens "
+                        "in the same memory, anywhere; float16 on CPU halves float32's bytes per token; on CUDA the "
+                        "model dtype or fp8. Disaggregated workers must agree (refused by name otherwise)")
     g.add_argument("--quantization", default=_env("quantization", None), choices=["int8", "int4", "fp8"],
                    help="keep matmul weights quantized (group-wise; decode moves 4x / 8x / 4x fewer bytes "
                         "than float32): quantizes a float checkpoint at load (fp8: e4m3 with a scale per row per 128 "

@@ -40,3 +40,8 @@ def event_from_output(out: RequestOutput) -> pb.GenerateEvent:
         ev.usage.CopyFrom(pb.Usage(prompt_tokens=out.num_prompt_tokens, completion_tokens=out.num_output_tokens,
                                    cached_tokens=out.num_cached_tokens))
     return ev
+
+
+def kv_dtype_name(dtype: object) -> str:
+    """A KV cache element type as the transfer handshake names it (torch's name without the prefix)."""
+    return str(dtype).removeprefix("torch.")

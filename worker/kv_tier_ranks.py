@@ -86,11 +86,13 @@ class StorePages:
             staging_bytes = STAGING_BYTES if os.environ.get("SPLITFIRE_KV_STORE_STAGING", "1") != "0" else 0
         block_bytes = self._layers * self._page
         self.capacity = staging_bytes // block_bytes  # blocks per staged batch (0: in place)
-        self._pages = kv.buffer.view(self._layers, layout.num_blocks, -1)  # [layers, blocks, page elements]
+        # [layers, blocks, page bytes]: pages move as bytes, whatever the cache's element type (torch has no
+        # index_copy_ for float8)
+        self._pages = kv.buffer.view(torch.uint8).view(self._layers, layout.num_blocks, -1)
         self._buffers: dict[str, torch.Tensor] = {}
         if self.capacity:
             for op in ("get", "put"):  # (the fetch and publish threads each have their own)
-                buf = torch.empty(self.capacity, self._layers, self._pages.shape[2], dtype=kv.buffer.dtype,
+                buf = torch.empty(self.capacity, self._layers, self._pages.shape[2], dtype=torch.uint8,
                                   device=kv.buffer.device)
                 store.register(buf.data_ptr(), buf.numel() * buf.element_size())
                 self._buffers[op] = buf

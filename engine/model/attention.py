@@ -93,8 +93,19 @@ def write_kv(layer_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: 
         ops.store_kv(layer_cache, k, v, meta.k_rows // two_bs, meta.k_rows % two_bs)
         return
     flat = layer_cache.view(-1, layer_cache.shape[-2], layer_cache.shape[-1])
-    flat.index_copy_(0, meta.k_rows, k.to(flat.dtype))  # (a float16 cache under a float32 model: rounded here)
-    flat.index_copy_(0, meta.v_rows, v.to(flat.dtype))
+    store_rows(flat, meta.k_rows, k)
+    store_rows(flat, meta.v_rows, v)
+
+
+def store_rows(flat: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) -> None:
+    """flat[rows] = values in the cache's element type (a float16 or e4m3 cache under a float32 model:
+    rounded here, to nearest even; e4m3 saturates at +-448, as torch's cast does). torch has no index_copy_
+    for float8: its bytes are copied instead."""
+    vals = values.to(flat.dtype)
+    if flat.element_size() == 1:
+        flat.view(torch.uint8).index_copy_(0, rows, vals.view(torch.uint8))
+    else:
+        flat.index_copy_(0, rows, vals)
 
 
 def _gather(layer_cache: torch.Tensor, blocks: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

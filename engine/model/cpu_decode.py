@@ -9,7 +9,7 @@ small prompt chunks — go through the same decode attention, one query per row 
 its position (the module path runs those through SDPA: equal up to float rounding).
 
 It applies to plain pre-norm decoders whose every matmul weight is quantized (a GGUF served as
-stored, a block-FP8 checkpoint, or `--quantization int8|int4|fp8`), in float32 with a float32 or float16 KV cache: Llama,
+stored, a block-FP8 checkpoint, or `--quantization int8|int4|fp8`), in float32 with a float32, float16 or e4m3 KV cache: Llama,
 Mistral, Qwen2, SmolLM2, for steps of up to 64 rows. Everything else — q/k norms, latent attention, experts,
 Gemma's norms, float weights, longer steps — takes the module path.
 """
@@ -43,7 +43,7 @@ class SfLayer(ctypes.Structure):
 
 class SfDims(ctypes.Structure):
     _fields_ = [("hidden", _I), ("heads", _I), ("kv_heads", _I), ("head_dim", _I), ("inter", _I),
-                ("block_size", _I), ("q8x_rows", _I), ("kv16", _I), ("eps", _F), ("scale", _F)]
+                ("block_size", _I), ("q8x_rows", _I), ("kvk", _I), ("eps", _F), ("scale", _F)]
 
 
 def supported(model: torch.nn.Module, kv_dtype: torch.dtype) -> str | None:
@@ -92,7 +92,7 @@ class CpuDecodeLayers:
         blocks = list(model.layers)  # type: ignore[attr-defined]
         self.dims = SfDims(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                            blocks[0].mlp.gate_up.quantized[0].shape[0] // 2, kv.layout.block_size,
-                           quant.Q8X_MAX_ROWS, int(kv.layout.dtype == torch.float16), cfg.rms_norm_eps, cfg.scale)
+                           quant.Q8X_MAX_ROWS, cpu_ops.KV_KINDS[kv.layout.dtype], cfg.rms_norm_eps, cfg.scale)
         self.layers = (SfLayer * len(blocks))()
         # Adapter rows may run here when every projection carries its adapters' stacks (`lora.LoRAWeights`).
         self.lora = all(lin.lora is not None for b in blocks

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.model.attention import AttentionMetadata, DecodeBatch
+from engine.model.attention import AttentionMetadata, DecodeBatch, store_rows
 from engine.model.kernels import kernels
 from engine.model.layers import Linear, RMSNorm
 from engine.model.lora import LoRATarget
@@ -92,7 +92,7 @@ class MLAttention(nn.Module):
                            apply_rope(a[:, self.q_rows + self.rank :].unsqueeze(1), freqs).squeeze(1)), dim=-1)
         # [rows, rank + rope]: the layer's pages flattened; k_rows addresses each new token's slot.
         flat = layer_cache.view(-1, self.rank + self.rope)
-        flat.index_copy_(0, meta.k_rows, entry.to(flat.dtype))
+        store_rows(flat, meta.k_rows, entry)
 
         out = x.new_empty(t, self.heads, self.v_dim)
         for seg in meta.prefills:

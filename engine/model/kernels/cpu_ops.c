@@ -594,21 +594,57 @@ static float exp_shift_sum(float *sc, int64_t n, float mx) {
     return sum;
 }
 
+/* KV cache element types (the `kvk` arguments below; cpu_ops.py KV_KINDS): float32, float16 or e4m3. */
+#define KV_F32 0
+#define KV_F16 1
+#define KV_E4M3 2
+#define KV_BYTES(kvk) ((kvk) == KV_F32 ? 4 : (kvk) == KV_F16 ? 2 : 1)
+
+/* float -> e4m3 (float8_e4m3fn) bits, rounding to nearest even and saturating at +-448, as torch's cast:
+ * a magic-number add at the spacing of the value's binade (2^(max(e, -6) - 3)) rounds in float32, then the
+ * rounded value (exactly an e4m3 number) is encoded. */
+static uint8_t f32_to_e4m3(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    uint8_t sign = (uint8_t)((bits >> 24) & 0x80);
+    float a = fabsf(f);
+    if (a != a) return sign | 0x7F;
+    if (a > 448.0f) return sign | 0x7E;
+    int e = (int)((bits >> 23) & 0xFF) - 127;
+    int se = (e < -6 ? -6 : e) - 3;
+    uint32_t cbits = ((uint32_t)(se + 150) << 23) | 0x400000u;
+    float c;
+    memcpy(&c, &cbits, sizeof c);
+    volatile float t = a + c; /* (volatile: the add and subtract must round, not fold away) */
+    float r = t - c;
+    if (r == 0.0f) return sign;
+    uint32_t rb;
+    memcpy(&rb, &r, sizeof rb);
+    int er = (int)((rb >> 23) & 0xFF) - 127;
+    if (er < -6) return sign | (uint8_t)(r * 512.0f); /* subnormal: r = m * 2^-9 */
+    return sign | (uint8_t)(((er + 7) << 3) | ((rb >> 20) & 7));
+}
+void sf_e4m3_from_f32(const float *in, uint8_t *out, int64_t n) {
+    for (int64_t i = 0; i < n; i++) out[i] = f32_to_e4m3(in[i]);
+}
+
 #if SF_AVX2
-/* 8 KV-cache numbers as floats: float32 as stored, or float16 widened (F16C). */
-INLINE __m256 load_kv8(const char *p, const int kv16) {
-    return kv16 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)) : _mm256_loadu_ps((const float *)p);
+/* 8 KV-cache numbers as floats: float32 as stored, float16 widened (F16C), or e4m3 placed in float16 and
+ * scaled by 2^8 (exact; see load_f8). */
+INLINE __m256 load_kv8(const char *p, const int kvk) {
+    if (kvk == KV_E4M3) return load_f8((const int8_t *)p, _mm256_set1_ps(256.0f));
+    return kvk == KV_F16 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)) : _mm256_loadu_ps((const float *)p);
 }
 
 /* q against 8 keys: eight independent FMA chains (one chain per key stalls on FMA latency), then a
  * transposing hadd tree leaves the 8 dot products in one vector (one reduction, not 8 hsums). */
-INLINE __m256 dot8(const float *q, const char *const k[8], int D, const int kv16) {
+INLINE __m256 dot8(const float *q, const char *const k[8], int D, const int kvk) {
     __m256 a[8];
-    int esz = kv16 ? 2 : 4;
+    int esz = KV_BYTES(kvk);
     for (int j = 0; j < 8; j++) a[j] = _mm256_setzero_ps();
     for (int i = 0; i < D; i += 8) {
         __m256 qv = _mm256_loadu_ps(q + i);
-        for (int j = 0; j < 8; j++) a[j] = _mm256_fmadd_ps(qv, load_kv8(k[j] + (size_t)i * esz, kv16), a[j]);
+        for (int j = 0; j < 8; j++) a[j] = _mm256_fmadd_ps(qv, load_kv8(k[j] + (size_t)i * esz, kvk), a[j]);
     }
     __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
     __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
@@ -660,8 +696,8 @@ typedef struct {
 #define V_CHUNK 32 /* values summed per pass over the G heads: 32 x D floats stay in L1 */
 
 #if SF_AVX2
-INLINE void span_avx(const Span *sp, float *sc, float *m, float *l, float *o, const int kv16) {
-    int G = sp->G, D = sp->D, esz = kv16 ? 2 : 4;
+INLINE void span_avx(const Span *sp, float *sc, float *m, float *l, float *o, const int kvk) {
+    int G = sp->G, D = sp->D, esz = KV_BYTES(kvk);
     int64_t n = sp->n, t = 0;
     __m256 vscale = _mm256_set1_ps(sp->scale);
     KeyWalk kw = key_walk(sp->cache, sp->table, sp->start, sp->bs, sp->slot, sp->head, 0);
@@ -678,7 +714,7 @@ INLINE void span_avx(const Span *sp, float *sc, float *m, float *l, float *o, co
                 for (int i = 0; i < D * esz; i += 64) _mm_prefetch(nk[j] + i, _MM_HINT_T0);
             }
         for (int g = 0; g < G; g++) {
-            __m256 v = _mm256_mul_ps(dot8(sp->q + (size_t)g * D, k, D, kv16), vscale);
+            __m256 v = _mm256_mul_ps(dot8(sp->q + (size_t)g * D, k, D, kvk), vscale);
             _mm256_storeu_ps(sc + (size_t)g * n + t, v);
             float m8[8];
             _mm256_storeu_ps(m8, v);
@@ -691,7 +727,7 @@ INLINE void span_avx(const Span *sp, float *sc, float *m, float *l, float *o, co
             __m256 acc = _mm256_setzero_ps();
             const float *qg = sp->q + (size_t)g * D;
             for (int i = 0; i < D; i += 8)
-                acc = _mm256_fmadd_ps(_mm256_loadu_ps(qg + i), load_kv8(k + (size_t)i * esz, kv16), acc);
+                acc = _mm256_fmadd_ps(_mm256_loadu_ps(qg + i), load_kv8(k + (size_t)i * esz, kvk), acc);
             float v = hsum(acc) * sp->scale;
             sc[(size_t)g * n + t] = v;
             m[g] = fmaxf(m[g], v);
@@ -715,13 +751,13 @@ INLINE void span_avx(const Span *sp, float *sc, float *m, float *l, float *o, co
                     for (int u = 0; u < c; u++) {
                         __m256 wu = _mm256_set1_ps(w[u]);
                         const char *vu = v[u] + (size_t)d0 * esz;
-                        for (int i = 0; i < 8; i++) acc[i] = _mm256_fmadd_ps(wu, load_kv8(vu + (size_t)8 * i * esz, kv16), acc[i]);
+                        for (int i = 0; i < 8; i++) acc[i] = _mm256_fmadd_ps(wu, load_kv8(vu + (size_t)8 * i * esz, kvk), acc[i]);
                     }
                 } else {
                     for (int u = 0; u < c; u++) {
                         __m256 wu = _mm256_set1_ps(w[u]);
                         const char *vu = v[u] + (size_t)d0 * esz;
-                        for (int i = 0; i < nv; i++) acc[i] = _mm256_fmadd_ps(wu, load_kv8(vu + (size_t)8 * i * esz, kv16), acc[i]);
+                        for (int i = 0; i < nv; i++) acc[i] = _mm256_fmadd_ps(wu, load_kv8(vu + (size_t)8 * i * esz, kvk), acc[i]);
                     }
                 }
                 for (int i = 0; i < nv; i++) _mm256_storeu_ps(og + d0 + 8 * i, acc[i]);
@@ -754,18 +790,18 @@ static void span_ref(const Span *sp, float *sc, float *m, float *l, float *o) {
     }
 }
 
-/* Decode attention straight from the paged cache ([blocks, 2, bs, KVH, D], float32 or, with kv16,
- * float16: half the bytes to stream). Work is split into (sequence, kv head, key range) tasks: one
+/* Decode attention straight from the paged cache ([blocks, 2, bs, KVH, D], float32, or with `kvk`
+ * float16 or e4m3: a half or a quarter of the bytes to stream). Work is split into (sequence, kv head, key range) tasks: one
  * range per pair when there are enough pairs for the threads, else each context cut into as many
  * ranges as keep every thread busy (one sequence with 3 kv heads on 2 threads: 6 tasks, not 3),
- * merged by their max scores (flash-decoding). Returns 0; -1 out of memory; -2 for a float16 cache this
+ * merged by their max scores (flash-decoding). Returns 0; -1 out of memory; -2 for a float16 or e4m3 cache this
  * build cannot read (needs AVX2 + F16C and D % 8 == 0: the caller checks first). */
 int sf_paged_decode(const float *q, int ldq, int B, int H, int KVH, int D, const void *cache, int bs,
                     const int64_t *tables, int max_blocks, const int64_t *ctx_lens, float scale, int window,
-                    float *out, int kv16, int threads) {
+                    float *out, int kvk, int threads) {
     int G = H / KVH, failed = 0;
-    if (kv16 && (!SF_AVX2 || D % 8)) return -2;
-    size_t esz = kv16 ? 2 : 4, slot = (size_t)KVH * D * esz;
+    if (kvk != KV_F32 && (!SF_AVX2 || D % 8)) return -2;
+    size_t esz = KV_BYTES(kvk), slot = (size_t)KVH * D * esz;
     int pairs = B * KVH, splits = pairs >= 2 * threads ? 1 : (2 * threads + pairs - 1) / pairs;
     size_t part = (size_t)G * (D + 2); /* per task: G maxima, G sums, G x D partial outputs */
     float *parts = (float *)malloc(sizeof(float) * part * (size_t)pairs * splits);
@@ -786,10 +822,12 @@ int sf_paged_decode(const float *q, int ldq, int B, int H, int KVH, int D, const
         }
 #if SF_AVX2
         if (D % 8 == 0) {
-            if (kv16)
-                span_avx(&sp, sc, m, l, o, 1);
+            if (kvk == KV_F16)
+                span_avx(&sp, sc, m, l, o, KV_F16);
+            else if (kvk == KV_E4M3)
+                span_avx(&sp, sc, m, l, o, KV_E4M3);
             else
-                span_avx(&sp, sc, m, l, o, 0);
+                span_avx(&sp, sc, m, l, o, KV_F32);
         } else
 #endif
             span_ref(&sp, sc, m, l, o);
@@ -818,18 +856,18 @@ int sf_paged_decode(const float *q, int ldq, int B, int H, int KVH, int D, const
     return failed ? -1 : 0;
 }
 
-/* ---- RoPE + KV store (float32 activations; float32 or, with kv16, float16 cache) ----
+/* ---- RoPE + KV store (float32 activations; float32, float16 or e4m3 cache by `kvk`) ----
  * qkv rows hold q (H heads), k (KVH heads), v (KVH heads) of D dims, pairs interleaved. q and k are
  * rotated in place by `freqs` ([T, D/2] (cos, sin) pairs, one row per token); k and v are then copied into
  * their cache slots (`k_rows[t]`: row of token t's K in the layer cache viewed as [rows, KVH, D],
  * its V `bs` rows later). Replaces seven torch ops per layer (float casts, complex views,
- * multiply, two index_copy_). Returns 0, or -2 for a float16 cache this build cannot write (needs
+ * multiply, two index_copy_). Returns 0, or -2 for a float16 or e4m3 cache this build cannot write (needs
  * AVX2 + F16C, D % 8 == 0). */
 int sf_rope_store(float *qkv, int T, int H, int KVH, int D, const float *freqs, void *cache, const int64_t *k_rows,
-                  int bs, int kv16) {
+                  int bs, int kvk) {
     int row = (H + 2 * KVH) * D;
     size_t slot = (size_t)KVH * D;
-    if (cache && kv16 && (!SF_AVX2 || D % 8)) return -2;
+    if (cache && kvk != KV_F32 && (!SF_AVX2 || D % 8)) return -2;
     for (int t = 0; t < T; t++) {
         float *x = qkv + (size_t)t * row;
         const float *f = freqs + (size_t)t * D; /* token t's D/2 (cos, sin) pairs */
@@ -844,9 +882,14 @@ int sf_rope_store(float *qkv, int T, int H, int KVH, int D, const float *freqs, 
         if (!cache) continue;
         const float *k = x + (size_t)H * D, *v = k + slot;
         size_t kr = (size_t)k_rows[t], vr = kr + (size_t)bs;
-        if (!kv16) {
+        if (kvk == KV_F32) {
             memcpy((float *)cache + kr * slot, k, sizeof(float) * slot);
             memcpy((float *)cache + vr * slot, v, sizeof(float) * slot);
+            continue;
+        }
+        if (kvk == KV_E4M3) {
+            sf_e4m3_from_f32(k, (uint8_t *)cache + kr * slot, (int64_t)slot);
+            sf_e4m3_from_f32(v, (uint8_t *)cache + vr * slot, (int64_t)slot);
             continue;
         }
 #if SF_AVX2
@@ -1056,14 +1099,14 @@ typedef struct {
 typedef struct {
     const float *attn_norm, *mlp_norm; /* [hidden] */
     SfLinear qkv, o, gate_up, down;
-    void *cache;                       /* this layer's [blocks, 2, bs, KVH, D], float32 or float16 */
+    void *cache;                       /* this layer's [blocks, 2, bs, KVH, D], of the type `kvk` names */
     int window;                        /* sliding window, 0 = none */
     int rope;                          /* which of the step's RoPE tables */
 } SfLayer;
 
 typedef struct {
     int hidden, heads, kv_heads, head_dim, inter, block_size, q8x_rows;
-    int kv16;                          /* the KV cache holds float16 */
+    int kvk;                           /* the KV cache's element type: KV_F32, KV_F16 or KV_E4M3 */
     float eps, scale;
 } SfDims;
 
@@ -1213,7 +1256,7 @@ static int sf_linear_lora(const SfLinear *w, const float *x, int M, float *y, in
 /* res [T, hidden]: the residual stream (the embeddings in, updated in place); h [T, hidden]: the last
  * layer's MLP output (the caller adds it and applies the final norm). One decode row per sequence,
  * `freqs[r]` the step's [T, D/2] (cos, sin) pairs of RoPE table r. Returns 0, -1 out of memory, or -2: a
- * float16 cache this build cannot use. */
+ * float16 or e4m3 cache this build cannot use. */
 /* aux (optional, EAGLE-3): [T, n_aux * hidden], the residual stream entering layers aux_layers[j] (ascending).
  * row_slot (optional): each row's LoRA adapter slot, -1 for the base model (NULL: no adapter rows). */
 int sf_decode_layers(const SfDims *d, const SfLayer *layers, int n_layers, float *res, float *h, int T,
@@ -1239,9 +1282,9 @@ int sf_decode_layers(const SfDims *d, const SfLayer *layers, int n_layers, float
         }
         sf_add_rmsnorm(res, l ? h : NULL, L->attn_norm, xn, T, (int)hid, d->eps);
         if ((rc = sf_linear_lora(&L->qkv, xn, T, qkv, d->q8x_rows, threads, row_slot))) break;
-        if ((rc = sf_rope_store(qkv, T, H, KVH, D, freqs[L->rope], L->cache, k_rows, d->block_size, d->kv16))) break;
+        if ((rc = sf_rope_store(qkv, T, H, KVH, D, freqs[L->rope], L->cache, k_rows, d->block_size, d->kvk))) break;
         if ((rc = sf_paged_decode(qkv, (int)qkv_n, T, H, KVH, D, L->cache, d->block_size, tables, max_blocks, ctx_lens,
-                                  d->scale, L->window, att, d->kv16, threads)))
+                                  d->scale, L->window, att, d->kvk, threads)))
             break;
         if ((rc = sf_linear_lora(&L->o, att, T, h, d->q8x_rows, threads, row_slot))) break;
         sf_add_rmsnorm(res, h, L->mlp_norm, xn, T, (int)hid, d->eps);

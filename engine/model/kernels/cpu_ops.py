@@ -91,6 +91,8 @@ def build(arch: tuple[str, ...] = NATIVE, cache_dir: Path | None = None) -> ctyp
     lib.sf_dequant_i8.argtypes = [_P, _P, _I, _I, _I, _P, _I, _P, _I]
     lib.sf_dequant_f8.argtypes = [_P, _P, _I, _I, _I, _P, _I, _P, _I]
     lib.sf_f8_table.argtypes = [_P]
+    lib.sf_e4m3_from_f32.argtypes = [_P, _P, ctypes.c_int64]
+    lib.sf_e4m3_from_f32.restype = None
     lib.sf_dequant_i4.argtypes = [_P, _P, _P, _I, _I, _I, _P, _I, _P, _I]
     lib.sf_gemm_q8x.argtypes = [_P, _I, _I, _I, _P, _P, _P, _I, _I, _I, _P, _P, _I, _I]
     lib.sf_gemm_q8x.restype = _I
@@ -244,16 +246,30 @@ def add_rmsnorm(x: torch.Tensor, h: torch.Tensor | None, w: torch.Tensor, eps: f
     return out
 
 
+# The C kernels' KV cache element types (cpu_ops.c KV_F32, KV_F16, KV_E4M3).
+KV_KINDS = {torch.float32: 0, torch.float16: 1, torch.float8_e4m3fn: 2}
+
+
 @cache
 def kv_supported(cache_dtype: torch.dtype, head_dim: int) -> bool:
     """Whether the C attention kernels read and write a KV cache of this dtype: float32 always,
-    float16 with the AVX2 (+ F16C) build and head_dim % 8 == 0. (Asked per layer per step: cached.)"""
+    float16 and e4m3 with the AVX2 (+ F16C) build and head_dim % 8 == 0. (Asked per layer per step: cached.)"""
     lib = library()
     if lib is None:
         return False
     if cache_dtype == torch.float32:
         return True
-    return cache_dtype == torch.float16 and bool(lib.sf_has_avx2()) and head_dim % 8 == 0
+    return cache_dtype in KV_KINDS and bool(lib.sf_has_avx2()) and head_dim % 8 == 0
+
+
+def e4m3_from_float(x: torch.Tensor, lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """float32 -> float8_e4m3fn as the C KV store rounds (to nearest even, saturating): held to torch's cast."""
+    lib = lib or library()
+    assert lib is not None
+    x = x.float().contiguous()
+    out = torch.empty(x.shape, dtype=torch.float8_e4m3fn)
+    lib.sf_e4m3_from_f32(x.data_ptr(), out.data_ptr(), x.numel())
+    return out
 
 
 def check(rc: int, what: str) -> None:
@@ -261,7 +277,7 @@ def check(rc: int, what: str) -> None:
     if rc == -1:
         raise MemoryError(f"{what}: out of memory")
     if rc == -2:
-        raise RuntimeError(f"{what}: this build of cpu_ops.c cannot use a float16 KV cache (needs AVX2 + F16C)")
+        raise RuntimeError(f"{what}: this build of cpu_ops.c cannot use a float16 or e4m3 KV cache (needs AVX2 + F16C)")
     if rc != 0:
         raise RuntimeError(f"{what}: failed with code {rc}")
 
@@ -269,7 +285,7 @@ def check(rc: int, what: str) -> None:
 def paged_decode(q: torch.Tensor, cache: torch.Tensor, tables: torch.Tensor, context_lens: torch.Tensor,
                  scale: float, window: int) -> torch.Tensor:
     """q [B, heads, D] float32, each row's heads contiguous (a view into a fused qkv row is fine); cache
-    [blocks, 2, block_size, kv_heads, D] float32 or float16 (see `kv_supported`); tables [B, max_blocks]
+    [blocks, 2, block_size, kv_heads, D] float32, float16 or e4m3 (see `kv_supported`); tables [B, max_blocks]
     and context_lens [B] int64. Returns [B, heads, D]."""
     lib = library()
     assert lib is not None
@@ -278,7 +294,7 @@ def paged_decode(q: torch.Tensor, cache: torch.Tensor, tables: torch.Tensor, con
     out = torch.empty(b, h, d)
     rc = lib.sf_paged_decode(q.data_ptr(), q.stride(0), b, h, cache.shape[3], d, cache.data_ptr(), cache.shape[2],
                              tables.data_ptr(), tables.shape[1], context_lens.data_ptr(), scale, window,
-                             out.data_ptr(), int(cache.dtype == torch.float16), torch.get_num_threads())
+                             out.data_ptr(), KV_KINDS[cache.dtype], torch.get_num_threads())
     check(rc, "paged decode attention")
     return out
 
@@ -290,7 +306,7 @@ def rope_store(qkv: torch.Tensor, heads: int, kv_heads: int, head_dim: int, freq
     lib = library()
     assert lib is not None
     check(lib.sf_rope_store(qkv.data_ptr(), qkv.shape[0], heads, kv_heads, head_dim, freqs.data_ptr(),
-                             cache.data_ptr(), k_rows.data_ptr(), block_size, int(cache.dtype == torch.float16)),
+                             cache.data_ptr(), k_rows.data_ptr(), block_size, KV_KINDS[cache.dtype]),
            "RoPE + KV store")
 
 

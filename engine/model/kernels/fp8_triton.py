@@ -31,6 +31,31 @@ W8A8_MIN_ROWS = 64
 
 
 @triton.jit
+def e4m3_to_float(code):
+    """e4m3 bytes (any integer type) -> float32, exactly: sign, exponent and mantissa placed in a float16
+    (e4m3's bias 7 against float16's 15 leaves the value / 2^8, subnormals included), then x 2^8 — on any
+    GPU, no FP8 instructions needed (weights on sm_80, an FP8 KV cache everywhere). The NaN pattern reads
+    as +-480 (nothing stored here holds it: casts saturate at 448)."""
+    b = code.to(tl.uint16) & 0xFF
+    h = ((b & 0x80) << 8) | ((b & 0x7F) << 7)
+    return h.to(tl.float16, bitcast=True).to(tl.float32) * 256.0
+
+
+@triton.jit
+def e4m3_bits(v):
+    """float32 -> e4m3 bytes (uint8): rounded to nearest even and saturated (`round_e4m3`), then encoded
+    from the rounded float's own bits (normal: exponent + 7 and the top 3 mantissa bits; below 2^-6 a
+    multiple of 2^-9). Equals torch's `.to(torch.float8_e4m3fn)`, on any backend."""
+    sign = ((v.to(tl.uint32, bitcast=True) >> 24) & 0x80).to(tl.int32)
+    a = tl.abs(round_e4m3(v))
+    bits = a.to(tl.uint32, bitcast=True)
+    e = (bits >> 23).to(tl.int32) - 127
+    normal = ((e + 7) << 3) | ((bits >> 20) & 7).to(tl.int32)
+    code = tl.where(e < -6, (a * 512.0).to(tl.int32), normal)
+    return (code | sign).to(tl.uint8)
+
+
+@triton.jit
 def round_e4m3(v):
     """v (float32) rounded to the nearest e4m3 value, ties to even, saturating at +-448: a magic-number
     add at the spacing of v's binade (2^(max(e, -6) - 3): e4m3's 3 mantissa bits, subnormals below

@@ -14,7 +14,14 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.model.kernels.triton_ops import _store_split, combine_splits, decode_splits, split_buffer
+from engine.model.kernels.fp8_triton import e4m3_to_float
+from engine.model.kernels.triton_ops import (
+    _store_split,
+    bytes_if_fp8,
+    combine_splits,
+    decode_splits,
+    split_buffer,
+)
 
 
 @triton.jit
@@ -22,6 +29,7 @@ def _mla_decode_kernel(
     qc_ptr, qr_ptr, cache_ptr, tables_ptr, ctx_ptr, out_ptr, part_ptr, scale, heads,
     stride_qcb, stride_qch, stride_qrb, stride_qrh, stride_cb, stride_cs, stride_tb, stride_ob, stride_oh,
     RANK: tl.constexpr, ROPE: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_TILE: tl.constexpr, SPLITS: tl.constexpr,
+    KV_FP8: tl.constexpr = False,
 ):
     """SPLITS > 1: split-KV, as `triton_ops._decode_attention_kernel` (each split's pages from the
     sequence's context length on the device; partials merged by `combine_splits`)."""
@@ -44,8 +52,11 @@ def _mla_decode_kernel(
         blk = tl.load(tables_ptr + seq * stride_tb + j)
         page = cache_ptr + blk * stride_cb + s_off[:, None] * stride_cs
         valid = j * BLOCK_SIZE + s_off < ctx
-        c = tl.load(page + r[None, :], mask=valid[:, None], other=0.0)  # [BLOCK_SIZE, RANK]
-        kr = tl.load(page + RANK + e[None, :], mask=valid[:, None], other=0.0)  # [BLOCK_SIZE, ROPE]
+        c = tl.load(page + r[None, :], mask=valid[:, None], other=0)  # [BLOCK_SIZE, RANK]
+        kr = tl.load(page + RANK + e[None, :], mask=valid[:, None], other=0)  # [BLOCK_SIZE, ROPE]
+        if KV_FP8:  # (an e4m3 cache's bytes, widened exactly)
+            c = e4m3_to_float(c).to(qc_ptr.dtype.element_ty)
+            kr = e4m3_to_float(kr).to(qc_ptr.dtype.element_ty)
         s = (tl.dot(qc, tl.trans(c)) + tl.dot(qr, tl.trans(kr))) * scale  # [HEAD_TILE, BLOCK_SIZE]
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -80,11 +91,12 @@ def mla_decode(q_c: torch.Tensor, q_r: torch.Tensor, layer_cache: torch.Tensor, 
     tiles = triton.cdiv(heads, head_tile)
     splits = splits or decode_splits(q_c.device, b * tiles)
     part = split_buffer(b, heads, splits, rank, q_c.device) if splits > 1 else out
+    cache, fp8 = bytes_if_fp8(layer_cache)
     _mla_decode_kernel[(b, tiles, splits)](
-        q_c, q_r, layer_cache, block_tables, context_lens, out, part, scale, heads,
+        q_c, q_r, cache, block_tables, context_lens, out, part, scale, heads,
         q_c.stride(0), q_c.stride(1), q_r.stride(0), q_r.stride(1), layer_cache.stride(0), layer_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
-        RANK=rank, ROPE=rope, BLOCK_SIZE=block_size, HEAD_TILE=head_tile, SPLITS=splits,
+        RANK=rank, ROPE=rope, BLOCK_SIZE=block_size, HEAD_TILE=head_tile, SPLITS=splits, KV_FP8=fp8,
     )
     if splits > 1:
         combine_splits(part, out, splits)

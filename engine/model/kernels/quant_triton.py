@@ -22,17 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.model.kernels.fp8_triton import e4m3_to_float
 from engine.model.kernels.triton_ops import splits_to_fill
-
-
-@triton.jit
-def e4m3_to_float(code):
-    """e4m3 bytes (any integer type) -> float32, exactly: sign, exponent and mantissa placed in a float16
-    (e4m3's bias 7 against float16's 15 leaves the value / 2^8, subnormals included), then x 2^8. The
-    NaN pattern reads as +-480 (checkpoints hold none)."""
-    b = code.to(tl.uint16) & 0xFF
-    h = ((b & 0x80) << 8) | ((b & 0x7F) << 7)
-    return h.to(tl.float16, bitcast=True).to(tl.float32) * 256.0
 
 
 @triton.jit

@@ -3,7 +3,8 @@
 Shapes follow the engine: the layer cache is `[num_blocks, 2, block_size, kv_heads, head_dim]`
 (K and V of a block side by side), tokens are flattened `[T, heads, head_dim]`.
 Kernels are specialised by Triton per head_dim, block size and GQA group (constexprs),
-i.e. per loaded model.
+i.e. per loaded model. An e4m3 cache (`--kv-cache-dtype fp8`) is read as bytes and widened exactly in
+registers (`fp8_triton.e4m3_to_float`, any GPU), and written rounded to nearest even (`e4m3_bits`).
 """
 
 from __future__ import annotations
@@ -12,13 +13,15 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.model.kernels.fp8_triton import e4m3_bits, e4m3_to_float
+
 
 @triton.jit
 def _decode_attention_kernel(
     q_ptr, cache_ptr, tables_ptr, ctx_ptr, out_ptr, part_ptr, scale,
     stride_qt, stride_qh, stride_cb, stride_ckv, stride_cs, stride_ch, stride_tb, stride_ot, stride_oh,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
-    WINDOW: tl.constexpr, KEYS: tl.constexpr, SPLITS: tl.constexpr,
+    WINDOW: tl.constexpr, KEYS: tl.constexpr, SPLITS: tl.constexpr, KV_FP8: tl.constexpr = False,
 ):
     """One program per (sequence, kv head, split of its keys): the GROUP query heads sharing that kv
     head read each key once, KEYS keys per tile gathered through the block table (a tile spans pages),
@@ -52,8 +55,11 @@ def _decode_attention_kernel(
         valid = t < ctx
         blk = tl.load(tables_ptr + seq * stride_tb + t // BLOCK_SIZE, mask=valid, other=0)
         row = cache_ptr + blk.to(tl.int64) * stride_cb + kvh * stride_ch + (t % BLOCK_SIZE) * stride_cs
-        k = tl.load(row[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-        v = tl.load(row[:, None] + stride_ckv + d[None, :], mask=valid[:, None], other=0.0)
+        k = tl.load(row[:, None] + d[None, :], mask=valid[:, None], other=0)
+        v = tl.load(row[:, None] + stride_ckv + d[None, :], mask=valid[:, None], other=0)
+        if KV_FP8:  # (e4m3 bytes, widened exactly, multiplied in the queries' dtype)
+            k = e4m3_to_float(k).to(q_ptr.dtype.element_ty)
+            v = e4m3_to_float(v).to(q_ptr.dtype.element_ty)
         s = tl.dot(q.to(k.dtype), tl.trans(k)) * scale  # [GROUP_PAD, KEYS], float32
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -130,6 +136,13 @@ def combine_splits(part: torch.Tensor, out: torch.Tensor, splits: int) -> None:
     _combine_splits_kernel[(b, heads)](part, out, out.stride(0), out.stride(1), SPLITS=splits, DIM=dim)
 
 
+def bytes_if_fp8(layer_cache: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """An e4m3 cache as its bytes (the kernels widen them), and whether it was one."""
+    if layer_cache.dtype == torch.float8_e4m3fn:
+        return layer_cache.view(torch.uint8), True
+    return layer_cache, False
+
+
 def paged_decode_attention(q: torch.Tensor, layer_cache: torch.Tensor, block_tables: torch.Tensor,
                            context_lens: torch.Tensor, scale: float, window: int = 0,
                            splits: int | None = None) -> torch.Tensor:
@@ -142,12 +155,13 @@ def paged_decode_attention(q: torch.Tensor, layer_cache: torch.Tensor, block_tab
     splits = splits or decode_splits(q.device, b * kv_heads)
     out = torch.empty_like(q)
     part = split_buffer(b, heads, splits, dim, q.device) if splits > 1 else out
+    cache, fp8 = bytes_if_fp8(layer_cache)
     _decode_attention_kernel[(b, kv_heads, splits)](
-        q, layer_cache, block_tables, context_lens, out, part, scale,
+        q, cache, block_tables, context_lens, out, part, scale,
         q.stride(0), q.stride(1), layer_cache.stride(0), layer_cache.stride(1), layer_cache.stride(2),
         layer_cache.stride(3), block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, GROUP_PAD=max(triton.next_power_of_2(group), 16), BLOCK_SIZE=block_size, HEAD_DIM=dim,
-        WINDOW=window, KEYS=max(block_size, 64), SPLITS=splits,
+        WINDOW=window, KEYS=max(block_size, 64), SPLITS=splits, KV_FP8=fp8,
     )
     if splits > 1:
         combine_splits(part, out, splits)
@@ -157,24 +171,32 @@ def paged_decode_attention(q: torch.Tensor, layer_cache: torch.Tensor, block_tab
 @triton.jit
 def _store_kv_kernel(k_ptr, v_ptr, cache_ptr, blocks_ptr, slots_ptr,
                      stride_kt, stride_kh, stride_vt, stride_vh, stride_cb, stride_ckv, stride_cs, stride_ch,
-                     HEAD_DIM: tl.constexpr):
+                     HEAD_DIM: tl.constexpr, KV_FP8: tl.constexpr = False):
     t = tl.program_id(0)
     h = tl.program_id(1)
     d = tl.arange(0, HEAD_DIM)
     blk = tl.load(blocks_ptr + t)
     slot = tl.load(slots_ptr + t)
     dst = cache_ptr + blk * stride_cb + slot * stride_cs + h * stride_ch + d
-    tl.store(dst, tl.load(k_ptr + t * stride_kt + h * stride_kh + d))
-    tl.store(dst + stride_ckv, tl.load(v_ptr + t * stride_vt + h * stride_vh + d))
+    k = tl.load(k_ptr + t * stride_kt + h * stride_kh + d)
+    v = tl.load(v_ptr + t * stride_vt + h * stride_vh + d)
+    if KV_FP8:
+        tl.store(dst, e4m3_bits(k.to(tl.float32)))
+        tl.store(dst + stride_ckv, e4m3_bits(v.to(tl.float32)))
+    else:
+        tl.store(dst, k.to(cache_ptr.dtype.element_ty))
+        tl.store(dst + stride_ckv, v.to(cache_ptr.dtype.element_ty))
 
 
 def store_kv(layer_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: torch.Tensor,
              slots: torch.Tensor) -> None:
     """Write token t's K/V into page `blocks[t]`, slot `slots[t]`. k, v: [T, kv_heads, dim]."""
     t, kv_heads, dim = k.shape
+    cache, fp8 = bytes_if_fp8(layer_cache)
     _store_kv_kernel[(t, kv_heads)](
-        k, v, layer_cache, blocks, slots, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k, v, cache, blocks, slots, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         layer_cache.stride(0), layer_cache.stride(1), layer_cache.stride(2), layer_cache.stride(3), HEAD_DIM=dim,
+        KV_FP8=fp8,
     )
 
 
@@ -232,7 +254,7 @@ def _prefill_attention_kernel(
     q_ptr, cache_ptr, tables_ptr, seg_ptr, out_ptr, scale,
     stride_qt, stride_qh, stride_cb, stride_ckv, stride_cs, stride_ch, stride_tb, stride_ot, stride_oh,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
-    WINDOW: tl.constexpr,
+    WINDOW: tl.constexpr, KV_FP8: tl.constexpr = False,
 ):
     """Causal attention of one segment's new tokens over its whole context (cached prefix, earlier
     chunks and the new tokens), read page by page from the block table. Program = (query tile,
@@ -266,8 +288,11 @@ def _prefill_attention_kernel(
         base = cache_ptr + blk * stride_cb + kvh * stride_ch
         k_pos = j * BLOCK_SIZE + s_off
         k_valid = k_pos < ctx
-        k = tl.load(base + s_off[:, None] * stride_cs + d[None, :], mask=k_valid[:, None], other=0.0)
-        v = tl.load(base + stride_ckv + s_off[:, None] * stride_cs + d[None, :], mask=k_valid[:, None], other=0.0)
+        k = tl.load(base + s_off[:, None] * stride_cs + d[None, :], mask=k_valid[:, None], other=0)
+        v = tl.load(base + stride_ckv + s_off[:, None] * stride_cs + d[None, :], mask=k_valid[:, None], other=0)
+        if KV_FP8:
+            k = e4m3_to_float(k).to(q_ptr.dtype.element_ty)
+            v = e4m3_to_float(v).to(q_ptr.dtype.element_ty)
         s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
         allowed = (k_pos[None, :] <= q_pos[:, None]) & k_valid[None, :]
         if WINDOW > 0:
@@ -294,10 +319,12 @@ def paged_prefill_attention(q: torch.Tensor, layer_cache: torch.Tensor, block_ta
     heads, dim = q.shape[1], q.shape[2]
     kv_heads, block_size = layer_cache.shape[3], layer_cache.shape[2]
     grid = (triton.cdiv(max_q_len, block_m), heads, segments.shape[0])
+    cache, fp8 = bytes_if_fp8(layer_cache)
     _prefill_attention_kernel[grid](
-        q, layer_cache, block_tables, segments, out, scale,
+        q, cache, block_tables, segments, out, scale,
         q.stride(0), q.stride(1), layer_cache.stride(0), layer_cache.stride(1), layer_cache.stride(2),
         layer_cache.stride(3), block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=heads // kv_heads, BLOCK_M=block_m, BLOCK_SIZE=block_size, HEAD_DIM=dim, WINDOW=window,
+        KV_FP8=fp8,
     )
     return out
