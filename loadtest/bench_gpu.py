@@ -5,6 +5,8 @@ Triton attention path vs torch SDPA, on random bf16 weights of real model shapes
     python -m loadtest.bench_gpu --preset deepseek-v2-lite   # latent attention + experts
     python -m loadtest.bench_gpu --preset deepseek-v2-lite --quantization int4   # quantized experts
     python -m loadtest.bench_gpu --preset llama3-8b --compress-weights   # weights held losslessly compressed
+    python -m loadtest.bench_gpu --preset llama3-8b --quantization fp8 --fp8-gemm weight-only,w8a8   # FP8 weights
+    python -m loadtest.bench_gpu --preset llama3-8b --kv-cache-dtype fp8 --context 16384 --batches 1,8   # e4m3 KV
     python -m loadtest.bench_gpu --device cpu --preset tiny --batches 1,4 --prefill-tokens 128   # smoke test
 
 Roofline: a decode step must read every weight once plus each sequence's K/V; bytes / measured
@@ -95,7 +97,7 @@ def matmul_peak(dev: torch.device, dtype: torch.dtype) -> float:
 
 
 def build(preset: str, dev: torch.device, dtype: torch.dtype, blocks: int, block_size: int,
-          quantization: str | None = None, compress: bool = False):
+          quantization: str | None = None, compress: bool = False, kv_dtype: torch.dtype | None = None):
     """(config, model, KV cache, parameter counts of the float model, bytes per weight as stored)."""
     cfg = ModelConfig.from_dict({"architectures": ["LlamaForCausalLM"], "rms_norm_eps": 1e-5, **PRESETS[preset]})
     torch.manual_seed(0)
@@ -121,7 +123,7 @@ def build(preset: str, dev: torch.device, dtype: torch.dtype, blocks: int, block
     if dev.type == "cpu":
         model.optimize_for_cpu()
     planes, heads, dim = cfg.kv_entry
-    kv = KVCache(KVLayout(cfg.num_layers, blocks, block_size, heads, dim, dtype, planes), dev)
+    kv = KVCache(KVLayout(cfg.num_layers, blocks, block_size, heads, dim, kv_dtype or dtype, planes), dev)
     return cfg, model, kv, counts, element
 
 
@@ -250,9 +252,14 @@ def main() -> int:
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--first-token", metavar="DIR", default=None,
                    help="also time `splitfire serve` of this model dir from process start to its first token")
-    p.add_argument("--quantization", choices=["int8", "int4"], default=None,
-                   help="quantize the random weights (weight-only, as --quantization does): the Triton "
-                   "weight-only GEMM and, for experts, the grouped kernel over quantized stacks")
+    p.add_argument("--quantization", choices=["int8", "int4", "fp8"], default=None,
+                   help="quantize the random weights (as --quantization does): the Triton weight-only GEMM (fp8: "
+                   "also the w8a8 GEMM, see --fp8-gemm) and, for experts, the grouped kernel over quantized stacks")
+    p.add_argument("--fp8-gemm", default=None, metavar="weight-only,w8a8,...",
+                   help="with --quantization fp8: time every case once per FP8 matmul method, in this order "
+                   "(default: fp8_triton.method_for's choice per batch)")
+    p.add_argument("--kv-cache-dtype", choices=["model", "fp8"], default="model",
+                   help="the KV cache's element type: the model dtype, or e4m3 (as --kv-cache-dtype fp8)")
     p.add_argument("--compress-weights", action="store_true",
                    help="hold the bfloat16 linear weights losslessly compressed (as --compress-weights does; "
                    "CUDA, Triton backend only): the roofline counts the compressed bytes")
@@ -277,12 +284,23 @@ def main() -> int:
     bw, peak = bandwidth(dev), matmul_peak(dev, dtype)
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "CPU"
     print(f"device {name}: copy bandwidth {bw / 1e9:.0f} GB/s, {dtype} matmul peak {peak / 1e12:.1f} TFLOP/s; "
-          f"weights {args.quantization or dtype}{' compressed' if args.compress_weights else ''}")
+          f"weights {args.quantization or dtype}{' compressed' if args.compress_weights else ''}; KV cache "
+          f"{'e4m3' if args.kv_cache_dtype == 'fp8' else dtype}")
     backends = ["torch", "triton"] if (dev.type == "cuda" or os.environ.get("TRITON_INTERPRET")) else ["torch"]
     if args.compress_weights:
         if dev.type != "cuda" or args.quantization:
             raise SystemExit("--compress-weights needs --device cuda and no --quantization (as the engine's flag)")
         backends = ["triton"]
+    fp8_methods: list[str | None] = [None]
+    if args.fp8_gemm:
+        if args.quantization != "fp8":
+            raise SystemExit("--fp8-gemm needs --quantization fp8")
+        fp8_methods = list(args.fp8_gemm.split(","))
+        if not set(fp8_methods) <= {"weight-only", "w8a8"}:
+            raise SystemExit(f"--fp8-gemm takes weight-only and w8a8, got {args.fp8_gemm!r}")
+    from engine.model.kernels import fp8_triton
+
+    default_w8a8_rows = fp8_triton.W8A8_MIN_ROWS
     decodes: list[str | None] = [None]
     if args.tiles_decode:
         if not args.compress_weights:
@@ -304,18 +322,24 @@ def main() -> int:
     batches = [int(b) for b in args.batches.split(",")]
     # (the path names the launch, decode and experts' blocks)
     pw = (8 + 10 * bool(args.gemv_launch) + 7 * bool(args.tiles_decode) + 5 * bool(args.experts_min_blocks)
-          + 5 * bool(args.gemv_max_rows))
+          + 5 * bool(args.gemv_max_rows) + 12 * bool(args.fp8_gemm))
     print(f"{'model':<14}{'path':<{pw}}{'case':<18}{'ms':>9}{'CPU ms':>9}{'% roofline / MFU':>18}")
     for preset in args.preset.split(","):
         block_size = 16
         need = max(batches) * (-(-(args.context + 1) // block_size)) + -(-args.prefill_tokens // block_size) + 8
         cfg, model, kv, counts, element = build(preset, dev, dtype, need + 1, block_size, args.quantization,
-                                                args.compress_weights)
+                                                args.compress_weights,
+                                                torch.float8_e4m3fn if args.kv_cache_dtype == "fp8" else None)
         runner = ModelRunner(model, kv, dev)
         page = kv.layout.page_bytes
-        for backend, launch, decode, blocks, rows in [(b, la, d, mb, r) for b in backends for la in launches
-                                                      for d in decodes for mb in min_blocks for r in max_rows]:
+        for backend, launch, decode, blocks, rows, fp8m in [(b, la, d, mb, r, f) for b in backends for la in launches
+                                                            for d in decodes for mb in min_blocks for r in max_rows
+                                                            for f in fp8_methods]:
             set_backend(backend)
+            # (w8a8 from every row count, or from none: the engine's fp8_triton.method_for decides by rows)
+            fp8_triton.W8A8_MIN_ROWS = {None: default_w8a8_rows, "w8a8": 1, "weight-only": 1 << 30}[fp8m]
+            if fp8m:
+                backend += f"/{fp8m}"
             compressed_triton.GEMV_LAUNCH = launch or default
             (compressed_triton.TILES_DECODE, moe_triton.EXPERTS_DECODE,
              compressed_triton.DECOMPRESS_DECODE) = (decode,) * 3 if decode else default_decodes

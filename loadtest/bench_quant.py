@@ -136,15 +136,16 @@ def main_gemm(args: argparse.Namespace) -> int:
 
 
 def main_kv(args: argparse.Namespace) -> int:
-    """float32 against float16 KV cache on the same model (the default SmolLM2, Q4_1 weights as
-    stored), interleaved rounds in one run: decode tok/s once every sequence decodes, at batch 1 and
-    16 after 256-token prompts (the contexts of `vs_llama_server`) and at batch 1 after 1,024;
+    """float32 against float16 and e4m3 (fp8) KV caches on the same model (the default SmolLM2, Q4_1
+    weights as stored), interleaved rounds in one run: decode tok/s once every sequence decodes, at batch
+    1 and 16 after 256-token prompts (the contexts of `vs_llama_server`) and at batch 1 after 1,024;
     cache bytes per token; perplexity on prose.txt (prefill's attention reads the cache too)."""
 
     path = fetch_builtin(args.model or DEFAULT_MODEL)
+    kinds = ("float32", "float16", "fp8")
     engines = {dt: LLMEngine(EngineConfig(model=str(path), device="cpu", threads=args.threads, kv_cache_gb=1.0,
                                           kv_cache_dtype=dt, enable_prefix_cache=False))
-               for dt in ("float32", "float16")}
+               for dt in kinds}
     cases = [(1, 256), (16, 256), (1, 1024)]
     found: dict[str, dict[str, list[float]]] = {dt: {} for dt in engines}
     sp = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
@@ -156,16 +157,21 @@ def main_kv(args: argparse.Namespace) -> int:
     ppl = {dt: quality.perplexity(engine)[0] for dt, engine in engines.items()}
     print(f"\nSmolLM2-135M-Instruct (Q4_1 weights), CPU: {cpu_flags()}; decode tok/s, medians of {args.rounds} "
           "interleaved rounds")
-    print(f"{'':<30}{'float32 KV':>14}{'float16 KV':>14}{'f16 / f32':>12}")
+    print(f"{'':<30}" + "".join(f"{dt + ' KV':>14}" for dt in kinds) + f"{'f16 / f32':>12}{'fp8 / f32':>12}")
     per_token = {dt: e.kv.layout.page_bytes * e.kv.layout.num_layers / e.kv.layout.block_size for dt, e in engines.items()}
-    print(f"{'KV bytes per token':<30}{per_token['float32']:>14.0f}{per_token['float16']:>14.0f}"
-          f"{per_token['float16'] / per_token['float32']:>11.2f}x")
+
+    def row(label: str, v: dict[str, float], fmt: str, ratio: str) -> None:
+        cells = "".join(f"{v[dt]:>14{fmt}}" for dt in kinds)
+        rel = "".join(f"{(v[dt] / v['float32'] if ratio == 'x' else v[dt] / v['float32'] - 1):>11.2f}x" if ratio == "x"
+                      else f"{v[dt] / v['float32'] - 1:>+12.2%}" for dt in kinds[1:])
+        print(f"{label:<30}{cells}{rel}")
+
+    row("KV bytes per token", per_token, ".0f", "x")
     for batch, ctx in cases:
         key = f"b{batch}@{ctx}"
-        a, b = (statistics.median(found[dt][key]) for dt in engines)
-        print(f"{f'decode batch {batch}, {ctx}-token prompts':<30}{a:>14.1f}{b:>14.1f}{b / a:>11.2f}x")
-    print(f"{'perplexity (prose.txt)':<30}{ppl['float32']:>14.3f}{ppl['float16']:>14.3f}"
-          f"{ppl['float16'] / ppl['float32'] - 1:>+12.2%}")
+        row(f"decode batch {batch}, {ctx}-token prompts", {dt: statistics.median(found[dt][key]) for dt in kinds}, ".1f",
+            "x")
+    row("perplexity (prose.txt)", ppl, ".3f", "%")
     return 0
 
 
@@ -174,7 +180,7 @@ def main_quant(args: argparse.Namespace) -> int:
     native = fetch_builtin(name)
     floats = fetch_builtin(name, keep_quantized=False)
     variants = [("float32", floats, None, "float"), ("int8", floats, "int8", "float"),
-                ("int4", floats, "int4", "float"), ("Q4_1", native, None, "float"),
+                ("fp8", floats, "fp8", "float"), ("int4", floats, "int4", "float"), ("Q4_1", native, None, "float"),
                 ("Q4_1 int8-x", native, None, "int8")]
     rows: dict[str, dict[str, float]] = {}
     greedy_ref: list[list[int]] = []

@@ -75,12 +75,14 @@ static inline __m256 load_i8(const int8_t *p, __m256 scale) {
 /* 8 e4m3 codes -> 8 floats times `scale256` (the scale times 2^8): the code's sign to float16's sign,
  * its exponent and mantissa to the low exponent bits and top mantissa bits, so the float16 is the
  * e4m3 value / 2^8 exactly (subnormals included); the product equals F8(q) * scale bit for bit. */
-static inline __m256 load_f8(const int8_t *p, __m256 scale256) {
+static inline __m256 e4m3_div256(const int8_t *p) {
+    /* (b << 8) >> 1 arithmetic leaves s.s.eeee.mmm.0000000: clearing the copied sign bit 14 gives the
+     * float16 s.0eeee.mmm0000000 = the e4m3 value / 2^8 (3 integer ops) */
     __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)p));
-    __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8),
-                             _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x7F)), 7));
-    return _mm256_mul_ps(_mm256_cvtph_ps(h), scale256);
+    __m128i h = _mm_and_si128(_mm_srai_epi16(_mm_slli_epi16(b, 8), 1), _mm_set1_epi16((short)0xBFFF));
+    return _mm256_cvtph_ps(h);
 }
+static inline __m256 load_f8(const int8_t *p, __m256 scale256) { return _mm256_mul_ps(e4m3_div256(p), scale256); }
 
 /* The int8 loops' weight load: int8 codes, or (f8, a constant at every call site) e4m3 codes. */
 #define LOAD_W(f8, p, sc) ((f8) ? load_f8((p), (sc)) : load_i8((p), (sc)))
@@ -629,10 +631,12 @@ void sf_e4m3_from_f32(const float *in, uint8_t *out, int64_t n) {
 }
 
 #if SF_AVX2
-/* 8 KV-cache numbers as floats: float32 as stored, float16 widened (F16C), or e4m3 placed in float16 and
- * scaled by 2^8 (exact; see load_f8). */
+/* 8 KV-cache numbers as floats: float32 as stored, float16 widened (F16C), or e4m3 placed in float16: the
+ * value / 2^8, exactly (e4m3_div256). The 2^8 is folded into the score scale and applied once to each span's
+ * output (E4M3_UNIT): no multiply per value. */
+#define E4M3_UNIT 256.0f
 INLINE __m256 load_kv8(const char *p, const int kvk) {
-    if (kvk == KV_E4M3) return load_f8((const int8_t *)p, _mm256_set1_ps(256.0f));
+    if (kvk == KV_E4M3) return e4m3_div256((const int8_t *)p);
     return kvk == KV_F16 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)) : _mm256_loadu_ps((const float *)p);
 }
 
@@ -699,7 +703,8 @@ typedef struct {
 INLINE void span_avx(const Span *sp, float *sc, float *m, float *l, float *o, const int kvk) {
     int G = sp->G, D = sp->D, esz = KV_BYTES(kvk);
     int64_t n = sp->n, t = 0;
-    __m256 vscale = _mm256_set1_ps(sp->scale);
+    float kscale = kvk == KV_E4M3 ? sp->scale * E4M3_UNIT : sp->scale; /* (keys read / 2^8: see load_kv8) */
+    __m256 vscale = _mm256_set1_ps(kscale);
     KeyWalk kw = key_walk(sp->cache, sp->table, sp->start, sp->bs, sp->slot, sp->head, 0);
     for (int g = 0; g < G; g++) m[g] = -INFINITY;
     const char *nk[8];
@@ -728,7 +733,7 @@ INLINE void span_avx(const Span *sp, float *sc, float *m, float *l, float *o, co
             const float *qg = sp->q + (size_t)g * D;
             for (int i = 0; i < D; i += 8)
                 acc = _mm256_fmadd_ps(_mm256_loadu_ps(qg + i), load_kv8(k + (size_t)i * esz, kvk), acc);
-            float v = hsum(acc) * sp->scale;
+            float v = hsum(acc) * kscale;
             sc[(size_t)g * n + t] = v;
             m[g] = fmaxf(m[g], v);
         }
@@ -764,6 +769,8 @@ INLINE void span_avx(const Span *sp, float *sc, float *m, float *l, float *o, co
             }
         }
     }
+    if (kvk == KV_E4M3) /* the values were read / 2^8 */
+        for (size_t i = 0; i < (size_t)G * D; i++) o[i] *= E4M3_UNIT;
 }
 #endif
 
