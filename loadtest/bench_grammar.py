@@ -94,7 +94,7 @@ def main_tools(args: argparse.Namespace) -> int:
     from engine.engine_config import EngineConfig
     from engine.llm_engine import LLMEngine
     from loadtest.engine_runs import decode_rate
-    from router.tool_calls import GENERIC, Tool, ToolChoice
+    from router.api.tool_calls import GENERIC, Tool, ToolChoice
 
     weather = Tool("get_weather", {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]})
     g = GENERIC.auto_grammar(ToolChoice("auto", (weather,), parallel=True))

@@ -1,8 +1,8 @@
 """A discrete-event simulation of a whole fleet serving a Mooncake trace (`../shared/data/mooncake_traces/`):
 the full hour, real arrivals and lengths, real prefix sharing (the trace's 512-token block hashes).
 
-Placement is the router's own code: `router.balancer` policies over `router.endpoints.Endpoint` load
-estimates (charged and released as the router does) and `router.prefix_index.PrefixIndex` for the
+Placement is the router's own code: `router.placement.balancer` policies over `router.core.endpoints.Endpoint` load
+estimates (charged and released as the router does) and `router.core.prefix_index.PrefixIndex` for the
 expected cache hit. Workers are a cost model (`CostModel`):
 
 - **prefill worker**: FIFO; a prompt takes `overhead + uncached / prefill_tps` (blocks fetched from the
@@ -70,9 +70,9 @@ from pathlib import Path
 from loadtest.trace_replay import TRACE_BLOCK, Scale, TraceRequest, leading_cached, read_trace
 from loadtest.workload import pct as workload_pct
 from planner.decision import Limits, Planner, Profile, Snapshot
-from router.balancer import Placement, make_policy
-from router.endpoints import Endpoint
-from router.prefix_index import PrefixIndex
+from router.core.endpoints import Endpoint
+from router.core.prefix_index import PrefixIndex
+from router.placement.balancer import Placement, make_policy
 
 
 @dataclass(frozen=True)

@@ -20,8 +20,8 @@ from typing import cast
 from aiohttp import web
 
 from loadtest.stack import serve_app
-from router.http_client import HTTPClient, chunk
-from router.openai_upstream import EventParser
+from router.backends.http_client import HTTPClient, chunk
+from router.backends.openai_upstream import EventParser
 
 _PRE = b'data: {"id":"x","object":"chat.completion.chunk","created":1,"model":"fake","choices":[{"index":0,"delta":{"content":'
 _POST = b'},"logprobs":null,"finish_reason":null}]}\n\n'

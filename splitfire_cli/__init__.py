@@ -170,7 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
     fp.set_defaults(func=_fetch)
 
     try:
-        from router import cli as router_cli
+        from router.app import cli as router_cli
     except ImportError:
         router_cli = None
     if router_cli is not None:

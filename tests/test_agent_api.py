@@ -191,7 +191,7 @@ def test_a_tool_result_turn_renders_and_answers(stack, qwen_dir):
     r = c.chat.completions.create(model=MODEL, messages=history, tools=TOOLS, max_tokens=8, temperature=0)
     assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
     # The template saw the call (arguments as an object) and the result.
-    from router.protocol import parse_messages
+    from router.api.protocol import parse_messages
 
     text = Tokenizer(qwen_dir).render_chat(parse_messages({"messages": history}), tools=TOOLS)
     assert f'"name": "{call.function.name}", "arguments": {call.function.arguments}' in text
@@ -210,7 +210,7 @@ def test_auto_tool_choice_without_a_format_uses_the_generic_one(tiny_model_dir, 
     """A model whose template has no tool format (the tiny ChatML one): tool_choice auto is served in
     the generic format — the tools described in a system message, the reply free text or calls."""
     from common.tokenizer import Tokenizer
-    from router.protocol import RequestParser
+    from router.api.protocol import RequestParser
 
     worker = start_worker("both", tiny_model_dir, tmp_path)
     router = start_router(tiny_model_dir, tmp_path, "--served-model-name", "tiny", "--colocated", address(worker))

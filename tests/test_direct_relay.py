@@ -17,7 +17,7 @@ import pytest
 from openai import AsyncOpenAI
 from procs import address, base_url, start_router, start_worker
 
-from router.mux_client import MuxStream
+from router.backends.mux_client import MuxStream
 
 MODEL = "tiny"
 
@@ -162,12 +162,12 @@ async def test_the_writer_declines_before_the_head_past_the_high_water_mark_and_
     when the transport holds more than HIGH_WATER unsent (they wait for the reader, which waits for the
     client to drain it) or is closing."""
     from common.sampling_params import SamplingParams
-    from router.direct_relay import HIGH_WATER, DirectStream
-    from router.dispatcher import Latency
-    from router.endpoints import EndpointRegistry
-    from router.metrics import RouterMetrics
-    from router.protocol import GenRequest
-    from router.sse import StreamWriter
+    from router.api.protocol import GenRequest
+    from router.api.sse import StreamWriter
+    from router.app.direct_relay import HIGH_WATER, DirectStream
+    from router.core.endpoints import EndpointRegistry
+    from router.core.metrics import RouterMetrics
+    from router.placement.dispatcher import Latency
 
     loop = asyncio.get_running_loop()
     accepted: asyncio.Future[socket.socket] = loop.create_future()

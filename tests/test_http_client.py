@@ -8,7 +8,7 @@ import random
 import pytest
 from aiohttp import web
 
-from router.http_client import HTTPClient, HTTPClientError, Origin, Response
+from router.backends.http_client import HTTPClient, HTTPClientError, Origin, Response
 
 
 def _feed(raw: bytes, cuts: list[int]) -> Response:

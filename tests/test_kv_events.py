@@ -16,9 +16,9 @@ from common.block_hash import block_hashes
 from common.sampling_params import SamplingParams
 from engine.batch.block_manager import BlockManager
 from engine.batch.sequence import Sequence
-from router.endpoints import EndpointRegistry
-from router.kv_events import OP_BYTES, ExactPrefixIndex, WorkerView
-from router.prefix_index import PrefixIndex
+from router.core.endpoints import EndpointRegistry
+from router.core.prefix_index import PrefixIndex
+from router.placement.kv_events import OP_BYTES, ExactPrefixIndex, WorkerView
 
 
 def replay(ops: bytes, into: set[bytes]) -> None:

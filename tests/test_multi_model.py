@@ -120,7 +120,7 @@ def test_up_gives_each_model_the_flags_after_it():
 
 
 def test_extra_model_flags_are_validated():
-    from router.config import RouterConfig
+    from router.core.config import RouterConfig
 
     with pytest.raises(ValueError, match="NAME=MODEL"):
         RouterConfig(model="m", extra_models=["nameonly"]).validate()

@@ -15,7 +15,7 @@ from procs import address, base_url, start_router, start_worker
 
 from protos import frames
 from protos import splitfire_pb2 as pb
-from router.mux_client import MuxClient
+from router.backends.mux_client import MuxClient
 
 MODEL = "tiny"
 

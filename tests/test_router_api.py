@@ -292,7 +292,7 @@ async def test_every_openai_request_field_is_honoured_or_refused_by_name(stack):
     from openai.types import completion_create_params as completion_params
     from openai.types.chat import completion_create_params as chat_params
 
-    from router.fields import DEFAULT_ONLY, HONOURED
+    from router.api.fields import DEFAULT_ONLY, HONOURED
 
     sdk = {"chat": set(chat_params.CompletionCreateParamsBase.__annotations__),
            "completion": set(completion_params.CompletionCreateParamsBase.__annotations__)}

@@ -13,12 +13,12 @@ import pytest
 from aiohttp import web
 from procs import base_url, free_port, spawn
 
-from router.attempt import Attempt
-from router.backend import Route
-from router.breaker import CLOSED, HALF_OPEN, OPEN, BreakerConfig, CircuitBreaker
-from router.endpoints import EndpointRegistry
-from router.prefix_index import PrefixIndex
-from router.worker_client import WorkerClient
+from router.backends.backend import Route
+from router.backends.worker_client import WorkerClient
+from router.core.breaker import CLOSED, HALF_OPEN, OPEN, BreakerConfig, CircuitBreaker
+from router.core.endpoints import EndpointRegistry
+from router.core.prefix_index import PrefixIndex
+from router.placement.attempt import Attempt
 
 
 def test_one_failure_does_not_eject_but_a_high_error_rate_does():

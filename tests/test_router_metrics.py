@@ -6,7 +6,7 @@ import random
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
-from router.metrics import ITL, LoopHistogram
+from router.core.metrics import ITL, LoopHistogram
 
 
 def _lines(registry: CollectorRegistry) -> list[str]:

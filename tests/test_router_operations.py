@@ -180,7 +180,7 @@ def test_router_process_does_not_import_torch():
     import subprocess
     import sys
 
-    code = ("import sys, splitfire_cli, router.server; splitfire_cli.build_parser(); "
+    code = ("import sys, splitfire_cli, router.app.server; splitfire_cli.build_parser(); "
             "print(sorted(m for m in ('torch', 'numpy', 'safetensors') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr

@@ -12,15 +12,15 @@ import pytest
 from procs import address, base_url, start_redis, start_router, start_worker
 
 from common.sampling_params import SamplingParams
-from router.affinity import MemoryPinStore, SessionAffinity
-from router.attempt import Ticket
-from router.balancer import make_policy
-from router.config import RouterConfig
-from router.dispatcher import Dispatcher
-from router.endpoints import EndpointRegistry
-from router.metrics import RouterMetrics
-from router.prefix_index import PrefixIndex
-from router.protocol import GenRequest
+from router.api.protocol import GenRequest
+from router.core.affinity import MemoryPinStore, SessionAffinity
+from router.core.config import RouterConfig
+from router.core.endpoints import EndpointRegistry
+from router.core.metrics import RouterMetrics
+from router.core.prefix_index import PrefixIndex
+from router.placement.attempt import Ticket
+from router.placement.balancer import make_policy
+from router.placement.dispatcher import Dispatcher
 
 MODEL = "tiny"
 
@@ -197,7 +197,7 @@ async def test_decode_killed_mid_stream_client_text_equals_uninterrupted(tiny_mo
 
 def test_failover_resumes_after_the_text_the_client_already_has(tiny_model_dir):
     from common.tokenizer import Tokenizer
-    from router.resume import resume_point
+    from router.placement.resume import resume_point
 
     tok = Tokenizer(tiny_model_dir)
     ids = tok.encode("lazy 🚀🔥 dog")
@@ -218,7 +218,7 @@ def test_a_prefix_cached_elsewhere_costs_a_fetch_with_a_shared_kv_store():
     """Placement: a local hit is cheapest, a block only the fleet has seen (the shared KV store) is
     cheaper than computing, and without a shared store it counts for nothing."""
     from common.block_hash import block_hashes
-    from router.prefix_index import STORE_HIT_COST, PrefixIndex
+    from router.core.prefix_index import STORE_HIT_COST, PrefixIndex
 
     hashes = block_hashes("", list(range(160)), 16)  # 10 blocks
     for shared in (False, True):
@@ -282,7 +282,7 @@ def test_router_and_engine_hash_blocks_identically():
 def test_list_flags_accept_repeats_and_lists():
     import argparse
 
-    from router.config import add_router_args
+    from router.core.config import add_router_args
 
     parser = argparse.ArgumentParser()
     add_router_args(parser)
@@ -330,7 +330,7 @@ def test_workers_hosting_several_models_get_a_model_where_it_is_loaded_and_no_bo
     for b, loaded on both, a worker's cached blocks count only for its first model (whose KV events it
     publishes), so w0's blocks (model a's) do not draw b's request to the busier w0."""
     from common.block_hash import block_hashes
-    from router.backend import Route
+    from router.backends.backend import Route
 
     cfg = RouterConfig(colocated=["w0:1", "w1:1"], policy="token")
     reg = EndpointRegistry()

@@ -15,7 +15,7 @@ from reference import Reference
 from protos import frames
 from protos import splitfire_pb2 as pb
 from protos import splitfire_pb2_grpc as pbg
-from router.mux_client import MuxClient
+from router.backends.mux_client import MuxClient
 
 
 async def test_stream_interval_coalesces_events_without_changing_tokens(tiny_model_dir, tmp_path):

@@ -18,13 +18,13 @@ from procs import address, base_url, start_redis, start_router, start_worker
 from reference import Reference
 
 from common.sampling_params import SamplingParams
-from router.admission import Admission
-from router.endpoints import EndpointRegistry
-from router.errors import APIError
-from router.metrics import RouterMetrics
-from router.quotas import PipelinedCounters, Quotas, RedisCounters
-from router.redis_pipe import PipelinedRedis, RedisError
-from router.tenants import Caller, KeyPolicy, Tenants, key_id, read_keys
+from router.api.errors import APIError
+from router.core.endpoints import EndpointRegistry
+from router.core.metrics import RouterMetrics
+from router.tenancy.admission import Admission
+from router.tenancy.quotas import PipelinedCounters, Quotas, RedisCounters
+from router.tenancy.redis_pipe import PipelinedRedis, RedisError
+from router.tenancy.tenants import Caller, KeyPolicy, Tenants, key_id, read_keys
 
 MODEL = "tiny"
 GREEDY = dict(temperature=0.0, ignore_eos=True)

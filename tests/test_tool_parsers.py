@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from router.reply import Reasoning, ReplyPlan
-from router.tool_calls import (
+from router.api.reply import Reasoning, ReplyPlan
+from router.api.tool_calls import (
     HERMES,
     JSON_ARRAY,
     LLAMA3_JSON,
@@ -143,7 +143,7 @@ def _matcher(grammar_text: str, tokenizer_dir):
 def test_the_generic_auto_grammar_is_free_text_or_calls(tiny_model_dir):
     """A model without a tool format of its own, under tool_choice auto: any text that does not open with
     `[`, or a list of calls whose JSON the schema shapes from its first token."""
-    from router.tool_calls import GENERIC, Tool, ToolChoice
+    from router.api.tool_calls import GENERIC, Tool, ToolChoice
 
     weather = Tool("get_weather", {"type": "object", "properties": {"city": {"type": "string"}},
                                    "required": ["city"], "additionalProperties": False})
@@ -175,7 +175,7 @@ def test_free_text_under_the_generic_auto_grammar_is_unchanged(smollm2_dir):
     from engine_helpers import make_engine
 
     from common.sampling_params import SamplingParams
-    from router.tool_calls import GENERIC, Tool, ToolChoice
+    from router.api.tool_calls import GENERIC, Tool, ToolChoice
 
     g = GENERIC.auto_grammar(ToolChoice("auto", (Tool("get_weather", {"type": "object"}),), parallel=False))
     engine = make_engine(smollm2_dir, kv_cache_gb=0.05)
@@ -205,7 +205,7 @@ def test_free_text_under_the_generic_auto_grammar_is_unchanged(smollm2_dir):
 
 # -- the DeepSeek and Kimi families' marked formats ------------------------------------------------
 
-from router.marked_calls import DEEPSEEK_V3, DEEPSEEK_V31, KIMI_K2, detect_marked  # noqa: E402
+from router.api.marked_calls import DEEPSEEK_V3, DEEPSEEK_V31, KIMI_K2, detect_marked  # noqa: E402
 
 MARKED = [
     ("deepseek-v3", DEEPSEEK_V3,
@@ -281,7 +281,7 @@ def test_constrained_marked_calls_parse_from_the_reply_token_ids(tmp_path, marke
     from tiny_model import make_tiny_llama
 
     from common.tokenizer import Tokenizer
-    from router.protocol import RequestParser
+    from router.api.protocol import RequestParser
 
     model = make_tiny_llama(tmp_path / "m", extra_special=markers)
     cfg = json.loads((model / "tokenizer_config.json").read_text())

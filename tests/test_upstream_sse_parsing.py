@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from router.openai_upstream import _batch_text, _fast_text
+from router.backends.openai_upstream import _batch_text, _fast_text
 
 
 def _event(delta: dict, finish=None, usage=None) -> bytes:
@@ -36,14 +36,14 @@ def test_single_event_fast_path():
     # Reasoning (and tool calls, logprobs) must reach the client: such events take the full parse.
     reasoning = _event({"reasoning_content": "think", "content": "say"})
     assert _fast_text(reasoning[6:]) is None
-    from router.openai_upstream import parse_events
+    from router.backends.openai_upstream import parse_events
 
     c, _ = parse_events(reasoning)
     assert c.text == "say" and c.extra == {"reasoning_content": "think"}
 
 
 def test_read_with_a_finish_parses_like_json_whatever_the_spacing():
-    from router.openai_upstream import parse_events
+    from router.backends.openai_upstream import parse_events
 
     plain = [_event({"content": t}) for t in ("a", "b\u00e9", '"c"')]
     finish = {"id": "x", "choices": [{"index": 0, "delta": {}, "finish_reason": "length"}],
@@ -87,7 +87,7 @@ def test_framed_fast_path_gives_the_text_full_parsing_gives(monkeypatch):
     the learned-frame path and full parsing must agree, and the frame must carry most reads."""
     import random
 
-    from router import openai_upstream as ou
+    from router.backends import openai_upstream as ou
 
     full_parses = 0
     real = ou.parse_events

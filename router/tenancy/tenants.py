@@ -1,0 +1,189 @@
+"""API keys → tenants and what each key may do. The tenant scopes the prefix cache (tenants never share
+KV blocks), weighs the tenant's share of admission and of the workers' batches, and each key carries
+its quotas and scopes.
+
+`--api-keys FILE`, one of:
+
+- lines `key [tenant]` (the tenant defaults to the key's first 8 characters);
+- `{"key": "tenant", ...}`;
+- `{"keys": {"key": {"tenant": "a", "weight": 2, "max_concurrent": 32, "requests_per_minute": 600,
+  "tokens_per_minute": 200000, "models": ["..."], "admin": false}, ...}}` (every setting optional).
+
+The file is read again on SIGHUP, and when it changes on disk (`watch`: a Kubernetes Secret update
+swaps the mounted file); streams already admitted keep going under the settings they started with. Keys are never logged: a key's id is a hash of it (`Caller.key_id`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from router.api.errors import APIError
+
+log = logging.getLogger("splitfire.router")
+
+DEFAULT_TENANT = "default"
+_SETTINGS = {"tenant", "weight", "max_concurrent", "requests_per_minute", "tokens_per_minute", "models", "admin"}
+
+
+@dataclass(frozen=True)
+class KeyPolicy:
+    tenant: str
+    weight: float = 1.0  # share of admission and of a worker's batch against other tenants
+    max_concurrent: int | None = None  # requests in flight at once (None: no limit)
+    requests_per_minute: int | None = None
+    tokens_per_minute: int | None = None  # prompt + completion tokens
+    models: frozenset[str] | None = None  # the models and adapters this key may name (None: all)
+    admin: bool = False  # may call the admin routes (prefix-cache reset, adapter loading)
+
+    @cached_property
+    def limited(self) -> bool:
+        """Any quota set (else the request skips the quota checks)."""
+        return not (self.max_concurrent is None and self.requests_per_minute is None and self.tokens_per_minute is None)
+
+    def may_use(self, model: str) -> bool:
+        return self.models is None or model in self.models
+
+
+@dataclass(frozen=True)
+class Caller:
+    """Who is asking: the key's hashed id (never the key), and its policy."""
+
+    key_id: str
+    policy: KeyPolicy = field(default_factory=lambda: KeyPolicy(DEFAULT_TENANT, admin=True))
+
+    @property
+    def tenant(self) -> str:
+        return self.policy.tenant
+
+
+ANONYMOUS = Caller("-")  # no --api-keys: one tenant, no limits, admin
+
+
+def key_id(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()[:12]
+
+
+def _policy(where: str, raw: Any) -> KeyPolicy:
+    if isinstance(raw, str):
+        return KeyPolicy(raw)
+    if not isinstance(raw, dict):
+        raise ValueError(f"{where}: a key's settings must be a tenant name or an object")
+    unknown = set(raw) - _SETTINGS
+    if unknown:
+        raise ValueError(f"{where}: unknown setting(s) {sorted(unknown)} (known: {sorted(_SETTINGS)})")
+
+    def positive(name: str, kind: type) -> Any:
+        v = raw.get(name)
+        if v is None:
+            return None
+        if isinstance(v, bool) or not isinstance(v, (int, float) if kind is float else int) or v <= 0:
+            raise ValueError(f"{where}: '{name}' must be a positive {'number' if kind is float else 'integer'}")
+        return v
+
+    tenant = raw.get("tenant")
+    if not isinstance(tenant, str) or not tenant:
+        raise ValueError(f"{where}: 'tenant' (a name) is required")
+    models = raw.get("models")
+    if models is not None and (not isinstance(models, list) or not all(isinstance(m, str) for m in models)):
+        raise ValueError(f"{where}: 'models' must be a list of model names")
+    if not isinstance(raw.get("admin", False), bool):
+        raise ValueError(f"{where}: 'admin' must be true or false")
+    return KeyPolicy(tenant, float(positive("weight", float) or 1.0), positive("max_concurrent", int),
+                     positive("requests_per_minute", int), positive("tokens_per_minute", int),
+                     frozenset(models) if models is not None else None, bool(raw.get("admin", False)))
+
+
+def read_keys(path: str) -> dict[str, KeyPolicy]:
+    text = Path(path).read_text()
+    keys: dict[str, KeyPolicy] = {}
+    if text.lstrip().startswith("{"):
+        try:
+            doc = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: not valid JSON: {e}") from e
+        entries = doc["keys"] if isinstance(doc.get("keys"), dict) else doc
+        for k, v in entries.items():
+            keys[str(k)] = _policy(f"{path}: key {key_id(str(k))}", v)
+    else:
+        for n, line in enumerate(text.splitlines(), 1):
+            line = line.strip()
+            if not line or line.startswith("#"):
+                continue
+            parts = line.split()
+            if len(parts) > 2:
+                raise ValueError(f"{path}:{n}: expected 'key [tenant]'")
+            keys[parts[0]] = KeyPolicy(parts[1] if len(parts) == 2 else parts[0][:8])
+    if not keys:
+        raise ValueError(f"{path}: no API keys")
+    return keys
+
+
+class Tenants:
+    def __init__(self, keys: dict[str, KeyPolicy] | None = None, path: str = ""):
+        self.keys = keys  # None = no authentication, everything is one tenant
+        self.path = path
+        self._callers = {k: Caller(key_id(k), p) for k, p in (keys or {}).items()}
+
+    @classmethod
+    def from_file(cls, path: str) -> Tenants:
+        if not path:
+            return cls(None)
+        return cls(read_keys(path), path)
+
+    def _stamp(self) -> tuple[float, int] | None:
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return None
+        return st.st_mtime, st.st_size
+
+    async def watch(self, interval_s: float = 2.0) -> None:
+        """Reload when the file's modification time or size changes."""
+        seen = self._stamp()
+        while True:
+            await asyncio.sleep(interval_s)
+            now = self._stamp()
+            if now is not None and now != seen:
+                seen = now
+                self.reload()
+
+    def reload(self) -> None:
+        """Read the file again (SIGHUP). A file that no longer parses keeps the current keys, said loudly."""
+        if not self.path:
+            return
+        try:
+            keys = read_keys(self.path)
+        except (OSError, ValueError) as e:
+            log.error("event=api_keys_reload_failed path=%s error=%s (the current keys stay)", self.path, e)
+            return
+        self.keys = keys
+        self._callers = {k: Caller(key_id(k), p) for k, p in keys.items()}
+        log.info("event=api_keys_reloaded path=%s keys=%d tenants=%d", self.path, len(keys),
+                 len({p.tenant for p in keys.values()}))
+
+    def caller(self, request: web.Request) -> Caller:
+        if self.keys is None:
+            return ANONYMOUS
+        auth = request.headers.get("Authorization", "")
+        key = auth[7:].strip() if auth.lower().startswith("bearer ") else request.headers.get("api-key", "")
+        caller = self._callers.get(key)
+        if caller is None:
+            raise APIError(401, "invalid or missing API key", type_="authentication_error", code="invalid_api_key")
+        return caller
+
+    def admin(self, request: web.Request) -> Caller:
+        """The caller of an admin route: refused unless its key is marked admin."""
+        caller = self.caller(request)
+        if not caller.policy.admin:
+            raise APIError(403, "this route needs an admin API key", type_="permission_error", code="admin_only")
+        return caller
