@@ -16,9 +16,9 @@ from router.api.protocol import GenRequest
 from router.core.affinity import MemoryPinStore, SessionAffinity
 from router.core.config import RouterConfig
 from router.core.endpoints import EndpointRegistry
+from router.core.load import Ticket
 from router.core.metrics import RouterMetrics
 from router.core.prefix_index import PrefixIndex
-from router.placement.attempt import Ticket
 from router.placement.balancer import make_policy
 from router.placement.dispatcher import Dispatcher
 

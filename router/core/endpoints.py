@@ -1,10 +1,5 @@
-"""Endpoints the router can send to, their health, and the tokens each has in flight.
-
-Load is estimated locally (updated on dispatch, per streamed token, on completion) and
-reconciled with the workers' own `Stats`, which also count other routers' requests:
-
-    load = max(local, reported + (local - local_when_reported))
-"""
+"""Endpoints the router can send to: what each is and serves, its health (a circuit breaker), and the
+tokens it has in flight (`load.EndpointLoad`, where all load accounting lives)."""
 
 from __future__ import annotations
 
@@ -13,6 +8,7 @@ import time
 from dataclasses import dataclass, field
 
 from router.core.breaker import OPEN, BreakerConfig, CircuitBreaker
+from router.core.load import EndpointLoad
 
 log = logging.getLogger("splitfire.router")
 
@@ -20,7 +16,7 @@ ROLES = ("prefill", "decode", "colocated", "openai")
 
 
 @dataclass(eq=False)
-class Endpoint:
+class Endpoint(EndpointLoad):
     address: str  # host:port for workers, base URL for OpenAI-compatible upstreams
     role: str
     source: str = "static"  # static | redis | dns
@@ -38,17 +34,6 @@ class Endpoint:
     # workers hosting several base models (--on-demand-model): every one they serve, and those loaded now
     hosted: set[str] = field(default_factory=set)
     resident: set[str] = field(default_factory=set)
-    # local estimates
-    prefill_tokens: int = 0  # uncached prompt tokens sent here and not yet prefilled
-    held_tokens: int = 0  # KV tokens our running requests hold here (decode / colocated)
-    remaining_tokens: int = 0  # output tokens our running requests may still produce here
-    active: int = 0  # requests in flight
-    peak_load: int = 0
-    # the worker's own view, and our local load when we read it
-    reported_prefill: int = 0
-    reported_decode: int = 0
-    local_prefill_at_report: int = 0
-    local_decode_at_report: int = 0
 
     def serves(self, model: str) -> bool:
         """Whether this worker serves base model `model` (its directory's name), loaded or on demand."""
@@ -62,39 +47,13 @@ class Endpoint:
     def healthy(self) -> bool:
         return self.breaker.state != OPEN
 
-    # -- the local estimates change only here -------------------------------------------
-
-    def charge(self, prefill_tokens: int, held_tokens: int, remaining_tokens: int, active: int) -> None:
-        """Add (or with negative numbers, take back) a request's share of this endpoint's load."""
-        self.prefill_tokens += prefill_tokens
-        self.held_tokens += held_tokens
-        self.remaining_tokens += remaining_tokens
-        self.active += active
-        # The load can only have grown if the prefill part or the decode part did (a decoded token moves
-        # one from remaining to held: no change, so the peak is not recomputed per token).
-        if prefill_tokens > 0 or held_tokens + remaining_tokens > 0:
-            self.peak_load = max(self.peak_load, self.load())
-
-    def prefill_load(self) -> int:
-        local = self.prefill_tokens
-        return max(local, self.reported_prefill + local - self.local_prefill_at_report)
-
-    def decode_load(self) -> int:
-        local = self.held_tokens + self.remaining_tokens
-        return max(local, self.reported_decode + local - self.local_decode_at_report)
-
     def load(self) -> int:
+        """What placement weighs: the prefill part, the decode part, or both (`load.EndpointLoad`)."""
         if self.role == "prefill":
             return self.prefill_load()
         if self.role == "decode":
             return self.decode_load()
         return self.prefill_load() + self.decode_load()
-
-    def reconcile(self, prompt_tokens_in_flight: int, kv_tokens_held: int, decode_tokens_remaining: int) -> None:
-        self.reported_prefill = prompt_tokens_in_flight
-        self.reported_decode = kv_tokens_held + decode_tokens_remaining
-        self.local_prefill_at_report = self.prefill_tokens
-        self.local_decode_at_report = self.held_tokens + self.remaining_tokens
 
 
 class EndpointRegistry:

@@ -1,64 +1,12 @@
-"""One try of a request on one route: its share of the endpoints' load estimates, what it tells
-the prefix index, and what it tells the endpoints' circuit breakers.
-
-Load moves as the request does: the prefilling endpoint carries the uncached prompt tokens
-until the first token; the decode endpoint holds the prompt's KV and the output still to come.
-A decode worker that prefills locally says so before it starts (`prefill_mode`), and the
-prefill charge moves to it at once: the prefill endpoint is then left with nothing.
-"""
+"""One try of a request on one route: its share of the endpoints' load estimates (a `core.load.Ticket`),
+what it tells the prefix index, and what it tells the endpoints' circuit breakers."""
 
 from __future__ import annotations
 
 from router.backends.backend import Backend, Route
 from router.core.endpoints import Endpoint, EndpointRegistry
+from router.core.load import Ticket
 from router.core.prefix_index import PrefixLookup
-
-
-class Ticket:
-    """An attempt's contribution to the endpoints' in-flight token estimates."""
-
-    def __init__(self, route: Route, prompt_tokens: int, uncached: int, max_tokens: int):
-        self.route = route
-        self.prefiller = route.prefill or route.decode
-        self.uncached = uncached
-        self.held = prompt_tokens
-        self.remaining = max_tokens
-        self.prefilling = True
-        self.closed = False
-        self.prefiller.charge(uncached, 0, 0, 0)
-        route.decode.charge(0, prompt_tokens, max_tokens, 1)
-        if route.prefill is not None:
-            route.prefill.charge(0, 0, 0, 1)
-
-    def prefilled_locally(self) -> None:
-        """The decode worker computes the prompt itself: the prefill endpoint gets none of it."""
-        p = self.route.prefill
-        if p is None or not self.prefilling or self.prefiller is not p:
-            return
-        p.charge(-self.uncached, 0, 0, -1)
-        self.prefiller = self.route.decode
-        self.prefiller.charge(self.uncached, 0, 0, 0)
-
-    def on_tokens(self, n: int) -> None:
-        if self.prefilling:
-            self.prefilling = False
-            self.prefiller.charge(-self.uncached, 0, 0, 0)
-            if self.route.prefill is not None and self.prefiller is self.route.prefill:
-                self.route.prefill.charge(0, 0, 0, -1)
-        n = min(n, self.remaining)
-        self.route.decode.charge(0, n, -n, 0)
-        self.held += n
-        self.remaining -= n
-
-    def close(self) -> None:
-        """Idempotent: runs on completion, on failure and when the client goes away."""
-        if self.closed:
-            return
-        self.closed = True
-        if self.prefilling:
-            self.on_tokens(0)
-        self.route.decode.charge(0, -self.held, -self.remaining, -1)
-        self.held = self.remaining = 0
 
 
 class Attempt:
