@@ -4,9 +4,11 @@ router (which never loads a model) should not pay ~1 s and ~200 MB for it."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import ModuleType
 from typing import TYPE_CHECKING
+
+from common.settings import setting
 
 if TYPE_CHECKING:
     import torch
@@ -21,50 +23,126 @@ CPU_PREFILL_WHILE_DECODING = 24
 KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", "fp8", "fp8_e4m3")  # fp8 = fp8_e4m3 (e4m3)
 
 
+ENGINE = "model and engine"
+LORA = "LoRA adapters"
+
+
+def parse_lora_modules(items: list[str] | dict[str, str]) -> dict[str, str]:
+    """--lora-modules NAME=PATH ... -> {name: path}; a malformed or repeated name is refused."""
+    if isinstance(items, dict):
+        return items
+    out: dict[str, str] = {}
+    for item in items:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--lora-modules takes NAME=PATH, got {item!r}")
+        if name in out:
+            raise ValueError(f"--lora-modules names {name!r} twice")
+        out[name] = path
+    return out
+
+
 @dataclass
 class EngineConfig:
-    model: str | None = None  # built-in name, HF directory or .gguf; None = $SPLITFIRE_MODEL or the default
-    device: str = "auto"  # auto | cpu | cuda
-    dtype: str = "auto"  # auto (float32 on CPU, bfloat16 on CUDA) | float32 | bfloat16
-    block_size: int = 16
-    kv_cache_dtype: str = "auto"  # auto (the model dtype) | float32 | float16 | bfloat16 | fp8 (see torch_kv_dtype)
-    kv_cache_gb: float = 1.0  # KV budget on CPU
-    gpu_memory_fraction: float = 0.85  # of free GPU memory after weights: KV + activation peaks (memory_profile.py)
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
-    # Prompt tokens a step may carry while streams decode: None = the device's default
-    # (CPU_PREFILL_WHILE_DECODING on CPU, the whole step budget on CUDA), 0 = the whole budget.
-    max_prefill_tokens_while_decoding: int | None = None
-    max_model_len: int | None = None  # None = the model's max_position_embeddings
-    enable_prefix_cache: bool = True
-    threads: int | None = None  # torch intra-op threads on CPU; None = torch's default
-    # Serving on CPU: fewer compute threads while other processes take some of the cores
-    # (engine/compute_threads.CoreShare); False: always `threads`.
-    adaptive_threads: bool = True
-    quantization: str | None = None  # int8 | int4 | fp8: quantize a float checkpoint's matmul weights at load
+    """Every setting of a process that loads a model; each field is also its flag (`common.settings`: the
+    worker commands, `splitfire generate` and the docs' CLI reference read these declarations)."""
+
+    model: str | None = setting(None, "built-in name, HF model dir or .gguf (default smollm2-135m-instruct)",
+                                group=ENGINE)
+    device: str = setting("auto", "auto | cpu | cuda (auto: cuda where torch sees a GPU)",
+                          choices=("auto", "cpu", "cuda"), group=ENGINE)
+    dtype: str = setting("auto", "the model's float type (auto: float32 on CPU, bfloat16 on CUDA)",
+                         choices=("auto", "float32", "bfloat16"), group=ENGINE)
+    kv_cache_dtype: str = setting(
+        "auto", "KV cache element type (auto: the model dtype; see torch_kv_dtype). fp8 (= fp8_e4m3) holds 2x "
+        "bfloat16's tokens in the same memory, anywhere; float16 on CPU halves float32's bytes per token; on CUDA "
+        "the model dtype or fp8. Disaggregated workers must agree (refused by name otherwise)",
+        choices=("auto", "float32", "float16", "bfloat16", "fp8", "fp8_e4m3"), group=ENGINE)
+    quantization: str | None = setting(
+        None, "keep matmul weights quantized (group-wise; decode moves 4x / 8x / 4x fewer bytes than float32): "
+        "quantizes a float checkpoint at load (fp8: e4m3 with a scale per row per 128 columns); a GGUF's "
+        "Q8_0/Q6_K/Q4_0/Q4_1/Q4_K tensors and a block-FP8 checkpoint's weights stay as stored without it",
+        choices=("int8", "int4", "fp8"), group=ENGINE)
     # bfloat16 matmul weights kept losslessly compressed in device memory, decoded per tile by a Triton matmul
     # (engine/model/compressed_weight.py): ~0.75 of the bytes, identical weights.
-    compress_weights: bool = False
-    decode_graphs: str = "auto"  # auto (CUDA: on; CPU: off) | on | off (--enforce-eager): see graph_runner.py
+    compress_weights: bool = setting(
+        False, "keep bfloat16 matmul weights losslessly compressed in GPU memory (a 4-bit exponent code per weight, "
+        "~0.75 of the bytes; a Triton matmul decodes each tile): more room for the KV cache, identical weights; an "
+        "8B decode step measured 1.39x the bfloat16 time at batch 1 on an H200 (the matmul 1.4-2.9x), so it trades "
+        "step time for memory", group=ENGINE)
+    decode_graphs: str = setting(
+        "auto", "no CUDA graphs: every decode step runs eagerly (by default decode-only steps replay a graph "
+        "captured per batch-size bucket on CUDA; CPU always runs eagerly); see graph_runner.py",
+        flag="--enforce-eager", const="off", group=ENGINE)
     # Queue decode step n+1 before reading step n's tokens (LLMEngine: schedule and prepare while the device
     # computes): auto = on wherever decode steps replay from graphs on CUDA | on | off.
-    async_scheduling: str = "auto"
-    cpu_activations: str = "float"  # float | int8: how quantized matmuls take batch-1/2 activations on CPU
-    speculative: str = "off"  # off | ngram (prompt lookup) | draft (a smaller model) | eagle3 (a head), --draft-model
-    draft_model: str | None = None  # draft: built-in name, HF directory or .gguf; eagle3: the head's directory
-    num_speculative_tokens: int = 4  # drafts per verification step at most
-    speculative_max_batch: int = 4  # no drafting above this many running sequences (verification costs more)
-    tensor_parallel_size: int = 1  # ranks the model is split across (engine/ranks.py, engine/model/parallel.py)
-    pipeline_parallel_size: int = 1  # stages of layers, one process each (CPU hosts; engine/ranks.py)
-    enable_expert_parallel: bool = False  # routed experts placed whole over the ranks (else each one split)
+    async_scheduling: str = setting(
+        "auto", "queue decode step n+1 before reading step n's tokens, so the host schedules and prepares while "
+        "the device computes (auto: on CUDA with decode graphs; greedy or sampled rows without logprobs, "
+        "penalties or a grammar — other steps run in order)", choices=("auto", "on", "off"), group=ENGINE)
+    cpu_activations: str = setting(
+        "float", "quantized weights on CPU at batch 1-2: multiply their codes by float activations (exactly the "
+        "dequantized model; default) or by activations rounded to int8 per 32 values (llama.cpp's scheme: ~25% "
+        "faster batch-1 decode, but it changed SmolLM2-135M's greedy chat answers)", choices=("float", "int8"),
+        group=ENGINE)
+    kv_cache_gb: float = setting(1.0, "KV cache size on CPU (GiB)", group=ENGINE)
+    # of free GPU memory after weights: KV + activation peaks (memory_profile.py)
+    gpu_memory_fraction: float = setting(
+        0.85, "share of the free GPU memory (after weights) the engine uses: the KV cache gets it less the measured "
+        "peaks of the largest prompt chunk and the decode graphs", group=ENGINE)
+    block_size: int = setting(16, "tokens per KV block", group=ENGINE)
+    max_num_seqs: int = setting(64, "running batch limit", group=ENGINE)
+    max_num_batched_tokens: int = setting(512, "tokens per step (prefill chunk size)", group=ENGINE)
+    # Prompt tokens a step may carry while streams decode: None = the device's default
+    # (CPU_PREFILL_WHILE_DECODING on CPU, the whole step budget on CUDA), 0 = the whole budget.
+    max_prefill_tokens_while_decoding: int | None = setting(
+        None, "prompt tokens a step may carry while streams are decoding (default: 24 on CPU, the whole step budget "
+        "on CUDA; 0: the whole budget); smaller bounds their inter-token latency, at the cost of time to first "
+        "token", group=ENGINE)
+    max_model_len: int | None = setting(None, "context limit (default: the model's max_position_embeddings)",
+                                        group=ENGINE)
+    enable_prefix_cache: bool = setting(True, "disable prefix caching", flag="--no-prefix-cache", const=False,
+                                        group=ENGINE)
+    threads: int | None = setting(None, "torch CPU threads (per rank with --tensor-parallel-size; default: the "
+                                        "cores shared out)", group=ENGINE)
+    # Serving on CPU: fewer compute threads while other processes take some of the cores
+    # (engine/compute_threads.CoreShare); False: always `threads`.
+    adaptive_threads: bool = setting(
+        True, "keep --threads compute threads even while other processes take some of the worker's cores "
+        "(default: one fewer per core taken, so the threads never wait for each other behind a neighbour)",
+        flag="--fixed-threads", const=False, group=ENGINE)
+    tensor_parallel_size: int = setting(
+        1, "split the model across this many ranks (one process each; gloo on CPU, NCCL on CUDA)", short="-tp",
+        group=ENGINE)
+    pipeline_parallel_size: int = setting(
+        1, "split the layers into this many stages, one process each (CPU hosts; with -tp, each stage tensor "
+        "parallel)", short="-pp", group=ENGINE)
+    enable_expert_parallel: bool = setting(
+        False, "place routed experts whole over the tensor-parallel ranks (default: split each expert)", group=ENGINE)
+    speculative: str = setting(
+        "off", "speculative decoding: ngram = prompt lookup (drafts copied from earlier text), draft = a smaller "
+        "model of the same tokenizer (--draft-model), eagle3 = an EAGLE-3 head trained for this target "
+        "(--draft-model DIR); drafts are verified in one step: greedy and seeded output identical, sampled output "
+        "from the same distribution; default ngram on decode workers, else off; prefill workers never decode, so "
+        "it does nothing there", choices=("off", "ngram", "draft", "eagle3"), group=ENGINE)
+    draft_model: str | None = setting(
+        None, "with --speculative draft: the draft model (built-in name, HF directory or .gguf); with --speculative "
+        "eagle3: the head's directory (config.json + safetensors)", group=ENGINE)
+    num_speculative_tokens: int = setting(4, "drafts per verification step at most", group=ENGINE)
+    speculative_max_batch: int = setting(
+        4, "no drafting while more sequences than this are running (verification then costs more)", group=ENGINE)
     # LoRA adapters (PEFT layout) served beside the base model: name -> directory, loaded at start.
-    lora_modules: dict[str, str] = field(default_factory=dict)
-    enable_lora: bool = False  # room for adapters even with none at start (loaded at run time)
-    max_loras: int = 4  # adapters resident at once
-    max_lora_rank: int = 16  # the highest rank an adapter may have
+    lora_modules: dict[str, str] = setting(
+        help="serve these PEFT LoRA adapters beside the base model (a request names one as its model)",
+        factory=dict, metavar="NAME=PATH", parse=parse_lora_modules, group=LORA)
+    enable_lora: bool = setting(False, "room for adapters even with none at start (loaded at run time)", group=LORA)
+    max_loras: int = setting(4, "adapters resident at once", group=LORA)
+    max_lora_rank: int = setting(16, "the highest rank an adapter may have", group=LORA)
     # The factors the fused CPU decode loop reads: float32 (exact) or float16 (half the bytes a step reads
     # per adapter row; the torch paths keep the model dtype).
-    lora_dtype: str = "float32"
+    lora_dtype: str = setting(
+        "float32", "adapter factors in the CPU decode loop: float32 (exact) or float16 (half the bytes read per "
+        "adapter row and step: faster, factors rounded to float16)", choices=("float32", "float16"), group=LORA)
 
     @property
     def lora(self) -> bool:

@@ -2,16 +2,25 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+
+def _flag(flag: str, help: str, **kw: object) -> dict:
+    """A field's command-line flag, in the form `common.settings` reads (this package imports nothing of ours)."""
+    return {"setting": {"flag": flag, "help": help, "group": "KV transfer (Mooncake)", **kw}}
 
 
 @dataclass
 class TransferConfig:
-    hostname: str = "127.0.0.1"  # address peers reach this process at (a routable IP across hosts)
-    protocol: str = "tcp"  # tcp | rdma
-    metadata: str = "P2PHANDSHAKE"  # P2PHANDSHAKE | etcd://host:port | http://host:port/metadata
-    device_name: str = ""  # RDMA NIC whitelist, e.g. "mlx5_0,mlx5_1"; "" = all
-    timeout_s: int = 30  # Mooncake's own per-transfer timeout (MC_TRANSFER_TIMEOUT, minimum 5)
+    hostname: str = field(default="127.0.0.1", metadata=_flag(
+        "--mooncake-host", "address peers reach this worker at (a routable IP across hosts)"))
+    protocol: str = field(default="tcp", metadata=_flag("--mooncake-protocol", "tcp | rdma", choices=("tcp", "rdma")))
+    metadata: str = field(default="P2PHANDSHAKE", metadata=_flag(
+        "--mooncake-metadata", "P2PHANDSHAKE, etcd://host:port or http://host:port/metadata"))
+    device_name: str = field(default="", metadata=_flag("--mooncake-device", "RDMA NICs, e.g. mlx5_0,mlx5_1 (default "
+                                                                             "all)"))
+    timeout_s: int = field(default=30, metadata=_flag(
+        "--mooncake-timeout", "Mooncake's own per-transfer timeout in seconds (MC_TRANSFER_TIMEOUT, >= 5)"))
     max_inflight_entries: int = 1024  # per peer; Mooncake TCP rejects beyond ~2048 and still writes some
 
     def validate(self) -> TransferConfig:

@@ -161,110 +161,156 @@ async def _probe(c: Child) -> None:
 
 
 async def up(args: argparse.Namespace) -> int:
+    """Resolve the models, refuse a layout that cannot work, plan the children, run them until Ctrl-C."""
     from engine.loading.model_store import resolve_model
 
     # Each model fetched once, before any child would race to; several --model: each its own workers
     # (the same layout), one router in front (requests go to the workers of the model they name).
     model_dirs = [str(resolve_model(m)) for m in (args.model or [os.environ.get("SPLITFIRE_MODEL")])]
+    refusal = _refusal(args, model_dirs)
+    if refusal:
+        print(f"splitfire up: {refusal}", flush=True)
+        return 2
+    fleet = Fleet(args, model_dirs)
+    fleet.start_infrastructure()
+    if fleet.planner_refusal():
+        print(f"splitfire up: {fleet.planner_refusal()}", flush=True)
+        return 2
+    fleet.plan_workers()
+    fleet.plan_routers()
+    return await _run(fleet)
+
+
+def _refusal(args: argparse.Namespace, model_dirs: list[str]) -> str | None:
+    """Why these flags cannot make a fleet (the first reason), or None. Settles --shared-workers (colocated)."""
     names = [Path(d).name for d in model_dirs]
     stray = [i + 1 for i in (*args.served_names, *args.lora_by_model) if i >= len(model_dirs)]
     if stray:
-        print(f"splitfire up: --served-model-name / --lora-modules after --model number {stray[0]}, but only "
-              f"{len(model_dirs)} given", flush=True)
-        return 2
+        return (f"--served-model-name / --lora-modules after --model number {stray[0]}, but only {len(model_dirs)} "
+                "given")
     if len(set(names)) != len(names):
-        print(f"splitfire up: two models in directories of the same name ({names}): the router tells their "
-              "workers apart by it", flush=True)
-        return 2
-    model_dir = model_dirs[0]
-    exe = [sys.executable, "-m", "splitfire_cli"]
-    taken: set[int] = set()
-    common = ["--device", args.device, "--dtype", args.dtype, "--kv-cache-gb", str(args.kv_cache_gb),
-              "--host", "127.0.0.1"]
-    children: list[Child] = []
-    redis_url = os.environ.get("REDIS_URL", "")
-    if not redis_url and not args.no_redis and shutil.which("redis-server"):
-        rport = _pick_port(6379, taken)
-        children.append(Child("redis", ["redis-server", "--port", str(rport), "--bind", "127.0.0.1", "--save", "",
-                                        "--appendonly", "no"], "Ready to accept connections"))
-        redis_url = f"redis://127.0.0.1:{rport}/0"
-    elif not redis_url:
-        print("splitfire up: redis-server not found (or --no-redis): session affinity lives in the router's memory",
-              flush=True)
+        return f"two models in directories of the same name ({names}): the router tells their workers apart by it"
     lora_any = any(args.lora_by_model.values())
     if (args.max_loras is not None or args.max_lora_rank is not None or args.lora_dtype is not None) and not (
             lora_any or args.lora_root):
-        print("splitfire up: --max-loras / --max-lora-rank / --lora-dtype need --lora-modules or --lora-root", flush=True)
-        return 2
-    tp, pp = args.tensor_parallel_size, args.pipeline_parallel_size
-    role_tp = {"prefill": args.prefill_tensor_parallel_size or tp, "decode": args.decode_tensor_parallel_size or tp,
-               "both": tp}
-    role_pp = {"prefill": args.prefill_pipeline_parallel_size or pp,
-               "decode": args.decode_pipeline_parallel_size or pp, "both": pp}
+        return "--max-loras / --max-lora-rank / --lora-dtype need --lora-modules or --lora-root"
     if args.colocated and (args.prefill_tensor_parallel_size or args.decode_tensor_parallel_size
                            or args.prefill_pipeline_parallel_size or args.decode_pipeline_parallel_size):
-        print("splitfire up: --prefill/--decode-tensor/pipeline-parallel-size size disaggregated workers; with "
-              "--colocated use --tensor-parallel-size / --pipeline-parallel-size", flush=True)
-        return 2
+        return ("--prefill/--decode-tensor/pipeline-parallel-size size disaggregated workers; with --colocated use "
+                "--tensor-parallel-size / --pipeline-parallel-size")
     if args.shared_workers or args.max_loaded_models or args.model_memory_gb:
-        if not args.shared_workers or len(model_dirs) < 2 or args.shared_workers < 0 or tp * pp > 1:
-            print("splitfire up: --shared-workers N starts N colocated workers that each serve every --model (two "
-                  "or more; one split over no ranks), loading them on demand within --max-loaded-models / "
-                  "--model-memory-gb", flush=True)
-            return 2
+        if (not args.shared_workers or len(model_dirs) < 2 or args.shared_workers < 0
+                or args.tensor_parallel_size * args.pipeline_parallel_size > 1):
+            return ("--shared-workers N starts N colocated workers that each serve every --model (two or more; one "
+                    "split over no ranks), loading them on demand within --max-loaded-models / --model-memory-gb")
         args.colocated = True
-    kv_stores: list[list[str]] = [[] for _ in model_dirs]  # one store per model: blocks of two models never mix
-    if not args.no_kv_store:
-        from kvtransfer.store import master_command
+    if args.routers < 1:
+        return "--routers must be at least 1"
+    stray_planner = [k for k, default in PLANNER_DEFAULTS.items() if getattr(args, k) != default]
+    if stray_planner and not args.planner:
+        return f"--{stray_planner[0].replace('_', '-')} sizes workers only with --planner"
+    return None
 
-        for m in range(len(model_dirs)):
-            mport, metrics = _pick_port(50055, taken), _pick_port(9003, taken)
-            children.append(Child("kv-store" + (f"-{m}" if m else ""), master_command(mport, metrics), "",
-                                  ready_port=mport))
-            kv_stores[m] = ["--kv-store", f"127.0.0.1:{mport}", "--kv-store-gb", str(args.kv_store_gb)]
-    kv_store = kv_stores[0]
-    per_model = ["both"] if args.colocated else ["prefill"] * args.prefill + ["decode"] * args.decode
-    roles = per_model * len(model_dirs)
-    which = [m for m in range(len(model_dirs)) for _ in per_model]  # each worker's (first) model
-    if args.shared_workers:  # N colocated workers serving every model: the i-th keeps model i resident
-        roles = ["both"] * args.shared_workers
-        which = [i % len(model_dirs) for i in range(args.shared_workers)]
-    cpus = plan_cpus(args.cpus, len(roles))  # (a worker's ranks share its cores: engine/ranks.threads_per_rank)
-    gpus = plan_gpus(args.gpus, len(roles), gpu_count(args.device), [role_tp[r] * role_pp[r] for r in roles])
-    if lora_any or args.lora_root:
-        for flag, value in (("--max-loras", args.max_loras), ("--max-lora-rank", args.max_lora_rank),
-                            ("--lora-dtype", args.lora_dtype)):
-            if value is not None:
-                common += [flag, str(value)]
-        for root in args.lora_root:
-            common += ["--lora-root", root]
 
-    def lora_args(m: int) -> list[str]:
+class Fleet:
+    """The children `splitfire up` starts, planned in steps: Redis and the KV stores, the workers (their
+    roles, cores, GPUs, parallelism and flags), the routers in front."""
+
+    def __init__(self, args: argparse.Namespace, model_dirs: list[str]):
+        self.args = args
+        self.model_dirs = model_dirs
+        self.names = [Path(d).name for d in model_dirs]
+        self.exe = [sys.executable, "-m", "splitfire_cli"]
+        self.taken: set[int] = set()
+        self.common = ["--device", args.device, "--dtype", args.dtype, "--kv-cache-gb", str(args.kv_cache_gb),
+                       "--host", "127.0.0.1"]
+        self.infra: list[Child] = []
+        self.workers: list[Child] = []
+        self.routers: list[Child] = []
+        self.redis_url = os.environ.get("REDIS_URL", "")
+        self.kv_stores: list[list[str]] = [[] for _ in model_dirs]  # one store per model: blocks never mix
+        tp, pp = args.tensor_parallel_size, args.pipeline_parallel_size
+        self.role_tp = {"prefill": args.prefill_tensor_parallel_size or tp,
+                        "decode": args.decode_tensor_parallel_size or tp, "both": tp}
+        self.role_pp = {"prefill": args.prefill_pipeline_parallel_size or pp,
+                        "decode": args.decode_pipeline_parallel_size or pp, "both": pp}
+        self.lora_any = any(args.lora_by_model.values())
+        self.addrs: dict[str, list[str]] = {"prefill": [], "decode": [], "both": []}
+        self.count: dict[str, int] = {}
+
+    def start_infrastructure(self) -> None:
+        """Redis (unless REDIS_URL is given, --no-redis, or no redis-server), and a KV store per model."""
+        args = self.args
+        if not self.redis_url and not args.no_redis and shutil.which("redis-server"):
+            rport = _pick_port(6379, self.taken)
+            self.infra.append(Child("redis", ["redis-server", "--port", str(rport), "--bind", "127.0.0.1", "--save",
+                                              "", "--appendonly", "no"], "Ready to accept connections"))
+            self.redis_url = f"redis://127.0.0.1:{rport}/0"
+        elif not self.redis_url:
+            print("splitfire up: redis-server not found (or --no-redis): session affinity lives in the router's "
+                  "memory", flush=True)
+        if not args.no_kv_store:
+            from kvtransfer.store import master_command
+
+            for m in range(len(self.model_dirs)):
+                mport, metrics = _pick_port(50055, self.taken), _pick_port(9003, self.taken)
+                self.infra.append(Child("kv-store" + (f"-{m}" if m else ""), master_command(mport, metrics), "",
+                                        ready_port=mport))
+                self.kv_stores[m] = ["--kv-store", f"127.0.0.1:{mport}", "--kv-store-gb", str(args.kv_store_gb)]
+
+    def planner_refusal(self) -> str | None:
+        args = self.args
+        if args.planner and (args.colocated or len(self.model_dirs) > 1 or not self.redis_url
+                             or not args.planner_profile):
+            return ("--planner sizes one model's prefill and decode workers: it needs --planner-profile, Redis (new "
+                    "workers join the router through it) and neither --colocated nor several --model")
+        return None
+
+    def plan_workers(self) -> None:
+        """Each worker's role, (first) model, cores and GPUs; the LoRA flags every worker shares."""
+        args = self.args
+        per_model = ["both"] if args.colocated else ["prefill"] * args.prefill + ["decode"] * args.decode
+        roles = per_model * len(self.model_dirs)
+        which = [m for m in range(len(self.model_dirs)) for _ in per_model]  # each worker's (first) model
+        if args.shared_workers:  # N colocated workers serving every model: the i-th keeps model i resident
+            roles = ["both"] * args.shared_workers
+            which = [i % len(self.model_dirs) for i in range(args.shared_workers)]
+        cpus = plan_cpus(args.cpus, len(roles))  # (a worker's ranks share its cores: engine/ranks.threads_per_rank)
+        gpus = plan_gpus(args.gpus, len(roles), gpu_count(args.device),
+                         [self.role_tp[r] * self.role_pp[r] for r in roles])
+        if self.lora_any or args.lora_root:
+            for flag, value in (("--max-loras", args.max_loras), ("--max-lora-rank", args.max_lora_rank),
+                                ("--lora-dtype", args.lora_dtype)):
+                if value is not None:
+                    self.common += [flag, str(value)]
+            for root in args.lora_root:
+                self.common += ["--lora-root", root]
+        for role, cores, devices, m in zip(roles, cpus, gpus, which, strict=True):
+            child, addr = self.worker_child(role, m, cores, devices)
+            self.workers.append(child)
+            self.addrs[role].append(addr)
+
+    def lora_args(self, m: int) -> list[str]:
         """A worker whose (first) model is model m: that model's --lora-modules (or slots for run-time loads)."""
-        if not (lora_any or args.lora_root):
+        if not (self.lora_any or self.args.lora_root):
             return []
-        return ["--lora-modules", *args.lora_by_model[m]] if args.lora_by_model.get(m) else ["--enable-lora"]
+        return ["--lora-modules", *self.args.lora_by_model[m]] if self.args.lora_by_model.get(m) else ["--enable-lora"]
 
-    served = [args.served_names.get(i) or n for i, n in enumerate(names)]
-    router_args = ["--served-model-name", args.served_names[0]] if args.served_names.get(0) else []
-    addrs: dict[str, list[str]] = {"prefill": [], "decode": [], "both": []}
-    workers = []
-    count: dict[str, int] = {}
-
-    def worker_child(role: str, m: int, cores: str, devices: str) -> tuple[Child, str]:
-        port = _pick_port({"prefill": 50061, "decode": 50051, "both": 50051}[role], taken)
-        count[role] = count.get(role, -1) + 1
-        name = {"both": "serve"}.get(role, role) + f"-{count[role]}"
-        argv = [*exe, {"both": "serve"}.get(role, role), "--model", model_dirs[m], *common, *lora_args(m),
-                *kv_stores[m], "--grpc-port", str(port)]
-        if redis_url:  # KV events for the routers' exact prefix index (and self-registration, same address)
-            argv += ["--redis-url", redis_url, "--advertise", f"127.0.0.1:{port}"]
-        if role_tp[role] > 1:
-            argv += ["--tensor-parallel-size", str(role_tp[role])]
-        if role_pp[role] > 1:
-            argv += ["--pipeline-parallel-size", str(role_pp[role])]
+    def worker_child(self, role: str, m: int, cores: str, devices: str) -> tuple[Child, str]:
+        args = self.args
+        port = _pick_port({"prefill": 50061, "decode": 50051, "both": 50051}[role], self.taken)
+        self.count[role] = self.count.get(role, -1) + 1
+        name = {"both": "serve"}.get(role, role) + f"-{self.count[role]}"
+        argv = [*self.exe, {"both": "serve"}.get(role, role), "--model", self.model_dirs[m], *self.common,
+                *self.lora_args(m), *self.kv_stores[m], "--grpc-port", str(port)]
+        if self.redis_url:  # KV events for the routers' exact prefix index (and self-registration, same address)
+            argv += ["--redis-url", self.redis_url, "--advertise", f"127.0.0.1:{port}"]
+        if self.role_tp[role] > 1:
+            argv += ["--tensor-parallel-size", str(self.role_tp[role])]
+        if self.role_pp[role] > 1:
+            argv += ["--pipeline-parallel-size", str(self.role_pp[role])]
         if args.shared_workers:
-            argv += [a for i, d in enumerate(model_dirs) if i != m for a in ("--on-demand-model", d)]
+            argv += [a for i, d in enumerate(self.model_dirs) if i != m for a in ("--on-demand-model", d)]
             if args.max_loaded_models:
                 argv += ["--max-loaded-models", str(args.max_loaded_models)]
             if args.model_memory_gb:
@@ -275,38 +321,30 @@ async def up(args: argparse.Namespace) -> int:
         return Child(name, argv, "worker ready", {"CUDA_VISIBLE_DEVICES": devices} if devices else {}), \
             f"127.0.0.1:{port}"
 
-    for role, cores, devices, m in zip(roles, cpus, gpus, which, strict=True):
-        child, addr = worker_child(role, m, cores, devices)
-        workers.append(child)
-        addrs[role].append(addr)
-    children += workers
-    router_argv = [*exe, "router", "--model", model_dir, "--port", str(args.port), "--policy", args.policy,
-                              *router_args,
-                              *(f"--extra-model={n}={d}" for n, d in zip(served[1:], model_dirs[1:], strict=True)),
-                              *(["--prefill", *addrs["prefill"]] if addrs["prefill"] else []),
-                              *(["--decode", *addrs["decode"]] if addrs["decode"] else []),
-                              *(["--colocated", *addrs["both"]] if addrs["both"] else []),
-                              *(["--redis-url", redis_url] if redis_url else []),
-                              *(["--shared-kv-store"] if kv_store else []), *args.router_arg]
-    if args.routers < 1:
-        print("splitfire up: --routers must be at least 1", flush=True)
-        return 2
-    stray = [k for k, default in PLANNER_DEFAULTS.items() if getattr(args, k) != default]
-    if stray and not args.planner:
-        print(f"splitfire up: --{stray[0].replace('_', '-')} sizes workers only with --planner", flush=True)
-        return 2
-    if args.planner and (args.colocated or len(model_dirs) > 1 or not redis_url or not args.planner_profile):
-        print("splitfire up: --planner sizes one model's prefill and decode workers: it needs --planner-profile, "
-              "Redis (new workers join the router through it) and neither --colocated nor several --model",
-              flush=True)
-        return 2
-    if args.routers > 1 and not redis_url:
-        print("splitfire up: --routers above 1 without Redis: each replica keeps its own affinity pins, quotas and "
-              "prefix index", flush=True)
-    # Several replicas share the port (SO_REUSEPORT: the kernel spreads connections over them).
-    routers = [Child("router" if args.routers == 1 else f"router-{i}",
-                     router_argv + (["--reuse-port"] if args.routers > 1 else []), "router ready")
-               for i in range(args.routers)]
+    def plan_routers(self) -> None:
+        """--routers replicas on one port (SO_REUSEPORT: the kernel spreads connections over them)."""
+        args, addrs = self.args, self.addrs
+        served = [args.served_names.get(i) or n for i, n in enumerate(self.names)]
+        argv = [*self.exe, "router", "--model", self.model_dirs[0], "--port", str(args.port), "--policy", args.policy,
+                *(["--served-model-name", args.served_names[0]] if args.served_names.get(0) else []),
+                *(f"--extra-model={n}={d}" for n, d in zip(served[1:], self.model_dirs[1:], strict=True)),
+                *(["--prefill", *addrs["prefill"]] if addrs["prefill"] else []),
+                *(["--decode", *addrs["decode"]] if addrs["decode"] else []),
+                *(["--colocated", *addrs["both"]] if addrs["both"] else []),
+                *(["--redis-url", self.redis_url] if self.redis_url else []),
+                *(["--shared-kv-store"] if self.kv_stores[0] else []), *args.router_arg]
+        if args.routers > 1 and not self.redis_url:
+            print("splitfire up: --routers above 1 without Redis: each replica keeps its own affinity pins, quotas "
+                  "and prefix index", flush=True)
+        self.routers = [Child("router" if args.routers == 1 else f"router-{i}",
+                              argv + (["--reuse-port"] if args.routers > 1 else []), "router ready")
+                        for i in range(args.routers)]
+
+
+async def _run(fleet: Fleet) -> int:
+    """Start the groups in order (infrastructure, workers, routers), each ready before the next; then watch
+    until Ctrl-C/SIGTERM or an unexpected exit, and stop in reverse order."""
+    args = fleet.args
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -315,54 +353,68 @@ async def up(args: argparse.Namespace) -> int:
     code = 0
     try:
         t0 = time.monotonic()
-        for group in ([c for c in children if c.name == "redis" or c.name.startswith("kv-store")], workers,
-                      routers):
-            for c in group:
-                await _start(c)
-                started.append(c)
-            waiter = asyncio.create_task(_wait_ready(group, args.start_timeout))
-            stopper = asyncio.create_task(stop.wait())
-            await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
-            stopper.cancel()
-            if stop.is_set():
-                waiter.cancel()
+        for group in (fleet.infra, fleet.workers, fleet.routers):
+            if not await _start_group(group, started, stop, args.start_timeout):
                 return 130
-            waiter.result()
         name = (await _served_name(args.port)) or "MODEL"
-        print(_ready_banner(args.port, name, time.monotonic() - t0, addrs), flush=True)
-        drained: set[int] = set()  # workers the planner drained: their exit is expected
-        planner_task = None
-        if args.planner:
-            scaler = LocalScaler(args, workers, started, drained,
-                                 lambda role: worker_child(role, 0, "", "")[0])
-            planner_task = asyncio.create_task(scaler.run())
-        while not stop.is_set():  # until Ctrl-C, or a child exits that nobody asked to
-            dead = [c.name for c in started if c.proc is not None and c.proc.returncode is not None
-                    and id(c) not in drained]
-            if dead:
-                print(f"splitfire up: {', '.join(dead)} exited; stopping everything", flush=True)
-                code = 1
-                break
-            if planner_task is not None and planner_task.done():
-                planner_task.result()  # (a planner that failed says why)
-            try:
-                await asyncio.wait_for(stop.wait(), timeout=0.5)
-            except TimeoutError:
-                pass
-        if planner_task is not None:
-            planner_task.cancel()
+        print(_ready_banner(args.port, name, time.monotonic() - t0, fleet.addrs), flush=True)
+        code = await _watch(fleet, started, stop)
     except RuntimeError as e:
         print(f"splitfire up: {e}", flush=True)
         code = 1
     finally:
         print("splitfire up: stopping ...", flush=True)
-        for group in ([c for c in started if c in routers], [c for c in started if c in workers],
-                      [c for c in started if c.name == "redis" or c.name.startswith("kv-store")]):
+        for group in ([c for c in started if c in fleet.routers], [c for c in started if c in fleet.workers],
+                      [c for c in started if c in fleet.infra]):
             await asyncio.gather(*(_stop(c) for c in group))
         for c in started:
             if c.log_task is not None:
                 await asyncio.wait({c.log_task}, timeout=2)
         print("splitfire up: stopped", flush=True)
+    return code
+
+
+async def _start_group(group: list[Child], started: list[Child], stop: asyncio.Event, timeout: float) -> bool:
+    """Start every child of `group` and wait until all are ready (RuntimeError naming one that is not);
+    False when stopped meanwhile."""
+    for c in group:
+        await _start(c)
+        started.append(c)
+    waiter = asyncio.create_task(_wait_ready(group, timeout))
+    stopper = asyncio.create_task(stop.wait())
+    await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
+    stopper.cancel()
+    if stop.is_set():
+        waiter.cancel()
+        return False
+    waiter.result()
+    return True
+
+
+async def _watch(fleet: Fleet, started: list[Child], stop: asyncio.Event) -> int:
+    """Until Ctrl-C (0), or a child exits that nobody asked to (1); with --planner, its scaler runs meanwhile."""
+    drained: set[int] = set()  # workers the planner drained: their exit is expected
+    planner_task = None
+    if fleet.args.planner:
+        scaler = LocalScaler(fleet.args, fleet.workers, started, drained,
+                             lambda role: fleet.worker_child(role, 0, "", "")[0])
+        planner_task = asyncio.create_task(scaler.run())
+    code = 0
+    while not stop.is_set():
+        dead = [c.name for c in started if c.proc is not None and c.proc.returncode is not None
+                and id(c) not in drained]
+        if dead:
+            print(f"splitfire up: {', '.join(dead)} exited; stopping everything", flush=True)
+            code = 1
+            break
+        if planner_task is not None and planner_task.done():
+            planner_task.result()  # (a planner that failed says why)
+        try:
+            await asyncio.wait_for(stop.wait(), timeout=0.5)
+        except TimeoutError:
+            pass
+    if planner_task is not None:
+        planner_task.cancel()
     return code
 
 
