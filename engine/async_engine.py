@@ -27,7 +27,8 @@ import torch
 from common.sampling_params import SamplingParams
 from engine.batch.sequence import Mode, Sequence, TokenLogprob
 from engine.compute_threads import ENGINE_THREAD, CoreShare, TeamWatch, release_pool
-from engine.llm_engine import EngineStats, LLMEngine, RequestOutput, StepObserver
+from engine.llm_engine import LLMEngine
+from engine.outputs import EngineStats, RequestOutput, StepObserver
 
 log = logging.getLogger("splitfire.engine")
 T = TypeVar("T")
@@ -192,42 +193,42 @@ class AsyncEngine:
         None when there are no free blocks now."""
 
         def run(engine: LLMEngine) -> tuple[int, list[int]] | None:
-            seq = engine.reserve(request_id, ids, sampling, tenant, weight=weight, adapter=adapter)
+            seq = engine.handoff.reserve(request_id, ids, sampling, tenant, weight=weight, adapter=adapter)
             return None if seq is None else (seq.num_cached_tokens, list(seq.block_table))
 
         return self.call(run)
 
     def take_landing(self, request_id: str, first_block: int) -> asyncio.Future[list[int] | None]:
-        """`LLMEngine.take_landing`."""
-        return self.call(lambda e: e.take_landing(request_id, first_block))
+        """`Handoff.take_landing`."""
+        return self.call(lambda e: e.handoff.take_landing(request_id, first_block))
 
     def activate(self, request_id: str, first_token: int, logprob: TokenLogprob | None,
                  cached_tokens: int, landed: list[tuple[int, int, int]] | None = None) -> asyncio.Future[None]:
         """A reserved prompt's K/V have landed: decode from `first_token` (delivered in order)."""
-        return self.call_and_deliver(lambda e: [e.activate(request_id, first_token, logprob, cached_tokens,
+        return self.call_and_deliver(lambda e: [e.handoff.activate(request_id, first_token, logprob, cached_tokens,
                                                            landed)])
 
     def start_local_prefill(self, request_id: str) -> asyncio.Future[None]:
-        return self.call(lambda e: e.start_local_prefill(request_id))
+        return self.call(lambda e: e.handoff.start_local_prefill(request_id))
 
     def cached_prefix_blocks(self, hashes: list[bytes]) -> asyncio.Future[int]:
         """How many leading blocks of `hashes` this engine's prefix cache holds."""
         return self.call(lambda e: len(e.blocks.match_prefix(hashes)))
 
     def fill_plan(self, request_id: str) -> asyncio.Future[tuple[list[bytes], list[int]]]:
-        return self.call(lambda e: e.fill_plan(request_id))
+        return self.call(lambda e: e.handoff.fill_plan(request_id))
 
     def mark_filled(self, request_id: str, num_blocks: int) -> asyncio.Future[int]:
-        return self.call(lambda e: e.mark_filled(request_id, num_blocks))
+        return self.call(lambda e: e.handoff.mark_filled(request_id, num_blocks))
 
     def resume_after_fill(self, request_id: str) -> asyncio.Future[None]:
-        return self.call(lambda e: e.resume_after_fill(request_id))
+        return self.call(lambda e: e.handoff.resume_after_fill(request_id))
 
     def reset_prefix_cache(self) -> asyncio.Future[tuple[int, int]]:
         return self.call(lambda e: e.blocks.reset_prefix_cache())
 
     def unpin_published(self, blocks: list[int]) -> asyncio.Future[None]:
-        return self.call(lambda e: e.unpin_published(blocks))
+        return self.call(lambda e: e.handoff.unpin_published(blocks))
 
     def quarantine(self, request_id: str, delay_s: float) -> None:
         """Stop a request now but free its blocks only after `delay_s`: a failed or cancelled
@@ -235,7 +236,7 @@ class AsyncEngine:
         `release_held` frees them sooner, on proof that nothing can land any more."""
 
         def hold(engine: LLMEngine) -> None:
-            seq = engine.hold(request_id)
+            seq = engine.handoff.hold(request_id)
             if seq is not None:
                 self._held[request_id] = seq
                 heapq.heappush(self._timers, (time.monotonic() + delay_s, next(self._seq),
@@ -254,7 +255,7 @@ class AsyncEngine:
         if held is None or (seq is not None and held is not seq):
             return  # already released (early, or a newer request reused the id)
         del self._held[request_id]
-        self.llm.release(held)
+        self.llm.handoff.release(held)
 
     def open_stream(self, request_id: str) -> RequestStream:
         stream = RequestStream(request_id)
@@ -354,10 +355,10 @@ class AsyncEngine:
     def _hand_out_published(self) -> None:
         if self.llm.blocks.kv_events and self.on_kv_events is not None and self._loop is not None:
             self._loop.call_soon_threadsafe(self.on_kv_events, *self.llm.blocks.take_kv_events())
-        if self.llm.to_publish and self.on_publish is not None and self._loop is not None:
-            self._loop.call_soon_threadsafe(self.on_publish, self.llm.take_published())
+        if self.llm.handoff.to_publish and self.on_publish is not None and self._loop is not None:
+            self._loop.call_soon_threadsafe(self.on_publish, self.llm.handoff.take_published())
         if self.llm.scheduler.admitted_for_fetch and self.on_fetch is not None and self._loop is not None:
-            self._loop.call_soon_threadsafe(self.on_fetch, self.llm.take_fetches())
+            self._loop.call_soon_threadsafe(self.on_fetch, self.llm.handoff.take_fetches())
 
     def _after_step(self, outputs: list[RequestOutput], step_s: float) -> None:
         # (Loop thread.) Torch work the serving shell did here (staging, a copy) may have left a pool of

@@ -6,13 +6,10 @@ thread for the gRPC workers, `splitfire generate` drives it directly.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
 
 import torch
 
@@ -20,79 +17,32 @@ from common.detokenizer import detokenizer
 from common.errors import ModelLoadError, RequestError
 from common.sampling_params import SamplingParams
 from common.tokenizer import Tokenizer
-from engine import memory_profile
-from engine.batch.block_manager import BlockManager, BlockStats
+from engine.batch.block_manager import BlockManager
 from engine.batch.constrained import GrammarEngine
 from engine.batch.graph_runner import DecodeGraphs
 from engine.batch.model_runner import Launched, ModelRunner
 from engine.batch.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
-from engine.batch.sequence import PENDING, Mode, Sequence, Status, TokenLogprob
+from engine.batch.sequence import Mode, Sequence, Status, TokenLogprob
 from engine.batch.step_times import StepTimes
 from engine.engine_config import EngineConfig
+from engine.handoff import Handoff, check_request
 from engine.loading import weight_cache
-from engine.loading.lora_adapters import LoRAAdapter, LoRAError
+from engine.loading.lora_adapters import LoRAAdapter
 from engine.loading.model_store import resolve_model
 from engine.loading.weights import load_model
-from engine.loras import LoRAManager
-from engine.model.kv_cache import KVCache, KVLayout
+from engine.loras import LoRAManager, require_loras, start_loras
+from engine.memory_profile import kv_layout
+from engine.model.kv_cache import KVCache
 from engine.model.model_config import ModelConfig
 from engine.model.parallel import ONE, WHOLE, split_layers
+from engine.outputs import EngineStats, RequestOutput, StepObserver
+from engine.overlap import Overlap
 from engine.ranks import RankGroup, RankMain, threads_per_rank
+from engine.spec.drafters import make_drafter
 from engine.spec.eagle3 import Eagle3Drafter
-from engine.spec.speculative import Drafter, NgramDrafter, verify
+from engine.spec.speculative import verify
 
 log = logging.getLogger("splitfire.engine")
-
-
-class StepObserver(Protocol):
-    """Sees each forward pass layer by layer (the prefill worker's KV transfer plugs in here)."""
-
-    def before_forward(self, batch: list[ScheduledSeq]) -> None: ...
-
-    def after_layer(self, layer: int) -> None: ...
-
-    def after_forward(self) -> dict[str, str]:
-        """Waits for work started per layer; returns {request_id: error} for sequences that failed."""
-        ...
-
-
-@dataclass
-class RequestOutput:
-    request_id: str
-    token_ids: list[int] = field(default_factory=list)  # new since the last output
-    text: str = ""  # new text since the last output
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    finished: bool = False
-    finish_reason: str | None = None  # stop | length | abort | error | prefill
-    error: str | None = None
-    num_prompt_tokens: int = 0
-    num_cached_tokens: int = 0
-    num_output_tokens: int = 0
-
-    def merge(self, later: RequestOutput) -> None:
-        """Fold a later output of the same request into this one (a reader that fell behind)."""
-        self.token_ids += later.token_ids
-        self.text += later.text
-        self.logprobs += later.logprobs
-        self.finished, self.finish_reason, self.error = later.finished, later.finish_reason, later.error
-        self.num_output_tokens = later.num_output_tokens
-        self.num_prompt_tokens = later.num_prompt_tokens or self.num_prompt_tokens
-        self.num_cached_tokens = later.num_cached_tokens or self.num_cached_tokens
-
-
-@dataclass
-class EngineStats:
-    blocks: BlockStats
-    running: int
-    waiting: int
-    reserved: int
-    num_preemptions: int
-    prompt_tokens_in_flight: int  # prompt tokens not yet computed, queued or running
-    kv_tokens_held: int = 0
-    decode_tokens_remaining: int = 0
-    store_hit_tokens: int = 0  # prompt tokens filled from the cluster-wide KV tier so far
-    spec_drafted: int = 0  # speculative tokens proposed so far
-    spec_accepted: int = 0  # of those, accepted by verification
 
 
 def _rss_mib() -> float:
@@ -121,7 +71,41 @@ class LLMEngine:
         self.model_dir = resolve_model(config.model)
         self.model_config = ModelConfig.from_dir(self.model_dir)
         self.tokenizer = tokenizer if tokenizer is not None else Tokenizer(self.model_dir)
-        # Model parallel: the other ranks start loading their parts while this one loads its own.
+        t0 = time.perf_counter()
+        rss_weights = self._load(rank_main)
+        weights_s = time.perf_counter() - t0
+        self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
+                                 self.model_config.max_position_embeddings)
+        self.model.build_rope_cache(self.max_model_len + 1, self.device, self.dtype)
+        t_kv = time.perf_counter()
+        self._build_runner(self._decode_graphs())
+        kv_s = time.perf_counter() - t_kv
+        # resident LoRA adapters, when enabled (`loras.py`)
+        self.loras: LoRAManager | None = start_loras(config, self.model, self.kv, self.ranks) if config.lora else None
+        self.drafter = make_drafter(config, self.model, self.model_dir, self.model_config.vocab_size, self.device,
+                                    self.dtype, self.kv.layout.num_blocks, self.max_model_len)
+        # the drafter, when it reads the target's hidden states
+        self.eagle = self.drafter if isinstance(self.drafter, Eagle3Drafter) else None
+        self.scheduler.drafter = self.drafter
+        self.scheduler.max_model_len = self.max_model_len
+        self.async_scheduling = self._async_scheduling()
+        self.overlap = Overlap(self)  # (async scheduling's queued step: `overlap.py`)
+        self.seqs: dict[str, Sequence] = {}
+        self._arrival = itertools.count()
+        self.times: StepTimes | None = None  # per-phase host time, when a benchmark asks (and on the runner)
+        self.handoff = Handoff(self)  # disaggregation and the cluster-wide KV tier (`handoff.py`)
+        log.info(
+            "engine ready model=%s device=%s dtype=%s kv_blocks=%d block_size=%d kv_mib=%.0f load_s=%.2f "
+            "weights_s=%.3f kv_s=%.3f weights_mib=%.1f mapped=%s rss_start_mib=%.0f rss_weights_mib=%.1f",
+            self.model_dir, self.device, self.dtype, self.kv.layout.num_blocks, config.block_size,
+            self.kv.nbytes / 2**20, time.perf_counter() - t0, weights_s, kv_s,
+            weight_cache.nbytes(self.model) / 2**20, self.model.weight_mapping is not None, rss_start, rss_weights,
+        )
+
+    def _load(self, rank_main: RankMain | None) -> float:
+        """The model (this rank's part; the other model-parallel ranks start loading theirs first). Returns
+        the RSS the weights added (MiB)."""
+        config = self.config
         tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
         stages = split_layers(self.model_config, pp) if pp > 1 else None
         self.ranks = RankGroup(config, self.model_dir, tp, pp, self.model_config.hidden_size,
@@ -130,23 +114,25 @@ class LLMEngine:
         stage = self.ranks.stage if self.ranks is not None else WHOLE
         if self.ranks is not None and self.device.type == "cpu":
             torch.set_num_threads(threads_per_rank(config, tp * pp))
-        t0 = time.perf_counter()
         rss_before = _rss_mib()
         self.model = load_model(self.model_dir, self.device, self.dtype, config.quantization, shard=shard,
                                 stage=stage, compress_weights=config.compress_weights)
-        rss_weights = _rss_mib() - rss_before
         self.model.set_int8_activations(config.cpu_activations == "int8")
-        weights_s = time.perf_counter() - t0
-        self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
-                                 self.model_config.max_position_embeddings)
-        self.model.build_rope_cache(self.max_model_len + 1, self.device, self.dtype)
-        graphs = config.decode_graphs == "on" or (config.decode_graphs == "auto" and self.device.type == "cuda")
-        graphs = graphs and config.speculative != "eagle3"  # (its steps need the features a graph does not return)
-        graphs = graphs and self.ranks is None  # (a step's inputs go to the other ranks first)
-        graphs = graphs and not config.lora  # (a step's adapter rows change what runs)
-        t_kv = time.perf_counter()
-        self.kv = KVCache(self._kv_layout(graphs), self.device)
-        kv_s = time.perf_counter() - t_kv
+        return _rss_mib() - rss_before
+
+    def _decode_graphs(self) -> bool:
+        """Whether decode steps replay captured graphs: on CUDA by default, never where a step's inputs or
+        outputs change what runs (EAGLE-3's features, the other ranks' inputs, adapter rows)."""
+        c = self.config
+        graphs = c.decode_graphs == "on" or (c.decode_graphs == "auto" and self.device.type == "cuda")
+        return graphs and c.speculative != "eagle3" and self.ranks is None and not c.lora
+
+    def _build_runner(self, graphs: bool) -> None:
+        """The KV cache, block manager, scheduler, grammar engine and model runner (with the other ranks'
+        step hand-off, and the decode graphs captured if asked: a failed capture decodes eagerly)."""
+        config = self.config
+        self.kv = KVCache(kv_layout(self.model, self.model_config, config, self.device, self.dtype,
+                                    self.max_model_len, graphs, self.ranks), self.device)
         # With decode graphs the last block is the padding rows' scratch space, never handed out.
         usable = self.kv.layout.num_blocks - (1 if graphs else 0)
         self.blocks = BlockManager(usable, config.block_size, config.enable_prefix_cache)
@@ -158,9 +144,9 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.kv, self.device, self.grammar, frozenset(self.eos_token_ids))
         if self.ranks is not None:
             self.ranks.setup(self.kv.layout, self.max_model_len + 1, config.cpu_activations == "int8")
-            if pp > 1:
+            if self.ranks.pp > 1:
                 self.runner.pipeline = self.ranks.pipeline(self.model, self.kv)
-                self.runner.micro_batches = pp  # (enough for every stage to have one in flight)
+                self.runner.micro_batches = self.ranks.pp  # (enough for every stage to have one in flight)
             else:
                 self.runner.broadcast = self.ranks.step
         if graphs:
@@ -174,50 +160,17 @@ class LLMEngine:
             except RuntimeError as e:  # e.g. a model path with a host sync, which a graph cannot hold
                 log.warning("event=decode_graphs_off reason=capture_failed error=%s", str(e).splitlines()[0])
                 self.runner.graphs = None
-        self.loras: LoRAManager | None = None  # resident LoRA adapters, when enabled (`loras.py`)
-        if config.lora:
-            if config.lora_dtype == "float16":  # (the setting exists for that loop: refused where it cannot run)
-                why = self.model.cpu_layers_unavailable(self.kv)
-                if why:
-                    raise ModelLoadError(f"--lora-dtype float16 sets the adapter factors the fused CPU decode loop "
-                                         f"reads, and this model's decode steps do not run there ({why}): drop it")
-            self.loras = LoRAManager(self.model, config.max_loras, config.max_lora_rank,
-                                     config.lora_dtype == "float16")
-            for name, path in config.lora_modules.items():
-                try:
-                    self.loras.load(name, path)
-                except LoRAError as e:
-                    raise ModelLoadError(f"--lora-modules {name}={path}: {e}") from e
-            if self.ranks is not None:  # (the other ranks loaded --lora-modules themselves, in the same slots)
-                ranks = self.ranks
-                self.loras.on_install = lambda a, slot: ranks.lora(("install", a.name, str(a.path), slot))
-                self.loras.on_free = lambda name: ranks.lora(("free", name))
-        self.eagle: Eagle3Drafter | None = None  # the drafter, when it reads the target's hidden states
-        self.drafter = self._drafter()
-        self.scheduler.drafter = self.drafter
-        # Async scheduling: the decode step queued on the device whose tokens are not read yet.
-        self.async_scheduling = (self.runner.graphs is not None and self.drafter is None and (
-            config.async_scheduling == "on" or (config.async_scheduling == "auto" and self.device.type == "cuda")))
-        if config.async_scheduling == "on" and not self.async_scheduling:
+
+    def _async_scheduling(self) -> bool:
+        """Whether decode steps queue ahead of the last one's read (`overlap.py`): only where they replay from
+        graphs, without speculation; `on` where that cannot be is refused."""
+        c = self.config
+        on = self.runner.graphs is not None and self.drafter is None and (
+            c.async_scheduling == "on" or (c.async_scheduling == "auto" and self.device.type == "cuda"))
+        if c.async_scheduling == "on" and not on:
             raise ModelLoadError("--async-scheduling on: this engine's decode steps do not replay from graphs "
                                  "(tensor or pipeline parallel, LoRA, or a failed capture): leave it auto")
-        self._launched: Launched | None = None
-        self.scheduler.max_model_len = self.max_model_len
-        self.seqs: dict[str, Sequence] = {}
-        self._arrival = itertools.count()
-        self.times: StepTimes | None = None  # per-phase host time, when a benchmark asks (and on the runner)
-        # Cluster-wide KV tier (set by a worker that has one): full blocks this engine computed are
-        # pinned and handed out for publishing, released by `unpin_published` once copied out.
-        self.kv_tier = False
-        self.to_publish: list[tuple[list[bytes], list[int]]] = []
-        self.store_hit_tokens = 0
-        log.info(
-            "engine ready model=%s device=%s dtype=%s kv_blocks=%d block_size=%d kv_mib=%.0f load_s=%.2f "
-            "weights_s=%.3f kv_s=%.3f weights_mib=%.1f mapped=%s rss_start_mib=%.0f rss_weights_mib=%.1f",
-            self.model_dir, self.device, self.dtype, self.kv.layout.num_blocks, config.block_size,
-            self.kv.nbytes / 2**20, time.perf_counter() - t0, weights_s, kv_s,
-            weight_cache.nbytes(self.model) / 2**20, self.model.weight_mapping is not None, rss_start, rss_weights,
-        )
+        return on
 
     def close(self) -> None:
         """Stop the other tensor-parallel ranks (nothing to do on one rank)."""
@@ -229,25 +182,9 @@ class LLMEngine:
         self.times = self.runner.times = StepTimes()
         return self.times
 
-    def _kv_layout(self, graphs: bool) -> KVLayout:
-        c = self.config
-        budget = int(c.kv_cache_gb * 2**30)
-        if self.device.type == "cuda":
-            # What the largest prompt chunk and the decode graphs' pool need is measured first.
-            peaks = memory_profile.profile(self.model, self.device, self.dtype, c.block_size,
-                                           min(c.max_num_batched_tokens, self.max_model_len),
-                                           c.max_num_seqs if graphs else 1)
-            free, _ = torch.cuda.mem_get_info(self.device)
-            budget = memory_profile.kv_budget(free, c.gpu_memory_fraction, peaks, graphs)
-        # Pipeline parallel: blocks sized for the stage with the most layers, this stage's own layers held.
-        most = max(len(s) for s in self.ranks.stages) if self.ranks is not None and self.ranks.pp > 1 else None
-        layout = KVLayout.for_budget(self.model_config, budget, c.block_size, c.torch_kv_dtype, self.model.kv_entry,
-                                     most)
-        return dataclasses.replace(layout, num_layers=len(self.model.layers))
-
     # -- requests -------------------------------------------------------------------
 
-    def _new_seq(self, request_id: str, prompt: list[int], sampling: SamplingParams, tenant: str, mode: Mode,
+    def new_sequence(self, request_id: str, prompt: list[int], sampling: SamplingParams, tenant: str, mode: Mode,
                  weight: float = 1.0, adapter: str = "") -> Sequence:
         if request_id in self.seqs:
             raise RequestError(f"request id {request_id!r} is already in flight")
@@ -257,28 +194,7 @@ class LLMEngine:
                 raise RequestError(f"LoRA adapter {adapter!r} asked for, but this worker serves none "
                                    "(--lora-modules / --enable-lora)")
             slot = self.loras.slot(adapter)
-        if not prompt:
-            raise RequestError("prompt is empty")
-        vocab = self.model_config.vocab_size
-        if min(prompt) < 0 or max(prompt) >= vocab:
-            raise RequestError(f"prompt token ids must be in [0, {vocab})")
-        sampling.validate()
-        if not 0 < weight < float("inf"):
-            raise RequestError(f"tenant weight must be a positive number, got {weight}")
-        if len(prompt) >= self.max_model_len:
-            raise RequestError(
-                f"prompt is {len(prompt)} tokens; this model's context is {self.max_model_len} "
-                "(prompt plus at least one generated token)"
-            )
-        total = min(len(prompt) + sampling.max_tokens, self.max_model_len)
-        if self.blocks.blocks_for(total) > self.blocks.num_blocks:
-            raise RequestError(
-                f"prompt + max_tokens = {total} tokens needs {self.blocks.blocks_for(total)} KV blocks; "
-                f"this worker has {self.blocks.num_blocks} in all"
-            )
-        if sampling.resumed_tokens >= len(prompt):
-            raise RequestError(f"resumed_tokens ({sampling.resumed_tokens}) must leave at least one prompt token "
-                               f"(prompt: {len(prompt)})")
+        check_request(prompt, sampling, weight, self.model_config.vocab_size, self.max_model_len, self.blocks)
         seq = Sequence(request_id, list(prompt), sampling, tenant=tenant, weight=weight, adapter=adapter,
                        lora_slot=slot, mode=mode, arrival=next(self._arrival))
         if sampling.grammar is not None:
@@ -304,50 +220,23 @@ class LLMEngine:
         """Queue a prompt. `fetch`: the KV tier holds part of it; when the scheduler admits it, it is
         handed out (`take_fetches`) to be filled, and computes the rest after `resume_after_fill`.
         `adapter`: a resident LoRA adapter's name to run it under ("" = the base model)."""
-        seq = self._new_seq(request_id, prompt_token_ids, sampling, tenant, mode, weight, adapter)
-        seq.fetch = fetch and self.kv_tier
+        seq = self.new_sequence(request_id, prompt_token_ids, sampling, tenant, mode, weight, adapter)
+        seq.fetch = fetch and self.handoff.kv_tier
         self.seqs[request_id] = seq
         self.scheduler.add(seq)
         return seq
 
-    def _drafter(self) -> Drafter | None:
-        c = self.config
-        if c.speculative == "ngram":
-            return NgramDrafter(c.num_speculative_tokens, c.speculative_max_batch)
-        if c.speculative == "eagle3":
-            assert c.draft_model is not None
-            head_dir = Path(c.draft_model)
-            if not head_dir.is_dir():
-                raise ModelLoadError(f"--draft-model {c.draft_model}: an EAGLE-3 head is a local directory "
-                                     "(config.json + safetensors)")
-            self.eagle = Eagle3Drafter(head_dir, self.model, c.num_speculative_tokens, c.speculative_max_batch,
-                                       self.device, self.dtype, c.block_size, self.kv.layout.num_blocks,
-                                       self.max_model_len + c.num_speculative_tokens + 1)
-            self.model.aux_layers = self.eagle.aux_layers
-            return self.eagle
-        if c.speculative != "draft":
-            return None
-        from engine.spec.draft_model import DraftModelDrafter, same_tokenizer
-
-        draft_dir = resolve_model(c.draft_model)
-        differs = same_tokenizer(self.model_dir, draft_dir)
-        if differs:
-            raise ModelLoadError(f"--draft-model {c.draft_model}: its tokenizer is not the target's ({differs}); "
-                                 "a draft model must share the target's vocabulary")
-        return DraftModelDrafter(draft_dir, c.num_speculative_tokens, c.speculative_max_batch, self.device, self.dtype,
-                                 c.block_size, self.kv.layout.num_blocks, self.max_model_len + c.num_speculative_tokens + 1,
-                                 self.model_config.vocab_size)
-
-    def _free_blocks(self, seq: Sequence) -> None:
+    def free_blocks(self, seq: Sequence) -> None:
         """Free a stopped sequence's blocks, or once the queued step that still writes into them is read."""
-        if self._launched is not None and seq in self._launched.rows:
-            self._launched.free_after.append(seq)
+        launched = self.overlap.launched
+        if launched is not None and seq in launched.rows:
+            launched.free_after.append(seq)
         else:
             self.blocks.free_seq(seq)
 
     def _drop(self, seq: Sequence) -> None:
         """Free a stopped sequence's blocks (and what a draft model holds for it)."""
-        self._free_blocks(seq)
+        self.free_blocks(seq)
         if self.drafter is not None:
             self.drafter.release(seq)
 
@@ -360,130 +249,16 @@ class LLMEngine:
         seq.status, seq.finish_reason = Status.FINISHED, "abort"
         return True
 
-    def hold(self, request_id: str) -> Sequence | None:
-        """Stop a request but keep its blocks (another process may still be writing into them)."""
-        seq = self.seqs.pop(request_id, None)
-        if seq is not None:
-            self.scheduler.remove(seq)
-            seq.status, seq.finish_reason = Status.FINISHED, "abort"
-            if self.drafter is not None:
-                self.drafter.release(seq)  # the draft cache is this process's alone
-        return seq
-
-    def release(self, seq: Sequence) -> None:
-        """Free the blocks of a request stopped with `hold`."""
-        self._free_blocks(seq)
-
-    # -- disaggregated decode: KV filled by another process --------------------------
-
-    def reserve(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, tenant: str = "",
-                mode: Mode = Mode.FULL, weight: float = 1.0, adapter: str = "") -> Sequence | None:
-        """Take blocks for a prompt whose K/V another process will write (a prefill worker, or the
-        cluster-wide KV store). None = no blocks now.
-
-        Reuses this worker's own cached prefix: `seq.num_cached_tokens` tokens need no transfer.
-        """
-        seq = self._new_seq(request_id, prompt_token_ids, sampling, tenant, mode, weight, adapter)
-        if not self.blocks.allocate(seq, seq.num_tokens):
-            return None
-        seq.status = Status.RESERVED
-        self.seqs[request_id] = seq
-        return seq
-
-    def take_landing(self, request_id: str, first_block: int) -> list[int] | None:
-        """Spare blocks, one per block of a reserved prompt's table from `first_block` on, for a prefill
-        worker to land whole pages in (`KVCache.land`); None when not that many are free."""
-        seq = self.seqs[request_id]
-        return list(seq.landing) if self.blocks.take_landing(seq, first_block) else None
-
-    def activate(self, request_id: str, first_token: int, logprob: TokenLogprob | None = None,
-                 cached_tokens: int = 0, landed: list[tuple[int, int, int]] | None = None) -> RequestOutput:
-        """The prompt's K/V have landed: start decoding from `first_token`. `cached_tokens`: prompt
-        tokens nobody had to compute for this request (the prefill worker's cache hits too). `landed`:
-        the (rank, first head, heads) sections the prefill worker wrote into the landing blocks, moved
-        into place here on every rank before the request's first step."""
-        seq = self.seqs[request_id]
-        assert seq.status == Status.RESERVED, f"{request_id} is {seq.status}, not reserved"
-        if landed:
-            assert seq.landing, f"{request_id}: K/V landed in blocks that were never offered"
-            dst = seq.block_table[seq.landing_from:]
-            self.kv.land(seq.landing, dst, [(h, n) for r, h, n in landed if r == 0])
-            if self.ranks is not None:
-                self.ranks.land((seq.landing, dst, landed))
-        self.blocks.free_landing(seq)
-        self.blocks.mark_computed(seq, seq.num_prompt_tokens - seq.num_computed_tokens)
-        seq.num_cached_tokens = max(seq.num_cached_tokens, min(cached_tokens, seq.num_prompt_tokens))
-        seq.num_published_blocks = seq.num_prompt_tokens // self.config.block_size  # the prefill side publishes those
-        self.scheduler.add_running(seq)
-        out = RequestOutput(request_id, num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=seq.num_cached_tokens)
-        self._append_token(seq, first_token, logprob, out)
-        return out
-
-    # -- the cluster-wide KV tier ------------------------------------------------------
-
-    def fill_plan(self, request_id: str) -> tuple[list[bytes], list[int]]:
-        """Block hashes and block ids of a reserved prompt's reusable blocks past its local cache hit:
-        what the KV store may fill (at least one token is always left to compute)."""
-        seq = self.seqs[request_id]
-        bs = self.config.block_size
-        first, last = seq.num_computed_tokens // bs, (seq.num_prompt_tokens - 1) // bs
-        return seq.block_hashes[first:last], seq.block_table[first:last]
-
-    def mark_filled(self, request_id: str, num_blocks: int) -> int:
-        """The next `num_blocks` of a reserved prompt were read from the KV store: they count as
-        computed and cached. Returns the prompt tokens now cached."""
-        seq = self.seqs[request_id]
-        n = num_blocks * self.config.block_size
-        self.blocks.mark_computed(seq, n)
-        seq.num_cached_tokens += n
-        seq.num_published_blocks = seq.num_computed_tokens // self.config.block_size
-        self.store_hit_tokens += n
-        return seq.num_cached_tokens
-
-    def _publish(self, seq: Sequence, upto_tokens: int) -> None:
-        """Pin the full blocks of `seq` computed here and not yet handed out, for the KV tier."""
-        full = min(upto_tokens, seq.num_computed_tokens) // self.config.block_size
-        lo = seq.num_published_blocks
-        if not self.kv_tier or full <= lo:
-            return
-        self.blocks.register_computed(seq)
-        if len(seq.block_hashes) < full:
-            return  # prefix caching is off: no content hashes to publish under
-        blocks = seq.block_table[lo:full]
-        self.blocks.pin(blocks)
-        self.to_publish.append((seq.block_hashes[lo:full], blocks))
-        seq.num_published_blocks = full
-
-    def take_fetches(self) -> list[str]:
-        """Requests the scheduler admitted for filling from the KV tier since the last call."""
-        out = [s.request_id for s in self.scheduler.admitted_for_fetch]
-        self.scheduler.admitted_for_fetch = []
-        return out
-
-    def resume_after_fill(self, request_id: str) -> None:
-        """The KV tier filled what it could: compute the rest (unless the request is gone)."""
-        seq = self.seqs.get(request_id)
-        if seq is not None and seq.status == Status.RESERVED:
-            self.scheduler.add_running(seq)
-
-    def take_published(self) -> list[tuple[list[bytes], list[int]]]:
-        out, self.to_publish = self.to_publish, []
-        return out
-
-    def unpin_published(self, blocks: list[int]) -> None:
-        self.blocks.unpin(blocks)
-
-    def start_local_prefill(self, request_id: str) -> None:
-        """A reserved request will be prefilled here after all (short uncached suffix)."""
-        seq = self.seqs[request_id]
-        assert seq.status == Status.RESERVED, f"{request_id} is {seq.status}, not reserved"
-        self.scheduler.add_running(seq)
-
     # -- stepping -------------------------------------------------------------------
 
     @property
+    def _launched(self) -> Launched | None:
+        """The queued step (tests look at it)."""
+        return self.overlap.launched
+
+    @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work or self._launched is not None
+        return self.scheduler.has_work or self.overlap.launched is not None
 
     def step(self, observer: StepObserver | None = None) -> list[RequestOutput]:
         """Run one step; the outputs of the steps finished since the last call.
@@ -494,20 +269,20 @@ class LLMEngine:
         device computes. Anything else (a prompt to admit, a block short, another kind of row, an
         observer) first reads the queued step and runs in order. A sequence that stops at the step read
         had a row in the next one: that row's token is dropped."""
-        if self._launched is not None:
-            if observer is None and self._overlaps_next():
-                return self._step_ahead()
-            return self._read_launched()
+        if self.overlap.launched is not None:
+            if observer is None and self.overlap.overlaps_next():
+                return self.overlap.step_ahead()
+            return self.overlap.read_launched()
         times = self.times
         t0 = time.perf_counter() if times is not None else 0.0
         batch = self.scheduler.schedule()
         if not batch:  # (admissions for fetching from the KV tier compute nothing yet)
             return []
-        if observer is None and self.async_scheduling and self._launchable(batch):
+        if observer is None and self.async_scheduling and self.overlap.launchable(batch):
             if times is not None:
                 times.steps += 1
                 times.schedule += time.perf_counter() - t0
-            self._queued(self.runner.launch(batch, None))
+            self.overlap.queued(self.runner.launch(batch, None))
             return []
         hook = None
         if observer is not None:
@@ -536,104 +311,21 @@ class LLMEngine:
             self.loras.sweep(self.adapter_in_use)
         return outputs
 
-    # -- async scheduling -------------------------------------------------------------
-
-    def _launchable(self, batch: list[ScheduledSeq]) -> bool:
-        return all(s.num_tokens == 1 and s.samples and not s.draft and s.seq.overlappable for s in batch) \
-            and self.runner.graphable(batch)
-
-    def _overlaps_next(self) -> bool:
-        """Whether the next step will be a launchable batch of every running sequence, with nothing
-        admitted and no preemption (each needs at most one new block): decided before scheduling it."""
-        sched = self.scheduler
-        running = sched.running
-        if sched.waiting or not running or self.blocks.num_available < len(running):
-            return False
-        assert self.runner.graphs is not None
-        if len(running) > self.runner.graphs.buckets[-1]:
-            return False
-        return all(s.overlappable and s.status == Status.RUNNING and s.num_remaining == 1 for s in running)
-
-    def _step_ahead(self) -> list[RequestOutput]:
-        """Queue the next decode step behind the launched one, then read and commit the launched one."""
-        times = self.times
-        t0 = time.perf_counter() if times is not None else 0.0
-        batch = self.scheduler.schedule()
-        # A sequence whose pending token is its last by length needs no further row.
-        batch = [s for s in batch if len(s.seq.output_token_ids) < s.seq.sampling.max_tokens
-                 and s.seq.num_tokens < self.max_model_len]
-        if times is not None and batch:
-            times.steps += 1
-            times.schedule += time.perf_counter() - t0
-        prev = self._launched
-        assert prev is not None
-        # (queued first: a sequence that stops in this read still has a row there, its blocks freed after it)
-        self._launched = self.runner.launch(batch, prev) if batch else None
-        outputs = self._read(prev)
-        if self._launched is not None:
-            self._queued(self._launched)
-        return outputs
-
-    def _queued(self, launched: Launched) -> None:
-        """A step is queued: each of its sequences still running has its K/V computed one further and a
-        pending token (an entry stopped since it was scheduled keeps neither)."""
-        for s in launched.batch:
-            seq = s.seq
-            if seq.status == Status.RUNNING:
-                self.blocks.mark_computed(seq, 1)
-                seq.output_token_ids.append(PENDING)
-        self._launched = launched
-
-    def _read_launched(self) -> list[RequestOutput]:
-        launched, self._launched = self._launched, None
-        assert launched is not None
-        return self._read(launched)
-
-    def _read(self, launched: Launched) -> list[RequestOutput]:
-        """Wait for a queued step's tokens and commit them (a stopped sequence's is dropped); then the
-        blocks of the sequences that stopped while it was queued are free."""
-        try:
-            tokens = launched.read()
-        finally:
-            for seq in launched.free_after:
-                self._free_blocks(seq)  # (or after the step queued since, if it has a row there too)
-        t1 = time.perf_counter() if self.times is not None else 0.0
-        outputs: list[RequestOutput] = []
-        for s, token in zip(launched.batch, tokens, strict=True):
-            seq = s.seq
-            if seq.status != Status.RUNNING or not seq.output_token_ids or seq.output_token_ids[-1] != PENDING:
-                continue  # stopped (aborted, held) since it was queued
-            seq.output_token_ids.pop()
-            out = RequestOutput(seq.request_id, num_prompt_tokens=seq.num_prompt_tokens,
-                                num_cached_tokens=seq.num_cached_tokens)
-            self._append_token(seq, token, None, out)
-            outputs.append(out)
-        if self.times is not None:
-            self.times.commit += time.perf_counter() - t1
-        return outputs
-
     # -- LoRA adapters ---------------------------------------------------------------
 
     def adapter_in_use(self, name: str) -> bool:
         return any(seq.adapter == name for seq in self.seqs.values())
 
     def load_adapter(self, name: str, path: str) -> None:
-        self._lora_manager().load(name, path)
+        require_loras(self.loras).load(name, path)
 
     def install_adapter(self, adapter: LoRAAdapter) -> None:
         """An adapter read off the engine thread (`read_adapter`), placed between steps."""
-        self._lora_manager().install(adapter)
-
-    def _lora_manager(self) -> LoRAManager:
-        if self.loras is None:
-            raise RequestError("this worker serves no LoRA adapters: start it with --enable-lora or --lora-modules")
-        return self.loras
+        require_loras(self.loras).install(adapter)
 
     def unload_adapter(self, name: str) -> bool:
         """True: gone now; False: requests still run under it (it takes no new ones, freed when they end)."""
-        if self.loras is None:
-            raise RequestError("this worker serves no LoRA adapters")
-        return self.loras.unload(name, self.adapter_in_use)
+        return require_loras(self.loras).unload(name, self.adapter_in_use)
 
     @property
     def adapters(self) -> list[str]:
@@ -650,10 +342,10 @@ class LLMEngine:
         if sampled is None:
             return None
         if seq.num_computed_tokens == seq.num_prompt_tokens:  # this step finished the prompt
-            self._publish(seq, seq.num_prompt_tokens)
+            self.handoff.publish(seq, seq.num_prompt_tokens)
         out = RequestOutput(seq.request_id, num_prompt_tokens=seq.num_prompt_tokens,
                             num_cached_tokens=seq.num_cached_tokens)
-        self._append_token(seq, sampled[0], sampled[1], out)
+        self.append_token(seq, sampled[0], sampled[1], out)
         return out
 
     def _verified(self, seq: Sequence, s: ScheduledSeq, error: str | None) -> RequestOutput:
@@ -667,14 +359,21 @@ class LLMEngine:
         self.drafter.record(seq, len(s.draft), len(emitted) - 1)
         self.blocks.mark_computed(seq, 1)  # the fed token (before a finish frees the blocks: they stay cached)
         for j, token in enumerate(emitted):
-            self._append_token(seq, token, None, out)
+            self.append_token(seq, token, None, out)
             if out.finished:
                 return out
             if j < len(emitted) - 1:  # an accepted draft: its K/V (computed from it) are valid
                 self.blocks.mark_computed(seq, 1)
         return out
 
-    def _append_token(self, seq: Sequence, token: int, logprob: TokenLogprob | None, out: RequestOutput) -> None:
+    def first_output(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> RequestOutput:
+        """The output carrying a sequence's first token (received from a prefill worker)."""
+        out = RequestOutput(seq.request_id, num_prompt_tokens=seq.num_prompt_tokens,
+                            num_cached_tokens=seq.num_cached_tokens)
+        self.append_token(seq, token, logprob, out)
+        return out
+
+    def append_token(self, seq: Sequence, token: int, logprob: TokenLogprob | None, out: RequestOutput) -> None:
         sp = seq.sampling
         seq.output_token_ids.append(token)
         out.token_ids.append(token)
@@ -720,7 +419,7 @@ class LLMEngine:
         if seq.detok is not None and error is None:
             out.text += seq.detok.flush()
         if error is None:
-            self._publish(seq, seq.num_computed_tokens)  # the output's blocks too: the next turn's prompt
+            self.handoff.publish(seq, seq.num_computed_tokens)  # the output's blocks too: the next turn's prompt
         seq.status, seq.finish_reason, seq.error = Status.FINISHED, reason, error
         out.finished, out.finish_reason, out.error = True, reason, error
         self.scheduler.remove(seq)
@@ -748,7 +447,7 @@ class LLMEngine:
             prompt_tokens_in_flight=pending,
             kv_tokens_held=self.kv_tokens_held(),
             decode_tokens_remaining=self.decode_tokens_remaining(),
-            store_hit_tokens=self.store_hit_tokens,
+            store_hit_tokens=self.handoff.store_hit_tokens,
             spec_drafted=self.drafter.drafted if self.drafter is not None else 0,
             spec_accepted=self.drafter.accepted if self.drafter is not None else 0,
         )

@@ -13,10 +13,13 @@ import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
-from common.errors import RequestError
+from common.errors import ModelLoadError, RequestError
+from engine.engine_config import EngineConfig
 from engine.loading.lora_adapters import LoRAAdapter, LoRAError, read_adapter
 from engine.model.decoder import DecoderModel
+from engine.model.kv_cache import KVCache
 
 log = logging.getLogger("splitfire.engine")
 
@@ -134,3 +137,32 @@ class LoRAManager:
         """Another rank: rank 0 has freed it (no request runs under it any more)."""
         self.unloading.discard(name)
         self._free(name)
+
+
+def start_loras(config: EngineConfig, model: DecoderModel, kv: KVCache, ranks: Any) -> LoRAManager:
+    """The resident adapters of an engine started with --lora-modules / --enable-lora: the start's adapters
+    loaded (a bad one refused naming it), the other model-parallel ranks (`ranks`: an `engine.ranks.RankGroup`,
+    or None) told of every later change."""
+    if config.lora_dtype == "float16":  # (the setting exists for that loop: refused where it cannot run)
+        why = model.cpu_layers_unavailable(kv)
+        if why:
+            raise ModelLoadError(f"--lora-dtype float16 sets the adapter factors the fused CPU decode loop reads, and "
+                                 f"this model's decode steps do not run there ({why}): drop it")
+    loras = LoRAManager(model, config.max_loras, config.max_lora_rank, config.lora_dtype == "float16")
+    for name, path in config.lora_modules.items():
+        try:
+            loras.load(name, path)
+        except LoRAError as e:
+            raise ModelLoadError(f"--lora-modules {name}={path}: {e}") from e
+    if ranks is not None:  # (the other ranks loaded --lora-modules themselves, in the same slots)
+        loras.on_install = lambda a, slot: ranks.lora(("install", a.name, str(a.path), slot))
+        loras.on_free = lambda name: ranks.lora(("free", name))
+    return loras
+
+
+def require_loras(loras: LoRAManager | None) -> LoRAManager:
+    """An engine's adapters, or the RequestError of a worker started without room for any."""
+    if loras is None:
+        raise RequestError("this worker serves no LoRA adapters: start it with --enable-lora or --lora-modules")
+    return loras
+

@@ -15,15 +15,19 @@ well-formed for every model family).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from engine.batch.model_runner import ModelRunner
 from engine.batch.scheduler import ScheduledSeq
+from engine.engine_config import EngineConfig
 from engine.model.decoder import DecoderModel
 from engine.model.kv_cache import KVCache, KVLayout
+from engine.model.model_config import ModelConfig
 from engine.spec.draft_model import DraftSeq
 
 log = logging.getLogger("splitfire.engine")
@@ -101,3 +105,20 @@ def _peak(run, cuda: bool) -> int:
     run()
     torch.cuda.synchronize()
     return max(0, torch.cuda.max_memory_allocated() - before)
+
+
+def kv_layout(model: DecoderModel, cfg: ModelConfig, c: EngineConfig, device: torch.device, dtype: torch.dtype,
+              max_model_len: int, graphs: bool, ranks: Any) -> KVLayout:
+    """The engine's KV cache: --kv-cache-gb on CPU; on CUDA, what the free memory holds once the largest prompt
+    chunk's and the decode graphs' measured peaks are set aside. `ranks` (an `engine.ranks.RankGroup` or None):
+    pipeline stages size blocks for the stage with the most layers and hold their own layers."""
+    budget = int(c.kv_cache_gb * 2**30)
+    if device.type == "cuda":
+        peaks = profile(model, device, dtype, c.block_size, min(c.max_num_batched_tokens, max_model_len),
+                        c.max_num_seqs if graphs else 1)
+        free, _ = torch.cuda.mem_get_info(device)
+        budget = kv_budget(free, c.gpu_memory_fraction, peaks, graphs)
+    most = max(len(s) for s in ranks.stages) if ranks is not None and ranks.pp > 1 else None
+    layout = KVLayout.for_budget(cfg, budget, c.block_size, c.torch_kv_dtype, model.kv_entry, most)
+    return dataclasses.replace(layout, num_layers=len(model.layers))
+

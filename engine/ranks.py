@@ -418,134 +418,173 @@ class RankGroup:
 def follower(rank: int, extension: RankExtension | None = None) -> None:
     """A rank other than 0: load this rank's part, then run forwards as rank 0 sends them (with
     `extension`'s hooks around a step that carries a payload for it)."""
-    spec = json.loads(os.environ["SPLITFIRE_RANK_SPEC"])
     if sys.platform == "linux":  # die with rank 0, whatever kills it
         import ctypes
 
         ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     from common.logs import setup_logging
-    from engine.loading.weights import load_model
 
     setup_logging()
-    config = EngineConfig(**spec["config"])
-    tp, pp = spec["tp"], spec["pp"]
-    names = Names(**spec["names"])
-    s, tp_rank = divmod(rank, tp)
-    sock = socket.create_connection(tuple(spec["address"]))
-    conn = Connection(sock.detach())
-    conn.send_bytes(bytes.fromhex(spec["key"]) + rank.to_bytes(4, "big"))
-    device = config.torch_device
-    torch.set_num_threads(threads_per_rank(config, tp * pp))
-    store = _store(rank, tp * pp, spec["port"])
-    group = _stage_group(device, store, s, tp_rank, tp)
-    shm = (SharedMemoryCollectives(names.collectives[s], tp_rank, tp, names.slot, _NotYet(), create=False)
-           if names.collectives[s] else None)
-    shard = Shard(tp_rank, tp, _collectives(group, tp, shm), config.enable_expert_parallel) if tp > 1 else Shard()
-    stage = Stage(s, pp, range(*spec["stages"][s])) if pp > 1 else Stage()
-    take = SharedMemoryChannel(names.hand_offs[s - 1][tp_rank], names.hand_off_bytes, False) if s > 0 else None
-    give = SharedMemoryChannel(names.hand_offs[s][tp_rank], names.hand_off_bytes, False) if s < pp - 1 else None
-    logits_out = (SharedMemoryChannel(names.logits, names.logits_bytes, False) if pp > 1 and stage.last
-                  and tp_rank == 0 else None)
+    f = Follower(rank, json.loads(os.environ["SPLITFIRE_RANK_SPEC"]), extension)
+    f.start()
     try:
-        model = load_model(spec["model_dir"], device, config.torch_dtype, config.quantization, shard=shard,
-                           stage=stage, compress_weights=config.compress_weights)
-    except Exception as e:
-        conn.send_bytes(pickle.dumps(f"cannot load its part: {type(e).__name__}: {e}"))
-        raise
-    _, layout, max_positions, int8_activations = pickle.loads(conn.recv_bytes())
-    layout = dataclasses.replace(layout, num_layers=len(model.layers))
-    model.build_rope_cache(max_positions, device, config.torch_dtype)
-    model.set_int8_activations(int8_activations)
-    kv = KVCache(layout, device)
-    loras = None
-    if config.lora:  # the same adapters in the same slots as rank 0, this rank's slices of them
-        from engine.loading.lora_adapters import LoRAError, read_adapter
+        f.serve()
+    finally:
+        f.close()
+
+
+class Follower:
+    """One rank other than 0, in steps: `start` (join rank 0, load this rank's part and its adapters, say
+    ready), `serve` (each message from rank 0: an adapter change, landed pages, a tensor-parallel step, or a
+    pipeline stage's micro-batches), `close`."""
+
+    def __init__(self, rank: int, spec: dict[str, Any], extension: RankExtension | None):
+        self.rank, self.spec, self.extension = rank, spec, extension
+        self.config = EngineConfig(**spec["config"])
+        self.tp, self.pp = spec["tp"], spec["pp"]
+        self.names = Names(**spec["names"])
+        self.stage_index, self.tp_rank = divmod(rank, self.tp)
+        self.device = self.config.torch_device
+        self.loras: Any = None
+
+    def start(self) -> None:
+        from engine.loading.weights import load_model
+
+        spec, names, s, tp, pp, config = self.spec, self.names, self.stage_index, self.tp, self.pp, self.config
+        sock = socket.create_connection(tuple(spec["address"]))
+        self.conn = Connection(sock.detach())
+        self.conn.send_bytes(bytes.fromhex(spec["key"]) + self.rank.to_bytes(4, "big"))
+        torch.set_num_threads(threads_per_rank(config, tp * pp))
+        self.store = _store(self.rank, tp * pp, spec["port"])
+        self.group = _stage_group(self.device, self.store, s, self.tp_rank, tp)
+        self.shm = (SharedMemoryCollectives(names.collectives[s], self.tp_rank, tp, names.slot, _NotYet(), create=False)
+                    if names.collectives[s] else None)
+        shard = (Shard(self.tp_rank, tp, _collectives(self.group, tp, self.shm), config.enable_expert_parallel)
+                 if tp > 1 else Shard())
+        stage = Stage(s, pp, range(*spec["stages"][s])) if pp > 1 else Stage()
+        self.take = (SharedMemoryChannel(names.hand_offs[s - 1][self.tp_rank], names.hand_off_bytes, False)
+                     if s > 0 else None)
+        self.give = (SharedMemoryChannel(names.hand_offs[s][self.tp_rank], names.hand_off_bytes, False)
+                     if s < pp - 1 else None)
+        self.logits_out = (SharedMemoryChannel(names.logits, names.logits_bytes, False)
+                           if pp > 1 and stage.last and self.tp_rank == 0 else None)
+        self.model = self._checked("cannot load its part", lambda: load_model(
+            spec["model_dir"], self.device, config.torch_dtype, config.quantization, shard=shard, stage=stage,
+            compress_weights=config.compress_weights))
+        _, layout, max_positions, int8_activations = pickle.loads(self.conn.recv_bytes())
+        layout = dataclasses.replace(layout, num_layers=len(self.model.layers))
+        self.model.build_rope_cache(max_positions, self.device, config.torch_dtype)
+        self.model.set_int8_activations(int8_activations)
+        self.kv = KVCache(layout, self.device)
+        if config.lora:  # the same adapters in the same slots as rank 0, this rank's slices of them
+            self._start_loras()
+        ext = self.extension
+        info = self._checked("cannot start its KV transfer", lambda: ext.on_ready(self.kv)) if ext is not None else None
+        self.conn.send_bytes(pickle.dumps(("ready", info)))
+        log.info("event=rank_ready rank=%d of=%d stage=%d layers=%s kv_blocks=%d", self.rank, tp * pp, s,
+                 f"{self.model.layer_ids.start}-{self.model.layer_ids.stop - 1}", layout.num_blocks)
+
+    def _checked(self, what: str, fn: Callable[[], Any]) -> Any:
+        """`fn()`, or rank 0 told why not (then the error raised here too)."""
+        try:
+            return fn()
+        except Exception as e:
+            self.conn.send_bytes(pickle.dumps(f"{what}: {type(e).__name__}: {e}"))
+            raise
+
+    def _start_loras(self) -> None:
         from engine.loras import LoRAManager
 
-        loras = LoRAManager(model, config.max_loras, config.max_lora_rank, config.lora_dtype == "float16")
-        for name, path in config.lora_modules.items():
-            try:
-                loras.load(name, path)
-            except Exception as e:
-                conn.send_bytes(pickle.dumps(f"cannot load --lora-modules {name}={path}: {type(e).__name__}: {e}"))
-                raise
-    try:
-        info = extension.on_ready(kv) if extension is not None else None
-    except Exception as e:
-        conn.send_bytes(pickle.dumps(f"cannot start its KV transfer: {type(e).__name__}: {e}"))
-        raise
-    conn.send_bytes(pickle.dumps(("ready", info)))
-    log.info("event=rank_ready rank=%d of=%d stage=%d layers=%s kv_blocks=%d", rank, tp * pp, s,
-             f"{model.layer_ids.start}-{model.layer_ids.stop - 1}", layout.num_blocks)
+        c = self.config
+        self.loras = LoRAManager(self.model, c.max_loras, c.max_lora_rank, c.lora_dtype == "float16")
+        for name, path in c.lora_modules.items():
+            self._checked(f"cannot load --lora-modules {name}={path}", lambda n=name, p=path: self.loras.load(n, p))
 
-    def rows_of(rows: list[int]) -> torch.Tensor:
-        return torch.tensor(rows, dtype=torch.long, device=device)
+    def serve(self) -> None:
+        with torch.inference_mode():
+            while True:
+                try:
+                    msg = pickle.loads(self.conn.recv_bytes())
+                except EOFError:
+                    return  # rank 0 closed the group
+                if msg is None:
+                    return
+                kind, plan = msg[0], msg[1]
+                if kind == "lora":
+                    self._lora(plan)
+                elif kind == "land":
+                    landing, dst, sections = plan
+                    self.kv.land(landing, dst, [(h, n) for r, h, n in sections if r == self.rank])
+                elif kind == "step":  # tensor parallel only: the stage is the whole model
+                    self._step(plan, msg[2])
+                else:  # "pp": the step's micro-batches, in order
+                    self._stage(plan, msg[2] if len(msg) > 2 else None)
 
-    with torch.inference_mode():
-        while True:
+    def _lora(self, plan: tuple) -> None:
+        from engine.loading.lora_adapters import LoRAError, read_adapter
+
+        loras = self.loras
+        assert loras is not None
+        if plan[0] == "install":  # answered: None, or why this rank's layers cannot take it
+            _, name, path, slot = plan
             try:
-                msg = pickle.loads(conn.recv_bytes())
-            except EOFError:
-                break  # rank 0 closed the group
-            if msg is None:
-                break
-            kind, plan = msg[0], msg[1]
-            if kind == "lora":
-                assert loras is not None
-                if plan[0] == "install":  # answered: None, or why this rank's layers cannot take it
-                    _, name, path, slot = plan
-                    try:
-                        loras.install(read_adapter(name, path, model, config.max_lora_rank), slot=slot)
-                    except LoRAError as e:
-                        conn.send_bytes(pickle.dumps(str(e)))
-                    else:
-                        conn.send_bytes(pickle.dumps(None))
-                elif plan[0] == "drop":  # another rank refused it: dropped where it was taken
-                    if plan[1] in loras.adapters:
-                        loras.free_now(plan[1])
-                else:
-                    loras.free_now(plan[1])
-                continue
-            if kind == "land":
-                landing, dst, sections = plan
-                kv.land(landing, dst, [(h, n) for r, h, n in sections if r == rank])
-                continue
-            if kind == "step":  # tensor parallel only: the stage is the whole model
-                ids, positions, meta, rows = plan
-                payload = msg[2]
-                if payload is None or extension is None:
-                    hidden = model(ids, positions, kv, meta)
-                else:
-                    extension.before_forward(payload)
-                    hidden = model(ids, positions, kv, meta, extension.after_layer)
-                if rows:
-                    model.logits(hidden.index_select(0, rows_of(rows)))
-                if payload is not None:  # (answered after the logits' collective: rank 0 is past it)
-                    conn.send_bytes(pickle.dumps(extension.after_forward() if extension is not None else None))
-                continue
-            payload = msg[2] if len(msg) > 2 else None  # "pp": the step's micro-batches, in order
-            if payload is not None and extension is not None:
-                extension.before_forward(payload)
-            for ids, positions, meta, rows in plan:
-                carry = tuple(take.recv()) if take is not None else None
-                out = model(ids, positions, kv, meta, carry=carry)
-                if give is not None:
-                    give.send(list(out))
-                elif rows:
-                    logits = model.logits(out.index_select(0, rows_of(rows)))
-                    if logits_out is not None:
-                        logits_out.send([logits])
-            if payload is not None:  # this stage's layers are computed for every micro-batch: its writes
-                if extension is not None:
-                    for i in range(len(model.layers)):
-                        extension.after_layer(i)
-                conn.send_bytes(pickle.dumps(extension.after_forward() if extension is not None else None))
-    for seg in (shm, take, give, logits_out):
-        if seg is not None:
-            seg.close()
-    if extension is not None:
-        extension.close()
-    del group, store
+                loras.install(read_adapter(name, path, self.model, self.config.max_lora_rank), slot=slot)
+            except LoRAError as e:
+                self.conn.send_bytes(pickle.dumps(str(e)))
+            else:
+                self.conn.send_bytes(pickle.dumps(None))
+        elif plan[0] == "drop":  # another rank refused it: dropped where it was taken
+            if plan[1] in loras.adapters:
+                loras.free_now(plan[1])
+        else:
+            loras.free_now(plan[1])
+
+    def _rows(self, rows: list[int]) -> torch.Tensor:
+        return torch.tensor(rows, dtype=torch.long, device=self.device)
+
+    def _step(self, plan: tuple, payload: Any) -> None:
+        """A tensor-parallel step (with `payload`: the extension's hooks around it, answered after the logits'
+        collective, when rank 0 is past it)."""
+        ids, positions, meta, rows = plan
+        ext = self.extension
+        if payload is None or ext is None:
+            hidden = self.model(ids, positions, self.kv, meta)
+        else:
+            ext.before_forward(payload)
+            hidden = self.model(ids, positions, self.kv, meta, ext.after_layer)
+        if rows:
+            self.model.logits(hidden.index_select(0, self._rows(rows)))
+        if payload is not None:
+            self.conn.send_bytes(pickle.dumps(ext.after_forward() if ext is not None else None))
+
+    def _stage(self, plan: list, payload: Any) -> None:
+        """This pipeline stage's layers over each micro-batch: hidden states taken from the stage before and
+        given to the next, the last stage's logits to rank 0."""
+        ext = self.extension
+        if payload is not None and ext is not None:
+            ext.before_forward(payload)
+        for ids, positions, meta, rows in plan:
+            carry = tuple(self.take.recv()) if self.take is not None else None
+            out = self.model(ids, positions, self.kv, meta, carry=carry)
+            if self.give is not None:
+                self.give.send(list(out))
+            elif rows:
+                logits = self.model.logits(out.index_select(0, self._rows(rows)))
+                if self.logits_out is not None:
+                    self.logits_out.send([logits])
+        if payload is not None:  # this stage's layers are computed for every micro-batch: its writes
+            if ext is not None:
+                for i in range(len(self.model.layers)):
+                    ext.after_layer(i)
+            self.conn.send_bytes(pickle.dumps(ext.after_forward() if ext is not None else None))
+
+    def close(self) -> None:
+        for seg in (getattr(self, n, None) for n in ("shm", "take", "give", "logits_out")):
+            if seg is not None:
+                seg.close()
+        if self.extension is not None:
+            self.extension.close()
+        self.group = self.store = None
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ from __future__ import annotations
 from common.errors import RequestError
 from common.sampling_params import SamplingParams
 from engine.batch.sequence import TokenLogprob
-from engine.llm_engine import RequestOutput
+from engine.outputs import RequestOutput
 from protos import sampling
 from protos import splitfire_pb2 as pb
 

@@ -75,7 +75,7 @@ class KVTier:
         self._publisher = ThreadPoolExecutor(1, thread_name_prefix="kv-publish")
         self._task: asyncio.Task | None = None
         self._fills: set[asyncio.Task] = set()
-        engine.kv_tier = True
+        engine.handoff.kv_tier = True
         aengine.on_publish = self.on_publish
         aengine.on_fetch = self.on_fetch
 

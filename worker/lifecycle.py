@@ -26,9 +26,10 @@ from common.tokenizer import Tokenizer
 from engine.async_engine import AsyncEngine
 from engine.compute_threads import releasing
 from engine.engine_config import EngineConfig
-from engine.llm_engine import LLMEngine, RequestOutput, StepObserver
+from engine.llm_engine import LLMEngine
 from engine.loading import weight_cache
 from engine.loading.model_store import resolve_model
+from engine.outputs import RequestOutput, StepObserver
 from kvtransfer.descriptors import KVRegion
 from worker.config import WorkerConfig
 from worker.kv_rank import rank_main, register_cache

@@ -49,10 +49,63 @@ def cpu_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None 
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
-class Linear(nn.Module):
-    """`nn.Linear` that on CPU runs oneDNN with a weight pre-packed for it.
+class PlainWeight:
+    """The weight as a float tensor (`F.linear`)."""
 
-    Measured on this project's 2-core EPYC (fp32, weights streamed from DRAM, per matmul):
+    name = "plain"
+
+    def __init__(self, lin: Linear):
+        self.lin = lin
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return F.linear(x, self.lin.weight, bias)
+
+
+class PackedWeight:
+    """The weight pre-packed for oneDNN on CPU (`pack_weight`)."""
+
+    name = "packed"
+
+    def __init__(self, lin: Linear):
+        self.lin = lin
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        assert self.lin.packed is not None
+        return cpu_linear(x, self.lin.packed, bias)
+
+
+class QuantizedWeights:
+    """int8, int4 or fp8 row blocks (`quant.linear`: C kernels on CPU, Triton on the GPU)."""
+
+    name = "quantized"
+
+    def __init__(self, lin: Linear):
+        self.lin = lin
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        assert self.lin.quantized is not None
+        return quant.linear(x, self.lin.quantized, bias, self.lin.int8_activations)
+
+
+class CompressedWeight:
+    """A losslessly compressed bfloat16 weight, decoded per tile (`compressed_weight.linear`)."""
+
+    name = "compressed"
+
+    def __init__(self, lin: Linear):
+        self.lin = lin
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        assert self.lin.compressed is not None
+        return compressed_linear(x, self.lin.compressed, bias)
+
+
+class Linear(nn.Module):
+    """`nn.Linear` whose weight format is chosen once, when it is loaded (`format`: plain, oneDNN-packed on
+    CPU, quantized int8/int4/fp8, or losslessly compressed), with LoRA deltas and the tensor-parallel sum
+    around whichever it is.
+
+    oneDNN packing, measured on this project's 2-core EPYC (fp32, weights streamed from DRAM, per matmul):
     gate_up at 1/4/32 rows 626/849/1367 us with `F.linear` (MKL) vs 350/323/685 us packed;
     lm_head 10.6/17.5/32.4 ms vs 5.3/5.8/11.3 ms; 512-row prefill 152 vs 206 GFLOP/s.
     """
@@ -71,11 +124,13 @@ class Linear(nn.Module):
         # outputs are summed over the ranks (the bias, on rank 0 only, is added once).
         self.reduce: Shard | None = None
         self.lora: LoRAWeights | None = None  # resident LoRA adapters' factors (`lora.py`), when enabled
+        self.format: PlainWeight | PackedWeight | QuantizedWeights | CompressedWeight = PlainWeight(self)
 
     def pack_for_cpu(self, keep_original: bool = False) -> None:
         if self.quantized is not None:
             return
         self.packed = pack_weight(self.weight)
+        self.format = PackedWeight(self)
         if not keep_original:
             self.weight = None  # type: ignore[assignment]
 
@@ -89,6 +144,7 @@ class Linear(nn.Module):
         parts = [p.to(device) for p in parts]
         merged = quant.concat_rows(parts) if len(parts) > 1 else parts[0]
         self.quantized = [merged] if merged is not None else parts
+        self.format = QuantizedWeights(self)
         self.weight = None  # type: ignore[assignment]
 
     def set_compressed(self, w: CompressedBF16) -> None:
@@ -97,17 +153,11 @@ class Linear(nn.Module):
             raise ModelLoadError(f"compressed weight of shape {w.shape} for a linear layer of "
                                  f"{(self.out_features, self.in_features)}")
         self.compressed = w
+        self.format = CompressedWeight(self)
         self.weight = None  # type: ignore[assignment]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.compressed is not None:
-            out = compressed_linear(x, self.compressed, self.bias)
-        elif self.quantized is not None:
-            out = quant.linear(x, self.quantized, self.bias, self.int8_activations)
-        elif self.packed is not None:
-            out = cpu_linear(x, self.packed, self.bias)
-        else:
-            out = F.linear(x, self.weight, self.bias)
+        out = self.format(x, self.bias)
         if self.lora is not None:
             out = self.lora.add_deltas(x, out)
         return out if self.reduce is None else self.reduce.all_reduce(out)

@@ -231,7 +231,7 @@ class ModelConfig:
             text = cfg.get(key)
             if not isinstance(text, dict):
                 raise ModelLoadError(f"{source}: {multimodal} without a {key} object")
-            inherited = {k: cfg[k] for k in ("bos_token_id", "eos_token_id") if k in cfg and k not in text}
+            inherited: dict[str, Any] = {k: cfg[k] for k in ("bos_token_id", "eos_token_id") if k in cfg and k not in text}
             log.info("serving the text model of %s (images are not supported) source=%s", multimodal, source)
             out = cls.from_dict({**inherited, **text, "architectures": [text_arch]}, f"{source}: {key}")
             return replace(out, checkpoint_prefix=prefix)
