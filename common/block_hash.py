@@ -10,7 +10,7 @@ import hashlib
 from array import array
 
 HASH_BYTES = 16
-# A KV event (worker/kv_events.py → router/kv_events.py): b"+" (stored) or b"-" (evicted), then the hash.
+# A KV event (worker/kv/events.py → router/kv_events.py): b"+" (stored) or b"-" (evicted), then the hash.
 KV_EVENT_BYTES = 1 + HASH_BYTES
 
 

@@ -104,7 +104,7 @@ class AsyncEngine:
         self.stats: EngineStats = llm.stats()
         self._stats_at = 0.0
         self.on_step: Callable[[list[RequestOutput], float, int], None] | None = None  # metrics hook (loop thread)
-        # Blocks the engine pinned for the cluster-wide KV tier (loop thread; see worker/kv_tier.py).
+        # Blocks the engine pinned for the cluster-wide KV tier (loop thread; see worker/kv/tier.py).
         self.on_publish: Callable[[list[tuple[list[bytes], list[int]]]], None] | None = None
         # Requests admitted to be filled from the KV tier before computing (loop thread).
         self.on_fetch: Callable[[list[str]], None] | None = None

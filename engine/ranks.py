@@ -71,7 +71,7 @@ class RankFailed(EngineError):
 
 class RankExtension(Protocol):
     """What a serving role adds to the ranks other than 0 (a prefill or decode worker's KV transfer:
-    `worker/kv_rank.py`, `prefill_worker/kv_sender.py`). Rank 0 sends a step's `payload` beside its
+    `worker/kv/rank.py`, `prefill_worker/kv_sender.py`). Rank 0 sends a step's `payload` beside its
     inputs (`RankGroup.attach`); a rank that got one runs the step with these hooks and answers with
     `after_forward`'s result (`RankGroup.collect`)."""
 

@@ -9,7 +9,7 @@ Workers split over different numbers of tensor-parallel ranks hold different KV 
 `HeadSlice` moves some heads of every row of a page (a page is rows of heads: `[k|v, slot]` rows of
 `heads x head_dim` values), one entry per row, since a head subset of a page is strided. Two ways round
 that: whole destination rows from strided source rows are gathered into staged pages by the sender
-(`worker/kv_staging.py`); whole source rows into strided destination rows (a prefill worker split over
+(`worker/kv/staging.py`); whole source rows into strided destination rows (a prefill worker split over
 more ranks than the decode worker) land in spare destination blocks as whole pages (`landing_entries`),
 and the decode worker moves them into place (`KVCache.land`).
 """

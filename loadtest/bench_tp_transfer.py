@@ -6,7 +6,7 @@ time; per pairing: the prefill worker's transfer bytes and Mooncake write entrie
 its metrics), the wall time of a request's writes (first layer write to last completion, the
 `kv_transfer_seconds` histogram's mean) and the client's time to first token, medians over prompts.
 Split alike, rank r writes whole pages into rank r; split differently, each page moves as head slices:
-into more decode ranks gathered into staged pages first (`worker/kv_staging.py`), into fewer as whole
+into more decode ranks gathered into staged pages first (`worker/kv/staging.py`), into fewer as whole
 pages into spare decode blocks moved into place there (`KVCache.land`); a pair `a:b:rows` turns that
 off on the decode side (`--no-kv-landing`: one entry per `[k|v, slot]` row).
 

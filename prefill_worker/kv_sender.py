@@ -6,10 +6,10 @@ first not yet sent) up to the last block the chunk completes; the prompt's final
 partly filled block goes with the last chunk. Every block is sent exactly once.
 
 Tensor parallel: every rank holds its own heads of each page and writes them where the plan's routes
-say (`worker/kv_routes.py`): rank r into rank r of a decode worker split the same way (whole pages),
+say (`worker/kv/routes.py`): rank r into rank r of a decode worker split the same way (whole pages),
 or head slices into the decode ranks that hold those heads when the two are split differently. Rank 0
 plans the step's blocks and sends them to the other ranks with the step's inputs (`RankGroup.attach`);
-each runs its own routes on its own pages (`worker/kv_rank.py`) and answers with what it wrote once
+each runs its own routes on its own pages (`worker/kv/rank.py`) and answers with what it wrote once
 its writes are done.
 """
 
@@ -24,10 +24,10 @@ from engine.batch.scheduler import ScheduledSeq
 from engine.ranks import RankGroup
 from kvtransfer.descriptors import coalesce, landing_runs
 from kvtransfer.writer import KVWriter, TransferJob
-from worker.kv_rank import JobSpec, rank_jobs
-from worker.kv_routes import KVSplit, Route
-from worker.kv_staging import KVStaging
-from worker.layer_writes import LayerWrites
+from worker.kv.layer_writes import LayerWrites
+from worker.kv.rank import JobSpec, rank_jobs
+from worker.kv.routes import KVSplit, Route
+from worker.kv.staging import KVStaging
 
 
 @dataclass

@@ -10,8 +10,8 @@ from prefill_worker.kv_sender import LayerwiseKVSender
 from prefill_worker.service import PrefillService
 from protos import splitfire_pb2_grpc as pb_grpc
 from worker.config import WorkerConfig, worker_config_from
-from worker.kv_routes import KVSplit
-from worker.kv_staging import KVStaging
+from worker.kv.routes import KVSplit
+from worker.kv.staging import KVStaging
 from worker.lifecycle import load_context, new_server, register_kv, serve
 from worker.worker_service import WorkerService
 

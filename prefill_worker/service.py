@@ -18,7 +18,7 @@ from prefill_worker.kv_sender import LayerwiseKVSender, TransferPlan
 from protos import splitfire_pb2 as pb
 from protos import splitfire_pb2_grpc as pb_grpc
 from worker.convert import kv_dtype_name, logprob_to_proto, sampling_from_proto, token_ids_from_proto
-from worker.kv_routes import KVSplit, stage_layout
+from worker.kv.routes import KVSplit, stage_layout
 from worker.worker_service import WorkerContext
 
 log = logging.getLogger("splitfire.prefill")

@@ -256,7 +256,7 @@ class WorkerServicer:
 
     def KVBlocks(self, request, context):
         """What the prefix cache holds now, for a router starting (or resyncing) its exact index from the
-        worker's KV events (worker/kv_events.py).
+        worker's KV events (worker/kv/events.py).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

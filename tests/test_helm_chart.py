@@ -157,7 +157,7 @@ def test_tensor_parallel_workers_get_one_gpu_per_rank(helm):
     for role in ("prefill", "decode"):
         c = deps[f"rel-splitfire-{role}"]["spec"]["template"]["spec"]["containers"][0]
         assert "--tensor-parallel-size=8" in c["args"] and c["resources"]["limits"]["nvidia.com/gpu"] == 8
-    # The KV store with split KV: every rank publishes and fetches its own part (worker/kv_tier_ranks.py).
+    # The KV store with split KV: every rank publishes and fetches its own part (worker/kv/tier_ranks.py).
     kv = render(helm, ROOT / "helm/ci/gpu-8decode-4prefill-rdma-values.yaml", *tp[:6])
     assert kv.returncode == 0, kv.stderr
     kv_deps = {d["metadata"]["name"]: d for d in yaml.safe_load_all(kv.stdout) if d and d["kind"] == "Deployment"}

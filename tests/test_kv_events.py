@@ -1,4 +1,4 @@
-"""KV events and the exact prefix index every router replica builds from them (worker/kv_events.py,
+"""KV events and the exact prefix index every router replica builds from them (worker/kv/events.py,
 router/kv_events.py): the events replay to the block manager's own cache, gaps and restarts resync,
 and two routers over the same workers place a conversation's next turn where its prefix is cached —
 also the one that just restarted."""

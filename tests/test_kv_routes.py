@@ -1,4 +1,4 @@
-"""Writes between workers split over different tensor-parallel sizes (`worker/kv_routes.py`): replayed as
+"""Writes between workers split over different tensor-parallel sizes (`worker/kv/routes.py`): replayed as
 byte copies between real buffers, every decode rank's pages hold exactly the KV heads the engine's own
 split gives that rank (`Shard.kv_heads`), each written once — even splits, replicated KV heads, latent
 caches — and whole pages when both sides are split alike."""
@@ -14,7 +14,7 @@ import pytest
 from engine.model.model_config import ModelConfig
 from engine.model.parallel import Shard
 from kvtransfer.descriptors import HeadSlice, KVRegion, Run, layer_entries
-from worker.kv_routes import KVSplit, stage_layout
+from worker.kv.routes import KVSplit, stage_layout
 
 LAYERS, BLOCKS, BS, DIM, ES = 2, 5, 4, 8, 4  # fp32 values
 

@@ -1,4 +1,4 @@
-"""Staged head slices (`worker/kv_staging.py`) land exactly the bytes the row-by-row writes land: the
+"""Staged head slices (`worker/kv/staging.py`) land exactly the bytes the row-by-row writes land: the
 plain path (one entry per `[k|v, slot]` row, `kvtransfer.descriptors.layer_entries`) is the reference,
 both applied as byte copies of their entries."""
 
@@ -14,7 +14,7 @@ from kvtransfer.config import TransferConfig
 from kvtransfer.descriptors import HeadSlice, KVRegion, Run, layer_entries
 from kvtransfer.transport import MooncakeTransport
 from kvtransfer.writer import TransferJob
-from worker.kv_staging import KVStaging, stageable
+from worker.kv.staging import KVStaging, stageable
 
 LAYERS, BLOCKS, BS, DIM = 3, 10, 4, 8
 

@@ -12,7 +12,7 @@ from procs import address, start_kv_master, start_worker, stop_all
 from reference import Reference
 from test_kv_store import GB, full_blocks, metric, prompt, published, published_count
 
-from worker.kv_tier_ranks import part_names, publishers
+from worker.kv.tier_ranks import part_names, publishers
 
 TP2 = ("--tensor-parallel-size", "2")
 

@@ -1,4 +1,4 @@
-"""Staged store I/O (`worker/kv_tier_ranks.StorePages`: a batch of blocks gathered block-major into a
+"""Staged store I/O (`worker/kv/tier_ranks.StorePages`: a batch of blocks gathered block-major into a
 registered buffer, one range per block) against the plain in-place path (one range per layer page), on a
 real mooncake_master: an object published one way is read back the other way into the same bytes, batches
 larger than the buffer included, and a fetch counts only the blocks that arrived."""
@@ -11,7 +11,7 @@ from procs import start_kv_master
 
 from engine.model.kv_cache import KVCache, KVLayout
 from kvtransfer.store import KVStore, StoreConfig
-from worker.kv_tier_ranks import StorePages
+from worker.kv.tier_ranks import StorePages
 
 LAYERS, BLOCKS = 5, 24
 

@@ -9,7 +9,7 @@ from typing import ClassVar
 
 import pytest
 
-from worker.layer_events import LayerEvents
+from worker.kv.layer_events import LayerEvents
 
 
 class FakeEvent:

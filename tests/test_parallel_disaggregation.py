@@ -119,7 +119,7 @@ async def test_one_rank_prefill_into_two_rank_decode_equals_transformers(cluster
             assert out.token_ids == ref.greedy(p, 10)
         await wait_blocks_free(dec)
         # The one rank holds both KV heads, each decode rank one: its heads are gathered into staged
-        # pages (worker/kv_staging.py) and sent whole, at most one entry per destination page (a 2,048-byte
+        # pages (worker/kv/staging.py) and sent whole, at most one entry per destination page (a 2,048-byte
         # page: k+v, 16 slots, one head of 16 floats), not one per 64-byte row.
         sent = metric(pre1, "splitfire_worker_kv_transfer_bytes_total")
         entries = metric(pre1, "splitfire_worker_kv_transfer_entries_total")
@@ -154,7 +154,7 @@ async def test_a_prefill_rank_killed_mid_prompt_fails_the_request_and_frees_the_
         await until_prefill_under_way(address(victim))
         pid = victim.popen.pid
         rank = next(int(c) for c in open(f"/proc/{pid}/task/{pid}/children").read().split()
-                    if b"worker.kv_rank" in open(f"/proc/{c}/cmdline", "rb").read())
+                    if b"worker.kv.rank" in open(f"/proc/{c}/cmdline", "rb").read())
         t0 = time.monotonic()
         os.kill(rank, signal.SIGKILL)
         with pytest.raises(grpc.aio.AioRpcError) as err:

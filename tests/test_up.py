@@ -37,7 +37,7 @@ async def test_up_serves_a_streamed_chat_and_stops_cleanly(tiny_model_dir, tmp_p
         pids = [int(x) for x in children.stdout.split()]
         assert len(pids) >= (3 if "--colocated" in layout else 4)  # redis, worker(s), router
         if any("tensor-parallel-size" in a for a in layout):  # the split workers' second ranks, and the KV store
-            ranks = [int(x) for x in subprocess.run(["pgrep", "-f", "worker.kv_rank"], capture_output=True,
+            ranks = [int(x) for x in subprocess.run(["pgrep", "-f", "worker.kv.rank"], capture_output=True,
                                                      text=True).stdout.split()
                      if int(open(f"/proc/{x}/stat").read().split()[3]) in pids]
             assert len(ranks) == (2 if "--tensor-parallel-size" in layout else 1)  # -ptp 1 -dtp 2: decode's only

@@ -32,7 +32,7 @@ from engine.loading.model_store import resolve_model
 from engine.outputs import RequestOutput, StepObserver
 from kvtransfer.descriptors import KVRegion
 from worker.config import WorkerConfig
-from worker.kv_rank import rank_main, register_cache
+from worker.kv.rank import rank_main, register_cache
 from worker.metrics import WorkerMetrics
 from worker.model_host import HostedModel, HostLimits, ModelHost
 from worker.worker_service import WorkerContext
@@ -88,7 +88,7 @@ def load_context(cfg: WorkerConfig, observer: StepObserver | None = None,
                         adapters=engine.adapters)
     if cfg.redis_url:
         # Routers build an exact prefix index from these (router/kv_events.py).
-        from worker.kv_events import KVEventPublisher
+        from worker.kv.events import KVEventPublisher
 
         ctx.kv_events = KVEventPublisher(cfg.redis_url, cfg.advertise)
         ctx.engine.on_kv_events = ctx.kv_events.on_kv_events
@@ -96,7 +96,7 @@ def load_context(cfg: WorkerConfig, observer: StepObserver | None = None,
     metrics.adapters_resident.labels(**metrics.labels).set(len(engine.adapters))
     if store_cfg is not None:
         from kvtransfer.store import KVStore
-        from worker.kv_tier import KVTier
+        from worker.kv.tier import KVTier
 
         agents = [info.store for info in engine.ranks.rank_info] if engine.ranks is not None else []
         ctx.kv_tier = KVTier(KVStore(store_cfg), ctx.engine, metrics, agents=agents)

@@ -31,10 +31,10 @@ class WorkerContext:
     model_name: str
     draining: bool = False
     inflight: set[str] = field(default_factory=set)  # request ids with an open RPC
-    kv_tier: Any = None  # worker.kv_tier.KVTier when a cluster-wide KV store is configured
+    kv_tier: Any = None  # worker.kv.tier.KVTier when a cluster-wide KV store is configured
     stream_port: int = 0  # the HTTP port serving Decode.Generate as frames (0: gRPC only)
     adapters: list[str] = field(default_factory=list)  # its engine's LoRA adapters taking requests (as of the last change)
-    kv_events: Any = None  # worker.kv_events.KVEventPublisher with --redis-url
+    kv_events: Any = None  # worker.kv.events.KVEventPublisher with --redis-url
     host: Any = None  # worker.model_host.ModelHost when the worker serves several base models
 
     def contexts(self) -> list[WorkerContext]:

@@ -1,6 +1,6 @@
 """An exact prefix index built from the workers' KV events, the same in every router replica.
 
-Each worker publishes what its prefix cache stores and evicts on a Redis stream (`worker/kv_events.py`).
+Each worker publishes what its prefix cache stores and evicts on a Redis stream (`worker/kv/events.py`).
 Every replica reads every worker's stream and keeps, per worker, the set of block hashes its cache
 holds: the same events in the same order give every replica the same index, so a conversation's next
 turn sent to another replica (or to a replica that just restarted) is placed where its prefix is.

@@ -2,7 +2,7 @@
 
 Every rank of a tensor-parallel worker holds its own heads of each KV page, in a cache of its own
 (same blocks, same layout, fewer heads). For a prefill worker to fill a decode worker's cache, each
-rank of the one writes its heads into the ranks of the other that hold them (`worker/kv_routes.py`:
+rank of the one writes its heads into the ranks of the other that hold them (`worker/kv/routes.py`:
 rank r into rank r when both are split alike): so each rank registers its cache with a Mooncake
 transfer engine of its own and tells rank 0 where it is (`on_ready` → `RankGroup.rank_info`; a
 decode worker hands those to the prefill worker in `KVDestination.ranks`). On a prefill worker, rank
@@ -11,9 +11,9 @@ of the same blocks where its routes say, layer by layer while the next layer com
 with what it wrote (`LayerwiseKVSender.after_forward` gathers the answers).
 
 With a cluster KV store (`--kv-store`), every rank of any role also runs a `StoreAgent` of its own
-that publishes and fetches its pages when rank 0's KV tier asks (`worker/kv_tier_ranks.py`).
+that publishes and fetches its pages when rank 0's KV tier asks (`worker/kv/tier_ranks.py`).
 
-Run as `python -m worker.kv_rank RANK` by `engine/ranks.py` (`RankMain`), with the worker's
+Run as `python -m worker.kv.rank RANK` by `engine/ranks.py` (`RankMain`), with the worker's
 `TransferConfig` in SPLITFIRE_RANK_TRANSFER (prefill and decode roles) and its `StoreConfig` in
 SPLITFIRE_RANK_STORE (with a KV store).
 """
@@ -35,10 +35,10 @@ from kvtransfer.descriptors import KVRegion, Run
 from kvtransfer.store import StoreConfig
 from kvtransfer.transport import MooncakeTransport
 from kvtransfer.writer import KVWriter, TransferJob
-from worker.kv_routes import Route
-from worker.kv_staging import KVStaging
-from worker.kv_tier_ranks import AgentAddress, StoreAgent
-from worker.layer_writes import LayerWrites
+from worker.kv.layer_writes import LayerWrites
+from worker.kv.routes import Route
+from worker.kv.staging import KVStaging
+from worker.kv.tier_ranks import AgentAddress, StoreAgent
 
 ENV = "SPLITFIRE_RANK_TRANSFER"
 STORE_ENV = "SPLITFIRE_RANK_STORE"
@@ -97,7 +97,7 @@ def rank_main(transfer: TransferConfig | None, store: StoreConfig | None = None)
         env[ENV] = json.dumps(dataclasses.asdict(transfer))
     if store is not None:
         env[STORE_ENV] = json.dumps(dataclasses.asdict(store))
-    return RankMain("worker.kv_rank", env)
+    return RankMain("worker.kv.rank", env)
 
 
 def _own_name(transfer: TransferConfig) -> TransferConfig:
@@ -168,6 +168,6 @@ def main(rank: int, env: dict[str, Any]) -> None:
 
 if __name__ == "__main__":
     # Run this module's code under its own name, so that what it sends rank 0 (`RankInfo`) unpickles there.
-    from worker.kv_rank import main as _main
+    from worker.kv.rank import main as _main
 
     _main(int(sys.argv[1]), dict(os.environ))

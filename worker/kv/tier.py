@@ -12,7 +12,7 @@ cache's (tenant-rooted, chained over every token before it: content-addressed, n
 rewritten); the fingerprint covers the weights, dtype, block size and KV layout (and the
 model-parallel split), so two models or layouts never read each other's blocks. A worker split
 over several ranks publishes and fetches each rank's part of a block on that rank
-(`worker/kv_tier_ranks.py`); `<part>` is empty on one rank.
+(`worker/kv/tier_ranks.py`); `<part>` is empty on one rank.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from engine.async_engine import AsyncEngine
 from engine.compute_threads import releasing
 from engine.loading.checkpoint import model_fingerprint
 from kvtransfer.store import KVStore
-from worker.kv_routes import KVSplit
-from worker.kv_tier_ranks import AgentAddress, RemotePages, StorePages, part_names, publishers
+from worker.kv.routes import KVSplit
+from worker.kv.tier_ranks import AgentAddress, RemotePages, StorePages, part_names, publishers
 from worker.metrics import WorkerMetrics
 
 log = logging.getLogger("splitfire.worker")

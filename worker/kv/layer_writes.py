@@ -4,7 +4,7 @@ layer computes; `finish` waits for all of them.
 
 Rank 0 of a prefill worker runs it for the jobs its scheduler planned (`prefill_worker/kv_sender.py`);
 each other tensor-parallel rank runs it for the same jobs on its own heads, into the same rank of the
-decode worker (`worker/kv_rank.py`).
+decode worker (`worker/kv/rank.py`).
 """
 
 from __future__ import annotations
@@ -12,14 +12,14 @@ from __future__ import annotations
 import torch
 
 from kvtransfer.writer import KVWriter, TransferJob
-from worker.kv_staging import KVStaging
-from worker.layer_events import LayerEvents, event_factory
+from worker.kv.layer_events import LayerEvents, event_factory
+from worker.kv.staging import KVStaging
 
 
 class LayerWrites:
     def __init__(self, writer: KVWriter, device: torch.device, staging: KVStaging | None = None):
         """`staging`: head slices whose destination pages are whole are gathered there and sent as pages
-        (`worker/kv_staging.py`); without it they go row by row."""
+        (`worker/kv/staging.py`); without it they go row by row."""
         self.writer = writer
         self.layers = LayerEvents(event_factory(device))
         self.jobs: list[TransferJob] = []
