@@ -8,7 +8,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
@@ -219,6 +219,20 @@ class DecodeService(pb_grpc.DecodeServicer):
         else:
             await self.ctx.engine.start_local_prefill(rid)
 
+    def _finished(self, rid: str, request: pb.GenerateRequest, out: RequestOutput, mode: str, total_s: float,
+                  sent_direct: int) -> None:
+        ctx, m = self.ctx, self.ctx.metrics
+        m.requests.labels(role=ctx.config.role, outcome=out.finish_reason or "stop").inc()
+        if request.adapter:
+            m.adapter_requests.labels(role=ctx.config.role, adapter=request.adapter).inc()
+            m.adapter_tokens.labels(role=ctx.config.role, adapter=request.adapter,
+                                    kind="prompt").inc(out.num_prompt_tokens)
+            m.adapter_tokens.labels(role=ctx.config.role, adapter=request.adapter,
+                                    kind="completion").inc(out.num_output_tokens)
+        log.info("event=generate_done rid=%s mode=%s prompt=%d cached=%d output=%d finish=%s total_s=%.3f "
+                 "sent_direct=%d", rid, mode, out.num_prompt_tokens, out.num_cached_tokens, out.num_output_tokens,
+                 out.finish_reason, total_s, sent_direct)
+
     # -- the RPC ----------------------------------------------------------------------
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext,
@@ -258,37 +272,14 @@ class DecodeService(pb_grpc.DecodeServicer):
                 m.requests.labels(role=ctx.config.role, outcome="error").inc()
                 log.warning("event=generate_failed rid=%s code=%s error=%r", rid, e.code.name, str(e))
                 await context.abort(e.code, str(e), trailing_metadata=e.trailing_metadata())
-            last = None
-            pending = None
-            interval = ctx.config.stream_interval
-            itl = m.itl.labels(**lbl)  # (per token: the child once, not a label lookup each)
-            sent_direct = 0  # tokens that went the direct way (the log line says)
+            pace = _Pace(ctx.config.stream_interval, m.itl.labels(**lbl))
             if direct is not None:
-                send = direct
-
-                def plain(out: RequestOutput) -> bool:
-                    nonlocal last, sent_direct
-                    n = len(out.token_ids)
-                    if pending is not None or last is None or out.finished or out.error is not None or n < interval:
-                        return False
-                    now = time.perf_counter()
-                    per = (now - last) / n
-                    for _ in range(n):
-                        itl.observe(per)
-                    last = now
-                    sent_direct += n
-                    send(event_from_output(out))
-                    return True
-
-                stream.sink = plain
+                pace.send = direct
+                stream.sink = pace.plain
             async for got in stream:
-                if pending is None:
-                    pending = got
-                else:
-                    pending.merge(got)
-                if last is not None and not pending.finished and len(pending.token_ids) < interval:
+                out = pace.take(got)
+                if out is None:
                     continue
-                out, pending = pending, None
                 now = time.perf_counter()
                 if out.error is not None:
                     done = True
@@ -298,26 +289,13 @@ class DecodeService(pb_grpc.DecodeServicer):
                     done = True
                     await context.abort(grpc.StatusCode.CANCELLED, f"request {rid} was aborted")
                 ev = event_from_output(out)
-                if last is None:
+                if pace.last is None:
                     ev.prefill_mode, ev.prefill_reason = mode, decision.reason
                     m.ttft.labels(**lbl).observe(now - t0)
-                elif out.token_ids:
-                    per = (now - last) / len(out.token_ids)
-                    for _ in out.token_ids:
-                        itl.observe(per)
-                last = now
+                pace.observe(out, now)
                 if out.finished:
                     done = True
-                    m.requests.labels(role=ctx.config.role, outcome=out.finish_reason or "stop").inc()
-                    if request.adapter:
-                        m.adapter_requests.labels(role=ctx.config.role, adapter=request.adapter).inc()
-                        m.adapter_tokens.labels(role=ctx.config.role, adapter=request.adapter,
-                                                kind="prompt").inc(out.num_prompt_tokens)
-                        m.adapter_tokens.labels(role=ctx.config.role, adapter=request.adapter,
-                                                kind="completion").inc(out.num_output_tokens)
-                    log.info("event=generate_done rid=%s mode=%s prompt=%d cached=%d output=%d finish=%s total_s=%.3f "
-                             "sent_direct=%d", rid, mode, out.num_prompt_tokens, out.num_cached_tokens,
-                             out.num_output_tokens, out.finish_reason, now - t0, sent_direct)
+                    self._finished(rid, request, out, mode, now - t0, pace.sent_direct)
                 yield ev
         finally:
             aeng.close_stream(rid)
@@ -328,3 +306,51 @@ class DecodeService(pb_grpc.DecodeServicer):
                     await self.cancel_remote(rid)
                 else:
                     aeng.abort(rid)
+
+
+class _Pace:
+    """One stream's pacing: outputs held back until --stream-interval tokens are ready (the first token and
+    the end go at once), the inter-token metric, and the direct path (`plain`: an output of plain tokens
+    turned into its event as the engine hands it out, while the loop waits with nothing held)."""
+
+    def __init__(self, interval: int, itl: Any):
+        self.interval = interval
+        self.itl = itl  # (per token: the metric child once, not a label lookup each)
+        self.last: float | None = None  # when the last event went out
+        self.pending: RequestOutput | None = None
+        self.sent_direct = 0  # tokens that went the direct way (the log line says)
+        self.send: Callable[[pb.GenerateEvent], None] | None = None
+
+    def plain(self, out: RequestOutput) -> bool:
+        n = len(out.token_ids)
+        if (self.pending is not None or self.last is None or out.finished or out.error is not None
+                or n < self.interval):
+            return False
+        assert self.send is not None
+        now = time.perf_counter()
+        per = (now - self.last) / n
+        for _ in range(n):
+            self.itl.observe(per)
+        self.last = now
+        self.sent_direct += n
+        self.send(event_from_output(out))
+        return True
+
+    def take(self, got: RequestOutput) -> RequestOutput | None:
+        """`got` folded into what is held; the output due now, if any."""
+        if self.pending is None:
+            self.pending = got
+        else:
+            self.pending.merge(got)
+        if self.last is not None and not self.pending.finished and len(self.pending.token_ids) < self.interval:
+            return None
+        out, self.pending = self.pending, None
+        return out
+
+    def observe(self, out: RequestOutput, now: float) -> None:
+        if self.last is not None and out.token_ids:
+            per = (now - self.last) / len(out.token_ids)
+            for _ in out.token_ids:
+                self.itl.observe(per)
+        self.last = now
+

@@ -193,6 +193,12 @@ class EngineConfig:
                 raise ValueError("--compress-weights keeps weights compressed in GPU memory for a Triton matmul: it "
                                  "needs --device cuda (a compressed checkpoint from `splitfire compress` is decoded "
                                  "at load on any device)")
+        self._validate_steps()
+        self._validate_parallelism()
+        return self
+
+    def _validate_steps(self) -> None:
+        """How steps run: graphs, async scheduling, CPU activations, speculation."""
         if self.decode_graphs not in ("auto", "on", "off"):
             raise ValueError(f"decode_graphs must be auto, on or off, got {self.decode_graphs!r}")
         if self.async_scheduling not in ("auto", "on", "off"):
@@ -210,6 +216,9 @@ class EngineConfig:
                              "--draft-model is only read with one of them")
         if not 1 <= self.num_speculative_tokens <= 16:
             raise ValueError(f"--num-speculative-tokens must be in 1..16, got {self.num_speculative_tokens}")
+
+    def _validate_parallelism(self) -> None:
+        """Model parallelism and LoRA (whose adapters every rank holds a slice of)."""
         if self.tensor_parallel_size < 1:
             raise ValueError(f"--tensor-parallel-size must be >= 1, got {self.tensor_parallel_size}")
         if self.pipeline_parallel_size < 1:
@@ -234,7 +243,6 @@ class EngineConfig:
             if len(self.lora_modules) > self.max_loras:
                 raise ValueError(f"--lora-modules names {len(self.lora_modules)} adapters; --max-loras is "
                                  f"{self.max_loras}")
-        return self
 
     @property
     def torch_device(self) -> torch.device:

@@ -121,13 +121,53 @@ def sample_batch(logits: torch.Tensor, params: list[SamplingParams],
     temps = torch.tensor([sp.temperature for sp in params], dtype=logits.dtype, device=dev)
     probs = torch.softmax(logits / temps[:, None], dim=-1)
     u = uniform_draws(generators, probs.dtype, dev)
+    cuts, narrow, candidates = _cuts(probs, params)
+    tokens = [0] * rows
+    wide = (~narrow).nonzero().flatten().tolist()
+    if wide:  # the whole vocabulary: pure temperature rows, flat ones, ties at the candidates' edge
+        sel = torch.tensor(wide, device=dev)
+        kept = probs.index_select(0, sel) if len(wide) < rows else probs
+        wide_cuts = cuts.index_select(0, sel)
+        if bool((wide_cuts > 0).any()):
+            kept = kept.masked_fill(kept < wide_cuts, 0.0)
+        cdf = kept.cumsum(-1)
+        hit = torch.searchsorted(cdf, (u.index_select(0, sel) * cdf[:, -1])[:, None], right=True).flatten()
+        for j, (i, t) in enumerate(zip(wide, hit.tolist(), strict=True)):
+            tokens[i] = t if t < vocab else int((kept[j] > 0).nonzero()[-1, 0])
+    if narrow.any():
+        assert candidates is not None
+        cand_rows, cand_p, cand_i = candidates
+        pos = torch.full((rows,), -1, dtype=torch.long, device=dev)
+        pos[cand_rows] = torch.arange(len(cand_rows), device=dev)
+        nar = narrow.nonzero().flatten()
+        cp, ci = cand_p.index_select(0, pos[nar]), cand_i.index_select(0, pos[nar])
+        cp = cp.masked_fill(cp < cuts.index_select(0, nar), 0.0)
+        # in vocabulary order: the partial sums are the whole row's at its kept tokens
+        ci, order = ci.masked_fill(cp == 0, vocab).sort(-1)
+        cdf = cp.gather(1, order).cumsum(-1)
+        last = (ci < vocab).sum(-1, keepdim=True) - 1
+        hit = torch.searchsorted(cdf, (u.index_select(0, nar) * cdf.gather(1, last).flatten())[:, None],
+                                 right=True)
+        hit = torch.minimum(hit, last)
+        for i, t in zip(nar.tolist(), ci.gather(1, hit).flatten().tolist(), strict=True):
+            tokens[i] = t
+    return tokens
+
+
+def _cuts(probs: torch.Tensor, params: list[SamplingParams]) -> tuple[
+        torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None]:
+    """Each row's probability cut (top-k, top-p and min-p together; 0 keeps everything), found among its most
+    likely tokens (more of them only for a top-p row whose cut lies further on); which rows keep tokens only
+    among the first candidates (`narrow`); and those candidates (rows, probabilities, ids)."""
+    rows, vocab = probs.shape
+    dev = probs.device
     ks = [sp.top_k if 0 < sp.top_k < vocab else vocab for sp in params]
     cuts = torch.zeros(rows, 1, dtype=probs.dtype, device=dev)  # (0: keep everything)
     narrow = torch.zeros(rows, dtype=torch.bool, device=dev)  # every kept token among the first candidates
     todo = [i for i, sp in enumerate(params) if ks[i] < vocab or sp.top_p < 1.0 or sp.min_p > 0.0]
     kmax = max((ks[i] for i in todo if ks[i] < vocab), default=0)
     sizes = sorted({min(max(c, kmax), vocab) for c in CANDIDATES} | {vocab})
-    cand_rows = cand_p = cand_i = None
+    candidates = None
     waiting: dict[int, list[int]] = {0: todo} if todo else {}  # rows by the candidate count they look among
     for stage, n in enumerate(sizes):
         todo = waiting.pop(stage, [])
@@ -163,36 +203,8 @@ def sample_batch(logits: torch.Tensor, params: list[SamplingParams],
         cuts[sel[got]] = cut[got]
         if stage == 0 and n < vocab:  # (a tie at the last candidate may continue past it: not narrow)
             narrow[sel[found & (cut.flatten() > ranked[:, -1])]] = True
-            cand_rows, cand_p, cand_i = sel, ranked, ids
-    tokens = [0] * rows
-    wide = (~narrow).nonzero().flatten().tolist()
-    if wide:  # the whole vocabulary: pure temperature rows, flat ones, ties at the candidates' edge
-        sel = torch.tensor(wide, device=dev)
-        kept = probs.index_select(0, sel) if len(wide) < rows else probs
-        wide_cuts = cuts.index_select(0, sel)
-        if bool((wide_cuts > 0).any()):
-            kept = kept.masked_fill(kept < wide_cuts, 0.0)
-        cdf = kept.cumsum(-1)
-        hit = torch.searchsorted(cdf, (u.index_select(0, sel) * cdf[:, -1])[:, None], right=True).flatten()
-        for j, (i, t) in enumerate(zip(wide, hit.tolist(), strict=True)):
-            tokens[i] = t if t < vocab else int((kept[j] > 0).nonzero()[-1, 0])
-    if narrow.any():
-        assert cand_rows is not None and cand_p is not None and cand_i is not None
-        pos = torch.full((rows,), -1, dtype=torch.long, device=dev)
-        pos[cand_rows] = torch.arange(len(cand_rows), device=dev)
-        nar = narrow.nonzero().flatten()
-        cp, ci = cand_p.index_select(0, pos[nar]), cand_i.index_select(0, pos[nar])
-        cp = cp.masked_fill(cp < cuts.index_select(0, nar), 0.0)
-        # in vocabulary order: the partial sums are the whole row's at its kept tokens
-        ci, order = ci.masked_fill(cp == 0, vocab).sort(-1)
-        cdf = cp.gather(1, order).cumsum(-1)
-        last = (ci < vocab).sum(-1, keepdim=True) - 1
-        hit = torch.searchsorted(cdf, (u.index_select(0, nar) * cdf.gather(1, last).flatten())[:, None],
-                                 right=True)
-        hit = torch.minimum(hit, last)
-        for i, t in zip(nar.tolist(), ci.gather(1, hit).flatten().tolist(), strict=True):
-            tokens[i] = t
-    return tokens
+            candidates = (sel, ranked, ids)
+    return cuts, narrow, candidates
 
 
 # The columns of `sample_on_device`'s per-row settings.

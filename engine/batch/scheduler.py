@@ -159,9 +159,22 @@ class Scheduler:
         # (never two in a row): its first token does not wait on a step stretched by everyone
         # else's batch; their streams wait that one step.
         self.last_for_newcomers = bool(newcomers)
-        budget = self.config.max_num_batched_tokens
-        out: list[ScheduledSeq] = []
-        # 1. Decodes, oldest first; a decode that needs a block preempts the newest sequence.
+        out = self._decodes(newcomers)
+        full = self.config.max_num_batched_tokens - sum(s.num_tokens for s in out)
+        cap = self.config.max_prefill_tokens_while_decoding
+        budget = min(full, cap) if out and cap is not None else full
+        # Tenanted: prompts of a tenant under its share are not held to the cap on prompt tokens
+        # while others decode (their streams wait one longer step; its prompt does not wait behind
+        # their backlog for several).
+        shares = self.shares() if self.tenanted else None
+        favoured = self._favoured(shares) if shares is not None and budget < full else set()
+        used = self._chunks(out, newcomers, shares, favoured, full, budget)
+        self._admit(out, newcomers, shares, favoured, full, budget, used)
+        return out
+
+    def _decodes(self, newcomers: set[str]) -> list[ScheduledSeq]:
+        """1. Decodes, oldest first (none in a newcomers' step); a decode that needs a block preempts the
+        newest sequence. With a drafter, each decode carries its drafts."""
         decodes: list[Sequence] = []
         # (A preempted sequence leaves `running` with status WAITING: the status is the O(1) membership
         # test — `in self.running` made every step quadratic in the batch.)
@@ -175,24 +188,16 @@ class Scheduler:
                 decodes.append(seq)
         if self.tenanted:  # a later decode's preemption may have taken an earlier one of another tenant
             decodes = [s for s in decodes if s.status == Status.RUNNING]
-        drafts = self._drafts(decodes, budget)
-        for seq, draft in zip(decodes, drafts, strict=True):
-            out.append(ScheduledSeq(seq, 1 + len(draft), draft))
-            budget -= 1 + len(draft)
-        full = budget
-        cap = self.config.max_prefill_tokens_while_decoding
-        if out and cap is not None:
-            budget = min(budget, cap)
-        # Tenanted: prompts of a tenant under its share are not held to the cap on prompt tokens
-        # while others decode (their streams wait one longer step; its prompt does not wait behind
-        # their backlog for several).
-        shares = self.shares() if self.tenanted else None
-        favoured = self._favoured(shares) if shares is not None and budget < full else set()
-        # 2. Prompts already under way (their blocks were allocated at admission). While others
-        #    wait, they leave up to half the budget to them: a short prompt arriving behind a long
-        #    one starts at the next step instead of after the whole long prefill.
+        drafts = self._drafts(decodes, self.config.max_num_batched_tokens)
+        return [ScheduledSeq(seq, 1 + len(draft), draft) for seq, draft in zip(decodes, drafts, strict=True)]
+
+    def _chunks(self, out: list[ScheduledSeq], newcomers: set[str], shares: dict[str, float] | None,
+                favoured: set[str], full: int, budget: int) -> int:
+        """2. Prompts already under way (their blocks were allocated at admission). While others wait, they
+        leave up to half the budget to them: a short prompt arriving behind a long one starts at the next
+        step instead of after the whole long prefill. Returns the prompt tokens scheduled."""
         reserve = min(budget // 2, sum(s.num_remaining for s in self.waiting)) if self.waiting else 0
-        used = 0  # prompt tokens scheduled so far
+        used = 0
         for seq in sorted(self.running, key=(lambda s: s.arrival) if shares is None
                           else (lambda s: (shares[s.tenant], s.arrival))) if not newcomers else ():
             if seq.num_remaining > 1:
@@ -202,10 +207,13 @@ class Scheduler:
                 n = min(seq.num_remaining, room)
                 out.append(ScheduledSeq(seq, n))
                 used += n
-        # 3. New (or preempted) sequences, first come first served (tenanted: in share order), while
-        #    blocks last. One whose next uncached block another prompt is computing right now waits
-        #    for it (a burst of requests sharing a new system prompt computes it once, not once per
-        #    request).
+        return used
+
+    def _admit(self, out: list[ScheduledSeq], newcomers: set[str], shares: dict[str, float] | None,
+               favoured: set[str], full: int, budget: int, used: int) -> None:
+        """3. New (or preempted) sequences, first come first served (tenanted: in share order), while blocks
+        last. One whose next uncached block another prompt is computing right now waits for it (a burst of
+        requests sharing a new system prompt computes it once, not once per request)."""
         computing = self._prefix_in_progress() if self.waiting and self.blocks.enable_prefix_cache else set()
         deferred: list[Sequence] = []
         queue = self.waiting if shares is None else _FairQueue(self.waiting, shares, newcomers or None)
@@ -236,7 +244,6 @@ class Scheduler:
         if isinstance(queue, _FairQueue):
             self.waiting = queue.rest()
         self.waiting.extendleft(reversed(deferred))
-        return out
 
     def _newcomers(self) -> set[str]:
         """Tenants with prompts waiting and no sequence running, when others have some running."""

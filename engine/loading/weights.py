@@ -256,36 +256,8 @@ def load_model(model_dir: str | Path, device: torch.device, dtype: torch.dtype,
     staging = staging or None
     ckpt = Checkpoint(model_dir, staging)
     model = _allocate(cfg, device, dtype, shard, stage)
-    load = _Loader(ckpt, cfg.fp8_weight_block)
-    root, head = _text_model_prefixes(ckpt, cfg)
-    # Tensor parallel: the embedding's and LM head's rows of this rank's slice of the vocabulary.
-    vocab = Part((cfg.vocab_size, cfg.hidden_size), rows=model.vocab_rows) if shard.parallel else None
     with torch.no_grad():
-        embed = root + "embed_tokens.weight"
-        if not model.embed.weight.numel():  # (a pipeline stage that neither embeds nor ties the head to it)
-            for suffix in ("", *quant.SUFFIXES):
-                ckpt.skip(embed + suffix)
-        elif load.is_quantized(embed):
-            qw = (load.as_quantized(embed, tuple(model.embed.weight.shape), part=vocab) if vocab is not None
-                  else load.quantized(embed, tuple(model.embed.weight.shape)))
-            model.set_embedding_quantized(qw.to(device))
-        else:
-            load.copy(model.embed.weight, embed, part=vocab)
-        load.norm(model.norm, root + "norm.weight")
-        if cfg.tie_word_embeddings or not stage.last:
-            ckpt.skip(head)  # some tied checkpoints store a copy; the embedding is what runs
-            for suffix in quant.SUFFIXES:
-                ckpt.skip(head + suffix)
-        else:
-            load.linear(model.lm_head, [head if ckpt.has(head) or ckpt.has(head + ".qweight") else embed],
-                        parts=[vocab] if vocab is not None else None)
-        for i, layer in zip(model.layer_ids, tqdm(model.layers, desc=f"loading {model_dir.name}", unit="layer",
-                                                  disable=None), strict=True):
-            _load_block(load, cfg, layer, f"{root}layers.{i}.", shard)
-        others = tuple(f"{root}layers.{i}." for i in range(cfg.num_layers) if i not in model.layer_ids)
-        for name in [n for n in ckpt.unread if n.startswith(others)] if others else []:
-            ckpt.skip(name)  # (another pipeline stage's layers)
-        _skip_mtp_layers(ckpt, cfg, root)
+        _read_tensors(model, ckpt, cfg, model_dir, shard, stage)
         if quantization is not None:
             model.quantize(quantization)
     ckpt.close()
@@ -307,6 +279,41 @@ def load_model(model_dir: str | Path, device: torch.device, dtype: torch.dtype,
         except OSError as e:  # (a read-only or full cache directory: serve anyway)
             log.warning("event=weight_cache_not_written path=%s error=%s", cached, e)
     return _finish(model, device, None, compress_weights)
+
+
+def _read_tensors(model: DecoderModel, ckpt: Checkpoint, cfg: ModelConfig, model_dir: Path, shard: Shard,
+                  stage: Stage) -> None:
+    """Every tensor this rank and stage hold, read into `model`: the embedding (or its vocabulary slice), the
+    final norm, the LM head (unless tied or another stage's), each layer; the others skipped by name."""
+    load = _Loader(ckpt, cfg.fp8_weight_block)
+    root, head = _text_model_prefixes(ckpt, cfg)
+    # Tensor parallel: the embedding's and LM head's rows of this rank's slice of the vocabulary.
+    vocab = Part((cfg.vocab_size, cfg.hidden_size), rows=model.vocab_rows) if shard.parallel else None
+    embed = root + "embed_tokens.weight"
+    if not model.embed.weight.numel():  # (a pipeline stage that neither embeds nor ties the head to it)
+        for suffix in ("", *quant.SUFFIXES):
+            ckpt.skip(embed + suffix)
+    elif load.is_quantized(embed):
+        qw = (load.as_quantized(embed, tuple(model.embed.weight.shape), part=vocab) if vocab is not None
+              else load.quantized(embed, tuple(model.embed.weight.shape)))
+        model.set_embedding_quantized(qw.to(model.embed.weight.device))
+    else:
+        load.copy(model.embed.weight, embed, part=vocab)
+    load.norm(model.norm, root + "norm.weight")
+    if cfg.tie_word_embeddings or not stage.last:
+        ckpt.skip(head)  # some tied checkpoints store a copy; the embedding is what runs
+        for suffix in quant.SUFFIXES:
+            ckpt.skip(head + suffix)
+    else:
+        load.linear(model.lm_head, [head if ckpt.has(head) or ckpt.has(head + ".qweight") else embed],
+                    parts=[vocab] if vocab is not None else None)
+    for i, layer in zip(model.layer_ids, tqdm(model.layers, desc=f"loading {model_dir.name}", unit="layer",
+                                              disable=None), strict=True):
+        _load_block(load, cfg, layer, f"{root}layers.{i}.", shard)
+    others = tuple(f"{root}layers.{i}." for i in range(cfg.num_layers) if i not in model.layer_ids)
+    for name in [n for n in ckpt.unread if n.startswith(others)] if others else []:
+        ckpt.skip(name)  # (another pipeline stage's layers)
+    _skip_mtp_layers(ckpt, cfg, root)
 
 
 def _finish(model: DecoderModel, device: torch.device, dropped: Callable[[torch.Tensor], None] | None = None,

@@ -217,51 +217,15 @@ class ServingPath:
                 log.warning("event=stream_failed rid=%s status=%d error=%r", reqs[0].id, e.status, e.message)
                 await resp.write_eof(fmt.error(e.message, e.type, e.code or "worker_failed") + fmt.done)
                 return resp
-        usage = {"prompt": 0, "completion": 0, "cached": 0}
         # One write per upstream read: the head, the role chunk and the first text leave
         # together, and so do the last text, the finish, usage and [DONE] (a syscall each was
         # most of the router's per-request cost in front of a fast upstream).
         out: list[bytes] = [] if early else [fmt.opening(reqs, writers, early=False)]
-        # Replies with reasoning or tool calls are parsed as they stream (one parser per choice).
-        parsers = [r.reply.parser() if r.reply is not None else None for r in reqs]
-        finished = 0
-        continuous = _continuous_usage(reqs[0])
-        produced = [0] * len(reqs)
-        prompt_once = sum(len(r.prompt_token_ids) for r in reqs if r.sample_index == 0)
+        render = _Render(reqs, writers, latencies, used)
         try:
-            tagged = len(reqs) > 1  # several prompts: items are (choice index, chunk)
             item = first
             while item is not None:
-                i, c = item if tagged else (0, item)
-                latencies[i].observe(c)
-                used["completion"] += len(c.token_ids)  # so far (the quota's count if it ends early)
-                if continuous:
-                    produced[i] = c.completion_tokens or produced[i] + len(c.token_ids)
-                    mark = len(out)
-                w, parser = writers[i], parsers[i]
-                if c.extra is not None or c.raw_logprobs is not None:
-                    out.append(w.passthrough(c.text, c.extra, c.raw_logprobs))
-                elif parser is not None:
-                    events = parser.feed(c.text, c.token_ids)
-                    if c.finish_reason:
-                        events += parser.close()
-                    if events or c.logprobs:
-                        out.append(w.events(events, c.logprobs))
-                elif c.text or c.logprobs:
-                    out.append(w.text(c.text, c.logprobs))
-                if c.finish_reason:
-                    reason = c.finish_reason
-                    if parser is not None and parser.calls and reason == "stop":
-                        reason = "tool_calls"
-                    out.append(w.finish(reason, c))
-                    if reqs[i].sample_index == 0:  # a prompt counts once, however many samples
-                        usage["prompt"] += c.prompt_tokens
-                        usage["cached"] += c.cached_tokens
-                    usage["completion"] += c.completion_tokens
-                    finished += 1
-                if continuous and len(out) > mark:
-                    out[mark:] = [with_usage(b"".join(out[mark:]), usage_dict(prompt_once, sum(produced), 0))]
-                if finished == len(writers):
+                if render.add(item, out):
                     break
                 if out:
                     await resp.write(b"".join(out))
@@ -269,6 +233,7 @@ class ServingPath:
                     if direct is not None:  # the head and all before it are out: tokens may go direct now
                         direct.armed = True
                 item = await anext(source, None)
+            usage = render.usage
             if reqs[0].include_usage:
                 out.append(writers[0].usage(usage_dict(usage["prompt"], usage["completion"], usage["cached"])))
             self._count_usage([usage], used)
@@ -279,6 +244,56 @@ class ServingPath:
         out.append(fmt.done)
         await resp.write_eof(b"".join(out))
         return resp
+
+
+class _Render:
+    """One stream's chunks into SSE bytes, choice by choice: replies with reasoning or tool calls parsed as
+    they stream (one parser per choice), each choice's finish and usage (a prompt counted once, however many
+    samples), continuous usage when asked."""
+
+    def __init__(self, reqs: list[GenRequest], writers: list[ChoiceWriter], latencies: list[Latency],
+                 used: dict[str, int]):
+        self.reqs, self.writers, self.latencies, self.used = reqs, writers, latencies, used
+        self.parsers = [r.reply.parser() if r.reply is not None else None for r in reqs]
+        self.usage = {"prompt": 0, "completion": 0, "cached": 0}
+        self.finished = 0
+        self.tagged = len(reqs) > 1  # several prompts: items are (choice index, chunk)
+        self.continuous = _continuous_usage(reqs[0])
+        self.produced = [0] * len(reqs)
+        self.prompt_once = sum(len(r.prompt_token_ids) for r in reqs if r.sample_index == 0)
+
+    def add(self, item: Any, out: list[bytes]) -> bool:
+        """`item`'s bytes appended to `out`; True once every choice has finished."""
+        i, c = item if self.tagged else (0, item)
+        self.latencies[i].observe(c)
+        self.used["completion"] += len(c.token_ids)  # so far (the quota's count if it ends early)
+        mark = len(out)
+        if self.continuous:
+            self.produced[i] = c.completion_tokens or self.produced[i] + len(c.token_ids)
+        w, parser = self.writers[i], self.parsers[i]
+        if c.extra is not None or c.raw_logprobs is not None:
+            out.append(w.passthrough(c.text, c.extra, c.raw_logprobs))
+        elif parser is not None:
+            events = parser.feed(c.text, c.token_ids)
+            if c.finish_reason:
+                events += parser.close()
+            if events or c.logprobs:
+                out.append(w.events(events, c.logprobs))
+        elif c.text or c.logprobs:
+            out.append(w.text(c.text, c.logprobs))
+        if c.finish_reason:
+            reason = c.finish_reason
+            if parser is not None and parser.calls and reason == "stop":
+                reason = "tool_calls"
+            out.append(w.finish(reason, c))
+            if self.reqs[i].sample_index == 0:  # a prompt counts once, however many samples
+                self.usage["prompt"] += c.prompt_tokens
+                self.usage["cached"] += c.cached_tokens
+            self.usage["completion"] += c.completion_tokens
+            self.finished += 1
+        if self.continuous and len(out) > mark:
+            out[mark:] = [with_usage(b"".join(out[mark:]), usage_dict(self.prompt_once, sum(self.produced), 0))]
+        return self.finished == len(self.writers)
 
 
 def _continuous_usage(req: GenRequest) -> bool:
