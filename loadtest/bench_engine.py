@@ -28,6 +28,7 @@ import random
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -462,44 +463,24 @@ def main() -> int:
     p.add_argument("--sampling-groups", type=int, default=8, help="with --sampling: steps (row groups) per cell")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    if args.kv_dtypes:
-        from loadtest.bench_quant import main_kv
-
-        return main_kv(args)
-    if args.gemm:
-        from loadtest.bench_quant import main_gemm
-
-        return main_gemm(args)
-    if args.quant:
-        from loadtest.bench_quant import main_quant
-
-        return main_quant(args)
-    if args.families:
-        return main_families(args)
-    if args.lora:
-        from loadtest.bench_lora import main_lora
-
-        return main_lora(args)
     if args.json and not args.compression:
         p.error("--json is written by --compression only")
-    if args.compression:
-        from loadtest.bench_compression import main_compression
+    # Each mode flag and the module:function that runs it (the first given runs; none: the default table).
+    modes: list[tuple[str, str | Callable[[argparse.Namespace], int]]] = [
+        ("kv_dtypes", "loadtest.bench_quant:main_kv"), ("gemm", "loadtest.bench_quant:main_gemm"),
+        ("quant", "loadtest.bench_quant:main_quant"), ("families", main_families),
+        ("lora", "loadtest.bench_lora:main_lora"), ("compression", "loadtest.bench_compression:main_compression"),
+        ("mla", "loadtest.bench_mla:main_mla"), ("grammar", main_grammar),
+        ("sampling", "loadtest.bench_sampling:main_sampling"), ("speculative", main_speculative),
+        ("parallel", main_parallel)]
+    for flag, target in modes:
+        if getattr(args, flag):
+            if isinstance(target, str):  # (a module of its own, imported only when asked)
+                import importlib
 
-        return main_compression(args)
-    if args.mla:
-        from loadtest.bench_mla import main_mla
-
-        return main_mla(args)
-    if args.grammar:
-        return main_grammar(args)
-    if args.sampling:
-        from loadtest.bench_sampling import main_sampling
-
-        return main_sampling(args)
-    if args.speculative:
-        return main_speculative(args)
-    if args.parallel:
-        return main_parallel(args)
+                module, fn = target.split(":")
+                target = getattr(importlib.import_module(module), fn)
+            return target(args)
 
     cols: dict[str, dict[str, float]] = {}
     model_dir = ""

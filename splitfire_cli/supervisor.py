@@ -567,20 +567,16 @@ def add_subcommand(sub) -> None:
                    help="--shared-workers: models resident at once per worker (0: no limit)")
     p.add_argument("--model-memory-gb", type=float, default=0.0,
                    help="--shared-workers: GiB of weights + KV cache per worker's resident models (0: no limit)")
-    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
-                   help="each worker splits the model across this many ranks (GPUs, or CPU processes sharing "
-                        "its cores); each prefill rank writes its KV heads into the decode ranks holding them")
-    p.add_argument("--prefill-tensor-parallel-size", "-ptp", type=int, default=0, metavar="N",
-                   help="prefill workers' ranks, when not --tensor-parallel-size's (e.g. -ptp 1 -dtp 2)")
-    p.add_argument("--decode-tensor-parallel-size", "-dtp", type=int, default=0, metavar="N",
-                   help="decode workers' ranks, when not --tensor-parallel-size's")
-    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
-                   help="each worker splits the layers into this many stages, each of --tensor-parallel-size "
-                        "processes (CPU hosts); each prefill stage writes its layers into the decode ranks holding them")
-    p.add_argument("--prefill-pipeline-parallel-size", "-ppp", type=int, default=0, metavar="M",
-                   help="prefill workers' stages, when not --pipeline-parallel-size's")
-    p.add_argument("--decode-pipeline-parallel-size", "-dpp", type=int, default=0, metavar="M",
-                   help="decode workers' stages, when not --pipeline-parallel-size's")
+    for kind, short, what, split in (
+            ("tensor", "t", "ranks", "each worker splits the model across this many ranks (GPUs, or CPU processes "
+             "sharing its cores); each prefill rank writes its KV heads into the decode ranks holding them"),
+            ("pipeline", "p", "stages", "each worker splits the layers into this many stages, each of "
+             "--tensor-parallel-size processes (CPU hosts); each prefill stage writes its layers into the decode "
+             "ranks holding them")):
+        p.add_argument(f"--{kind}-parallel-size", f"-{short}p", type=int, default=1, help=split)
+        for role in ("prefill", "decode"):
+            p.add_argument(f"--{role}-{kind}-parallel-size", f"-{role[0]}{short}p", type=int, default=0,
+                           metavar="N", help=f"{role} workers' {what}, when not --{kind}-parallel-size's")
     p.add_argument("--cpus", default="auto", help="auto (split cores across workers), none, or 'LIST;LIST;...'")
     p.add_argument("--gpus", default="auto", help="auto (one GPU per worker when there are enough), none, or "
                    "'LIST;LIST;...' of CUDA_VISIBLE_DEVICES values")

@@ -56,3 +56,4 @@ def _no_orphans():
         if p.poll() is None:
             p.kill()
             p.wait(10)
+from multi_rank import engines  # noqa: E402,F401  (the model-parallel tests' fixture: tests/multi_rank.py)

@@ -10,37 +10,16 @@ import time
 
 import pytest
 import torch
-from engine_helpers import drain, make_engine
+from engine_helpers import drain
 from grpc_client import generate, greedy
 from hf_models import make_hf_model
+from multi_rank import GREEDY, N, prompts
 from procs import address, start_worker, stop_all
 
 from common.errors import ModelLoadError
 from common.sampling_params import SamplingParams
 from engine.model.model_config import ModelConfig
 from engine.model.parallel import split_layers
-
-GREEDY = dict(temperature=0.0, ignore_eos=True)
-N = 8
-
-
-def prompts() -> list[list[int]]:
-    return [[(7 * j + 31 * i) % 390 + 3 for j in range(n)] for i, n in enumerate((5, 40, 90))]
-
-
-@pytest.fixture
-def engines():
-    made = []
-
-    def make(model_dir, **kw):
-        kw.setdefault("threads", 1)
-        e = make_engine(model_dir, **kw)
-        made.append(e)
-        return e
-
-    yield make
-    for e in made:
-        e.close()
 
 
 def pipeline_logits(engine, prompt: list[int]) -> torch.Tensor:

@@ -11,43 +11,23 @@ import time
 
 import pytest
 import torch
-from engine_helpers import drain, make_engine
+from engine_helpers import drain
 from grpc_client import generate, greedy
 from hf_models import HFModel, make_hf_model
+from multi_rank import GREEDY, N, prompts
 from procs import address, start_worker, stop_all
 
 from common.errors import ModelLoadError
 from common.sampling_params import SamplingParams
 
-GREEDY = dict(temperature=0.0, ignore_eos=True)
-N = 8
 DENSE = ["llama3", "mistral", "qwen2", "qwen3", "gemma3"]
 
-
-def prompts() -> list[list[int]]:
-    # 5, 40 and 90 tokens: inside one block, a few blocks, and longer than every tiny sliding window.
-    return [[(7 * j + 31 * i) % 390 + 3 for j in range(n)] for i, n in enumerate((5, 40, 90))]
 
 
 @pytest.fixture(scope="module", params=DENSE)
 def family(request, tmp_path_factory) -> HFModel:
     return make_hf_model(request.param, tmp_path_factory.mktemp(request.param) / "model")
 
-
-@pytest.fixture
-def engines():
-    """Engines made in a test, their ranks stopped after it."""
-    made = []
-
-    def make(model_dir, **kw):
-        kw.setdefault("threads", 1)
-        e = make_engine(model_dir, **kw)
-        made.append(e)
-        return e
-
-    yield make
-    for e in made:
-        e.close()
 
 
 def engine_logits(engine, prompt: list[int]) -> torch.Tensor:

@@ -49,51 +49,52 @@ def cpu_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None 
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
-class PlainWeight:
-    """The weight as a float tensor (`F.linear`)."""
+class WeightFormat:
+    """How a `Linear` multiplies: chosen once, when its weight is loaded (the subclasses below), reading the
+    layer's tensors of that format."""
 
-    name = "plain"
+    name = ""
 
     def __init__(self, lin: Linear):
         self.lin = lin
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class PlainWeight(WeightFormat):
+    """The weight as a float tensor (`F.linear`)."""
+
+    name = "plain"
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return F.linear(x, self.lin.weight, bias)
 
 
-class PackedWeight:
+class PackedWeight(WeightFormat):
     """The weight pre-packed for oneDNN on CPU (`pack_weight`)."""
 
     name = "packed"
-
-    def __init__(self, lin: Linear):
-        self.lin = lin
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         assert self.lin.packed is not None
         return cpu_linear(x, self.lin.packed, bias)
 
 
-class QuantizedWeights:
+class QuantizedWeights(WeightFormat):
     """int8, int4 or fp8 row blocks (`quant.linear`: C kernels on CPU, Triton on the GPU)."""
 
     name = "quantized"
-
-    def __init__(self, lin: Linear):
-        self.lin = lin
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         assert self.lin.quantized is not None
         return quant.linear(x, self.lin.quantized, bias, self.lin.int8_activations)
 
 
-class CompressedWeight:
+class CompressedWeight(WeightFormat):
     """A losslessly compressed bfloat16 weight, decoded per tile (`compressed_weight.linear`)."""
 
     name = "compressed"
-
-    def __init__(self, lin: Linear):
-        self.lin = lin
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         assert self.lin.compressed is not None
@@ -124,7 +125,7 @@ class Linear(nn.Module):
         # outputs are summed over the ranks (the bias, on rank 0 only, is added once).
         self.reduce: Shard | None = None
         self.lora: LoRAWeights | None = None  # resident LoRA adapters' factors (`lora.py`), when enabled
-        self.format: PlainWeight | PackedWeight | QuantizedWeights | CompressedWeight = PlainWeight(self)
+        self.format: WeightFormat = PlainWeight(self)
 
     def pack_for_cpu(self, keep_original: bool = False) -> None:
         if self.quantized is not None:

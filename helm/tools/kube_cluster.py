@@ -102,17 +102,16 @@ class Processes:
                          for n, _ in self.procs if (self.dir / f"{n}.log").is_file())
 
 
-class ControlPlane:
-    def __init__(self, workdir: Path, bin_dir: Path | None = None):
-        self.dir = Path(workdir)
-        self.bin = bin_dir
-        self.procs = Processes(self.dir)
-        self.api_port = free_port()
-        self.kubeconfig = self.dir / "admin.kubeconfig"
+class Started:
+    """`with X() as x:` starts x (stopping what did start if the start fails) and stops it after."""
 
-    # -- lifecycle -----------------------------------------------------------------------------
+    def start(self) -> None:
+        raise NotImplementedError
 
-    def __enter__(self) -> ControlPlane:
+    def stop(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self):  # (returns the subclass's own type)
         try:
             self.start()
         except BaseException:
@@ -122,6 +121,18 @@ class ControlPlane:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+class ControlPlane(Started):
+    def __init__(self, workdir: Path, bin_dir: Path | None = None):
+        self.dir = Path(workdir)
+        self.bin = bin_dir
+        self.procs = Processes(self.dir)
+        self.api_port = free_port()
+        self.kubeconfig = self.dir / "admin.kubeconfig"
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
 
     def start(self) -> None:
         self.bin = self.bin or kube_bin()

@@ -30,7 +30,7 @@ import threading
 import time
 from pathlib import Path
 
-from kube_cluster import ControlPlane, Processes, free_port
+from kube_cluster import ControlPlane, Processes, Started, free_port
 
 NODE = "sfnode"
 BRIDGE = "sfbr0"
@@ -79,7 +79,7 @@ def remove_iptables_rules() -> None:
             subprocess.run(["iptables", "-t", table, "-X", c], capture_output=True)
 
 
-class Node:
+class Node(Started):
     def __init__(self, cp: ControlPlane, workdir: Path, cache: Path | None = None):
         self.cp = cp
         self.dir = Path(workdir)
@@ -93,17 +93,6 @@ class Node:
         self.gateway = f"{SUBNET}.1"
 
     # -- lifecycle -----------------------------------------------------------------------------
-
-    def __enter__(self) -> Node:
-        try:
-            self.start()
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
 
     def start(self) -> None:
         ensure_packages()

@@ -20,6 +20,7 @@ import logging
 import os
 import secrets
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from multiprocessing.connection import Client, Connection, Listener
 from typing import Any
@@ -113,19 +114,21 @@ class StorePages:
         if self._cuda:
             torch.cuda.current_stream(self._pages.device).synchronize()
 
+    def _batches(self, keys: list[str], blocks: list[int]) -> Iterator[tuple[list[str], list[int]]]:
+        """The keys and their blocks in batches of the staging buffers' capacity."""
+        for i in range(0, len(keys), self.capacity):
+            yield keys[i : i + self.capacity], blocks[i : i + self.capacity]
+
     def get(self, keys: list[str], blocks: list[int]) -> int:
         """Read `keys` into `blocks`: how many leading blocks arrived whole."""
-        if not keys:
-            return 0
-        if not self.capacity:
-            return self.store.get(keys, *self.ranges(blocks))
+        if not keys or not self.capacity:
+            return self.store.get(keys, *self.ranges(blocks)) if keys else 0
         buf, done = self._buffers["get"], 0
-        for i in range(0, len(keys), self.capacity):
-            ks, bs = keys[i : i + self.capacity], blocks[i : i + self.capacity]
+        for ks, bs in self._batches(keys, blocks):
             got = self.store.get(ks, *self._staged(buf, len(ks)))
-            if got:
-                index = torch.tensor(bs[:got], dtype=torch.long, device=buf.device)
-                self._pages.index_copy_(1, index, buf[:got].transpose(0, 1))
+            if got:  # the arrived blocks scattered into their pages, block-major to layer-major
+                self._pages.index_copy_(1, torch.tensor(bs[:got], dtype=torch.long, device=buf.device),
+                                        buf[:got].transpose(0, 1))
                 self._sync()
             done += got
             if got < len(ks):
@@ -133,15 +136,12 @@ class StorePages:
         return done
 
     def put(self, keys: list[str], blocks: list[int]) -> int:
-        if not keys:
-            return 0
-        if not self.capacity:
-            return self.store.put(keys, *self.ranges(blocks))
+        if not keys or not self.capacity:
+            return self.store.put(keys, *self.ranges(blocks)) if keys else 0
         buf, done = self._buffers["put"], 0
-        for i in range(0, len(keys), self.capacity):
-            ks, bs = keys[i : i + self.capacity], blocks[i : i + self.capacity]
-            index = torch.tensor(bs, dtype=torch.long, device=buf.device)
-            buf[: len(bs)].copy_(self._pages.index_select(1, index).transpose(0, 1))
+        for ks, bs in self._batches(keys, blocks):  # each batch gathered block-major, then written
+            buf[: len(bs)].copy_(self._pages.index_select(1, torch.tensor(bs, dtype=torch.long, device=buf.device))
+                                 .transpose(0, 1))
             self._sync()
             done += self.store.put(ks, *self._staged(buf, len(ks)))
         return done

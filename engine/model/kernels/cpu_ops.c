@@ -451,10 +451,9 @@ void sf_gemm_i4(const float *x, int ldx, int M, int K, const uint8_t *q, const f
 
 /* Rows of W as float32, for prefill-sized batches (then one float32 GEMM) and embedding lookups.
  * Group-at-a-time loops with a constant scale, which the compiler vectorises. */
-void sf_dequant_i8(const int8_t *q, const float *s, int N, int K, int gs, const int64_t *rows, int nrows,
-                   float *out, int threads) {
+INLINE void dequant_i8(const int8_t *q, const float *s, int K, int gs, const int64_t *rows, int nrows, float *out,
+                       int threads, const int f8) {
     int groups = K / gs;
-    (void)N;
 #pragma omp parallel for num_threads(threads) schedule(guided, 1)
     for (int i = 0; i < nrows; i++) {
         int64_t n = rows ? rows[i] : i;
@@ -465,26 +464,22 @@ void sf_dequant_i8(const int8_t *q, const float *s, int N, int K, int gs, const 
             float sc = sr[g];
             const int8_t *qg = qr + (size_t)g * gs;
             float *og = o + (size_t)g * gs;
-            for (int j = 0; j < gs; j++) og[j] = (float)qg[j] * sc;
+            for (int j = 0; j < gs; j++) og[j] = (f8 ? F8(qg[j]) : (float)qg[j]) * sc;
         }
     }
 }
 
+void sf_dequant_i8(const int8_t *q, const float *s, int N, int K, int gs, const int64_t *rows, int nrows,
+                   float *out, int threads) {
+    (void)N;
+    dequant_i8(q, s, K, gs, rows, nrows, out, threads, 0);
+}
+
+/* e4m3 codes (through the table: the reference every FP8 path is held to). */
 void sf_dequant_f8(const uint8_t *q, const float *s, int N, int K, int gs, const int64_t *rows, int nrows,
                    float *out, int threads) {
-    int groups = K / gs;
     (void)N;
-#pragma omp parallel for num_threads(threads) schedule(guided, 1)
-    for (int i = 0; i < nrows; i++) {
-        int64_t n = rows ? rows[i] : i;
-        const uint8_t *qr = q + (size_t)n * K;
-        const float *sr = s + (size_t)n * groups;
-        float *o = out + (size_t)i * K;
-        for (int g = 0; g < groups; g++) {
-            float sc = sr[g];
-            for (int j = g * gs; j < (g + 1) * gs; j++) o[j] = f8_table[qr[j]] * sc;
-        }
-    }
+    dequant_i8((const int8_t *)q, s, K, gs, rows, nrows, out, threads, 1);
 }
 
 void sf_dequant_i4(const uint8_t *q, const float *s, const float *mn, int N, int K, int gs, const int64_t *rows,

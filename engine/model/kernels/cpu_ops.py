@@ -169,20 +169,21 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 
 def dequant_i8(q: torch.Tensor, s: torch.Tensor, gs: int, rows: torch.Tensor | None, out: torch.Tensor) -> None:
-    lib = library()
-    assert lib is not None
-    n, k = q.shape
-    nrows = n if rows is None else rows.numel()
-    lib.sf_dequant_i8(_ptr(q), _ptr(s), n, k, gs, _ptr(rows), nrows, _ptr(out), torch.get_num_threads())
+    _dequant("sf_dequant_i8", q, s, gs, rows, out)
 
 
 def dequant_f8(q: torch.Tensor, s: torch.Tensor, gs: int, rows: torch.Tensor | None, out: torch.Tensor) -> None:
     """float32 rows of an fp8 weight (`quant`'s layout: e4m3 codes [N, K], scales [N, K / gs])."""
+    _dequant("sf_dequant_f8", q, s, gs, rows, out)
+
+
+def _dequant(fn: str, q: torch.Tensor, s: torch.Tensor, gs: int, rows: torch.Tensor | None, out: torch.Tensor) -> None:
+    """Rows `rows` (all when None) of a one-byte-per-weight matrix (int8 or e4m3 codes) as float32 into `out`."""
     lib = library()
     assert lib is not None
     n, k = q.shape
     nrows = n if rows is None else rows.numel()
-    lib.sf_dequant_f8(_ptr(q), _ptr(s), n, k, gs, _ptr(rows), nrows, _ptr(out), torch.get_num_threads())
+    getattr(lib, fn)(_ptr(q), _ptr(s), n, k, gs, _ptr(rows), nrows, _ptr(out), torch.get_num_threads())
 
 
 def f8_table(lib: ctypes.CDLL | None = None) -> torch.Tensor:

@@ -20,6 +20,7 @@ from engine.model.kernels.triton_ops import (
     bytes_if_fp8,
     combine_splits,
     decode_splits,
+    online_softmax,
     split_buffer,
 )
 
@@ -59,12 +60,7 @@ def _mla_decode_kernel(
             kr = e4m3_to_float(kr).to(qc_ptr.dtype.element_ty)
         s = (tl.dot(qc, tl.trans(c)) + tl.dot(qr, tl.trans(kr))) * scale  # [HEAD_TILE, BLOCK_SIZE]
         s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        p = tl.exp(s - m_new[:, None])
-        alpha = tl.exp(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c)
-        m_i = m_new
+        m_i, l_i, acc = online_softmax(s, m_i, l_i, acc, c)
     if SPLITS == 1:
         out = acc / l_i[:, None]
         tl.store(out_ptr + seq * stride_ob + h[:, None] * stride_oh + r[None, :], out.to(out_ptr.dtype.element_ty),

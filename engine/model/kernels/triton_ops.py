@@ -62,12 +62,7 @@ def _decode_attention_kernel(
             v = e4m3_to_float(v).to(q_ptr.dtype.element_ty)
         s = tl.dot(q.to(k.dtype), tl.trans(k)) * scale  # [GROUP_PAD, KEYS], float32
         s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        p = tl.exp(s - m_new[:, None])
-        alpha = tl.exp(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+        m_i, l_i, acc = online_softmax(s, m_i, l_i, acc, v)
     heads = kvh * GROUP + g
     if SPLITS == 1:
         out = acc / l_i[:, None]
@@ -76,6 +71,19 @@ def _decode_attention_kernel(
     else:
         _store_split(part_ptr, seq, heads, split, m_i, l_i, acc, gmask, tl.num_programs(1) * GROUP, SPLITS,
                      HEAD_DIM)
+
+
+@triton.jit
+def online_softmax(s, m_i, l_i, acc, v):
+    """One tile of keys into a running softmax (flash attention): scores `s` [rows, keys] (-inf where masked;
+    every row sees at least one key) against the running max `m_i`, sum `l_i` and unnormalized output `acc`,
+    values `v` [keys, dim]. Returns the updated (m_i, l_i, acc)."""
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    p = tl.exp(s - m_new[:, None])
+    alpha = tl.exp(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
 
 
 @triton.jit
