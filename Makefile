@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 HAS_CUDA := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 PYTEST_ARGS ?=
 
-.PHONY: setup run test test-fast test-slow lint protos bench clean system-deps constraints image test-image test-k8s
+.PHONY: setup run test test-fast test-slow lint protos bench clean system-deps constraints image test-image test-k8s docs docs-serve docs-check
 
 setup: $(STAMP)
 
@@ -26,10 +26,10 @@ $(STAMP): pyproject.toml constraints.txt | system-deps
 	@$(PY) -m pip install -q --upgrade pip
 ifeq ($(HAS_CUDA),1)
 	$(PY) -m pip install -q torch triton
-	$(PY) -m pip install -q -e '.[test,bench,router,mooncake-cuda]'
+	$(PY) -m pip install -q -e '.[test,bench,router,docs,mooncake-cuda]'
 else
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -c constraints.txt -e '.[test,bench,router,mooncake]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[test,bench,router,docs,mooncake]'
 endif
 	@touch $(STAMP)
 
@@ -37,16 +37,31 @@ run: setup
 	$(VENV)/bin/splitfire model fetch
 	$(VENV)/bin/splitfire up
 
-# Style (ruff), the layers' import contracts (lint-imports: pyproject's [tool.importlinter]), and
-# types in the torch-free layers (mypy: pyproject's [tool.mypy]).
+# Style (ruff), the layers' import contracts (lint-imports: pyproject's [tool.importlinter]),
+# types in the torch-free layers (mypy: pyproject's [tool.mypy]), and the benchmark results' index
+# (every file in loadtest/results/ indexed and cited by a page, no machine paths).
 lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/lint-imports --no-cache
 	$(VENV)/bin/mypy
+	$(PY) -m loadtest.check_results
 
-# The whole suite, slow SmolLM2 tests included.
-test: setup lint
+# The whole suite, slow SmolLM2 tests included, after the lint and the docs site's strict build.
+test: setup lint docs
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+# The documentation site (MkDocs Material) into site/: --strict, so a broken link, a missing anchor or a
+# page left out of the navigation fails; the CLI, metrics and chart-values pages are generated from the code.
+docs: setup
+	DISABLE_MKDOCS_2_WARNING=true NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
+
+docs-serve: setup
+	DISABLE_MKDOCS_2_WARNING=true NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs serve --dev-addr 127.0.0.1:8001
+
+# Opt-in: the built site's home page and a reference page rendered by headless Chromium (Debian's chromium),
+# so a broken theme or missing assets are caught. Not part of `make test`.
+docs-check: docs
+	SPLITFIRE_TEST_DOCS_SITE=1 $(PY) -m pytest -q tests/test_docs_site.py $(PYTEST_ARGS)
 
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
@@ -78,4 +93,4 @@ test-image: image
 	SPLITFIRE_TEST_IMAGE=1 $(PY) -m pytest -q tests/test_image.py $(PYTEST_ARGS)
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info
+	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info site

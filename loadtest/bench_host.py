@@ -20,7 +20,7 @@ Two tables, one run:
 `.txt`, and an `.svg` flame graph per process).
 
     python -m loadtest.bench_host                                   # 64 streams x 256 tokens
-    python -m loadtest.bench_host --streams 16 --tokens 128 --layouts colocated --flame loadtest/results/flame
+    python -m loadtest.bench_host --streams 16 --tokens 128 --layouts colocated --flame loadtest/results/host-cpu-per-token/epyc-avx512/flame
     python -m loadtest.bench_host --worker-streams mux,http --no-engine     # one connection vs one per stream
     python -m loadtest.bench_host --stream-relays direct,queued --no-engine  # the direct relays vs the streams' handlers
 """

@@ -40,7 +40,7 @@ with no start-up, searched greedily to the best static split's attainment).
 
 Calibration (`COST_MODELS`): `h200-llama3-8b` from this project's own H200 run (`loadtest/bench_gpu`,
 2026-11-26: decode step 5.87 / 6.64 / 7.87 / 12.22 ms at batch 1 / 8 / 32 / 128 with 1,024 tokens of
-context each, prefill 37,223 tokens/s at 2,048 tokens; `loadtest/results/gpu_h200/bench_gpu.txt`).
+context each, prefill 37,223 tokens/s at 2,048 tokens; `loadtest/results/gpu-decode/h200/bench_gpu_llama3.txt`).
 What it leaves out: attention cost growing with a prompt's length in prefill (its tokens/s is the
 2k-token figure), preemption, network time other than `transfer_s_per_token`, failures.
 

@@ -18,7 +18,7 @@
 #                                                  #   compressedrows (the row kernel at 2-4 rows per program vs the tiles),
 #                                                  #   compressedengine (8B and MoE decode/prefill, plain vs compressed),
 #                                                  #   compressedsweep (the one-row kernel's launch shapes by registers:
-#                                                  #   loadtest/results/triton_aot.txt),
+#                                                  #   loadtest/results/gpu-decode/compile-only/triton_aot.txt),
 #                                                  #   fp8tests (FP8 weights and the e4m3 KV cache compiled and run),
 #                                                  #   fp8gemm (weight-only vs w8a8 per matrix: sets W8A8_MIN_ROWS),
 #                                                  #   fp8engine (8B and MoE decode/prefill: bf16 vs fp8 weights vs e4m3 KV)

@@ -12,7 +12,7 @@ resource use comes from `cuobjdump` (bundled with Triton): registers per thread,
 shared memory.
 
     python -m loadtest.triton_aot                       # sm_90: one row per launch
-    python -m loadtest.triton_aot --arch 80,90 --out loadtest/results/triton_aot.txt
+    python -m loadtest.triton_aot --arch 80,90 --out loadtest/results/gpu-decode/compile-only/triton_aot.txt
     python -m loadtest.triton_aot --only "compressed 1 rows" --set num_warps=8   # another launch shape
 
 Columns beside registers, spills and shared bytes: the SASS's shared-memory instructions and barriers and

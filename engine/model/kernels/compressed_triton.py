@@ -33,7 +33,7 @@ from engine.model.kernels.quant_triton import split_k_for
 
 # Rows from which the matrix is decoded to bfloat16 for torch's GEMM instead of in every row block's
 # program: past one 32-row block. On an H200 (Llama-3-8B shapes inside CUDA graphs,
-# loadtest/results/gpu_h200/bench_compressed_gemm_v5.txt) the tiles at 24 rows (one 32-row block) took
+# an H200 run of bench_compressed_gemm, 2026-11-27) the tiles at 24 rows (one 32-row block) took
 # 26-153 us against 30-210 us decoded + GEMM at 32 rows; at 64 rows decoding + GEMM (28-213 us) beat
 # 64-row tiles (53-352 us, v4).
 DECOMPRESS_MIN_ROWS = 33
@@ -50,7 +50,7 @@ BLOCK_N = 64  # the embedding's decoder's tile (`rows`) and the many-rows path's
 BLOCK_K = 128
 # The many-rows decoder's (`decompress`) tile and warps: block_n, block_k, warps. On an H200 16 x 512 / 4
 # moved 3.46-3.82 TB/s over Llama-3-8B's four projections (as fast as torch's copy of the bfloat16 matrix)
-# against 64 x 128 / 4's 3.22-3.38 (gpu_h200/bench_compressed_decoder_launches_v7.txt).
+# against 64 x 128 / 4's 3.22-3.38 (loadtest/results/compression/h200/bench_compressed_decoder_launches.txt).
 DECOMPRESS_LAUNCH = (16, 512, 4)
 ESC_CHUNK = 32  # escapes added per step of a program's escape loop
 
@@ -388,7 +388,7 @@ def rows(w, ids: torch.Tensor) -> torch.Tensor:
 # whole matrix (an LM head of 128k x 4k would take 1 GiB); the engine's activation profile counts it
 # before sizing the KV cache. 64 MiB cut Llama-3-8B's gate_up (117M weights) into four GEMMs: the 8B
 # prefill of 2048 tokens on an H200 took 72.7 ms against 65.4-65.6 at 256 MiB (plain 58.6;
-# gpu_h200/bench_gpu_llama3_compressed_prefill_v7.txt).
+# loadtest/results/compression/h200/bench_gpu_llama3_prefill.txt).
 DECOMPRESS_CHUNK = DECOMPRESS_BUFFER_BYTES // 2  # (1 << 27; `splitfire plan` reserves the same bytes)
 
 

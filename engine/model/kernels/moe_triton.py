@@ -167,16 +167,16 @@ def _grouped_gemm_kernel(
 # The compressed experts' decode: "fast" (`compressed_triton._weights_scaled`) or "select". Fewer
 # instructions per weight (loadtest/triton_aot.py); on an H200 the DeepSeek-V2-Lite-shaped decode step
 # (64 experts compressed) at batch 16/32 took 17.19-17.52 / 19.10-19.19 ms against select's 17.51-17.57 /
-# 19.29-19.34 (gpu_h200/bench_gpu_compressed_v7_tiles_fast.txt).
+# 19.29-19.34 (loadtest/results/compression/h200/bench_gpu_tiles_decode.txt).
 EXPERTS_DECODE = "fast"
 # From this many padded BLOCK_M-row blocks per expert on average (a prefill's tokens), the compressed stacks
 # are decoded to bfloat16 instead — whole experts at a time, at most compressed_triton.DECOMPRESS_CHUNK
 # weights (`decompress`, the dense layers' many-rows decoder) — for the plain grouped GEMM: each weight is
 # then decoded once, where the tiles decode it again for every block of its expert's rows, and the decoder
-# writes at the rate of a copy (gpu_h200/bench_compressed_decoder_launches_v7.txt). From 2 blocks the
+# writes at the rate of a copy (loadtest/results/compression/h200/bench_compressed_decoder_launches.txt). From 2 blocks the
 # in-register decode does at least twice the decoding of the stacks' every expert. Chosen by that count,
 # not yet timed (the DeepSeek-V2-Lite-shape prefill of 2,048 tokens — 3 blocks per expert — took 101-112 ms
-# compressed against 64.8 plain on an H200: gpu_h200/bench_compressed_decoder_v7.txt); 0: never.
+# compressed against 64.8 plain on an H200: loadtest/results/compression/h200/bench_compressed_decoder.txt); 0: never.
 DECODED_EXPERTS_MIN_BLOCKS = 2
 
 

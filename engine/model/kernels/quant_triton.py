@@ -224,7 +224,7 @@ METHODS = ("gemv", "dot", "dequant", "per_weight")
 # Rows up to which each row is its own program (`_wo_gemv_kernel`), and from which the weight is
 # dequantized once and multiplied by torch's GEMM; between them the tensor-core tile kernel. From
 # `python -m loadtest.bench_quant_gemm` on an H200 (Llama-3-8B matrices, each call inside a CUDA
-# graph; loadtest/results/gpu_h200/bench_quant_gemm.txt): gemv beats the tiles at one row only (int4
+# graph; loadtest/results/quantization/h200/bench_quant_gemm.txt): gemv beats the tiles at one row only (int4
 # gate_up 72 vs 93 us) and loses from two; dequantize + GEMM ties the tiles at 64 rows and wins from
 # 128 (int4 gate_up 180 vs 252 us; 2,048 rows 772 vs 2,988).
 GEMV_MAX_ROWS = 1
