@@ -15,6 +15,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def _html_safe(text: str) -> str:
+    """Free text for a Markdown table: a `<name>` placeholder is text, not an HTML tag."""
+    return text.replace("<", "&lt;").replace(">", "&gt;")
+
+
 # -- CLI --------------------------------------------------------------------------------------------
 
 def commands() -> list[tuple[str, str, argparse.ArgumentParser]]:
@@ -47,7 +52,7 @@ def flag_rows(parser: argparse.ArgumentParser) -> list[tuple[str, str, str, str]
         names = ", ".join(f"`{s}`" for s in a.option_strings) or f"`{a.dest}` (positional)"
         default = "" if a.default in (None, argparse.SUPPRESS, False, [], {}) else f"`{a.default}`"
         choices = " / ".join(f"`{c}`" for c in a.choices) if a.choices else ""
-        text = (a.help or "").replace("%%", "%").replace("|", "\\|").replace("\n", " ")
+        text = _html_safe((a.help or "").replace("%%", "%").replace("|", "\\|").replace("\n", " "))
         rows.append((names, default, choices, text))
     return rows
 
@@ -145,26 +150,59 @@ def _value_comments(path: Path) -> dict[str, str]:
     return docs
 
 
-def value_rows(path: Path = ROOT / "helm" / "splitfire" / "values.yaml") -> list[tuple[str, str, str]]:
-    """(dotted key, default, meaning) of every key in values.yaml, nested ones included: the keys and defaults as
-    PyYAML reads them, the meanings from the file's comments (a key inside an inline mapping shares its parent's)."""
+def _schema_text(node: dict | None) -> str:
+    """What values.schema.json accepts at one key, in a few words: its type(s), enum, bounds, pattern."""
+    if not node:
+        return ""
+    if "anyOf" in node or "oneOf" in node:
+        return " or ".join(t for t in (_schema_text(n) for n in node.get("anyOf", node.get("oneOf", []))) if t)
+    words = []
+    kind = node.get("type")
+    if kind:
+        words.append(" or ".join(kind) if isinstance(kind, list) else kind)
+    if "enum" in node:
+        words.append("one of " + ", ".join(f"`{v}`" for v in node["enum"]))
+    if "minimum" in node or "maximum" in node:
+        words.append(f"{node.get('minimum', '')}..{node.get('maximum', '')}")
+    if "pattern" in node:
+        words.append("matching `" + node["pattern"].replace("|", "\\|") + "`")
+    return " ".join(words)
+
+
+def _schema_at(schema: dict, dotted: str) -> dict | None:
+    node: dict | None = schema
+    for key in dotted.split("."):
+        if node is None:
+            return None
+        props = node.get("properties", {})
+        extra = node.get("additionalProperties")
+        node = props.get(key) if key in props else (extra if isinstance(extra, dict) else None)
+    return node
+
+
+def value_rows(path: Path = ROOT / "helm" / "splitfire" / "values.yaml") -> list[tuple[str, str, str, str]]:
+    """(dotted key, default, what the schema accepts, meaning) of every key in values.yaml, nested ones included:
+    the keys and defaults as PyYAML reads them, the schema from values.schema.json beside it, the meanings from the
+    file's comments."""
     import json
 
     import yaml
 
     docs = _value_comments(path)
-    rows: list[tuple[str, str, str]] = []
+    schema = json.loads((path.parent / "values.schema.json").read_text())
+    rows: list[tuple[str, str, str, str]] = []
 
     def walk(tree: dict, prefix: str) -> None:
         for key, value in tree.items():
             dotted = prefix + str(key)
             doc = docs[dotted] if dotted in docs else f"part of `{prefix.rstrip('.')}`"
             if isinstance(value, dict) and value:
-                rows.append((dotted, "", doc.replace("|", "\\|")))
+                rows.append((dotted, "", _schema_text(_schema_at(schema, dotted)), doc.replace("|", "\\|")))
                 walk(value, dotted + ".")
             else:
                 shown = json.dumps(value, default=str) if not isinstance(value, str) else value
-                rows.append((dotted, shown.replace("|", "\\|"), doc.replace("|", "\\|")))
+                rows.append((dotted, shown.replace("|", "\\|"), _schema_text(_schema_at(schema, dotted)),
+                             doc.replace("|", "\\|")))
 
     walk(yaml.safe_load(path.read_text()), "")
     return rows
@@ -173,9 +211,10 @@ def value_rows(path: Path = ROOT / "helm" / "splitfire" / "values.yaml") -> list
 def values_page() -> str:
     lines = ["# Helm chart values", "",
              "Every key of `helm/splitfire/values.yaml` with its default and what it means, generated from the file "
-             "when this site is built (`values.schema.json` checks them at `helm install`). A key with no default "
-             "shown holds the keys below it.", "", "| key | default | meaning |", "| --- | --- | --- |"]
-    lines += [f"| `{k}` | {f'`{v}`' if v else ''} | {d} |" for k, v, d in value_rows()]
+             "when this site is built, with what `values.schema.json` accepts for it (checked at `helm install`). A "
+             "key with no default shown holds the keys below it.", "",
+             "| key | default | accepts | meaning |", "| --- | --- | --- | --- |"]
+    lines += [f"| `{k}` | {f'`{v}`' if v else ''} | {t} | {_html_safe(d)} |" for k, v, t, d in value_rows()]
     return "\n".join(lines) + "\n"
 
 

@@ -82,7 +82,7 @@ def test_every_chart_value_is_on_the_values_page(gen):
     assert len(keys) > 100
     missing = [k for k in keys if f"| `{k}` |" not in page]
     assert not missing, f"values.yaml keys not on the chart-values page: {missing}"
-    undocumented = [k for k, _, doc in gen.value_rows() if not doc and k.count(".") == 0]
+    undocumented = [k for k, _, _, doc in gen.value_rows() if not doc and k.count(".") == 0]
     assert not undocumented, f"top-level values without a comment in values.yaml: {undocumented}"
 
 
