@@ -16,7 +16,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SITE = ROOT / "site"
-HEADER_RGB = (255, 87, 34)  # Material's "deep orange" primary colour (mkdocs.yml's palette)
+HEADER_RGB = (255, 110, 66)  # the header of Material's "deep orange" palette (mkdocs.yml), as Chromium renders it
 
 pytestmark = pytest.mark.skipif(os.environ.get("SPLITFIRE_TEST_DOCS_SITE") != "1",
                                 reason="opt-in: make docs-check (needs chromium and the built site)")
