@@ -36,6 +36,9 @@ import aiohttp
 from loadtest.workload import pct, sse_events
 
 TRACE_BLOCK = 512  # tokens per trace block (the traces' hash granularity)
+# Block ids given to a trace without `hash_ids` (../shared/data/varying_load_traces/): far above any id a
+# recorded trace uses, so no two requests share a block and nothing is a cache hit.
+UNIQUE_BLOCKS = 1 << 48
 
 
 @dataclass(frozen=True)
@@ -49,16 +52,23 @@ class TraceRequest:
 def read_trace(path: str | Path, limit: int | None = None, start_s: float = 0.0,
                window_s: float | None = None) -> list[TraceRequest]:
     """The trace's requests from `start_s` on (for `window_s` seconds, at most `limit` of them), with
-    arrivals made relative to `start_s`."""
+    arrivals made relative to `start_s`. A trace without `hash_ids` (one that records no prefix identity) gets
+    a unique block id for every 512 tokens of every prompt."""
     out: list[TraceRequest] = []
+    unique = UNIQUE_BLOCKS
     with open(path) as f:
         for n, line in enumerate(f, 1):
             if not line.strip():
                 continue
             try:
                 d = json.loads(line)
-                req = TraceRequest(d["timestamp"] / 1000.0, int(d["input_length"]), int(d["output_length"]),
-                                   tuple(int(h) for h in d["hash_ids"]))
+                inp = int(d["input_length"])
+                if "hash_ids" in d:
+                    hashes = tuple(int(h) for h in d["hash_ids"])
+                else:  # a trace that records no prefix identity: every block of every prompt its own
+                    count = -(-inp // TRACE_BLOCK)
+                    hashes, unique = tuple(range(unique, unique + count)), unique + count
+                req = TraceRequest(d["timestamp"] / 1000.0, inp, int(d["output_length"]), hashes)
             except (ValueError, KeyError, TypeError) as e:
                 raise ValueError(f"{path}:{n}: not a trace line ({e})") from e
             if req.at_s < start_s:

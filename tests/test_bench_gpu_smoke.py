@@ -22,7 +22,7 @@ def test_bench_gpu_harness_runs_on_cpu(quantization, tiny_model_dir):
                          cwd=ROOT, capture_output=True, text=True, timeout=300,
                          env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"})
     assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.splitlines()[0].endswith(f"weights {quantization or 'torch.float32'}")
+    assert f"; weights {quantization or 'torch.float32'}; KV cache torch.float32" in out.stdout.splitlines()[0]
     for preset in ("tiny", "tiny-mla"):  # a Llama shape, and latent attention + experts
         rows = [line for line in out.stdout.splitlines() if line.split()[:1] == [preset]]
         assert [r.split()[2:5] for r in rows[:4]] == [["decode", "b=1", "eager"], ["decode", "b=1", "graph"],

@@ -38,6 +38,21 @@ def test_cached_blocks_by_hand(tmp_path):
     assert fleet.out[2].ttft < fleet.out[0].ttft
 
 
+def test_a_trace_without_prefix_hashes_shares_nothing(tmp_path):
+    # The varying-load traces record no prefix identity: the same prompt length twice is two prompts, every
+    # 512-token block its own, so nothing is a cache hit (and nothing breaks for want of hash_ids).
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("".join(json.dumps({"timestamp": t, "input_length": n, "output_length": 4}) + "\n"
+                             for t, n in ((0, 1536), (1000, 1536), (2000, 600))))
+    reqs = read_trace(trace)
+    assert [len(r.hash_ids) for r in reqs] == [3, 3, 2]
+    ids = [h for r in reqs for h in r.hash_ids]
+    assert len(set(ids)) == len(ids)
+    assert not set(ids) & {h for r in read_trace(TRACE, limit=200) for h in r.hash_ids}
+    fleet, s = simulate(reqs, MODEL, prefill=1, decode=1, layout="disaggregated", store=True, **KW)
+    assert s["completed"] == 3 and s["cached_blocks_share"] == 0.0
+
+
 def test_the_store_serves_what_another_prefill_worker_computed(tmp_path):
     rows = [(i * 1000, 2048, 4, [0, 1, 2, i + 10]) for i in range(6)]
     trace = read_trace(write_trace(tmp_path / "t.jsonl", rows))
