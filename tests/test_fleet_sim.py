@@ -49,7 +49,7 @@ def test_a_trace_without_prefix_hashes_shares_nothing(tmp_path):
     ids = [h for r in reqs for h in r.hash_ids]
     assert len(set(ids)) == len(ids)
     assert not set(ids) & {h for r in read_trace(TRACE, limit=200) for h in r.hash_ids}
-    fleet, s = simulate(reqs, MODEL, prefill=1, decode=1, layout="disaggregated", store=True, **KW)
+    _, s = simulate(reqs, MODEL, prefill=1, decode=1, layout="disaggregated", store=True, **KW)
     assert s["completed"] == 3 and s["cached_blocks_share"] == 0.0
 
 
