@@ -138,7 +138,10 @@ class CostModel:
 
     def profile(self) -> Profile:
         """The planner's view of one worker (what `splitfire planner profile` would measure)."""
-        return Profile(self.prefill_tps, {b: self.step_s(b, b * 12_000) for b in (1, 8, 32, 64, 128, 256)})
+        batches = [b for b in (1, 8, 32, 64, 128, 256) if b <= self.max_batch]
+        return Profile(self.prefill_tps, {b: self.step_s(b, b * self.profiled_context) for b in batches},
+                       profiled_context=self.profiled_context, kv_s_per_token=self.kv_bytes_per_token / self.kv_bandwidth,
+                       kv_tokens=self.kv_tokens)
 
 
 COST_MODELS = {
@@ -156,7 +159,7 @@ COST_MODELS = {
 @dataclass(eq=False)
 class Stream:
     req: int
-    remaining: float  # decode tokens still to produce
+    remaining: float  # decode tokens still to produce when admitted
     context: float
     started: float
     first_token_at: float
@@ -169,7 +172,11 @@ class SimWorker:
     cache: OrderedDict[int, None] = field(default_factory=OrderedDict)
     queue: list[int] = field(default_factory=list)  # prefill: request ids waiting (FIFO)
     busy_until: float = 0.0
-    streams: list[Stream] = field(default_factory=list)
+    # decode: the running streams, a heap on the `progress` at which each ends (every running stream produces the
+    # same tokens per step, so one counter advances them all: an event costs log(batch), not batch)
+    streams: list[tuple[float, int, Stream]] = field(default_factory=list)
+    progress: float = 0.0  # tokens each running stream has produced since the worker started
+    held: float = 0.0  # KV context of the running streams, tokens
     waiting: list[Stream] = field(default_factory=list)  # decode: admitted when room
     step: float = 0.0  # current decode step time
     last: float = 0.0  # when streams last advanced
@@ -211,6 +218,12 @@ class Fleet:
         self.pending: dict[int, SimWorker] = {}  # request -> its decode worker (disaggregated)
         self.ids = itertools.count()
         self.token_itl: list[tuple[float, float]] = []  # (step seconds, tokens produced at it): every token's ITL
+        # in the order they happened, for a scaler's interval metrics: (first token at, request), (done at, request)
+        self.firsts: list[tuple[float, int]] = []
+        self.dones: list[tuple[float, int]] = []
+        self.arrivals = sorted((r.at_s, i) for i, r in enumerate(reqs))  # (arrival, request), for a scaler
+        self.misses = 0  # requests known to miss an SLO so far
+        self.give_up_after: int | None = None  # `run` stops once more requests than this miss (a hopeless split)
         if layout == "colocated":
             for _ in range(prefill + decode):
                 self.add("colocated", 0.0)
@@ -258,6 +271,8 @@ class Fleet:
         if tick is not None:
             self.push(tick, "tick", None)
         while self.events:
+            if self.give_up_after is not None and self.misses > self.give_up_after:
+                return
             t, _, kind, data = heapq.heappop(self.events)
             if until is not None and t > until:
                 break
@@ -273,7 +288,7 @@ class Fleet:
             elif kind == "tick":
                 assert on_tick is not None and tick is not None
                 on_tick(self)
-                if any(k != "tick" for _, _, k, _ in self.events):  # (until the trace is served)
+                if self.events:  # (until the trace is served: the tick was the only one of its kind)
                     self.push(t + tick, "tick", None)
 
     # -- placement (the router's code) -----------------------------------------------------
@@ -362,6 +377,9 @@ class Fleet:
         w.ep.charge(-computed, 0, 0, -1)
         first = self.now + computed * self.m.transfer_s_per_token
         self.out[i].ttft = first - r.at_s
+        self.firsts.append((first, i))
+        if self.out[i].ttft > self.ttft_slo:
+            self.misses += 1
         dw = self.pending.pop(i)
         if w.role == "colocated":
             self.advance(w)
@@ -382,12 +400,11 @@ class Fleet:
         self._schedule(w)
 
     def _admit(self, w: SimWorker) -> None:
-        held = sum(s.context for s in w.streams)
-        while w.waiting and len(w.streams) < self.m.max_batch and held + w.waiting[0].context <= self.m.kv_tokens:
+        while w.waiting and len(w.streams) < self.m.max_batch and w.held + w.waiting[0].context <= self.m.kv_tokens:
             s = w.waiting.pop(0)
             s.started = self.now
-            held += s.context
-            w.streams.append(s)
+            w.held += s.context
+            heapq.heappush(w.streams, (w.progress + s.remaining, s.req, s))
 
     def advance(self, w: SimWorker) -> None:
         """Every stream of `w` progresses by the time since the last event; finished ones leave."""
@@ -397,15 +414,14 @@ class Fleet:
             w.busy_s += dt
             tokens = dt / w.step
             self.token_itl.append((w.step, tokens * len(w.streams)))
-            for s in w.streams:
-                s.remaining -= tokens
+            w.progress += tokens
             if w.role == "colocated" and w.chunk_left > 0:
                 w.chunk_left -= tokens * self.m.chunk_tokens
                 if w.chunk_left < 1e-6:
                     w.chunk_left = 0.0
-        done = [s for s in w.streams if s.remaining <= 1e-9]
-        for s in done:
-            w.streams.remove(s)
+        while w.streams and w.streams[0][0] - w.progress <= 1e-6:
+            s = heapq.heappop(w.streams)[2]
+            w.held -= s.context
             r = self.reqs[s.req]
             span = self.now - s.first_token_at
             self._finish(w, s.req, self.now, span / max(r.output_length - 1, 1))
@@ -418,6 +434,9 @@ class Fleet:
     def _finish(self, w: SimWorker, i: int, at: float, itl: float) -> None:
         r = self.reqs[i]
         self.out[i].itl, self.out[i].done_at = itl, at
+        self.dones.append((at, i))
+        if itl > self.itl_slo and self.out[i].ttft <= self.ttft_slo:
+            self.misses += 1
         w.ep.charge(0, -r.input_length, -r.output_length, -1)
 
     def _schedule(self, w: SimWorker) -> None:
@@ -425,9 +444,8 @@ class Fleet:
         if not w.streams:
             w.step = 0.0
             return
-        ctx = sum(s.context for s in w.streams)
-        w.step = self.m.step_s(len(w.streams), ctx)
-        steps = min(s.remaining for s in w.streams)
+        w.step = self.m.step_s(len(w.streams), w.held)
+        steps = w.streams[0][0] - w.progress
         if w.role == "colocated" and w.chunk_left > 0:
             w.step += self.m.chunk_tokens / self.m.prefill_tps  # a step carrying a prompt chunk
             steps = min(steps, w.chunk_left / self.m.chunk_tokens)
@@ -507,6 +525,23 @@ def scaled(reqs: list[TraceRequest], scale: Scale, speed: float) -> list[TraceRe
     return [TraceRequest(r.at_s / speed, scale.input_tokens(r), scale.output_tokens(r), r.hash_ids) for r in reqs]
 
 
+COPY_BLOCKS = 1 << 52  # a copy's block ids are moved by this much per copy (trace ids and UNIQUE_BLOCKS are below)
+
+
+def superposed(reqs: list[TraceRequest], copies: int, spread_s: float = 600.0) -> list[TraceRequest]:
+    """`copies` copies of the trace served together, copy k arriving k x spread_s / copies later, each with its own
+    block ids (a copy shares no prefix with another): the same daily shape at `copies` times the load, for a
+    trace drawn below its source's rate (the ServeGen day is drawn at 0.125 of the published rate, in 10-minute
+    windows: copies spread within one window keep its shape)."""
+    if copies < 1 or copies > 15:
+        raise ValueError(f"--copies must be 1-15, got {copies}")
+    out = [TraceRequest(r.at_s + k * spread_s / copies, r.input_length, r.output_length,
+                        tuple(h + k * COPY_BLOCKS for h in r.hash_ids))
+           for k in range(copies) for r in reqs]
+    out.sort(key=lambda r: r.at_s)
+    return out
+
+
 def cached_tokens(fleet: Fleet) -> dict[str, float]:
     """Prompt tokens served from a cache against an infinite shared cache's (trace_replay's `cached_vs_ideal`)."""
     # (the requests are in the replay's tokens already: lengths are not scaled again)
@@ -580,13 +615,21 @@ class Scaler:
     _last: dict[str, float] = field(default_factory=dict)
     _busy: dict[int, float] = field(default_factory=dict)
     _recs: dict[str, list[tuple[float, int]]] = field(default_factory=lambda: {"prefill": [], "decode": []})
+    _seen: dict[str, int] = field(default_factory=lambda: {"arrived": 0, "firsts": 0, "dones": 0})
+
+    def _since(self, name: str, log: list[tuple[float, int]], now: float) -> list[int]:
+        """The requests of `log` (time-ordered) up to `now` not handed out before: this interval's."""
+        start = end = self._seen[name]
+        while end < len(log) and log[end][0] <= now:
+            end += 1
+        self._seen[name] = end
+        return [i for _, i in log[start:end]]
 
     def __call__(self, fleet: Fleet) -> None:
         now = fleet.now
-        since = now - self.interval
-        arrived = [i for i, r in enumerate(fleet.reqs) if since < r.at_s <= now]
-        firsts = [o.ttft for o in fleet.out if not math.isnan(o.ttft) and since < o.at + o.ttft <= now]
-        done = [o.itl for o in fleet.out if since < o.done_at <= now]
+        arrived = self._since("arrived", fleet.arrivals, now)
+        firsts = [fleet.out[i].ttft for i in self._since("firsts", fleet.firsts, now)]
+        done = [fleet.out[i].itl for i in self._since("dones", fleet.dones, now)]
         have = {role: len(fleet.live(role)) - sum(1 for w in fleet.live(role) if w.draining) for role in
                 ("prefill", "decode")}
         if self.kind == "planner":
@@ -598,7 +641,7 @@ class Scaler:
                             mean_output_tokens=statistics.fmean([r.output_length for r in rs]) if rs else 0.0,
                             prefix_hit_ratio=(sum(fleet.out[i].cached_blocks for i in arrived) / blocks) if blocks else 0.0,
                             ttft_p90_s=pct(firsts, 0.9) if firsts else 0.0, itl_p90_s=pct(done, 0.9) if done else 0.0,
-                            prefill_workers=have["prefill"], decode_workers=have["decode"])
+                            prefill_workers=have["prefill"], decode_workers=have["decode"], at_s=now)
             d = self.planner.decide(snap)
             want = {"prefill": d.prefill, "decode": d.decode}
         elif self.kind == "schedule":  # (the interval starting now)
@@ -648,7 +691,7 @@ def warm_start(reqs: list[TraceRequest], model: CostModel, args: argparse.Namesp
                     mean_input_tokens=statistics.fmean([r.input_length for r in first]),
                     mean_output_tokens=statistics.fmean([r.output_length for r in first]),
                     prefix_hit_ratio=0.0, ttft_p90_s=0.0, itl_p90_s=0.0, prefill_workers=1, decode_workers=1)
-    d = Planner(model.profile(), args.ttft_slo, args.itl_slo, limits).decide(snap)
+    d = new_planner(model, args, limits).decide(snap)
     return d.prefill, d.decode
 
 
@@ -684,9 +727,54 @@ def clairvoyant(reqs: list[TraceRequest], model: CostModel, split: tuple[int, in
     return best, [(p, d) for p, d in plan]
 
 
+def new_planner(model: CostModel, args: argparse.Namespace, limits: Limits) -> Planner:
+    """The planner `splitfire planner run` would be, deciding every `--interval` for one `--startup` ahead."""
+    return Planner(model.profile(), args.ttft_slo, args.itl_slo, limits, interval_s=args.interval,
+                   lead_s=args.startup)
+
+
+def static_splits(reqs: list[TraceRequest], model: CostModel, target: float, most: int,
+                  kw: dict) -> dict[str, dict[str, float]]:
+    """The static prefill:decode splits (each role 1..`most`) that decide which is cheapest at `target` attainment,
+    simulated: the fewest prefill workers that meet it beside `most` decode workers and the fewest decode beside
+    `most` prefill (binary searches: attainment grows with either role), then the splits up to two above both,
+    cheapest first, until one meets it. A split that cannot meet it stops as soon as more requests than the target
+    allows have missed (`gave_up`): a hopeless split costs seconds, not a whole day's simulation."""
+    statics: dict[str, dict[str, float]] = {}
+    allowed = math.floor((1.0 - target) * len(reqs) + 1e-9)
+
+    def run(p: int, d: int) -> dict[str, float]:
+        key = f"{p}P{d}D"
+        if key not in statics:
+            fleet = Fleet(reqs, model, prefill=p, decode=d, layout="disaggregated", **kw)
+            fleet.give_up_after = allowed
+            fleet.run()
+            end = max((o.done_at for o in fleet.out if not math.isnan(o.done_at)), default=0.0)
+            statics[key] = {**summary(fleet, end), "gave_up": fleet.misses > allowed}
+            s = statics[key]
+            print(f"static {p}P+{d}D: attainment {s['slo_attainment']:.3f}, {s['worker_hours']:.2f} worker-hours"
+                  + (" (gave up: misses the target)" if s["gave_up"] else ""), file=sys.stderr, flush=True)
+        return statics[key]
+
+    def fewest(meets) -> int:  # (the smallest n in 1..most with meets(n); `most` if none)
+        lo, hi = 1, most
+        while lo < hi:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if meets(mid) else (mid + 1, hi)
+        return lo
+
+    p_min = fewest(lambda p: run(p, most)["slo_attainment"] >= target)
+    d_min = fewest(lambda d: run(most, d)["slo_attainment"] >= target)
+    for p, d in sorted(((p, d) for p in range(p_min, min(p_min + 2, most) + 1)
+                        for d in range(d_min, min(d_min + 2, most) + 1)), key=lambda pd: (pd[0] + pd[1], pd)):
+        if run(p, d)["slo_attainment"] >= target:
+            break
+    return statics
+
+
 def compare_planner(reqs: list[TraceRequest], model: CostModel, args: argparse.Namespace) -> dict[str, object]:
     limits = Limits(min_prefill=1, max_prefill=args.max_workers, min_decode=1, max_decode=args.max_workers)
-    planner = Planner(model.profile(), args.ttft_slo, args.itl_slo, limits)
+    planner = new_planner(model, args, limits)
     kw = dict(policy=args.policy, store=args.store, ttft_slo=args.ttft_slo, itl_slo=args.itl_slo,
               block_tokens=args.block or TRACE_BLOCK)
     start = warm_start(reqs, model, args, limits) if args.start == "warm" else (1, 1)
@@ -698,21 +786,13 @@ def compare_planner(reqs: list[TraceRequest], model: CostModel, args: argparse.N
                                      start, **kw)
         first = {"slo_attainment": f_sum["slo_attainment"], "worker_hours": f_sum["worker_hours"]}
         learned = planner.learned()
-        planner = Planner(model.profile(), args.ttft_slo, args.itl_slo, limits)
+        planner = new_planner(model, args, limits)
         planner.resume(learned)
         start = f_scaler.history[-1][1], f_scaler.history[-1][2]
     p_sum, p_scaler = run_scaled(reqs, model, Scaler("planner", args.interval, args.startup, limits, planner),
                                  start, **kw)
     h_sum, h_scaler = run_scaled(reqs, model, Scaler("cpu_hpa", args.interval, args.startup, limits), start, **kw)
-    statics: dict[str, dict[str, float]] = {}
-    for p in range(1, args.max_workers + 1):
-        for d in range(1, args.max_workers + 1):
-            if p + d > args.max_workers:
-                continue
-            _, s = simulate(reqs, model, prefill=p, decode=d, layout="disaggregated", **kw)
-            statics[f"{p}P{d}D"] = s
-            print(f"static {p}P+{d}D: attainment {s['slo_attainment']:.3f}, {s['worker_hours']:.2f} worker-hours",
-                  file=sys.stderr, flush=True)
+    statics = static_splits(reqs, model, p_sum["slo_attainment"], args.max_workers, kw)
     good = {k: v for k, v in statics.items() if v["slo_attainment"] >= p_sum["slo_attainment"]}
     best = min(good, key=lambda k: statics[k]["worker_hours"]) if good else \
         max(statics, key=lambda k: statics[k]["slo_attainment"])
@@ -755,6 +835,9 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--trace", default="", help="the trace file (with --compare-live: the live run's)")
     p.add_argument("--limit", type=int, default=None, help="first N requests only")
+    p.add_argument("--copies", type=int, default=1, help="serve this many copies of the trace at once, each "
+                   "--copies-spread/N seconds after the last and with its own prefixes: N times the load, same shape")
+    p.add_argument("--copies-spread", type=float, default=600.0, help="seconds over which the copies' starts spread")
     p.add_argument("--window", type=float, default=None, help="first S seconds of the trace only")
     p.add_argument("--cost-model", default="h200-llama3-8b", choices=sorted(COST_MODELS))
     p.add_argument("--cost-model-json", default="", help="a worker measured here (loadtest/cpu_cost_model.py) instead")
@@ -813,6 +896,8 @@ def main() -> int:
     if not args.trace:
         p.error("--trace is required")
     reqs = read_trace(args.trace, limit=args.limit, window_s=args.window)
+    if args.copies != 1:
+        reqs = superposed(reqs, args.copies, args.copies_spread)
     block = args.block or TRACE_BLOCK
     if args.block:
         reqs = scaled(reqs, Scale(args.block, 2, max_output=args.max_output), args.speed)

@@ -50,7 +50,8 @@ def scaler_from(args: argparse.Namespace) -> DeploymentScaler | None:
 
 async def run(args: argparse.Namespace) -> int:
     planner = Planner(load(args.profile), args.ttft_slo, args.itl_slo,
-                      Limits(args.min_prefill, args.max_prefill, args.min_decode, args.max_decode))
+                      Limits(args.min_prefill, args.max_prefill, args.min_decode, args.max_decode),
+                      interval_s=args.interval, lead_s=args.startup)
     if args.state and resume_state(planner, args.state):
         log.info("event=planner_resumed state=%s correction_prefill=%.3f correction_decode=%.3f", args.state,
                  planner.correction["prefill"], planner.correction["decode"])
@@ -61,7 +62,7 @@ async def run(args: argparse.Namespace) -> int:
         while True:
             await asyncio.sleep(args.interval)
             after = await scrape(s, url)
-            snap = snapshot(before, after)
+            snap = dataclasses.replace(snapshot(before, after), at_s=time.time())  # (the day: UTC's)
             if scaler is not None:  # the Deployments' own counts (pods starting count: no second start)
                 snap = dataclasses.replace(snap, prefill_workers=await scaler.replicas(s, "prefill"),
                                            decode_workers=await scaler.replicas(s, "decode"))
@@ -88,8 +89,11 @@ async def run(args: argparse.Namespace) -> int:
 
 def _profile(args: argparse.Namespace) -> int:
     batches = [int(b) for b in args.batches.split(",")]
+    if args.prompt_len <= 16 or args.kv_tokens < 0:
+        raise ValueError("--prompt-len must exceed the decode runs' 16-token prompts; --kv-tokens >= 0")
     p = asyncio.run(measure(args.router.rstrip("/"), args.model, batches, args.prompt_len, args.decode_tokens,
                             args.rounds, args.vocab))
+    p = dataclasses.replace(p, kv_tokens=args.kv_tokens)
     save(p, args.out)
     print(f"prefill {p.prefill_tps:.0f} prompt tokens/s; decode ITL "
           + ", ".join(f"batch {b}: {s * 1e3:.1f} ms" for b, s in sorted(p.decode_itl.items())) + f" -> {args.out}")
@@ -104,6 +108,8 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     pr.add_argument("--model", required=True, help="the served model name")
     pr.add_argument("--batches", default="1,4,16,32", help="decode batch sizes to measure")
     pr.add_argument("--prompt-len", type=int, default=512)
+    pr.add_argument("--kv-tokens", type=int, default=0, help="tokens one decode worker's KV cache holds (its start-up "
+                    "log's kv_blocks x block size): caps the batch the planner sizes decode for; 0: no cap")
     pr.add_argument("--decode-tokens", type=int, default=32)
     pr.add_argument("--rounds", type=int, default=3)
     pr.add_argument("--vocab", type=int, default=32000, help="prompt token ids are drawn below this")
@@ -115,6 +121,8 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     rn.add_argument("--ttft-slo", type=float, required=True, help="seconds (p90)")
     rn.add_argument("--itl-slo", type=float, required=True, help="seconds (p90)")
     rn.add_argument("--interval", type=float, default=30.0, help="seconds between decisions")
+    rn.add_argument("--startup", type=float, default=60.0, help="seconds a new worker takes to serve: the load is "
+                    "predicted this far ahead")
     rn.add_argument("--min-prefill", type=int, default=1)
     rn.add_argument("--max-prefill", type=int, default=64)
     rn.add_argument("--min-decode", type=int, default=1)

@@ -1,19 +1,22 @@
 """How many prefill and decode workers the next interval needs: the planner's decision, from a
-per-worker capacity profile, a load prediction and the SLOs actually observed.
+per-worker capacity profile, a load prediction one start-up ahead and the SLOs actually observed.
 
 Prefill and decode load move apart (long prompts want prefill workers; long answers and many
-concurrent streams want decode workers), so each role is sized on its own:
+concurrent streams want decode workers), so each role is predicted and sized on its own:
 
-- **prefill**: prompt tokens to compute per second (request rate x mean prompt x (1 - prefix hit
-  ratio)) over what one prefill worker computes while meeting the TTFT SLO (`Profile.prefill_tps`),
-  at `target_utilization` (queueing makes TTFT climb well before a worker is 100% busy);
-- **decode**: concurrent streams by Little's law (rate x mean output tokens x the inter-token time
-  at the SLO) over the largest batch one decode worker runs within the ITL SLO
-  (`Profile.decode_batch_within`).
+- **the load**: prompt tokens/s and output tokens/s, each predicted `lead_s` (a new worker's start-up)
+  ahead by its own `planner.predictor.SeasonalTrend` (Holt's level and trend on the series divided by a
+  daily profile learned from whole days: a rise is extrapolated on the first day, and foreseen from the
+  second). An interval above the forecast is believed at once, beyond the down margin's band.
+- **prefill**: the uncached prompt tokens/s over what one worker computes (`Profile.prefill_tps`) at
+  `target_utilization`, and at least what an M/M/n queue of those prompts needs for all but `ttft_miss`
+  of them to start within the TTFT SLO (Erlang C, `prefill_servers`): a burst of long prompts queues
+  well before the workers are busy on average.
+- **decode**: the output tokens/s over what one worker produces at the largest batch whose step
+  meets the ITL SLO for streams holding the mean prompt and half the mean answer (`Profile.step_s`:
+  the profiled step at that batch plus the KV cache read beyond the profiled context) and that its KV
+  cache holds (`Profile.decode_capacity`), at `target_utilization`.
 
-The load is predicted as the larger of the latest interval's and an exponentially weighted average
-of the past (`alpha`): a rise is answered at once, a dip is not believed until it lasts — the
-Mooncake conversation trace arrives in bursts of seconds, and scaling down into a burst costs TTFT.
 Feedback corrects the model: a role whose observed p90 misses its SLO although the model says it has
 enough gets one more worker, and the planner remembers it — the role's load is scaled by a learned
 correction (what the profile overestimates of a worker in this fleet: prefix hits that do not
@@ -21,21 +24,24 @@ materialize, bursts within the interval) until the SLO is met with fewer, so the
 drain the worker it just had to add. The correction is learned only from an interval after which the role
 was not just scaled up (the new workers' start and the backlog they inherit are not a capacity error),
 and it decays slowly (`correction_decay` per interval in which the SLO is met) so one burst does not
-keep workers for good. Scaling up is immediate; scaling down waits `down_after` intervals of
-wanting fewer — the load fitting fewer workers at `down_margin` of the target utilization, so a load at
-a whole number of workers does not add and drain one in turn — and then drains one worker per
-interval; both stay within the role's `[min, max]`.
+keep workers for good. Scaling up is immediate; scaling down waits `down_after` intervals in which the
+forecast alone (not the interval's noise) fits fewer workers at `down_margin` of the target
+utilization — so a load at a whole number of workers does not add and drain one in turn — and then
+drains one worker per interval; both stay within the role's `[min, max]`.
 
-What it has learned (the corrections, the load average, the last means) outlives the process:
-`learned()` / `resume()`, kept in a state file by `planner/state.py` (`--state`), so a restarted planner
-does not relearn its fleet's corrections from SLO misses — and refused if learned against other SLOs
-or another profile, whose errors the corrections measured.
+What it has learned (the corrections, the predictors' level, trend and daily profile, the last means)
+outlives the process: `learned()` / `resume()`, kept in a state file by `planner/state.py` (`--state`),
+so a restarted planner neither relearns its fleet's corrections from SLO misses nor its day — and refused
+if learned against other SLOs or another profile, whose errors the corrections measured.
 """
 
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass, field
+
+from planner.predictor import SeasonalTrend
 
 
 @dataclass(frozen=True)
@@ -44,6 +50,35 @@ class Profile:
 
     prefill_tps: float  # prompt tokens/s one prefill worker computes
     decode_itl: dict[int, float]  # decode batch size -> inter-token seconds at that batch
+    # the context each stream held when `decode_itl` was measured, and what a step takes longer per token of
+    # context beyond it (reading the KV cache): a batch of long conversations steps slower than the profile's
+    profiled_context: float = 0.0
+    kv_s_per_token: float = 0.0
+    kv_tokens: int = 0  # KV cache one decode worker holds, tokens (0: not known, not a limit)
+
+    def step_s(self, batch: int, context: float) -> float:
+        """One decode step of `batch` streams of `context` tokens each: the profile's time at that batch
+        (linear between measured batches) plus reading their context beyond the profiled one."""
+        known = sorted(self.decode_itl)
+        i = bisect.bisect_left(known, batch)
+        if i == 0:
+            base = self.decode_itl[known[0]]
+        elif i == len(known):
+            base = self.decode_itl[known[-1]]
+        else:
+            a, b = known[i - 1], known[i]
+            base = self.decode_itl[a] + (self.decode_itl[b] - self.decode_itl[a]) * (batch - a) / (b - a)
+        return base + batch * max(context - self.profiled_context, 0.0) * self.kv_s_per_token
+
+    def decode_capacity(self, itl_slo_s: float, context: float) -> tuple[int, float]:
+        """(batch, output tokens/s) of one decode worker at its best within the ITL SLO and its KV cache, for
+        streams of `context` tokens: the largest batch up to the largest measured whose step meets the SLO."""
+        best = 1
+        for b in range(1, max(self.decode_itl) + 1):
+            if self.step_s(b, context) > itl_slo_s or (self.kv_tokens and b * context > self.kv_tokens):
+                break
+            best = b
+        return best, best / self.step_s(best, context)
 
     def decode_batch_within(self, itl_slo_s: float) -> int:
         """The largest measured batch whose inter-token time meets the SLO (at least 1)."""
@@ -70,6 +105,9 @@ class Snapshot:
     itl_p90_s: float
     prefill_workers: int
     decode_workers: int
+    # when the interval ended, in seconds on a clock whose day is the load's day (the wall clock live; the
+    # trace's clock in the simulator): the predictor's daily season. None: the planner counts intervals.
+    at_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -98,14 +136,23 @@ class Planner:
     itl_slo_s: float
     limits: Limits = field(default_factory=Limits)
     target_utilization: float = 0.8
-    alpha: float = 0.3  # weight of the latest interval in the load average
+    alpha: float = 0.25  # the predictors' level weight (Holt's alpha) and the hit ratio's smoothing
     down_after: int = 3  # intervals of wanting fewer before one worker is drained
     # fewer workers are wanted only when the load fits them at this share of the target utilization: a
     # load that hovers at a whole number of workers (0.95-1.05) does not add and drain one in turn
-    down_margin: float = 0.9
+    down_margin: float = 0.85
     correction_decay: float = 0.003  # per interval meeting the SLO: the learned correction's fade toward 1
     max_correction: float = 4.0
-    _rate: float | None = None
+    # prefill: the share of prompts the queueing model lets wait past the TTFT SLO (half of what a p90 SLO allows)
+    ttft_miss: float = 0.05
+    interval_s: float = 30.0  # how often `decide` is called: the predictors' step
+    lead_s: float = 60.0  # a new worker's start-up: the load is predicted this far ahead
+    trend_weight: float = 0.05  # the predictors' trend weight (Holt's beta)
+    _clock: float = 0.0  # (seconds counted by intervals, for snapshots that carry no time)
+    _forecast: tuple[float, float] = (0.0, 0.0)  # the predictors' last (prompt, output) tokens/s
+    _hit: float | None = None  # the prefix hit ratio, smoothed
+    # the load one start-up ahead, per role: prompt tokens/s (prefill) and output tokens/s (decode)
+    predictors: dict[str, SeasonalTrend] = field(default_factory=dict)
     # mean prompt and output tokens per request, as last seen (an interval in which no request ended says
     # nothing of the output)
     _means: tuple[float, float] = (0.0, 0.0)
@@ -122,13 +169,19 @@ class Planner:
             raise ValueError("target_utilization, alpha and down_margin in (0, 1], down_after >= 1")
         if self.profile.prefill_tps <= 0 or not self.profile.decode_itl:
             raise ValueError("the profile needs prefill tokens/s and at least one decode batch's ITL")
+        if self.interval_s <= 0 or self.lead_s < 0 or not 0 < self.trend_weight <= 1:
+            raise ValueError("the planner's interval must be positive, its lead >= 0, its trend weight in (0, 1]")
+        self.predictors = self.predictors or {
+            role: SeasonalTrend(self.interval_s, alpha=self.alpha, beta=self.trend_weight)
+            for role in ("prefill", "decode")}
 
     def learned(self) -> dict[str, object]:
         """What this planner has learned, with the SLOs and profile it learned against (JSON-ready)."""
         return {"ttft_slo_s": self.ttft_slo_s, "itl_slo_s": self.itl_slo_s,
                 "profile": {"prefill_tps": self.profile.prefill_tps,
                             "decode_itl": {str(b): v for b, v in sorted(self.profile.decode_itl.items())}},
-                "correction": dict(self.correction), "rate": self._rate, "means": list(self._means)}
+                "correction": dict(self.correction), "means": list(self._means),
+                "predictors": {role: p.to_state() for role, p in self.predictors.items()}}
 
     def resume(self, state: dict[str, object]) -> None:
         """Go on from an earlier planner's `learned()`. Raises ValueError naming what differs when it was
@@ -138,21 +191,34 @@ class Planner:
             if state.get(key) != mine[key]:
                 raise ValueError(f"learned against another {what}: {state.get(key)!r}, this planner's is "
                                  f"{mine[key]!r}")
-        corr, rate, means = state.get("correction"), state.get("rate"), state.get("means")
+        corr, means, predictors = state.get("correction"), state.get("means"), state.get("predictors", {})
         if (not isinstance(corr, dict) or set(corr) != {"prefill", "decode"}
                 or not all(isinstance(v, (int, float)) and 1.0 <= v <= self.max_correction for v in corr.values())
-                or not (rate is None or (isinstance(rate, (int, float)) and rate >= 0))
                 or not (isinstance(means, list) and len(means) == 2
-                        and all(isinstance(v, (int, float)) and v >= 0 for v in means))):
-            raise ValueError(f"not a planner state (correction {corr!r}, rate {rate!r}, means {means!r})")
+                        and all(isinstance(v, (int, float)) and v >= 0 for v in means))
+                or not isinstance(predictors, dict) or not set(predictors) <= {"prefill", "decode"}):
+            raise ValueError(f"not a planner state (correction {corr!r}, means {means!r})")
+        for role, p in predictors.items():  # (a state written before the predictors: they start afresh)
+            self.predictors[role].from_state(p)
         self.correction = {role: float(v) for role, v in corr.items()}
-        self._rate = None if rate is None else float(rate)
         self._means = (float(means[0]), float(means[1]))
 
-    def predicted_rate(self, s: Snapshot) -> float:
-        self._rate = s.request_rate if self._rate is None else (
-            self.alpha * s.request_rate + (1 - self.alpha) * self._rate)
-        return max(self._rate, s.request_rate)
+    def predicted(self, s: Snapshot) -> tuple[float, float]:
+        """(prompt tokens/s, output tokens/s) to size for: each the larger of the interval's and its predictor's
+        forecast one start-up ahead — a rise is answered at once (or before it comes, once the day is known),
+        a dip is believed as the level and trend follow it down."""
+        t = s.at_s if s.at_s is not None else self._clock + self.interval_s
+        self._clock = t
+        mean_input, mean_output = self.means(s)
+        now = {"prefill": s.request_rate * mean_input, "decode": s.request_rate * mean_output}
+        for role, p in self.predictors.items():
+            p.observe(t, now[role])
+        self._forecast = (self.predictors["prefill"].forecast(t, self.lead_s),
+                          self.predictors["decode"].forecast(t, self.lead_s))
+        # (an interval above the forecast is believed at once, but only beyond the down margin's band: a noisy
+        # steady load's peaks within it do not add the worker its forecast would drain again)
+        return (max(now["prefill"] * self.down_margin, self._forecast[0]),
+                max(now["decode"] * self.down_margin, self._forecast[1]))
 
     def means(self, s: Snapshot) -> tuple[float, float]:
         """(mean prompt tokens, mean output tokens) per request: the interval's, or the last ones seen when it
@@ -162,13 +228,29 @@ class Planner:
         return self._means
 
     def loads(self, s: Snapshot, rate: float) -> tuple[float, float]:
-        """Each role's load at `rate` in workers, by the profile alone (fractional)."""
+        """Each role's load at `rate` requests/s with the snapshot's token means, in workers (fractional)."""
         mean_input, mean_output = self.means(s)
-        tokens = rate * mean_input * (1.0 - min(max(s.prefix_hit_ratio, 0.0), 1.0))
+        return self.token_loads(rate * mean_input, rate * mean_output, s.prefix_hit_ratio, mean_input, mean_output)
+
+    def token_loads(self, prompt_tps: float, output_tps: float, hit_ratio: float, mean_input: float,
+                    mean_output: float, margin: float = 1.0) -> tuple[float, float]:
+        """Each role's load in workers by the profile alone (fractional), at `margin` of the target utilization.
+
+        Prefill: the uncached prompt tokens/s over what a worker computes at the target utilization, and at
+        least the workers an M/M/n queue of these prompts needs for all but `ttft_miss` of them to start within
+        the TTFT SLO (Erlang C: a burst of long prompts queues well before the workers are busy on average).
+        Decode: the output tokens/s over what one worker produces at its largest batch within the ITL SLO and its
+        KV cache, for streams holding the mean prompt and half the mean answer (long conversations step slower).
+        """
+        uncached = 1.0 - min(max(hit_ratio, 0.0), 1.0)
+        tokens = prompt_tps * uncached / margin
         prefill = tokens / (self.profile.prefill_tps * self.target_utilization)
-        batch = self.profile.decode_batch_within(self.itl_slo_s)
-        streams = rate * mean_output * self.profile.itl_at(batch)
-        return prefill, streams / (batch * self.target_utilization)
+        service_s = mean_input * uncached / self.profile.prefill_tps
+        if tokens > 0 and 0 < service_s < self.ttft_slo_s:  # (a prompt that alone takes longer: no count helps)
+            prefill = max(prefill, prefill_servers(tokens / (mean_input * uncached), service_s,
+                                                   self.ttft_slo_s - service_s, self.ttft_miss))
+        _, per_worker = self.profile.decode_capacity(self.itl_slo_s, mean_input + mean_output / 2)
+        return prefill, output_tps / (per_worker * self.target_utilization * margin)
 
     def needed(self, s: Snapshot, rate: float) -> tuple[int, int]:
         """Workers each role needs for `rate` by the profile alone."""
@@ -176,8 +258,18 @@ class Planner:
         return math.ceil(prefill), max(math.ceil(decode), 1 if rate > 0 else 0)
 
     def decide(self, s: Snapshot) -> Decision:
-        rate = self.predicted_rate(s)
-        load = dict(zip(("prefill", "decode"), self.loads(s, rate), strict=True))
+        prompt_tps, output_tps = self.predicted(s)
+        # the prefix hit ratio, smoothed as the level is: its noise moves the uncached prompt, and the queue's
+        # service time with it
+        hit = s.prefix_hit_ratio if self._hit is None else self.alpha * s.prefix_hit_ratio + (1 - self.alpha) * self._hit
+        self._hit = hit
+        load = dict(zip(("prefill", "decode"), self.token_loads(prompt_tps, output_tps, hit, *self._means),
+                        strict=True))
+        # the load were it to fit at the down margin, by the forecast alone (not the interval's noise): fewer
+        # workers are wanted only below this
+        slack = dict(zip(("prefill", "decode"), self.token_loads(*self._forecast, hit, *self._means,
+                                                                 margin=self.down_margin), strict=True))
+        busy = s.request_rate > 0 or output_tps > 0
         have = {"prefill": s.prefill_workers, "decode": s.decode_workers}
         missed = {"prefill": s.ttft_p90_s > self.ttft_slo_s, "decode": s.itl_p90_s > self.itl_slo_s}
         d = Decision(s.prefill_workers, s.decode_workers)
@@ -187,7 +279,7 @@ class Planner:
             if not missed[role]:
                 c = max(1.0, c * (1.0 - self.correction_decay))
             want[role] = math.ceil(round(load[role] * c, 9))
-            fits[role] = math.ceil(round(load[role] * c / self.down_margin, 9))
+            fits[role] = math.ceil(round(slack[role] * c, 9))
             if missed[role] and want[role] <= have[role] and not self._added[role]:
                 # Not just scaled up (whose new workers are still starting, or draining the backlog they
                 # inherited): a capacity error of the profile. One more worker, and learn it.
@@ -198,10 +290,11 @@ class Planner:
                        f"ITL p90 {s.itl_p90_s * 1e3:.0f} ms > {self.itl_slo_s * 1e3:.0f} ms")
                 d.reasons.append(f"{slo}: one more {role} worker (correction x{c:.2f})")
             self.correction[role] = c
-        want["decode"] = max(want["decode"], 1 if rate > 0 else 0)
+        want["decode"] = max(want["decode"], 1 if busy else 0)
         for role in ("prefill", "decode"):  # (an SLO miss's extra worker is wanted whatever the margin says)
             fits[role] = max(fits[role], want[role]) if missed[role] else fits[role]
-        d.reasons.insert(0, f"predicted {rate:.2f} req/s: {load['prefill']:.2f} prefill and {load['decode']:.2f} "
+        d.reasons.insert(0, f"predicted {prompt_tps:.0f} prompt and {output_tps:.0f} output tokens/s "
+                            f"{self.lead_s:g} s ahead: {load['prefill']:.2f} prefill and {load['decode']:.2f} "
                             f"decode workers of load by the profile, corrected x{self.correction['prefill']:.2f} / "
                             f"x{self.correction['decode']:.2f}: want {want['prefill']} prefill, {want['decode']} "
                             "decode")
@@ -226,3 +319,22 @@ class Planner:
             return have
         self._below[role] = 0
         return max(min(have, hi), lo)
+
+
+def erlang_c(n: int, a: float) -> float:
+    """The probability that an arrival waits, in an M/M/n queue offered `a` = arrival rate x service time
+    (< n); Erlang B's recurrence, then C from B."""
+    b = 1.0
+    for k in range(1, n + 1):
+        b = a * b / (k + a * b)
+    return n * b / (n - a * (1.0 - b))
+
+
+def prefill_servers(rate: float, service_s: float, budget_s: float, miss: float, most: int = 1024) -> int:
+    """The fewest servers for which at most `miss` of the arrivals (at `rate`/s, each `service_s` of work) wait
+    longer than `budget_s` in an M/M/n queue: P(wait > t) = C(n, a) exp(-(n - a) t / service)."""
+    a = rate * service_s
+    n = max(1, math.floor(a) + 1)
+    while n < most and erlang_c(n, a) * math.exp(-(n - a) * max(budget_s, 0.0) / service_s) > miss:
+        n += 1
+    return n

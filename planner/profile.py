@@ -1,6 +1,7 @@
 """`splitfire planner profile`: what one worker of the deployed model sustains, measured through the
 router: prompt tokens/s (one long distinct prompt at a time: a prefill worker's rate), and the
-inter-token time at each decode batch size (that many concurrent streams). Run it against a fleet of
+inter-token time at each decode batch size (that many concurrent streams), and at the largest batch again with
+long prompts: what a step pays per token of context (`Profile.kv_s_per_token`). Run it against a fleet of
 one prefill and one decode worker (or one colocated worker): with more, the router spreads the load
 and the numbers are the fleet's, not a worker's.
 """
@@ -21,14 +22,18 @@ from planner.decision import Profile
 
 def save(profile: Profile, path: str | Path) -> None:
     Path(path).write_text(json.dumps({"prefill_tps": profile.prefill_tps,
-                                      "decode_itl": {str(b): s for b, s in sorted(profile.decode_itl.items())}},
+                                      "decode_itl": {str(b): s for b, s in sorted(profile.decode_itl.items())},
+                                      "profiled_context": profile.profiled_context,
+                                      "kv_s_per_token": profile.kv_s_per_token, "kv_tokens": profile.kv_tokens},
                                      indent=1))
 
 
 def load(path: str | Path) -> Profile:
     try:
         d = json.loads(Path(path).read_text())
-        return Profile(float(d["prefill_tps"]), {int(b): float(s) for b, s in d["decode_itl"].items()})
+        return Profile(float(d["prefill_tps"]), {int(b): float(s) for b, s in d["decode_itl"].items()},
+                       profiled_context=float(d.get("profiled_context", 0.0)),
+                       kv_s_per_token=float(d.get("kv_s_per_token", 0.0)), kv_tokens=int(d.get("kv_tokens", 0)))
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise ValueError(f"--profile {path}: not a planner profile ({e}); make one with `splitfire planner profile`") \
             from e
@@ -70,4 +75,11 @@ async def measure(url: str, model: str, batches: list[int], prompt_len: int = 51
         for b in batches:
             runs = await asyncio.gather(*(_stream(s, url, model, ids(16), decode_tokens) for _ in range(b)))
             itl[b] = statistics.median(g for _, gaps in runs for g in gaps)
-    return Profile(prompt_len / statistics.median(ttfts), itl)
+        # the largest batch again with prompts of `prompt_len`: what a step pays per token of context beyond the
+        # short prompts' (the KV cache read), for sizing decode by the streams' real context
+        b = max(batches)
+        runs = await asyncio.gather(*(_stream(s, url, model, ids(prompt_len), decode_tokens) for _ in range(b)))
+        long_itl = statistics.median(g for _, gaps in runs for g in gaps)
+    kv_s = max(long_itl - itl[b], 0.0) / (b * (prompt_len - 16))
+    return Profile(prompt_len / statistics.median(ttfts), itl, profiled_context=16 + decode_tokens / 2,
+                   kv_s_per_token=kv_s)

@@ -419,7 +419,8 @@ async def _watch(fleet: Fleet, started: list[Child], stop: asyncio.Event) -> int
 
 
 # `--planner`'s own flags and their defaults (given without --planner, they are refused).
-PLANNER_DEFAULTS = {"planner_profile": "", "planner_state": "", "planner_interval": 30.0, "ttft_slo": 2.0, "itl_slo": 0.1,
+PLANNER_DEFAULTS = {"planner_profile": "", "planner_state": "", "planner_interval": 30.0, "planner_startup": 30.0,
+                    "ttft_slo": 2.0, "itl_slo": 0.1,
                     "min_prefill": 1, "max_prefill": 4, "min_decode": 1, "max_decode": 4}
 
 
@@ -450,7 +451,8 @@ class LocalScaler:
 
         a = self.args
         planner = Planner(load(a.planner_profile), a.ttft_slo, a.itl_slo,
-                          Limits(a.min_prefill, a.max_prefill, a.min_decode, a.max_decode))
+                          Limits(a.min_prefill, a.max_prefill, a.min_decode, a.max_decode),
+                          interval_s=a.planner_interval, lead_s=a.planner_startup)
         if a.planner_state and resume(planner, a.planner_state):
             print(f"splitfire up: event=planner_resumed state={a.planner_state} correction_prefill="
                   f"{planner.correction['prefill']:.3f} correction_decode={planner.correction['decode']:.3f}",
@@ -463,7 +465,7 @@ class LocalScaler:
                 after = await scrape(s, url)
                 # The workers this process runs (a starting one counts: no second start for the same need).
                 snap = dataclasses.replace(snapshot(before, after), prefill_workers=len(self.live("prefill")),
-                                           decode_workers=len(self.live("decode")))
+                                           decode_workers=len(self.live("decode")), at_s=time.time())
                 before = after
                 d = planner.decide(snap)
                 if a.planner_state:
@@ -550,6 +552,8 @@ def add_subcommand(sub) -> None:
     p.add_argument("--planner-state", default=d["planner_state"], metavar="FILE",
                    help="--planner: keep what it learns (corrections, load average) in FILE across restarts")
     p.add_argument("--planner-interval", type=float, default=d["planner_interval"], help="seconds between decisions")
+    p.add_argument("--planner-startup", type=float, default=d["planner_startup"],
+                   help="--planner: seconds a new worker takes to serve (the load is predicted this far ahead)")
     p.add_argument("--ttft-slo", type=float, default=d["ttft_slo"], help="--planner: seconds (p90)")
     p.add_argument("--itl-slo", type=float, default=d["itl_slo"], help="--planner: seconds (p90)")
     for flag in ("min_prefill", "max_prefill", "min_decode", "max_decode"):

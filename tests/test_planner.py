@@ -32,11 +32,11 @@ def test_each_role_is_sized_from_the_profile():
 
 
 def test_the_role_that_misses_its_slo_is_scaled_and_only_it():
-    pl = Planner(PROFILE, ttft_slo_s=1.0, itl_slo_s=0.1)
+    pl = Planner(PROFILE, ttft_slo_s=2.0, itl_slo_s=0.1)
     d = pl.decide(snap(ttft=3.0, p=2, d=2))  # the profile says 2 prefill suffice, the TTFT says no
     assert (d.prefill, d.decode) == (3, 2)
     assert any("TTFT p90" in r for r in d.reasons)
-    pl = Planner(PROFILE, ttft_slo_s=1.0, itl_slo_s=0.1)
+    pl = Planner(PROFILE, ttft_slo_s=2.0, itl_slo_s=0.1)
     d = pl.decide(snap(itl=0.2, p=2, d=2))
     assert (d.prefill, d.decode) == (2, 3)
 
@@ -182,7 +182,7 @@ def test_planner_profile_and_run_through_the_cli(tiny_model_dir, tmp_path):
             t.join()
         assert run.returncode == 0, run.stderr[-2000:]
         learned = json.loads(state.read_text())
-        assert learned["ttft_slo_s"] == 5 and learned["rate"] > 0 and set(learned["correction"]) == {"prefill", "decode"}
+        assert learned["ttft_slo_s"] == 5 and learned["predictors"]["prefill"]["level"] > 0 and set(learned["correction"]) == {"prefill", "decode"}
         other = subprocess.run([*cli, "run", "--router", base_url(router), "--profile", str(out), "--ttft-slo", "3",
                                 "--itl-slo", "1", "--interval", "2", "--once", "--state", str(state)],
                                capture_output=True, text=True, timeout=60)
@@ -198,16 +198,17 @@ def test_planner_profile_and_run_through_the_cli(tiny_model_dir, tmp_path):
 def test_a_miss_the_profile_did_not_foresee_is_learned_and_the_worker_kept():
     """The profile says 2 prefill workers; the fleet misses its TTFT with 2: a third is added, and on the
     same load with the SLO met the next intervals keep it (before, the profile drained it again)."""
-    pl = Planner(PROFILE, ttft_slo_s=1.0, itl_slo_s=0.1, alpha=1.0)
+    pl = Planner(PROFILE, ttft_slo_s=2.0, itl_slo_s=0.1, alpha=1.0)
     d = pl.decide(snap(ttft=3.0, p=2, d=2))
-    assert d.prefill == 3 and pl.correction["prefill"] == pytest.approx(3 / (640 / 480))
+    # (the profile's load: 2 workers, the queueing model's — 640 tokens/s over 480 would be 1.33)
+    assert d.prefill == 3 and pl.correction["prefill"] == pytest.approx(3 / 2)
     p = d.prefill
     for _ in range(10):
         p = pl.decide(snap(ttft=0.5, p=p, d=2)).prefill
     assert p == 3
-    # Half the load: the corrected need is below 2 workers' worth, so one is drained after down_after.
+    # A quarter of the load: the corrected need is below 2 workers' worth, so one is drained after down_after.
     for _ in range(4):
-        p = pl.decide(snap(rate=1.0, ttft=0.5, p=p, d=2)).prefill
+        p = pl.decide(snap(rate=0.5, ttft=0.5, p=p, d=2)).prefill
     assert p == 2
 
 
@@ -218,37 +219,37 @@ def test_what_the_planner_learned_survives_a_restart(tmp_path):
     from planner.state import resume, save
 
     def learned_planner() -> Planner:
-        pl = Planner(PROFILE, ttft_slo_s=1.0, itl_slo_s=0.1, alpha=1.0)
+        pl = Planner(PROFILE, ttft_slo_s=2.0, itl_slo_s=0.1, alpha=1.0)
         pl.decide(snap(ttft=3.0, p=2, d=2))  # learns prefill x2.25
         return pl
 
     first = learned_planner()
     path = tmp_path / "planner-state.json"
     save(first, path)
-    fresh = Planner(PROFILE, ttft_slo_s=1.0, itl_slo_s=0.1, alpha=1.0)
+    fresh = Planner(PROFILE, ttft_slo_s=2.0, itl_slo_s=0.1, alpha=1.0)
     assert resume(fresh, path) and fresh.correction == first.correction and fresh.correction["prefill"] > 1
-    again = Planner(PROFILE, ttft_slo_s=1.0, itl_slo_s=0.1, alpha=1.0)
+    again = Planner(PROFILE, ttft_slo_s=2.0, itl_slo_s=0.1, alpha=1.0)
     assert again.decide(snap(ttft=0.5, p=2, d=2)).prefill == 2  # (without it: the profile's 2)
     assert fresh.decide(snap(ttft=0.5, p=2, d=2)).prefill == 3  # (with it: the learned 3, at once)
-    assert not resume(Planner(PROFILE, 1.0, 0.1), tmp_path / "none.json")
+    assert not resume(Planner(PROFILE, 2.0, 0.1), tmp_path / "none.json")
     with pytest.raises(ValueError, match="TTFT SLO"):
-        resume(Planner(PROFILE, ttft_slo_s=2.0, itl_slo_s=0.1), path)
+        resume(Planner(PROFILE, ttft_slo_s=3.0, itl_slo_s=0.1), path)
     with pytest.raises(ValueError, match="profile"):
-        resume(Planner(Profile(500.0, PROFILE.decode_itl), ttft_slo_s=1.0, itl_slo_s=0.1), path)
+        resume(Planner(Profile(500.0, PROFILE.decode_itl), ttft_slo_s=2.0, itl_slo_s=0.1), path)
     for text in ("{not json", "[1, 2]", '{"ttft_slo_s": 1.0}'):
         path.write_text(text)
         with pytest.raises(ValueError, match=r"planner-state\.json"):
-            resume(Planner(PROFILE, 1.0, 0.1), path)
+            resume(Planner(PROFILE, 2.0, 0.1), path)
 
 
 def test_misses_right_after_a_scale_up_wait_for_the_new_workers():
-    pl = Planner(PROFILE, ttft_slo_s=1.0, itl_slo_s=0.1, alpha=1.0)
+    pl = Planner(PROFILE, ttft_slo_s=2.0, itl_slo_s=0.1, alpha=1.0)
     d = pl.decide(snap(rate=4.0, ttft=5.0, p=1, d=2))  # the profile wants 3 (1,280 tokens/s over 480): added
     assert d.prefill == 3
     d = pl.decide(snap(rate=4.0, ttft=5.0, p=3, d=2))  # still missing: they are starting, the backlog drains
     assert d.prefill == 3 and pl.correction["prefill"] == 1.0
     d = pl.decide(snap(rate=4.0, ttft=5.0, p=3, d=2))  # a miss with the workers serving: now one more
-    assert d.prefill == 4 and pl.correction["prefill"] == pytest.approx(4 / (1280 / 480))
+    assert d.prefill == 4 and pl.correction["prefill"] == pytest.approx(4 / 3)  # (3: the queueing model's)
 
 
 def test_an_interval_in_which_no_request_finished_keeps_the_token_means():
@@ -295,6 +296,55 @@ def test_a_load_at_a_whole_number_of_workers_does_not_add_and_drain_one_in_turn(
         p = dec.prefill
         history.append(p)
     assert history[-1] == 2 and sum(1 for a, b in itertools.pairwise(history) if a != b) <= 1, history
-    for _ in range(8):  # well below one worker's load: the second goes
-        p = pl.decide(snap(rate=per_worker * 0.7, p=p, d=1)).prefill
+    for _ in range(8):  # well below one worker's load (and its queue): the second goes
+        p = pl.decide(snap(rate=per_worker * 0.3, p=p, d=1)).prefill
     assert p == 1
+
+
+def test_the_queue_model_is_erlang_c_and_sizes_prefill_for_bursts_of_long_prompts():
+    """Erlang C against textbook values (M/M/2 at a = 1: a third of arrivals wait; M/M/1: P(wait) = a), and the
+    prefill count it gives: a load whose average fits one worker, but whose prompts queue past the TTFT SLO,
+    gets a second."""
+    from planner.decision import erlang_c, prefill_servers
+
+    assert erlang_c(2, 1.0) == pytest.approx(1 / 3)
+    assert erlang_c(1, 0.6) == pytest.approx(0.6)
+    assert erlang_c(4, 3.0) == pytest.approx(0.5094, abs=1e-4)
+    # 1 prompt/s of 0.5 s: one worker is half busy; P(wait > 1 s) = 0.5 e^-1 = 18% > 5%: two
+    assert prefill_servers(1.0, 0.5, 1.0, 0.05) == 2
+    assert prefill_servers(1.0, 0.5, 10.0, 0.05) == 1  # a lenient SLO: one
+    pl = Planner(PROFILE, ttft_slo_s=2.0, itl_slo_s=0.1)
+    by_tokens = 1.0 * 400 / (600 * 0.8)  # 1 req/s of 400 uncached tokens: 0.83 of a worker at 80% target
+    assert pl.needed(snap(rate=1.0, hit=0.0), 1.0)[0] == 2 and by_tokens < 1
+
+
+def test_decode_is_sized_by_context_and_kv_capacity():
+    """Long conversations step slower (the KV cache read grows with context): a worker's output tokens/s within
+    the ITL SLO falls with the streams' context, and its KV cache caps the batch."""
+    prof = Profile(prefill_tps=10_000.0, decode_itl={1: 0.01, 64: 0.02, 256: 0.04}, profiled_context=1000,
+                   kv_s_per_token=1e-7, kv_tokens=200_000)
+    assert prof.step_s(64, 1000) == pytest.approx(0.02)
+    assert prof.step_s(160, 1000) == pytest.approx(0.03)  # (linear between measured batches)
+    assert prof.step_s(64, 3000) == pytest.approx(0.02 + 64 * 2000 * 1e-7)
+    short, long_ = prof.decode_capacity(0.05, 1000), prof.decode_capacity(0.05, 3000)
+    assert short == (200, pytest.approx(200 / (0.02 + 0.02 * 136 / 192)))  # KV-bound: 200 x 1,000 = 200,000
+    assert long_[0] == 66 and long_[1] < short[1] / 2  # 66 x 3,000 = 198,000 tokens; step 33 ms
+    pl = Planner(prof, ttft_slo_s=2.0, itl_slo_s=0.05)
+    assert pl.needed(snap(rate=30.0, inp=2950, out=100), 30.0)[1] == 2  # 3,000 tokens/s over 2,000 x 0.8
+    assert pl.needed(snap(rate=30.0, inp=950, out=100), 30.0)[1] == 1  # over 5,854 x 0.8
+
+
+def test_the_planner_scales_up_before_a_daily_rise_it_has_seen():
+    """Two days of office hours (a 4x step at 09:00): on the second, with the day learned, the prefill role
+    grows before 09:00 — one start-up ahead — instead of after the step arrives."""
+    pl = Planner(PROFILE, ttft_slo_s=2.0, itl_slo_s=0.1, interval_s=60.0, lead_s=120.0)
+    p, grown_at = 1, {}
+    for minute in range(2 * 24 * 60):
+        t = minute * 60.0
+        rate = 2.0 if 9 <= (t % 86_400) / 3600 < 17 else 0.5
+        d = pl.decide(Snapshot(rate, 400, 100, 0.2, 0.5, 0.05, p, 1, at_s=t))
+        if d.prefill > p and (t % 86_400) / 3600 < 9.5:
+            grown_at.setdefault(int(t // 86_400), t % 86_400)
+        p = d.prefill
+    assert grown_at[1] < 9 * 3600 and grown_at[1] >= 9 * 3600 - 180  # day two: one start-up ahead
+    assert grown_at.get(0, 9 * 3600) >= 9 * 3600  # day one: no forecast of the step (only the step itself)
