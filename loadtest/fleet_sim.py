@@ -727,21 +727,51 @@ def clairvoyant(reqs: list[TraceRequest], model: CostModel, split: tuple[int, in
     return best, [(p, d) for p, d in plan]
 
 
+def clairvoyant_windows(reqs: list[TraceRequest], model: CostModel, target: float, window: float, most: int,
+                        kw: dict, warmup: float = 600.0) -> tuple[dict[str, float], list[tuple[int, int]]]:
+    """Hindsight for a long trace (a day: `clairvoyant`'s greedy search would take thousands of whole-day
+    simulations): each `window` of the trace gets the cheapest static split that meets `target` on the requests
+    arriving in it (`static_splits` on the window's requests, the `warmup` seconds before it served first and not
+    counted), and the schedule of those splits, new workers serving at once, is then simulated whole. Feasible,
+    not optimal: a window's split must meet the target on its own, where a whole-trace search could trade a
+    hard window against an easy one."""
+    end = max(r.at_s for r in reqs)
+    plan: list[tuple[int, int]] = []
+    for k in range(int(end // window) + 1):
+        lo = max(k * window - warmup, 0.0)
+        sub = [TraceRequest(r.at_s - lo, r.input_length, r.output_length, r.hash_ids) for r in reqs
+               if lo <= r.at_s < (k + 1) * window]
+        if not sub:
+            plan.append(plan[-1] if plan else (1, 1))
+            continue
+        found = static_splits(sub, model, target, most, kw, counted_from=k * window - lo, quiet=True)
+        good = {key: v for key, v in found.items() if v["slo_attainment"] >= target}
+        key = (min(good, key=lambda key: (good[key]["worker_hours"], key)) if good
+               else max(found, key=lambda key: found[key]["slo_attainment"]))
+        p_, d_ = key.removesuffix("D").split("P")
+        plan.append((int(p_), int(d_)))
+        print(f"clairvoyant window {k}: {key} ({found[key]['slo_attainment']:.4f})", file=sys.stderr, flush=True)
+    summ, _ = run_scaled(reqs, model, Scaler("schedule", window, 0.0, Limits(), plan=plan), plan[0], **kw)
+    return summ, plan
+
+
 def new_planner(model: CostModel, args: argparse.Namespace, limits: Limits) -> Planner:
     """The planner `splitfire planner run` would be, deciding every `--interval` for one `--startup` ahead."""
     return Planner(model.profile(), args.ttft_slo, args.itl_slo, limits, interval_s=args.interval,
                    lead_s=args.startup)
 
 
-def static_splits(reqs: list[TraceRequest], model: CostModel, target: float, most: int,
-                  kw: dict) -> dict[str, dict[str, float]]:
+def static_splits(reqs: list[TraceRequest], model: CostModel, target: float, most: int, kw: dict,
+                  counted_from: float = 0.0, quiet: bool = False) -> dict[str, dict[str, float]]:
     """The static prefill:decode splits (each role 1..`most`) that decide which is cheapest at `target` attainment,
     simulated: the fewest prefill workers that meet it beside `most` decode workers and the fewest decode beside
     `most` prefill (binary searches: attainment grows with either role), then the splits up to two above both,
     cheapest first, until one meets it. A split that cannot meet it stops as soon as more requests than the target
-    allows have missed (`gave_up`): a hopeless split costs seconds, not a whole day's simulation."""
+    allows have missed (`gave_up`): a hopeless split costs seconds, not a whole day's simulation. Only requests
+    arriving from `counted_from` on count (the ones before warm the fleet up)."""
     statics: dict[str, dict[str, float]] = {}
-    allowed = math.floor((1.0 - target) * len(reqs) + 1e-9)
+    counted = [i for i, r in enumerate(reqs) if r.at_s >= counted_from]
+    allowed = math.floor((1.0 - target) * len(counted) + 1e-9) + (len(reqs) - len(counted))
 
     def run(p: int, d: int) -> dict[str, float]:
         key = f"{p}P{d}D"
@@ -751,9 +781,13 @@ def static_splits(reqs: list[TraceRequest], model: CostModel, target: float, mos
             fleet.run()
             end = max((o.done_at for o in fleet.out if not math.isnan(o.done_at)), default=0.0)
             statics[key] = {**summary(fleet, end), "gave_up": fleet.misses > allowed}
+            if counted_from > 0:
+                statics[key]["slo_attainment"] = attainment([fleet.out[i] for i in counted], fleet.ttft_slo,
+                                                            fleet.itl_slo)
             s = statics[key]
-            print(f"static {p}P+{d}D: attainment {s['slo_attainment']:.3f}, {s['worker_hours']:.2f} worker-hours"
-                  + (" (gave up: misses the target)" if s["gave_up"] else ""), file=sys.stderr, flush=True)
+            if not quiet:
+                print(f"static {p}P+{d}D: attainment {s['slo_attainment']:.3f}, {s['worker_hours']:.2f} worker-hours"
+                      + (" (gave up: misses the target)" if s["gave_up"] else ""), file=sys.stderr, flush=True)
         return statics[key]
 
     def fewest(meets) -> int:  # (the smallest n in 1..most with meets(n); `most` if none)
@@ -805,28 +839,54 @@ def compare_planner(reqs: list[TraceRequest], model: CostModel, args: argparse.N
                      "startup_s": args.startup, "max_workers": args.max_workers, "cost_model": args.cost_model,
                      "policy": args.policy, "store": args.store, "requests": len(reqs),
                      "start": args.start, "start_workers": list(start)}}
-    if args.clairvoyant:
+    if args.clairvoyant and args.clairvoyant_window:
+        c_sum, plan = clairvoyant_windows(reqs, model, statics[best]["slo_attainment"], args.clairvoyant_window,
+                                          args.max_workers, kw)
+        result["clairvoyant"] = {**c_sum, "window_s": args.clairvoyant_window, "plan": plan}
+    elif args.clairvoyant:
         p_, d_ = best.removesuffix("D").split("P")
         c_sum, plan = clairvoyant(reqs, model, (int(p_), int(d_)), statics[best]["slo_attainment"], args.interval, kw)
         result["clairvoyant"] = {**c_sum, "from": best, "plan": plan}
     return result
 
 
-def plot(result: dict[str, object], path: str) -> None:
+def plot(result: dict[str, object], reqs: list[TraceRequest], path: str) -> None:
+    """The load (prompt and output tokens/s per 5 minutes) above each role's workers over the trace: the planner,
+    the HPA, the clairvoyant schedule (when run) and the best static split."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(9, 4))
-    for name, style in (("planner", "-"), ("cpu_hpa", "--")):
-        hist = result[name]["replicas"]  # type: ignore[index]
-        t = [h[0] / 60 for h in hist]
-        ax.step(t, [h[1] for h in hist], style, label=f"{name} prefill", where="post")
-        ax.step(t, [h[2] for h in hist], style, label=f"{name} decode", where="post")
-    ax.set_xlabel("minutes into the trace")
-    ax.set_ylabel("workers")
-    ax.legend()
+    end = max(r.at_s for r in reqs)
+    unit, label = (3600.0, "hours") if end > 3 * 3600 else (60.0, "minutes")
+    fig, (load, prefill, decode) = plt.subplots(3, 1, figsize=(10, 8), sharex=True)
+    bins = int(end // 300) + 1
+    prompt, output = [0.0] * bins, [0.0] * bins
+    for r in reqs:
+        prompt[int(r.at_s // 300)] += r.input_length / 300
+        output[int(r.at_s // 300)] += r.output_length / 300
+    t = [k * 300 / unit for k in range(bins)]
+    load.step(t, prompt, where="post", label="prompt tokens/s")
+    load.step(t, output, where="post", label="output tokens/s")
+    load.set_ylabel("load")
+    load.legend(loc="upper right")
+    best = result["best_static"]["split"]  # type: ignore[index]
+    p_, d_ = (int(x) for x in str(best).removesuffix("D").split("P"))
+    for ax, col, role, fixed in ((prefill, 1, "prefill", p_), (decode, 2, "decode", d_)):
+        for name, style in (("planner", "-"), ("cpu_hpa", ":")):
+            hist = result[name]["replicas"]  # type: ignore[index]
+            ax.step([h[0] / unit for h in hist], [h[col] for h in hist], style, where="post", label=name)
+        if "clairvoyant" in result:
+            c = result["clairvoyant"]
+            step = c.get("window_s", result["settings"]["interval_s"])  # type: ignore[index,union-attr]
+            plan = c["plan"]  # type: ignore[index]
+            ax.step([k * step / unit for k in range(len(plan))], [pd[col - 1] for pd in plan], "--", where="post",
+                    label="clairvoyant")
+        ax.axhline(fixed, color="grey", linewidth=0.8, label=f"best static ({best})")
+        ax.set_ylabel(f"{role} workers")
+        ax.legend(loc="upper right", fontsize="small")
+    decode.set_xlabel(f"{label} into the trace")
     fig.tight_layout()
     fig.savefig(path)
 
@@ -865,6 +925,9 @@ def main() -> int:
                    help="--compare-planner: the autoscaled fleets begin at 1 prefill + 1 decode (cold), at what "
                    "the planner decides for the first interval's arrivals (warm), or with the fleet and the learned "
                    "state of a planner that had run over the trace once before (steady: as one kept with --state)")
+    p.add_argument("--clairvoyant-window", type=float, default=0.0, metavar="S",
+                   help="--clairvoyant on a long trace: the cheapest split per S-second window, found window by window "
+                        "(default 0: the greedy per-interval search over the whole trace)")
     p.add_argument("--clairvoyant", action="store_true",
                    help="--compare-planner: also search (greedily, minutes) a per-interval schedule with no start-up "
                         "that meets the best static split's attainment with the fewest worker-hours found")
@@ -911,7 +974,7 @@ def main() -> int:
                   f"TTFT p90 {r['ttft_p90_s']:.2f} s  ITL p90 {r['itl_p90_ms']:.1f} ms"  # type: ignore[index]
                   + (f"  ({r['split']})" if name == "best_static" else ""))  # type: ignore[index]
         if args.plot:
-            plot(result, args.plot)
+            plot(result, reqs, args.plot)
     else:
         layout = args.layout
         if layout == "colocated":

@@ -116,3 +116,56 @@ def test_compare_planner_writes_what_other_tools_read(tmp_path):
     assert d["best_static"]["split"] in d["statics"]
     # Replicas over time: every entry within the limits.
     assert all(1 <= p <= 3 and 1 <= dd <= 3 for _, p, dd in d["planner"]["replicas"])
+
+
+def test_decode_streams_by_hand(tmp_path):
+    """Two streams on one decode worker, worked out by hand (the decode heap advances every running stream by one
+    counter): A (11 tokens) starts alone at batch 1 (10 ms a step), B (21) joins 6 ms later: batch 2 (20 ms);
+    A ends after its last 9.4 tokens at batch 2, B's last 10.6 run at batch 1 again."""
+    model = CostModel(prefill_tps=1e6, decode_step_s={1: 0.01, 2: 0.02}, profiled_context=10**6,
+                      kv_bytes_per_token=1.0, kv_bandwidth=1.0)
+    reqs = read_trace(write_trace(tmp_path / "t.jsonl", [(0, 1000, 11, [1, 2]), (0, 1000, 21, [3, 4])]))
+    fleet, _ = simulate(reqs, model, prefill=1, decode=1, layout="disaggregated", store=False, **KW)
+    a, b = fleet.out
+    assert a.ttft == pytest.approx(0.0062) and b.ttft == pytest.approx(0.0122)
+    # (a stream joins its decode worker when its prefill ends — 6 and 12 ms — the transfer counted in its TTFT)
+    assert a.done_at == pytest.approx(0.012 + 9.4 * 0.02)
+    assert b.done_at == pytest.approx(0.012 + 9.4 * 0.02 + 10.6 * 0.01)
+    assert a.itl == pytest.approx((a.done_at - 0.0062) / 10)
+
+
+def test_copies_of_a_trace_share_its_shape_but_no_prefix(tmp_path):
+    from loadtest.fleet_sim import superposed
+
+    reqs = read_trace(write_trace(tmp_path / "t.jsonl", [(0, 1024, 5, [1, 2]), (1000, 512, 5, [1])]))
+    three = superposed(reqs, 3, spread_s=60.0)
+    assert [r.at_s for r in three] == [0.0, 1.0, 20.0, 21.0, 40.0, 41.0]
+    assert len({h for r in three for h in r.hash_ids}) == 2 * 3  # each copy its own blocks
+    assert [r.hash_ids for r in three[:2]] == [(1, 2), (1,)]  # (the first copy keeps the trace's)
+    with pytest.raises(ValueError, match="copies"):
+        superposed(reqs, 0)
+
+
+@needs_trace
+def test_static_splits_find_the_cheapest_and_give_up_on_hopeless_ones():
+    from loadtest.fleet_sim import Fleet, clairvoyant_windows, static_splits
+
+    reqs = read_trace(TRACE, limit=800)
+    kw = dict(KW, store=False)
+    found = static_splits(reqs, MODEL, 0.9, 4, kw, quiet=True)
+    good = {k: v for k, v in found.items() if v["slo_attainment"] >= 0.9}
+    cheapest = min(good, key=lambda k: good[k]["worker_hours"])
+    p, d = (int(x) for x in cheapest.removesuffix("D").split("P"))
+    for smaller in ((p - 1, d), (p, d - 1)):  # one worker fewer of either role misses the target
+        if min(smaller) >= 1:
+            _, s = simulate(reqs, MODEL, prefill=smaller[0], decode=smaller[1], layout="disaggregated", **kw)
+            assert s["slo_attainment"] < 0.9
+    hopeless = [v for v in found.values() if v["gave_up"]]
+    assert all(v["completed"] < len(reqs) for v in hopeless)
+    # (a fleet told to give up after n misses stops there)
+    fleet = Fleet(reqs, MODEL, prefill=1, decode=1, layout="disaggregated", **kw)
+    fleet.give_up_after = 5
+    fleet.run()
+    assert fleet.misses == 6
+    summ, plan = clairvoyant_windows(reqs, MODEL, 0.9, 120.0, 4, kw, warmup=60.0)
+    assert len(plan) == int(max(r.at_s for r in reqs) // 120) + 1 and summ["completed"] == len(reqs)
