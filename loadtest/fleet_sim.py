@@ -764,8 +764,8 @@ def new_planner(model: CostModel, args: argparse.Namespace, limits: Limits) -> P
 def static_splits(reqs: list[TraceRequest], model: CostModel, target: float, most: int, kw: dict,
                   counted_from: float = 0.0, quiet: bool = False) -> dict[str, dict[str, float]]:
     """The static prefill:decode splits (each role 1..`most`) that decide which is cheapest at `target` attainment,
-    simulated: the fewest prefill workers that meet it beside `most` decode workers and the fewest decode beside
-    `most` prefill (binary searches: attainment grows with either role), then the splits up to two above both,
+    simulated: the fewest prefill workers that meet it beside `most` decode workers, then the fewest decode beside
+    that many prefill (binary searches: attainment grows with either role), then the splits up to two above both,
     cheapest first, until one meets it. A split that cannot meet it stops as soon as more requests than the target
     allows have missed (`gave_up`): a hopeless split costs seconds, not a whole day's simulation. Only requests
     arriving from `counted_from` on count (the ones before warm the fleet up)."""
@@ -798,7 +798,7 @@ def static_splits(reqs: list[TraceRequest], model: CostModel, target: float, mos
         return lo
 
     p_min = fewest(lambda p: run(p, most)["slo_attainment"] >= target)
-    d_min = fewest(lambda d: run(most, d)["slo_attainment"] >= target)
+    d_min = fewest(lambda d: run(p_min, d)["slo_attainment"] >= target)
     for p, d in sorted(((p, d) for p in range(p_min, min(p_min + 2, most) + 1)
                         for d in range(d_min, min(d_min + 2, most) + 1)), key=lambda pd: (pd[0] + pd[1], pd)):
         if run(p, d)["slo_attainment"] >= target:
@@ -921,7 +921,7 @@ def main() -> int:
                         "(--prefill/--decode/--policy/--store as the live fleet; --cost-model-json its workers)")
     p.add_argument("--interval", type=float, default=60.0, help="autoscaling interval, seconds")
     p.add_argument("--startup", type=float, default=60.0, help="seconds before a new worker takes requests")
-    p.add_argument("--start", default="cold", choices=("cold", "warm", "steady"),
+    p.add_argument("--start", default="warm", choices=("cold", "warm", "steady"),
                    help="--compare-planner: the autoscaled fleets begin at 1 prefill + 1 decode (cold), at what "
                    "the planner decides for the first interval's arrivals (warm), or with the fleet and the learned "
                    "state of a planner that had run over the trace once before (steady: as one kept with --state)")
