@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 HAS_CUDA := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 PYTEST_ARGS ?=
 
-.PHONY: setup run test test-fast test-slow lint protos bench clean system-deps constraints image test-image test-k8s docs docs-serve docs-check
+.PHONY: setup run test test-fast test-slow lint protos bench clean system-deps constraints image test-image k8s-binaries test-k8s docs docs-serve docs-check
 
 setup: $(STAMP)
 
@@ -82,10 +82,15 @@ constraints: setup
 image: setup
 	PY=$(PY) bash helm/tools/build_image.sh
 
+# Kubernetes 1.20's control-plane and node binaries, built once from Debian's source into ~/.cache/splitfire/k8s
+# (helm/tools/kube_build.sh: ~6-10 minutes on 2 cores, the build's output shown; a second run returns at once).
+k8s-binaries:
+	bash helm/tools/kube_build.sh
+
 # Opt-in: the chart on a real Kubernetes 1.20 on this machine (etcd + kube-apiserver, controller-manager,
-# scheduler; one node: kubelet, containerd, kube-proxy, CNI bridge, dnsmasq DNS), built once from Debian's
-# source into ~/.cache/splitfire/k8s; pods run `make image`'s images. Not part of `make test`.
-test-k8s: setup
+# scheduler; one node: kubelet, containerd, kube-proxy, CNI bridge, dnsmasq DNS); pods run `make image`'s images.
+# Both are built first, as make prerequisites, outside any test's timeout. Not part of `make test`.
+test-k8s: setup image k8s-binaries
 	SPLITFIRE_TEST_K8S=1 $(PY) -m pytest -q -s tests/test_k8s.py $(PYTEST_ARGS)
 
 # Opt-in: the images under podman (the worker image serves a streamed chat). Not part of `make test`.
