@@ -28,8 +28,10 @@ after `--startup` seconds, drained ones leave when empty); every static prefill:
 `--max-workers`, the best chosen in hindsight (the fewest worker-hours with attainment at least the
 planner's, else the best attainment); and a CPU-utilization HPA per role (target 70%, 10% tolerance,
 5-minute scale-down stabilization, as Kubernetes' defaults), where a worker's utilization is the time
-it is busy — which a decode worker is whenever it holds a stream. `--start steady` gives the planner
-the fleet and learned state of one earlier pass over the trace (what `--state` keeps across restarts);
+it is busy — which a decode worker is whenever it holds a stream. `--start steady` (the default) gives the
+planner and the HPA the fleet, and the planner the learned state, of one earlier pass over the trace (what
+`--state` keeps across restarts: a planner in production has run before the hour measured, and on a day's
+trace has seen a day);
 `--clairvoyant` adds what hindsight could do with autoscaling (`clairvoyant`: a per-interval schedule
 with no start-up, searched greedily to the best static split's attainment).
 
@@ -921,7 +923,7 @@ def main() -> int:
                         "(--prefill/--decode/--policy/--store as the live fleet; --cost-model-json its workers)")
     p.add_argument("--interval", type=float, default=60.0, help="autoscaling interval, seconds")
     p.add_argument("--startup", type=float, default=60.0, help="seconds before a new worker takes requests")
-    p.add_argument("--start", default="warm", choices=("cold", "warm", "steady"),
+    p.add_argument("--start", default="steady", choices=("cold", "warm", "steady"),
                    help="--compare-planner: the autoscaled fleets begin at 1 prefill + 1 decode (cold), at what "
                    "the planner decides for the first interval's arrivals (warm), or with the fleet and the learned "
                    "state of a planner that had run over the trace once before (steady: as one kept with --state)")

@@ -21,7 +21,9 @@ Feedback corrects the model: a role whose observed p90 misses its SLO although t
 enough gets one more worker, and the planner remembers it — the role's load is scaled by a learned
 correction (what the profile overestimates of a worker in this fleet: prefix hits that do not
 materialize, bursts within the interval) until the SLO is met with fewer, so the next interval does not
-drain the worker it just had to add. The correction is learned only from an interval after which the role
+drain the worker it just had to add. The true need lies between the workers that missed and the one more:
+the correction puts it midway (`have + 0.5`), so a marginal miss does not ask for a second worker the moment
+the load ticks up. The correction is learned only from an interval after which the role
 was not just scaled up (the new workers' start and the backlog they inherit are not a capacity error),
 and it decays slowly (`correction_decay` per interval in which the SLO is met) so one burst does not
 keep workers for good. Scaling up is immediate; scaling down waits `down_after` intervals in which the
@@ -284,7 +286,7 @@ class Planner:
                 # Not just scaled up (whose new workers are still starting, or draining the backlog they
                 # inherited): a capacity error of the profile. One more worker, and learn it.
                 if load[role] > 0:
-                    c = min(max(c, (have[role] + 1) / load[role]), self.max_correction)
+                    c = min(max(c, (have[role] + 0.5) / load[role]), self.max_correction)
                 want[role] = have[role] + 1
                 slo = (f"TTFT p90 {s.ttft_p90_s:.2f} s > {self.ttft_slo_s:.2f} s" if role == "prefill" else
                        f"ITL p90 {s.itl_p90_s * 1e3:.0f} ms > {self.itl_slo_s * 1e3:.0f} ms")
