@@ -939,6 +939,10 @@ def main() -> int:
     args = p.parse_args()
     if not args.block and (args.speed != 1.0 or args.max_output != 64):
         p.error("--speed and --max-output scale a replay's requests: give --block too")
+    if args.copies == 1 and args.copies_spread != 600.0:
+        p.error("--copies-spread spreads the copies of --copies N (N > 1): give --copies too")
+    if args.clairvoyant_window and not (args.compare_planner and args.clairvoyant):
+        p.error("--clairvoyant-window is --clairvoyant's window: give --compare-planner --clairvoyant too")
     if args.cost_model_json:
         measured = json.loads(Path(args.cost_model_json).read_text())
         workers = args.workers or args.prefill + args.decode

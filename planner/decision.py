@@ -87,13 +87,6 @@ class Profile:
         ok = [b for b, itl in self.decode_itl.items() if itl <= itl_slo_s]
         return max(ok) if ok else 1
 
-    def itl_at(self, batch: int) -> float:
-        known = sorted(self.decode_itl)
-        for b in known:
-            if b >= batch:
-                return self.decode_itl[b]
-        return self.decode_itl[known[-1]] if known else 0.0
-
 
 @dataclass(frozen=True)
 class Snapshot:
