@@ -116,13 +116,13 @@ class DecodeService(pb_grpc.DecodeServicer):
     # -- getting the prompt's K/V -----------------------------------------------------
 
     async def _reserve(self, rid: str, ids: list[int], sampling: SamplingParams, tenant: str,
-                       weight: float = 1.0, adapter: str = "") -> tuple[int, list[int]]:
+                       weight: float = 1.0, adapter: str = "", priority: int = 0) -> tuple[int, list[int]]:
         aeng = self.ctx.engine
         deadline = time.monotonic() + self.ctx.config.reserve_timeout_s
 
         while True:
             try:
-                got = await aeng.reserve(rid, ids, sampling, tenant, weight, adapter)
+                got = await aeng.reserve(rid, ids, sampling, tenant, weight, adapter, priority)
             except RequestError as e:
                 raise GenerateError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from e
             if got is not None:
@@ -148,7 +148,8 @@ class DecodeService(pb_grpc.DecodeServicer):
         )
         preq = pb.PrefillRequest(request_id=rid, token_ids=request.token_ids, sampling=request.sampling,
                                  tenant=request.tenant, destination=dest,
-                                 tenant_weight=request.tenant_weight, adapter=request.adapter)
+                                 tenant_weight=request.tenant_weight, adapter=request.adapter,
+                                 priority=request.priority)
         call = self._stub(endpoint).Prefill(preq, timeout=self.ctx.config.prefill_timeout_s)
         self._remote_calls[rid] = call
         try:
@@ -194,12 +195,13 @@ class DecodeService(pb_grpc.DecodeServicer):
             fetch = tier is not None and await tier.held(cache_scope(request.tenant, request.adapter), ids) > 0
             try:
                 await aeng.add_request(rid, ids, sampling, request.tenant, fetch=fetch,
-                                       weight=request.tenant_weight or 1.0, adapter=request.adapter)
+                                       weight=request.tenant_weight or 1.0, adapter=request.adapter,
+                                       priority=request.priority)
             except RequestError as e:
                 raise GenerateError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from e
             return PrefillDecision(False, "colocated"), 0, []
         cached, blocks = await self._reserve(rid, ids, sampling, request.tenant, request.tenant_weight or 1.0,
-                                             request.adapter)
+                                             request.adapter, request.priority)
         if tier is not None:  # consult the cluster-wide KV store before asking a prefill worker
             cached = await tier.fill(rid)
         decision = decide_prefill(len(ids), cached, bool(request.prefill_endpoint),
@@ -230,8 +232,8 @@ class DecodeService(pb_grpc.DecodeServicer):
             m.adapter_tokens.labels(role=ctx.config.role, adapter=request.adapter,
                                     kind="completion").inc(out.num_output_tokens)
         log.info("event=generate_done rid=%s mode=%s prompt=%d cached=%d output=%d finish=%s total_s=%.3f "
-                 "sent_direct=%d", rid, mode, out.num_prompt_tokens, out.num_cached_tokens, out.num_output_tokens,
-                 out.finish_reason, total_s, sent_direct)
+                 "sent_direct=%d priority=%d", rid, mode, out.num_prompt_tokens, out.num_cached_tokens,
+                 out.num_output_tokens, out.finish_reason, total_s, sent_direct, request.priority)
 
     # -- the RPC ----------------------------------------------------------------------
 

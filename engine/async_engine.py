@@ -177,23 +177,25 @@ class AsyncEngine:
         return self.llm.config.block_size
 
     def add_request(self, request_id: str, ids: list[int], sampling: SamplingParams, tenant: str,
-                    mode: Mode = Mode.FULL, fetch: bool = False, weight: float = 1.0, adapter: str = ""
-                    ) -> asyncio.Future[None]:
+                    mode: Mode = Mode.FULL, fetch: bool = False, weight: float = 1.0, adapter: str = "",
+                    priority: int = 0) -> asyncio.Future[None]:
         """Queue a prompt (see `LLMEngine.add_request`). An `abort` sent after this call, even
         before it completes, runs after it: a request cancelled while queued is never computed."""
 
         def run(engine: LLMEngine) -> None:
-            engine.add_request(request_id, ids, sampling, tenant, mode, fetch=fetch, weight=weight, adapter=adapter)
+            engine.add_request(request_id, ids, sampling, tenant, mode, fetch=fetch, weight=weight, adapter=adapter,
+                               priority=priority)
 
         return self.call(run)
 
     def reserve(self, request_id: str, ids: list[int], sampling: SamplingParams, tenant: str, weight: float = 1.0,
-                adapter: str = "") -> asyncio.Future[tuple[int, list[int]] | None]:
+                adapter: str = "", priority: int = 0) -> asyncio.Future[tuple[int, list[int]] | None]:
         """Blocks for a prompt another process fills: (tokens already cached here, block ids), or
         None when there are no free blocks now."""
 
         def run(engine: LLMEngine) -> tuple[int, list[int]] | None:
-            seq = engine.handoff.reserve(request_id, ids, sampling, tenant, weight=weight, adapter=adapter)
+            seq = engine.handoff.reserve(request_id, ids, sampling, tenant, weight=weight, adapter=adapter,
+                                         priority=priority)
             return None if seq is None else (seq.num_cached_tokens, list(seq.block_table))
 
         return self.call(run)

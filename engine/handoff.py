@@ -41,7 +41,7 @@ class Engine(Protocol):
     drafter: Any  # engine.spec.speculative.Drafter | None
 
     def new_sequence(self, request_id: str, prompt: list[int], sampling: SamplingParams, tenant: str, mode: Mode,
-                     weight: float = 1.0, adapter: str = "") -> Sequence: ...
+                     weight: float = 1.0, adapter: str = "", priority: int = 0) -> Sequence: ...
 
     def free_blocks(self, seq: Sequence) -> None: ...
 
@@ -61,12 +61,13 @@ class Handoff:
     # -- decode side: the prompt's K/V written by another process --------------------------
 
     def reserve(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, tenant: str = "",
-                mode: Mode = Mode.FULL, weight: float = 1.0, adapter: str = "") -> Sequence | None:
+                mode: Mode = Mode.FULL, weight: float = 1.0, adapter: str = "", priority: int = 0
+                ) -> Sequence | None:
         """Take blocks for a prompt whose K/V another process will write (a prefill worker, or the
         cluster-wide KV store). None = no blocks now. Reuses this engine's own cached prefix:
         `seq.num_cached_tokens` tokens need no transfer."""
         e = self.engine
-        seq = e.new_sequence(request_id, prompt_token_ids, sampling, tenant, mode, weight, adapter)
+        seq = e.new_sequence(request_id, prompt_token_ids, sampling, tenant, mode, weight, adapter, priority)
         if not e.blocks.allocate(seq, seq.num_tokens):
             return None
         seq.status = Status.RESERVED

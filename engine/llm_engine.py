@@ -185,7 +185,7 @@ class LLMEngine:
     # -- requests -------------------------------------------------------------------
 
     def new_sequence(self, request_id: str, prompt: list[int], sampling: SamplingParams, tenant: str, mode: Mode,
-                 weight: float = 1.0, adapter: str = "") -> Sequence:
+                 weight: float = 1.0, adapter: str = "", priority: int = 0) -> Sequence:
         if request_id in self.seqs:
             raise RequestError(f"request id {request_id!r} is already in flight")
         slot = -1
@@ -196,7 +196,7 @@ class LLMEngine:
             slot = self.loras.slot(adapter)
         check_request(prompt, sampling, weight, self.model_config.vocab_size, self.max_model_len, self.blocks)
         seq = Sequence(request_id, list(prompt), sampling, tenant=tenant, weight=weight, adapter=adapter,
-                       lora_slot=slot, mode=mode, arrival=next(self._arrival))
+                       lora_slot=slot, mode=mode, arrival=next(self._arrival), priority=priority)
         if sampling.grammar is not None:
             seq.matcher = self.grammar.matcher(sampling.grammar)
             self.grammar.advance(seq.matcher, seq.generated_token_ids)
@@ -216,11 +216,13 @@ class LLMEngine:
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
         tenant: str = "", mode: Mode = Mode.FULL, fetch: bool = False, weight: float = 1.0, adapter: str = "",
+        priority: int = 0,
     ) -> Sequence:
         """Queue a prompt. `fetch`: the KV tier holds part of it; when the scheduler admits it, it is
         handed out (`take_fetches`) to be filled, and computes the rest after `resume_after_fill`.
-        `adapter`: a resident LoRA adapter's name to run it under ("" = the base model)."""
-        seq = self.new_sequence(request_id, prompt_token_ids, sampling, tenant, mode, weight, adapter)
+        `adapter`: a resident LoRA adapter's name to run it under ("" = the base model). `priority`: lower
+        is more important (scheduler.py)."""
+        seq = self.new_sequence(request_id, prompt_token_ids, sampling, tenant, mode, weight, adapter, priority)
         seq.fetch = fetch and self.handoff.kv_tier
         self.seqs[request_id] = seq
         self.scheduler.add(seq)

@@ -5,7 +5,8 @@ flood tenant keeps `--flood` streams busy (closed loop: each sends its next requ
 ends; `--flood-prompt`-token prompts, `--flood-tokens` tokens each); a quiet tenant sends one request
 at a time (`--quiet-prompt` tokens, `--quiet-tokens` out). The quiet tenant's TTFT and ITL (medians
 over its requests) alone, beside the flood with one tenant for both (first come, first served: what
-splitfire did before tenants were scheduled), and beside the flood as its own tenant (fair).
+splitfire did before tenants were scheduled), beside the flood as its own tenant (fair), and in the
+flood's tenant at priority 0 beside the flood at priority 10 (priority: the keys' default priorities).
 
 Part 2 (weights): two tenants of weights 2 and 1, each with more streams than the worker's
 `--max-num-seqs` (both saturating), for `--weights-seconds`: completion tokens each streamed in that
@@ -47,6 +48,8 @@ KEYS = {
     "sk-flood": {"tenant": "flood"},
     "sk-quiet-as-flood": {"tenant": "flood"},  # the quiet requests, in the flood's tenant (first come, first served)
     "sk-quiet": {"tenant": "quiet"},
+    "sk-flood-batch": {"tenant": "flood", "priority": 10},  # the flood as batch work
+    "sk-quiet-urgent": {"tenant": "flood", "priority": 0},  # the quiet requests, urgent, in the flood's tenant
     "sk-heavy": {"tenant": "heavy", "weight": 2},
     "sk-light": {"tenant": "light", "weight": 1},
 }
@@ -125,11 +128,14 @@ async def noisy_neighbour(url: str, args: argparse.Namespace) -> dict[str, dict[
     rows = {"alone": await quiet_run(url, "sk-quiet-as-flood", args, 1)}
     # One tenant first: a worker schedules fairly from the moment it has seen two tenants.
     modes = args.modes.split(",")
-    for label, key in ((("beside the flood, one tenant (FIFO)", "sk-quiet-as-flood"),) * ("fifo" in modes)
-                       + (("beside the flood, own tenant (fair)", "sk-quiet"),) * ("fair" in modes)):
+    rows_wanted = {"fifo": ("beside the flood, one tenant (FIFO)", "sk-quiet-as-flood", "sk-flood"),
+                   "fair": ("beside the flood, own tenant (fair)", "sk-quiet", "sk-flood"),
+                   "priority": ("priority 0 beside a priority-10 flood, one tenant", "sk-quiet-urgent",
+                                "sk-flood-batch")}
+    for label, key, flood_key in (rows_wanted[m] for m in modes):
         stop = asyncio.Event()
         itl: list[float] = []
-        task = asyncio.create_task(flood(url, "sk-flood", args.flood, args.flood_prompt, args.flood_tokens, stop, 2,
+        task = asyncio.create_task(flood(url, flood_key, args.flood, args.flood_prompt, args.flood_tokens, stop, 2,
                                          itl=itl))
         await asyncio.sleep(args.warmup)
         itl.clear()
@@ -265,7 +271,8 @@ def main() -> int:
     p.add_argument("--quiet-tokens", type=int, default=16)
     p.add_argument("--quiet-requests", type=int, default=12)
     p.add_argument("--warmup", type=float, default=15.0, help="seconds of flood before measuring")
-    p.add_argument("--modes", default="fifo,fair", help="part 1: the rows beside the flood (besides 'alone')")
+    p.add_argument("--modes", default="fifo,fair,priority",
+                   help="part 1: the rows beside the flood (besides 'alone'): fifo, fair, priority")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--weight-streams", type=int, default=48, help="part 2: streams per tenant")
     p.add_argument("--weights-seconds", type=float, default=60.0)
@@ -287,10 +294,12 @@ def main() -> int:
             print(f"\nNoisy neighbour ({args.model}, 1 colocated worker): {args.flood} flood streams of "
                   f"{args.flood_prompt}-token prompts x {args.flood_tokens} tokens; the quiet tenant: "
                   f"{args.quiet_requests} requests of {args.quiet_prompt} -> {args.quiet_tokens} tokens, one at a time")
-            print(f"{'quiet tenant':<40}{'TTFT p50 ms':>13}{'x alone':>9}{'ITL p50 ms':>12}{'flood ITL p50 ms':>18}")
+            alone_itl = noisy["alone"]["itl_ms"]
+            print(f"{'quiet requests':<52}{'TTFT p50 ms':>13}{'x alone':>9}{'ITL p50 ms':>12}{'x alone':>9}"
+                  f"{'flood ITL p50 ms':>18}")
             for label, r in noisy.items():
-                print(f"{label:<40}{r['ttft_ms']:>13.1f}{r['ttft_ms'] / alone:>9.2f}{r['itl_ms']:>12.1f}"
-                      f"{r.get('flood_itl_ms', float('nan')):>18.1f}")
+                print(f"{label:<52}{r['ttft_ms']:>13.1f}{r['ttft_ms'] / alone:>9.2f}{r['itl_ms']:>12.1f}"
+                      f"{r['itl_ms'] / alone_itl:>9.2f}{r.get('flood_itl_ms', float('nan')):>18.1f}")
         if shares:
             results["weights"] = shares
             print(f"\nWeights 2:1, both saturating ({args.weight_streams} streams each, --max-num-seqs "

@@ -113,7 +113,8 @@ class PrefillService(pb_grpc.PrefillServicer):
                 self.sender.add_plan(plan)
                 try:
                     engine.add_request(rid, ids, sampling, request.tenant, Mode.PREFILL_ONLY, fetch=fetch,
-                                       weight=request.tenant_weight or 1.0, adapter=request.adapter)
+                                       weight=request.tenant_weight or 1.0, adapter=request.adapter,
+                                       priority=request.priority)
                 except BaseException:
                     self.sender.remove_plan(rid)
                     raise
@@ -149,9 +150,9 @@ class PrefillService(pb_grpc.PrefillServicer):
             )
             if out.logprobs:
                 resp.logprob.CopyFrom(logprob_to_proto(out.logprobs[0]))
-            log.info("event=prefill_done rid=%s tokens=%d cached=%d bytes=%d entries=%d transfer_s=%.4f total_s=%.4f",
-                     rid, len(ids), out.num_cached_tokens, plan.bytes, plan.entries, plan.transfer_s,
-                     time.perf_counter() - t0)
+            log.info("event=prefill_done rid=%s tokens=%d cached=%d bytes=%d entries=%d transfer_s=%.4f total_s=%.4f "
+                     "priority=%d", rid, len(ids), out.num_cached_tokens, plan.bytes, plan.entries, plan.transfer_s,
+                     time.perf_counter() - t0, request.priority)
             return resp
         except asyncio.CancelledError:
             log.info("event=prefill_cancelled rid=%s", rid)

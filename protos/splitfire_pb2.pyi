@@ -76,7 +76,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "sampling", "tenant", "prefill_endpoint", "tenant_weight", "adapter", "model")
+    __slots__ = ("request_id", "token_ids", "sampling", "tenant", "prefill_endpoint", "tenant_weight", "adapter", "model", "priority")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -85,6 +85,7 @@ class GenerateRequest(_message.Message):
     TENANT_WEIGHT_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
@@ -93,7 +94,8 @@ class GenerateRequest(_message.Message):
     tenant_weight: float
     adapter: str
     model: str
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., tenant: _Optional[str] = ..., prefill_endpoint: _Optional[str] = ..., tenant_weight: _Optional[float] = ..., adapter: _Optional[str] = ..., model: _Optional[str] = ...) -> None: ...
+    priority: int
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., tenant: _Optional[str] = ..., prefill_endpoint: _Optional[str] = ..., tenant_weight: _Optional[float] = ..., adapter: _Optional[str] = ..., model: _Optional[str] = ..., priority: _Optional[int] = ...) -> None: ...
 
 class GenerateEvent(_message.Message):
     __slots__ = ("token_ids", "text", "logprobs", "finish_reason", "usage", "prefill_mode", "prefill_reason")
@@ -160,7 +162,7 @@ class KVRank(_message.Message):
     def __init__(self, segment: _Optional[str] = ..., base_address: _Optional[int] = ..., first_layer: _Optional[int] = ..., num_layers: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "sampling", "tenant", "destination", "tenant_weight", "adapter")
+    __slots__ = ("request_id", "token_ids", "sampling", "tenant", "destination", "tenant_weight", "adapter", "priority")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -168,6 +170,7 @@ class PrefillRequest(_message.Message):
     DESTINATION_FIELD_NUMBER: _ClassVar[int]
     TENANT_WEIGHT_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
@@ -175,7 +178,8 @@ class PrefillRequest(_message.Message):
     destination: KVDestination
     tenant_weight: float
     adapter: str
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., tenant: _Optional[str] = ..., destination: _Optional[_Union[KVDestination, _Mapping]] = ..., tenant_weight: _Optional[float] = ..., adapter: _Optional[str] = ...) -> None: ...
+    priority: int
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., tenant: _Optional[str] = ..., destination: _Optional[_Union[KVDestination, _Mapping]] = ..., tenant_weight: _Optional[float] = ..., adapter: _Optional[str] = ..., priority: _Optional[int] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("first_token", "logprob", "cached_tokens", "computed_tokens", "transfer_bytes", "transfer_entries", "transfer_seconds", "compute_seconds", "queue_seconds", "landable", "landed")

@@ -17,6 +17,13 @@ it; and the prompt of a tenant under its share is not held to the cap on prompt 
 others decode (`max_prefill_tokens_while_decoding`): it takes what is left of the step's budget.
 So a tenant is never queued behind another's backlog, and two saturating tenants of weights 2 and 1
 hold the batch 2:1. With one tenant, all of this is first come, first served.
+
+Priorities (`Sequence.priority`, lower is more important; vLLM's `--scheduling-policy priority`): once
+sequences of more than one priority have been seen, the most important come first everywhere — waiting
+prompts are admitted, prompts under way get their chunks and decodes get their blocks in priority
+order (then as above: share, arrival); preemption takes the least important running sequence (then as
+above); and a waiting prompt that cannot be admitted preempts running sequences less important than
+it until it can. Tenant fairness holds inside a priority.
 """
 
 from __future__ import annotations
@@ -94,12 +101,19 @@ class Scheduler:
         self.tenanted = False  # sequences of more than one tenant have been seen: scheduling is fair
         self.num_fair_preemptions = 0  # preemptions that made room for a tenant under its share
         self.last_for_newcomers = False  # the last step was given to tenants with nothing running
+        self.first_priority: int | None = None
+        self.prioritized = False  # sequences of more than one priority have been seen
+        self.num_priority_preemptions = 0  # preemptions that made room for a more important prompt
 
     def _seen(self, seq: Sequence) -> None:
         if self.first_tenant is None:
             self.first_tenant = seq.tenant
         elif seq.tenant != self.first_tenant or seq.weight != 1.0:
             self.tenanted = True
+        if self.first_priority is None:
+            self.first_priority = seq.priority
+        elif seq.priority != self.first_priority:
+            self.prioritized = True
 
     def add(self, seq: Sequence) -> None:
         self._seen(seq)
@@ -130,13 +144,37 @@ class Scheduler:
         return out
 
     def _victim(self) -> Sequence:
-        """The sequence to preempt: the newest, of the tenant most over its share when tenanted."""
+        """The sequence to preempt: the newest, of the least important priority (prioritized), of the
+        tenant most over its share among those (tenanted)."""
         pool = self.running
+        if self.prioritized:
+            least = max(s.priority for s in pool)
+            pool = [s for s in pool if s.priority == least]
         if self.tenanted:
-            shares = self.shares()
+            shares = self._shares_of(pool)
             most = max(shares, key=lambda t: shares[t])
-            pool = [s for s in self.running if s.tenant == most]
+            pool = [s for s in pool if s.tenant == most]
         return max(pool, key=lambda s: s.arrival)
+
+    @staticmethod
+    def _shares_of(seqs: list[Sequence]) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for s in seqs:
+            out[s.tenant] = out.get(s.tenant, 0.0) + 1.0 / s.weight
+        return out
+
+    def _make_room_by_priority(self) -> None:
+        """Preempt the least important running sequences, while the most important waiting prompt
+        cannot be admitted (no sequence slot, or too few blocks) and some running one is less
+        important than it."""
+        head = min(self.waiting, key=lambda s: (s.priority, s.arrival))
+        while (len(self.running) >= self.config.max_num_seqs
+               or self.blocks.num_available < self.blocks.blocks_for(head.num_tokens)):
+            victim = self._victim() if self.running else None
+            if victim is None or victim.priority <= head.priority:
+                return
+            self._preempt(victim)
+            self.num_priority_preemptions += 1
 
     def _preempt(self, victim: Sequence) -> Sequence:
         self.running.remove(victim)
@@ -151,6 +189,10 @@ class Scheduler:
 
     def schedule(self) -> list[ScheduledSeq]:
         newcomers: set[str] = set()
+        if self.prioritized and self.waiting:
+            self._make_room_by_priority()
+            # Most important first; within a priority, as before (a preempted sequence keeps its arrival).
+            self.waiting = deque(sorted(self.waiting, key=lambda s: (s.priority, s.arrival)))
         if self.tenanted and self.waiting:
             self._make_room()
             if not self.last_for_newcomers:
@@ -178,7 +220,8 @@ class Scheduler:
         decodes: list[Sequence] = []
         # (A preempted sequence leaves `running` with status WAITING: the status is the O(1) membership
         # test — `in self.running` made every step quadratic in the batch.)
-        for seq in sorted(self.running, key=lambda s: s.arrival) if not newcomers else ():
+        order = (lambda s: (s.priority, s.arrival)) if self.prioritized else (lambda s: s.arrival)
+        for seq in sorted(self.running, key=order) if not newcomers else ():
             if seq.status != Status.RUNNING or seq.num_remaining != 1:
                 continue
             while not self.blocks.grow(seq, seq.num_tokens):
@@ -186,7 +229,7 @@ class Scheduler:
                     break
             if seq.status == Status.RUNNING:
                 decodes.append(seq)
-        if self.tenanted:  # a later decode's preemption may have taken an earlier one of another tenant
+        if self.tenanted or self.prioritized:  # a later decode's preemption may have taken an earlier one
             decodes = [s for s in decodes if s.status == Status.RUNNING]
         drafts = self._drafts(decodes, self.config.max_num_batched_tokens)
         return [ScheduledSeq(seq, 1 + len(draft), draft) for seq, draft in zip(decodes, drafts, strict=True)]
@@ -198,12 +241,14 @@ class Scheduler:
         step instead of after the whole long prefill. Returns the prompt tokens scheduled."""
         reserve = min(budget // 2, sum(s.num_remaining for s in self.waiting)) if self.waiting else 0
         used = 0
-        for seq in sorted(self.running, key=(lambda s: s.arrival) if shares is None
-                          else (lambda s: (shares[s.tenant], s.arrival))) if not newcomers else ():
+        key = (lambda s: s.arrival) if shares is None else (lambda s: (shares[s.tenant], s.arrival))
+        if self.prioritized:
+            key = (lambda k: lambda s: (s.priority, k(s)))(key)
+        for seq in sorted(self.running, key=key) if not newcomers else ():
             if seq.num_remaining > 1:
                 room = full - used if seq.tenant in favoured else budget - reserve - used
                 if room <= 0:
-                    break  # (in share order: the favoured come first)
+                    continue  # (the favoured may still have room: they may take the whole step)
                 n = min(seq.num_remaining, room)
                 out.append(ScheduledSeq(seq, n))
                 used += n
@@ -268,9 +313,14 @@ class Scheduler:
         """Preempt for the waiting tenant with the smallest share, while it cannot be admitted (no
         sequence slot, or too few blocks for its next prompt) and the tenant most over its share
         would, one sequence fewer, still be at or above it with one more."""
-        weights = {s.tenant: s.weight for s in self.waiting}
+        waiting: list[Sequence] | deque[Sequence] = self.waiting
+        best = None
+        if self.prioritized:  # only for the most important waiting, and never at a more important one's cost
+            best = min(s.priority for s in waiting)
+            waiting = [s for s in waiting if s.priority == best]
+        weights = {s.tenant: s.weight for s in waiting}
         heads: dict[str, Sequence] = {}
-        for s in self.waiting:
+        for s in waiting:
             heads.setdefault(s.tenant, s)
         while self.running:
             shares = self.shares()
@@ -280,7 +330,9 @@ class Scheduler:
                     and self.blocks.num_available >= self.blocks.blocks_for(head.num_tokens)):
                 return
             most = max(shares, key=lambda t: shares[t])
-            pool = [s for s in self.running if s.tenant == most]
+            pool = [s for s in self.running if s.tenant == most and (best is None or s.priority >= best)]
+            if not pool:
+                return
             if shares[most] - 1.0 / pool[0].weight < shares.get(tenant, 0.0) + 1.0 / head.weight:
                 return
             self._preempt(max(pool, key=lambda s: s.arrival))
@@ -328,6 +380,9 @@ class _FairQueue:
 
     def _pick(self) -> None:
         live = [t for t, q in self.queues.items() if q]
+        if live:  # the most important priority first (each tenant's queue is in priority order)
+            best = min(self.queues[t][0].priority for t in live)
+            live = [t for t in live if self.queues[t][0].priority == best]
         self.tenant = (min(live, key=lambda t: (self.shares.get(t, 0.0) + 1.0 / self.queues[t][0].weight,
                                                 self.queues[t][0].arrival)) if live else None)
 

@@ -41,6 +41,7 @@ class Sequence:
     sampling: SamplingParams
     tenant: str = ""
     weight: float = 1.0  # the tenant's share of the batch against other tenants (scheduler.py)
+    priority: int = 0  # lower is more important: admitted first, preempted last (scheduler.py)
     adapter: str = ""  # the LoRA adapter it runs under ("" = the base model)
     lora_slot: int = -1  # that adapter's slot in the model's LoRA factors (-1: the base model)
     mode: Mode = Mode.FULL

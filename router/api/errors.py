@@ -30,8 +30,15 @@ def not_found(message: str, code: str | None = None) -> APIError:
     return APIError(404, message, code=code)
 
 
-def overloaded(message: str, retry_after_s: int = 1) -> APIError:
-    return APIError(429, message, type_="rate_limit_error", code="overloaded",
+def priority_shed(message: str, retry_after_s: int = 1) -> APIError:
+    """429: this request's priority band is shed — more important work holds the fleet."""
+    return APIError(429, message, type_="rate_limit_error", code="priority_shed", param="priority",
+                    headers={"Retry-After": str(retry_after_s)})
+
+
+def no_capacity(message: str, retry_after_s: int = 1) -> APIError:
+    """503: the fleet is full (not the caller's quota, not its priority)."""
+    return APIError(503, message, type_="service_unavailable", code="no_capacity",
                     headers={"Retry-After": str(retry_after_s)})
 
 

@@ -19,7 +19,9 @@ _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "rep
            # who the end user is: no effect on the output, logged with the request
            "user", "safety_identifier",
            # a cache-routing hint: used as the session-affinity key when no x-session-affinity header is sent
-           "prompt_cache_key"}
+           "prompt_cache_key",
+           # vLLM's request priority (lower is more important): admission bands and the workers' schedulers
+           "priority"}
 HONOURED = {
     "chat": _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
                        "parallel_tool_calls"},

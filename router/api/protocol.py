@@ -53,6 +53,7 @@ class GenRequest:
     weight: float = 1.0  # the tenant's share of a worker's batch (router/tenants.py)
     adapter: str = ""  # the LoRA adapter `model` names ("" = the base model)
     pool: str = ""  # a router serving several models: the model directory its workers report ("" = any worker)
+    priority: int = 0  # lower is more important: the router's admission band and the workers' scheduling order
 
 
 MAX_LOGIT_BIAS = 1024
@@ -245,6 +246,7 @@ class RequestParser:
         for name in ("user", "safety_identifier", "prompt_cache_key"):
             if body.get(name) is not None and not isinstance(body[name], str):
                 raise bad_request(f"'{name}' must be a string", param=name)
+        _num(body, "priority", -(2**31), 2**31 - 1, 0, integer=True)  # (read by the serving path, per API key)
         return model, stream, include_usage
 
     def _sampling(self, body: dict, prompt_len: int, logprobs: int | None) -> SamplingParams:

@@ -103,12 +103,12 @@ class ServingPath:
                 self.metrics.tenants.throttle(tenant, e.param or "")
                 log.info("event=request_throttled tenant=%s key=%s limit=%s", tenant, caller.key_id, e.param)
                 raise
-        if policy.weight != 1.0:
-            for r in reqs:
-                r.weight = policy.weight
+        priority = policy.priority_of(reqs[0].body.get("priority"))
+        for r in reqs:
+            r.weight, r.priority = policy.weight, priority
         try:
             queued = time.perf_counter()
-            async with self.admission.slot(tenant, policy.weight):
+            async with self.admission.slot(tenant, policy.weight, priority):
                 t0 = time.perf_counter()
                 self.metrics.tenants.admitted(tenant, t0 - queued)
                 try:

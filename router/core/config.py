@@ -67,7 +67,8 @@ class RouterConfig:
         "per-replica approximation)", flag="--no-kv-events", const=False, group=PLACEMENT)
     block_size: int = 16
     max_concurrency: int = setting(256, "requests being served at once", group=LIMITS)
-    max_queue: int = setting(512, "requests waiting for a slot; beyond it, 429", group=LIMITS)
+    max_queue: int = setting(512, "requests waiting for a slot; beyond it, the least important priority band "
+                                  "waiting is shed (429), or the request is refused (503)", group=LIMITS)
     queue_timeout_s: float = 30.0
     max_body_bytes: int = setting(4 * 2**20, "largest request body accepted (413 beyond)", group=LIMITS)
     max_retries: int = setting(2, "attempts after the first on another endpoint", group=PLACEMENT)

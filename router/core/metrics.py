@@ -156,6 +156,8 @@ class RouterMetrics:
                                "token) or failover (mid-stream)", ["kind"], registry=r)
         self.queue = Gauge("splitfire_router_queue_depth", "Requests waiting for an admission slot", registry=r)
         self.running = Gauge("splitfire_router_running_requests", "Requests holding an admission slot", registry=r)
+        self.admission_refused = Counter("splitfire_router_admission_refused", "Requests refused or shed by "
+                                         "admission: priority_shed (429) or no_capacity (503)", ["reason"], registry=r)
         self.prompt_tokens = Counter("splitfire_router_prompt_tokens", "Prompt tokens routed", registry=r)
         # (arrivals: splitfire_router_requests counts a request when it ends, by status)
         self.requests_started = Counter("splitfire_router_requests_started", "Generation requests routed, counted "

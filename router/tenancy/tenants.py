@@ -7,7 +7,9 @@ its quotas and scopes.
 - lines `key [tenant]` (the tenant defaults to the key's first 8 characters);
 - `{"key": "tenant", ...}`;
 - `{"keys": {"key": {"tenant": "a", "weight": 2, "max_concurrent": 32, "requests_per_minute": 600,
-  "tokens_per_minute": 200000, "models": ["..."], "admin": false}, ...}}` (every setting optional).
+  "tokens_per_minute": 200000, "models": ["..."], "admin": false, "priority": 0, "min_priority": 0}, ...}}`
+  (every setting optional; `priority` is the key's default request priority, lower is more important,
+  and `min_priority` the most important one its requests may ask for).
 
 The file is read again on SIGHUP, and when it changes on disk (`watch`: a Kubernetes Secret update
 swaps the mounted file); streams already admitted keep going under the settings they started with. Keys are never logged: a key's id is a hash of it (`Caller.key_id`).
@@ -32,7 +34,9 @@ from router.api.errors import APIError
 log = logging.getLogger("splitfire.router")
 
 DEFAULT_TENANT = "default"
-_SETTINGS = {"tenant", "weight", "max_concurrent", "requests_per_minute", "tokens_per_minute", "models", "admin"}
+_SETTINGS = {"tenant", "weight", "max_concurrent", "requests_per_minute", "tokens_per_minute", "models", "admin",
+             "priority", "min_priority"}
+PRIORITY_RANGE = (-(2**31), 2**31 - 1)  # vLLM's: any 32-bit integer, lower is more important
 
 
 @dataclass(frozen=True)
@@ -44,6 +48,8 @@ class KeyPolicy:
     tokens_per_minute: int | None = None  # prompt + completion tokens
     models: frozenset[str] | None = None  # the models and adapters this key may name (None: all)
     admin: bool = False  # may call the admin routes (prefix-cache reset, adapter loading)
+    priority: int = 0  # the request priority when the body names none (lower is more important)
+    min_priority: int | None = None  # the most important priority a request may ask for (None: any)
 
     @cached_property
     def limited(self) -> bool:
@@ -52,6 +58,17 @@ class KeyPolicy:
 
     def may_use(self, model: str) -> bool:
         return self.models is None or model in self.models
+
+    def priority_of(self, asked: int | None) -> int:
+        """The priority a request runs at: the body's (validated there), or the key's default; a
+        400 naming `priority` when it asks for more than the key's `min_priority` allows."""
+        if asked is None:
+            return self.priority
+        if self.min_priority is not None and asked < self.min_priority:
+            raise APIError(400, f"'priority' {asked} is more important than this API key may ask for (its most "
+                           f"important is {self.min_priority}; lower numbers are more important)",
+                           param="priority", code="priority_not_allowed")
+        return asked
 
 
 @dataclass(frozen=True)
@@ -98,9 +115,21 @@ def _policy(where: str, raw: Any) -> KeyPolicy:
         raise ValueError(f"{where}: 'models' must be a list of model names")
     if not isinstance(raw.get("admin", False), bool):
         raise ValueError(f"{where}: 'admin' must be true or false")
+    prio: dict[str, int] = {}
+    for name in ("priority", "min_priority"):
+        v = raw.get(name)
+        if v is None:
+            continue
+        if isinstance(v, bool) or not isinstance(v, int) or not PRIORITY_RANGE[0] <= v <= PRIORITY_RANGE[1]:
+            raise ValueError(f"{where}: '{name}' must be a 32-bit integer (lower is more important)")
+        prio[name] = v
+    if "min_priority" in prio and prio.get("priority", 0) < prio["min_priority"]:
+        raise ValueError(f"{where}: 'priority' ({prio.get('priority', 0)}) is more important than 'min_priority' "
+                         f"({prio['min_priority']}) allows")
     return KeyPolicy(tenant, float(positive("weight", float) or 1.0), positive("max_concurrent", int),
                      positive("requests_per_minute", int), positive("tokens_per_minute", int),
-                     frozenset(models) if models is not None else None, bool(raw.get("admin", False)))
+                     frozenset(models) if models is not None else None, bool(raw.get("admin", False)),
+                     prio.get("priority", 0), prio.get("min_priority"))
 
 
 def read_keys(path: str) -> dict[str, KeyPolicy]:
