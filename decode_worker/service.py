@@ -15,6 +15,8 @@ import grpc
 from common.block_hash import cache_scope
 from common.errors import RequestError
 from common.sampling_params import SamplingParams
+from common.tracing import Tracing, wall_ns
+from common.tracing import end as end_span
 from decode_worker.prefill_policy import PrefillDecision, decide_prefill
 from kvtransfer.descriptors import KVRegion
 from protos import splitfire_pb2 as pb
@@ -132,7 +134,8 @@ class DecodeService(pb_grpc.DecodeServicer):
                                     f"no free KV blocks for {len(ids)} tokens within {self.ctx.config.reserve_timeout_s:.0f}s")
             await asyncio.sleep(RESERVE_RETRY_S)
 
-    async def _remote_prefill(self, rid: str, request: pb.GenerateRequest, cached: int, blocks: list[int]) -> None:
+    async def _remote_prefill(self, rid: str, request: pb.GenerateRequest, cached: int, blocks: list[int],
+                              trace: _Trace | None = None) -> None:
         assert self.region is not None and self.segment is not None
         bs = self.ctx.engine.block_size
         first = cached // bs
@@ -150,6 +153,7 @@ class DecodeService(pb_grpc.DecodeServicer):
                                  tenant=request.tenant, destination=dest,
                                  tenant_weight=request.tenant_weight, adapter=request.adapter,
                                  priority=request.priority)
+        span = trace.prefill_call(preq, endpoint, len(blocks) - first) if trace is not None else None
         call = self._stub(endpoint).Prefill(preq, timeout=self.ctx.config.prefill_timeout_s)
         self._remote_calls[rid] = call
         try:
@@ -157,8 +161,12 @@ class DecodeService(pb_grpc.DecodeServicer):
         except asyncio.CancelledError:
             call.cancel()
             self._quarantine(rid, endpoint)
+            if span is not None:
+                end_span(span, error="cancelled")
             raise
         except grpc.aio.AioRpcError as e:
+            if span is not None:
+                end_span(span, error=f"{e.code().name}: {e.details()}")
             self._quarantine(rid, endpoint)
             code = e.code()
             if code == grpc.StatusCode.CANCELLED:
@@ -177,6 +185,11 @@ class DecodeService(pb_grpc.DecodeServicer):
             self._quarantine(rid, endpoint)
             raise GenerateError(grpc.StatusCode.UNAVAILABLE, f"prefill worker {endpoint} wrote into landing blocks "
                                 "it was not offered", failed_prefill=endpoint)
+        if span is not None:
+            end_span(span, transfer_bytes=resp.transfer_bytes, transfer_entries=resp.transfer_entries,
+                     transfer_seconds=resp.transfer_seconds, prefill_queue_seconds=resp.queue_seconds,
+                     prefill_compute_seconds=resp.compute_seconds, prefill_cached_tokens=resp.cached_tokens,
+                     landed=bool(landed))
         log.info("event=kv_received rid=%s prefill=%s bytes=%d entries=%d transfer_s=%.4f prefill_cached=%d "
                  "landed=%s", rid, endpoint, resp.transfer_bytes, resp.transfer_entries, resp.transfer_seconds,
                  resp.cached_tokens, bool(landed))
@@ -213,11 +226,11 @@ class DecodeService(pb_grpc.DecodeServicer):
         return decision, cached, blocks
 
     async def _prefill(self, rid: str, request: pb.GenerateRequest, decision: PrefillDecision, cached: int,
-                       blocks: list[int]) -> None:
+                       blocks: list[int], trace: _Trace | None = None) -> None:
         if decision.reason == "colocated":
             return
         if decision.remote:
-            await self._remote_prefill(rid, request, cached, blocks)
+            await self._remote_prefill(rid, request, cached, blocks, trace)
         else:
             await self.ctx.engine.start_local_prefill(rid)
 
@@ -256,6 +269,7 @@ class DecodeService(pb_grpc.DecodeServicer):
         except RequestError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         t0 = time.perf_counter()
+        trace = _Trace(ctx.tracing, request, rid, len(ids), t0) if ctx.tracing is not None else None
         stream = aeng.open_stream(rid)
         ctx.inflight.add(rid)
         done = False
@@ -264,15 +278,19 @@ class DecodeService(pb_grpc.DecodeServicer):
             try:
                 decision, cached, blocks = await self._decide(rid, request, ids, sampling)
                 mode = "colocated" if decision.reason == "colocated" else ("remote" if decision.remote else "local")
+                if trace is not None:
+                    trace.decided(mode, decision.reason, cached)
                 if request.prefill_endpoint:
                     # Say where the prompt is prefilled before doing it: the router moves its
                     # prefill load estimate to this worker when it is prefilled here.
                     yield pb.GenerateEvent(prefill_mode=mode, prefill_reason=decision.reason)
-                await self._prefill(rid, request, decision, cached, blocks)
+                await self._prefill(rid, request, decision, cached, blocks, trace)
             except GenerateError as e:
                 done = True
                 m.requests.labels(role=ctx.config.role, outcome="error").inc()
                 log.warning("event=generate_failed rid=%s code=%s error=%r", rid, e.code.name, str(e))
+                if trace is not None:
+                    trace.finish(None, f"{e.code.name}: {e}")
                 await context.abort(e.code, str(e), trailing_metadata=e.trailing_metadata())
             pace = _Pace(ctx.config.stream_interval, m.itl.labels(**lbl))
             if direct is not None:
@@ -294,12 +312,18 @@ class DecodeService(pb_grpc.DecodeServicer):
                 if pace.last is None:
                     ev.prefill_mode, ev.prefill_reason = mode, decision.reason
                     m.ttft.labels(**lbl).observe(now - t0)
+                    if trace is not None:
+                        trace.first_token(now)
                 pace.observe(out, now)
                 if out.finished:
                     done = True
                     self._finished(rid, request, out, mode, now - t0, pace.sent_direct)
+                    if trace is not None:
+                        trace.finish(out)
                 yield ev
         finally:
+            if trace is not None:
+                trace.finish(None, None if done else "cancelled")  # (a no-op once finished)
             aeng.close_stream(rid)
             ctx.inflight.discard(rid)
             if not done:  # the client went away (or the router cancelled): stop the work everywhere
@@ -308,6 +332,55 @@ class DecodeService(pb_grpc.DecodeServicer):
                     await self.cancel_remote(rid)
                 else:
                     aeng.abort(rid)
+
+
+class _Trace:
+    """The spans of one Generate call (common/tracing.py): `decode.generate` (the call, under the router's
+    attempt), `decode.queue` (until its blocks are reserved and where to prefill is decided),
+    `decode.prefill` (the prefill worker's call, or the local prefill until the first token), a
+    `first_token` event, and `decode.stream` (first token to the end)."""
+
+    def __init__(self, tracing: Tracing, request: pb.GenerateRequest, rid: str, prompt_tokens: int, t0: float):
+        self.tr = tracing
+        self.t0 = t0
+        self.span = tracing.span("decode.generate", tracing.extract(request.traceparent), "server",
+                                 {"splitfire.request_id": rid, "splitfire.prompt_tokens": prompt_tokens,
+                                  "splitfire.priority": request.priority, "splitfire.tenant": request.tenant},
+                                 start_s=t0)
+        self.decided_at: float | None = None
+        self.mode = ""
+        self.first: float | None = None
+        self.ended = False
+
+    def decided(self, mode: str, reason: str, cached: int) -> None:
+        self.decided_at, self.mode = time.perf_counter(), mode
+        self.span.set_attributes({"splitfire.prefill_mode": mode, "splitfire.prefill_reason": reason})
+        end_span(self.tr.span("decode.queue", self.span, start_s=self.t0), end_s=self.decided_at,
+                 cached_tokens=cached)
+
+    def prefill_call(self, preq: pb.PrefillRequest, endpoint: str, blocks: int) -> Any:
+        span = self.tr.span("decode.prefill", self.span, "client",
+                            {"splitfire.prefill": endpoint, "splitfire.blocks": blocks, "rpc.method": "Prefill"})
+        preq.traceparent = self.tr.traceparent(span)
+        return span
+
+    def first_token(self, now: float) -> None:
+        self.first = now
+        self.span.add_event("first_token", timestamp=wall_ns(now))
+        if self.mode in ("local", "colocated") and self.decided_at is not None:
+            end_span(self.tr.span("decode.prefill", self.span, start_s=self.decided_at), end_s=now, mode=self.mode)
+
+    def finish(self, out: RequestOutput | None, error: str | None = None) -> None:
+        if self.ended:
+            return
+        self.ended = True
+        now = time.perf_counter()
+        if self.first is not None:
+            end_span(self.tr.span("decode.stream", self.span, start_s=self.first), end_s=now, error=error,
+                     output_tokens=out.num_output_tokens if out is not None else None)
+        end_span(self.span, end_s=now, error=error,
+                 **({"output_tokens": out.num_output_tokens, "cached_tokens": out.num_cached_tokens,
+                     "finish_reason": out.finish_reason} if out is not None else {}))
 
 
 class _Pace:

@@ -59,11 +59,12 @@ def pin_client() -> tuple[set[int] | None, str]:
     return set(cpus[1:]), f"cores: load generator on {cpus[0]}, upstream/router/workers on {cpus[1:]}"
 
 
-def spawn(args: list[str], ready: str, log: Path, cpus: set[int] | None = None, port: int = 0) -> subprocess.Popen:
+def spawn(args: list[str], ready: str, log: Path, cpus: set[int] | None = None, port: int = 0,
+          env: dict[str, str] | None = None) -> subprocess.Popen:
     """Start `python *args` (or a binary, when args[0] is not a python flag), ready once `ready`
-    appears in its log or, with `port`, once that port accepts connections."""
+    appears in its log or, with `port`, once that port accepts connections. `env`: more variables."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "SPLITFIRE_LOG_LEVEL": os.environ.get("SPLITFIRE_BENCH_LOG_LEVEL", "WARNING"),
-           "PYTHONPATH": str(ROOT), "MC_LOG_LEVEL": "ERROR"}
+           "PYTHONPATH": str(ROOT), "MC_LOG_LEVEL": "ERROR", **(env or {})}
     f = open(log, "w")
     argv = [sys.executable, *args] if args[0].startswith("-") else args
     p = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT,

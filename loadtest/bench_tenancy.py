@@ -15,8 +15,10 @@ window, and their ratio.
 Part 3 (router CPU): a router in front of a zero-cost upstream (`fake_upstream.py`), closed loop with
 more clients than `--max-concurrency` (the admission queue is used): router CPU-microseconds per
 request with no keys, with keys (weights and quotas counted in memory), and with keys and quotas in
-Redis; beside the router of `--baseline-ref` (a git ref, checked out into a temporary worktree:
-"today's" router before tenancy), when given. Rounds alternate; medians.
+Redis, and with no keys and every request traced (OpenTelemetry, 100% sampled, exported over OTLP to a
+collector in this process: `loadtest/otlp_sink.py`); beside the router of `--baseline-ref` (a git ref,
+checked out into a temporary worktree: "today's" router before tenancy), when given. Rounds alternate;
+medians.
 
     python -m loadtest.bench_tenancy                      # all three parts, ~15 minutes on 2 cores
     python -m loadtest.bench_tenancy --parts router --baseline-ref 47ec1e8
@@ -41,6 +43,7 @@ import aiohttp
 
 from loadtest.bench_host import cpu_flags
 from loadtest.bench_router import cpu_seconds, spawn
+from loadtest.otlp_sink import OTLPSink
 from loadtest.stack import ROOT, Stack, free_port
 
 MODEL = "bench"
@@ -209,6 +212,7 @@ async def router_load(url: str, key: str, clients: int, duration: float) -> int:
 def part_router(args: argparse.Namespace, log_dir: Path) -> dict[str, float]:
     procs: list[subprocess.Popen] = []
     worktree = None
+    sink = OTLPSink(keep=False).start()
     try:
         up = free_port()
         procs.append(spawn(["-m", "loadtest.fake_upstream", "--port", str(up), "--tokens", "8"], "fake upstream ready",
@@ -222,25 +226,26 @@ def part_router(args: argparse.Namespace, log_dir: Path) -> dict[str, float]:
                                              "sk-b": {"tenant": "b", **limits}}}))
         base = ["--host", "127.0.0.1", "--served-model-name", "fake", "--openai-upstream", f"http://127.0.0.1:{up}",
                 "--max-concurrency", str(args.router_clients // 2), "--max-queue", "100000"]
-        variants: dict[str, tuple[list[str], str, Path]] = {
-            "no keys": ([], "", ROOT),
-            "keys, quotas in memory": (["--api-keys", str(keys)], "sk-a", ROOT),
+        variants: dict[str, tuple[list[str], str, Path, dict[str, str]]] = {
+            "no keys": ([], "", ROOT, {}),
+            "keys, quotas in memory": (["--api-keys", str(keys)], "sk-a", ROOT, {}),
             "keys, quotas in Redis": (["--api-keys", str(keys), "--redis-url", f"redis://127.0.0.1:{rport}/0"],
-                                      "sk-a", ROOT),
+                                      "sk-a", ROOT, {}),
+            "no keys, traced (100% sampled, OTLP)": ([], "", ROOT, sink.env()),
         }
         if args.baseline_ref:
             worktree = Path(tempfile.mkdtemp(prefix="bench-tenancy-base-"))
             subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(worktree), args.baseline_ref],
                            check=True, capture_output=True)
-            variants = {f"before tenancy ({args.baseline_ref}), no keys": ([], "", worktree), **variants}
+            variants = {f"before tenancy ({args.baseline_ref}), no keys": ([], "", worktree, {}), **variants}
         routers = {}
-        for label, (extra, key, root) in variants.items():
+        for label, (extra, key, root, env) in variants.items():
             port = free_port()
             argv = ["-m", "splitfire_cli", "router", *base, "--port", str(port), *extra]
             if root != ROOT:  # the baseline's own code, not ours
                 argv = ["-c", f"import sys; sys.path.insert(0, {str(root)!r}); sys.argv = ['splitfire'] + "
                               f"{argv[2:]!r}; import runpy; runpy.run_module('splitfire_cli', run_name='__main__')"]
-            p = spawn(argv, "router ready", log_dir / f"router-{port}.log")
+            p = spawn(argv, "router ready", log_dir / f"router-{port}.log", env=env)
             procs.append(p)
             routers[label] = (f"http://127.0.0.1:{port}", p, key)
             asyncio.run(router_load(routers[label][0], key, 4, 1.0))
@@ -250,8 +255,11 @@ def part_router(args: argparse.Namespace, log_dir: Path) -> dict[str, float]:
                 c0 = cpu_seconds(p.pid)
                 n = asyncio.run(router_load(url, key, args.router_clients, args.router_seconds))
                 per_request[label].append((cpu_seconds(p.pid) - c0) / n * 1e6)
+        if sink.count == 0:
+            raise RuntimeError("the traced router exported no spans")
         return {k: statistics.median(v) for k, v in per_request.items()}
     finally:
+        sink.stop()
         for p in procs:
             p.terminate()
         for p in procs:

@@ -45,6 +45,8 @@ class TransferPlan:
     started: float = 0.0
     finished: float = 0.0
     compute_s: float = 0.0
+    forward_started: float = 0.0  # perf_counter() at the start of its first step that sent blocks (traces)
+    forward_ended: float = 0.0  # ... and at the end of its last
     landing_runs: dict[int, tuple[int, int]] | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
@@ -122,8 +124,11 @@ class LayerwiseKVSender:
         # The other ranks' writes of the same jobs: (bytes, entries, error) per request each.
         answers: list[dict[str, tuple[int, int, str | None]]] = self.ranks.collect() if self.ranks is not None else []
         errors: dict[str, str] = {}
+        now = time.perf_counter()
         for plan, jobs, full_blocks in self._jobs:
             plan.compute_s += compute_s
+            plan.forward_started = plan.forward_started or self._t0
+            plan.forward_ended = now
             error = None
             for job in jobs:
                 plan.bytes += job.bytes

@@ -12,6 +12,8 @@ import grpc
 
 from common.block_hash import cache_scope
 from common.errors import ModelLoadError, RequestError
+from common.tracing import Tracing
+from common.tracing import end as end_span
 from engine.batch.sequence import Mode
 from kvtransfer.descriptors import KVRegion
 from prefill_worker.kv_sender import LayerwiseKVSender, TransferPlan
@@ -82,6 +84,26 @@ def landable_sections(plan: TransferPlan) -> list[pb.KVSection]:
     return [pb.KVSection(rank=rank, first=first, count=count) for rank, first, count in sections]
 
 
+def _trace(tr: Tracing, request: pb.PrefillRequest, rid: str, prompt: int, cached: int, store_blocks: int,
+           plan: TransferPlan, layers: int, t0: float) -> None:
+    """The spans of one finished Prefill call (common/tracing.py), under the decode worker's prefill-call
+    span: `prefill.prefill` (the call), `prefill.queue` (until its first forward step), `prefill.compute`
+    (its forward steps) and `kv.transfer` (the layer-by-layer writes into the decode worker's blocks)."""
+    span = tr.span("prefill.prefill", tr.extract(request.traceparent), "server",
+                   {"splitfire.request_id": rid, "splitfire.prompt_tokens": prompt, "splitfire.cached_tokens": cached,
+                    "splitfire.kv_store_hit_blocks": store_blocks, "splitfire.priority": request.priority,
+                    "splitfire.tenant": request.tenant}, start_s=t0)
+    if plan.forward_started:
+        end_span(tr.span("prefill.queue", span, start_s=t0), end_s=plan.forward_started)
+        end_span(tr.span("prefill.compute", span, start_s=plan.forward_started), end_s=plan.forward_ended,
+                 compute_seconds=plan.compute_s, computed_tokens=prompt - cached)
+    if plan.started:
+        end_span(tr.span("kv.transfer", span, "client", start_s=plan.started), end_s=plan.finished,
+                 bytes=plan.bytes, entries=plan.entries, layers=layers, blocks=len(plan.dst_blocks),
+                 decode_ranks=len(plan.dests), landed=plan.landed)
+    end_span(span)
+
+
 class PrefillService(pb_grpc.PrefillServicer):
     def __init__(self, ctx: WorkerContext, sender: LayerwiseKVSender, region: KVRegion):
         self.ctx = ctx
@@ -106,8 +128,9 @@ class PrefillService(pb_grpc.PrefillServicer):
         try:
             # With blocks in the cluster-wide KV store past this worker's own hit, the prompt is
             # filled from it when admitted, and only the rest is computed (and sent on).
-            fetch = ctx.kv_tier is not None and await ctx.kv_tier.held(cache_scope(request.tenant, request.adapter),
-                                                                       ids) > 0
+            store_blocks = (await ctx.kv_tier.held(cache_scope(request.tenant, request.adapter), ids)
+                            if ctx.kv_tier is not None else 0)
+            fetch = store_blocks > 0
 
             def admit(engine) -> None:
                 self.sender.add_plan(plan)
@@ -150,6 +173,9 @@ class PrefillService(pb_grpc.PrefillServicer):
             )
             if out.logprobs:
                 resp.logprob.CopyFrom(logprob_to_proto(out.logprobs[0]))
+            if ctx.tracing is not None:
+                _trace(ctx.tracing, request, rid, len(ids), out.num_cached_tokens, store_blocks, plan,
+                       self.sender.split.cfg.num_layers, t0)
             log.info("event=prefill_done rid=%s tokens=%d cached=%d bytes=%d entries=%d transfer_s=%.4f total_s=%.4f "
                      "priority=%d", rid, len(ids), out.num_cached_tokens, plan.bytes, plan.entries, plan.transfer_s,
                      time.perf_counter() - t0, request.priority)

@@ -76,7 +76,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "sampling", "tenant", "prefill_endpoint", "tenant_weight", "adapter", "model", "priority")
+    __slots__ = ("request_id", "token_ids", "sampling", "tenant", "prefill_endpoint", "tenant_weight", "adapter", "model", "priority", "traceparent")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -86,6 +86,7 @@ class GenerateRequest(_message.Message):
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
@@ -95,7 +96,8 @@ class GenerateRequest(_message.Message):
     adapter: str
     model: str
     priority: int
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., tenant: _Optional[str] = ..., prefill_endpoint: _Optional[str] = ..., tenant_weight: _Optional[float] = ..., adapter: _Optional[str] = ..., model: _Optional[str] = ..., priority: _Optional[int] = ...) -> None: ...
+    traceparent: str
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., tenant: _Optional[str] = ..., prefill_endpoint: _Optional[str] = ..., tenant_weight: _Optional[float] = ..., adapter: _Optional[str] = ..., model: _Optional[str] = ..., priority: _Optional[int] = ..., traceparent: _Optional[str] = ...) -> None: ...
 
 class GenerateEvent(_message.Message):
     __slots__ = ("token_ids", "text", "logprobs", "finish_reason", "usage", "prefill_mode", "prefill_reason")
@@ -162,7 +164,7 @@ class KVRank(_message.Message):
     def __init__(self, segment: _Optional[str] = ..., base_address: _Optional[int] = ..., first_layer: _Optional[int] = ..., num_layers: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "sampling", "tenant", "destination", "tenant_weight", "adapter", "priority")
+    __slots__ = ("request_id", "token_ids", "sampling", "tenant", "destination", "tenant_weight", "adapter", "priority", "traceparent")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -171,6 +173,7 @@ class PrefillRequest(_message.Message):
     TENANT_WEIGHT_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
@@ -179,7 +182,8 @@ class PrefillRequest(_message.Message):
     tenant_weight: float
     adapter: str
     priority: int
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., tenant: _Optional[str] = ..., destination: _Optional[_Union[KVDestination, _Mapping]] = ..., tenant_weight: _Optional[float] = ..., adapter: _Optional[str] = ..., priority: _Optional[int] = ...) -> None: ...
+    traceparent: str
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., tenant: _Optional[str] = ..., destination: _Optional[_Union[KVDestination, _Mapping]] = ..., tenant_weight: _Optional[float] = ..., adapter: _Optional[str] = ..., priority: _Optional[int] = ..., traceparent: _Optional[str] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("first_token", "logprob", "cached_tokens", "computed_tokens", "transfer_bytes", "transfer_entries", "transfer_seconds", "compute_seconds", "queue_seconds", "landable", "landed")

@@ -330,3 +330,22 @@ def test_pipeline_stages_reach_the_workers_on_cpu_and_are_refused_on_gpus(helm):
     assert gpu.returncode != 0 and "prefill: pipelineParallelSize 2 needs workers.device=cpu" in gpu.stderr
     bad = render(helm, ROOT / "helm/ci/cpu-tiny-values.yaml", "--set", "workers.pipelineParallelSize=0")
     assert bad.returncode != 0 and "schema" in bad.stderr
+
+
+def test_tracing_endpoint_reaches_every_router_and_worker_as_otel_variables(helm):
+    def env_of(*extra: str) -> dict[str, dict[str, str]]:
+        out = render(helm, ROOT / "helm/ci/default-values.yaml", *extra)
+        assert out.returncode == 0, out.stderr
+        docs = [d for d in yaml.safe_load_all(out.stdout) if d]
+        return {d["metadata"]["name"]: {e["name"]: e.get("value") for e in d["spec"]["template"]["spec"]
+                                        ["containers"][0].get("env", [])}
+                for d in docs if d["kind"] == "Deployment" and not d["metadata"]["name"].endswith(("kv-store", "redis"))}
+
+    off = env_of()
+    assert off and not any(k.startswith("OTEL_") for env in off.values() for k in env)
+    on = env_of("--set", "tracing.otlpEndpoint=http://otel-collector.obs:4317", "--set", "tracing.samplerArg=0.25")
+    for name in ("rel-splitfire-router", "rel-splitfire-decode", "rel-splitfire-prefill"):
+        env = on[name]
+        assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://otel-collector.obs:4317", name
+        assert env["OTEL_TRACES_SAMPLER"] == "parentbased_traceidratio" and env["OTEL_TRACES_SAMPLER_ARG"] == "0.25"
+        assert env["OTEL_EXPORTER_OTLP_INSECURE"] == "true"

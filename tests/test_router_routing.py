@@ -52,6 +52,59 @@ def _peak_load(policy: str) -> int:
     return max(ep.peak_load for ep in reg.all())
 
 
+def _hot_prefix(roles: dict[str, int], shared_store: bool, n: int = 480, prefix: int = 2000,
+                suffix: int = 50) -> tuple[float, float]:
+    """`n` concurrent requests sharing a `prefix`-token system prompt, placed by the real placement code
+    (each attempt's load ticket and prefix-index entries as `Attempt` makes them; a decode worker's
+    first event says the prompt is prefilled remotely). (in-flight tokens max / min over the decode-side
+    endpoints, prompt tokens expected cached / the ideal: every request but each worker's first hits)."""
+    from common.block_hash import block_hashes
+    from router.placement.attempt import Attempt
+
+    reg = EndpointRegistry()
+    eps = {role: [reg.add(f"{role}{i}:1", role) for i in range(k)] for role, k in roles.items()}
+    cfg = RouterConfig(policy="token", shared_kv_store=shared_store,
+                       **{role: [e.address for e in es] for role, es in eps.items()})
+    index = PrefixIndex(100_000, shared_store)
+    d = Dispatcher(cfg, reg, make_policy("token"), SessionAffinity(MemoryPinStore(), 60), index, None,
+                   RouterMetrics(reg), None)
+    rng = random.Random(3)
+    system = [rng.randrange(3, 300) for _ in range(prefix)]
+    cached, attempts = 0, []
+
+    async def main() -> None:
+        nonlocal cached
+        for i in range(n):
+            ids = system + [rng.randrange(3, 300) for _ in range(suffix)]
+            hashes = block_hashes("t", ids, 16)
+            req = GenRequest(f"r{i}", "chat", MODEL, ids, SamplingParams(max_tokens=200), False, False, "t", None,
+                             False, {})
+            route = await d.place(req, hashes, set())
+            prefiller = route.prefill or route.decode
+            cached += index.cached_tokens(prefiller.address, hashes, (len(ids) - 1) // 16, 16)
+            a = Attempt(0, route, None, reg, index, hashes, len(ids), 0, 200)  # type: ignore[arg-type]
+            a.on_prefill_mode("remote")
+            attempts.append(a)  # all in flight at once
+
+    asyncio.run(main())
+    decoders = eps.get("decode") or eps["colocated"]
+    loads = [e.load() for e in decoders]
+    prefillers = len(eps.get("prefill") or decoders)
+    full = prefix // 16 * 16
+    return max(loads) / min(loads), cached / ((n - prefillers) * full)
+
+
+@pytest.mark.parametrize("roles", [{"colocated": 4}, {"decode": 4, "prefill": 2}], ids=["colocated", "pd"])
+@pytest.mark.parametrize("shared_store", [False, True], ids=["own-caches", "kv-store"])
+def test_a_hot_prefix_is_spread_while_cache_hits_stay_high(roles, shared_store):
+    """480 concurrent requests behind one 2,000-token agent system prompt: the token policy's cost (load +
+    uncached prompt tokens) sends the next request to a cold worker once the warm one's load exceeds the
+    prefix's recompute (or, with a KV store, fetch) cost, so every worker computes the prefix once and
+    then hits it; the load stays even."""
+    imbalance, hit = _hot_prefix(roles, shared_store)
+    assert imbalance <= 1.5 and hit >= 0.9, (imbalance, hit)
+
+
 def test_token_policy_beats_round_robin_on_skewed_load():
     token, rr, rnd = _peak_load("token"), _peak_load("round_robin"), _peak_load("random")
     assert token < rr and token < rnd, (token, rr, rnd)

@@ -23,6 +23,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from common import gc_heap
 from common.errors import RequestError
 from common.tokenizer import Tokenizer
+from common.tracing import Tracing
 from engine.async_engine import AsyncEngine
 from engine.compute_threads import releasing
 from engine.engine_config import EngineConfig
@@ -85,7 +86,8 @@ def load_context(cfg: WorkerConfig, observer: StepObserver | None = None,
         engine = LLMEngine(cfg.engine, main)
     metrics = WorkerMetrics(cfg.role)
     ctx = WorkerContext(cfg, AsyncEngine(engine, observer), metrics, model_name=engine.model_dir.name,
-                        adapters=engine.adapters)
+                        adapters=engine.adapters,
+                        tracing=Tracing.from_env("splitfire-" + ("colocated" if cfg.role == "both" else cfg.role)))
     if cfg.redis_url:
         # Routers build an exact prefix index from these (router/kv_events.py).
         from worker.kv.events import KVEventPublisher
@@ -153,7 +155,8 @@ def host_models(ctx: WorkerContext, make_service: Callable[[WorkerContext], Any]
                 log.error("event=lora_reinstall_failed model=%s name=%s path=%s error=%s", hm.name, name, path, e)
                 m.adapter_loads.labels(role=m.role, op="refused").inc()
                 del hm.adapters[name]
-        sub = WorkerContext(cfg, AsyncEngine(engine), m, model_name=hm.name, inflight=ctx.inflight)
+        sub = WorkerContext(cfg, AsyncEngine(engine), m, model_name=hm.name, inflight=ctx.inflight,
+                            tracing=ctx.tracing)
         sub.engine.on_step = _on_step(sub)
         sub.engine.start()
         return ResidentModel(sub, make_service(sub)), _footprint(engine)
@@ -279,6 +282,8 @@ async def serve(ctx: WorkerContext, server: grpc.aio.Server,
     if ctx.host is not None:
         await ctx.host.close()
     await ctx.engine.stop()
+    if ctx.tracing is not None:
+        await asyncio.to_thread(ctx.tracing.shutdown)  # (exports what is queued)
     log.info("event=worker_stopped role=%s", cfg.role)
 
 

@@ -36,6 +36,7 @@ class WorkerContext:
     adapters: list[str] = field(default_factory=list)  # its engine's LoRA adapters taking requests (as of the last change)
     kv_events: Any = None  # worker.kv.events.KVEventPublisher with --redis-url
     host: Any = None  # worker.model_host.ModelHost when the worker serves several base models
+    tracing: Any = None  # common.tracing.Tracing when the OTEL_* environment asks for traces
 
     def contexts(self) -> list[WorkerContext]:
         """The context of every base model resident now (this one alone unless the worker hosts several)."""

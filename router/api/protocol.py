@@ -54,6 +54,8 @@ class GenRequest:
     adapter: str = ""  # the LoRA adapter `model` names ("" = the base model)
     pool: str = ""  # a router serving several models: the model directory its workers report ("" = any worker)
     priority: int = 0  # lower is more important: the router's admission band and the workers' scheduling order
+    span: Any = None  # the request's trace span when tracing is on (common/tracing.py)
+    traceparent: str = ""  # the current attempt span's context, sent to the worker
 
 
 MAX_LOGIT_BIAS = 1024

@@ -20,6 +20,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from common.tokenizer import Tokenizer
+from common.tracing import Tracing
 from router.api.errors import APIError
 from router.api.protocol import RequestParser
 from router.api.sse import OpenAIFormat
@@ -106,14 +107,15 @@ class Router:
                                                      aioredis.from_url(cfg.redis_url), cfg.health_timeout_s)
         if self.kv_index is not None:
             self.metrics.registry.register(KVIndexCollector(self.kv_index))
+        self.tracing = Tracing.from_env("splitfire-router")
         self.dispatcher = Dispatcher(cfg, self.registry, make_policy(cfg.policy), self.affinity, index, self.backends,
-                                     self.metrics, tokenizer)
+                                     self.metrics, tokenizer, self.tracing)
         self.dispatcher.pool_tokenizers = {p.worker_model: p.tokenizer for p in self.pools.pools.values()}
         self.health = HealthChecker(cfg, self.registry, self.backends,
                                     None if model_name else self.pools.model_names,
                                     on_adapters=lambda: self.pools.refresh_adapters(self.registry.all()))
         self.serving = ServingPath(cfg, self.pools, self.tenants, self.quotas, self.admission, self.dispatcher,
-                                   self.metrics)
+                                   self.metrics, self.tracing)
         self.model_routes = ModelRoutes(self.pools, self.tenants)
         self.adapters = AdapterAdmin(cfg, self.pools, self.registry, self.workers, self.tenants)
         self._tasks: list[asyncio.Task] = []
@@ -198,6 +200,8 @@ class Router:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.backends.close()
+        if self.tracing is not None:
+            await asyncio.to_thread(self.tracing.shutdown)  # (exports what is queued)
         if self.redis is not None:
             await self.redis.aclose()
         if self.quota_redis is not None:

@@ -19,6 +19,8 @@ from typing import Any
 
 from aiohttp import web
 
+from common.tracing import Tracing
+from common.tracing import end as end_span
 from router.api import responses
 from router.api.chunks import merge_delta_extra, merge_logprobs
 from router.api.errors import APIError, bad_request
@@ -39,7 +41,7 @@ log = logging.getLogger("splitfire.router")
 
 class ServingPath:
     def __init__(self, cfg: RouterConfig, pools: ModelPools, tenants: Tenants, quotas: Quotas, admission: Admission,
-                 dispatcher: Dispatcher, metrics: RouterMetrics):
+                 dispatcher: Dispatcher, metrics: RouterMetrics, tracing: Tracing | None = None):
         self.cfg = cfg
         self.pools = pools
         self.tenants = tenants
@@ -47,6 +49,7 @@ class ServingPath:
         self.admission = admission
         self.dispatcher = dispatcher
         self.metrics = metrics
+        self.tracing = tracing  # the request's span and its admission's (common/tracing.py)
 
     # -- routes -------------------------------------------------------------------------
 
@@ -86,12 +89,41 @@ class ServingPath:
 
     async def serve(self, request: web.Request, reqs: list[GenRequest], caller: Caller,
                     fmt: ReplyFormat) -> web.StreamResponse:
-        tenant, policy = caller.tenant, caller.policy
-        self.metrics.prompt_tokens.inc(sum(len(r.prompt_token_ids) for r in reqs))
-        self.metrics.requests_started.inc()
         # What the request will use, as far as it is known: the prompt now, the completion at the end
         # (a request that fails part-way is charged its prompt).
         used = {"prompt": sum(len(r.prompt_token_ids) for r in reqs if r.sample_index == 0), "completion": 0}
+        tr = self.tracing
+        if tr is None:
+            return await self._serve(request, reqs, caller, fmt, used)
+        span = tr.span(f"{request.method} {request.path}",
+                       tr.extract(request.headers.get("traceparent"), request.headers.get("tracestate")), "server",
+                       {"http.request.method": request.method, "http.route": request.path,
+                        "splitfire.request_id": reqs[0].id, "splitfire.model": reqs[0].model,
+                        "splitfire.tenant": caller.tenant, "splitfire.stream": reqs[0].stream,
+                        "splitfire.choices": len(reqs)})
+        for r in reqs:
+            r.span = span
+        try:
+            resp = await self._serve(request, reqs, caller, fmt, used, span)
+        except APIError as e:
+            span.set_attribute("http.response.status_code", e.status)
+            end_span(span, error=f"{e.code or e.type}: {e.message}", prompt_tokens=used["prompt"])
+            raise
+        except BaseException as e:
+            end_span(span, error=repr(e), prompt_tokens=used["prompt"])
+            raise
+        span.set_attribute("http.response.status_code", resp.status)
+        end_span(span, prompt_tokens=used["prompt"], completion_tokens=used["completion"])
+        return resp
+
+    async def _serve(self, request: web.Request, reqs: list[GenRequest], caller: Caller, fmt: ReplyFormat,
+                     used: dict[str, int], span: Any = None) -> web.StreamResponse:
+        tenant, policy = caller.tenant, caller.policy
+        self.metrics.prompt_tokens.inc(sum(len(r.prompt_token_ids) for r in reqs))
+        self.metrics.requests_started.inc()
+        priority = policy.priority_of(reqs[0].body.get("priority"))  # (a 400 before any quota is taken)
+        for r in reqs:
+            r.weight, r.priority = policy.weight, priority
         reservation = None
         if policy.limited:
             body = reqs[0].body
@@ -103,14 +135,17 @@ class ServingPath:
                 self.metrics.tenants.throttle(tenant, e.param or "")
                 log.info("event=request_throttled tenant=%s key=%s limit=%s", tenant, caller.key_id, e.param)
                 raise
-        priority = policy.priority_of(reqs[0].body.get("priority"))
-        for r in reqs:
-            r.weight, r.priority = policy.weight, priority
         try:
             queued = time.perf_counter()
             async with self.admission.slot(tenant, policy.weight, priority):
                 t0 = time.perf_counter()
                 self.metrics.tenants.admitted(tenant, t0 - queued)
+                if span is not None:
+                    assert self.tracing is not None
+                    end_span(self.tracing.span("router.admission", span, start_s=queued,
+                                               attributes={"splitfire.priority": priority,
+                                                           "splitfire.weight": policy.weight}), end_s=t0,
+                             queued=self.admission.waiting, running=self.admission.running)
                 try:
                     if reqs[0].stream:
                         return await self._stream(request, reqs, fmt, t0, used)

@@ -148,7 +148,7 @@ class WorkerClient:
                                                                                resumed_tokens=len(generated))),
                                  tenant=req.tenant, prefill_endpoint=route.prefill.address if route.prefill else "",
                                  tenant_weight=req.weight, adapter=req.adapter, model=req.pool,
-                                 priority=req.priority)
+                                 priority=req.priority, traceparent=req.traceparent)
         ep = route.decode
         if self.stream == "mux" and ep.stream_port and ep.stream_mux:
             return self._generate_mux(ep, msg, timeout_s, relay)

@@ -3,6 +3,8 @@ what it tells the prefix index, and what it tells the endpoints' circuit breaker
 
 from __future__ import annotations
 
+from typing import Any
+
 from router.backends.backend import Backend, Route
 from router.core.endpoints import Endpoint, EndpointRegistry
 from router.core.load import Ticket
@@ -24,6 +26,8 @@ class Attempt:
         cached = index.cached_tokens(prefiller.address, hashes, (prompt_tokens - 1) // bs, bs) if hashes else 0
         self.ticket = Ticket(route, prompt_tokens + resumed_tokens, prompt_tokens - cached, max_tokens)
         self.mode_seen = False
+        self.prefill_mode = ""  # remote | local | colocated, as the decode worker said
+        self.span: Any = None  # its trace span (common/tracing.py), while open
         self.served = False  # the endpoints produced output: a success for their breakers
         self.blamed = False
         self.probes = [ep for ep in route.endpoints() if registry.on_attempt(ep)]  # half-open slots it holds
@@ -32,8 +36,10 @@ class Attempt:
 
     def on_prefill_mode(self, mode: str) -> None:
         if self.mode_seen or self.route.prefill is None:
+            self.prefill_mode = self.prefill_mode or mode
             return
         self.mode_seen = True
+        self.prefill_mode = mode
         if mode == "remote":
             if self.hashes:
                 self.index.insert(self.route.prefill.address, self.hashes)

@@ -10,11 +10,13 @@ from __future__ import annotations
 import logging
 import statistics
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
-from typing import Protocol
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from typing import Any, Protocol
 
 from common.block_hash import block_hashes, cache_scope
 from common.tokenizer import Tokenizer
+from common.tracing import Tracing
+from common.tracing import end as end_span
 from router.api.chunks import Chunk, WorkerError
 from router.api.errors import APIError, unavailable
 from router.api.protocol import GenRequest
@@ -25,7 +27,7 @@ from router.core.endpoints import Endpoint, EndpointRegistry
 from router.core.metrics import RouterMetrics
 from router.core.prefix_index import PrefixLookup
 from router.placement.attempt import Attempt
-from router.placement.balancer import Placement, Policy
+from router.placement.balancer import Placement, Policy, token_cost
 from router.placement.resume import Progress
 from router.placement.retry import Retry, counts_against_endpoint
 
@@ -53,7 +55,8 @@ class TokenWriter(Protocol):
 
 class Dispatcher:
     def __init__(self, cfg: RouterConfig, registry: EndpointRegistry, policy: Policy, affinity: SessionAffinity,
-                 index: PrefixLookup, backends: Backends | None, metrics: RouterMetrics, tokenizer: Tokenizer | None):
+                 index: PrefixLookup, backends: Backends | None, metrics: RouterMetrics, tokenizer: Tokenizer | None,
+                 tracing: Tracing | None = None):
         self.cfg = cfg
         self.registry = registry
         self.policy = policy
@@ -62,6 +65,7 @@ class Dispatcher:
         self.backends = backends
         self.metrics = metrics
         self.tokenizer = tokenizer
+        self.tracing = tracing  # spans of placement and of each attempt, under the request's (req.span)
         self.pool_tokenizers: dict[str, Tokenizer | None] = {}  # a router serving several models: each one's
 
     # -- placement --------------------------------------------------------------------
@@ -155,22 +159,66 @@ class Dispatcher:
                     break
                 self._blame(attempt, e)
                 attempt.close()
+                if attempt.span is not None:
+                    self._end_attempt_span(attempt, progress, str(e), e.status)
                 await retry.after(e, attempt.backend.token_level, progress,
                                   self.pool_tokenizers.get(req.pool, self.tokenizer))
             finally:
                 attempt.close()  # also when the client disconnects mid-stream (GeneratorExit/CancelledError)
+                if attempt.span is not None:
+                    self._end_attempt_span(attempt, progress)
         yield self._final(req, attempt, progress, hashes)
 
     async def _attempt(self, req: GenRequest, hashes: list[bytes], progress: Progress, retry: Retry) -> Attempt:
+        traced = req.span is not None and self.tracing is not None
+        t0 = time.perf_counter() if traced else 0.0
         try:
             route = await self.place(req, hashes, retry.exclude)
         except APIError as e:
+            if traced:
+                self._placement_span(req, None, hashes, t0, retry, e.message)
             raise retry.nowhere_left(e) from e
         assert self.backends is not None
         req.served_by = route.pin()
-        return Attempt(retry.attempts, route, self.backends.of(route.decode), self.registry, self.index, hashes,
-                       len(req.prompt_token_ids), len(progress.generated),
-                       req.sampling.max_tokens - len(progress.generated))
+        attempt = Attempt(retry.attempts, route, self.backends.of(route.decode), self.registry, self.index, hashes,
+                          len(req.prompt_token_ids), len(progress.generated),
+                          req.sampling.max_tokens - len(progress.generated))
+        if traced:
+            self._placement_span(req, route, hashes, t0, retry)
+            attempt.span = self.tracing.span(  # type: ignore[union-attr]
+                "router.attempt", req.span, "client",
+                {"splitfire.attempt": retry.attempts, "splitfire.decode": route.decode.address,
+                 "splitfire.prefill": route.prefill.address if route.prefill else "",
+                 "splitfire.resumed_tokens": len(progress.generated)})
+            req.traceparent = self.tracing.traceparent(attempt.span)  # type: ignore[union-attr]
+        return attempt
+
+    # -- traces (common/tracing.py; only with req.span set) ------------------------------
+
+    def _placement_span(self, req: GenRequest, route: Route | None, hashes: list[bytes], t0: float, retry: Retry,
+                        error: str | None = None) -> None:
+        """What placement chose and why: per chosen endpoint, its load, the prompt blocks it is expected
+        to hold and the policy's cost (`balancer.token_cost`: load + uncached prompt tokens)."""
+        assert self.tracing is not None
+        n, bs = len(req.prompt_token_ids), self.registry.block_size
+        attrs: dict[str, Any] = {"splitfire.policy": self.policy.name, "splitfire.attempt": retry.attempts,
+                                 "splitfire.excluded": sorted(retry.exclude)}
+        for role, ep in (("decode", route.decode if route else None), ("prefill", route.prefill if route else None)):
+            if ep is None:
+                continue
+            cached = self.index.cached_tokens(ep.address, hashes, (n - 1) // bs, bs) if hashes else 0
+            attrs |= {f"splitfire.{role}": ep.address, f"splitfire.{role}.load_tokens": ep.load(),
+                      f"splitfire.{role}.expected_cached_blocks": cached // bs,
+                      f"splitfire.{role}.cost": token_cost(ep, Placement(n, _fixed(cached)))}
+        span = self.tracing.span("router.placement", req.span, attributes=attrs, start_s=t0)
+        end_span(span, error=error)
+
+    def _end_attempt_span(self, attempt: Attempt, progress: Progress, error: str | None = None,
+                          status: int | None = None) -> None:
+        end_span(attempt.span, error=error, generated_tokens=len(progress.generated),
+                 prefill_mode=attempt.prefill_mode or None, status=status,
+                 result="failed" if error else ("finished" if progress.finish else "abandoned"))
+        attempt.span = None
 
     async def _relay(self, req: GenRequest, attempt: Attempt, progress: Progress,
                      direct: TokenWriter | None = None) -> AsyncIterator[Chunk]:
@@ -213,6 +261,10 @@ class Dispatcher:
         last.finish_reason = progress.finish or "stop"
         last.cached_tokens = progress.usage[2]
         return last
+
+
+def _fixed(tokens: int) -> Callable[[Endpoint], int]:
+    return lambda _ep: tokens
 
 
 def direct_relay(attempt: Attempt, progress: Progress, writer: TokenWriter) -> TokenRelay:

@@ -110,6 +110,19 @@ initContainers:
 {{- toJson $pools }}
 {{- end -}}
 
+{{- define "splitfire.tracingEnv" -}}
+{{- if .Values.tracing.otlpEndpoint }}
+- name: OTEL_EXPORTER_OTLP_ENDPOINT
+  value: {{ .Values.tracing.otlpEndpoint | quote }}
+- name: OTEL_EXPORTER_OTLP_INSECURE
+  value: {{ .Values.tracing.insecure | quote }}
+- name: OTEL_TRACES_SAMPLER
+  value: {{ .Values.tracing.sampler | quote }}
+- name: OTEL_TRACES_SAMPLER_ARG
+  value: {{ .Values.tracing.samplerArg | quote }}
+{{- end }}
+{{- end -}}
+
 {{- define "splitfire.redisURLEnv" -}}
 {{- if .Values.redis.enabled }}
 - name: REDIS_URL
