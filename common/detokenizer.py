@@ -45,6 +45,7 @@ class Detokenizer:
         self.emitted = 0  # chars of `text` already handed out
         self.stop = stop or []
         self.max_stop = max((len(s) for s in self.stop), default=0)
+        self.hit: str | None = None  # the stop string that ended the text, once one has
 
     def _append(self, token_id: int) -> None:
         raise NotImplementedError
@@ -61,9 +62,10 @@ class Detokenizer:
         start = max(0, len(self.text) - self.max_stop + 1)
         self.text += new
         if self.stop:
-            hits = [i for s in self.stop if (i := self.text.find(s, start)) != -1]
+            hits = [(i, s) for s in self.stop if (i := self.text.find(s, start)) != -1]
             if hits:
-                self.text = self.text[: min(hits)]
+                at, self.hit = min(hits, key=lambda h: h[0])
+                self.text = self.text[:at]
                 return True
         return False
 

@@ -392,6 +392,7 @@ class LLMEngine:
             self._finish(seq, "prefill", out)
             return
         if (token in self.eos_token_ids and not sp.ignore_eos) or token in sp.stop_token_ids:
+            out.stop_reason = token if token in sp.stop_token_ids else None
             self._finish(seq, "stop", out)
             return
         assert seq.detok is not None
@@ -413,6 +414,7 @@ class LLMEngine:
         out.text += text
         if hit_stop or (seq.matcher is not None and seq.matcher.is_stopped()):
             # A completed grammar admits nothing but EOS: end now rather than spend a step on it.
+            out.stop_reason = seq.detok.hit
             self._finish(seq, "stop", out)
         elif len(seq.output_token_ids) >= sp.max_tokens or seq.num_tokens >= self.max_model_len:
             self._finish(seq, "length", out)

@@ -35,6 +35,9 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     num_output_tokens: int = 0
+    # What stopped a "stop" finish (vLLM's stop_reason): the stop string matched, the stop token id, or
+    # None (end of sequence, or a completed grammar).
+    stop_reason: str | int | None = None
 
     def merge(self, later: RequestOutput) -> None:
         """Fold a later output of the same request into this one (a reader that fell behind)."""
@@ -42,6 +45,7 @@ class RequestOutput:
         self.text += later.text
         self.logprobs += later.logprobs
         self.finished, self.finish_reason, self.error = later.finished, later.finish_reason, later.error
+        self.stop_reason = later.stop_reason
         self.num_output_tokens = later.num_output_tokens
         self.num_prompt_tokens = later.num_prompt_tokens or self.num_prompt_tokens
         self.num_cached_tokens = later.num_cached_tokens or self.num_cached_tokens

@@ -100,7 +100,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., tenant: _Optional[str] = ..., prefill_endpoint: _Optional[str] = ..., tenant_weight: _Optional[float] = ..., adapter: _Optional[str] = ..., model: _Optional[str] = ..., priority: _Optional[int] = ..., traceparent: _Optional[str] = ...) -> None: ...
 
 class GenerateEvent(_message.Message):
-    __slots__ = ("token_ids", "text", "logprobs", "finish_reason", "usage", "prefill_mode", "prefill_reason")
+    __slots__ = ("token_ids", "text", "logprobs", "finish_reason", "usage", "prefill_mode", "prefill_reason", "stop_string", "stop_token_id")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -108,6 +108,8 @@ class GenerateEvent(_message.Message):
     USAGE_FIELD_NUMBER: _ClassVar[int]
     PREFILL_MODE_FIELD_NUMBER: _ClassVar[int]
     PREFILL_REASON_FIELD_NUMBER: _ClassVar[int]
+    STOP_STRING_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
@@ -115,7 +117,9 @@ class GenerateEvent(_message.Message):
     usage: Usage
     prefill_mode: str
     prefill_reason: str
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., prefill_mode: _Optional[str] = ..., prefill_reason: _Optional[str] = ...) -> None: ...
+    stop_string: str
+    stop_token_id: int
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., prefill_mode: _Optional[str] = ..., prefill_reason: _Optional[str] = ..., stop_string: _Optional[str] = ..., stop_token_id: _Optional[int] = ...) -> None: ...
 
 class KVDestination(_message.Message):
     __slots__ = ("segment", "base_address", "num_blocks", "num_layers", "page_bytes", "first_block", "block_ids", "ranks", "landing_block_ids", "kv_dtype")

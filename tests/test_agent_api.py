@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 
 import aiohttp
 import jsonschema
@@ -339,3 +340,128 @@ def test_responses_api_text_structured_output_and_function_calls(stack):
                 {"extra_body": {"frobnicate": 1}}):
         with pytest.raises(openai.BadRequestError):
             c.responses.create(model=MODEL, input="hi", **bad)
+
+
+# -- Anthropic's Messages API, through the official `anthropic` SDK ---------------------------------
+
+GREEDY = {"temperature": 0}  # (the current anthropic SDK has no temperature argument; the API still takes it)
+ANTHROPIC_TOOLS = [{"name": t["function"]["name"], "description": t["function"]["description"],
+                    "input_schema": t["function"]["parameters"]} for t in TOOLS]
+
+
+def messages_client(router, key: str = "unused"):
+    anthropic = pytest.importorskip("anthropic")
+    return anthropic.Anthropic(base_url=base_url(router), api_key=key, max_retries=0)
+
+
+@pytest.mark.parametrize("route", ["pd", "co"])
+def test_messages_answer_as_the_chat_route_does_streamed_and_not(stack, route):
+    m, c = messages_client(stack[route]), client(stack[route])
+    chat = c.chat.completions.create(model=MODEL, messages=[{"role": "system", "content": "Be brief"}, *ask(3)],
+                                     max_tokens=8, extra_body=GREEDY)
+    msg = m.messages.create(model=MODEL, system="Be brief", messages=ask(3), max_tokens=8, extra_body=GREEDY)
+    assert msg.type == "message" and msg.role == "assistant" and msg.id.startswith("msg_")
+    assert [b.type for b in msg.content] == ["text"] and msg.content[0].text == chat.choices[0].message.content
+    assert msg.stop_reason == "max_tokens" and msg.stop_sequence is None
+    u = msg.usage
+    assert u.output_tokens == 8 and u.input_tokens + u.cache_read_input_tokens == chat.usage.prompt_tokens
+    assert m.messages.count_tokens(model=MODEL, system="Be brief", messages=ask(3)).input_tokens == \
+        chat.usage.prompt_tokens
+    # Streaming, through the SDK's stream helper: Anthropic's event order, the same message.
+    types = []
+    with m.messages.stream(model=MODEL, system="Be brief", messages=ask(3), max_tokens=8, extra_body=GREEDY) as s:
+        for ev in s:
+            types.append(ev.type)
+        final = s.get_final_message()
+    assert types[0] == "message_start" and types[-1] == "message_stop" and "message_delta" in types
+    assert types.index("content_block_start") < types.index("content_block_stop") < types.index("message_delta")
+    assert final.content[0].text == msg.content[0].text and final.stop_reason == "max_tokens"
+    assert final.usage.output_tokens == 8
+
+
+@pytest.mark.parametrize("route", ["pd", "co"])
+def test_messages_tool_loop_on_a_model_with_a_native_tool_format(stack, route):
+    m = messages_client(stack[route])
+    first = m.messages.create(model=MODEL, messages=ask(4), tools=ANTHROPIC_TOOLS, max_tokens=120, extra_body=GREEDY,
+                              tool_choice={"type": "any", "disable_parallel_tool_use": True})
+    assert first.stop_reason == "tool_use"
+    uses = [b for b in first.content if b.type == "tool_use"]
+    assert len(uses) == 1 and uses[0].name in PARAMS
+    jsonschema.validate(uses[0].input, PARAMS[uses[0].name])
+    named = m.messages.create(model=MODEL, messages=ask(4), tools=ANTHROPIC_TOOLS, max_tokens=120, extra_body=GREEDY,
+                              tool_choice={"type": "tool", "name": "get_time"})
+    assert [b.name for b in named.content if b.type == "tool_use"] == ["get_time"]
+    history = [*ask(4), {"role": "assistant", "content": [b.model_dump() for b in first.content]},
+               {"role": "user", "content": [{"type": "tool_result", "tool_use_id": uses[0].id,
+                                             "content": "sunny, 21 C"}]}]
+    answer = m.messages.create(model=MODEL, messages=history, tools=ANTHROPIC_TOOLS, max_tokens=6, extra_body=GREEDY,
+                               tool_choice={"type": "none"})
+    assert [b.type for b in answer.content] == ["text"] and answer.stop_reason in ("end_turn", "max_tokens")
+    none = {"type": "none"}  # (tools the model may not call are not rendered: as on the chat route)
+    before = m.messages.count_tokens(model=MODEL, messages=ask(4), tools=ANTHROPIC_TOOLS, tool_choice=none).input_tokens
+    after = m.messages.count_tokens(model=MODEL, messages=history, tools=ANTHROPIC_TOOLS, tool_choice=none).input_tokens
+    assert answer.usage.input_tokens + answer.usage.cache_read_input_tokens == after > before + 10
+    # Streamed: the tool_use block's input arrives as input_json_delta fragments.
+    with m.messages.stream(model=MODEL, messages=ask(4), tools=ANTHROPIC_TOOLS, max_tokens=120, extra_body=GREEDY,
+                           tool_choice={"type": "any", "disable_parallel_tool_use": True}) as s:
+        kinds = [ev.delta.type for ev in s if ev.type == "content_block_delta"]
+        streamed = s.get_final_message()
+    assert "input_json_delta" in kinds and streamed.stop_reason == "tool_use"
+    assert [(b.name, b.input) for b in streamed.content if b.type == "tool_use"] == [(uses[0].name, uses[0].input)]
+
+
+def test_messages_on_a_model_without_a_tool_format_keys_and_errors(tiny_model_dir, tmp_path):
+    """The tiny ChatML model has no tool format: the generic one serves a tool loop. x-api-key maps to the
+    key's tenant; errors are the SDK's typed exceptions; what cannot be honoured is a 400 naming it."""
+    anthropic = pytest.importorskip("anthropic")
+    keys = tmp_path / "keys.json"
+    keys.write_text(json.dumps({"keys": {"sk-ant": {"tenant": "a"}}}))
+    worker = start_worker("both", tiny_model_dir, tmp_path)
+    router = start_router(tiny_model_dir, tmp_path, "--served-model-name", "tiny", "--colocated", address(worker),
+                          "--api-keys", str(keys))
+    try:
+        m = messages_client(router, "sk-ant")
+        first = m.messages.create(model="tiny", messages=ask(5), tools=ANTHROPIC_TOOLS, max_tokens=120,
+                                  extra_body=GREEDY, tool_choice={"type": "any", "disable_parallel_tool_use": True})
+        uses = [b for b in first.content if b.type == "tool_use"]
+        assert first.stop_reason == "tool_use" and len(uses) == 1
+        jsonschema.validate(uses[0].input, PARAMS[uses[0].name])
+        history = [*ask(5), {"role": "assistant", "content": [b.model_dump() for b in first.content]},
+                   {"role": "user", "content": [{"type": "tool_result", "tool_use_id": uses[0].id, "content": "21 C",
+                                                 "is_error": False}, {"type": "text", "text": "And now?"}]}]
+        answer = m.messages.create(model="tiny", messages=history, max_tokens=4, extra_body=GREEDY)
+        assert answer.content[0].type == "text" and answer.usage.output_tokens == 4
+        # A stop sequence taken from the greedy answer (a run of letters in it) ends it there, and is named.
+        text = m.messages.create(model="tiny", messages=ask(6), max_tokens=16, extra_body=GREEDY).content[0].text
+        stop = re.search(r"[A-Za-z0-9]{2,}", text[1:])
+        assert stop is not None, text
+        cut = m.messages.create(model="tiny", messages=ask(6), max_tokens=16, extra_body=GREEDY,
+                                stop_sequences=["never-seen", stop.group()])
+        assert cut.stop_reason == "stop_sequence" and cut.stop_sequence == stop.group(), (text, cut)
+        assert cut.content[0].text == text[:text.index(stop.group())]
+        with pytest.raises(anthropic.AuthenticationError):
+            messages_client(router, "sk-wrong").messages.create(model="tiny", messages=ask(0), max_tokens=2)
+        with pytest.raises(anthropic.NotFoundError):
+            m.messages.create(model="nope", messages=ask(0), max_tokens=2)
+        image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}}
+        for kw, param in ((dict(messages=[{"role": "user", "content": [image]}]), "messages[0].content[0]"),
+                          (dict(messages=ask(0), tools=[{"type": "web_search_20250305", "name": "web_search"}]),
+                           "tools[0]"),
+                          (dict(messages=ask(0), thinking={"type": "enabled", "budget_tokens": 1024}), "thinking"),
+                          (dict(messages=ask(0), extra_body={"frobnicate": 1}), "frobnicate")):
+            with pytest.raises(anthropic.BadRequestError) as e:
+                m.messages.create(model="tiny", max_tokens=2, **kw)
+            assert e.value.body["type"] == "error" and e.value.body["error"]["type"] == "invalid_request_error"
+            assert param in e.value.body["error"]["message"], (param, e.value.body)
+        async def missing_max_tokens() -> tuple[int, dict]:
+            async with aiohttp.ClientSession() as s, s.post(base_url(router) + "/v1/messages",
+                                                            headers={"x-api-key": "sk-ant",
+                                                                     "anthropic-version": "2023-06-01"},
+                                                            json={"model": "tiny", "messages": ask(0)}) as r:
+                return r.status, await r.json()
+
+        status, body = asyncio.run(missing_max_tokens())
+        assert status == 400 and body == {"type": "error", "error": {"type": "invalid_request_error",
+                                                                     "message": "max_tokens: Field required"}}
+    finally:
+        stop_all(router, worker)

@@ -210,8 +210,11 @@ def test_an_important_prompt_preempts_the_least_important_and_outputs_stay_exact
     assert "mid" in _step(engine, outs)
     assert {s.request_id for s in engine.scheduler.running} == {"low0", "low1", "mid"}
     assert engine.scheduler.num_priority_preemptions == 1
+    assert _step(engine, outs) == {"low0", "low1", "mid"}  # (never two steps of their own in a row)
     engine.add_request("high", _prompt(30), SamplingParams(max_tokens=5, **GREEDY), priority=0)
-    assert "high" in _step(engine, outs)
+    # More important than everything running: a step of its own (the others' streams wait that one step).
+    assert _step(engine, outs) == {"high"}
+    assert _step(engine, outs) == {"low0", "mid", "high"}
     assert {s.request_id for s in engine.scheduler.running} == {"low0", "mid", "high"}
     while engine.has_work:
         _step(engine, outs)

@@ -37,6 +37,10 @@ def event_from_output(out: RequestOutput) -> pb.GenerateEvent:
         ev.logprobs.extend(logprob_to_proto(lp) for lp in out.logprobs)
     if out.finished:
         ev.finish_reason = out.finish_reason or ""
+        if isinstance(out.stop_reason, str):
+            ev.stop_string = out.stop_reason
+        elif out.stop_reason is not None:
+            ev.stop_token_id = out.stop_reason
         ev.usage.CopyFrom(pb.Usage(prompt_tokens=out.num_prompt_tokens, completion_tokens=out.num_output_tokens,
                                    cached_tokens=out.num_cached_tokens))
     return ev

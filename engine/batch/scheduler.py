@@ -29,6 +29,7 @@ it until it can. Tenant fairness holds inside a priority.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -188,7 +189,7 @@ class Scheduler:
         return victim
 
     def schedule(self) -> list[ScheduledSeq]:
-        newcomers: set[str] = set()
+        own_step: Callable[[Sequence], bool] | None = None  # the prompts a step of their own is for
         if self.prioritized and self.waiting:
             self._make_room_by_priority()
             # Most important first; within a priority, as before (a preempted sequence keeps its arrival).
@@ -197,11 +198,18 @@ class Scheduler:
             self._make_room()
             if not self.last_for_newcomers:
                 newcomers = self._newcomers()
+                if newcomers:
+                    own_step = lambda s: s.tenant in newcomers  # noqa: E731
+        if own_step is None and self.prioritized and self.waiting and self.running and not self.last_for_newcomers:
+            best = self.waiting[0].priority
+            if best < min(s.priority for s in self.running):
+                own_step = lambda s: s.priority == best  # noqa: E731
         # Tenanted, a tenant with prompts waiting and nothing running gets a step of its own
         # (never two in a row): its first token does not wait on a step stretched by everyone
-        # else's batch; their streams wait that one step.
-        self.last_for_newcomers = bool(newcomers)
-        out = self._decodes(newcomers)
+        # else's batch; their streams wait that one step. Prioritized, so do prompts more important
+        # than everything running.
+        self.last_for_newcomers = alone = own_step is not None
+        out = self._decodes(alone)
         full = self.config.max_num_batched_tokens - sum(s.num_tokens for s in out)
         cap = self.config.max_prefill_tokens_while_decoding
         budget = min(full, cap) if out and cap is not None else full
@@ -210,11 +218,11 @@ class Scheduler:
         # their backlog for several).
         shares = self.shares() if self.tenanted else None
         favoured = self._favoured(shares) if shares is not None and budget < full else set()
-        used = self._chunks(out, newcomers, shares, favoured, full, budget)
-        self._admit(out, newcomers, shares, favoured, full, budget, used)
+        used = self._chunks(out, alone, shares, favoured, full, budget)
+        self._admit(out, own_step, shares, favoured, full, budget, used)
         return out
 
-    def _decodes(self, newcomers: set[str]) -> list[ScheduledSeq]:
+    def _decodes(self, newcomers: bool) -> list[ScheduledSeq]:
         """1. Decodes, oldest first (none in a newcomers' step); a decode that needs a block preempts the
         newest sequence. With a drafter, each decode carries its drafts."""
         decodes: list[Sequence] = []
@@ -234,7 +242,7 @@ class Scheduler:
         drafts = self._drafts(decodes, self.config.max_num_batched_tokens)
         return [ScheduledSeq(seq, 1 + len(draft), draft) for seq, draft in zip(decodes, drafts, strict=True)]
 
-    def _chunks(self, out: list[ScheduledSeq], newcomers: set[str], shares: dict[str, float] | None,
+    def _chunks(self, out: list[ScheduledSeq], newcomers: bool, shares: dict[str, float] | None,
                 favoured: set[str], full: int, budget: int) -> int:
         """2. Prompts already under way (their blocks were allocated at admission). While others wait, they
         leave up to half the budget to them: a short prompt arriving behind a long one starts at the next
@@ -254,14 +262,16 @@ class Scheduler:
                 used += n
         return used
 
-    def _admit(self, out: list[ScheduledSeq], newcomers: set[str], shares: dict[str, float] | None,
+    def _admit(self, out: list[ScheduledSeq], own_step: Callable[[Sequence], bool] | None,
+               shares: dict[str, float] | None,
                favoured: set[str], full: int, budget: int, used: int) -> None:
         """3. New (or preempted) sequences, first come first served (tenanted: in share order), while blocks
         last. One whose next uncached block another prompt is computing right now waits for it (a burst of
         requests sharing a new system prompt computes it once, not once per request)."""
         computing = self._prefix_in_progress() if self.waiting and self.blocks.enable_prefix_cache else set()
         deferred: list[Sequence] = []
-        queue = self.waiting if shares is None else _FairQueue(self.waiting, shares, newcomers or None)
+        queue = (self.waiting if shares is None and own_step is None
+                 else _FairQueue(self.waiting, shares or {}, own_step))
         while queue and len(self.running) < self.config.max_num_seqs:
             seq = queue[0]
             room = (full if seq.tenant in favoured else budget) - used
@@ -368,10 +378,11 @@ class _FairQueue:
     whose share, counting it, would be smallest (first come, first served within a tenant). Holds
     the deque's interface that step 3 uses; `rest()` is what was not taken, in arrival order."""
 
-    def __init__(self, waiting: deque[Sequence], shares: dict[str, float], only: set[str] | None = None):
+    def __init__(self, waiting: deque[Sequence], shares: dict[str, float],
+                 only: Callable[[Sequence], bool] | None = None):
         self.queues: dict[str, deque[Sequence]] = {}
         for s in waiting:
-            if only is None or s.tenant in only:
+            if only is None or only(s):
                 self.queues.setdefault(s.tenant, deque()).append(s)
         self.shares = dict(shares)
         self.taken: set[int] = set()

@@ -24,6 +24,7 @@ class Chunk:
     completion_tokens: int = 0
     cached_tokens: int = 0
     prefill_mode: str = ""
+    stop_reason: str | int | None = None  # on the finish: the stop string or stop token id that ended it
     # From OpenAI-compatible upstreams, passed through as they sent them: delta fields beyond the
     # text (tool_calls, reasoning_content) merged over one read, and their logprobs object.
     extra: dict[str, Any] | None = None

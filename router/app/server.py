@@ -21,15 +21,19 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from common.tokenizer import Tokenizer
 from common.tracing import Tracing
+from router.api import messages
 from router.api.errors import APIError
 from router.api.protocol import RequestParser
 from router.api.sse import OpenAIFormat
 from router.app.adapters import AdapterAdmin
+from router.app.batch_routes import BatchRoutes
 from router.app.model_routes import ModelRoutes
 from router.app.serving import ServingPath
 from router.backends.backend import Backends
 from router.backends.openai_upstream import OpenAIUpstreamClient
 from router.backends.worker_client import WorkerClient
+from router.batch.runner import BatchRunner, Lease
+from router.batch.store import Batches, Files
 from router.core.affinity import MemoryPinStore, RedisPinStore, SessionAffinity
 from router.core.config import RouterConfig
 from router.core.discovery import dns_discovery, redis_discovery
@@ -117,6 +121,12 @@ class Router:
         self.serving = ServingPath(cfg, self.pools, self.tenants, self.quotas, self.admission, self.dispatcher,
                                    self.metrics, self.tracing)
         self.model_routes = ModelRoutes(self.pools, self.tenants)
+        root = Path(cfg.files_root())
+        self.files = Files(root, cfg.max_file_bytes, cfg.max_files_per_tenant)
+        self.batches = Batches(root, cfg.max_batches_per_tenant)
+        self.batch_routes = BatchRoutes(self.tenants, self.files, self.batches)
+        self.batch_runner = BatchRunner(self.batches, self.files, self.serving.answer, Lease(self.redis, self.batches.dir),
+                                        cfg.batch_concurrency, cfg.batch_priority)
         self.adapters = AdapterAdmin(cfg, self.pools, self.registry, self.workers, self.tenants)
         self._tasks: list[asyncio.Task] = []
 
@@ -145,6 +155,8 @@ class Router:
                 ("POST", "/v1/chat/completions", self.serving.chat),
                 ("POST", "/v1/completions", self.serving.completions),
                 ("POST", "/v1/responses", self.serving.responses),
+                ("POST", "/v1/messages", self.serving.messages),
+                ("POST", "/v1/messages/count_tokens", self.serving.count_tokens),
                 ("GET", "/v1/models", self.model_routes.models),
                 ("GET", "/v1/models/{model_id:.+}", self.model_routes.model),
                 ("POST", "/tokenize", self.model_routes.tokenize),
@@ -156,7 +168,8 @@ class Router:
                 ("GET", "/ping", self.ping),
                 ("POST", "/ping", self.ping),
                 ("GET", "/health", self.health_route),
-                ("GET", "/metrics", self.metrics_route)):
+                ("GET", "/metrics", self.metrics_route),
+                *self.batch_routes.routes()):
             app.router.add_route(method, path, handler)
         app.on_startup.append(self._start)
         app.on_cleanup.append(self._stop)
@@ -175,6 +188,7 @@ class Router:
             self._tasks.append(asyncio.create_task(self.tenants.watch()))
         if self.kv_index is not None:
             self._tasks.append(asyncio.create_task(self.kv_index.run()))
+        self._tasks.append(asyncio.create_task(self.batch_runner.run()))
 
     async def _wait_for_redis(self) -> None:
         """Redis answering, retried with backoff for `redis_wait_s` (in a cluster it may start after the
@@ -196,6 +210,7 @@ class Router:
                 delay = min(delay * 2, 5.0)
 
     async def _stop(self, app: web.Application) -> None:
+        await self.batch_runner.stop()  # (its batches resume on the next replica, or this one restarted)
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -215,21 +230,21 @@ class Router:
         try:
             resp = await handler(request)
         except APIError as e:
-            resp = e.response()
+            resp = _error_response(request, e)
         except web.HTTPRequestEntityTooLarge:
-            resp = APIError(413, f"request body exceeds {self.cfg.max_body_bytes} bytes", code="body_too_large").response()
+            resp = _error_response(request, APIError(413, f"request body exceeds {self.cfg.max_body_bytes} bytes", code="body_too_large"))
         except web.HTTPMethodNotAllowed:
-            resp = APIError(405, f"method {request.method} not allowed on {request.path}").response()
+            resp = _error_response(request, APIError(405, f"method {request.method} not allowed on {request.path}"))
         except web.HTTPNotFound:
-            resp = APIError(404, f"no route {request.method} {request.path}", code="not_found").response()
+            resp = _error_response(request, APIError(404, f"no route {request.method} {request.path}", code="not_found"))
         except web.HTTPException as e:
-            resp = APIError(e.status, e.reason or "error").response()
+            resp = _error_response(request, APIError(e.status, e.reason or "error"))
         except asyncio.CancelledError:
             self.metrics.child(self.metrics.requests, route, "499").inc()
             raise
         except Exception as e:  # a bug: log loudly with context, answer in OpenAI's shape
             log.exception("event=internal_error path=%s", request.path)
-            resp = APIError(500, f"internal error: {type(e).__name__}", type_="server_error").response()
+            resp = _error_response(request, APIError(500, f"internal error: {type(e).__name__}", type_="server_error"))
         self.metrics.child(self.metrics.requests, route, str(resp.status)).inc()
         return resp
 
@@ -283,3 +298,8 @@ class Router:
 
 
 __all__ = ["Router", "load_extra_models", "load_model_info"]
+
+
+def _error_response(request: web.Request, e: APIError) -> web.Response:
+    """OpenAI's error shape, or Anthropic's on its routes."""
+    return messages.error_response(e) if request.path.startswith("/v1/messages") else e.response()

@@ -21,7 +21,7 @@ from aiohttp import web
 
 from common.tracing import Tracing
 from common.tracing import end as end_span
-from router.api import responses
+from router.api import messages, responses
 from router.api.chunks import merge_delta_extra, merge_logprobs
 from router.api.errors import APIError, bad_request
 from router.api.protocol import GenRequest
@@ -37,6 +37,9 @@ from router.tenancy.quotas import Quotas
 from router.tenancy.tenants import Caller, Tenants
 
 log = logging.getLogger("splitfire.router")
+
+# What a batch may run: its endpoint -> the route's kind (see `_parsed`).
+BATCH_ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions", "/v1/responses": "responses"}
 
 
 class ServingPath:
@@ -54,32 +57,75 @@ class ServingPath:
     # -- routes -------------------------------------------------------------------------
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
-        caller = self.tenants.caller(request)
-        body = self._scoped(caller, await read_json(request))
-        pool = self.pools.pool_for(body)
-        reqs = self.pools.pooled(pool, pool.parser.chat(body, caller.tenant, request.headers.get("x-session-affinity")))
-        return await self.serve(request, reqs, caller, pool.openai_format)
+        return await self._route(request, "chat")
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        caller = self.tenants.caller(request)
-        body = self._scoped(caller, await read_json(request))
-        pool = self.pools.pool_for(body)
-        reqs = self.pools.pooled(pool, pool.parser.completions(body, caller.tenant,
-                                                               request.headers.get("x-session-affinity")))
-        return await self.serve(request, reqs, caller, pool.openai_format)
+        return await self._route(request, "completions")
 
     async def responses(self, request: web.Request) -> web.StreamResponse:
         """The Responses API (api/responses.py): the chat path underneath, Responses shapes out."""
+        return await self._route(request, "responses")
+
+    async def _route(self, request: web.Request, kind: str) -> web.StreamResponse:
+        caller = self.tenants.caller(request)
+        body = self._scoped(caller, await read_json(request))
+        reqs, fmt = self._parsed(kind, body, caller, request.headers.get("x-session-affinity"))
+        return await self.serve(request, reqs, caller, fmt)
+
+    def _parsed(self, kind: str, body: Any, caller: Caller, session: str | None
+                ) -> tuple[list[GenRequest], ReplyFormat]:
+        """A generation route's body, parsed for its model's pool: the requests (one per choice) and the reply's
+        wire format."""
+        if kind == "responses":
+            if self.pools.default.parser.upstream_only:
+                raise bad_request("this router fronts OpenAI-compatible upstreams only; send /v1/responses to them, "
+                                  "or use /v1/chat/completions here")
+            chat_body = responses.to_chat(body)
+            pool = self.pools.pool_for(chat_body)
+            req = self.pools.pooled(pool, pool.parser.chat(chat_body, caller.tenant, session))[0]
+            return [req], responses.ResponsesFormat(req, body)
+        pool = self.pools.pool_for(body)
+        parse = pool.parser.chat if kind == "chat" else pool.parser.completions
+        return self.pools.pooled(pool, parse(body, caller.tenant, session)), pool.openai_format
+
+    async def answer(self, endpoint: str, body: dict[str, Any], key_id: str, priority: int
+                     ) -> tuple[int, dict[str, Any]]:
+        """One non-streaming request made on a key's behalf (a batch's line, router/batch/runner.py), at
+        `priority`: (HTTP status, JSON body), errors included, as the route would have answered."""
+        caller = self.tenants.by_key_id(key_id)
+        if caller is None:
+            return 401, APIError(401, "the batch's API key is no longer valid", type_="authentication_error",
+                                 code="invalid_api_key").body()
+        try:
+            reqs, fmt = self._parsed(BATCH_ENDPOINTS[endpoint], self._scoped(caller, body), caller, None)
+            resp = await self.serve(None, reqs, caller, fmt, priority)
+        except APIError as e:
+            return e.status, e.body()
+        assert isinstance(resp, web.Response) and isinstance(resp.body, bytes)
+        return resp.status, json.loads(resp.body)
+
+    async def messages(self, request: web.Request) -> web.StreamResponse:
+        """Anthropic's Messages API (api/messages.py): the chat path underneath, content blocks out."""
         caller = self.tenants.caller(request)
         body = self._scoped(caller, await read_json(request))
         if self.pools.default.parser.upstream_only:
-            raise bad_request("this router fronts OpenAI-compatible upstreams only; send /v1/responses to them, or "
-                              "use /v1/chat/completions here")
-        chat_body = responses.to_chat(body)
+            raise bad_request("this router fronts OpenAI-compatible upstreams only; /v1/messages needs workers")
+        chat_body = messages.to_chat(body)
         pool = self.pools.pool_for(chat_body)
-        req = self.pools.pooled(pool, pool.parser.chat(chat_body, caller.tenant,
-                                                       request.headers.get("x-session-affinity")))[0]
-        return await self.serve(request, [req], caller, responses.ResponsesFormat(req, body))
+        session = request.headers.get("x-session-affinity")
+        req = self.pools.pooled(pool, pool.parser.chat(chat_body, caller.tenant, session))[0]
+        return await self.serve(request, [req], caller, messages.MessagesFormat(req, body))
+
+    async def count_tokens(self, request: web.Request) -> web.Response:
+        """`/v1/messages/count_tokens`: the prompt the chat template makes of the request, counted."""
+        caller = self.tenants.caller(request)
+        body = self._scoped(caller, await read_json(request))
+        chat_body = messages.count_tokens_chat(body)
+        pool = self.pools.pool_for(chat_body)
+        if pool.parser.upstream_only:
+            raise bad_request("this router fronts OpenAI-compatible upstreams only; it has no tokenizer to count with")
+        req = pool.parser.chat(chat_body, caller.tenant, None)[0]
+        return web.json_response({"input_tokens": len(req.prompt_token_ids)})
 
     def _scoped(self, caller: Caller, body: Any) -> Any:
         """A key limited to some models asking for another gets the 404 of a model that does not exist."""
@@ -87,14 +133,16 @@ class ServingPath:
             self.pools.check_visible(body["model"], caller.policy.may_use)
         return body
 
-    async def serve(self, request: web.Request, reqs: list[GenRequest], caller: Caller,
-                    fmt: ReplyFormat) -> web.StreamResponse:
+    async def serve(self, request: web.Request | None, reqs: list[GenRequest], caller: Caller,
+                    fmt: ReplyFormat, priority: int | None = None) -> web.StreamResponse:
+        """`request` None: a request made inside the router (a batch line: never streamed, never traced);
+        `priority`: its priority, instead of the body's or the key's."""
         # What the request will use, as far as it is known: the prompt now, the completion at the end
         # (a request that fails part-way is charged its prompt).
         used = {"prompt": sum(len(r.prompt_token_ids) for r in reqs if r.sample_index == 0), "completion": 0}
         tr = self.tracing
-        if tr is None:
-            return await self._serve(request, reqs, caller, fmt, used)
+        if tr is None or request is None:
+            return await self._serve(request, reqs, caller, fmt, used, priority=priority)
         span = tr.span(f"{request.method} {request.path}",
                        tr.extract(request.headers.get("traceparent"), request.headers.get("tracestate")), "server",
                        {"http.request.method": request.method, "http.route": request.path,
@@ -116,12 +164,13 @@ class ServingPath:
         end_span(span, prompt_tokens=used["prompt"], completion_tokens=used["completion"])
         return resp
 
-    async def _serve(self, request: web.Request, reqs: list[GenRequest], caller: Caller, fmt: ReplyFormat,
-                     used: dict[str, int], span: Any = None) -> web.StreamResponse:
+    async def _serve(self, request: web.Request | None, reqs: list[GenRequest], caller: Caller, fmt: ReplyFormat,
+                     used: dict[str, int], span: Any = None, priority: int | None = None) -> web.StreamResponse:
         tenant, policy = caller.tenant, caller.policy
         self.metrics.prompt_tokens.inc(sum(len(r.prompt_token_ids) for r in reqs))
         self.metrics.requests_started.inc()
-        priority = policy.priority_of(reqs[0].body.get("priority"))  # (a 400 before any quota is taken)
+        if priority is None:
+            priority = policy.priority_of(reqs[0].body.get("priority"))  # (a 400 before any quota is taken)
         for r in reqs:
             r.weight, r.priority = policy.weight, priority
         reservation = None
@@ -148,6 +197,7 @@ class ServingPath:
                              queued=self.admission.waiting, running=self.admission.running)
                 try:
                     if reqs[0].stream:
+                        assert request is not None
                         return await self._stream(request, reqs, fmt, t0, used)
                     return await self._complete(reqs, fmt, t0, used)
                 finally:
@@ -176,7 +226,7 @@ class ServingPath:
                 if c.raw_logprobs:
                     r["raw_logprobs"] = merge_logprobs(r.get("raw_logprobs"), c.raw_logprobs)
                 if c.finish_reason:
-                    r["finish_reason"] = c.finish_reason
+                    r["finish_reason"], r["stop_reason"] = c.finish_reason, c.stop_reason
                     r["prompt"], r["completion"], r["cached"] = c.prompt_tokens, c.completion_tokens, c.cached_tokens
                     if req.sample_index:  # a prompt counts once, however many samples
                         r["prompt"] = r["cached"] = 0

@@ -67,6 +67,10 @@ def add_event(c: Chunk | None, ev: pb.GenerateEvent) -> Chunk:
         c.text += ev.text
         c.token_ids += ev.token_ids
         c.prefill_mode = c.prefill_mode or ev.prefill_mode
+    if ev.stop_string:
+        c.stop_reason = ev.stop_string
+    elif ev.HasField("stop_token_id"):
+        c.stop_reason = ev.stop_token_id
     if ev.logprobs:
         c.logprobs += [Logprob(lp.token_id, lp.logprob, list(zip(lp.top_ids, lp.top_logprobs, strict=True)))
                        for lp in ev.logprobs]

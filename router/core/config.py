@@ -15,6 +15,8 @@ POLICIES = ("token", "round_robin", "random")
 
 ENV_PREFIX = "SPLITFIRE_ROUTER_"
 MODELS, FLEET, PLACEMENT, LIMITS, STREAMS = "models", "fleet", "placement", "limits and tenancy", "streams"
+BATCH = "files and batches"
+BATCH_PRIORITY = 1_000_000  # batch lines' default priority: below any interactive request's
 
 
 @dataclass
@@ -104,6 +106,17 @@ class RouterConfig:
     keepalive_timeout_s: float = setting(
         15.0, "seconds an idle client connection is kept, and the most a new one may take to send its request head "
         "(slow-header clients are dropped)", flag="--keepalive-timeout")
+    files_dir: str = setting(
+        "", "where /v1/files keeps uploaded files, batch outputs and batch state (shared by router replicas: a "
+        "ReadWriteMany volume); \"\" = $SPLITFIRE_HOME/files", metavar="DIR", group=BATCH)
+    max_file_bytes: int = setting(200 * 2**20, "largest file /v1/files accepts (413 beyond)", group=BATCH)
+    max_files_per_tenant: int = setting(1000, "files a tenant may keep (uploads and batch outputs); beyond, 429",
+                                        group=BATCH)
+    max_batches_per_tenant: int = setting(20, "batches a tenant may have unfinished at once; beyond, 429",
+                                          group=BATCH)
+    batch_concurrency: int = setting(16, "batch lines each router replica sends at once", group=BATCH)
+    batch_priority: int = setting(BATCH_PRIORITY, "priority of batch lines (lower is more important): by default "
+                                  "below interactive requests, so they wait and are shed first", group=BATCH)
 
     def breaker(self) -> BreakerConfig:
         return BreakerConfig(error_rate=self.breaker_error_rate, open_s=self.breaker_open_s,
@@ -163,7 +176,17 @@ class RouterConfig:
             raise ValueError("--breaker-error-rate must be in (0, 1] and --breaker-open-s > 0")
         if self.max_concurrency < 1 or self.max_queue < 0 or self.max_retries < 0:
             raise ValueError("--max-concurrency must be >= 1, --max-queue and --max-retries >= 0")
+        if min(self.max_file_bytes, self.max_files_per_tenant, self.max_batches_per_tenant,
+               self.batch_concurrency) < 1:
+            raise ValueError("--max-file-bytes, --max-files-per-tenant, --max-batches-per-tenant and "
+                             "--batch-concurrency must be >= 1")
         return self
+
+    def files_root(self) -> str:
+        if self.files_dir:
+            return self.files_dir
+        home = os.environ.get("SPLITFIRE_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "splitfire")
+        return os.path.join(home, "files")
 
 
 def add_router_args(p: argparse.ArgumentParser) -> None:

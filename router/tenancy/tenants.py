@@ -204,11 +204,20 @@ class Tenants:
         if self.keys is None:
             return ANONYMOUS
         auth = request.headers.get("Authorization", "")
-        key = auth[7:].strip() if auth.lower().startswith("bearer ") else request.headers.get("api-key", "")
+        # Bearer (OpenAI), api-key (Azure's), x-api-key (Anthropic's)
+        key = (auth[7:].strip() if auth.lower().startswith("bearer ")
+               else request.headers.get("api-key") or request.headers.get("x-api-key") or "")
         caller = self._callers.get(key)
         if caller is None:
             raise APIError(401, "invalid or missing API key", type_="authentication_error", code="invalid_api_key")
         return caller
+
+    def by_key_id(self, kid: str) -> Caller | None:
+        """The caller whose key hashes to `kid` (work done later on a key's behalf: a batch), or None when
+        that key is gone from the file."""
+        if self.keys is None:
+            return ANONYMOUS if kid == ANONYMOUS.key_id else None
+        return next((c for c in self._callers.values() if c.key_id == kid), None)
 
     def admin(self, request: web.Request) -> Caller:
         """The caller of an admin route: refused unless its key is marked admin."""
