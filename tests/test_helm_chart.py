@@ -349,3 +349,21 @@ def test_tracing_endpoint_reaches_every_router_and_worker_as_otel_variables(helm
         assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://otel-collector.obs:4317", name
         assert env["OTEL_TRACES_SAMPLER"] == "parentbased_traceidratio" and env["OTEL_TRACES_SAMPLER_ARG"] == "0.25"
         assert env["OTEL_EXPORTER_OTLP_INSECURE"] == "true"
+
+
+def test_routers_share_a_files_volume_when_one_is_named(helm):
+    def router_pod(*extra: str) -> dict:
+        out = render(helm, ROOT / "helm/ci/default-values.yaml", *extra)
+        assert out.returncode == 0, out.stderr
+        docs = [d for d in yaml.safe_load_all(out.stdout) if d]
+        return next(d for d in docs if d["kind"] == "Deployment"
+                    and d["metadata"]["name"] == "rel-splitfire-router")["spec"]["template"]["spec"]
+
+    pod = router_pod()
+    c = pod["containers"][0]
+    assert "--files-dir=/var/lib/splitfire/files" in c["args"]
+    assert {"name": "files", "mountPath": "/var/lib/splitfire/files"} in c["volumeMounts"]
+    assert next(v for v in pod["volumes"] if v["name"] == "files") == {"name": "files", "emptyDir": {"sizeLimit": "10Gi"}}
+    shared = router_pod("--set", "router.filesClaim=batch-files")
+    assert next(v for v in shared["volumes"] if v["name"] == "files") == {
+        "name": "files", "persistentVolumeClaim": {"claimName": "batch-files"}}

@@ -104,3 +104,72 @@ async def test_one_trace_across_router_decode_prefill_and_the_kv_transfer(tiny_m
     assert any(e.name == "first_token" for e in spans["decode.generate"][1].events)
     s = spans["decode.stream"][1]
     assert spans["decode.generate"][1].start_time_unix_nano <= s.start_time_unix_nano <= s.end_time_unix_nano
+
+
+def test_the_hand_written_otlp_encoding_is_what_opentelemetry_proto_reads(monkeypatch):
+    """common/tracing.py writes OTLP protobuf by hand; opentelemetry-proto's own types parse it to the same
+    spans, attributes of every type, events, status, parents and flags."""
+    from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
+
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:9")  # (nothing is exported here)
+    monkeypatch.setenv("OTEL_RESOURCE_ATTRIBUTES", "deployment.environment=test,team=a%20b")
+    t = tracing.Tracing("splitfire-test")
+    try:
+        caller = t.extract(f"00-{TRACE_ID}-{CALLER_SPAN}-01", "vendor=x")
+        root = t.span("POST /v1/chat/completions", caller, "server", {"n": -3, "big": 2**40, "f": 0.25, "ok": True,
+                                                                     "s": "é", "list": [1, "a", 2.5]})
+        child = t.span("router.attempt", root, "client")
+        child.add_event("first_token", timestamp=123)
+        tracing.end(child, error="UNAVAILABLE: worker gone", generated_tokens=3)
+        tracing.end(root)
+        raw = tracing.encode_request({"service.name": t.service, "k": 7}, "splitfire", [root, child])
+    finally:
+        t.shutdown()
+    req = trace_service_pb2.ExportTraceServiceRequest.FromString(raw)
+    rs = req.resource_spans[0]
+    assert {a.key: a.value.string_value or a.value.int_value for a in rs.resource.attributes} == {
+        "service.name": "splitfire-test", "k": 7}
+    assert rs.scope_spans[0].scope.name == "splitfire"
+    r, c = rs.scope_spans[0].spans
+    assert r.trace_id.hex() == TRACE_ID and r.parent_span_id.hex() == CALLER_SPAN and r.trace_state == "vendor=x"
+    assert c.trace_id == r.trace_id and c.parent_span_id == r.span_id and len(c.span_id) == 8
+    assert (r.name, r.kind, c.kind) == ("POST /v1/chat/completions", 2, 3)
+    assert r.start_time_unix_nano == root.start_ns and r.end_time_unix_nano == root.end_ns >= r.start_time_unix_nano
+    attrs = {a.key: a.value for a in r.attributes}
+    assert attrs["n"].int_value == -3 and attrs["big"].int_value == 2**40 and attrs["f"].double_value == 0.25
+    assert attrs["ok"].bool_value is True and attrs["s"].string_value == "é"
+    assert [v.WhichOneof("value") for v in attrs["list"].array_value.values] == ["int_value", "string_value",
+                                                                                 "double_value"]
+    assert r.flags == 1 and not r.HasField("status")
+    assert [(e.name, e.time_unix_nano) for e in c.events] == [("first_token", 123)]
+    assert c.status.code == 2 and c.status.message == "UNAVAILABLE: worker gone"
+    assert {a.key: a.value.int_value for a in c.attributes} == {"splitfire.generated_tokens": 3}
+    assert t.service == "splitfire-test" and t.batcher.resource["team"] == "a b"
+
+
+def test_sampling_follows_the_parent_and_the_ratio(monkeypatch):
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:9")
+    monkeypatch.setenv("OTEL_TRACES_SAMPLER", "parentbased_traceidratio")
+    monkeypatch.setenv("OTEL_TRACES_SAMPLER_ARG", "0.25")
+    t = tracing.Tracing("s")
+    try:
+        roots = [t.span("r") for _ in range(4000)]
+        share = sum(s.ctx.sampled for s in roots) / len(roots)
+        assert 0.2 < share < 0.3, share
+        assert t.span("c", t.extract(f"00-{TRACE_ID}-{CALLER_SPAN}-01")).ctx.sampled  # a sampled parent: kept
+        assert not t.span("c", t.extract(f"00-{TRACE_ID}-{CALLER_SPAN}-00")).ctx.sampled
+        child = t.span("c", roots[0])
+        assert child.ctx.sampled == roots[0].ctx.sampled and child.ctx.trace_id == roots[0].ctx.trace_id
+        assert t.traceparent(child) == f"00-{child.ctx.trace_id:032x}-{child.ctx.span_id:016x}-" + (
+            "01" if child.ctx.sampled else "00")
+        for bad in ("", "garbage", f"00-{'0' * 32}-{CALLER_SPAN}-01", f"ff-{TRACE_ID}-{CALLER_SPAN}-01",
+                    f"00-{TRACE_ID}-{CALLER_SPAN}-01-extra"):
+            assert t.extract(bad) is None, bad
+        for s in roots:
+            s.end()
+        assert len(t.batcher.queue) <= t.batcher.max_queue
+    finally:
+        t.shutdown()
+    monkeypatch.setenv("OTEL_TRACES_SAMPLER", "sometimes")
+    with pytest.raises(ValueError, match="OTEL_TRACES_SAMPLER"):
+        tracing.Tracing("s")
