@@ -9,8 +9,8 @@ of clients that leave while their long prompts are queued or prefilling; Redis o
 (a router with 2 slots + 2 queued); slowloris (200 connections that never finish a request head);
 SIGTERM drain with new arrivals; restart of a killed worker on its address (time until the router
 routes to it again); 500 fuzzed bodies. One table: requests, ok, clean errors (4xx and 429 with an
-OpenAI error body, or clients that left), 5xx (any, 503 included: a healthy worker was always
-there), hangs, leaked KV blocks,
+OpenAI error body, clients that left, and in the overload scenario the full fleet's 503 no_capacity with
+Retry-After), 5xx (any other, 503 included: a healthy worker was always there), hangs, leaked KV blocks,
 engine steps run after the clients left, and time to re-admit.
 
 Targets: 0 server errors while a healthy worker exists, 0 hangs, 0 leaked blocks, <= ~1 step of
@@ -131,13 +131,14 @@ class Row:
     readmit_s: float | None = None
     notes: list[str] = field(default_factory=list)
 
-    def count(self, status: int | None) -> None:
+    def count(self, status: int | None, full_is_clean: bool = False) -> None:
+        """`full_is_clean`: a 503 is the answer this scenario asks for (the fleet is full: no_capacity)."""
         self.requests += 1
         if status is None:
             self.hangs += 1
         elif status == 200:
             self.ok += 1
-        elif status >= 500:  # every scenario leaves a healthy worker that could have served
+        elif status >= 500 and not (full_is_clean and status == 503):  # a healthy worker could have served
             self.server_errors += 1
         else:
             self.clean_errors += 1
@@ -332,8 +333,8 @@ class Chaos:
         try:
             results = await asyncio.gather(*(self.ask(s, tokens=48, url=url) for _ in range(16)))
             for status, _, _ in results:
-                row.count(status)
-            row.notes.append(f"{sum(r[0] == 429 for r in results)} answered 429 + Retry-After")
+                row.count(status, full_is_clean=True)
+            row.notes.append(f"{sum(r[0] == 503 for r in results)} answered 503 no_capacity + Retry-After")
         finally:
             small.stop()
 

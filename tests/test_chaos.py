@@ -28,4 +28,4 @@ def test_chaos_suite_meets_its_targets(tmp_path):
         assert rows[name][1] == rows[name][2], rows[name]
     assert float(rows["kill_decode_mid_stream"][8]) <= 3.0 and float(rows["sigterm_drain"][8]) <= 3.0
     assert float(rows["disconnect_storm"][7]) <= 1.5
-    assert int(rows["overload"][3]) > 0  # the small router refused with 429s, not errors
+    assert int(rows["overload"][3]) > 0  # the small router refused (503 no_capacity + Retry-After), nothing failed
