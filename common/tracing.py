@@ -244,9 +244,10 @@ class Batcher:
         import grpc
 
         endpoint = _env("ENDPOINT", "http://localhost:4317")
-        url = urllib.parse.urlsplit(endpoint if "://" in endpoint else f"http://{endpoint}")
+        # The scheme decides when there is one (https: TLS, http: plaintext); without one, _INSECURE does.
+        url = urllib.parse.urlsplit(endpoint if "://" in endpoint else f"//{endpoint}")
         target = url.netloc or url.path
-        insecure = _env("INSECURE").lower() == "true" or url.scheme == "http"
+        insecure = url.scheme == "http" if url.scheme else _env("INSECURE").lower() == "true"
         if insecure:
             channel = grpc.insecure_channel(target)
         else:

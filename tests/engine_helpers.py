@@ -78,3 +78,13 @@ def load_memory(model_dir, env: dict[str, str] | None = None) -> LoadMemory:
     out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, check=True,
                          env={**os.environ, **(env or {})}).stdout.split()
     return LoadMemory(out[-3] == "True", int(out[-2]), int(out[-1]))
+
+
+def step_tokens(engine: LLMEngine, outs: dict[str, list[int]]) -> set[str]:
+    """One engine step; its tokens added to `outs`; the ids of the requests that got tokens."""
+    got = set()
+    for o in engine.step():
+        outs.setdefault(o.request_id, []).extend(o.token_ids)
+        if o.token_ids:
+            got.add(o.request_id)
+    return got

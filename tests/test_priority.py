@@ -11,6 +11,7 @@ import json
 import aiohttp
 import pytest
 from engine_helpers import make_engine
+from engine_helpers import step_tokens as _step
 from procs import address, base_url, start_router, start_worker
 from reference import Reference
 
@@ -186,15 +187,6 @@ def test_key_priorities_default_and_limit(tmp_path):
 @pytest.fixture(scope="module")
 def ref(tiny_model_dir):
     return Reference(tiny_model_dir)
-
-
-def _step(engine, outs: dict[str, list[int]]) -> set[str]:
-    got = set()
-    for o in engine.step():
-        outs.setdefault(o.request_id, []).extend(o.token_ids)
-        if o.token_ids:
-            got.add(o.request_id)
-    return got
 
 
 def test_an_important_prompt_preempts_the_least_important_and_outputs_stay_exact(tiny_model_dir, ref):

@@ -14,6 +14,7 @@ import aiohttp
 import openai
 import pytest
 from engine_helpers import make_engine
+from engine_helpers import step_tokens as _step
 from procs import address, base_url, start_redis, start_router, start_worker
 from reference import Reference
 
@@ -175,16 +176,6 @@ async def test_admission_with_one_tenant_is_first_come_first_served_and_times_ou
 @pytest.fixture(scope="module")
 def ref(tiny_model_dir):
     return Reference(tiny_model_dir)
-
-
-def _step(engine, outs: dict[str, list[int]]) -> set[str]:
-    """One engine step; its tokens added to `outs`; the ids of the requests that got tokens."""
-    got = set()
-    for o in engine.step():
-        outs.setdefault(o.request_id, []).extend(o.token_ids)
-        if o.token_ids:
-            got.add(o.request_id)
-    return got
 
 
 def test_quiet_tenant_is_admitted_at_once_and_outputs_stay_exact(tiny_model_dir, ref):

@@ -23,7 +23,7 @@ from router.api.chunks import Chunk, Logprob
 from router.api.errors import APIError, bad_request
 from router.api.protocol import GenRequest
 from router.api.reply import Reasoning, ReplyEvent
-from router.api.sse import ChoiceWriter, compact_json
+from router.api.sse import ChoiceWriter, compact_json, named_events
 from router.api.tool_calls import CallArgs, CallStart, Content
 
 # The API's fields (its current SDK's, and the sampling fields earlier versions took, which clients still send),
@@ -364,10 +364,6 @@ class MessageAssembler:
         return events, self.message(reason, stop_sequence, usage)
 
 
-def sse_events(events: list[dict[str, Any]]) -> bytes:
-    """Anthropic's stream: an `event:` line naming the type, then its JSON."""
-    return b"".join(f"event: {e['type']}\ndata: {json.dumps(e, ensure_ascii=False)}\n\n".encode() for e in events)
-
 
 class MessagesWriter:
     """The one choice of a Messages stream, as Anthropic's events (`ChoiceWriter`). Plain text inside an open
@@ -381,7 +377,7 @@ class MessagesWriter:
         self._pre = b""
 
     def role(self) -> bytes:
-        return sse_events(self.asm.start())
+        return named_events(self.asm.start())
 
     def text(self, text: str, logprobs: list[Logprob] | None = None) -> bytes:
         if not text:
@@ -398,7 +394,7 @@ class MessagesWriter:
         return self._pre + compact_json(text).encode() + b"}}\n\n"
 
     def events(self, events: list[ReplyEvent], logprobs: list[Logprob] | None = None) -> bytes:
-        return sse_events(self.asm.feed(events))
+        return named_events(self.asm.feed(events))
 
     def passthrough(self, text: str, extra: dict[str, Any] | None, logprobs: dict[str, Any] | None) -> bytes:
         return self.text(text)  # (never reached: /v1/messages is refused in front of upstreams)
@@ -406,7 +402,7 @@ class MessagesWriter:
     def finish(self, reason: str, last: Chunk) -> bytes:
         events, _ = self.asm.finish(reason, last.stop_reason, last.prompt_tokens, last.completion_tokens,
                                     last.cached_tokens)
-        return sse_events(events)
+        return named_events(events)
 
     def usage(self, usage: dict[str, Any]) -> bytes:
         return b""  # usage is in message_delta
@@ -428,7 +424,7 @@ class MessagesFormat:
 
     def error(self, message: str, type_: str, code: str) -> bytes:
         kind = "overloaded_error" if code in ("no_capacity", "no_healthy_workers") else "api_error"
-        return sse_events([{"type": "error", "error": {"type": kind, "message": message}}])
+        return named_events([{"type": "error", "error": {"type": kind, "message": message}}])
 
     def body(self, reqs: list[GenRequest], results: list[dict[str, Any]]) -> dict[str, Any]:
         r, req = results[0], reqs[0]

@@ -9,7 +9,6 @@ Nothing is stored: `previous_response_id`, `conversation` and `store: true` are 
 
 from __future__ import annotations
 
-import json
 import secrets
 import time
 from typing import Any
@@ -18,7 +17,7 @@ from router.api.chunks import Chunk, Logprob
 from router.api.errors import bad_request
 from router.api.protocol import GenRequest
 from router.api.reply import Reasoning, ReplyEvent
-from router.api.sse import ChoiceWriter
+from router.api.sse import ChoiceWriter, named_events
 from router.api.tool_calls import CallArgs, CallStart, Content
 
 _PASS = ("model", "temperature", "top_p", "parallel_tool_calls", "user", "safety_identifier", "prompt_cache_key",
@@ -295,10 +294,6 @@ class ResponseAssembler:
         return events, final
 
 
-def sse_events(events: list[dict[str, Any]]) -> bytes:
-    """Responses API events: an `event:` line naming the type, then its JSON."""
-    return b"".join(f"event: {e['type']}\ndata: {json.dumps(e, ensure_ascii=False)}\n\n".encode() for e in events)
-
 
 class ResponsesWriter:
     """The one choice of a Responses stream, as the Responses API's events (`ChoiceWriter`)."""
@@ -307,20 +302,20 @@ class ResponsesWriter:
         self.asm = asm
 
     def role(self) -> bytes:
-        return sse_events(self.asm.start())
+        return named_events(self.asm.start())
 
     def text(self, text: str, logprobs: list[Logprob] | None = None) -> bytes:
         return self.events([Content(text)] if text else [])
 
     def events(self, events: list[ReplyEvent], logprobs: list[Logprob] | None = None) -> bytes:
-        return sse_events(self.asm.feed(events))
+        return named_events(self.asm.feed(events))
 
     def passthrough(self, text: str, extra: dict[str, Any] | None, logprobs: dict[str, Any] | None) -> bytes:
         return self.text(text)  # (never reached: /v1/responses is refused in front of upstreams)
 
     def finish(self, reason: str, last: Chunk) -> bytes:
         events, _ = self.asm.finish(reason, last.prompt_tokens, last.completion_tokens, last.cached_tokens)
-        return sse_events(events)
+        return named_events(events)
 
     def usage(self, usage: dict[str, Any]) -> bytes:
         return b""  # usage is in response.completed
@@ -341,7 +336,7 @@ class ResponsesFormat:
         return writers[0].role()
 
     def error(self, message: str, type_: str, code: str) -> bytes:
-        return sse_events([{"type": "error", "sequence_number": self.asm.seq, "code": code, "message": message,
+        return named_events([{"type": "error", "sequence_number": self.asm.seq, "code": code, "message": message,
                             "param": None}])
 
     def body(self, reqs: list[GenRequest], results: list[dict[str, Any]]) -> dict[str, Any]:

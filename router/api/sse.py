@@ -153,6 +153,12 @@ class StreamWriter:
         return f'data: {self.head},"choices":[],"usage":{compact_json(usage)}}}\n\n'.encode()
 
 
+def named_events(events: list[dict[str, Any]]) -> bytes:
+    """Events as the Responses and Anthropic Messages APIs stream them: an `event:` line naming the type, then
+    its JSON."""
+    return b"".join(f"event: {e['type']}\ndata: {json.dumps(e, ensure_ascii=False)}\n\n".encode() for e in events)
+
+
 def with_usage(events: bytes, usage: dict[str, Any]) -> bytes:
     """`stream_options.continuous_usage_stats`: every chunk carries the usage so far (vLLM's shape)."""
     tail = b',"usage":' + compact_json(usage).encode() + b"}\n\n"

@@ -67,10 +67,6 @@ def add_event(c: Chunk | None, ev: pb.GenerateEvent) -> Chunk:
         c.text += ev.text
         c.token_ids += ev.token_ids
         c.prefill_mode = c.prefill_mode or ev.prefill_mode
-    if ev.stop_string:
-        c.stop_reason = ev.stop_string
-    elif ev.HasField("stop_token_id"):
-        c.stop_reason = ev.stop_token_id
     if ev.logprobs:
         c.logprobs += [Logprob(lp.token_id, lp.logprob, list(zip(lp.top_ids, lp.top_logprobs, strict=True)))
                        for lp in ev.logprobs]
@@ -78,6 +74,10 @@ def add_event(c: Chunk | None, ev: pb.GenerateEvent) -> Chunk:
         c.finish_reason = ev.finish_reason
         u = ev.usage
         c.prompt_tokens, c.completion_tokens, c.cached_tokens = u.prompt_tokens, u.completion_tokens, u.cached_tokens
+        if ev.stop_string:
+            c.stop_reason = ev.stop_string
+        elif ev.HasField("stop_token_id"):
+            c.stop_reason = ev.stop_token_id
     return c
 
 

@@ -129,11 +129,15 @@ class BatchRunner:
         self.priority = priority
         self.poll_s = poll_s
         self.running: dict[str, asyncio.Task] = {}
+        self.finished: set[str] = set()  # batches seen ended: never read again by the poll
 
     async def run(self) -> None:
         while True:
-            for b in self.batches.all():
-                if b.status in TERMINAL or b.id in self.running:
+            for b in self.batches.all(skip=self.finished):
+                if b.status in TERMINAL:
+                    self.finished.add(b.id)
+                    continue
+                if b.id in self.running:
                     continue
                 if await self.lease.take(b.id):
                     log.info("event=batch_taken batch=%s tenant=%s status=%s", b.id, b.tenant, b.status)

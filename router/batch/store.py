@@ -18,7 +18,7 @@ import json
 import os
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Collection
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -202,9 +202,12 @@ class Batches:
     def save(self, b: Batch) -> None:
         _write_json(self._path(b.id), asdict(b))
 
-    def all(self) -> list[Batch]:
+    def all(self, skip: Collection[str] = ()) -> list[Batch]:
+        """Every batch (oldest first), but those named in `skip`, whose files are not read."""
         out = []
         for p in self.dir.glob("*.json"):
+            if p.stem in skip:
+                continue
             try:
                 out.append(Batch(**json.loads(p.read_text())))
             except (OSError, ValueError, TypeError):
