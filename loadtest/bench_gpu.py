@@ -250,6 +250,8 @@ def main() -> int:
     p.add_argument("--context", type=int, default=1024, help="tokens of context per decoding sequence")
     p.add_argument("--prefill-tokens", type=int, default=2048)
     p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--backends", default=None, metavar="torch,triton",
+                   help="kernel backends to time (default: both on CUDA, torch on CPU)")
     p.add_argument("--first-token", metavar="DIR", default=None,
                    help="also time `splitfire serve` of this model dir from process start to its first token")
     p.add_argument("--quantization", choices=["int8", "int4", "fp8"], default=None,
@@ -287,6 +289,10 @@ def main() -> int:
           f"weights {args.quantization or dtype}{' compressed' if args.compress_weights else ''}; KV cache "
           f"{'e4m3' if args.kv_cache_dtype == 'fp8' else dtype}")
     backends = ["torch", "triton"] if (dev.type == "cuda" or os.environ.get("TRITON_INTERPRET")) else ["torch"]
+    if args.backends:
+        if not set(args.backends.split(",")) <= set(backends):
+            raise SystemExit(f"--backends: {args.backends!r}; this device runs {','.join(backends)}")
+        backends = args.backends.split(",")
     if args.compress_weights:
         if dev.type != "cuda" or args.quantization:
             raise SystemExit("--compress-weights needs --device cuda and no --quantization (as the engine's flag)")

@@ -20,8 +20,9 @@
 #                                                  #   compressedsweep (the one-row kernel's launch shapes by registers:
 #                                                  #   loadtest/results/gpu-decode/compile-only/triton_aot.txt),
 #                                                  #   fp8tests (FP8 weights and the e4m3 KV cache compiled and run),
-#                                                  #   fp8gemm (weight-only vs w8a8 per matrix: sets W8A8_MIN_ROWS),
-#                                                  #   fp8engine (8B and MoE decode/prefill: bf16 vs fp8 weights vs e4m3 KV)
+#                                                  #   fp8engine (8B decode/prefill: bf16 vs fp8 weights), fp8kv (16k
+#                                                  #   context: bf16 vs e4m3 KV), fp8moe (DeepSeek-V2-Lite: bf16 vs fp8),
+#                                                  #   fp8gemm (weight-only vs w8a8 per matrix: sets W8A8_MIN_ROWS)
 #
 # Needs the project's Python dependencies importable (pip install -e '.[test]'); on a host with no
 # network, SPLITFIRE_HOME must already hold bench-models/host-llama (loadtest/random_models.py).
@@ -77,10 +78,13 @@ step compressedmoeprefill 300 bash -c "$PY -m pytest -q -p no:cacheprovider --ti
 # matrix and in the 8B decode step at batch 2 and 4 (GEMV_MAX_ROWS 1 = tiles vs 4 = the row kernel, alternating).
 step compressedrows 300 bash -c "$PY -m pytest -q -p no:cacheprovider --timeout 120 tests/test_compressed_weight.py -k 'several_rows or plain_ones'; $PY -m loadtest.bench_compressed_gemm --reps 40 --rows 1,2,3,4 --tiles 32x256/8/3,64x64/8/3 --json $OUT/compressed_rows.json; $PY -m loadtest.bench_gpu --preset llama3-8b --batches 1,2,4 --iters 20 --compress-weights --gemv-max-rows 1,4,1,4"
 step mla 90 $PY -m loadtest.bench_gpu --preset deepseek-v2-lite --quantization int4 --batches 1,32
-# FP8 (#57): the FP8 tests compiled on the device (w8a8 teacher-forced logits, the e4m3 cache's kernels), then the matrix
-# methods (weight-only gemv/dot/dequant vs w8a8: where w8a8 starts winning is fp8_triton.W8A8_MIN_ROWS), then the engine:
-# bf16 baseline, fp8 weights by both methods, and the e4m3 KV cache at 16k context, in one run.
-step fp8tests 200 $PY -m pytest -q -p no:cacheprovider --timeout 120 tests/test_fp8.py tests/test_kv_cache_dtype.py tests/test_triton_kernels.py -k "fp8 or e4m3 or w8a8"
-step fp8gemm 200 $PY -m loadtest.bench_quant_gemm --kinds fp8 --methods gemv,dot,dequant,w8a8 --rows 1,2,4,16,32,64,128,256,2048 --reps 10
-step fp8engine 420 bash -c "$PY -m loadtest.bench_gpu --preset llama3-8b --batches 1,32 --iters 10 && $PY -m loadtest.bench_gpu --preset llama3-8b,deepseek-v2-lite --batches 1,32 --iters 10 --quantization fp8 --fp8-gemm weight-only,w8a8 && $PY -m loadtest.bench_gpu --preset llama3-8b --batches 1,8 --context 16384 --iters 10 --prefill-tokens 512 && $PY -m loadtest.bench_gpu --preset llama3-8b --batches 1,8 --context 16384 --iters 10 --prefill-tokens 512 --kv-cache-dtype fp8"
+# FP8 (#57): the FP8 tests compiled on the device (the kernels against their references; block-FP8 engines by
+# weight-only and w8a8 and the e4m3 KV cache against float32 on the CPU), the engine (8B: bf16 vs fp8 weights by
+# both methods; 16k context: bf16 vs e4m3 KV; DeepSeek-V2-Lite: bf16 vs fp8), then the matrix methods
+# (weight-only gemv/dot vs w8a8 per row count: where w8a8 starts winning is fp8_triton.W8A8_MIN_ROWS).
+step fp8tests 170 $PY -m pytest -q -p no:cacheprovider --timeout 150 -n 6 -rA tests/test_cuda_engine.py tests/test_triton_kernels.py tests/test_kv_cache_dtype.py -k "fp8 or e4m3 or w8a8 or refused_on_cuda"
+step fp8engine 200 bash -c "$PY -m loadtest.bench_gpu --preset llama3-8b --backends triton --batches 1,32 --iters 10 && $PY -m loadtest.bench_gpu --preset llama3-8b --backends triton --batches 1,32 --iters 10 --quantization fp8 --fp8-gemm weight-only,w8a8"
+step fp8kv 130 bash -c "$PY -m loadtest.bench_gpu --preset llama3-8b --backends triton --batches 1,8 --context 16384 --iters 10 --prefill-tokens 512 && $PY -m loadtest.bench_gpu --preset llama3-8b --backends triton --batches 1,8 --context 16384 --iters 10 --prefill-tokens 512 --kv-cache-dtype fp8"
+step fp8gemm 90 $PY -m loadtest.bench_quant_gemm --kinds fp8 --methods gemv,dot,w8a8 --rows 1,4,16,64,256,2048 --reps 10
+step fp8moe 150 bash -c "$PY -m loadtest.bench_gpu --preset deepseek-v2-lite --backends triton --batches 1,32 --iters 10 && $PY -m loadtest.bench_gpu --preset deepseek-v2-lite --backends triton --batches 1,32 --iters 10 --quantization fp8 --fp8-gemm weight-only,w8a8"
 cat "$summary"
