@@ -97,9 +97,14 @@ def matmul_peak(dev: torch.device, dtype: torch.dtype) -> float:
 
 
 def build(preset: str, dev: torch.device, dtype: torch.dtype, blocks: int, block_size: int,
-          quantization: str | None = None, compress: bool = False, kv_dtype: torch.dtype | None = None):
-    """(config, model, KV cache, parameter counts of the float model, bytes per weight as stored)."""
-    cfg = ModelConfig.from_dict({"architectures": ["LlamaForCausalLM"], "rms_norm_eps": 1e-5, **PRESETS[preset]})
+          quantization: str | None = None, compress: bool = False, kv_dtype: torch.dtype | None = None,
+          positions: int = 0):
+    """(config, model, KV cache, parameter counts of the float model, bytes per weight as stored). `positions`:
+    the context the run needs (a preset's max_position_embeddings is raised to it, as Llama-3.1's 128k is
+    Llama-3's 8k with another rope: the step's cost does not depend on it)."""
+    shape = dict(PRESETS[preset])
+    shape["max_position_embeddings"] = max(shape["max_position_embeddings"], positions)
+    cfg = ModelConfig.from_dict({"architectures": ["LlamaForCausalLM"], "rms_norm_eps": 1e-5, **shape})
     torch.manual_seed(0)
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # as the engine's loader builds it: routers stay float32
@@ -335,7 +340,8 @@ def main() -> int:
         need = max(batches) * (-(-(args.context + 1) // block_size)) + -(-args.prefill_tokens // block_size) + 8
         cfg, model, kv, counts, element = build(preset, dev, dtype, need + 1, block_size, args.quantization,
                                                 args.compress_weights,
-                                                torch.float8_e4m3fn if args.kv_cache_dtype == "fp8" else None)
+                                                torch.float8_e4m3fn if args.kv_cache_dtype == "fp8" else None,
+                                                max(args.context + 1, args.prefill_tokens))
         runner = ModelRunner(model, kv, dev)
         page = kv.layout.page_bytes
         for backend, launch, decode, blocks, rows, fp8m in [(b, la, d, mb, r, f) for b in backends for la in launches

@@ -39,10 +39,16 @@ SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "dow
 SMOKE_SHAPES = {"a": (96, 256), "b": (64, 320)}
 SWEEP = {  # method: (block_m, block_n, block_k, warps, stages)
     "gemv": [(1, 32, 128, 4, 3), (1, 64, 64, 4, 3), (1, 64, 256, 4, 3), (1, 128, 128, 4, 3), (1, 64, 128, 8, 3),
-             (1, 32, 256, 4, 4), (1, 128, 64, 4, 4)],
+             (1, 32, 256, 4, 4), (1, 128, 64, 4, 4), (1, 64, 256, 8, 3), (1, 32, 512, 4, 3), (1, 64, 512, 8, 3),
+             (1, 16, 512, 4, 3)],
     "dot": [(16, 64, 256, 4, 4), (16, 128, 128, 8, 3), (64, 128, 64, 4, 3), (128, 128, 64, 8, 3)],
     "dequant": [(1, 32, 128, 4, 1), (1, 64, 256, 4, 1), (1, 128, 128, 8, 1)],
 }
+# w8a8 (fp8_triton.w8a8_gemm): (block_m, block_n, warps, stages, K splits or None: its own choice); BLOCK_K is
+# the scale group (128).
+W8A8_SWEEP = [(16, 32, 4, 4, None), (16, 64, 4, 4, 1), (16, 64, 4, 4, None), (16, 128, 4, 4, None),
+              (16, 64, 4, 3, None), (32, 64, 4, 4, None), (64, 128, 4, 3, 1), (128, 128, 8, 3, 1),
+              (128, 256, 8, 3, 1), (64, 256, 8, 3, 1)]
 
 
 def timed(fn: Callable[[], None], dev: torch.device, reps: int, per_graph: int = 10) -> float:
@@ -102,6 +108,11 @@ def kernels_to_time(x: torch.Tensor, wf: torch.Tensor, qw: QuantizedWeight, out:
 
                 runs.append(("fp8 w8a8", lambda: fp8_triton.w8a8_gemm(x, qw.q, qw.scales, qw.group_size, None, out),
                              nbytes))
+                for bm, bn, warps, stages, split in W8A8_SWEEP if sweep else []:
+                    runs.append((f"fp8 w8a8 {bm}x{bn} w{warps}s{stages} k{split or 'auto'}",
+                                 lambda bm=bm, bn=bn, warps=warps, stages=stages, split=split: fp8_triton.w8a8_gemm(
+                                     x, qw.q, qw.scales, qw.group_size, None, out, block_m=bm, block_n=bn,
+                                     warps=warps, stages=stages, split_k=split), nbytes))
             continue
         runs.append((f"{qw.kind} {method}", call(method=method), nbytes))
         if sweep:

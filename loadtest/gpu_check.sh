@@ -81,10 +81,11 @@ step mla 90 $PY -m loadtest.bench_gpu --preset deepseek-v2-lite --quantization i
 # FP8 (#57): the FP8 tests compiled on the device (the kernels against their references; block-FP8 engines by
 # weight-only and w8a8 and the e4m3 KV cache against float32 on the CPU), the engine (8B: bf16 vs fp8 weights by
 # both methods; 16k context: bf16 vs e4m3 KV; DeepSeek-V2-Lite: bf16 vs fp8), then the matrix methods
-# (weight-only gemv/dot vs w8a8 per row count: where w8a8 starts winning is fp8_triton.W8A8_MIN_ROWS).
-step fp8tests 170 $PY -m pytest -q -p no:cacheprovider --timeout 150 -n 6 -rA tests/test_cuda_engine.py tests/test_triton_kernels.py tests/test_kv_cache_dtype.py -k "fp8 or e4m3 or w8a8 or refused_on_cuda"
+# (weight-only gemv/dot vs w8a8 per row count, each at several launch shapes: where w8a8 starts winning is
+# fp8_triton.W8A8_MIN_ROWS). The device's python has no pytest-asyncio: the PD-pair test runs in CI only.
+step fp8tests 120 $PY -m pytest -q -p no:cacheprovider --timeout 110 -n 8 -rfE tests/test_cuda_engine.py tests/test_triton_kernels.py tests/test_kv_cache_dtype.py -k "(fp8 or e4m3 or w8a8 or split_k or refused_on_cuda) and not disaggregated"
 step fp8engine 200 bash -c "$PY -m loadtest.bench_gpu --preset llama3-8b --backends triton --batches 1,32 --iters 10 && $PY -m loadtest.bench_gpu --preset llama3-8b --backends triton --batches 1,32 --iters 10 --quantization fp8 --fp8-gemm weight-only,w8a8"
 step fp8kv 130 bash -c "$PY -m loadtest.bench_gpu --preset llama3-8b --backends triton --batches 1,8 --context 16384 --iters 10 --prefill-tokens 512 && $PY -m loadtest.bench_gpu --preset llama3-8b --backends triton --batches 1,8 --context 16384 --iters 10 --prefill-tokens 512 --kv-cache-dtype fp8"
-step fp8gemm 90 $PY -m loadtest.bench_quant_gemm --kinds fp8 --methods gemv,dot,w8a8 --rows 1,4,16,64,256,2048 --reps 10
+step fp8gemm 200 bash -c "$PY -m loadtest.bench_quant_gemm --kinds fp8 --shapes qkv,o,gate_up,down --methods gemv --rows 1 --sweep --reps 10; $PY -m loadtest.bench_quant_gemm --kinds fp8 --shapes qkv,o,gate_up,down --methods dot,w8a8 --rows 4,16,64 --sweep --reps 10; $PY -m loadtest.bench_quant_gemm --kinds fp8 --shapes qkv,o,gate_up,down --methods w8a8 --rows 256,2048 --sweep --reps 10"
 step fp8moe 150 bash -c "$PY -m loadtest.bench_gpu --preset deepseek-v2-lite --backends triton --batches 1,32 --iters 10 && $PY -m loadtest.bench_gpu --preset deepseek-v2-lite --backends triton --batches 1,32 --iters 10 --quantization fp8 --fp8-gemm weight-only,w8a8"
 cat "$summary"

@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 KERNEL_MODULES = ("compressed_triton", "quant_triton", "fp8_triton", "moe_triton", "lora_triton", "mla_triton",
-                  "triton_ops")
+                  "triton_ops", "split_k")
 # Kernels that need a newer GPU than some --arch asks for: FP8 tensor-core dots from sm_89 (an sm_80 GPU runs
 # FP8 weights through the weight-only kernels instead). Launches of these cases are compiled from this arch up.
 MIN_ARCH = {"fp8_triton": 89}
@@ -307,11 +307,11 @@ def cases() -> list[Case]:
         x, ids, weights, cgu, cdn, F.silu, num_experts=experts)))
 
     w8 = quant.quantize(torch.randn(256, 512, generator=g), "fp8", 128)
-    for rows in (16, 64, 256):
-        def w8a8(rows: int = rows) -> None:
+    for rows, split in ((1, 4), (16, 1), (64, 1), (256, 1)):
+        def w8a8(rows: int = rows, split: int = split) -> None:
             fp8_triton.w8a8_gemm(randn(rows, 512), w8.q, w8.scales, w8.group_size, randn(256),
-                                 torch.empty(rows, 256, dtype=bf))
-        out.append(Case(f"FP8 w8a8 {rows} rows", w8a8))
+                                 torch.empty(rows, 256, dtype=bf), split_k=split)
+        out.append(Case(f"FP8 w8a8 {rows} rows split {split}", w8a8))
 
     def experts_decoded(decode: str) -> None:
         kept = moe_triton.EXPERTS_DECODE

@@ -58,7 +58,8 @@ def test_the_c_e4m3_store_rounds_as_torch_casts():
                    grid, torch.tensor([0.0, -0.0, 448.0, 449.0, 464.0, 480.0, 1e30, float("inf"), -float("inf"),
                                        2.0**-10, 2.0**-9, 3 * 2.0**-11, 1e-40])])
     ours = cpu_ops.e4m3_from_float(x)
-    assert torch.equal(ours.view(torch.uint8), x.to(E4M3).view(torch.uint8))
+    # (clamped first: torch 2.13's cast saturates, 2.11's gave NaN past 464 — seen on an H200 host)
+    assert torch.equal(ours.view(torch.uint8), x.clamp(-448.0, 448.0).to(E4M3).view(torch.uint8))
 
 
 @needs_f16

@@ -99,8 +99,11 @@ def write_kv(layer_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: 
 
 def store_rows(flat: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) -> None:
     """flat[rows] = values in the cache's element type (a float16 or e4m3 cache under a float32 model:
-    rounded here, to nearest even; e4m3 saturates at +-448, as torch's cast does). torch has no index_copy_
-    for float8: its bytes are copied instead."""
+    rounded here, to nearest even; e4m3 saturates at +-448: clamped first, since torch's own cast saturates
+    in 2.13 but gave NaN past 464 in 2.11, as seen on an H200 host). torch has no index_copy_ for float8:
+    its bytes are copied instead."""
+    if flat.dtype == torch.float8_e4m3fn:
+        values = values.clamp(-448.0, 448.0)
     vals = values.to(flat.dtype)
     if flat.element_size() == 1:
         flat.view(torch.uint8).index_copy_(0, rows, vals.view(torch.uint8))

@@ -12,7 +12,7 @@ chunk of rows at a time (`decompress`, at most 256 MiB), for the vendor GEMM, an
 Rows per program: one row (`GEMV_MAX_ROWS`: products in float32 registers, no dot; 32 x 256 tiles, the
 fastest measured), else 16 up to 16 rows and 32 up to `DECOMPRESS_MIN_ROWS`.
 
-Split-K (`quant_triton.split_k_for`): with a few rows (decode) there are too few (row, column) tiles to
+Split-K (`split_k.split_k_for`): with a few rows (decode) there are too few (row, column) tiles to
 fill the GPU, so each program takes a share of K and writes float32 partial sums that are added after.
 
 `PLAIN=True` is the same kernel reading an ordinary bfloat16 W: on a matrix without escapes the two are
@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from common.sizing import DECOMPRESS_BUFFER_BYTES
-from engine.model.kernels.quant_triton import split_k_for
+from engine.model.kernels.split_k import split_k_for
 
 # Rows from which the matrix is decoded to bfloat16 for torch's GEMM instead of in every row block's
 # program: past one 32-row block. On an H200 (Llama-3-8B shapes inside CUDA graphs,

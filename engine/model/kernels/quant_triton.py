@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from engine.model.kernels.fp8_triton import e4m3_to_float
-from engine.model.kernels.triton_ops import splits_to_fill
+from engine.model.kernels.split_k import reduce_partials, split_k_for
 
 
 @triton.jit
@@ -198,16 +198,6 @@ def _dequant_kernel(q_ptr, s_ptr, m_ptr, w_ptr, N, K, groups,
     tl.store(w_ptr + rn[:, None] * K + k_b[None, :], w_b.to(w_ptr.dtype.element_ty), mask=rows & (k_b[None, :] < K))
 
 
-def split_k_for(device: torch.device, programs: int, k_tiles: int) -> int:
-    """K splits that give about two waves of programs over the GPU (`triton_ops.splits_to_fill`): a power
-    of two, at most 8 and at most one per K tile; 1 on CPU."""
-    want = splits_to_fill(device, programs)
-    split = 1
-    while split * 2 <= min(want, 8, k_tiles):
-        split *= 2
-    return split
-
-
 @dataclass(frozen=True)
 class Tiles:
     """One launch shape (BLOCK_K a multiple of 32: int4 runs, two halves of 16+). `block_m` is unused
@@ -292,7 +282,4 @@ def wo_gemm(x: torch.Tensor, kind: str, q: torch.Tensor, scales: torch.Tensor, m
                               PACKED=how == "dot", BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
                               SPLIT_K=split, FP8=fp8, num_warps=t.warps, num_stages=t.stages)
     if split > 1:
-        total = part.sum(0)
-        if bias is not None:
-            total += bias.float()
-        out.copy_(total)
+        reduce_partials(part, bias, out)

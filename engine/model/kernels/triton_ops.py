@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from engine.model.kernels.fp8_triton import e4m3_bits, e4m3_to_float
+from engine.model.kernels.split_k import splits_to_fill
 
 
 @triton.jit
@@ -112,20 +113,6 @@ def _combine_splits_kernel(part_ptr, out_ptr, stride_ot, stride_oh, SPLITS: tl.c
     w = tl.where(m > float("-inf"), tl.exp(m - m_max), 0.0)  # an empty split (short context) weighs nothing
     out = tl.sum(w[:, None] * acc, axis=0) / tl.sum(w * l_s, axis=0)
     tl.store(out_ptr + seq * stride_ot + h * stride_oh + d, out.to(out_ptr.dtype.element_ty))
-
-
-_SM_COUNT: dict[int, int] = {}
-
-
-def splits_to_fill(device: torch.device, programs: int) -> int:
-    """How many times `programs` programs must be split for two waves over the GPU's multiprocessors
-    (1 on CPU, where the interpreter runs one program at a time). Shared by split-KV decode and split-K."""
-    if device.type != "cuda":
-        return 1
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _SM_COUNT:
-        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return max(-(-2 * _SM_COUNT[idx] // max(programs, 1)), 1)
 
 
 def decode_splits(device: torch.device, programs: int) -> int:
