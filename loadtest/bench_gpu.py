@@ -307,11 +307,12 @@ def main() -> int:
         if args.quantization != "fp8":
             raise SystemExit("--fp8-gemm needs --quantization fp8")
         fp8_methods = list(args.fp8_gemm.split(","))
-        if not set(fp8_methods) <= {"weight-only", "w8a8"}:
-            raise SystemExit(f"--fp8-gemm takes weight-only and w8a8, got {args.fp8_gemm!r}")
+        if not set(fp8_methods) <= {"weight-only", "w8a8", "auto"}:
+            raise SystemExit(f"--fp8-gemm takes weight-only, w8a8 and auto (the engine's choice by rows), "
+                             f"got {args.fp8_gemm!r}")
     from engine.model.kernels import fp8_triton
 
-    default_w8a8_rows = fp8_triton.W8A8_MIN_ROWS
+    default_w8a8_rows = (fp8_triton.W8A8_MIN_ROWS, fp8_triton.W8A8_MAX_ROWS)
     decodes: list[str | None] = [None]
     if args.tiles_decode:
         if not args.compress_weights:
@@ -349,7 +350,9 @@ def main() -> int:
                                                             for f in fp8_methods]:
             set_backend(backend)
             # (w8a8 from every row count, or from none: the engine's fp8_triton.method_for decides by rows)
-            fp8_triton.W8A8_MIN_ROWS = {None: default_w8a8_rows, "w8a8": 1, "weight-only": 1 << 30}[fp8m]
+            fp8_triton.W8A8_MIN_ROWS, fp8_triton.W8A8_MAX_ROWS = {
+                None: default_w8a8_rows, "auto": default_w8a8_rows, "w8a8": (1, 1 << 30),
+                "weight-only": (1 << 30, 1 << 30)}[fp8m]
             if fp8m:
                 backend += f"/{fp8m}"
             compressed_triton.GEMV_LAUNCH = launch or default

@@ -178,20 +178,44 @@ def _graph_decode(engine) -> None:
     assert all(len(r.token_ids) == N for r in out.values())
 
 
+@torch.no_grad()
+def _w8a8_simulated_logits(path, monkeypatch) -> torch.Tensor:
+    """The exact model's w8a8 numerics in float32 on the CPU: every FP8 matmul by `fp8_triton.w8a8_reference`
+    (activations rounded to e4m3 per token per group, as the device's kernel does)."""
+    from engine.model import quant
+    from engine.model.kernels import fp8_triton
+
+    plain = quant.linear
+
+    def simulated(x, parts, bias, int8_activations=False):
+        if all(p.kind == "fp8" for p in parts):
+            out = torch.cat([fp8_triton.w8a8_reference(x, p.q, p.scales, p.group_size) for p in parts], -1)
+            return (out if bias is None else out + bias.float()).to(x.dtype)
+        return plain(x, parts, bias, int8_activations)
+
+    with monkeypatch.context() as m:
+        m.setattr(quant, "linear", simulated)
+        engine = make_engine(path, **CPU_EXACT)
+        engine.model.cpu_layers_off = "every matmul through quant.linear"
+        return _forced_logits(engine)
+
+
 @pytest.mark.parametrize("method", ["weight-only", "w8a8"])
 @pytest.mark.parametrize("name", list(FP8_SHAPES))
 def test_block_fp8_weights_on_the_gpu_compute_their_dequantized_model(name, method, tmp_path, monkeypatch):
     """A block-FP8 checkpoint on the device, bfloat16 activations, every matmul by `method` (weight-only:
     e4m3 widened in the kernel; w8a8: activations quantized per token per 128 columns for the FP8 tensor
-    cores, forced from one row), held as e4m3 codes. Teacher-forced logits (128 positions) against the
+    cores, forced at every row count), held as e4m3 codes. Teacher-forced logits (128 positions) against the
     dequantized weights in float32 on the CPU: weight-only within twice the error of the same dequantized
-    weights in bfloat16 on the device (+0.02); w8a8's mean error at most that engine's + 20% of the logits'
-    spread (e4m3 activations: 3 mantissa bits). Graph-decoded greedy tokens run too."""
+    weights in bfloat16 on the device (+0.02); w8a8's mean error at most w8a8's own (its numerics computed in
+    float32 on the CPU: e4m3 activations move this random DeepSeek-V3-shaped model's logits by 0.41 of their
+    spread) plus that bfloat16 engine's, + 0.1. Graph-decoded greedy tokens run too."""
     from hf_models import write_block_fp8, write_dequantized
 
     from engine.model.kernels import fp8_triton
 
     monkeypatch.setattr(fp8_triton, "W8A8_MIN_ROWS", 1 if method == "w8a8" else 1 << 30)
+    monkeypatch.setattr(fp8_triton, "W8A8_MAX_ROWS", 1 << 30)
     hf = make_hf_model(name, tmp_path / "hf", **FP8_SHAPES[name])
     write_block_fp8(hf.path, tmp_path / "fp8", block=128)
     write_dequantized(tmp_path / "fp8", tmp_path / "deq")
@@ -211,7 +235,9 @@ def test_block_fp8_weights_on_the_gpu_compute_their_dequantized_model(name, meth
     if method == "weight-only":
         assert worst <= 2 * rworst + 0.02, (name, worst, rworst)
     else:
-        assert mean <= rmean + 0.2, (name, mean, rmean)
+        sa, _, smean = _errors(_w8a8_simulated_logits(tmp_path / "fp8", monkeypatch), exact)
+        print(f"{name} w8a8 in float32 on the CPU: top-1 {sa:.3f}, mean {smean:.3f} std")
+        assert mean <= smean + rmean + 0.1, (name, mean, smean, rmean)
     _graph_decode(fp8)
 
 

@@ -26,10 +26,18 @@ from engine.model.kernels.split_k import reduce_partials, split_k_for
 
 FP8_MAX = 448.0
 _E4M3_MAX = tl.constexpr(448.0)  # (the same, as the kernels may read it)
-# From this many activation rows an FP8-capable GPU takes the w8a8 kernel (fewer: weight-only, which
-# skips the activation pass; both read each weight byte once). Not yet timed on a device: the
-# `fp8gemm` step of loadtest/gpu_check.sh measures both methods across rows and sets it.
-W8A8_MIN_ROWS = 64
+# The rows for which an FP8-capable GPU takes the w8a8 kernel; outside them weight-only (`quant_triton`: from
+# 128 rows the codes are widened once to the model's dtype for the vendor GEMM). Measured on an H200
+# (`bash loadtest/gpu_check.sh OUT fp8gemm`, loadtest/results/quantization/h200/): w8a8 beats weight-only from one
+# row (Llama-3-8B's fused gate/up at 4 rows: 35.6 us, 80% of copy bandwidth, against 57.2 for bfloat16 and ~80 for
+# the weight-only kernels), and loses to widening + cuBLAS at prefill sizes (gate/up at 2,048 rows: 947 us at its
+# best tile against 691 for the bfloat16 GEMM alone): its per-group rescaling each K step keeps the tensor cores
+# from accumulating across steps.
+W8A8_MIN_ROWS = 1
+W8A8_MAX_ROWS = 512
+# Up to this many rows the activations are quantized inside the GEMM (one launch, no e4m3 copy of x); above it
+# every column tile's program would quantize the same rows again, so `quantize_activations` runs once first.
+FUSED_QUANT_MAX_ROWS = 64
 
 
 @triton.jit
@@ -84,9 +92,11 @@ def _quantize_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, groups, GROUP: tl.con
 
 
 @triton.jit
-def _w8a8_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, bias_ptr, c_ptr, part_ptr, M, N, K, stride_cm, groups,
+def _w8a8_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, bias_ptr, c_ptr, part_ptr, M, N, K, stride_am, stride_cm, groups,
                  GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
+                 BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, QUANT_A: tl.constexpr):
+    """QUANT_A: `a` is the activations in the model's dtype, quantized here per row per group (BLOCK_K is
+    the group) exactly as `_quantize_kernel` does; else `a` holds its e4m3 codes and `as` their scales."""
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     pid_k = tl.program_id(2)
@@ -96,10 +106,16 @@ def _w8a8_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, bias_ptr, c_ptr, part_ptr, M, N, 
     k_start = pid_k * k_per
     for k0 in range(k_start, tl.minimum(k_start + k_per, K), BLOCK_K):
         kk = k0 + rk
-        a = tl.load(a_ptr + rm[:, None] * K + kk[None, :], mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
-        w = tl.load(w_ptr + rn[:, None] * K + kk[None, :], mask=(rn[:, None] < N) & (kk[None, :] < K), other=0.0)
+        amask = (rm[:, None] < M) & (kk[None, :] < K)
         g = k0 // GROUP
-        a_s = tl.load(as_ptr + rm * groups + g, mask=rm < M, other=0.0)
+        if QUANT_A:
+            xf = tl.load(a_ptr + rm[:, None] * stride_am + kk[None, :], mask=amask, other=0.0).to(tl.float32)
+            a_s = tl.maximum(tl.max(tl.abs(xf), axis=1) / _E4M3_MAX, 1e-12)
+            a = round_e4m3(tl.math.div_rn(xf, a_s[:, None])).to(tl.float8e4nv)
+        else:
+            a = tl.load(a_ptr + rm[:, None] * stride_am + kk[None, :], mask=amask, other=0.0)
+            a_s = tl.load(as_ptr + rm * groups + g, mask=rm < M, other=0.0)
+        w = tl.load(w_ptr + rn[:, None] * K + kk[None, :], mask=(rn[:, None] < N) & (kk[None, :] < K), other=0.0)
         w_s = tl.load(ws_ptr + rn * groups + g, mask=rn < N, other=0.0)
         acc += tl.dot(a, tl.trans(w)) * a_s[:, None] * w_s[None, :]
     mask = (rm[:, None] < M) & (rn[None, :] < N)
@@ -118,7 +134,7 @@ def fp8_tensor_cores(device: torch.device) -> bool:
 
 def method_for(rows: int, device: torch.device) -> str:
     """'w8a8' or 'weight-only' for a step of `rows` activation rows on `device`."""
-    return "w8a8" if fp8_tensor_cores(device) and rows >= W8A8_MIN_ROWS else "weight-only"
+    return "w8a8" if fp8_tensor_cores(device) and W8A8_MIN_ROWS <= rows < W8A8_MAX_ROWS else "weight-only"
 
 
 def quantize_activations(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -139,8 +155,8 @@ def w8a8_tiles(m: int, n: int, k: int, device: torch.device) -> tuple[int, int, 
     programs make two waves over the GPU (`split_k`) — one 64 x 128 tile per program and no split left an
     H200 two-thirds idle on Llama-3-8B's fused qkv at one row (48 programs on 132 multiprocessors: 32% of
     copy bandwidth)."""
-    if m >= 256:
-        return 128, 128, 8, 3, 1
+    if m >= 256:  # (measured best or within 3% at 256 and 2,048 rows: 128 x 128 with 8 warps took 1.4-1.6x)
+        return 64, 128, 4, 3, 1
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64
     block_n = 64 if m <= 64 else 128
     programs = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
@@ -149,11 +165,13 @@ def w8a8_tiles(m: int, n: int, k: int, device: torch.device) -> tuple[int, int, 
 
 def w8a8_gemm(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, group_size: int, bias: torch.Tensor | None,
               out: torch.Tensor, block_m: int | None = None, block_n: int | None = None, block_k: int = 128,
-              warps: int | None = None, stages: int | None = None, split_k: int | None = None) -> None:
+              warps: int | None = None, stages: int | None = None, split_k: int | None = None,
+              fused_quant: bool | None = None) -> None:
     """out [M, N] (row-strided view allowed) = e4m3(x) @ W^T (+ bias): x quantized per row per group, W the
     e4m3 codes `q` [N, K] with `scales` [N, K / group_size]. BLOCK_K is cut to the group when larger; the
     launch choices not given are `w8a8_tiles`'. Split over K, the float32 partials are summed by
-    `split_k.reduce_partials`."""
+    `split_k.reduce_partials`. `fused_quant` (None: up to FUSED_QUANT_MAX_ROWS rows, where BLOCK_K is the
+    group): x quantized inside the GEMM rather than by `quantize_activations` first — the same numbers."""
     m, k = x.shape
     n = q.shape[0]
     auto = w8a8_tiles(m, n, k, x.device)
@@ -162,12 +180,23 @@ def w8a8_gemm(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, group_size
     block_k = min(block_k, group_size)
     if group_size % block_k:
         raise ValueError(f"BLOCK_K {block_k} must divide the scale group {group_size}")
-    xq, xs = quantize_activations(x, group_size)
+    if k % group_size:
+        raise ValueError(f"{k} columns in groups of {group_size}: a group must divide K")
+    fused = (fused_quant if fused_quant is not None else m <= FUSED_QUANT_MAX_ROWS) and block_k == group_size
+    if fused:
+        a, a_s, stride_a = x, scales, x.stride(0)
+        if x.stride(1) != 1:
+            a = x.contiguous()
+            stride_a = a.stride(0)
+    else:
+        a, a_s = quantize_activations(x, group_size)
+        stride_a = a.stride(0)
     part = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else scales
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n), split)
-    _w8a8_kernel[grid](xq, xs, q, scales, bias if bias is not None else scales, out, part, m, n, k, out.stride(0),
-                       k // group_size, GROUP=group_size, HAS_BIAS=bias is not None, BLOCK_M=block_m,
-                       BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, num_warps=warps, num_stages=stages)
+    _w8a8_kernel[grid](a, a_s, q, scales, bias if bias is not None else scales, out, part, m, n, k, stride_a,
+                       out.stride(0), k // group_size, GROUP=group_size, HAS_BIAS=bias is not None,
+                       BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, QUANT_A=fused,
+                       num_warps=warps, num_stages=stages)
     if split > 1:
         reduce_partials(part, bias, out)
 
