@@ -614,11 +614,10 @@ def test_fp8_activation_quantization_rounds_as_torch_casts(group):
     assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
 
 
-@pytest.mark.parametrize("fused", [None, False, True])  # x quantized inside the GEMM or before it (None: by rows)
 @pytest.mark.parametrize("split", [None, 3])  # None: the launch's own choice (1 on CPU); 3: K split, a part short
 @pytest.mark.parametrize("rows", [1, 19, 70])
 @pytest.mark.parametrize("group", [32, 128])
-def test_w8a8_gemm_equals_its_reference(rows, group, split, fused):
+def test_w8a8_gemm_equals_its_reference(rows, group, split):
     """FP8 x FP8 with both scales per group (a tile of rows and weight rows, partial at the edges) equals
     the plain torch computation of the same codes and scales, and is within FP8's rounding of the exact
     product (the reason it needs the per-group activation scales at all)."""
@@ -631,8 +630,8 @@ def test_w8a8_gemm_equals_its_reference(rows, group, split, fused):
     x = torch.randn(rows, k, generator=g).to(DEV)
     bias = torch.randn(n, generator=g).to(DEV)
     out = torch.empty(rows, n + 6, device=DEV)[:, 3 : 3 + n]
-    blocks = {} if CUDA else dict(block_m=16, block_n=32, block_k=min(group, 64) if fused is None else group)
-    fp8_triton.w8a8_gemm(x, qw.q, qw.scales, group, bias, out, split_k=split, fused_quant=fused, **blocks)
+    blocks = {} if CUDA else dict(block_m=16, block_n=32, block_k=min(group, 64))
+    fp8_triton.w8a8_gemm(x, qw.q, qw.scales, group, bias, out, split_k=split, **blocks)
     ref = fp8_triton.w8a8_reference(x, qw.q, qw.scales, group, bias)
     # Interpreted: float32 sums, another order. Compiled for Hopper's tensor cores: FP8 products are
     # accumulated inside each group with about 14 significant bits (DeepSeek-V3's report, 3.3.2; seen on an

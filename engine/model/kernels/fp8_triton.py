@@ -32,12 +32,13 @@ _E4M3_MAX = tl.constexpr(448.0)  # (the same, as the kernels may read it)
 # row (Llama-3-8B's fused gate/up at 4 rows: 35.6 us, 80% of copy bandwidth, against 57.2 for bfloat16 and ~80 for
 # the weight-only kernels), and loses to widening + cuBLAS at prefill sizes (gate/up at 2,048 rows: 947 us at its
 # best tile against 691 for the bfloat16 GEMM alone): its per-group rescaling each K step keeps the tensor cores
-# from accumulating across steps.
+# from accumulating across steps. Between 256 and 511 rows w8a8 is kept on an estimate, not a timing: gate/up at
+# 256 rows took 144 us against the bfloat16 GEMM's 89 plus widening's ~350 MB of traffic (~84 us at copy bandwidth).
 W8A8_MIN_ROWS = 1
 W8A8_MAX_ROWS = 512
-# Up to this many rows the activations are quantized inside the GEMM (one launch, no e4m3 copy of x); above it
-# every column tile's program would quantize the same rows again, so `quantize_activations` runs once first.
-FUSED_QUANT_MAX_ROWS = 64
+# (Quantizing the activations inside the GEMM instead of by `quantize_activations` first, to save a launch,
+# measured 3-5x slower per matrix at 4-64 rows on the H200 — Llama-3-8B's decode step 12.9 ms against 4.5 — and
+# was taken out.)
 
 
 @triton.jit
@@ -94,9 +95,7 @@ def _quantize_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, groups, GROUP: tl.con
 @triton.jit
 def _w8a8_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, bias_ptr, c_ptr, part_ptr, M, N, K, stride_am, stride_cm, groups,
                  GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, QUANT_A: tl.constexpr):
-    """QUANT_A: `a` is the activations in the model's dtype, quantized here per row per group (BLOCK_K is
-    the group) exactly as `_quantize_kernel` does; else `a` holds its e4m3 codes and `as` their scales."""
+                 BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     pid_k = tl.program_id(2)
@@ -108,13 +107,8 @@ def _w8a8_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, bias_ptr, c_ptr, part_ptr, M, N, 
         kk = k0 + rk
         amask = (rm[:, None] < M) & (kk[None, :] < K)
         g = k0 // GROUP
-        if QUANT_A:
-            xf = tl.load(a_ptr + rm[:, None] * stride_am + kk[None, :], mask=amask, other=0.0).to(tl.float32)
-            a_s = tl.maximum(tl.max(tl.abs(xf), axis=1) / _E4M3_MAX, 1e-12)
-            a = round_e4m3(tl.math.div_rn(xf, a_s[:, None])).to(tl.float8e4nv)
-        else:
-            a = tl.load(a_ptr + rm[:, None] * stride_am + kk[None, :], mask=amask, other=0.0)
-            a_s = tl.load(as_ptr + rm * groups + g, mask=rm < M, other=0.0)
+        a = tl.load(a_ptr + rm[:, None] * stride_am + kk[None, :], mask=amask, other=0.0)
+        a_s = tl.load(as_ptr + rm * groups + g, mask=rm < M, other=0.0)
         w = tl.load(w_ptr + rn[:, None] * K + kk[None, :], mask=(rn[:, None] < N) & (kk[None, :] < K), other=0.0)
         w_s = tl.load(ws_ptr + rn * groups + g, mask=rn < N, other=0.0)
         acc += tl.dot(a, tl.trans(w)) * a_s[:, None] * w_s[None, :]
@@ -165,13 +159,11 @@ def w8a8_tiles(m: int, n: int, k: int, device: torch.device) -> tuple[int, int, 
 
 def w8a8_gemm(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, group_size: int, bias: torch.Tensor | None,
               out: torch.Tensor, block_m: int | None = None, block_n: int | None = None, block_k: int = 128,
-              warps: int | None = None, stages: int | None = None, split_k: int | None = None,
-              fused_quant: bool | None = None) -> None:
+              warps: int | None = None, stages: int | None = None, split_k: int | None = None) -> None:
     """out [M, N] (row-strided view allowed) = e4m3(x) @ W^T (+ bias): x quantized per row per group, W the
     e4m3 codes `q` [N, K] with `scales` [N, K / group_size]. BLOCK_K is cut to the group when larger; the
     launch choices not given are `w8a8_tiles`'. Split over K, the float32 partials are summed by
-    `split_k.reduce_partials`. `fused_quant` (None: up to FUSED_QUANT_MAX_ROWS rows, where BLOCK_K is the
-    group): x quantized inside the GEMM rather than by `quantize_activations` first — the same numbers."""
+    `split_k.reduce_partials`."""
     m, k = x.shape
     n = q.shape[0]
     auto = w8a8_tiles(m, n, k, x.device)
@@ -182,21 +174,12 @@ def w8a8_gemm(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, group_size
         raise ValueError(f"BLOCK_K {block_k} must divide the scale group {group_size}")
     if k % group_size:
         raise ValueError(f"{k} columns in groups of {group_size}: a group must divide K")
-    fused = (fused_quant if fused_quant is not None else m <= FUSED_QUANT_MAX_ROWS) and block_k == group_size
-    if fused:
-        a, a_s, stride_a = x, scales, x.stride(0)
-        if x.stride(1) != 1:
-            a = x.contiguous()
-            stride_a = a.stride(0)
-    else:
-        a, a_s = quantize_activations(x, group_size)
-        stride_a = a.stride(0)
+    a, a_s = quantize_activations(x, group_size)
     part = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else scales
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n), split)
-    _w8a8_kernel[grid](a, a_s, q, scales, bias if bias is not None else scales, out, part, m, n, k, stride_a,
+    _w8a8_kernel[grid](a, a_s, q, scales, bias if bias is not None else scales, out, part, m, n, k, a.stride(0),
                        out.stride(0), k // group_size, GROUP=group_size, HAS_BIAS=bias is not None,
-                       BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, QUANT_A=fused,
-                       num_warps=warps, num_stages=stages)
+                       BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, num_warps=warps, num_stages=stages)
     if split > 1:
         reduce_partials(part, bias, out)
 
