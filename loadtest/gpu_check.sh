@@ -25,6 +25,9 @@
 #                                                  #   fp8gemm (weight-only vs w8a8 per matrix: sets W8A8_MIN_ROWS)
 #
 # Needs the project's Python dependencies importable (pip install -e '.[test]'); on a host with no
+# network, carry what its image lacks as wheels (the H200 image's grpcio 1.84 is older than the generated
+# protos need, 1.85.1: `pip download grpcio==1.85.3 protobuf==7.36.2` for its Python, installed with --target
+# and PYTHONPATH; its missing pytest-asyncio leaves the async tests to CI). On a host with no
 # network, SPLITFIRE_HOME must already hold bench-models/host-llama (loadtest/random_models.py).
 set -u
 OUT=${1:?usage: gpu_check.sh OUTDIR [steps]}
