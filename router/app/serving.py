@@ -19,7 +19,7 @@ from typing import Any
 
 from aiohttp import web
 
-from common.tracing import Tracing
+from common.tracing import Tracing, wall_ns
 from common.tracing import end as end_span
 from router.api import messages, responses
 from router.api.chunks import merge_delta_extra, merge_logprobs
@@ -189,12 +189,12 @@ class ServingPath:
             async with self.admission.slot(tenant, policy.weight, priority):
                 t0 = time.perf_counter()
                 self.metrics.tenants.admitted(tenant, t0 - queued)
-                if span is not None:
-                    assert self.tracing is not None
-                    end_span(self.tracing.span("router.admission", span, start_s=queued,
-                                               attributes={"splitfire.priority": priority,
-                                                           "splitfire.weight": policy.weight}), end_s=t0,
-                             queued=self.admission.waiting, running=self.admission.running)
+                if span is not None:  # (the admission wait: attributes and an event of the request's span)
+                    span.set_attributes({"splitfire.priority": priority, "splitfire.weight": policy.weight,
+                                         "splitfire.admission.wait_ms": round((t0 - queued) * 1e3, 3),
+                                         "splitfire.admission.queued": self.admission.waiting,
+                                         "splitfire.admission.running": self.admission.running})
+                    span.add_event("admitted", wall_ns(t0))
                 try:
                     if reqs[0].stream:
                         assert request is not None
