@@ -176,7 +176,7 @@ class Dispatcher:
             route = await self.place(req, hashes, retry.exclude)
         except APIError as e:
             if traced:  # (the request's span ends with the error; it says what placement saw)
-                req.span.set_attributes(self._placement_attributes(req, None, hashes, t0, retry))  # type: ignore[union-attr]
+                req.span.set_attributes(self._placement_attributes(req, None, hashes, t0, retry))
             raise retry.nowhere_left(e) from e
         assert self.backends is not None
         req.served_by = route.pin()
