@@ -193,6 +193,32 @@ def _kv(key: str, value: Any) -> bytes:
     return k + b"\x12" + (_SMALL[n] if n < 128 else _varint(n)) + v
 
 
+_ATTRS: dict[str, dict[tuple[type, Any], bytes] | None] = {}  # key -> {(type, value): its encoded field}
+_PER_KEY = 64  # distinct values memoised per key; a key with more (ids, timings) is encoded every time
+
+
+def _attribute(key: str, value: Any) -> bytes:
+    """A span's attribute field (Span.attributes, 9). Most repeat on every request (model, tenant, route,
+    endpoints, status), so each key keeps the encodings of its first 64 distinct values; a key with more
+    stops memoising. (Encoding was 77 us of the router's CPU per traced request on a 2-vCPU EPYC.)"""
+    cls = value.__class__
+    if cls is list or cls is tuple:
+        return _field(9, _kv(key, value))
+    seen = _ATTRS.get(key, {})
+    if seen is None:
+        return _field(9, _kv(key, value))
+    hit = seen.get((cls, value))
+    if hit is None:
+        hit = _field(9, _kv(key, value))
+        if len(seen) < _PER_KEY:
+            if not seen and len(_ATTRS) < 4096:
+                _ATTRS[key] = seen
+            seen[(cls, value)] = hit
+        else:
+            _ATTRS[key] = None
+    return hit
+
+
 def encode_span(s: Span) -> bytes:
     """An OTLP `Span` message."""
     ctx = s.ctx
@@ -203,7 +229,7 @@ def encode_span(s: Span) -> bytes:
         out.append(_field(4, s.parent_id.to_bytes(8, "big")))
     out += [_field(5, s.name.encode()), b"\x30" + _SMALL[s.kind],
             b"\x39" + _PACK_Q(s.start_ns), b"\x41" + _PACK_Q(s.end_ns)]
-    out += [_field(9, _kv(k, v)) for k, v in s.attributes.items() if v is not None]
+    out += [_attribute(k, v) for k, v in s.attributes.items() if v is not None]
     out += [_field(11, b"\x09" + _PACK_Q(ts) + _field(2, name.encode())) for ts, name in s.events]
     if s.status is not None:
         out.append(_field(15, _field(2, s.status.encode()) + b"\x18\x02"))  # STATUS_CODE_ERROR

@@ -147,6 +147,30 @@ def test_the_hand_written_otlp_encoding_is_what_opentelemetry_proto_reads(monkey
     assert t.service == "splitfire-test" and t.batcher.resource["team"] == "a b"
 
 
+
+def test_memoised_attributes_encode_as_the_first_time(monkeypatch):
+    """Attribute fields are memoised per key (up to 64 values): a repeated value, a value of another type that
+    compares equal (True and 1, 1 and 1.0), and a key past its 64 values all parse as what they were."""
+    from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
+
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:9")
+    t = tracing.Tracing("memo")
+    try:
+        spans = []
+        for i in range(100):  # "i": 100 distinct values (past the memo); "same": one value; "x": three types
+            s = t.span("r", attributes={"i": i, "same": "model-a", "x": [True, 1, 1.0][i % 3]})
+            s.end()
+            spans.append(s)
+        raw = tracing.encode_request({}, "splitfire", spans)
+    finally:
+        t.shutdown()
+    got = trace_service_pb2.ExportTraceServiceRequest.FromString(raw).resource_spans[0].scope_spans[0].spans
+    for i, sp in enumerate(got):
+        attrs = {a.key: a.value for a in sp.attributes}
+        assert attrs["i"].int_value == i and attrs["same"].string_value == "model-a"
+        assert attrs["x"].WhichOneof("value") == ["bool_value", "int_value", "double_value"][i % 3]
+
+
 def test_sampling_follows_the_parent_and_the_ratio(monkeypatch):
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:9")
     monkeypatch.setenv("OTEL_TRACES_SAMPLER", "parentbased_traceidratio")
