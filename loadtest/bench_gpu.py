@@ -292,7 +292,8 @@ def main() -> int:
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "CPU"
     print(f"device {name}: copy bandwidth {bw / 1e9:.0f} GB/s, {dtype} matmul peak {peak / 1e12:.1f} TFLOP/s; "
           f"weights {args.quantization or dtype}{' compressed' if args.compress_weights else ''}; KV cache "
-          f"{'e4m3' if args.kv_cache_dtype == 'fp8' else dtype}")
+          f"{'e4m3' if args.kv_cache_dtype == 'fp8' else dtype}"
+          f"{'; e4m3 widened by the GPU cvt' if os.environ.get('SPLITFIRE_E4M3_NATIVE') == '1' else ''}")
     backends = ["torch", "triton"] if (dev.type == "cuda" or os.environ.get("TRITON_INTERPRET")) else ["torch"]
     if args.backends:
         if not set(args.backends.split(",")) <= set(backends):
