@@ -88,3 +88,23 @@ def step_tokens(engine: LLMEngine, outs: dict[str, list[int]]) -> set[str]:
         if o.token_ids:
             got.add(o.request_id)
     return got
+
+
+def simulate_w8a8(m) -> None:
+    """Within monkeypatch context `m`: `quant.linear` computes every FP8 matmul by `fp8_triton.w8a8_reference`
+    (activations rounded to e4m3 per row per group, as the GPU's w8a8 kernel does; float32 in torch), every
+    other as before. Engines built inside should set `model.cpu_layers_off` so each matmul goes through it."""
+    import torch
+
+    from engine.model import quant
+    from engine.model.kernels import fp8_triton
+
+    plain = quant.linear
+
+    def simulated(x, parts, bias, int8_activations=False):
+        if all(p.kind == "fp8" for p in parts):
+            out = torch.cat([fp8_triton.w8a8_reference(x, p.q, p.scales, p.group_size) for p in parts], -1)
+            return (out if bias is None else out + bias.float()).to(x.dtype)
+        return plain(x, parts, bias, int8_activations)
+
+    m.setattr(quant, "linear", simulated)

@@ -182,19 +182,10 @@ def _graph_decode(engine) -> None:
 def _w8a8_simulated_logits(path, monkeypatch) -> torch.Tensor:
     """The exact model's w8a8 numerics in float32 on the CPU: every FP8 matmul by `fp8_triton.w8a8_reference`
     (activations rounded to e4m3 per token per group, as the device's kernel does)."""
-    from engine.model import quant
-    from engine.model.kernels import fp8_triton
-
-    plain = quant.linear
-
-    def simulated(x, parts, bias, int8_activations=False):
-        if all(p.kind == "fp8" for p in parts):
-            out = torch.cat([fp8_triton.w8a8_reference(x, p.q, p.scales, p.group_size) for p in parts], -1)
-            return (out if bias is None else out + bias.float()).to(x.dtype)
-        return plain(x, parts, bias, int8_activations)
+    from engine_helpers import simulate_w8a8
 
     with monkeypatch.context() as m:
-        m.setattr(quant, "linear", simulated)
+        simulate_w8a8(m)
         engine = make_engine(path, **CPU_EXACT)
         engine.model.cpu_layers_off = "every matmul through quant.linear"
         return _forced_logits(engine)

@@ -676,18 +676,10 @@ def test_fp8_checkpoint_on_the_gpu_path(method, tmp_path, monkeypatch):
 
     want, want_logits = run()
     if method == "w8a8":  # the w8a8 numerics in plain torch on the CPU path: every FP8 matmul by the reference
-        from engine.model import quant
-
-        plain_linear = quant.linear
-
-        def simulated(x, parts, bias, int8_activations=False):
-            if all(p.kind == "fp8" for p in parts):
-                return torch.cat([fp8_triton.w8a8_reference(x, p.q, p.scales, p.group_size) for p in parts],
-                                 -1) + (0 if bias is None else bias)
-            return plain_linear(x, parts, bias, int8_activations)
+        from engine_helpers import simulate_w8a8
 
         with monkeypatch.context() as m:
-            m.setattr(quant, "linear", simulated)
+            simulate_w8a8(m)
             sim, sim_logits = run(module_path=True)
     calls = []
     gemm = fp8_triton.w8a8_gemm

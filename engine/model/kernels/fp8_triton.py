@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.model.kernels.split_k import reduce_partials, split_k_for
+from engine.model.kernels.split_k import reduce_partials, split_k_for, store_tile
 
 FP8_MAX = 448.0
 _E4M3_MAX = tl.constexpr(448.0)  # (the same, as the kernels may read it)
@@ -117,20 +117,14 @@ def _w8a8_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, bias_ptr, c_ptr, part_ptr, M, N, 
     k_start = pid_k * k_per
     for k0 in range(k_start, tl.minimum(k_start + k_per, K), BLOCK_K):
         kk = k0 + rk
-        amask = (rm[:, None] < M) & (kk[None, :] < K)
         g = k0 // GROUP
-        a = tl.load(a_ptr + rm[:, None] * stride_am + kk[None, :], mask=amask, other=0.0)
+        a = tl.load(a_ptr + rm[:, None] * stride_am + kk[None, :], mask=(rm[:, None] < M) & (kk[None, :] < K),
+                    other=0.0)
         a_s = tl.load(as_ptr + rm * groups + g, mask=rm < M, other=0.0)
         w = tl.load(w_ptr + rn[:, None] * K + kk[None, :], mask=(rn[:, None] < N) & (kk[None, :] < K), other=0.0)
         w_s = tl.load(ws_ptr + rn * groups + g, mask=rn < N, other=0.0)
         acc += tl.dot(a, tl.trans(w)) * a_s[:, None] * w_s[None, :]
-    mask = (rm[:, None] < M) & (rn[None, :] < N)
-    if SPLIT_K == 1:
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
-        tl.store(c_ptr + rm[:, None] * stride_cm + rn[None, :], acc.to(c_ptr.dtype.element_ty), mask=mask)
-    else:
-        tl.store(part_ptr + pid_k * M * N + rm[:, None] * N + rn[None, :], acc, mask=mask)
+    store_tile(acc, rm, rn, M, N, bias_ptr, c_ptr, stride_cm, part_ptr, pid_k, SPLIT_K, HAS_BIAS)
 
 
 def fp8_tensor_cores(device: torch.device) -> bool:

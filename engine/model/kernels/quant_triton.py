@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from engine.model.kernels.fp8_triton import e4m3_to_float
-from engine.model.kernels.split_k import reduce_partials, split_k_for
+from engine.model.kernels.split_k import reduce_partials, split_k_for, store_tile
 
 
 @triton.jit
@@ -142,13 +142,7 @@ def _wo_gemm_kernel(
             x = tl.load(x_ptr + rm[:, None] * stride_xm + kk[None, :], mask=rows & (kk[None, :] < K), other=0.0)
             w = dequant_tile(q_ptr, s_ptr, m_ptr, rn, kk, N, K, groups, GROUP, INT4, FP8).to(x.dtype)
             acc += tl.dot(x, tl.trans(w))
-    mask = (rm[:, None] < M) & (rn[None, :] < N)
-    if SPLIT_K == 1:
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
-        tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty), mask=mask)
-    else:
-        tl.store(part_ptr + pid_k * M * N + rm[:, None] * N + rn[None, :], acc, mask=mask)
+    store_tile(acc, rm, rn, M, N, bias_ptr, y_ptr, stride_ym, part_ptr, pid_k, SPLIT_K, HAS_BIAS)
 
 
 @triton.jit

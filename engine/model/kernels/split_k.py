@@ -40,6 +40,20 @@ def split_k_for(device: torch.device, programs: int, k_tiles: int) -> int:
 
 
 @triton.jit
+def store_tile(acc, rm, rn, M, N, bias_ptr, out_ptr, stride_om, part_ptr, pid_k, SPLIT_K: tl.constexpr,
+               HAS_BIAS: tl.constexpr):
+    """A GEMM tile's epilogue: unsplit, acc (+ bias) stored in the output's dtype at rows `rm`, columns `rn`;
+    split, its float32 partial stored as split `pid_k` of `part` [SPLIT_K, M, N] for `reduce_partials`."""
+    mask = (rm[:, None] < M) & (rn[None, :] < N)
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(part_ptr + pid_k * M * N + rm[:, None] * N + rn[None, :], acc, mask=mask)
+
+
+@triton.jit
 def _reduce_kernel(part_ptr, bias_ptr, out_ptr, M, N, stride_om,
                    SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
