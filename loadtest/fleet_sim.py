@@ -72,6 +72,7 @@ from pathlib import Path
 from loadtest.trace_replay import TRACE_BLOCK, Scale, TraceRequest, leading_cached, read_trace
 from loadtest.workload import pct as workload_pct
 from planner.decision import Limits, Planner, Profile, Snapshot
+from planner.metrics import prompt_peaks
 from router.core.endpoints import Endpoint
 from router.core.prefix_index import PrefixIndex
 from router.placement.balancer import Placement, make_policy
@@ -143,7 +144,7 @@ class CostModel:
         batches = [b for b in (1, 8, 32, 64, 128, 256) if b <= self.max_batch]
         return Profile(self.prefill_tps, {b: self.step_s(b, b * self.profiled_context) for b in batches},
                        profiled_context=self.profiled_context, kv_s_per_token=self.kv_bytes_per_token / self.kv_bandwidth,
-                       kv_tokens=self.kv_tokens)
+                       kv_tokens=self.kv_tokens, prefill_overhead_s=self.prefill_overhead_s)
 
 
 COST_MODELS = {
@@ -613,6 +614,7 @@ class Scaler:
     limits: Limits
     planner: Planner | None = None
     plan: list[tuple[int, int]] = field(default_factory=list)  # schedule: (prefill, decode) per interval
+    sample_s: float = 5.0  # planner: the live planner's scrape period inside an interval (its burst windows)
     history: list[tuple[float, int, int]] = field(default_factory=list)
     _last: dict[str, float] = field(default_factory=dict)
     _busy: dict[int, float] = field(default_factory=dict)
@@ -637,13 +639,23 @@ class Scaler:
         if self.kind == "planner":
             assert self.planner is not None
             rs = [fleet.reqs[i] for i in arrived]
+            lens = [r.input_length for r in rs]
             blocks = sum(len(r.hash_ids) for r in rs)
+            # the prompt tokens per `sample_s` of the interval, as the live planner's scrapes see them: its bursts
+            n_bins = max(round(self.interval / self.sample_s), 1)
+            bins = [[self.interval / n_bins, 0.0] for _ in range(n_bins)]
+            for r in rs:
+                bins[min(max(int((r.at_s - now + self.interval) * n_bins / self.interval), 0), n_bins - 1)][1] += \
+                    r.input_length
             snap = Snapshot(request_rate=len(rs) / self.interval,
                             mean_input_tokens=statistics.fmean([r.input_length for r in rs]) if rs else 0.0,
                             mean_output_tokens=statistics.fmean([r.output_length for r in rs]) if rs else 0.0,
                             prefix_hit_ratio=(sum(fleet.out[i].cached_blocks for i in arrived) / blocks) if blocks else 0.0,
                             ttft_p90_s=pct(firsts, 0.9) if firsts else 0.0, itl_p90_s=pct(done, 0.9) if done else 0.0,
-                            prefill_workers=have["prefill"], decode_workers=have["decode"], at_s=now)
+                            prefill_workers=have["prefill"], decode_workers=have["decode"], at_s=now,
+                            prompt_peaks=prompt_peaks([(dt, n) for dt, n in bins]) if n_bins > 1 else (),
+                            first_token_rate=len(firsts) / self.interval,
+                            prompt_cv2=statistics.pvariance(lens) / statistics.fmean(lens) ** 2 if len(lens) > 1 else None)
             d = self.planner.decide(snap)
             want = {"prefill": d.prefill, "decode": d.decode}
         elif self.kind == "schedule":  # (the interval starting now)

@@ -16,10 +16,11 @@ import json
 import logging
 import os
 import time
+from collections.abc import AsyncIterator
 
 import aiohttp
 
-from planner.decision import Limits, Planner
+from planner.decision import Limits, Planner, Snapshot
 from planner.kubernetes import DeploymentScaler, KubeAPI
 from planner.metrics import Scrape, snapshot
 from planner.profile import load, measure, save
@@ -34,6 +35,25 @@ async def scrape(session: aiohttp.ClientSession, url: str) -> Scrape:
         if r.status != 200:
             raise OSError(f"{url}/metrics answered {r.status}")
         return Scrape.parse(await r.text(), time.monotonic())
+
+
+async def watch(session: aiohttp.ClientSession, url: str, interval_s: float, sample_s: float
+                ) -> AsyncIterator[Snapshot]:
+    """Each interval's snapshot of the router at `url`, read every `sample_s` (at least once an interval): the
+    scrapes in between measure the arrivals' bursts (`planner.metrics.prompt_peaks`)."""
+    if interval_s <= 0 or sample_s <= 0:
+        raise ValueError(f"the interval ({interval_s}) and the sample period ({sample_s}) must be positive")
+    n = max(round(interval_s / sample_s), 1)
+    before = await scrape(session, url)
+    while True:
+        between = []
+        for _ in range(n - 1):
+            await asyncio.sleep(interval_s / n)
+            between.append(await scrape(session, url))
+        await asyncio.sleep(interval_s / n)
+        after = await scrape(session, url)
+        yield snapshot(before, after, between)
+        before = after
 
 
 def scaler_from(args: argparse.Namespace) -> DeploymentScaler | None:
@@ -58,11 +78,8 @@ async def run(args: argparse.Namespace) -> int:
     scaler = scaler_from(args)
     url = args.router.rstrip("/")
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as s:
-        before = await scrape(s, url)
-        while True:
-            await asyncio.sleep(args.interval)
-            after = await scrape(s, url)
-            snap = dataclasses.replace(snapshot(before, after), at_s=time.time())  # (the day: UTC's)
+        async for measured in watch(s, url, args.interval, args.sample):
+            snap = dataclasses.replace(measured, at_s=time.time())  # (the day: UTC's)
             if scaler is not None:  # the Deployments' own counts (pods starting count: no second start)
                 snap = dataclasses.replace(snap, prefill_workers=await scaler.replicas(s, "prefill"),
                                            decode_workers=await scaler.replicas(s, "decode"))
@@ -82,7 +99,6 @@ async def run(args: argparse.Namespace) -> int:
             print(json.dumps({"prefill": d.prefill, "decode": d.decode, "have": {"prefill": snap.prefill_workers,
                               "decode": snap.decode_workers}, "snapshot": snap.__dict__, "reasons": d.reasons}),
                   flush=True)
-            before = after
             if args.once:
                 return 0
 
@@ -121,6 +137,8 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     rn.add_argument("--ttft-slo", type=float, required=True, help="seconds (p90)")
     rn.add_argument("--itl-slo", type=float, required=True, help="seconds (p90)")
     rn.add_argument("--interval", type=float, default=30.0, help="seconds between decisions")
+    rn.add_argument("--sample", type=float, default=5.0, help="seconds between reads of /metrics within an interval: "
+                    "the arrivals' bursts over one, two and six reads size prefill for them")
     rn.add_argument("--startup", type=float, default=60.0, help="seconds a new worker takes to serve: the load is "
                     "predicted this far ahead")
     rn.add_argument("--min-prefill", type=int, default=1)

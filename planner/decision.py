@@ -10,12 +10,18 @@ concurrent streams want decode workers), so each role is predicted and sized on 
   second). An interval above the forecast is believed at once, beyond the down margin's band.
 - **prefill**: the uncached prompt tokens/s over what one worker computes (`Profile.prefill_tps`) at
   `target_utilization`, and at least what an M/M/n queue of those prompts needs for all but `ttft_miss`
-  of them to start within the TTFT SLO (Erlang C, `prefill_servers`): a burst of long prompts queues
-  well before the workers are busy on average.
-- **decode**: the output tokens/s over what one worker produces at the largest batch whose step
-  meets the ITL SLO for streams holding the mean prompt and half the mean answer (`Profile.step_s`:
-  the profiled step at that batch plus the KV cache read beyond the profiled context) and that its KV
-  cache holds (`Profile.decode_capacity`), at `target_utilization`.
+  of them to start within the TTFT SLO (Erlang C, `prefill_servers`), and at least what the bursts need:
+  the router is read every few seconds (`Snapshot.prompt_peaks`: the most prompt tokens/s over 1, 2 and 6
+  reads), each window's peak over the interval's mean is kept (`bursts`), and the predicted load times their
+  `burst_quantile` must be cleared within the TTFT budget — n x rate >= peak x w / (w + budget), the delay
+  bound of a rate server under that arrival curve. Real arrivals are far burstier than Poisson (Azure's code
+  hour: 5-second peaks 2.6x the minute's mean at p90), which no model of the mean sees.
+- **decode**: a worker's batch settles where batch = its output tokens/s x step(batch) (Little's law), so
+  the output tokens/s are sized over what one worker produces at `target_utilization` of the largest
+  batch whose step meets the ITL SLO for streams holding the mean prompt and half the mean answer
+  (`Profile.step_s`: the profiled step at that batch plus the KV cache read beyond the profiled context)
+  and that its KV cache holds (`Profile.decode_capacity`): the headroom is kept in streams, where a burst
+  lands, not in tokens/s (which would keep a second worker for a load the first serves at 80% of its batch).
 
 Feedback corrects the model: a role whose observed p90 misses its SLO although the model says it has
 enough gets one more worker, and the planner remembers it — the role's load is scaled by a learned
@@ -23,15 +29,17 @@ correction (what the profile overestimates of a worker in this fleet: prefix hit
 materialize, bursts within the interval) until the SLO is met with fewer, so the next interval does not
 drain the worker it just had to add. The true need lies between the workers that missed and the one more:
 the correction puts it midway (`have + 0.5`), so a marginal miss does not ask for a second worker the moment
-the load ticks up. The correction is learned only from an interval after which the role
-was not just scaled up (the new workers' start and the backlog they inherit are not a capacity error),
-and it decays slowly (`correction_decay` per interval in which the SLO is met) so one burst does not
-keep workers for good. Scaling up is immediate; scaling down waits `down_after` intervals in which the
-forecast alone (not the interval's noise) fits fewer workers at `down_margin` of the target
-utilization — so a load at a whole number of workers does not add and drain one in turn — and then
-drains one worker per interval; both stay within the role's `[min, max]`.
+the load ticks up. The correction is learned only from a settled fleet: neither role grew within a start-up
+plus `settle_intervals` intervals (the new workers' start and the backlog they inherit are not a capacity
+error, and a prefill backlog cleared floods decode with streams), and the prefill role is not clearing a
+backlog (`Snapshot.first_token_rate` above the arrivals: a cold start's backlog once taught corrections of x3
+that a whole steady hour then paid for). It decays slowly (`correction_decay` per interval in which the SLO
+is met) so one burst does not keep workers for good. Scaling up is immediate; scaling down waits
+`down_after` intervals in which the forecast alone (not the interval's noise) fits fewer workers at
+`down_margin` of the target utilization — so a load at a whole number of workers does not add and drain one in
+turn — and then drains one worker per interval; both stay within the role's `[min, max]`.
 
-What it has learned (the corrections, the predictors' level, trend and daily profile, the last means)
+What it has learned (the corrections, the bursts, the predictors' level, trend and daily profile, the last means)
 outlives the process: `learned()` / `resume()`, kept in a state file by `planner/state.py` (`--state`),
 so a restarted planner neither relearns its fleet's corrections from SLO misses nor its day — and refused
 if learned against other SLOs or another profile, whose errors the corrections measured.
@@ -57,6 +65,13 @@ class Profile:
     profiled_context: float = 0.0
     kv_s_per_token: float = 0.0
     kv_tokens: int = 0  # KV cache one decode worker holds, tokens (0: not known, not a limit)
+    # what a prefill worker spends per prompt beside its tokens (scheduling, the KV hand-off): short prompts are
+    # dearer per token than `prefill_tps` alone says
+    prefill_overhead_s: float = 0.0
+
+    def prefill_work(self, tokens_per_s: float, prompts_per_s: float) -> float:
+        """Seconds of one prefill worker's time per second for this many uncached prompt tokens and prompts."""
+        return tokens_per_s / self.prefill_tps + prompts_per_s * self.prefill_overhead_s
 
     def step_s(self, batch: int, context: float) -> float:
         """One decode step of `batch` streams of `context` tokens each: the profile's time at that batch
@@ -103,6 +118,15 @@ class Snapshot:
     # when the interval ended, in seconds on a clock whose day is the load's day (the wall clock live; the
     # trace's clock in the simulator): the predictor's daily season. None: the planner counts intervals.
     at_s: float | None = None
+    # (window seconds, the most prompt tokens/s over any window that long within the interval): how bursty the
+    # arrivals were, from scrapes every few seconds (`planner.metrics.prompt_peaks`). Empty: not measured.
+    prompt_peaks: tuple[tuple[float, float], ...] = ()
+    # requests/s that got their first token in the interval: above the arrivals, the prefill role is clearing a
+    # backlog (its TTFTs are the backlog's, not its capacity's). None: not measured.
+    first_token_rate: float | None = None
+    # the squared coefficient of variation of the interval's prompt lengths (variance over the squared mean): long
+    # prompts among short ones queue the short ones (M/G/n). None: not measured (taken as exponential, 1).
+    prompt_cv2: float | None = None
 
 
 @dataclass(frozen=True)
@@ -143,18 +167,29 @@ class Planner:
     interval_s: float = 30.0  # how often `decide` is called: the predictors' step
     lead_s: float = 60.0  # a new worker's start-up: the load is predicted this far ahead
     trend_weight: float = 0.05  # the predictors' trend weight (Holt's beta)
+    # an SLO miss teaches a correction only once the fleet's last new workers have served this many whole intervals
+    # (before, the miss is their start-up or the backlog they inherited, not an error of the profile)
+    settle_intervals: int = 2
     _clock: float = 0.0  # (seconds counted by intervals, for snapshots that carry no time)
     _forecast: tuple[float, float] = (0.0, 0.0)  # the predictors' last (prompt, output) tokens/s
+    # The bursts: per window of `Snapshot.prompt_peaks`, the most prompt tokens/s over such a window within an
+    # interval over the interval's mean (the last `burst_window` intervals'); the predicted prompt load is taken
+    # to burst by their `burst_quantile`.
+    bursts: dict[float, list[float]] = field(default_factory=dict)
+    burst_quantile: float = 0.9
+    burst_window: int = 120
+    _peaks: dict[float, float] = field(default_factory=dict)  # window s -> predicted prompt tokens/s over it
     _hit: float | None = None  # the prefix hit ratio, smoothed
+    _cv2: float = 1.0  # the prompts' squared coefficient of variation, smoothed
     # the load one start-up ahead, per role: prompt tokens/s (prefill) and output tokens/s (decode)
     predictors: dict[str, SeasonalTrend] = field(default_factory=dict)
     # mean prompt and output tokens per request, as last seen (an interval in which no request ended says
     # nothing of the output)
     _means: tuple[float, float] = (0.0, 0.0)
     _below: dict[str, int] = field(default_factory=lambda: {"prefill": 0, "decode": 0})
-    # learned: what the role's load is multiplied by (>= 1), and whether the last decision added workers
+    # learned: what the role's load is multiplied by (>= 1), and the intervals since the role last grew
     correction: dict[str, float] = field(default_factory=lambda: {"prefill": 1.0, "decode": 1.0})
-    _added: dict[str, bool] = field(default_factory=lambda: {"prefill": False, "decode": False})
+    _since_grown: dict[str, int] = field(default_factory=lambda: {"prefill": 1 << 30, "decode": 1 << 30})
 
     def __post_init__(self) -> None:
         if self.ttft_slo_s <= 0 or self.itl_slo_s <= 0:
@@ -164,8 +199,10 @@ class Planner:
             raise ValueError("target_utilization, alpha and down_margin in (0, 1], down_after >= 1")
         if self.profile.prefill_tps <= 0 or not self.profile.decode_itl:
             raise ValueError("the profile needs prefill tokens/s and at least one decode batch's ITL")
-        if self.interval_s <= 0 or self.lead_s < 0 or not 0 < self.trend_weight <= 1:
-            raise ValueError("the planner's interval must be positive, its lead >= 0, its trend weight in (0, 1]")
+        if (self.interval_s <= 0 or self.lead_s < 0 or not 0 < self.trend_weight <= 1
+                or self.settle_intervals < 0):
+            raise ValueError("the planner's interval must be positive, its lead >= 0, its trend weight in (0, 1], "
+                             "settle_intervals >= 0")
         self.predictors = self.predictors or {
             role: SeasonalTrend(self.interval_s, alpha=self.alpha, beta=self.trend_weight)
             for role in ("prefill", "decode")}
@@ -176,6 +213,7 @@ class Planner:
                 "profile": {"prefill_tps": self.profile.prefill_tps,
                             "decode_itl": {str(b): v for b, v in sorted(self.profile.decode_itl.items())}},
                 "correction": dict(self.correction), "means": list(self._means),
+                "bursts": {f"{w:g}": [round(r, 4) for r in v] for w, v in sorted(self.bursts.items())},
                 "predictors": {role: p.to_state() for role, p in self.predictors.items()}}
 
     def resume(self, state: dict[str, object]) -> None:
@@ -187,16 +225,21 @@ class Planner:
                 raise ValueError(f"learned against another {what}: {state.get(key)!r}, this planner's is "
                                  f"{mine[key]!r}")
         corr, means, predictors = state.get("correction"), state.get("means"), state.get("predictors", {})
+        bursts = state.get("bursts", {})  # (a state written before bursts were measured has none)
         if (not isinstance(corr, dict) or set(corr) != {"prefill", "decode"}
                 or not all(isinstance(v, (int, float)) and 1.0 <= v <= self.max_correction for v in corr.values())
                 or not (isinstance(means, list) and len(means) == 2
                         and all(isinstance(v, (int, float)) and v >= 0 for v in means))
-                or not isinstance(predictors, dict) or not set(predictors) <= {"prefill", "decode"}):
-            raise ValueError(f"not a planner state (correction {corr!r}, means {means!r})")
+                or not isinstance(predictors, dict) or not set(predictors) <= {"prefill", "decode"}
+                or not isinstance(bursts, dict) or not all(
+                    _positive(w) and isinstance(v, list) and all(isinstance(r, (int, float)) and r >= 1 for r in v)
+                    for w, v in bursts.items())):
+            raise ValueError(f"not a planner state (correction {corr!r}, means {means!r}, bursts {bursts!r})")
         for role, p in predictors.items():  # (a state written before the predictors: they start afresh)
             self.predictors[role].from_state(p)
         self.correction = {role: float(v) for role, v in corr.items()}
         self._means = (float(means[0]), float(means[1]))
+        self.bursts = {float(w): [float(r) for r in v][-self.burst_window:] for w, v in bursts.items()}
 
     def predicted(self, s: Snapshot) -> tuple[float, float]:
         """(prompt tokens/s, output tokens/s) to size for: each the larger of the interval's and its predictor's
@@ -208,12 +251,25 @@ class Planner:
         now = {"prefill": s.request_rate * mean_input, "decode": s.request_rate * mean_output}
         for role, p in self.predictors.items():
             p.observe(t, now[role])
+        if now["prefill"] > 0:  # (an idle interval has no burst to measure)
+            for w, peak in s.prompt_peaks:
+                shapes = self.bursts.setdefault(w, [])
+                shapes.append(min(max(peak / now["prefill"], 1.0), 100.0))
+                del shapes[: -self.burst_window]
         self._forecast = (self.predictors["prefill"].forecast(t, self.lead_s),
                           self.predictors["decode"].forecast(t, self.lead_s))
+        prompt = max(now["prefill"] * self.down_margin, self._forecast[0])
+        self._peaks = {w: prompt * self._quantile(shapes) for w, shapes in self.bursts.items()}
         # (an interval above the forecast is believed at once, but only beyond the down margin's band: a noisy
         # steady load's peaks within it do not add the worker its forecast would drain again)
-        return (max(now["prefill"] * self.down_margin, self._forecast[0]),
-                max(now["decode"] * self.down_margin, self._forecast[1]))
+        return prompt, max(now["decode"] * self.down_margin, self._forecast[1])
+
+    def _quantile(self, shapes: list[float]) -> float:
+        """`burst_quantile` of a window's burst ratios (their mean until ten are known)."""
+        if len(shapes) < 10:
+            return sum(shapes) / len(shapes) if shapes else 1.0
+        ordered = sorted(shapes)
+        return ordered[min(int(self.burst_quantile * len(ordered)), len(ordered) - 1)]
 
     def means(self, s: Snapshot) -> tuple[float, float]:
         """(mean prompt tokens, mean output tokens) per request: the interval's, or the last ones seen when it
@@ -228,7 +284,8 @@ class Planner:
         return self.token_loads(rate * mean_input, rate * mean_output, s.prefix_hit_ratio, mean_input, mean_output)
 
     def token_loads(self, prompt_tps: float, output_tps: float, hit_ratio: float, mean_input: float,
-                    mean_output: float, margin: float = 1.0) -> tuple[float, float]:
+                    mean_output: float, margin: float = 1.0,
+                    peaks: dict[float, float] | None = None) -> tuple[float, float]:
         """Each role's load in workers by the profile alone (fractional), at `margin` of the target utilization.
 
         Prefill: the uncached prompt tokens/s over what a worker computes at the target utilization, and at
@@ -239,13 +296,25 @@ class Planner:
         """
         uncached = 1.0 - min(max(hit_ratio, 0.0), 1.0)
         tokens = prompt_tps * uncached / margin
-        prefill = tokens / (self.profile.prefill_tps * self.target_utilization)
-        service_s = mean_input * uncached / self.profile.prefill_tps
+        prompts = prompt_tps / mean_input / margin if mean_input > 0 else 0.0
+        prefill = self.profile.prefill_work(tokens, prompts) / self.target_utilization
+        service_s = self.profile.prefill_work(mean_input * uncached, 1.0)
         if tokens > 0 and 0 < service_s < self.ttft_slo_s:  # (a prompt that alone takes longer: no count helps)
-            prefill = max(prefill, prefill_servers(tokens / (mean_input * uncached), service_s,
-                                                   self.ttft_slo_s - service_s, self.ttft_miss))
-        _, per_worker = self.profile.decode_capacity(self.itl_slo_s, mean_input + mean_output / 2)
-        return prefill, output_tps / (per_worker * self.target_utilization * margin)
+            budget = self.ttft_slo_s - service_s
+            prefill = max(prefill, prefill_servers(prompts, service_s, budget, self.ttft_miss, cv2=self._cv2))
+            # A burst: `r` times the mean for `w` seconds queues (r x work - n) x w seconds of work, which n
+            # workers clear within the budget when n >= r x work x w / (w + budget) (network calculus' delay
+            # bound of a rate server under the arrival curve the bursts trace).
+            for w, peak in (peaks or {}).items():
+                work = self.profile.prefill_work(peak * uncached / margin, peak / mean_input / margin)
+                prefill = max(prefill, work * w / (w + budget) / self.target_utilization)
+        # Decode: a worker's batch at its load settles where batch = output tokens/s x step(batch) (Little's law);
+        # the load it takes is the rate at which that batch is `target_utilization` (x margin) of the largest that
+        # meets the ITL SLO and fits its KV cache — the headroom is in streams, where a burst lands.
+        context = mean_input + mean_output / 2
+        best, _ = self.profile.decode_capacity(self.itl_slo_s, context)
+        batch = max(best * self.target_utilization * margin, 1.0)
+        return prefill, output_tps / (batch / self.profile.step_s(batch, context))
 
     def needed(self, s: Snapshot, rate: float) -> tuple[int, int]:
         """Workers each role needs for `rate` by the profile alone."""
@@ -258,26 +327,33 @@ class Planner:
         # service time with it
         hit = s.prefix_hit_ratio if self._hit is None else self.alpha * s.prefix_hit_ratio + (1 - self.alpha) * self._hit
         self._hit = hit
-        load = dict(zip(("prefill", "decode"), self.token_loads(prompt_tps, output_tps, hit, *self._means),
-                        strict=True))
+        if s.prompt_cv2 is not None and s.request_rate > 0:
+            self._cv2 = self.alpha * s.prompt_cv2 + (1 - self.alpha) * self._cv2
+        load = dict(zip(("prefill", "decode"), self.token_loads(prompt_tps, output_tps, hit, *self._means,
+                                                                peaks=self._peaks), strict=True))
         # the load were it to fit at the down margin, by the forecast alone (not the interval's noise): fewer
         # workers are wanted only below this
         slack = dict(zip(("prefill", "decode"), self.token_loads(*self._forecast, hit, *self._means,
-                                                                 margin=self.down_margin), strict=True))
+                                                                 margin=self.down_margin, peaks=self._peaks),
+                         strict=True))
         busy = s.request_rate > 0 or output_tps > 0
         have = {"prefill": s.prefill_workers, "decode": s.decode_workers}
         missed = {"prefill": s.ttft_p90_s > self.ttft_slo_s, "decode": s.itl_p90_s > self.itl_slo_s}
         d = Decision(s.prefill_workers, s.decode_workers)
         want, fits = {}, {}  # (fits: the fewest workers the load fits at the down margin)
+        # (clearing a backlog: more requests got their first token than arrived — its misses are the backlog's)
+        settled = (min(self._since_grown.values()) >= self.settled_after
+                   and (s.first_token_rate is None or s.first_token_rate <= 1.1 * s.request_rate))
         for role in ("prefill", "decode"):
             c = self.correction[role]
             if not missed[role]:
                 c = max(1.0, c * (1.0 - self.correction_decay))
             want[role] = math.ceil(round(load[role] * c, 9))
             fits[role] = math.ceil(round(slack[role] * c, 9))
-            if missed[role] and want[role] <= have[role] and not self._added[role]:
-                # Not just scaled up (whose new workers are still starting, or draining the backlog they
-                # inherited): a capacity error of the profile. One more worker, and learn it.
+            if missed[role] and want[role] <= have[role] and settled:
+                # Neither role just scaled up (new workers still starting, or draining the backlog they inherited —
+                # and a prefill backlog cleared floods decode with streams): a capacity error of the profile. One
+                # more worker, and learn it.
                 if load[role] > 0:
                     c = min(max(c, (have[role] + 0.5) / load[role]), self.max_correction)
                 want[role] = have[role] + 1
@@ -297,8 +373,15 @@ class Planner:
                                self.limits.min_prefill, self.limits.max_prefill, d.reasons)
         d.decode = self._step("decode", s.decode_workers, want["decode"], fits["decode"], self.limits.min_decode,
                               self.limits.max_decode, d.reasons)
-        self._added = {"prefill": d.prefill > s.prefill_workers, "decode": d.decode > s.decode_workers}
+        for role, now_, before in (("prefill", d.prefill, s.prefill_workers), ("decode", d.decode, s.decode_workers)):
+            self._since_grown[role] = 0 if now_ > before else self._since_grown[role] + 1
         return d
+
+    @property
+    def settled_after(self) -> int:
+        """Decisions after one that grew a role before its SLO misses teach a correction: the new workers' start-up
+        (`lead_s`), then `settle_intervals` whole intervals of serving."""
+        return math.ceil(round(self.lead_s / self.interval_s, 9)) + self.settle_intervals - 1
 
     def _step(self, role: str, have: int, want: int, fits: int, lo: int, hi: int, reasons: list[str]) -> int:
         want = min(max(want, lo), hi)
@@ -316,6 +399,13 @@ class Planner:
         return max(min(have, hi), lo)
 
 
+def _positive(text: object) -> bool:
+    try:
+        return float(str(text)) > 0
+    except ValueError:
+        return False
+
+
 def erlang_c(n: int, a: float) -> float:
     """The probability that an arrival waits, in an M/M/n queue offered `a` = arrival rate x service time
     (< n); Erlang B's recurrence, then C from B."""
@@ -325,11 +415,15 @@ def erlang_c(n: int, a: float) -> float:
     return n * b / (n - a * (1.0 - b))
 
 
-def prefill_servers(rate: float, service_s: float, budget_s: float, miss: float, most: int = 1024) -> int:
-    """The fewest servers for which at most `miss` of the arrivals (at `rate`/s, each `service_s` of work) wait
-    longer than `budget_s` in an M/M/n queue: P(wait > t) = C(n, a) exp(-(n - a) t / service)."""
+def prefill_servers(rate: float, service_s: float, budget_s: float, miss: float, most: int = 1024,
+                    cv2: float = 1.0) -> int:
+    """The fewest servers for which at most `miss` of the arrivals (at `rate`/s, each `service_s` of work on
+    average) wait longer than `budget_s` in an M/G/n queue whose service times have squared coefficient of variation
+    `cv2`: P(wait > t) = C(n, a) exp(-(n - a) t / (service x (1 + cv2) / 2)) — Erlang C's tail with the waits
+    stretched by Allen-Cunneen's factor (exact for M/M/n, cv2 = 1; prompts of mixed lengths have cv2 > 1)."""
     a = rate * service_s
     n = max(1, math.floor(a) + 1)
-    while n < most and erlang_c(n, a) * math.exp(-(n - a) * max(budget_s, 0.0) / service_s) > miss:
+    stretched = service_s * (1.0 + max(cv2, 0.0)) / 2.0
+    while n < most and erlang_c(n, a) * math.exp(-(n - a) * max(budget_s, 0.0) / max(stretched, 1e-12)) > miss:
         n += 1
     return n

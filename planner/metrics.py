@@ -1,13 +1,15 @@
-"""A planner snapshot from two scrapes of a router's /metrics: what happened between them.
+"""A planner snapshot from the scrapes of a router's /metrics over one interval: what happened between them.
 
 Rates and means come from counter differences (requests arrived and ended, prompt, completion and cached
 tokens), the TTFT and inter-token p90 from histogram bucket differences (the interval's own distribution,
 not the process lifetime's), the fleet from `splitfire_router_endpoint_healthy` (colocated workers count
-as both roles' capacity: they prefill and decode).
+as both roles' capacity: they prefill and decode). The scrapes in between (every few seconds) give the
+arrivals' bursts: the most prompt tokens/s over windows of one, two and six samples (`prompt_peaks`).
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -51,6 +53,14 @@ class Scrape:
         return s
 
 
+def _count(before: Scrape, after: Scrape, histogram: str) -> float:
+    """What a histogram counted between two scrapes (its +Inf bucket's difference)."""
+    def total(s: Scrape) -> float:
+        rows = s.buckets.get(histogram, [])
+        return rows[-1][1] if rows else 0.0
+    return total(after) - total(before)
+
+
 def quantile(before: list[tuple[float, float]], after: list[tuple[float, float]], q: float) -> float:
     """The q-quantile of what a histogram observed between two scrapes (a bucket's upper bound)."""
     prior = dict(before)
@@ -64,8 +74,36 @@ def quantile(before: list[tuple[float, float]], after: list[tuple[float, float]]
     return counts[-1][0]
 
 
-def snapshot(before: Scrape, after: Scrape) -> Snapshot:
+PEAK_SAMPLES = (1, 2, 6)  # the burst windows, in samples
+
+
+def prompt_peaks(bins: list[tuple[float, float]]) -> tuple[tuple[float, float], ...]:
+    """(window seconds, the most prompt tokens/s over any run of that many consecutive samples) for each of
+    `PEAK_SAMPLES` shorter than the whole interval, from (seconds, prompt tokens) per sample in time order.
+    A window's length is its samples' mean length times their count."""
+    if not bins:
+        return ()
+    mean_s = sum(dt for dt, _ in bins) / len(bins)
+    out = []
+    for k in PEAK_SAMPLES:
+        if k >= len(bins):
+            break
+        best = max(sum(n for _, n in bins[i : i + k]) / max(sum(dt for dt, _ in bins[i : i + k]), 1e-9)
+                   for i in range(len(bins) - k + 1))
+        out.append((round(k * mean_s, 3), best))
+    return tuple(out)
+
+
+PROMPT_TOKENS = "splitfire_router_prompt_tokens_total"
+
+
+def snapshot(before: Scrape, after: Scrape, between: list[Scrape] | None = None) -> Snapshot:
+    """The interval from `before` to `after`; `between`: the scrapes taken inside it (time order), for the
+    bursts."""
     dt = max(after.at_s - before.at_s, 1e-9)
+    points = [before, *(between or []), after]
+    bins = [(b.at_s - a.at_s, b.counters.get(PROMPT_TOKENS, 0.0) - a.counters.get(PROMPT_TOKENS, 0.0))
+            for a, b in itertools.pairwise(points)]
 
     def delta(name: str) -> float:
         return after.counters.get(name, 0.0) - before.counters.get(name, 0.0)
@@ -76,7 +114,7 @@ def snapshot(before: Scrape, after: Scrape) -> Snapshot:
     finished = delta("splitfire_router_requests_total")
     started = "splitfire_router_requests_started_total"
     requests = delta(started) if started in after.counters else finished
-    prompt, completion = delta("splitfire_router_prompt_tokens_total"), delta("splitfire_router_completion_tokens_total")
+    prompt, completion = delta(PROMPT_TOKENS), delta("splitfire_router_completion_tokens_total")
     cached = delta("splitfire_router_cached_prompt_tokens_total")
     colocated = after.healthy.get("colocated", 0)
 
@@ -92,4 +130,6 @@ def snapshot(before: Scrape, after: Scrape) -> Snapshot:
         itl_p90_s=p90("splitfire_router_inter_token_seconds"),
         prefill_workers=after.healthy.get("prefill", 0) + colocated,
         decode_workers=after.healthy.get("decode", 0) + colocated,
+        prompt_peaks=prompt_peaks(bins) if between else (),
+        first_token_rate=_count(before, after, "splitfire_router_ttft_seconds") / dt,
     )

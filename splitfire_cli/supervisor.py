@@ -419,7 +419,8 @@ async def _watch(fleet: Fleet, started: list[Child], stop: asyncio.Event) -> int
 
 
 # `--planner`'s own flags and their defaults (given without --planner, they are refused).
-PLANNER_DEFAULTS = {"planner_profile": "", "planner_state": "", "planner_interval": 30.0, "planner_startup": 30.0,
+PLANNER_DEFAULTS = {"planner_profile": "", "planner_state": "", "planner_interval": 30.0, "planner_sample": 5.0,
+                    "planner_startup": 30.0,
                     "ttft_slo": 2.0, "itl_slo": 0.1,
                     "min_prefill": 1, "max_prefill": 4, "min_decode": 1, "max_decode": 4}
 
@@ -443,9 +444,8 @@ class LocalScaler:
 
         import aiohttp
 
-        from planner.cli import scrape
+        from planner.cli import watch
         from planner.decision import Limits, Planner
-        from planner.metrics import snapshot
         from planner.profile import load
         from planner.state import resume, save
 
@@ -459,14 +459,10 @@ class LocalScaler:
                   flush=True)
         url = f"http://127.0.0.1:{a.port}"
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as s:
-            before = await scrape(s, url)
-            while True:
-                await asyncio.sleep(a.planner_interval)
-                after = await scrape(s, url)
+            async for measured in watch(s, url, a.planner_interval, a.planner_sample):
                 # The workers this process runs (a starting one counts: no second start for the same need).
-                snap = dataclasses.replace(snapshot(before, after), prefill_workers=len(self.live("prefill")),
+                snap = dataclasses.replace(measured, prefill_workers=len(self.live("prefill")),
                                            decode_workers=len(self.live("decode")), at_s=time.time())
-                before = after
                 d = planner.decide(snap)
                 if a.planner_state:
                     save(planner, a.planner_state)
@@ -552,6 +548,8 @@ def add_subcommand(sub) -> None:
     p.add_argument("--planner-state", default=d["planner_state"], metavar="FILE",
                    help="--planner: keep what it learns (corrections, load average) in FILE across restarts")
     p.add_argument("--planner-interval", type=float, default=d["planner_interval"], help="seconds between decisions")
+    p.add_argument("--planner-sample", type=float, default=d["planner_sample"],
+                   help="--planner: seconds between reads of the router's /metrics within an interval (its bursts)")
     p.add_argument("--planner-startup", type=float, default=d["planner_startup"],
                    help="--planner: seconds a new worker takes to serve (the load is predicted this far ahead)")
     p.add_argument("--ttft-slo", type=float, default=d["ttft_slo"], help="--planner: seconds (p90)")

@@ -4,6 +4,7 @@ steady load."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
 
@@ -23,12 +24,13 @@ def snap(rate: float = 2.0, inp: float = 400, out: float = 100, hit: float = 0.2
 def test_each_role_is_sized_from_the_profile():
     pl = Planner(PROFILE, ttft_slo_s=2.0, itl_slo_s=0.1)
     assert PROFILE.decode_batch_within(0.1) == 32
-    # prefill: 2 req/s x 400 x 0.8 = 640 tokens/s over 600 x 0.8 -> 2; decode: 2 x 100 x 0.08 = 16 streams
-    # over 32 x 0.8 -> 1.
+    # prefill: 2 req/s x 400 x 0.8 = 640 tokens/s over 600 x 0.8 -> 2; decode: 200 tokens/s over what one worker
+    # makes at 0.8 of the largest batch within the ITL SLO (41: 0.0997 s) -> 1.
     assert pl.needed(snap(), 2.0) == (2, 1)
     # Long prompts, short answers: prefill grows, decode does not; and the other way round.
     assert pl.needed(snap(inp=4000, out=10), 2.0) == (14, 1)
-    assert pl.needed(snap(inp=50, out=2000), 2.0) == (1, 13)
+    # 4,000 tokens/s over a worker at batch 0.8 x 41 = 32.8 (step 81.8 ms: 401 tokens/s) -> 10
+    assert pl.needed(snap(inp=50, out=2000), 2.0) == (1, 10)
 
 
 def test_the_role_that_misses_its_slo_is_scaled_and_only_it():
@@ -142,7 +144,7 @@ def test_planner_profile_and_run_through_the_cli(tiny_model_dir, tmp_path):
                         "--rounds", "2", "--prompt-len", "64", "--decode-tokens", "8", "--vocab", "390", "--out",
                         str(out)], check=True, capture_output=True, text=True, timeout=120)
         prof = json.loads(out.read_text())
-        assert prof["prefill_tps"] > 0 and set(prof["decode_itl"]) == {"1", "4"}
+        assert prof["prefill_tps"] > 0 and set(prof["decode_itl"]) == {"1", "4"} and prof["prefill_overhead_s"] >= 0
 
         done = threading.Event()
 
@@ -158,14 +160,21 @@ def test_planner_profile_and_run_through_the_cli(tiny_model_dir, tmp_path):
         t.start()
         try:
             run = subprocess.run([*cli, "run", "--router", base_url(router), "--profile", str(out), "--ttft-slo", "5",
-                                  "--itl-slo", "1", "--interval", "2", "--once"], capture_output=True, text=True,
-                                 timeout=60)
+                                  "--itl-slo", "1", "--interval", "2", "--sample", "0.5", "--once"],
+                                 capture_output=True, text=True, timeout=60)
         finally:
             done.set()
             t.join()
         assert run.returncode == 0, run.stderr[-2000:]
         line = json.loads(run.stdout.strip().splitlines()[-1])
         assert line["have"] == {"prefill": 1, "decode": 1} and line["snapshot"]["request_rate"] > 0
+        # read every 0.5 s: the bursts over one and two reads (six would be the whole interval), each at least the
+        # interval's mean prompt tokens/s; and the requests that got their first token
+        snap_ = line["snapshot"]
+        mean_prompt = snap_["request_rate"] * snap_["mean_input_tokens"]
+        assert [w for w, _ in snap_["prompt_peaks"]] == pytest.approx([0.5, 1.0], rel=0.2)
+        assert all(peak >= mean_prompt * 0.99 for _, peak in snap_["prompt_peaks"])
+        assert snap_["first_token_rate"] > 0
         assert line["prefill"] >= 1 and line["decode"] >= 1 and line["reasons"]
         # --state: what it learned is written after the decision; a state learned against other SLOs is
         # refused at start, naming the file
@@ -244,13 +253,30 @@ def test_what_the_planner_learned_survives_a_restart(tmp_path):
 
 
 def test_misses_right_after_a_scale_up_wait_for_the_new_workers():
-    pl = Planner(PROFILE, ttft_slo_s=2.0, itl_slo_s=0.1, alpha=1.0)
+    """A miss teaches a correction only once the fleet has settled: the new workers started (one lead) and served
+    `settle_intervals` whole intervals — before, the miss is their start-up or the backlog they inherit (and a
+    prefill backlog cleared floods decode, so a scale-up of either role holds both)."""
+    pl = Planner(PROFILE, ttft_slo_s=2.0, itl_slo_s=0.1, alpha=1.0, interval_s=30.0, lead_s=60.0)
+    assert pl.settled_after == 3  # two intervals of start-up, then two served: the fourth decision after
     d = pl.decide(snap(rate=4.0, ttft=5.0, p=1, d=2))  # the profile wants 3 (1,280 tokens/s over 480): added
     assert d.prefill == 3
-    d = pl.decide(snap(rate=4.0, ttft=5.0, p=3, d=2))  # still missing: they are starting, the backlog drains
-    assert d.prefill == 3 and pl.correction["prefill"] == 1.0
+    for _ in range(pl.settled_after):  # still missing: they are starting, the backlog drains
+        d = pl.decide(snap(rate=4.0, ttft=5.0, itl=0.3, p=3, d=2))
+        assert (d.prefill, d.decode) == (3, 2) and pl.correction == {"prefill": 1.0, "decode": 1.0}
     d = pl.decide(snap(rate=4.0, ttft=5.0, p=3, d=2))  # a miss with the workers serving: now one more
     assert d.prefill == 4 and pl.correction["prefill"] == pytest.approx(3.5 / 3)  # (3: the queueing model's)
+
+
+def test_a_backlog_being_cleared_teaches_no_correction():
+    """More requests got their first token than arrived: the prefill role is clearing a backlog, its TTFTs are
+    the backlog's — no worker added for them, nothing learned (a cold start's backlog once taught corrections of
+    x3 that a whole steady hour then paid for)."""
+    pl = Planner(PROFILE, ttft_slo_s=2.0, itl_slo_s=0.1, alpha=1.0)
+    clearing = dataclasses.replace(snap(rate=2.0, ttft=30.0, p=3, d=2), first_token_rate=4.0)
+    d = pl.decide(clearing)
+    assert d.prefill <= 3 and pl.correction["prefill"] == 1.0
+    d = pl.decide(dataclasses.replace(clearing, first_token_rate=2.0))  # caught up, and still missing: learned
+    assert d.prefill == 4 and pl.correction["prefill"] > 1.0
 
 
 def test_an_interval_in_which_no_request_finished_keeps_the_token_means():
@@ -349,3 +375,44 @@ def test_the_planner_scales_up_before_a_daily_rise_it_has_seen():
         p = d.prefill
     assert grown_at[1] < 9 * 3600 and grown_at[1] >= 9 * 3600 - 180  # day two: one start-up ahead
     assert grown_at.get(0, 9 * 3600) >= 9 * 3600  # day one: no forecast of the step (only the step itself)
+
+
+def test_prompt_peaks_are_the_busiest_runs_of_reads():
+    """The most prompt tokens/s over one, two and six consecutive reads, from the counter's differences."""
+    from planner.metrics import prompt_peaks
+
+    bins = [(5.0, n) for n in (0, 100, 300, 0, 50, 0, 0, 0, 0, 0, 0, 150)]
+    assert prompt_peaks(bins) == ((5.0, 60.0), (10.0, 40.0), (30.0, 15.0))
+    assert prompt_peaks(bins[:2]) == ((5.0, 20.0),)  # (two reads: the one-read window only)
+    assert prompt_peaks([]) == ()
+
+
+def test_prefill_is_sized_for_the_bursts_it_has_seen():
+    """Prompts that arrive in bursts (3x the interval's mean over 5 s) queue where the mean would not: the
+    prefill count covers the burst by the delay bound of a rate server — n x rate >= peak x w / (w + budget) —
+    at the target utilization, once the bursts have been seen; a smooth load of the same mean gets fewer."""
+    prof = Profile(prefill_tps=10_000.0, decode_itl={1: 0.01, 64: 0.02})
+
+    def run(burst: float) -> int:
+        pl = Planner(prof, ttft_slo_s=1.0, itl_slo_s=0.1, interval_s=60.0, lead_s=60.0)
+        d = None
+        for k in range(12):  # 20 req/s of 1,000-token prompts: 20,000 tokens/s, 2.5 workers at 80%
+            d = pl.decide(Snapshot(20.0, 1000, 50, 0.0, 0.3, 0.02, 3, 1, at_s=60.0 * k,
+                                   prompt_peaks=((5.0, 20_000 * burst), (10.0, 20_000 * (1 + burst) / 2))))
+        assert d is not None
+        return d.prefill
+
+    assert run(1.0) == 3
+    # 60,000 tokens/s for 5 s with a 0.9 s budget: 60,000 x 5 / 5.9 = 50,847 tokens/s over 8,000 -> 7
+    assert run(3.0) == 7
+
+
+def test_a_prompts_own_overhead_makes_short_prompts_dearer():
+    """A prefill worker spends time per prompt beside its tokens (`Profile.prefill_overhead_s`, the intercept of
+    time to first token over prompt length): many short prompts need more workers than their tokens alone say."""
+    plain = Profile(prefill_tps=10_000.0, decode_itl={1: 0.01, 64: 0.02})
+    dear = Profile(prefill_tps=10_000.0, decode_itl={1: 0.01, 64: 0.02}, prefill_overhead_s=0.01)
+    assert dear.prefill_work(10_000.0, 100.0) == pytest.approx(2.0)  # 1 s of tokens + 100 x 10 ms per second
+    s = snap(rate=100.0, inp=100, out=10, hit=0.0, ttft=0.1, itl=0.01)
+    assert Planner(plain, ttft_slo_s=5.0, itl_slo_s=0.1).needed(s, 100.0)[0] == 2  # 1.0 / 0.8
+    assert Planner(dear, ttft_slo_s=5.0, itl_slo_s=0.1).needed(s, 100.0)[0] == 3  # 2.0 / 0.8

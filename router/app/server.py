@@ -126,7 +126,9 @@ class Router:
         self.batches = Batches(root, cfg.max_batches_per_tenant)
         self.batch_routes = BatchRoutes(self.tenants, self.files, self.batches)
         self.batch_runner = BatchRunner(self.batches, self.files, self.serving.answer, Lease(self.redis, self.batches.dir),
-                                        cfg.batch_concurrency, cfg.batch_priority)
+                                        cfg.batch_concurrency, cfg.batch_priority,
+                                        busy=lambda: self.admission.outranked(cfg.batch_priority),
+                                        busy_concurrency=cfg.batch_busy_concurrency)
         self.adapters = AdapterAdmin(cfg, self.pools, self.registry, self.workers, self.tenants)
         self._tasks: list[asyncio.Task] = []
 

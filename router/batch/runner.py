@@ -20,6 +20,7 @@ import asyncio
 import fcntl
 import json
 import logging
+import math
 import os
 import secrets
 import time
@@ -120,7 +121,8 @@ def _done(path: Path) -> tuple[set[int], int]:
 
 class BatchRunner:
     def __init__(self, batches: Batches, files: Files, answer: Answer, lease: Lease, concurrency: int, priority: int,
-                 poll_s: float = 1.0):
+                 poll_s: float = 1.0, busy: Callable[[], bool] = lambda: False, busy_concurrency: int | None = None,
+                 quiet_s: float = 1.0):
         self.batches = batches
         self.files = files
         self.answer = answer
@@ -128,6 +130,12 @@ class BatchRunner:
         self.concurrency = concurrency
         self.priority = priority
         self.poll_s = poll_s
+        # Yielding: while `busy()` (more important requests run or wait at this router) and for `quiet_s` after,
+        # at most `busy_concurrency` lines are under way — the batch fills what interactive traffic leaves.
+        self.busy = busy
+        self.busy_concurrency = concurrency if busy_concurrency is None else busy_concurrency
+        self.quiet_s = quiet_s
+        self._busy_at = -math.inf
         self.running: dict[str, asyncio.Task] = {}
         self.finished: set[str] = set()  # batches seen ended: never read again by the poll
 
@@ -219,13 +227,8 @@ class BatchRunner:
         done = done_ok | done_bad
         b.request_counts.update(completed=ok, failed=bad)
         self.batches.save(b)
-        sem = asyncio.Semaphore(self.concurrency)
         tasks: set[asyncio.Task] = set()
         stopped = ""
-
-        def finished(t: asyncio.Task) -> None:
-            tasks.discard(t)
-            sem.release()
 
         meta = self.files.get(b.tenant, b.input_file_id)
         with open(self.files.data(meta), "rb") as f:
@@ -238,10 +241,10 @@ class BatchRunner:
                 if time.time() > b.expires_at:
                     stopped = "expired"
                     break
-                await sem.acquire()
+                await self._room(tasks)
                 t = asyncio.create_task(self._line(b, n, raw, out, errs))
                 tasks.add(t)
-                t.add_done_callback(finished)
+                t.add_done_callback(tasks.discard)
         if tasks:
             await asyncio.gather(*list(tasks))
         if not stopped and self.batches.cancel_asked(b.id) is not None:
@@ -249,6 +252,20 @@ class BatchRunner:
         if stopped == "cancelled":
             b.times.setdefault("cancelling_at", self.batches.cancel_asked(b.id) or int(time.time()))
         self._end(b, stopped or "completed")
+
+    def limit(self) -> int:
+        """Lines that may be under way now: `busy_concurrency` while more important work is here (or was, within
+        `quiet_s`: the gap between one interactive request and the next is not idle), else `concurrency`."""
+        now = time.monotonic()
+        if self.busy():
+            self._busy_at = now
+        return self.busy_concurrency if now - self._busy_at < self.quiet_s else self.concurrency
+
+    async def _room(self, tasks: set[asyncio.Task]) -> None:
+        """Wait until fewer than `limit()` lines are under way (re-read every 50 ms while waiting: interactive
+        traffic comes and goes without the lines finishing)."""
+        while len(tasks) >= self.limit():
+            await asyncio.wait(set(tasks), timeout=0.05, return_when=asyncio.FIRST_COMPLETED)
 
     async def _line(self, b: Batch, n: int, raw: bytes, out: Path, errs: Path) -> None:
         rid = line_id(b.id, n)
