@@ -101,6 +101,7 @@ async def run(args: argparse.Namespace) -> int:
                   flush=True)
             if args.once:
                 return 0
+    raise AssertionError("watch() yields for as long as the planner runs")
 
 
 def _profile(args: argparse.Namespace) -> int:

@@ -73,7 +73,7 @@ class Profile:
         """Seconds of one prefill worker's time per second for this many uncached prompt tokens and prompts."""
         return tokens_per_s / self.prefill_tps + prompts_per_s * self.prefill_overhead_s
 
-    def step_s(self, batch: int, context: float) -> float:
+    def step_s(self, batch: float, context: float) -> float:
         """One decode step of `batch` streams of `context` tokens each: the profile's time at that batch
         (linear between measured batches) plus reading their context beyond the profiled one."""
         known = sorted(self.decode_itl)
