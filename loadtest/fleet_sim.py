@@ -639,7 +639,7 @@ class Scaler:
         if self.kind == "planner":
             assert self.planner is not None
             rs = [fleet.reqs[i] for i in arrived]
-            lens = [r.input_length for r in rs]
+            lens, outs = [r.input_length for r in rs], [r.output_length for r in rs]
             blocks = sum(len(r.hash_ids) for r in rs)
             # the prompt tokens per `sample_s` of the interval, as the live planner's scrapes see them: its bursts
             n_bins = max(round(self.interval / self.sample_s), 1)
@@ -655,7 +655,9 @@ class Scaler:
                             prefill_workers=have["prefill"], decode_workers=have["decode"], at_s=now,
                             prompt_peaks=prompt_peaks([(dt, n) for dt, n in bins]) if n_bins > 1 else (),
                             first_token_rate=len(firsts) / self.interval,
-                            prompt_cv2=statistics.pvariance(lens) / statistics.fmean(lens) ** 2 if len(lens) > 1 else None)
+                            prompt_cv2=statistics.pvariance(lens) / statistics.fmean(lens) ** 2 if len(lens) > 1 else None,
+                            output_cv2=statistics.pvariance(outs) / statistics.fmean(outs) ** 2
+                            if len(outs) > 1 and sum(outs) else None)
             d = self.planner.decide(snap)
             want = {"prefill": d.prefill, "decode": d.decode}
         elif self.kind == "schedule":  # (the interval starting now)

@@ -18,10 +18,12 @@ concurrent streams want decode workers), so each role is predicted and sized on 
   hour: 5-second peaks 2.6x the minute's mean at p90), which no model of the mean sees.
 - **decode**: a worker's batch settles where batch = its output tokens/s x step(batch) (Little's law), so
   the output tokens/s are sized over what one worker produces at `target_utilization` of the largest
-  batch whose step meets the ITL SLO for streams holding the mean prompt and half the mean answer
-  (`Profile.step_s`: the profiled step at that batch plus the KV cache read beyond the profiled context)
-  and that its KV cache holds (`Profile.decode_capacity`): the headroom is kept in streams, where a burst
-  lands, not in tokens/s (which would keep a second worker for a load the first serves at 80% of its batch).
+  batch whose step (`Profile.step_s`: the profiled step at that batch plus the KV cache read beyond the
+  profiled context) meets the ITL SLO and that its KV cache holds (`Profile.decode_capacity`), for streams
+  holding the mean prompt and what a batch's streams hold of their answers on average — mean x (1 + cv^2) / 2,
+  long answers staying longer (`Snapshot.output_cv2`; 1, exponential, when not measured). The headroom is kept
+  in streams, where a burst lands, not in tokens/s (which would keep a second worker for a load the first
+  serves at 80% of its batch).
 
 Feedback corrects the model: a role whose observed p90 misses its SLO although the model says it has
 enough gets one more worker, and the planner remembers it — the role's load is scaled by a learned
@@ -127,6 +129,9 @@ class Snapshot:
     # the squared coefficient of variation of the interval's prompt lengths (variance over the squared mean): long
     # prompts among short ones queue the short ones (M/G/n). None: not measured (taken as exponential, 1).
     prompt_cv2: float | None = None
+    # the same of the answers' lengths: a decode batch holds long answers longer, so its streams' mean context is
+    # the prompt plus E[out^2] / (2 E[out]) = mean x (1 + cv2) / 2, not half the mean answer. None: taken as 1.
+    output_cv2: float | None = None
 
 
 @dataclass(frozen=True)
@@ -181,6 +186,7 @@ class Planner:
     _peaks: dict[float, float] = field(default_factory=dict)  # window s -> predicted prompt tokens/s over it
     _hit: float | None = None  # the prefix hit ratio, smoothed
     _cv2: float = 1.0  # the prompts' squared coefficient of variation, smoothed
+    _out_cv2: float = 1.0  # the answers', smoothed
     # the load one start-up ahead, per role: prompt tokens/s (prefill) and output tokens/s (decode)
     predictors: dict[str, SeasonalTrend] = field(default_factory=dict)
     # mean prompt and output tokens per request, as last seen (an interval in which no request ended says
@@ -311,7 +317,8 @@ class Planner:
         # Decode: a worker's batch at its load settles where batch = output tokens/s x step(batch) (Little's law);
         # the load it takes is the rate at which that batch is `target_utilization` (x margin) of the largest that
         # meets the ITL SLO and fits its KV cache — the headroom is in streams, where a burst lands.
-        context = mean_input + mean_output / 2
+        # (the streams in a batch: each held for as long as its answer, so long answers weigh by their length)
+        context = mean_input + mean_output * (1.0 + self._out_cv2) / 2
         best, _ = self.profile.decode_capacity(self.itl_slo_s, context)
         batch = max(best * self.target_utilization * margin, 1.0)
         return prefill, output_tps / (batch / self.profile.step_s(batch, context))
@@ -329,6 +336,8 @@ class Planner:
         self._hit = hit
         if s.prompt_cv2 is not None and s.request_rate > 0:
             self._cv2 = self.alpha * s.prompt_cv2 + (1 - self.alpha) * self._cv2
+        if s.output_cv2 is not None and s.request_rate > 0:
+            self._out_cv2 = self.alpha * s.output_cv2 + (1 - self.alpha) * self._out_cv2
         load = dict(zip(("prefill", "decode"), self.token_loads(prompt_tps, output_tps, hit, *self._means,
                                                                 peaks=self._peaks), strict=True))
         # the load were it to fit at the down margin, by the forecast alone (not the interval's noise): fewer

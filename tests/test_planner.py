@@ -416,3 +416,23 @@ def test_a_prompts_own_overhead_makes_short_prompts_dearer():
     s = snap(rate=100.0, inp=100, out=10, hit=0.0, ttft=0.1, itl=0.01)
     assert Planner(plain, ttft_slo_s=5.0, itl_slo_s=0.1).needed(s, 100.0)[0] == 2  # 1.0 / 0.8
     assert Planner(dear, ttft_slo_s=5.0, itl_slo_s=0.1).needed(s, 100.0)[0] == 3  # 2.0 / 0.8
+
+
+def test_long_tailed_answers_are_sized_by_the_context_the_batch_really_holds():
+    """A decode batch holds each stream for as long as its answer, so long answers weigh by their length: the
+    streams' mean context is the prompt plus E[out^2] / (2 E[out]) — with long-tailed answers (squared coefficient of
+    variation 19) the batch reads 1,950 tokens a stream where equal answers read 1,000, steps slower, and needs
+    more workers for the same tokens/s."""
+    prof = Profile(prefill_tps=100_000.0, decode_itl={1: 0.01, 64: 0.02, 256: 0.04}, profiled_context=1000,
+                   kv_s_per_token=1e-7, kv_tokens=2_000_000)
+
+    def decode(cv2: float) -> int:
+        pl = Planner(prof, ttft_slo_s=2.0, itl_slo_s=0.05, alpha=1.0)
+        return pl.decide(Snapshot(100.0, 950, 100, 0.0, 0.1, 0.02, 1, 1, output_cv2=cv2)).decode
+
+    assert decode(0.0) < decode(19.0)
+    pl = Planner(prof, ttft_slo_s=2.0, itl_slo_s=0.05, alpha=1.0)
+    pl.decide(Snapshot(100.0, 950, 100, 0.0, 0.1, 0.02, 1, 1, output_cv2=19.0))
+    best, _ = prof.decode_capacity(0.05, 1950.0)
+    batch = best * 0.8
+    assert pl.token_loads(0.0, 10_000.0, 0.0, 950, 100)[1] == pytest.approx(10_000.0 / (batch / prof.step_s(batch, 1950.0)))
