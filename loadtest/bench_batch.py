@@ -84,12 +84,17 @@ def part_batch(args: argparse.Namespace, log_dir: Path) -> dict:
                                                                  args.quiet_tokens, 1))
         batch_id = asyncio.run(submit_batch(st.url, args, log_dir))
         t0 = time.perf_counter()
-        while asyncio.run(batch_state(st.url, batch_id))["request_counts"]["completed"] < args.batch_warmup_lines:
+        while (before := asyncio.run(batch_state(st.url, batch_id))["request_counts"]["completed"]) \
+                < args.batch_warmup_lines:
             time.sleep(0.5)
+        t1 = time.perf_counter()
         out["beside the batch"] = asyncio.run(interactive(st.url, args.quiet_requests, args.quiet_prompt,
                                                           args.quiet_tokens, 2))
         state = asyncio.run(batch_state(st.url, batch_id))
         out["beside the batch"]["batch_completed_while_measuring"] = state["request_counts"]["completed"]
+        # (the batch's own pace while interactive requests were there: it yields to them, --batch-busy-concurrency)
+        out["beside the batch"]["batch_lines_per_s_meanwhile"] = (state["request_counts"]["completed"] - before) / (
+            time.perf_counter() - t1)
         while state["status"] not in ("completed", "failed", "cancelled", "expired"):
             time.sleep(1.0)
             state = asyncio.run(batch_state(st.url, batch_id))
@@ -196,7 +201,8 @@ def main() -> int:
             r = rows[label]
             print(f"{label:<28}{r['ttft_ms']:>13.1f}{r['ttft_ms'] / alone:>9.2f}{r['itl_ms']:>12.1f}")
         print(f"batch: {b['status']}, {b['completed']}/{b['lines']} lines in {b['seconds']:.0f} s "
-              f"({b['lines_per_s']:.1f} lines/s)")
+              f"({b['lines_per_s']:.1f} lines/s; {rows['beside the batch']['batch_lines_per_s_meanwhile']:.1f} lines/s "
+              "while the interactive requests ran)")
     if "messages" in args.parts:
         cpu = part_messages(args, log_dir)
         results["router_us_per_token"] = cpu
