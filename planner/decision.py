@@ -316,8 +316,8 @@ class Planner:
                 prefill = max(prefill, work * w / (w + budget) / self.target_utilization)
         # Decode: a worker's batch at its load settles where batch = output tokens/s x step(batch) (Little's law);
         # the load it takes is the rate at which that batch is `target_utilization` (x margin) of the largest that
-        # meets the ITL SLO and fits its KV cache — the headroom is in streams, where a burst lands.
-        # (the streams in a batch: each held for as long as its answer, so long answers weigh by their length)
+        # meets the ITL SLO and fits its KV cache — the headroom is in streams, where a burst lands. Each stream
+        # stays for as long as its answer, so long answers weigh by their length in the batch's context.
         context = mean_input + mean_output * (1.0 + self._out_cv2) / 2
         best, _ = self.profile.decode_capacity(self.itl_slo_s, context)
         batch = max(best * self.target_utilization * margin, 1.0)
