@@ -11,12 +11,13 @@ DNS). Two tests, printing each step:
    every pod Ready through the chart's own probes, a streamed chat (the official OpenAI client) through
    the router's Service, the workers publishing KV blocks to the KV-store pod, Redis holding keys, `helm
    test`, `helm upgrade` to 2 decode pods and the router placing on both, a
-   decode pod killed and streams still served, `helm rollback`, `helm uninstall` leaving no object and no
-   container.
+   decode pod killed and streams still served, `helm rollback`, the planner pod (`planner.enabled`) adding a
+   decode pod under a load step through the router and draining it when the load falls with no request failed,
+   `helm uninstall` leaving no object and no container.
 
 Not proven here: GPUs (device plugin resources), RDMA, more than one node, NetworkPolicy enforcement (the
 bridge CNI does not enforce policies; the API server accepts them), Redis's own image (Debian's
-redis-server on `make image`'s base stands in: no registry here), the planner pod."""
+redis-server on `make image`'s base stands in: no registry here)."""
 
 from __future__ import annotations
 
@@ -376,6 +377,8 @@ def test_chart_serves_on_a_real_node(cluster, node, helm, tmp_path, smollm2_dir)
     assert text and finish, (text, finish)
     print("helm rollback: 1 decode pod, still serving", flush=True)
 
+    planner_scales_decode_under_a_load_step(cp, node, helm, chart, values, url, tmp_path)
+
     r = run(cp, helm, "uninstall", REL, "-n", NS)
     assert r.returncode == 0, r.stderr
     wait(lambda: not objects(cp, "all,configmaps,serviceaccounts,roles,rolebindings,networkpolicies"), 180,
@@ -383,3 +386,86 @@ def test_chart_serves_on_a_real_node(cluster, node, helm, tmp_path, smollm2_dir)
     wait(lambda: not [c for c in node.ctr("containers", "ls", "-q").stdout.decode().split()], 120,
          what="no container left on the node")
     print("helm uninstall: no object, no container left", flush=True)
+
+
+def planner_scales_decode_under_a_load_step(cp, node, helm, chart: Path, values: list[str], url: str,
+                                            tmp_path: Path) -> None:
+    """The planner pod (`planner.enabled`): under a load step through the router's Service it reads the router's
+    /metrics, adds a decode pod through the Deployment's scale subresource (its own service account, from inside
+    the cluster: the `kubernetes` Service), the router places streams on the new pod; when the load falls it
+    drains one decode pod, and no request fails meanwhile. The profile says one decode pod serves 5 tokens/s
+    within the ITL SLO, so four concurrent streams want more than the two allowed, and a 4-token request every
+    3 s fits one."""
+    import concurrent.futures
+    import threading
+
+    planner_values = tmp_path / "planner-values.yaml"
+    planner_values.write_text(json.dumps({"planner": {
+        "enabled": True, "profile": {"prefill_tps": 1e6, "decode_itl": {"1": 0.2, "2": 2.0}},
+        "ttftSLO": 60, "itlSLO": 0.5, "interval": 2, "sample": 1, "startup": 10,
+        "minPrefill": 1, "maxPrefill": 1, "minDecode": 1, "maxDecode": 2,
+        "resources": {"requests": {"cpu": "50m", "memory": "128Mi"}, "limits": {"memory": "512Mi"}}}}))
+    r = run(cp, helm, "upgrade", REL, str(chart), "-n", NS, *values, "-f", str(planner_values))
+    assert r.returncode == 0, r.stderr
+    wait_ready(cp, node, {"router": 1, "prefill": 1, "decode": 1, "planner": 1}, 300)
+    planner_pod = pods_ready(cp, "planner")[0]["metadata"]["name"]
+
+    def planner_log() -> str:
+        return cp.kubectl("logs", "-n", NS, planner_pod, "--tail=2000", check=False).stdout
+
+    def decode_replicas() -> int:
+        return int(cp.kubectl("get", "deployment", f"{FULL}-decode", "-n", NS, "-o",
+                              "jsonpath={.spec.replicas}").stdout)
+
+    wait(lambda: "event=planner_decision" in planner_log(), 120, what="the planner's first decision")
+    print("planner pod Ready and deciding from the router's /metrics", flush=True)
+
+    failures: list[str] = []
+    served = [0]
+    heavy = threading.Event()
+    stop = threading.Event()
+
+    def client(i: int) -> None:
+        while not stop.is_set():
+            if i and not heavy.is_set():  # (light load: client 0 alone, a 4-token request every 3 s)
+                time.sleep(0.2)
+                continue
+            try:
+                text, finish = stream_chat(url, f"Write about the number {i}.", 32 if heavy.is_set() else 4)
+                assert finish, (text, finish)
+                served[0] += 1
+            except Exception as e:  # (every failed request is recorded: the assertion below names them)
+                failures.append(f"{type(e).__name__}: {e}")
+            if not heavy.is_set():
+                time.sleep(3)
+
+    t0 = time.monotonic()
+    heavy.set()
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(client, i) for i in range(4)]
+        try:
+            wait(lambda: decode_replicas() == 2, 180, what="the planner scaling decode to 2")
+            print(f"load step (4 streams): the planner set decode to 2 replicas after {time.monotonic() - t0:.0f} s",
+                  flush=True)
+            wait_ready(cp, node, {"router": 1, "prefill": 1, "decode": 2, "planner": 1}, 600)
+            decode_ips = {p["status"]["podIP"] for p in pods_ready(cp, "decode")}
+            before = decode_placements(url)
+            wait(lambda: decode_ips <= {e.split(":")[0] for e, n in decode_placements(url).items()
+                                        if n > before.get(e, 0)}, 120, what="streams placed on both decode pods")
+            print(f"the new decode pod Ready {time.monotonic() - t0:.0f} s after the step; the router places on both",
+                  flush=True)
+            heavy.clear()
+            t1 = time.monotonic()
+            wait(lambda: decode_replicas() == 1, 300, what="the planner draining a decode pod")
+            wait_ready(cp, node, {"router": 1, "prefill": 1, "decode": 1, "planner": 1}, 300)
+            print(f"light load: the planner drained one decode pod {time.monotonic() - t1:.0f} s after the fall",
+                  flush=True)
+            time.sleep(6)  # (a few more requests on the pod that stays)
+        finally:
+            stop.set()
+            for f in futures:
+                f.result()
+    assert not failures, failures
+    log = planner_log()
+    assert "event=planner_scaled role=decode" in log and "from=2 to=1" in log, log[-3000:]
+    print(f"{served[0]} requests through the step and the drain, none failed", flush=True)

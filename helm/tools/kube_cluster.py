@@ -26,6 +26,12 @@ def free_port() -> int:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
+# The node's pod bridge: pods get POD_SUBNET.2-254; its gateway (the host side: node IP, DNS) is POD_GATEWAY. The
+# API server listens on every address and advertises the gateway, so a pod (the planner) reaches it through the
+# `kubernetes` Service (10.96.0.1, kube-proxy's DNAT); TLS and RBAC guard it as on any cluster.
+POD_SUBNET = "10.244.0"
+POD_GATEWAY = f"{POD_SUBNET}.1"
+
 
 def kube_bin() -> Path:
     """The cached binaries (built on first use: minutes)."""
@@ -45,7 +51,7 @@ def make_pki(d: Path) -> None:
     _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.crt", "-days", "2",
              "-subj", "/CN=splitfire-test-ca", cwd=d)
     (d / "san.cnf").write_text(
-        "[req]\ndistinguished_name=dn\n[dn]\n[ext]\nsubjectAltName=IP:127.0.0.1,IP:10.96.0.1,DNS:localhost,"
+        "[req]\ndistinguished_name=dn\n[dn]\n[ext]\nsubjectAltName=IP:127.0.0.1,IP:10.96.0.1,IP:" + POD_GATEWAY + ",DNS:localhost,"
         "DNS:kubernetes,DNS:kubernetes.default,DNS:kubernetes.default.svc,DNS:kubernetes.default.svc.cluster.local\n"
         "extendedKeyUsage=serverAuth\n")
     _openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "apiserver.key", "-out", "apiserver.csr", "-subj",
@@ -147,7 +153,7 @@ class ControlPlane(Started):
                              "--initial-cluster", f"default=http://127.0.0.1:{peer}"])
         self.procs.spawn("kube-apiserver", [
             str(self.bin / "kube-apiserver"), f"--etcd-servers=http://127.0.0.1:{etcd_port}",
-            "--bind-address=127.0.0.1", "--advertise-address=127.0.0.1", f"--secure-port={self.api_port}",
+            "--bind-address=0.0.0.0", f"--advertise-address={POD_GATEWAY}", f"--secure-port={self.api_port}",
             "--insecure-port=0", f"--tls-cert-file={pki}/apiserver.crt", f"--tls-private-key-file={pki}/apiserver.key",
             f"--client-ca-file={pki}/ca.crt", f"--service-account-key-file={pki}/sa.pub",
             f"--service-account-signing-key-file={pki}/sa.key", "--service-account-issuer=https://kubernetes.default.svc",

@@ -30,11 +30,11 @@ import threading
 import time
 from pathlib import Path
 
-from kube_cluster import ControlPlane, Processes, Started, free_port
+from kube_cluster import POD_GATEWAY, POD_SUBNET, ControlPlane, Processes, Started, free_port
 
 NODE = "sfnode"
 BRIDGE = "sfbr0"
-SUBNET = "10.244.0"  # pods get SUBNET.2-254; the bridge (gateway, DNS) is SUBNET.1
+SUBNET = POD_SUBNET  # pods get SUBNET.2-254; the bridge (gateway, DNS) is SUBNET.1
 PAUSE_IMAGE = "localhost/splitfire-pause:1"
 CNI_BIN = Path("/usr/lib/cni")
 PAUSE_C = r"""
@@ -90,7 +90,7 @@ class Node(Started):
         self.dns_hosts = self.dir / "dns" / "hosts"
         self._dns_stop = threading.Event()
         self._dns_thread: threading.Thread | None = None
-        self.gateway = f"{SUBNET}.1"
+        self.gateway = POD_GATEWAY
 
     # -- lifecycle -----------------------------------------------------------------------------
 
