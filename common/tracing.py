@@ -206,7 +206,9 @@ def _attribute(key: str, value: Any) -> bytes:
         return _field(9, _kv(key, value))
     seen = _ATTRS.get(key, {})
     if seen is None:
-        return _field(9, _kv(key, value))
+        kv = _kv(key, value)
+        n = len(kv)
+        return b"\x4a" + (_SMALL[n] if n < 128 else _varint(n)) + kv  # (field 9, length-delimited)
     hit = seen.get((cls, value))
     if hit is None:
         hit = _field(9, _kv(key, value))
@@ -229,7 +231,13 @@ def encode_span(s: Span) -> bytes:
         out.append(_field(4, s.parent_id.to_bytes(8, "big")))
     out += [_field(5, s.name.encode()), b"\x30" + _SMALL[s.kind],
             b"\x39" + _PACK_Q(s.start_ns), b"\x41" + _PACK_Q(s.end_ns)]
-    out += [_attribute(k, v) for k, v in s.attributes.items() if v is not None]
+    memo = _ATTRS
+    for k, v in s.attributes.items():  # (`_attribute`, with its memo's hit inlined: most attributes repeat)
+        if v is None:
+            continue
+        seen = memo.get(k)
+        hit = seen.get((v.__class__, v)) if seen is not None and v.__class__ not in (list, tuple) else None
+        out.append(hit if hit is not None else _attribute(k, v))
     out += [_field(11, b"\x09" + _PACK_Q(ts) + _field(2, name.encode())) for ts, name in s.events]
     if s.status is not None:
         out.append(_field(15, _field(2, s.status.encode()) + b"\x18\x02"))  # STATUS_CODE_ERROR
@@ -403,11 +411,21 @@ class Tracing:
         self.batcher.shutdown()
 
 
+_NAMES: dict[str, str] = {}  # `end`'s keyword -> its attribute's name
+
+
 def end(span: Span, end_s: float | None = None, error: str | None = None, **attributes: Any) -> None:
     """End `span` (at a `perf_counter()` reading, or now) with more attributes; `error` marks it failed."""
     if attributes:
-        span.set_attributes({k if k.startswith(("splitfire.", "http.", "rpc.")) else f"splitfire.{k}": v
-                             for k, v in attributes.items() if v is not None})
+        names, into = _NAMES, span.attributes
+        for k, v in attributes.items():
+            if v is not None:
+                name = names.get(k)
+                if name is None:
+                    name = k if k.startswith(("splitfire.", "http.", "rpc.")) else f"splitfire.{k}"
+                    if len(names) < 4096:
+                        names[k] = name
+                into[name] = v
     if error is not None:
         span.status = error
     span.end(None if end_s is None else wall_ns(end_s))

@@ -81,8 +81,7 @@ async def run(args: argparse.Namespace) -> int:
         async for measured in watch(s, url, args.interval, args.sample):
             snap = dataclasses.replace(measured, at_s=time.time())  # (the day: UTC's)
             if scaler is not None:  # the Deployments' own counts (pods starting count: no second start)
-                snap = dataclasses.replace(snap, prefill_workers=await scaler.replicas(s, "prefill"),
-                                           decode_workers=await scaler.replicas(s, "decode"))
+                snap = snap.actuated(await scaler.replicas(s, "prefill"), await scaler.replicas(s, "decode"))
             d = planner.decide(snap)
             if args.state:
                 save_state(planner, args.state)

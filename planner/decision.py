@@ -51,7 +51,8 @@ from __future__ import annotations
 
 import bisect
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 from planner.predictor import SeasonalTrend
 
@@ -132,6 +133,16 @@ class Snapshot:
     # the same of the answers' lengths: a decode batch holds long answers longer, so its streams' mean context is
     # the prompt plus E[out^2] / (2 E[out]) = mean x (1 + cv2) / 2, not half the mean answer. None: taken as 1.
     output_cv2: float | None = None
+    # (prefill, decode) workers serving — in the router's rotation — when the counts above are an actuator's, which
+    # count a worker from the moment it was asked for (`actuated`). Fewer serving than counted: workers are still
+    # starting, and the SLO misses meanwhile say nothing about the profile. None: every counted worker serves.
+    serving: tuple[int, int] | None = None
+
+    def actuated(self, prefill: int, decode: int, **changes: Any) -> Snapshot:
+        """This snapshot with the actuator's worker counts (a Deployment's replicas, `splitfire up`'s processes:
+        starting workers included, so one need does not start two), keeping the router's as `serving`."""
+        return replace(self, prefill_workers=prefill, decode_workers=decode,
+                       serving=(self.prefill_workers, self.decode_workers), **changes)
 
 
 @dataclass(frozen=True)
@@ -350,6 +361,11 @@ class Planner:
         missed = {"prefill": s.ttft_p90_s > self.ttft_slo_s, "decode": s.itl_p90_s > self.itl_slo_s}
         d = Decision(s.prefill_workers, s.decode_workers)
         want, fits = {}, {}  # (fits: the fewest workers the load fits at the down margin)
+        if s.serving is not None:  # (a role whose new workers are not serving yet has just grown, whatever `lead_s` says)
+            for role, serving, counted in zip(("prefill", "decode"), s.serving, (s.prefill_workers, s.decode_workers),
+                                              strict=True):
+                if serving < counted:
+                    self._since_grown[role] = 0
         # (clearing a backlog: more requests got their first token than arrived — its misses are the backlog's)
         settled = (min(self._since_grown.values()) >= self.settled_after
                    and (s.first_token_rate is None or s.first_token_rate <= 1.1 * s.request_rate))

@@ -440,7 +440,6 @@ class LocalScaler:
                 and c.proc is not None and c.proc.returncode is None]
 
     async def run(self) -> None:
-        import dataclasses
 
         import aiohttp
 
@@ -461,8 +460,7 @@ class LocalScaler:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as s:
             async for measured in watch(s, url, a.planner_interval, a.planner_sample):
                 # The workers this process runs (a starting one counts: no second start for the same need).
-                snap = dataclasses.replace(measured, prefill_workers=len(self.live("prefill")),
-                                           decode_workers=len(self.live("decode")), at_s=time.time())
+                snap = measured.actuated(len(self.live("prefill")), len(self.live("decode")), at_s=time.time())
                 d = planner.decide(snap)
                 if a.planner_state:
                     save(planner, a.planner_state)

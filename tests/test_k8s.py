@@ -274,6 +274,7 @@ def decode_placements(url: str) -> dict[str, float]:
     return out
 
 
+@pytest.mark.timeout(1500)  # (with the node fixture's image imports, ~3 minutes, and pods starting on 2 cores)
 def test_chart_serves_on_a_real_node(cluster, node, helm, tmp_path, smollm2_dir):
     import concurrent.futures
     import shutil
@@ -393,16 +394,17 @@ def planner_scales_decode_under_a_load_step(cp, node, helm, chart: Path, values:
     """The planner pod (`planner.enabled`): under a load step through the router's Service it reads the router's
     /metrics, adds a decode pod through the Deployment's scale subresource (its own service account, from inside
     the cluster: the `kubernetes` Service), the router places streams on the new pod; when the load falls it
-    drains one decode pod, and no request fails meanwhile. The profile says one decode pod serves 5 tokens/s
-    within the ITL SLO, so four concurrent streams want more than the two allowed, and a 4-token request every
-    3 s fits one."""
+    drains one decode pod, and no request fails meanwhile. The profile says one decode pod serves 4 tokens/s
+    within the ITL SLO, so four concurrent streams (~13 tokens/s on 2 cores) want more than the two allowed, and a
+    4-token request every 3 s fits one. The ITL SLO is loose: on 2 cores shared by seven pods and the control
+    plane, one stream's tokens come 0.5-2 s apart, and the test is of the load, not of this machine's speed."""
     import concurrent.futures
     import threading
 
     planner_values = tmp_path / "planner-values.yaml"
     planner_values.write_text(json.dumps({"planner": {
-        "enabled": True, "profile": {"prefill_tps": 1e6, "decode_itl": {"1": 0.2, "2": 2.0}},
-        "ttftSLO": 60, "itlSLO": 0.5, "interval": 2, "sample": 1, "startup": 10,
+        "enabled": True, "profile": {"prefill_tps": 1e6, "decode_itl": {"1": 0.25, "2": 60.0}},
+        "ttftSLO": 60, "itlSLO": 5, "interval": 2, "sample": 1, "startup": 10,
         "minPrefill": 1, "maxPrefill": 1, "minDecode": 1, "maxDecode": 2,
         "resources": {"requests": {"cpu": "50m", "memory": "128Mi"}, "limits": {"memory": "512Mi"}}}}))
     r = run(cp, helm, "upgrade", REL, str(chart), "-n", NS, *values, "-f", str(planner_values))

@@ -267,6 +267,27 @@ def test_misses_right_after_a_scale_up_wait_for_the_new_workers():
     assert d.prefill == 4 and pl.correction["prefill"] == pytest.approx(3.5 / 3)  # (3: the queueing model's)
 
 
+def test_misses_while_a_new_worker_is_still_starting_teach_nothing():
+    """A pod that takes longer than `lead_s` to serve (a cold node, an image pull): while the router serves fewer
+    workers than the actuator counts, the misses are the start-up's — nothing learned, no worker added beyond the
+    profile's need; once all serve, the settle window runs from then. (On the test cluster a decode pod took 222 s
+    against a 10-s lead and taught a x4 correction that then held a drained pod for good.)"""
+    pl = Planner(PROFILE, ttft_slo_s=2.0, itl_slo_s=0.1, alpha=1.0, interval_s=30.0, lead_s=60.0)
+    d = pl.decide(snap(rate=4.0, ttft=5.0, p=1, d=2).actuated(1, 2))
+    assert d.prefill == 3
+    starting = snap(rate=4.0, ttft=5.0, p=1, d=2).actuated(3, 2)  # the router serves 1 of the 3 counted
+    assert starting.serving == (1, 2) and starting.prefill_workers == 3
+    for _ in range(3 * pl.settled_after):
+        d = pl.decide(starting)
+        assert (d.prefill, d.decode) == (3, 2) and pl.correction == {"prefill": 1.0, "decode": 1.0}
+    serving = snap(rate=4.0, ttft=5.0, p=3, d=2).actuated(3, 2)
+    for _ in range(pl.settled_after - 1):  # all serve now: the settle window starts here
+        d = pl.decide(serving)
+        assert d.prefill == 3 and pl.correction["prefill"] == 1.0
+    d = pl.decide(serving)
+    assert d.prefill == 4 and pl.correction["prefill"] > 1.0
+
+
 def test_a_backlog_being_cleared_teaches_no_correction():
     """More requests got their first token than arrived: the prefill role is clearing a backlog, its TTFTs are
     the backlog's — no worker added for them, nothing learned (a cold start's backlog once taught corrections of
