@@ -32,6 +32,10 @@ from router.placement.resume import Progress
 from router.placement.retry import Retry, counts_against_endpoint
 
 log = logging.getLogger("splitfire.router")
+# a chosen endpoint's attributes on the attempt's span, per role: address, load, expected cached blocks, cost
+_ROLE_ATTRIBUTES = {role: (f"splitfire.{role}", f"splitfire.{role}.load_tokens",
+                           f"splitfire.{role}.expected_cached_blocks", f"splitfire.{role}.cost")
+                    for role in ("decode", "prefill")}
 
 
 def index_scope(req: GenRequest) -> str:
@@ -185,8 +189,8 @@ class Dispatcher:
                           req.sampling.max_tokens - len(progress.generated))
         if traced:
             attrs = self._placement_attributes(req, route, hashes, t0, retry)
-            attrs |= {"splitfire.prefill": route.prefill.address if route.prefill else "",
-                      "splitfire.resumed_tokens": len(progress.generated)}
+            if progress.generated:
+                attrs["splitfire.resumed_tokens"] = len(progress.generated)
             attempt.span = self.tracing.span("router.attempt", req.span, "client", attrs)  # type: ignore[union-attr]
             req.traceparent = self.tracing.traceparent(attempt.span)  # type: ignore[union-attr]
         return attempt
@@ -198,18 +202,22 @@ class Dispatcher:
         """What placement chose and why, for the attempt's span (or the request's, when nothing was left): per
         chosen endpoint its load, the prompt blocks it is expected to hold and the policy's cost
         (`balancer.token_cost`: load + uncached prompt tokens); the endpoints excluded after failures; the
-        time placement took. (Attributes, not a span of its own: one span fewer per request.)"""
+        time placement took. (Attributes, not a span of its own: one span fewer per request. Defaults are left
+        out: no `splitfire.excluded` on a first attempt, no `splitfire.prefill` when the decode worker prefills.)"""
         n, bs = len(req.prompt_token_ids), self.registry.block_size
         attrs: dict[str, Any] = {"splitfire.policy": self.policy.name, "splitfire.attempt": retry.attempts,
-                                 "splitfire.excluded": sorted(retry.exclude),
                                  "splitfire.placement_ms": round((time.perf_counter() - t0) * 1e3, 3)}
+        if retry.exclude:
+            attrs["splitfire.excluded"] = sorted(retry.exclude)
         for role, ep in (("decode", route.decode if route else None), ("prefill", route.prefill if route else None)):
             if ep is None:
                 continue
             cached = self.index.cached_tokens(ep.address, hashes, (n - 1) // bs, bs) if hashes else 0
-            attrs |= {f"splitfire.{role}": ep.address, f"splitfire.{role}.load_tokens": ep.load(),
-                      f"splitfire.{role}.expected_cached_blocks": cached // bs,
-                      f"splitfire.{role}.cost": token_cost(ep, Placement(n, _fixed(cached)))}
+            names = _ROLE_ATTRIBUTES[role]
+            attrs[names[0]] = ep.address
+            attrs[names[1]] = ep.load()
+            attrs[names[2]] = cached // bs
+            attrs[names[3]] = token_cost(ep, Placement(n, _fixed(cached)))
         return attrs
 
     def _end_attempt_span(self, attempt: Attempt, progress: Progress, error: str | None = None,
