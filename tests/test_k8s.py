@@ -404,7 +404,7 @@ def planner_scales_decode_under_a_load_step(cp, node, helm, chart: Path, values:
     planner_values = tmp_path / "planner-values.yaml"
     planner_values.write_text(json.dumps({"planner": {
         "enabled": True, "profile": {"prefill_tps": 1e6, "decode_itl": {"1": 0.25, "2": 60.0}},
-        "ttftSLO": 60, "itlSLO": 5, "interval": 2, "sample": 1, "startup": 10,
+        "ttftSLO": 60, "itlSLO": 5, "interval": 5, "sample": 1, "startup": 10,
         "minPrefill": 1, "maxPrefill": 1, "minDecode": 1, "maxDecode": 2,
         "resources": {"requests": {"cpu": "50m", "memory": "128Mi"}, "limits": {"memory": "512Mi"}}}}))
     r = run(cp, helm, "upgrade", REL, str(chart), "-n", NS, *values, "-f", str(planner_values))
@@ -452,8 +452,19 @@ def planner_scales_decode_under_a_load_step(cp, node, helm, chart: Path, values:
             wait_ready(cp, node, {"router": 1, "prefill": 1, "decode": 2, "planner": 1}, 600)
             decode_ips = {p["status"]["podIP"] for p in pods_ready(cp, "decode")}
             before = decode_placements(url)
-            wait(lambda: decode_ips <= {e.split(":")[0] for e, n in decode_placements(url).items()
-                                        if n > before.get(e, 0)}, 120, what="streams placed on both decode pods")
+
+            def placed_on_both() -> bool:
+                used = {e.split(":")[0] for e, n in decode_placements(url).items() if n > before.get(e, 0)}
+                return decode_ips <= used
+
+            try:
+                wait(placed_on_both, 180, what="streams placed on both decode pods")
+            except AssertionError as e:
+                decisions = [line for line in planner_log().splitlines() if "event=planner_" in line][-30:]
+                raise AssertionError(f"{e}: decode pods {sorted(decode_ips)}, now "
+                                     f"{[p['status']['podIP'] for p in pods_ready(cp, 'decode')]}; placements "
+                                     f"{before} -> {decode_placements(url)}; the planner:\n" + "\n".join(decisions)
+                                     ) from None
             print(f"the new decode pod Ready {time.monotonic() - t0:.0f} s after the step; the router places on both",
                   flush=True)
             heavy.clear()
