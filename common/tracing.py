@@ -247,8 +247,13 @@ def encode_span(s: Span) -> bytes:
 
 def encode_request(resource: Mapping[str, Any], scope: str, spans: list[Span]) -> bytes:
     """An `ExportTraceServiceRequest` of one resource's spans under one instrumentation scope."""
+    return request_of(resource, scope, [encode_span(s) for s in spans])
+
+
+def request_of(resource: Mapping[str, Any], scope: str, encoded: list[bytes]) -> bytes:
+    """`encode_request` of spans already encoded (`encode_span`)."""
     res = _field(1, b"".join(_field(1, _kv(k, v)) for k, v in resource.items()))
-    scope_spans = _field(1, _field(1, scope.encode())) + b"".join(_field(2, encode_span(s)) for s in spans)
+    scope_spans = _field(1, _field(1, scope.encode())) + b"".join(_field(2, s) for s in encoded)
     return _field(1, res + _field(2, scope_spans))
 
 
@@ -296,7 +301,7 @@ class Batcher:
         self.max_queue = int(os.environ.get("OTEL_BSP_MAX_QUEUE_SIZE", "2048"))
         self.max_batch = int(os.environ.get("OTEL_BSP_MAX_EXPORT_BATCH_SIZE", "512"))
         self.resource = dict(resource)
-        self.queue: deque[Span] = deque()
+        self.queue: deque[bytes] = deque()  # encoded spans
         self.dropped = 0
         self.failed = 0
         self.wake = threading.Event()
@@ -305,10 +310,13 @@ class Batcher:
         self.thread.start()
 
     def add(self, span: Span) -> None:
+        """Queue a finished span, encoded now: a queue of bytes (~300 B a span) holds nothing the garbage
+        collector follows, where up to `max_queue` span objects with their dicts and lists stayed in every
+        collection of the serving process until exported; the export thread then runs only the call."""
         if len(self.queue) >= self.max_queue:
             self.dropped += 1
             return
-        self.queue.append(span)
+        self.queue.append(encode_span(span))
         if len(self.queue) >= self.max_batch:
             self.wake.set()
 
@@ -324,7 +332,7 @@ class Batcher:
         while self.queue:
             batch = [self.queue.popleft() for _ in range(min(len(self.queue), self.max_batch))]
             try:
-                self.call(encode_request(self.resource, "splitfire", batch), timeout=self.timeout_s,
+                self.call(request_of(self.resource, "splitfire", batch), timeout=self.timeout_s,
                           metadata=self.headers or None)
             except Exception as e:  # a collector away: these spans are lost, said once per batch, serving goes on
                 self.failed += len(batch)
