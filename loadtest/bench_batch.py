@@ -75,7 +75,7 @@ async def batch_state(url: str, batch_id: str) -> dict:
 def part_batch(args: argparse.Namespace, log_dir: Path) -> dict:
     up = ["--model", args.model, "--device", "cpu", "--no-redis", "--colocated", "--served-model-name", MODEL,
           f"--router-arg=--files-dir={log_dir / 'files'}", f"--worker-arg=--max-num-seqs={args.max_num_seqs}",
-          "--worker-arg=--speculative=off"]
+          "--worker-arg=--speculative=off", *(f"--router-arg={a}" for a in args.router_arg)]
     out: dict = {}
     with Stack("batch", up, log_dir) as st:
         st.wait_ready()
@@ -183,6 +183,8 @@ def main() -> int:
     p.add_argument("--clients", type=int, default=16)
     p.add_argument("--seconds", type=float, default=6.0)
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--router-arg", action="append", default=[],
+                   help="part 1: a router flag, e.g. --router-arg=--batch-busy-concurrency=0 (repeatable)")
     p.add_argument("--json", default="")
     args = p.parse_args()
     log_dir = Path(tempfile.mkdtemp(prefix="bench-batch-"))

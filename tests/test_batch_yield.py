@@ -62,3 +62,27 @@ def test_batch_lines_yield_to_interactive_requests_and_come_back_when_quiet(tmp_
         assert sorted(json.loads(x)["custom_id"] for x in lines) == sorted(f"l{i}" for i in range(120))
 
     asyncio.run(main())
+
+
+def test_a_busy_concurrency_of_zero_pauses_the_batch_while_interactive_requests_are_there(tmp_path):
+    async def main() -> None:
+        files, batches, batch_id = await _batch(tmp_path, 40)
+        admission = Admission(64, 64, 30.0, RouterMetrics(EndpointRegistry()))
+        seen: list[str] = []
+
+        async def answer(endpoint: str, body: dict, key_id: str, priority: int) -> tuple[int, dict]:
+            await asyncio.sleep(0.01)
+            seen.append(endpoint)
+            return 200, {"id": f"cmpl-{len(seen)}"}
+
+        runner = BatchRunner(batches, files, answer, Lease(None, batches.dir), concurrency=16, priority=1_000_000,
+                             busy=lambda: admission.outranked(1_000_000), busy_concurrency=0, quiet_s=0.2)
+        async with admission.slot("u", 1.0, 0):  # an interactive request under way: not one line starts
+            task = asyncio.create_task(runner._run(batch_id))
+            await asyncio.sleep(0.4)
+            assert seen == []
+        await task  # quiet: the batch runs to the end
+        b = batches.load(batch_id)
+        assert b.status == "completed" and b.request_counts == {"total": 40, "completed": 40, "failed": 0}
+
+    asyncio.run(main())

@@ -265,7 +265,10 @@ class BatchRunner:
         """Wait until fewer than `limit()` lines are under way (re-read every 50 ms while waiting: interactive
         traffic comes and goes without the lines finishing)."""
         while len(tasks) >= self.limit():
-            await asyncio.wait(set(tasks), timeout=0.05, return_when=asyncio.FIRST_COMPLETED)
+            if tasks:
+                await asyncio.wait(set(tasks), timeout=0.05, return_when=asyncio.FIRST_COMPLETED)
+            else:  # (a limit of 0: paused until the router is quiet)
+                await asyncio.sleep(0.05)
 
     async def _line(self, b: Batch, n: int, raw: bytes, out: Path, errs: Path) -> None:
         rid = line_id(b.id, n)
