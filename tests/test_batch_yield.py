@@ -86,3 +86,43 @@ def test_a_busy_concurrency_of_zero_pauses_the_batch_while_interactive_requests_
         assert b.status == "completed" and b.request_counts == {"total": 40, "completed": 40, "failed": 0}
 
     asyncio.run(main())
+
+
+def test_a_burst_of_interactive_requests_pauses_the_batch_and_steady_traffic_lets_one_line_run(tmp_path):
+    """`pause_s`: for the first `pause_s` of a stretch of interactive traffic no batch line starts (a burst has
+    the fleet to itself); after it `busy_concurrency` lines run (steady traffic cannot starve the batch); a quiet
+    gap longer than `quiet_s` ends the stretch, and the next one pauses again."""
+    async def main() -> None:
+        files, batches, batch_id = await _batch(tmp_path, 400)
+        admission = Admission(64, 64, 30.0, RouterMetrics(EndpointRegistry()))
+        held, most = 0, 0
+        seen: list[str] = []
+
+        async def answer(endpoint: str, body: dict, key_id: str, priority: int) -> tuple[int, dict]:
+            nonlocal held, most
+            held += 1
+            most = max(most, held)
+            await asyncio.sleep(0.01)
+            held -= 1
+            seen.append(endpoint)
+            return 200, {"id": f"cmpl-{len(seen)}"}
+
+        runner = BatchRunner(batches, files, answer, Lease(None, batches.dir), concurrency=16, priority=1_000_000,
+                             busy=lambda: admission.outranked(1_000_000), busy_concurrency=1, quiet_s=0.2,
+                             pause_s=0.5)
+        async with admission.slot("u", 1.0, 0):  # a stretch of interactive traffic begins
+            task = asyncio.create_task(runner._run(batch_id))
+            await asyncio.sleep(0.4)
+            assert seen == []  # within pause_s: paused
+            await asyncio.sleep(0.5)
+            assert seen and most == 1  # past pause_s: one line at a time
+        await asyncio.sleep(0.3)  # quiet for longer than quiet_s: the stretch is over
+        async with admission.slot("u", 1.0, 0):  # a new burst: paused again
+            await asyncio.sleep(0.05)  # (the lines already under way finish)
+            n = len(seen)
+            await asyncio.sleep(0.3)
+            assert len(seen) == n < 400
+        await task
+        assert batches.load(batch_id).request_counts == {"total": 400, "completed": 400, "failed": 0}
+
+    asyncio.run(main())

@@ -128,7 +128,8 @@ class Router:
         self.batch_runner = BatchRunner(self.batches, self.files, self.serving.answer, Lease(self.redis, self.batches.dir),
                                         cfg.batch_concurrency, cfg.batch_priority,
                                         busy=lambda: self.admission.outranked(cfg.batch_priority),
-                                        busy_concurrency=cfg.batch_busy_concurrency)
+                                        busy_concurrency=cfg.batch_busy_concurrency,
+                                        pause_s=cfg.batch_busy_pause_s)
         self.adapters = AdapterAdmin(cfg, self.pools, self.registry, self.workers, self.tenants)
         self._tasks: list[asyncio.Task] = []
 

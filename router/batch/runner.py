@@ -122,7 +122,7 @@ def _done(path: Path) -> tuple[set[int], int]:
 class BatchRunner:
     def __init__(self, batches: Batches, files: Files, answer: Answer, lease: Lease, concurrency: int, priority: int,
                  poll_s: float = 1.0, busy: Callable[[], bool] = lambda: False, busy_concurrency: int | None = None,
-                 quiet_s: float = 1.0):
+                 quiet_s: float = 1.0, pause_s: float = 0.0):
         self.batches = batches
         self.files = files
         self.answer = answer
@@ -131,11 +131,15 @@ class BatchRunner:
         self.priority = priority
         self.poll_s = poll_s
         # Yielding: while `busy()` (more important requests run or wait at this router) and for `quiet_s` after,
-        # at most `busy_concurrency` lines are under way — the batch fills what interactive traffic leaves.
+        # the batch pauses (no new line) for the first `pause_s` of that busy stretch, then keeps at most
+        # `busy_concurrency` lines under way — a burst of interactive traffic has the fleet to itself, steady
+        # traffic cannot starve the batch.
         self.busy = busy
         self.busy_concurrency = concurrency if busy_concurrency is None else busy_concurrency
         self.quiet_s = quiet_s
+        self.pause_s = pause_s
         self._busy_at = -math.inf
+        self._busy_since = -math.inf  # when the current busy stretch began
         self.running: dict[str, asyncio.Task] = {}
         self.finished: set[str] = set()  # batches seen ended: never read again by the poll
 
@@ -254,12 +258,17 @@ class BatchRunner:
         self._end(b, stopped or "completed")
 
     def limit(self) -> int:
-        """Lines that may be under way now: `busy_concurrency` while more important work is here (or was, within
-        `quiet_s`: the gap between one interactive request and the next is not idle), else `concurrency`."""
+        """Lines that may be under way now: while more important work is here (or was, within `quiet_s`: the gap
+        between one interactive request and the next is not idle) none for the stretch's first `pause_s`, then
+        `busy_concurrency`; else `concurrency`."""
         now = time.monotonic()
         if self.busy():
+            if now - self._busy_at >= self.quiet_s:
+                self._busy_since = now
             self._busy_at = now
-        return self.busy_concurrency if now - self._busy_at < self.quiet_s else self.concurrency
+        if now - self._busy_at >= self.quiet_s:
+            return self.concurrency
+        return 0 if now - self._busy_since < self.pause_s else self.busy_concurrency
 
     async def _room(self, tasks: set[asyncio.Task]) -> None:
         """Wait until fewer than `limit()` lines are under way (re-read every 50 ms while waiting: interactive

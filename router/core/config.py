@@ -117,9 +117,14 @@ class RouterConfig:
     batch_concurrency: int = setting(16, "batch lines each router replica sends at once", group=BATCH)
     batch_busy_concurrency: int = setting(
         1, "batch lines each router replica sends at once while more important requests run or wait there (and for "
-        "a second after): the batch yields the fleet to interactive traffic; 0 pauses it while they are there (under "
-        "steady interactive traffic it waits for a quiet second); = --batch-concurrency to never yield",
+        "a second after), once --batch-busy-pause has passed: the batch yields the fleet to interactive traffic; 0 "
+        "pauses it for as long as they are there (a replica never quiet for a second never runs its batch); "
+        "= --batch-concurrency to never yield",
         group=BATCH)
+    batch_busy_pause_s: float = setting(
+        30.0, "seconds a stretch of more important requests at a router has the fleet to itself: no new batch line "
+        "starts until then, --batch-busy-concurrency after (a burst is not slowed by the batch, steady traffic does "
+        "not starve it); 0: never paused", flag="--batch-busy-pause", group=BATCH)
     batch_priority: int = setting(BATCH_PRIORITY, "priority of batch lines (lower is more important): by default "
                                   "below interactive requests, so they wait and are shed first", group=BATCH)
 
@@ -182,9 +187,9 @@ class RouterConfig:
         if self.max_concurrency < 1 or self.max_queue < 0 or self.max_retries < 0:
             raise ValueError("--max-concurrency must be >= 1, --max-queue and --max-retries >= 0")
         if min(self.max_file_bytes, self.max_files_per_tenant, self.max_batches_per_tenant,
-               self.batch_concurrency) < 1 or self.batch_busy_concurrency < 0:
+               self.batch_concurrency) < 1 or self.batch_busy_concurrency < 0 or not self.batch_busy_pause_s >= 0:
             raise ValueError("--max-file-bytes, --max-files-per-tenant, --max-batches-per-tenant and "
-                             "--batch-concurrency must be >= 1, --batch-busy-concurrency >= 0")
+                             "--batch-concurrency must be >= 1, --batch-busy-concurrency and --batch-busy-pause >= 0")
         if self.batch_busy_concurrency > self.batch_concurrency:
             raise ValueError(f"--batch-busy-concurrency ({self.batch_busy_concurrency}) cannot exceed "
                              f"--batch-concurrency ({self.batch_concurrency})")
