@@ -206,9 +206,7 @@ def _attribute(key: str, value: Any) -> bytes:
         return _field(9, _kv(key, value))
     seen = _ATTRS.get(key, {})
     if seen is None:
-        kv = _kv(key, value)
-        n = len(kv)
-        return b"\x4a" + (_SMALL[n] if n < 128 else _varint(n)) + kv  # (field 9, length-delimited)
+        return _field(9, _kv(key, value))
     hit = seen.get((cls, value))
     if hit is None:
         hit = _field(9, _kv(key, value))

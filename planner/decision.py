@@ -361,7 +361,7 @@ class Planner:
         missed = {"prefill": s.ttft_p90_s > self.ttft_slo_s, "decode": s.itl_p90_s > self.itl_slo_s}
         d = Decision(s.prefill_workers, s.decode_workers)
         want, fits = {}, {}  # (fits: the fewest workers the load fits at the down margin)
-        if s.serving is not None:  # (a role whose new workers are not serving yet has just grown, whatever `lead_s` says)
+        if s.serving is not None:  # (a role whose new workers do not serve yet has just grown, whatever `lead_s` says)
             for role, serving, counted in zip(("prefill", "decode"), s.serving, (s.prefill_workers, s.decode_workers),
                                               strict=True):
                 if serving < counted:

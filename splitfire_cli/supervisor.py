@@ -440,7 +440,6 @@ class LocalScaler:
                 and c.proc is not None and c.proc.returncode is None]
 
     async def run(self) -> None:
-
         import aiohttp
 
         from planner.cli import watch

@@ -51,7 +51,8 @@ def make_pki(d: Path) -> None:
     _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.crt", "-days", "2",
              "-subj", "/CN=splitfire-test-ca", cwd=d)
     (d / "san.cnf").write_text(
-        "[req]\ndistinguished_name=dn\n[dn]\n[ext]\nsubjectAltName=IP:127.0.0.1,IP:10.96.0.1,IP:" + POD_GATEWAY + ",DNS:localhost,"
+        f"[req]\ndistinguished_name=dn\n[dn]\n[ext]\nsubjectAltName=IP:127.0.0.1,IP:10.96.0.1,IP:{POD_GATEWAY},"
+        "DNS:localhost,"
         "DNS:kubernetes,DNS:kubernetes.default,DNS:kubernetes.default.svc,DNS:kubernetes.default.svc.cluster.local\n"
         "extendedKeyUsage=serverAuth\n")
     _openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "apiserver.key", "-out", "apiserver.csr", "-subj",

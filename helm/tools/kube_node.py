@@ -34,7 +34,6 @@ from kube_cluster import POD_GATEWAY, POD_SUBNET, ControlPlane, Processes, Start
 
 NODE = "sfnode"
 BRIDGE = "sfbr0"
-SUBNET = POD_SUBNET  # pods get SUBNET.2-254; the bridge (gateway, DNS) is SUBNET.1
 PAUSE_IMAGE = "localhost/splitfire-pause:1"
 CNI_BIN = Path("/usr/lib/cni")
 PAUSE_C = r"""
@@ -242,7 +241,7 @@ state = "{state / 'state'}"
         ipam = self.dir / "cni" / "ipam"
         conf = {"cniVersion": "0.4.0", "name": "splitfire-test", "plugins": [
             {"type": "bridge", "bridge": BRIDGE, "isGateway": True, "ipMasq": True, "hairpinMode": True,
-             "ipam": {"type": "host-local", "ranges": [[{"subnet": f"{SUBNET}.0/24", "gateway": self.gateway}]],
+             "ipam": {"type": "host-local", "ranges": [[{"subnet": f"{POD_SUBNET}.0/24", "gateway": self.gateway}]],
                       "routes": [{"dst": "0.0.0.0/0"}], "dataDir": str(ipam)}},
             {"type": "portmap", "capabilities": {"portMappings": True}}]}
         (self.dir / "cni" / "net.d" / "10-splitfire.conflist").write_text(json.dumps(conf, indent=1))
@@ -310,7 +309,7 @@ state = "{state / 'state'}"
         assert self.cp.bin is not None
         self.procs.spawn("kube-proxy", [
             str(self.cp.bin / "kube-proxy"), f"--kubeconfig={self.cp.kubeconfig}", f"--hostname-override={NODE}",
-            "--proxy-mode=iptables", f"--cluster-cidr={SUBNET}.0/24", "--conntrack-max-per-core=0",
+            "--proxy-mode=iptables", f"--cluster-cidr={POD_SUBNET}.0/24", "--conntrack-max-per-core=0",
             "--conntrack-tcp-timeout-established=0", "--conntrack-tcp-timeout-close-wait=0",
             f"--metrics-bind-address=127.0.0.1:{free_port()}", f"--healthz-bind-address=127.0.0.1:{free_port()}"])
 
