@@ -6,6 +6,7 @@ import os
 import signal
 import socket
 import subprocess
+import time
 
 import pytest
 from procs import free_port, spawn
@@ -105,10 +106,19 @@ async def test_up_runs_router_replicas_on_one_port(tiny_model_dir, tmp_path):
                     s.post(f"http://127.0.0.1:{port}/v1/completions",
                            json={"model": "tiny", "prompt": "hi", "max_tokens": 2}) as r:
                 assert r.status == 200, await r.text()
+        def served() -> dict[str, int]:
+            log = p.log()
+            return {name: sum(1 for line in log.splitlines() if line.startswith(f"[{name}]")
+                              and "event=request_done" in line) for name in ("router-0", "router-1")}
+
+        # a replica logs request_done after the last byte went out, and `up` relays its lines through a pipe:
+        # the last line may reach the log a moment after the client read its answer
+        deadline = time.monotonic() + 10
+        while sum(served().values()) < 24 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        counts = served()
+        assert sum(counts.values()) == 24 and all(counts.values()), counts
         log = p.log()
-        served = {name: sum(1 for line in log.splitlines() if line.startswith(f"[{name}]")
-                            and "event=request_done" in line) for name in ("router-0", "router-1")}
-        assert sum(served.values()) == 24 and all(served.values()), served
         assert "event=kv_index_synced" in log  # (the workers publish KV events to the Redis up started)
     finally:
         p.popen.send_signal(signal.SIGTERM)
