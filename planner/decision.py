@@ -8,14 +8,21 @@ concurrent streams want decode workers), so each role is predicted and sized on 
   ahead by its own `planner.predictor.SeasonalTrend` (Holt's level and trend on the series divided by a
   daily profile learned from whole days: a rise is extrapolated on the first day, and foreseen from the
   second). An interval above the forecast is believed at once, beyond the down margin's band.
-- **prefill**: the uncached prompt tokens/s over what one worker computes (`Profile.prefill_tps`) at
-  `target_utilization`, and at least what an M/M/n queue of those prompts needs for all but `ttft_miss`
-  of them to start within the TTFT SLO (Erlang C, `prefill_servers`), and at least what the bursts need:
-  the router is read every few seconds (`Snapshot.prompt_peaks`: the most prompt tokens/s over 1, 2 and 6
-  reads), each window's peak over the interval's mean is kept (`bursts`), and the predicted load times their
-  `burst_quantile` must be cleared within the TTFT budget — n x rate >= peak x w / (w + budget), the delay
-  bound of a rate server under that arrival curve. Real arrivals are far burstier than Poisson (Azure's code
-  hour: 5-second peaks 2.6x the minute's mean at p90), which no model of the mean sees.
+- **prefill**: the prompt load sized for is the forecast's upper bound — the forecast plus the
+  `forecast_quantile` of how far the load ran above the forecasts made for it (`SeasonalTrend.predict`, an
+  empirical prediction interval): where the load swings within a start-up time (Azure's code hour: 0 to 70
+  requests/s from one minute to the next) no forecast of the mean holds the capacity the next busy minute
+  needs, and on a smooth day the bound is the forecast. Then: the uncached prompt tokens/s over what one
+  worker computes (`Profile.prefill_tps`) at `target_utilization`, and at least what an M/M/n queue of those
+  prompts needs for all but `ttft_miss` of them to start within the TTFT SLO (Erlang C, `prefill_servers`),
+  and at least what the bursts need: the router is read every few seconds (`Snapshot.prompt_peaks`: the most
+  prompt tokens/s over 1, 2 and 6 reads), each window's peak above the interval's mean is kept in units of
+  the deviation Poisson arrivals of these prompts would show over that window (`bursts`: (peak - m) /
+  sqrt(m x E[S^2]/E[S] / w) — a ratio to the mean would call every quiet minute's few prompts a 6-12x burst
+  and size the busy minutes by it), and the predicted load plus their `burst_quantile` of such deviations must
+  be cleared within the TTFT budget — n x rate >= peak x w / (w + budget), the delay bound of a rate server
+  under that arrival curve. Real arrivals are far burstier than Poisson (Azure's code hour: 5-second peaks
+  ~10 such deviations above the minute's mean at p90), which no model of the mean sees.
 - **decode**: a worker's batch settles where batch = its output tokens/s x step(batch) (Little's law), so
   the output tokens/s are sized over what one worker produces at `target_utilization` of the largest
   batch whose step (`Profile.step_s`: the profiled step at that batch plus the KV cache read beyond the
@@ -183,6 +190,9 @@ class Planner:
     interval_s: float = 30.0  # how often `decide` is called: the predictors' step
     lead_s: float = 60.0  # a new worker's start-up: the load is predicted this far ahead
     trend_weight: float = 0.05  # the predictors' trend weight (Holt's beta)
+    # the load sized for is each predictor's forecast plus this quantile of how far the load has run above its
+    # forecasts (`SeasonalTrend.predict`: an empirical prediction interval, the newest 120 intervals)
+    forecast_quantile: float = 0.75
     # an SLO miss teaches a correction only once the fleet's last new workers have served this many whole intervals
     # (before, the miss is their start-up or the backlog they inherited, not an error of the profile)
     settle_intervals: int = 2
@@ -212,8 +222,10 @@ class Planner:
         if self.ttft_slo_s <= 0 or self.itl_slo_s <= 0:
             raise ValueError("--ttft-slo and --itl-slo must be positive")
         if (not 0 < self.target_utilization <= 1 or not 0 < self.alpha <= 1 or self.down_after < 1
-                or not 0 < self.down_margin <= 1):
-            raise ValueError("target_utilization, alpha and down_margin in (0, 1], down_after >= 1")
+                or not 0 < self.down_margin <= 1 or not 0 <= self.forecast_quantile <= 1
+                or not 0 <= self.burst_quantile <= 1):
+            raise ValueError("target_utilization, alpha and down_margin in (0, 1], forecast_quantile and "
+                             "burst_quantile in [0, 1], down_after >= 1")
         if self.profile.prefill_tps <= 0 or not self.profile.decode_itl:
             raise ValueError("the profile needs prefill tokens/s and at least one decode batch's ITL")
         if (self.interval_s <= 0 or self.lead_s < 0 or not 0 < self.trend_weight <= 1
@@ -230,7 +242,7 @@ class Planner:
                 "profile": {"prefill_tps": self.profile.prefill_tps,
                             "decode_itl": {str(b): v for b, v in sorted(self.profile.decode_itl.items())}},
                 "correction": dict(self.correction), "means": list(self._means),
-                "bursts": {f"{w:g}": [round(r, 4) for r in v] for w, v in sorted(self.bursts.items())},
+                "burst_excess": {f"{w:g}": [round(r, 4) for r in v] for w, v in sorted(self.bursts.items())},
                 "predictors": {role: p.to_state() for role, p in self.predictors.items()}}
 
     def resume(self, state: dict[str, object]) -> None:
@@ -242,14 +254,15 @@ class Planner:
                 raise ValueError(f"learned against another {what}: {state.get(key)!r}, this planner's is "
                                  f"{mine[key]!r}")
         corr, means, predictors = state.get("correction"), state.get("means"), state.get("predictors", {})
-        bursts = state.get("bursts", {})  # (a state written before bursts were measured has none)
+        # (a state written before bursts were measured as excesses has none: its "bursts", ratios, are not used)
+        bursts = state.get("burst_excess", {})
         if (not isinstance(corr, dict) or set(corr) != {"prefill", "decode"}
                 or not all(isinstance(v, (int, float)) and 1.0 <= v <= self.max_correction for v in corr.values())
                 or not (isinstance(means, list) and len(means) == 2
                         and all(isinstance(v, (int, float)) and v >= 0 for v in means))
                 or not isinstance(predictors, dict) or not set(predictors) <= {"prefill", "decode"}
                 or not isinstance(bursts, dict) or not all(
-                    _positive(w) and isinstance(v, list) and all(isinstance(r, (int, float)) and r >= 1 for r in v)
+                    _positive(w) and isinstance(v, list) and all(isinstance(r, (int, float)) and r >= 0 for r in v)
                     for w, v in bursts.items())):
             raise ValueError(f"not a planner state (correction {corr!r}, means {means!r}, bursts {bursts!r})")
         for role, p in predictors.items():  # (a state written before the predictors: they start afresh)
@@ -268,23 +281,32 @@ class Planner:
         now = {"prefill": s.request_rate * mean_input, "decode": s.request_rate * mean_output}
         for role, p in self.predictors.items():
             p.observe(t, now[role])
-        if now["prefill"] > 0:  # (an idle interval has no burst to measure)
+        cv2 = s.prompt_cv2 if s.prompt_cv2 is not None else self._cv2
+        # the prompt tokens one arrival brings as a compound Poisson count's variance weighs them, E[S^2] / E[S]:
+        # over a window of w seconds such arrivals at a mean of m tokens/s deviate by sqrt(m x unit / w) tokens/s
+        unit = mean_input * (1.0 + max(cv2, 0.0))
+        if now["prefill"] > 0 and unit > 0:  # (an idle interval has no burst to measure)
             for w, peak in s.prompt_peaks:
                 shapes = self.bursts.setdefault(w, [])
-                shapes.append(min(max(peak / now["prefill"], 1.0), 100.0))
+                shapes.append(min(max((peak - now["prefill"]) / math.sqrt(now["prefill"] * unit / w), 0.0), 1e3))
                 del shapes[: -self.burst_window]
-        self._forecast = (self.predictors["prefill"].forecast(t, self.lead_s),
-                          self.predictors["decode"].forecast(t, self.lead_s))
+        # prefill sizes for the forecast's upper bound (its load is instantaneous: a minute that swings above the
+        # forecast queues at once); decode for the forecast (a stream stays for its whole answer, so its batch
+        # follows the arrivals smoothly, and its headroom is already kept in streams)
+        (_, prompt_up), (output, _) = (self.predictors[role].predict(t, self.lead_s, self.forecast_quantile)
+                                       for role in ("prefill", "decode"))
+        self._forecast = (prompt_up, output)
         prompt = max(now["prefill"] * self.down_margin, self._forecast[0])
-        self._peaks = {w: prompt * self._quantile(shapes) for w, shapes in self.bursts.items()}
+        self._peaks = {w: prompt + self._quantile(shapes) * math.sqrt(prompt * unit / w)
+                       for w, shapes in self.bursts.items()}
         # (an interval above the forecast is believed at once, but only beyond the down margin's band: a noisy
         # steady load's peaks within it do not add the worker its forecast would drain again)
         return prompt, max(now["decode"] * self.down_margin, self._forecast[1])
 
     def _quantile(self, shapes: list[float]) -> float:
-        """`burst_quantile` of a window's burst ratios (their mean until ten are known)."""
+        """`burst_quantile` of a window's burst excesses (their mean until ten are known)."""
         if len(shapes) < 10:
-            return sum(shapes) / len(shapes) if shapes else 1.0
+            return sum(shapes) / len(shapes) if shapes else 0.0
         ordered = sorted(shapes)
         return ordered[min(int(self.burst_quantile * len(ordered)), len(ordered) - 1)]
 

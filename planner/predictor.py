@@ -37,6 +37,11 @@ class SeasonalTrend:
     trend: float = 0.0  # change of the level per interval
     season: list[float] = field(default_factory=list)  # factor per bucket (1.0 until a day has been seen)
     seen: list[bool] = field(default_factory=list)  # whether a bucket's factor has been learned
+    # how far the series ran above (or below) what was forecast for it, per observation (the newest
+    # `error_window`): the spread a forecast's upper bound adds (`upper`)
+    errors: list[float] = field(default_factory=list)
+    error_window: int = 120
+    _pending: list[tuple[float, float]] = field(default_factory=list, repr=False)  # (for t, forecast) not yet seen
     _day: int | None = field(default=None, repr=False)  # the day being accumulated
     _sums: dict[int, list[float]] = field(default_factory=dict, repr=False)  # bucket -> [sum, count] today
 
@@ -70,6 +75,11 @@ class SeasonalTrend:
     def observe(self, t_s: float, value: float) -> None:
         """The series' mean over the interval ending at `t_s` (seconds on the clock the day is measured on)."""
         value = max(value, 0.0)
+        due = [f for at, f in self._pending if at <= t_s + self.interval_s / 2]
+        if due:  # (the forecast made for this interval, one lead ago)
+            self.errors.append(value - due[-1])
+            del self.errors[: -self.error_window]
+            self._pending = [(at, f) for at, f in self._pending if at > t_s + self.interval_s / 2]
         day = math.floor(t_s / self.period_s)
         if self._day is not None and day != self._day:
             self._learn_day(t_s)
@@ -109,22 +119,40 @@ class SeasonalTrend:
             return 0.0
         return max((self.level + self.trend * lead_s / self.interval_s) * self.peak_factor(t_s, lead_s), 0.0)
 
+    def predict(self, t_s: float, lead_s: float, quantile: float) -> tuple[float, float]:
+        """(`forecast(t_s, lead_s)`, its upper bound): the forecast plus the `quantile` of how far the series has run
+        above its forecasts (none until ten have been checked), the forecast being remembered so that the
+        observation at `t_s + lead_s` measures its error. An empirical prediction interval: on a load that swings
+        within a start-up time (Azure's code hour: 0 to 70 requests/s from one minute to the next) the upper
+        bound holds the capacity a forecast of the mean would drain; on a smooth day it is close to the forecast."""
+        point = self.forecast(t_s, lead_s)
+        self._pending.append((t_s + lead_s, point))
+        if len(self.errors) < 10:
+            return point, point
+        ordered = sorted(self.errors)
+        spread = ordered[min(int(quantile * len(ordered)), len(ordered) - 1)]
+        return point, point + max(spread, 0.0)
+
     # -- the state file ------------------------------------------------------------------------------
 
     def to_state(self) -> dict[str, object]:
         return {"level": self.level, "trend": self.trend, "bucket_s": self.bucket_s,
-                "season": [round(s, 6) for s in self.season], "seen": list(self.seen)}
+                "season": [round(s, 6) for s in self.season], "seen": list(self.seen),
+                "errors": [round(e, 3) for e in self.errors]}
 
     def from_state(self, state: dict[str, object]) -> None:
         """Go on from `to_state()`. Raises ValueError when it is not such a state or has another bucket size."""
         level, trend, season, seen = state.get("level"), state.get("trend"), state.get("season"), state.get("seen")
+        errors = state.get("errors", [])  # (a state written before errors were kept has none)
         n = len(self.season)
         if (state.get("bucket_s") != self.bucket_s or not (level is None or isinstance(level, (int, float)))
                 or not isinstance(trend, (int, float)) or not isinstance(season, list) or len(season) != n
                 or not all(isinstance(s, (int, float)) and s >= 0 for s in season)
-                or not isinstance(seen, list) or len(seen) != n or not all(isinstance(s, bool) for s in seen)):
+                or not isinstance(seen, list) or len(seen) != n or not all(isinstance(s, bool) for s in seen)
+                or not isinstance(errors, list) or not all(isinstance(e, (int, float)) for e in errors)):
             raise ValueError(f"not a predictor state for {n} buckets of {self.bucket_s:g} s")
         self.level = None if level is None else float(level)
         self.trend = float(trend)
         self.season = [float(s) for s in season]
         self.seen = list(seen)
+        self.errors = [float(e) for e in errors][-self.error_window:]
