@@ -1,7 +1,7 @@
 """A planner snapshot from the scrapes of a router's /metrics over one interval: what happened between them.
 
 Rates and means come from counter differences (requests arrived and ended, prompt, completion and cached
-tokens), the TTFT and inter-token p90 from histogram bucket differences (the interval's own distribution,
+tokens; the prompts' and answers' squared lengths give their spread), the TTFT and inter-token p90 from histogram bucket differences (the interval's own distribution,
 not the process lifetime's), the fleet from `splitfire_router_endpoint_healthy` (colocated workers count
 as both roles' capacity: they prefill and decode). The scrapes in between (every few seconds) give the
 arrivals' bursts: the most prompt tokens/s over windows of one, two and six samples (`prompt_peaks`).
@@ -121,6 +121,14 @@ def snapshot(before: Scrape, after: Scrape, between: list[Scrape] | None = None)
     def p90(name: str) -> float:
         return quantile(before.buckets.get(name, []), after.buckets.get(name, []), 0.9)
 
+    def cv2(total: float, squares: str, n: float) -> float | None:
+        """The squared coefficient of variation of n lengths from their sum and sum of squares (None: fewer than
+        two, or a router that does not count the squares)."""
+        if n < 2 or total <= 0 or squares not in after.counters:
+            return None
+        mean = total / n
+        return max(delta(squares) / n / (mean * mean) - 1.0, 0.0)
+
     return Snapshot(
         request_rate=requests / dt,
         mean_input_tokens=prompt / requests if requests else 0.0,
@@ -132,4 +140,6 @@ def snapshot(before: Scrape, after: Scrape, between: list[Scrape] | None = None)
         decode_workers=after.healthy.get("decode", 0) + colocated,
         prompt_peaks=prompt_peaks(bins) if between else (),
         first_token_rate=_count(before, after, "splitfire_router_ttft_seconds") / dt,
+        prompt_cv2=cv2(prompt, "splitfire_router_prompt_tokens_squared_total", requests),
+        output_cv2=cv2(completion, "splitfire_router_completion_tokens_squared_total", finished),
     )

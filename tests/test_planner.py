@@ -101,8 +101,8 @@ async def test_a_snapshot_from_a_live_routers_metrics(tiny_model_dir, tmp_path):
                     return Scrape.parse(await r.text(), time.monotonic())
 
             async def one(i: int) -> None:
-                body = {"model": "tiny", "prompt": [5 + i % 3] * 40, "max_tokens": 10, "ignore_eos": True,
-                        "stream": True}
+                body = {"model": "tiny", "prompt": [5 + i % 3] * (40 if i % 2 else 100),
+                        "max_tokens": 10 if i % 2 else 30, "ignore_eos": True, "stream": True}
                 async with s.post(base_url(router) + "/v1/completions", json=body) as r:
                     assert r.status == 200
                     await r.read()
@@ -112,7 +112,9 @@ async def test_a_snapshot_from_a_live_routers_metrics(tiny_model_dir, tmp_path):
             await asyncio.gather(*(one(i) for i in range(1, 7)))
             after = await scrape()
         snap = snapshot(before, after)
-        assert snap.request_rate > 0 and snap.mean_input_tokens == 40 and snap.mean_output_tokens == 10
+        assert snap.request_rate > 0 and snap.mean_input_tokens == 70 and snap.mean_output_tokens == 20
+        # the lengths' spread, from the squares the router counts: three of 40 and three of 100 -> (30 / 70)^2
+        assert snap.prompt_cv2 == pytest.approx((30 / 70) ** 2) and snap.output_cv2 == pytest.approx(0.25)
         assert 0.3 <= snap.prefix_hit_ratio <= 0.8  # the same three prompts again: their full blocks hit
         assert 0 < snap.ttft_p90_s <= 5 and 0 < snap.itl_p90_s <= 5
         assert (snap.prefill_workers, snap.decode_workers) == (1, 1)

@@ -167,7 +167,9 @@ class ServingPath:
     async def _serve(self, request: web.Request | None, reqs: list[GenRequest], caller: Caller, fmt: ReplyFormat,
                      used: dict[str, int], span: Any = None, priority: int | None = None) -> web.StreamResponse:
         tenant, policy = caller.tenant, caller.policy
-        self.metrics.prompt_tokens.inc(sum(len(r.prompt_token_ids) for r in reqs))
+        prompt = sum(len(r.prompt_token_ids) for r in reqs)
+        self.metrics.prompt_tokens.inc(prompt)
+        self.metrics.prompt_tokens_squared.inc(prompt * prompt)
         self.metrics.requests_started.inc()
         if priority is None:
             priority = policy.priority_of(reqs[0].body.get("priority"))  # (a 400 before any quota is taken)
@@ -256,6 +258,7 @@ class ServingPath:
     def _count_usage(self, results: list[dict[str, Any]], used: dict[str, int]) -> None:
         used["completion"] = completion = sum(r["completion"] for r in results)
         self.metrics.completion_tokens.inc(completion)
+        self.metrics.completion_tokens_squared.inc(completion * completion)
         self.metrics.cached_tokens.inc(sum(r["cached"] for r in results))
 
     async def _stream(self, request: web.Request, reqs: list[GenRequest], fmt: ReplyFormat,

@@ -163,6 +163,11 @@ class RouterMetrics:
         self.requests_started = Counter("splitfire_router_requests_started", "Generation requests routed, counted "
                                         "when they arrive", registry=r)
         self.completion_tokens = Counter("splitfire_router_completion_tokens", "Tokens streamed back", registry=r)
+        # (with the sums and counts above, the lengths' spread: the planner's queue and context weighting read it)
+        self.prompt_tokens_squared = Counter("splitfire_router_prompt_tokens_squared", "Sum over arrived requests of "
+                                             "their prompt tokens squared", registry=r)
+        self.completion_tokens_squared = Counter("splitfire_router_completion_tokens_squared", "Sum over ended "
+                                                 "requests of their tokens streamed back, squared", registry=r)
         self.cached_tokens = Counter("splitfire_router_cached_prompt_tokens", "Prompt tokens workers served from "
                                      "their prefix caches", registry=r)
         self.tenants = TenantStats()
