@@ -140,8 +140,8 @@ async def run(a: argparse.Namespace) -> dict:
                "--itl-slo", str(a.itl_slo), "--ttft-slo", str(a.ttft_slo),
                "--max-decode", "2" if a.role == "decode" else "1", "--max-prefill", "2" if a.role == "prefill" else "1"]
     jobs = step_jobs(a)
-    out = {"role": a.role, "slo_s": a.ttft_slo if a.role == "prefill" else a.itl_slo, "profile": json.loads(profile_path.read_text()),
-           "rates": [a.low_rate, a.high_rate], "seconds": [a.before, a.during, a.after], "window_s": a.window,
+    out = {"role": a.role, "slo_s": a.ttft_slo if a.role == "prefill" else a.itl_slo,
+           "profile": json.loads(profile_path.read_text()), "rates": [a.low_rate, a.high_rate], "seconds": [a.before, a.during, a.after], "window_s": a.window,
            "interval_s": a.interval}
     for name, extra in (("fixed", []), ("planner", planner)):
         with Stack(name, [*common, *extra], logs) as st:

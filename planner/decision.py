@@ -190,8 +190,8 @@ class Planner:
     interval_s: float = 30.0  # how often `decide` is called: the predictors' step
     lead_s: float = 60.0  # a new worker's start-up: the load is predicted this far ahead
     trend_weight: float = 0.05  # the predictors' trend weight (Holt's beta)
-    # the load sized for is each predictor's forecast plus this quantile of how far the load has run above its
-    # forecasts (`SeasonalTrend.predict`: an empirical prediction interval, the newest 120 intervals)
+    # prefill is sized for the prompt forecast plus this quantile of how far the load has run above its forecasts
+    # (`SeasonalTrend.predict`: an empirical prediction interval over the newest 120 intervals); decode for the forecast
     forecast_quantile: float = 0.75
     # an SLO miss teaches a correction only once the fleet's last new workers have served this many whole intervals
     # (before, the miss is their start-up or the backlog they inherited, not an error of the profile)

@@ -38,7 +38,7 @@ class SeasonalTrend:
     season: list[float] = field(default_factory=list)  # factor per bucket (1.0 until a day has been seen)
     seen: list[bool] = field(default_factory=list)  # whether a bucket's factor has been learned
     # how far the series ran above (or below) what was forecast for it, per observation (the newest
-    # `error_window`): the spread a forecast's upper bound adds (`upper`)
+    # `error_window`): the spread a forecast's upper bound adds (`predict`)
     errors: list[float] = field(default_factory=list)
     error_window: int = 120
     _pending: list[tuple[float, float]] = field(default_factory=list, repr=False)  # (for t, forecast) not yet seen
