@@ -616,6 +616,7 @@ class Scaler:
     plan: list[tuple[int, int]] = field(default_factory=list)  # schedule: (prefill, decode) per interval
     sample_s: float = 5.0  # planner: the live planner's scrape period inside an interval (its burst windows)
     history: list[tuple[float, int, int]] = field(default_factory=list)
+    decisions: list[tuple[float, list[str]]] = field(default_factory=list)  # planner: (time, its reasons) each interval
     _last: dict[str, float] = field(default_factory=dict)
     _busy: dict[int, float] = field(default_factory=dict)
     _recs: dict[str, list[tuple[float, int]]] = field(default_factory=lambda: {"prefill": [], "decode": []})
@@ -659,6 +660,7 @@ class Scaler:
                             output_cv2=statistics.pvariance(outs) / statistics.fmean(outs) ** 2
                             if len(outs) > 1 and sum(outs) else None)
             d = self.planner.decide(snap)
+            self.decisions.append((now, d.reasons))
             want = {"prefill": d.prefill, "decode": d.decode}
         elif self.kind == "schedule":  # (the interval starting now)
             p, dec = self.plan[min(round(now / self.interval), len(self.plan) - 1)]
@@ -822,13 +824,13 @@ def static_splits(reqs: list[TraceRequest], model: CostModel, target: float, mos
     return statics
 
 
-def compare_planner(reqs: list[TraceRequest], model: CostModel, args: argparse.Namespace) -> dict[str, object]:
-    limits = Limits(min_prefill=1, max_prefill=args.max_workers, min_decode=1, max_decode=args.max_workers)
+def planner_passes(reqs: list[TraceRequest], model: CostModel, args: argparse.Namespace, limits: Limits,
+                   kw: dict) -> tuple[dict[str, float], Scaler, dict[str, float], tuple[int, int]]:
+    """The planner over the trace as `--start` says: (its summary, its scaler — replicas and decisions per interval —,
+    the earlier pass's attainment and worker-hours when `--start steady`, the fleet it started with)."""
     planner = new_planner(model, args, limits)
-    kw = dict(policy=args.policy, store=args.store, ttft_slo=args.ttft_slo, itl_slo=args.itl_slo,
-              block_tokens=args.block or TRACE_BLOCK)
     start = warm_start(reqs, model, args, limits) if args.start == "warm" else (1, 1)
-    first: dict[str, object] = {}
+    first: dict[str, float] = {}
     if args.start == "steady":
         # A planner that had served this workload before: one earlier pass over the trace from 1 + 1, and the
         # measured pass begins with its fleet and what it learned (`Planner.learned`, as `--state` keeps it).
@@ -841,20 +843,31 @@ def compare_planner(reqs: list[TraceRequest], model: CostModel, args: argparse.N
         start = f_scaler.history[-1][1], f_scaler.history[-1][2]
     p_sum, p_scaler = run_scaled(reqs, model, Scaler("planner", args.interval, args.startup, limits, planner),
                                  start, **kw)
+    return p_sum, p_scaler, first, start
+
+
+def compare_planner(reqs: list[TraceRequest], model: CostModel, args: argparse.Namespace) -> dict[str, object]:
+    limits = Limits(min_prefill=1, max_prefill=args.max_workers, min_decode=1, max_decode=args.max_workers)
+    kw = dict(policy=args.policy, store=args.store, ttft_slo=args.ttft_slo, itl_slo=args.itl_slo,
+              block_tokens=args.block or TRACE_BLOCK)
+    p_sum, p_scaler, first, start = planner_passes(reqs, model, args, limits, kw)
+    if args.decisions:
+        write_decisions(p_scaler, args.decisions)
+    result: dict[str, object] = {
+        "planner": {**p_sum, "replicas": p_scaler.history, **({"first_pass": first} if first else {})},
+        "settings": {"ttft_slo_s": args.ttft_slo, "itl_slo_s": args.itl_slo, "interval_s": args.interval,
+                     "startup_s": args.startup, "max_workers": args.max_workers, "cost_model": args.cost_model,
+                     "policy": args.policy, "store": args.store, "requests": len(reqs),
+                     "start": args.start, "start_workers": list(start)}}
+    if args.planner_only:
+        return result
     h_sum, h_scaler = run_scaled(reqs, model, Scaler("cpu_hpa", args.interval, args.startup, limits), start, **kw)
     statics = static_splits(reqs, model, p_sum["slo_attainment"], args.max_workers, kw)
     good = {k: v for k, v in statics.items() if v["slo_attainment"] >= p_sum["slo_attainment"]}
     best = min(good, key=lambda k: statics[k]["worker_hours"]) if good else \
         max(statics, key=lambda k: statics[k]["slo_attainment"])
-    result: dict[str, object] = {
-        "planner": {**p_sum, "replicas": p_scaler.history, **({"first_pass": first} if first else {})},
-        "best_static": {**statics[best], "split": best},
-        "cpu_hpa": {**h_sum, "replicas": h_scaler.history},
-        "statics": statics,
-        "settings": {"ttft_slo_s": args.ttft_slo, "itl_slo_s": args.itl_slo, "interval_s": args.interval,
-                     "startup_s": args.startup, "max_workers": args.max_workers, "cost_model": args.cost_model,
-                     "policy": args.policy, "store": args.store, "requests": len(reqs),
-                     "start": args.start, "start_workers": list(start)}}
+    result.update({"best_static": {**statics[best], "split": best}, "cpu_hpa": {**h_sum, "replicas": h_scaler.history},
+                   "statics": statics})
     if args.clairvoyant and args.clairvoyant_window:
         c_sum, plan = clairvoyant_windows(reqs, model, statics[best]["slo_attainment"], args.clairvoyant_window,
                                           args.max_workers, kw)
@@ -864,6 +877,13 @@ def compare_planner(reqs: list[TraceRequest], model: CostModel, args: argparse.N
         c_sum, plan = clairvoyant(reqs, model, (int(p_), int(d_)), statics[best]["slo_attainment"], args.interval, kw)
         result["clairvoyant"] = {**c_sum, "from": best, "plan": plan}
     return result
+
+
+def write_decisions(scaler: Scaler, path: str) -> None:
+    """The planner's measured pass, one line per interval: the time, the workers after it decided, and its reasons."""
+    with open(path, "w") as f:
+        for (t, p, d), (_, reasons) in zip(scaler.history, scaler.decisions, strict=True):
+            f.write(f"{t:8.0f} s  {p}P{d}D  " + " | ".join(reasons) + "\n")
 
 
 def plot(result: dict[str, object], reqs: list[TraceRequest], path: str) -> None:
@@ -948,6 +968,11 @@ def main() -> int:
                    help="--compare-planner: also search (greedily, minutes) a per-interval schedule with no start-up "
                         "that meets the best static split's attainment with the fewest worker-hours found")
     p.add_argument("--max-workers", type=int, default=12, help="autoscaling: most workers per role; static: in all")
+    p.add_argument("--planner-only", action="store_true",
+                   help="--compare-planner: the planner's passes only (no static splits, HPA or clairvoyant): "
+                        "seconds to a minute on an hour's trace, for trying the planner's settings")
+    p.add_argument("--decisions", default="", metavar="FILE",
+                   help="--compare-planner: write the measured pass's decisions there, one line per interval")
     p.add_argument("--json", default="")
     p.add_argument("--plot", default="")
     args = p.parse_args()
@@ -955,6 +980,10 @@ def main() -> int:
         p.error("--speed and --max-output scale a replay's requests: give --block too")
     if args.copies == 1 and args.copies_spread != 600.0:
         p.error("--copies-spread spreads the copies of --copies N (N > 1): give --copies too")
+    if (args.planner_only or args.decisions) and not args.compare_planner:
+        p.error("--planner-only and --decisions are --compare-planner's: give --compare-planner too")
+    if args.planner_only and (args.clairvoyant or args.plot):
+        p.error("--planner-only runs no clairvoyant schedule or static splits to plot: drop --clairvoyant / --plot")
     if args.clairvoyant_window and not (args.compare_planner and args.clairvoyant):
         p.error("--clairvoyant-window is --clairvoyant's window: give --compare-planner --clairvoyant too")
     if args.cost_model_json:

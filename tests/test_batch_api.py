@@ -9,7 +9,7 @@ import time
 
 import openai
 import pytest
-from procs import address, base_url, start_router, start_worker, stop_all
+from procs import address, base_url, start_redis, start_router, start_worker, stop_all
 
 MODEL = "tiny"
 
@@ -129,3 +129,32 @@ def test_a_router_killed_mid_batch_loses_nothing(served, tiny_model_dir, tmp_pat
     assert sorted(r["custom_id"] for r in out) == sorted(f"req-{i}" for i in range(200))  # each once
     assert (done.request_counts.completed, done.request_counts.failed) == (200, 0)
     assert "event=batch_taken" in served["router"].log()
+
+
+def test_two_replicas_share_one_batch_and_the_survivor_finishes_it(tiny_model_dir, tmp_path):
+    """Router replicas on one Redis and one files directory (the chart's `router.filesClaim`): a batch created on
+    one is seen on the other, exactly one runs it (the Redis lease), and when that one dies without a word the
+    other takes the batch over once its lease expires and finishes every line exactly once."""
+    redis = start_redis(tmp_path)
+    worker = start_worker("both", tiny_model_dir, tmp_path)
+    args = ["--served-model-name", MODEL, "--colocated", address(worker), "--files-dir", str(tmp_path / "files"),
+            "--redis-url", f"redis://127.0.0.1:{redis.ports['port']}", "--batch-lease", "3",
+            "--batch-concurrency", "4"]
+    routers = [start_router(tiny_model_dir, tmp_path, *args, name=f"replica-{k}") for k in range(2)]
+    try:
+        c = [openai.OpenAI(base_url=base_url(r) + "/v1", api_key="none", max_retries=0) for r in routers]
+        file_id = _upload(c[0], tmp_path, [_line(i, max_tokens=24) for i in range(120)])
+        batch = c[0].batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h")
+        _wait(c[1], batch.id, lambda b: b.request_counts.completed >= 10)  # (read through the other replica)
+        runs = [k for k, r in enumerate(routers) if f"event=batch_taken batch={batch.id}" in r.log()]
+        assert len(runs) == 1, [r.log()[-2000:] for r in routers]
+        runner, other = runs[0], 1 - runs[0]
+        routers[runner].popen.kill()  # (no chance to drop the lease: it must expire)
+        routers[runner].popen.wait(10)
+        done = _wait(c[other], batch.id, lambda b: b.status == "completed")
+        assert f"event=batch_taken batch={batch.id}" in routers[other].log()
+        out = _results(c[other], done.output_file_id)
+        assert sorted(r["custom_id"] for r in out) == sorted(f"req-{i}" for i in range(120))  # each exactly once
+        assert (done.request_counts.completed, done.request_counts.failed) == (120, 0)
+    finally:
+        stop_all(*routers, worker, redis)

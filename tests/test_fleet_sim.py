@@ -118,6 +118,26 @@ def test_compare_planner_writes_what_other_tools_read(tmp_path):
     assert all(1 <= p <= 3 and 1 <= dd <= 3 for _, p, dd in d["planner"]["replicas"])
 
 
+@needs_trace
+def test_planner_only_runs_the_planner_passes_and_writes_its_decisions(tmp_path):
+    out, log = tmp_path / "pl.json", tmp_path / "decisions.txt"
+    subprocess.run([sys.executable, "-m", "loadtest.fleet_sim", "--trace", str(TRACE), "--window", "600",
+                    "--compare-planner", "--planner-only", "--max-workers", "3", "--interval", "30", "--startup", "30",
+                    "--decisions", str(log), "--json", str(out)], cwd=ROOT, check=True, capture_output=True,
+                   timeout=240)
+    d = json.loads(out.read_text())
+    assert set(d) == {"planner", "settings"}  # (no static splits, HPA or clairvoyant)
+    assert 0.0 <= d["planner"]["slo_attainment"] <= 1.0 and d["planner"]["first_pass"]["worker_hours"] > 0
+    lines = log.read_text().splitlines()
+    # one line per interval of the measured pass: its time, the fleet after the decision and why
+    assert len(lines) == len(d["planner"]["replicas"]) > 10
+    for line, (t, p, dd) in zip(lines, d["planner"]["replicas"], strict=True):
+        assert line.split()[0] == f"{t:.0f}" and f"{p}P{dd}D" in line and "predicted" in line
+    bad = subprocess.run([sys.executable, "-m", "loadtest.fleet_sim", "--trace", str(TRACE), "--planner-only"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--compare-planner" in bad.stderr
+
+
 def test_decode_streams_by_hand(tmp_path):
     """Two streams on one decode worker, worked out by hand (the decode heap advances every running stream by one
     counter): A (11 tokens) starts alone at batch 1 (10 ms a step), B (21) joins 6 ms later: batch 2 (20 ms);

@@ -125,7 +125,8 @@ class Router:
         self.files = Files(root, cfg.max_file_bytes, cfg.max_files_per_tenant)
         self.batches = Batches(root, cfg.max_batches_per_tenant)
         self.batch_routes = BatchRoutes(self.tenants, self.files, self.batches)
-        self.batch_runner = BatchRunner(self.batches, self.files, self.serving.answer, Lease(self.redis, self.batches.dir),
+        self.batch_runner = BatchRunner(self.batches, self.files, self.serving.answer,
+                                        Lease(self.redis, self.batches.dir, cfg.batch_lease_s),
                                         cfg.batch_concurrency, cfg.batch_priority,
                                         busy=lambda: self.admission.outranked(cfg.batch_priority),
                                         busy_concurrency=cfg.batch_busy_concurrency,

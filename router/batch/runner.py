@@ -2,12 +2,13 @@
 through the serving path at the batch priority (`--batch-priority`: below interactive requests, so they wait
 and are shed first), `--batch-concurrency` at a time.
 
-A lease is a Redis key set if absent with a 30 s expiry, renewed every 10 s (`Lease`); without Redis, an
-exclusive `flock` on the batch's lock file under the shared directory, held while it runs (the kernel drops it
-when the process dies: replicas on one host, or a volume whose locks span hosts). A replica that dies stops
-renewing, and another takes the batch over within the expiry; a restarted router takes its own batches back. Nothing is sent twice: each result line's id carries its
-input line's number (`batch_req_<batch>_<line>`), and a batch picked up again first reads the lines it
-already has (a torn last line, from a crash mid-write, is cut off and sent again).
+A lease is a Redis key set if absent with a `--batch-lease` expiry (30 s), renewed every third of it (`Lease`);
+without Redis, an exclusive `flock` on the batch's lock file under the shared directory, held while it runs (the
+kernel drops it when the process dies: replicas on one host, or a volume whose locks span hosts). A replica that
+dies stops renewing, and another takes the batch over within the expiry; a restarted router takes its own batches
+back. Nothing is sent twice: each result line's id carries its input line's number (`batch_req_<batch>_<line>`),
+and a batch picked up again first reads the lines it already has (a torn last line, from a crash mid-write, is cut
+off and sent again).
 
 A line that is not JSON, or does not name the batch's endpoint, or asks to stream, fails alone (a line in
 the error file); so does one the model path refuses (its 4xx in the error file, as OpenAI's shape has it).

@@ -125,6 +125,10 @@ class RouterConfig:
         30.0, "seconds a stretch of more important requests at a router has the fleet to itself: no new batch line "
         "starts until then, --batch-busy-concurrency after (a burst is not slowed by the batch, steady traffic does "
         "not starve it); 0: never paused", flag="--batch-busy-pause", group=BATCH)
+    batch_lease_s: float = setting(
+        30.0, "seconds a router replica's claim on a batch it runs lasts unrenewed (renewed every third of it): how "
+        "long a batch waits before another replica takes over from one that died (with Redis; without, the lock "
+        "goes with the process)", flag="--batch-lease", group=BATCH)
     batch_priority: int = setting(BATCH_PRIORITY, "priority of batch lines (lower is more important): by default "
                                   "below interactive requests, so they wait and are shed first", group=BATCH)
 
@@ -190,6 +194,9 @@ class RouterConfig:
                self.batch_concurrency) < 1 or self.batch_busy_concurrency < 0 or not self.batch_busy_pause_s >= 0:
             raise ValueError("--max-file-bytes, --max-files-per-tenant, --max-batches-per-tenant and "
                              "--batch-concurrency must be >= 1, --batch-busy-concurrency and --batch-busy-pause >= 0")
+        if not self.batch_lease_s >= 1.0:
+            raise ValueError(f"--batch-lease must be >= 1 second (it is renewed every third of it), got "
+                             f"{self.batch_lease_s}")
         if self.batch_busy_concurrency > self.batch_concurrency:
             raise ValueError(f"--batch-busy-concurrency ({self.batch_busy_concurrency}) cannot exceed "
                              f"--batch-concurrency ({self.batch_concurrency})")
