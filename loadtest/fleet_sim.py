@@ -66,7 +66,7 @@ import math
 import statistics
 import sys
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from loadtest.trace_replay import TRACE_BLOCK, Scale, TraceRequest, leading_cached, read_trace
@@ -776,7 +776,26 @@ def clairvoyant_windows(reqs: list[TraceRequest], model: CostModel, target: floa
 def new_planner(model: CostModel, args: argparse.Namespace, limits: Limits) -> Planner:
     """The planner `splitfire planner run` would be, deciding every `--interval` for one `--startup` ahead."""
     return Planner(model.profile(), args.ttft_slo, args.itl_slo, limits, interval_s=args.interval,
-                   lead_s=args.startup)
+                   lead_s=args.startup, **planner_settings(args.planner_set))
+
+
+def planner_settings(pairs: list[str]) -> dict[str, float]:
+    """`--planner-set NAME=VALUE` pairs as `Planner` keyword arguments: each NAME one of its numeric settings (the
+    values `planner/decision.py` documents), each VALUE a number; the Planner validates the values."""
+    own_flags = {"ttft_slo_s", "itl_slo_s", "interval_s", "lead_s"}  # (--ttft-slo, --itl-slo, --interval, --startup)
+    numeric = {f.name: f.type for f in fields(Planner)
+               if not f.name.startswith("_") and f.type in ("float", "int") and f.name not in own_flags}
+    out: dict[str, float] = {}
+    for pair in pairs:
+        name, sep, value = pair.partition("=")
+        if not sep or name not in numeric:
+            raise SystemExit(f"--planner-set expects NAME=VALUE with NAME one of {sorted(numeric)}, got {pair!r}")
+        try:
+            out[name] = int(value) if numeric[name] == "int" else float(value)
+        except ValueError:
+            kind = "an integer" if numeric[name] == "int" else "a number"
+            raise SystemExit(f"--planner-set {name}: {value!r} is not {kind}") from None
+    return out
 
 
 def static_splits(reqs: list[TraceRequest], model: CostModel, target: float, most: int, kw: dict,
@@ -971,6 +990,10 @@ def main() -> int:
     p.add_argument("--planner-only", action="store_true",
                    help="--compare-planner: the planner's passes only (no static splits, HPA or clairvoyant): "
                         "seconds to a minute on an hour's trace, for trying the planner's settings")
+    p.add_argument("--planner-set", action="append", default=[], metavar="NAME=VALUE",
+                   help="--compare-planner: one of the planner's numeric settings (planner/decision.py's Planner: "
+                        "target_utilization, down_margin, forecast_quantile, burst_quantile, ...) for trying it; "
+                        "repeatable")
     p.add_argument("--decisions", default="", metavar="FILE",
                    help="--compare-planner: write the measured pass's decisions there, one line per interval")
     p.add_argument("--json", default="")
@@ -980,8 +1003,8 @@ def main() -> int:
         p.error("--speed and --max-output scale a replay's requests: give --block too")
     if args.copies == 1 and args.copies_spread != 600.0:
         p.error("--copies-spread spreads the copies of --copies N (N > 1): give --copies too")
-    if (args.planner_only or args.decisions) and not args.compare_planner:
-        p.error("--planner-only and --decisions are --compare-planner's: give --compare-planner too")
+    if (args.planner_only or args.decisions or args.planner_set) and not args.compare_planner:
+        p.error("--planner-only, --decisions and --planner-set are --compare-planner's: give --compare-planner too")
     if args.planner_only and (args.clairvoyant or args.plot):
         p.error("--planner-only runs no clairvoyant schedule or static splits to plot: drop --clairvoyant / --plot")
     if args.clairvoyant_window and not (args.compare_planner and args.clairvoyant):
@@ -992,6 +1015,11 @@ def main() -> int:
         model = CostModel.from_measured(measured, args.store_blocks or measured["kv_blocks"] * workers)
     else:
         model = COST_MODELS[args.cost_model]
+    if args.planner_set:
+        try:
+            new_planner(model, args, Limits())
+        except ValueError as e:
+            p.error(f"--planner-set: {e}")
     if args.compare_live:
         if not args.cost_model_json:
             p.error("--compare-live needs --cost-model-json: the live run's workers, measured on its machine")

@@ -24,13 +24,13 @@ concurrent streams want decode workers), so each role is predicted and sized on 
   under that arrival curve. Real arrivals are far burstier than Poisson (Azure's code hour: 5-second peaks
   ~10 such deviations above the minute's mean at p90), which no model of the mean sees.
 - **decode**: a worker's batch settles where batch = its output tokens/s x step(batch) (Little's law), so
-  the output tokens/s are sized over what one worker produces at `target_utilization` of the largest
+  the output tokens/s are sized over what one worker produces at `decode_utilization` (0.9) of the largest
   batch whose step (`Profile.step_s`: the profiled step at that batch plus the KV cache read beyond the
   profiled context) meets the ITL SLO and that its KV cache holds (`Profile.decode_capacity`), for streams
   holding the mean prompt and what a batch's streams hold of their answers on average — mean x (1 + cv^2) / 2,
   long answers staying longer (`Snapshot.output_cv2`; 1, exponential, when not measured). The headroom is kept
   in streams, where a burst lands, not in tokens/s (which would keep a second worker for a load the first
-  serves at 80% of its batch).
+  serves at 90% of its batch).
 
 Feedback corrects the model: a role whose observed p90 misses its SLO although the model says it has
 enough gets one more worker, and the planner remembers it — the role's load is scaled by a learned
@@ -178,6 +178,10 @@ class Planner:
     itl_slo_s: float
     limits: Limits = field(default_factory=Limits)
     target_utilization: float = 0.8
+    # decode: the share of the largest batch within the ITL SLO and KV cache a worker is sized to hold (the batch's
+    # step is already sized for the SLO at the streams' real context: at 0.8, like prefill, a second decode worker was
+    # held through the Azure conversation hour where one served all but five minutes of it in hindsight)
+    decode_utilization: float = 0.9
     alpha: float = 0.25  # the predictors' level weight (Holt's alpha) and the hit ratio's smoothing
     down_after: int = 3  # intervals of wanting fewer before one worker is drained
     # fewer workers are wanted only when the load fits them at this share of the target utilization: a
@@ -206,6 +210,7 @@ class Planner:
     burst_window: int = 120
     _peaks: dict[float, float] = field(default_factory=dict)  # window s -> predicted prompt tokens/s over it
     _hit: float | None = None  # the prefix hit ratio, smoothed
+    _prefill_rule: str = ""  # which rule sized prefill in the last `token_loads` (for the decision's reasons)
     _cv2: float = 1.0  # the prompts' squared coefficient of variation, smoothed
     _out_cv2: float = 1.0  # the answers', smoothed
     # the load one start-up ahead, per role: prompt tokens/s (prefill) and output tokens/s (decode)
@@ -221,10 +226,11 @@ class Planner:
     def __post_init__(self) -> None:
         if self.ttft_slo_s <= 0 or self.itl_slo_s <= 0:
             raise ValueError("--ttft-slo and --itl-slo must be positive")
-        if (not 0 < self.target_utilization <= 1 or not 0 < self.alpha <= 1 or self.down_after < 1
+        if (not 0 < self.target_utilization <= 1 or not 0 < self.decode_utilization <= 1 or not 0 < self.alpha <= 1
+                or self.down_after < 1
                 or not 0 < self.down_margin <= 1 or not 0 <= self.forecast_quantile <= 1
                 or not 0 <= self.burst_quantile <= 1):
-            raise ValueError("target_utilization, alpha and down_margin in (0, 1], forecast_quantile and "
+            raise ValueError("target_utilization, decode_utilization, alpha and down_margin in (0, 1], forecast_quantile and "
                              "burst_quantile in [0, 1], down_after >= 1")
         if self.profile.prefill_tps <= 0 or not self.profile.decode_itl:
             raise ValueError("the profile needs prefill tokens/s and at least one decode batch's ITL")
@@ -337,23 +343,27 @@ class Planner:
         tokens = prompt_tps * uncached / margin
         prompts = prompt_tps / mean_input / margin if mean_input > 0 else 0.0
         prefill = self.profile.prefill_work(tokens, prompts) / self.target_utilization
+        self._prefill_rule = "utilization"
         service_s = self.profile.prefill_work(mean_input * uncached, 1.0)
         if tokens > 0 and 0 < service_s < self.ttft_slo_s:  # (a prompt that alone takes longer: no count helps)
             budget = self.ttft_slo_s - service_s
-            prefill = max(prefill, prefill_servers(prompts, service_s, budget, self.ttft_miss, cv2=self._cv2))
+            queue = prefill_servers(prompts, service_s, budget, self.ttft_miss, cv2=self._cv2)
+            if queue > prefill:
+                prefill, self._prefill_rule = queue, "queue"
             # A burst: `r` times the mean for `w` seconds queues (r x work - n) x w seconds of work, which n
             # workers clear within the budget when n >= r x work x w / (w + budget) (network calculus' delay
             # bound of a rate server under the arrival curve the bursts trace).
             for w, peak in (peaks or {}).items():
                 work = self.profile.prefill_work(peak * uncached / margin, peak / mean_input / margin)
-                prefill = max(prefill, work * w / (w + budget) / self.target_utilization)
+                if work * w / (w + budget) / self.target_utilization > prefill:
+                    prefill, self._prefill_rule = work * w / (w + budget) / self.target_utilization, f"{w:g}-s bursts"
         # Decode: a worker's batch at its load settles where batch = output tokens/s x step(batch) (Little's law);
-        # the load it takes is the rate at which that batch is `target_utilization` (x margin) of the largest that
+        # the load it takes is the rate at which that batch is `decode_utilization` (x margin) of the largest that
         # meets the ITL SLO and fits its KV cache — the headroom is in streams, where a burst lands. Each stream
         # stays for as long as its answer, so long answers weigh by their length in the batch's context.
         context = mean_input + mean_output * (1.0 + self._out_cv2) / 2
         best, _ = self.profile.decode_capacity(self.itl_slo_s, context)
-        batch = max(best * self.target_utilization * margin, 1.0)
+        batch = max(best * self.decode_utilization * margin, 1.0)
         return prefill, output_tps / (batch / self.profile.step_s(batch, context))
 
     def needed(self, s: Snapshot, rate: float) -> tuple[int, int]:
@@ -373,6 +383,7 @@ class Planner:
             self._out_cv2 = self.alpha * s.output_cv2 + (1 - self.alpha) * self._out_cv2
         load = dict(zip(("prefill", "decode"), self.token_loads(prompt_tps, output_tps, hit, *self._means,
                                                                 peaks=self._peaks), strict=True))
+        rule = self._prefill_rule
         # the load were it to fit at the down margin, by the forecast alone (not the interval's noise): fewer
         # workers are wanted only below this
         slack = dict(zip(("prefill", "decode"), self.token_loads(*self._forecast, hit, *self._means,
@@ -412,7 +423,7 @@ class Planner:
         for role in ("prefill", "decode"):  # (an SLO miss's extra worker is wanted whatever the margin says)
             fits[role] = max(fits[role], want[role]) if missed[role] else fits[role]
         d.reasons.insert(0, f"predicted {prompt_tps:.0f} prompt and {output_tps:.0f} output tokens/s "
-                            f"{self.lead_s:g} s ahead: {load['prefill']:.2f} prefill and {load['decode']:.2f} "
+                            f"{self.lead_s:g} s ahead: {load['prefill']:.2f} prefill (by {rule}) and {load['decode']:.2f} "
                             f"decode workers of load by the profile, corrected x{self.correction['prefill']:.2f} / "
                             f"x{self.correction['decode']:.2f}: want {want['prefill']} prefill, {want['decode']} "
                             "decode")

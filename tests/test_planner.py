@@ -25,11 +25,11 @@ def test_each_role_is_sized_from_the_profile():
     pl = Planner(PROFILE, ttft_slo_s=2.0, itl_slo_s=0.1)
     assert PROFILE.decode_batch_within(0.1) == 32
     # prefill: 2 req/s x 400 x 0.8 = 640 tokens/s over 600 x 0.8 -> 2; decode: 200 tokens/s over what one worker
-    # makes at 0.8 of the largest batch within the ITL SLO (41: 0.0997 s) -> 1.
+    # makes at 0.9 (`decode_utilization`) of the largest batch within the ITL SLO (41: 0.0997 s) -> 1.
     assert pl.needed(snap(), 2.0) == (2, 1)
     # Long prompts, short answers: prefill grows, decode does not; and the other way round.
     assert pl.needed(snap(inp=4000, out=10), 2.0) == (14, 1)
-    # 4,000 tokens/s over a worker at batch 0.8 x 41 = 32.8 (step 81.8 ms: 401 tokens/s) -> 10
+    # 4,000 tokens/s over a worker at batch 0.9 x 41 = 36.9 (step 90.7 ms: 407 tokens/s) -> 10
     assert pl.needed(snap(inp=50, out=2000), 2.0) == (1, 10)
 
 
@@ -57,6 +57,9 @@ def test_limits_hold_and_scaling_down_is_gradual():
     assert counts == [(4, 3), (4, 3), (3, 2), (3, 2), (3, 2), (2, 2), (2, 2), (2, 2), (1, 2)]
     with pytest.raises(ValueError):
         Limits(min_prefill=3, max_prefill=2)
+    for bad in ({"decode_utilization": 0.0}, {"decode_utilization": 1.2}, {"forecast_quantile": 1.5}):
+        with pytest.raises(ValueError, match="decode_utilization"):
+            Planner(PROFILE, ttft_slo_s=2.0, itl_slo_s=0.1, **bad)
 
 
 def test_no_oscillation_on_a_noisy_steady_load():
@@ -78,7 +81,7 @@ def test_a_load_step_is_answered_at_once():
     for _ in range(10):
         pl.decide(snap(rate=1.0, p=1, d=1))
     d = pl.decide(snap(rate=6.0, p=1, d=1))  # the average lags; the latest interval is believed
-    assert (d.prefill, d.decode) == (4, 2)  # 6 x 400 x 0.8 / 480 tokens/s; 6 x 100 x 0.08 / 25.6 streams
+    assert (d.prefill, d.decode) == (4, 2)  # 6 x 400 x 0.8 / 480 tokens/s; 6 x 100 x 0.08 = 48 streams / (0.9 x 41)
 
 
 async def test_a_snapshot_from_a_live_routers_metrics(tiny_model_dir, tmp_path):
@@ -382,8 +385,8 @@ def test_decode_is_sized_by_context_and_kv_capacity():
     assert short == (200, pytest.approx(200 / (0.02 + 0.02 * 136 / 192)))  # KV-bound: 200 x 1,000 = 200,000
     assert long_[0] == 66 and long_[1] < short[1] / 2  # 66 x 3,000 = 198,000 tokens; step 33 ms
     pl = Planner(prof, ttft_slo_s=2.0, itl_slo_s=0.05)
-    assert pl.needed(snap(rate=30.0, inp=2950, out=100), 30.0)[1] == 2  # 3,000 tokens/s over 2,000 x 0.8
-    assert pl.needed(snap(rate=30.0, inp=950, out=100), 30.0)[1] == 1  # over 5,854 x 0.8
+    assert pl.needed(snap(rate=30.0, inp=2950, out=100), 30.0)[1] == 2  # 3,000 tokens/s over 1,880 (0.9 x 65 streams)
+    assert pl.needed(snap(rate=30.0, inp=950, out=100), 30.0)[1] == 1  # over 5,344 (0.9 x 190 streams)
 
 
 def test_the_planner_scales_up_before_a_daily_rise_it_has_seen():
@@ -459,7 +462,7 @@ def test_long_tailed_answers_are_sized_by_the_context_the_batch_really_holds():
     pl = Planner(prof, ttft_slo_s=2.0, itl_slo_s=0.05, alpha=1.0)
     pl.decide(Snapshot(100.0, 950, 100, 0.0, 0.1, 0.02, 1, 1, output_cv2=19.0))
     best, _ = prof.decode_capacity(0.05, 1950.0)
-    batch = best * 0.8
+    batch = best * pl.decode_utilization
     assert pl.token_loads(0.0, 10_000.0, 0.0, 950, 100)[1] == pytest.approx(10_000.0 / (batch / prof.step_s(batch, 1950.0)))
 
 
