@@ -616,7 +616,8 @@ class Scaler:
     plan: list[tuple[int, int]] = field(default_factory=list)  # schedule: (prefill, decode) per interval
     sample_s: float = 5.0  # planner: the live planner's scrape period inside an interval (its burst windows)
     history: list[tuple[float, int, int]] = field(default_factory=list)
-    decisions: list[tuple[float, list[str]]] = field(default_factory=list)  # planner: (time, its reasons) each interval
+    # planner: (time, what the interval showed, the decision's reasons) each interval
+    decisions: list[tuple[float, str, list[str]]] = field(default_factory=list)
     _last: dict[str, float] = field(default_factory=dict)
     _busy: dict[int, float] = field(default_factory=dict)
     _recs: dict[str, list[tuple[float, int]]] = field(default_factory=lambda: {"prefill": [], "decode": []})
@@ -660,7 +661,8 @@ class Scaler:
                             output_cv2=statistics.pvariance(outs) / statistics.fmean(outs) ** 2
                             if len(outs) > 1 and sum(outs) else None)
             d = self.planner.decide(snap)
-            self.decisions.append((now, d.reasons))
+            self.decisions.append((now, f"{len(rs)} arrived, {len(firsts)} first tokens (TTFT p90 {snap.ttft_p90_s:.2f} s), "
+                                        f"ITL p90 {snap.itl_p90_s * 1e3:.0f} ms", d.reasons))
             want = {"prefill": d.prefill, "decode": d.decode}
         elif self.kind == "schedule":  # (the interval starting now)
             p, dec = self.plan[min(round(now / self.interval), len(self.plan) - 1)]
@@ -899,10 +901,11 @@ def compare_planner(reqs: list[TraceRequest], model: CostModel, args: argparse.N
 
 
 def write_decisions(scaler: Scaler, path: str) -> None:
-    """The planner's measured pass, one line per interval: the time, the workers after it decided, and its reasons."""
+    """The planner's measured pass, one line per interval: the time, the workers after it decided, what the interval
+    showed it (requests arrived, first tokens and their p90, the finished requests' ITL p90), and its reasons."""
     with open(path, "w") as f:
-        for (t, p, d), (_, reasons) in zip(scaler.history, scaler.decisions, strict=True):
-            f.write(f"{t:8.0f} s  {p}P{d}D  " + " | ".join(reasons) + "\n")
+        for (t, p, d), (_, seen, reasons) in zip(scaler.history, scaler.decisions, strict=True):
+            f.write(f"{t:8.0f} s  {p}P{d}D  seen: {seen} | " + " | ".join(reasons) + "\n")
 
 
 def plot(result: dict[str, object], reqs: list[TraceRequest], path: str) -> None:

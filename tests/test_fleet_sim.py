@@ -132,7 +132,7 @@ def test_planner_only_runs_the_planner_passes_and_writes_its_decisions(tmp_path)
     # one line per interval of the measured pass: its time, the fleet after the decision and why
     assert len(lines) == len(d["planner"]["replicas"]) > 10
     for line, (t, p, dd) in zip(lines, d["planner"]["replicas"], strict=True):
-        assert line.split()[0] == f"{t:.0f}" and f"{p}P{dd}D" in line and "predicted" in line
+        assert line.split()[0] == f"{t:.0f}" and f"{p}P{dd}D  seen: " in line and "arrived" in line and "predicted" in line
     bad = subprocess.run([sys.executable, "-m", "loadtest.fleet_sim", "--trace", str(TRACE), "--planner-only"],
                          cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "--compare-planner" in bad.stderr
