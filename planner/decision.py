@@ -227,11 +227,10 @@ class Planner:
         if self.ttft_slo_s <= 0 or self.itl_slo_s <= 0:
             raise ValueError("--ttft-slo and --itl-slo must be positive")
         if (not 0 < self.target_utilization <= 1 or not 0 < self.decode_utilization <= 1 or not 0 < self.alpha <= 1
-                or self.down_after < 1
-                or not 0 < self.down_margin <= 1 or not 0 <= self.forecast_quantile <= 1
+                or self.down_after < 1 or not 0 < self.down_margin <= 1 or not 0 <= self.forecast_quantile <= 1
                 or not 0 <= self.burst_quantile <= 1):
-            raise ValueError("target_utilization, decode_utilization, alpha and down_margin in (0, 1], forecast_quantile and "
-                             "burst_quantile in [0, 1], down_after >= 1")
+            raise ValueError("target_utilization, decode_utilization, alpha and down_margin in (0, 1], "
+                             "forecast_quantile and burst_quantile in [0, 1], down_after >= 1")
         if self.profile.prefill_tps <= 0 or not self.profile.decode_itl:
             raise ValueError("the profile needs prefill tokens/s and at least one decode batch's ITL")
         if (self.interval_s <= 0 or self.lead_s < 0 or not 0 < self.trend_weight <= 1
@@ -355,8 +354,9 @@ class Planner:
             # bound of a rate server under the arrival curve the bursts trace).
             for w, peak in (peaks or {}).items():
                 work = self.profile.prefill_work(peak * uncached / margin, peak / mean_input / margin)
-                if work * w / (w + budget) / self.target_utilization > prefill:
-                    prefill, self._prefill_rule = work * w / (w + budget) / self.target_utilization, f"{w:g}-s bursts"
+                cleared = work * w / (w + budget) / self.target_utilization
+                if cleared > prefill:
+                    prefill, self._prefill_rule = cleared, f"{w:g}-s bursts"
         # Decode: a worker's batch at its load settles where batch = output tokens/s x step(batch) (Little's law);
         # the load it takes is the rate at which that batch is `decode_utilization` (x margin) of the largest that
         # meets the ITL SLO and fits its KV cache — the headroom is in streams, where a burst lands. Each stream
