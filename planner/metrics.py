@@ -3,8 +3,9 @@
 Rates and means come from counter differences (requests arrived and ended, prompt, completion and cached
 tokens; the prompts' and answers' squared lengths give their spread), the TTFT and inter-token p90 from
 histogram bucket differences (the interval's own distribution, not the process lifetime's), the fleet from
-`splitfire_router_endpoint_healthy` (colocated workers count as both roles' capacity: they prefill and decode). The
-scrapes in between (every few seconds) give the arrivals' bursts: the most prompt tokens/s over windows of one, two and six samples (`prompt_peaks`).
+`splitfire_router_endpoint_healthy` (colocated workers count as both roles' capacity: they prefill and
+decode). The scrapes in between (every few seconds) give the arrivals' bursts: the most prompt tokens/s over
+windows of one, two and six samples (`prompt_peaks`).
 """
 
 from __future__ import annotations

@@ -158,3 +158,15 @@ def test_two_replicas_share_one_batch_and_the_survivor_finishes_it(tiny_model_di
         assert (done.request_counts.completed, done.request_counts.failed) == (120, 0)
     finally:
         stop_all(*routers, worker, redis)
+
+
+def test_a_batch_lease_without_redis_is_refused():
+    """`--batch-lease` is the Redis lease's expiry; without Redis a batch's lock is a file lock, so the flag would
+    do nothing: refused by name rather than accepted and ignored."""
+    from router.core.config import RouterConfig
+
+    with pytest.raises(ValueError, match=r"--batch-lease.*--redis-url"):
+        RouterConfig(colocated=["w0:1"], batch_lease_s=5.0).validate()
+    assert RouterConfig(colocated=["w0:1"], batch_lease_s=5.0, redis_url="redis://127.0.0.1:1/0").validate()
+    with pytest.raises(ValueError, match="--batch-lease must be >= 1"):
+        RouterConfig(colocated=["w0:1"], batch_lease_s=0.5, redis_url="redis://127.0.0.1:1/0").validate()

@@ -127,8 +127,8 @@ class RouterConfig:
         "not starve it); 0: never paused", flag="--batch-busy-pause", group=BATCH)
     batch_lease_s: float = setting(
         30.0, "seconds a router replica's claim on a batch it runs lasts unrenewed (renewed every third of it): how "
-        "long a batch waits before another replica takes over from one that died (with Redis; without, the lock "
-        "goes with the process)", flag="--batch-lease", group=BATCH)
+        "long a batch waits before another replica takes over from one that died (needs --redis-url: without Redis "
+        "the lock goes with the process)", flag="--batch-lease", group=BATCH)
     batch_priority: int = setting(BATCH_PRIORITY, "priority of batch lines (lower is more important): by default "
                                   "below interactive requests, so they wait and are shed first", group=BATCH)
 
@@ -194,6 +194,9 @@ class RouterConfig:
                self.batch_concurrency) < 1 or self.batch_busy_concurrency < 0 or not self.batch_busy_pause_s >= 0:
             raise ValueError("--max-file-bytes, --max-files-per-tenant, --max-batches-per-tenant and "
                              "--batch-concurrency must be >= 1, --batch-busy-concurrency and --batch-busy-pause >= 0")
+        if self.batch_lease_s != 30.0 and not self.redis_url:
+            raise ValueError("--batch-lease is the expiry of a batch's Redis lease: give --redis-url too (without "
+                             "Redis a batch's lock is a file lock, which goes with the process that holds it)")
         if not self.batch_lease_s >= 1.0:
             raise ValueError(f"--batch-lease must be >= 1 second (it is renewed every third of it), got "
                              f"{self.batch_lease_s}")
