@@ -1,14 +1,15 @@
 """OpenTelemetry traces of one request across the router, the decode worker, the prefill worker and the
-KV transfer, exported over OTLP/gRPC.
+KV transfer, exported over OTLP (HTTP with binary protobuf, or gRPC).
 
 Off unless an OTLP endpoint is configured with the standard variables (`OTEL_EXPORTER_OTLP_ENDPOINT` or
 `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`, or `OTEL_TRACES_EXPORTER=otlp`); `OTEL_SDK_DISABLED=true` or
 `OTEL_TRACES_EXPORTER=none` keep it off. Off, each call site tests one `None`. On, these are read as the
 specification says: `OTEL_TRACES_SAMPLER` / `_ARG` (`always_on`, `always_off`, `traceidratio`, and the
-`parentbased_` ones; default `parentbased_always_on`), `OTEL_EXPORTER_OTLP_[TRACES_]HEADERS`, `_INSECURE`,
-`_CERTIFICATE`, `_TIMEOUT` (ms), `OTEL_BSP_SCHEDULE_DELAY`, `_MAX_QUEUE_SIZE`, `_MAX_EXPORT_BATCH_SIZE` (spans
-leave in batches on a thread of their own), `OTEL_SERVICE_NAME` and `OTEL_RESOURCE_ATTRIBUTES` (the service name
-defaults to the process's: splitfire-router, splitfire-decode, ...).
+`parentbased_` ones; default `parentbased_always_on`), `OTEL_EXPORTER_OTLP_[TRACES_]PROTOCOL` (`http/protobuf`,
+the default, or `grpc`), `_HEADERS`, `_INSECURE`, `_CERTIFICATE`, `_COMPRESSION` (`gzip`), `_TIMEOUT` (ms),
+`OTEL_BSP_SCHEDULE_DELAY`, `_MAX_QUEUE_SIZE`, `_MAX_EXPORT_BATCH_SIZE` (spans leave in batches on a thread of
+their own), `OTEL_SERVICE_NAME` and `OTEL_RESOURCE_ATTRIBUTES` (the service name defaults to the process's:
+splitfire-router, splitfire-decode, ...).
 
 Why not the OpenTelemetry SDK: its spans cost ~35 us each to make and ~50 us each to encode on the 2-vCPU
 development VM, which doubled the router's CPU per request with every request traced. A span here is a
@@ -57,10 +58,7 @@ def wanted(env: Mapping[str, str] | None = None) -> bool:
     if exporter not in ("", "otlp"):
         raise ValueError(f"OTEL_TRACES_EXPORTER={exporter!r} is not supported: splitfire exports traces over OTLP "
                          "(otlp) or not at all (none)")
-    protocol = (env.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or env.get("OTEL_EXPORTER_OTLP_PROTOCOL") or "grpc")
-    if protocol.strip().lower() != "grpc":
-        raise ValueError(f"OTLP protocol {protocol!r} is not supported: splitfire exports OTLP over gRPC (set "
-                         "OTEL_EXPORTER_OTLP_PROTOCOL=grpc, and the collector's gRPC port, usually 4317)")
+    protocol(env)
     return exporter == "otlp" or any(env.get(v) for v in _ENDPOINT_VARS)
 
 
@@ -219,27 +217,65 @@ def _attribute(key: str, value: Any) -> bytes:
     return hit
 
 
+_NAMED: dict[tuple[str, int], bytes] = {}  # (span name, kind) -> its name and kind fields
+_EVENTS: dict[str, bytes] = {}  # event name -> its Event.name field
+_FLAGS = (b"\x85\x01" + struct.pack("<I", 0), b"\x85\x01" + struct.pack("<I", 1))  # the W3C trace flags
+
+
+def _scalar(key: str, value: Any) -> bytes | None:
+    """An int (0 to 2^63) or float attribute's field written without memo or calls (they are the attributes
+    that vary per request: counts, timings, loads); None for any other value or a key of 100+ bytes."""
+    k = _KEYS.get(key)
+    if k is None or len(k) > 100:
+        return None
+    cls = value.__class__
+    if cls is float:
+        return b"\x4a" + _SMALL[len(k) + 11] + k + b"\x12\x09\x21" + _PACK_D(value)
+    if cls is int and value >= 0:
+        v = _SMALL[value] if value < 128 else _varint(value)
+        if len(v) > 10:
+            return None
+        return b"\x4a" + _SMALL[len(k) + 3 + len(v)] + k + b"\x12" + _SMALL[1 + len(v)] + b"\x18" + v
+    return None
+
+
 def encode_span(s: Span) -> bytes:
-    """An OTLP `Span` message."""
+    """An OTLP `Span` message. (Fields in number order; ids, times and flags are fixed-size and written
+    directly; `_attribute` is the general path the inline ones agree with, `test_tracing` holds both to
+    opentelemetry-proto's reading.)"""
     ctx = s.ctx
-    out = [_field(1, ctx.trace_id.to_bytes(16, "big")), _field(2, ctx.span_id.to_bytes(8, "big"))]
+    out = [b"\x0a\x10", ctx.trace_id.to_bytes(16, "big"), b"\x12\x08", ctx.span_id.to_bytes(8, "big")]
     if ctx.trace_state:
         out.append(_field(3, ctx.trace_state.encode()))
     if s.parent_id:
-        out.append(_field(4, s.parent_id.to_bytes(8, "big")))
-    out += [_field(5, s.name.encode()), b"\x30" + _SMALL[s.kind],
-            b"\x39" + _PACK_Q(s.start_ns), b"\x41" + _PACK_Q(s.end_ns)]
+        out += (b"\x22\x08", s.parent_id.to_bytes(8, "big"))
+    named = _NAMED.get((s.name, s.kind))
+    if named is None:
+        named = _field(5, s.name.encode()) + b"\x30" + _SMALL[s.kind]
+        if len(_NAMED) < 4096:
+            _NAMED[(s.name, s.kind)] = named
+    out += (named, b"\x39", _PACK_Q(s.start_ns), b"\x41", _PACK_Q(s.end_ns))
     memo = _ATTRS
-    for k, v in s.attributes.items():  # (`_attribute`, with its memo's hit inlined: most attributes repeat)
+    for k, v in s.attributes.items():
         if v is None:
             continue
-        seen = memo.get(k)
-        hit = seen.get((v.__class__, v)) if seen is not None and v.__class__ not in (list, tuple) else None
+        cls = v.__class__
+        if cls is float or cls is int:  # (bool is not `int` by class)
+            hit = _scalar(k, v)
+        else:  # (`_attribute`, with its memo's hit inlined: most string attributes repeat)
+            seen = memo.get(k)
+            hit = seen.get((cls, v)) if seen is not None and cls is not list and cls is not tuple else None
         out.append(hit if hit is not None else _attribute(k, v))
-    out += [_field(11, b"\x09" + _PACK_Q(ts) + _field(2, name.encode())) for ts, name in s.events]
+    for ts, name in s.events:
+        ev = _EVENTS.get(name)
+        if ev is None:
+            ev = _field(2, name.encode())
+            if len(_EVENTS) < 4096:
+                _EVENTS[name] = ev
+        out += (b"\x5a", _SMALL[9 + len(ev)] if len(ev) < 119 else _varint(9 + len(ev)), b"\x09", _PACK_Q(ts), ev)
     if s.status is not None:
         out.append(_field(15, _field(2, s.status.encode()) + b"\x18\x02"))  # STATUS_CODE_ERROR
-    out.append(b"\x85\x01" + struct.pack("<I", int(ctx.sampled)))  # flags: the W3C trace flags
+    out.append(_FLAGS[ctx.sampled])
     return b"".join(out)
 
 
@@ -273,11 +309,31 @@ def _env(name: str, default: str = "") -> str:
     return os.environ.get(f"OTEL_EXPORTER_OTLP_TRACES_{name}") or os.environ.get(f"OTEL_EXPORTER_OTLP_{name}") or default
 
 
-class Batcher:
-    """Finished spans, exported in batches by a thread of its own every schedule delay (or sooner when a batch
-    is full); spans beyond the queue's size are dropped and counted, never waited for."""
+def protocol(env: Mapping[str, str] | None = None) -> str:
+    """OTEL_EXPORTER_OTLP_[TRACES_]PROTOCOL: `http/protobuf` (the default, as the specification recommends:
+    the cheaper for the serving process, docs/benchmarks/tenants.md) or `grpc`; anything else fails, naming it."""
+    env = os.environ if env is None else env
+    name = env.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or env.get("OTEL_EXPORTER_OTLP_PROTOCOL") or "http/protobuf"
+    name = name.strip().lower()
+    if name not in ("grpc", "http/protobuf"):
+        raise ValueError(f"OTLP protocol {name!r} is not supported: splitfire exports OTLP over HTTP (http/protobuf, "
+                         "the default: the collector's port 4318) or gRPC (grpc: port 4317); set "
+                         "OTEL_EXPORTER_OTLP_PROTOCOL to one of them")
+    return name
 
-    def __init__(self, resource: Mapping[str, Any]):
+
+def _compression() -> str:
+    """OTEL_EXPORTER_OTLP_[TRACES_]COMPRESSION: `gzip` or none."""
+    name = _env("COMPRESSION", "none").strip().lower()
+    if name not in ("gzip", "none"):
+        raise ValueError(f"OTEL_EXPORTER_OTLP_COMPRESSION={name!r} is not supported (gzip or none)")
+    return name
+
+
+class GrpcExport:
+    """One `ExportTraceServiceRequest` per call over OTLP/gRPC (`TraceService/Export`)."""
+
+    def __init__(self, timeout_s: float, headers: tuple[tuple[str, str], ...]):
         import grpc
 
         endpoint = _env("ENDPOINT", "http://localhost:4317")
@@ -291,10 +347,98 @@ class Batcher:
             cert = _env("CERTIFICATE")
             creds = grpc.ssl_channel_credentials(open(cert, "rb").read() if cert else None)
             channel = grpc.secure_channel(target, creds)
+        self.endpoint = endpoint
         self.channel = channel
         self.call = channel.unary_unary(_EXPORT)  # (bytes in, bytes out: the encoding is ours)
-        self.headers = tuple((k.lower(), v) for k, v in _pairs(_env("HEADERS")).items())
+        self.timeout_s, self.metadata = timeout_s, headers or None
+        self.compression = grpc.Compression.Gzip if _compression() == "gzip" else None
+
+    def __call__(self, body: bytes) -> None:
+        self.call(body, timeout=self.timeout_s, metadata=self.metadata, compression=self.compression)
+
+    @staticmethod
+    def reason(e: Exception) -> str:
+        import grpc
+
+        return f"{e.code().name}: {e.details()}" if isinstance(e, grpc.RpcError) and hasattr(e, "code") else repr(e)
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+class HttpExport:
+    """One `ExportTraceServiceRequest` per POST over OTLP/HTTP (binary protobuf) on one kept-alive
+    connection: `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT` as it is, else `OTEL_EXPORTER_OTLP_ENDPOINT` +
+    `/v1/traces`, else http://localhost:4318/v1/traces (the specification's rules). Fewer CPU-microseconds a
+    span than the gRPC call: one write and one read of a plain connection."""
+
+    def __init__(self, timeout_s: float, headers: tuple[tuple[str, str], ...]):
+        url = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "").strip()
+        if not url:
+            base = os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT", "").strip() or "http://localhost:4318"
+            url = base.rstrip("/") + "/v1/traces"
+        parts = urllib.parse.urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"OTLP/HTTP endpoint {url!r} must be an http:// or https:// URL")
+        self.endpoint = url
+        self.tls = parts.scheme == "https"
+        self.host, self.port = parts.hostname, parts.port or (443 if self.tls else 80)
+        self.path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+        self.timeout_s = timeout_s
+        self.gzip = _compression() == "gzip"
+        self.headers = {"Content-Type": "application/x-protobuf", **dict(headers)}
+        if self.gzip:
+            self.headers["Content-Encoding"] = "gzip"
+        self.conn: Any = None
+
+    def _connect(self) -> Any:
+        import http.client
+
+        if not self.tls:
+            return http.client.HTTPConnection(self.host, self.port, timeout=self.timeout_s)
+        import ssl
+
+        ctx = ssl.create_default_context(cafile=_env("CERTIFICATE") or None)
+        return http.client.HTTPSConnection(self.host, self.port, timeout=self.timeout_s, context=ctx)
+
+    def __call__(self, body: bytes) -> None:
+        if self.gzip:
+            import gzip
+
+            body = gzip.compress(body, compresslevel=1)
+        if self.conn is None:
+            self.conn = self._connect()
+        try:
+            self.conn.request("POST", self.path, body, self.headers)
+            resp = self.conn.getresponse()
+            answer = resp.read()
+        except BaseException:
+            self.close()  # (the next batch connects again)
+            raise
+        if not 200 <= resp.status < 300:
+            raise RuntimeError(f"HTTP {resp.status} {resp.reason}: {answer[:200]!r}")
+
+    @staticmethod
+    def reason(e: Exception) -> str:
+        return str(e) if isinstance(e, RuntimeError) else repr(e)
+
+    def close(self) -> None:
+        if self.conn is not None:
+            self.conn.close()
+            self.conn = None
+
+
+class Batcher:
+    """Finished spans, exported in batches by a thread of its own every schedule delay (or sooner when a batch
+    is full) over OTLP/gRPC or OTLP/HTTP (`protocol`); spans beyond the queue's size are dropped and counted,
+    never waited for."""
+
+    def __init__(self, resource: Mapping[str, Any]):
+        headers = tuple((k.lower(), v) for k, v in _pairs(_env("HEADERS")).items())
         self.timeout_s = float(_env("TIMEOUT", "10000")) / 1000
+        self.protocol = protocol()
+        self.export: GrpcExport | HttpExport = (GrpcExport if self.protocol == "grpc" else HttpExport)(
+            self.timeout_s, headers)
         self.delay_s = float(os.environ.get("OTEL_BSP_SCHEDULE_DELAY", "5000")) / 1000
         self.max_queue = int(os.environ.get("OTEL_BSP_MAX_QUEUE_SIZE", "2048"))
         self.max_batch = int(os.environ.get("OTEL_BSP_MAX_EXPORT_BATCH_SIZE", "512"))
@@ -315,7 +459,7 @@ class Batcher:
             self.dropped += 1
             return
         self.queue.append(encode_span(span))
-        if len(self.queue) >= self.max_batch:
+        if len(self.queue) == self.max_batch:  # (once as it fills: a flush under way drains all it finds)
             self.wake.set()
 
     def _run(self) -> None:
@@ -325,26 +469,21 @@ class Batcher:
             self.flush()
 
     def flush(self) -> None:
-        import grpc
-
         while self.queue:
             batch = [self.queue.popleft() for _ in range(min(len(self.queue), self.max_batch))]
             try:
-                self.call(request_of(self.resource, "splitfire", batch), timeout=self.timeout_s,
-                          metadata=self.headers or None)
+                self.export(request_of(self.resource, "splitfire", batch))
             except Exception as e:  # a collector away: these spans are lost, said once per batch, serving goes on
                 self.failed += len(batch)
-                why = f"{e.code().name}: {e.details()}" if isinstance(e, grpc.RpcError) and hasattr(e, "code") \
-                    else repr(e)
                 log.warning("event=trace_export_failed spans=%d failed_total=%d dropped_total=%d error=%r",
-                            len(batch), self.failed, self.dropped, why)
+                            len(batch), self.failed, self.dropped, self.export.reason(e))
 
     def shutdown(self) -> None:
         self.stopping = True
         self.wake.set()
         self.thread.join(timeout=self.timeout_s + 1)
         self.flush()
-        self.channel.close()
+        self.export.close()
 
 
 # -- the tracer --------------------------------------------------------------------------
@@ -370,8 +509,8 @@ class Tracing:
         if not wanted():
             return None
         t = cls(service)
-        log.info("event=tracing_on service=%s endpoint=%s sampler=%s", t.service, _env("ENDPOINT", "default"),
-                 os.environ.get("OTEL_TRACES_SAMPLER", "parentbased_always_on"))
+        log.info("event=tracing_on service=%s protocol=%s endpoint=%s sampler=%s", t.service, t.batcher.protocol,
+                 t.batcher.export.endpoint, os.environ.get("OTEL_TRACES_SAMPLER", "parentbased_always_on"))
         return t
 
     @staticmethod

@@ -3,10 +3,13 @@
 Part 1 (noisy neighbour): one colocated worker (`splitfire up --colocated`, SmolLM2 by default). A
 flood tenant keeps `--flood` streams busy (closed loop: each sends its next request when the last
 ends; `--flood-prompt`-token prompts, `--flood-tokens` tokens each); a quiet tenant sends one request
-at a time (`--quiet-prompt` tokens, `--quiet-tokens` out). The quiet tenant's TTFT and ITL (medians
-over its requests) alone, beside the flood with one tenant for both (first come, first served: what
-splitfire did before tenants were scheduled), beside the flood as its own tenant (fair), and in the
-flood's tenant at priority 0 beside the flood at priority 10 (priority: the keys' default priorities).
+at a time (`--quiet-prompt` tokens, `--quiet-tokens` out), each after a pause of about `--quiet-think`
+seconds (a person reading the last answer: a request lands at any moment of the worker's step). The quiet
+tenant's TTFT and ITL (medians over its requests) alone, beside the flood with one tenant for both (first
+come, first served: what splitfire did before tenants were scheduled), beside the flood as its own tenant
+(fair), and in the flood's tenant at priority 0 beside the flood at priority 10 (priority: the keys' default
+priorities); the last two again with no pause (back to back: each request lands just after the flood's next
+step has begun, the worst moment).
 
 Part 2 (weights): two tenants of weights 2 and 1, each with more streams than the worker's
 `--max-num-seqs` (both saturating), for `--weights-seconds`: completion tokens each streamed in that
@@ -116,11 +119,18 @@ async def flood(url: str, key: str, streams: int, prompt: int, tokens: int, stop
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def quiet_run(url: str, key: str, args: argparse.Namespace, seed: int) -> dict[str, float]:
+async def quiet_run(url: str, key: str, args: argparse.Namespace, seed: int,
+                    think: float | None = None) -> dict[str, float]:
+    """The quiet tenant's requests, one at a time, each after a pause drawn uniformly from 0.5-1.5x `think`
+    seconds (`--quiet-think`: a person reading the last answer, so a request lands at any moment of the
+    worker's step); `think` 0: each the moment the last ends, which lands it just after a step has begun."""
     rng = random.Random(seed)
+    think = args.quiet_think if think is None else think
     ttft, itl = [], []
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as s:
         for _ in range(args.quiet_requests):
+            if think:
+                await asyncio.sleep(think * rng.uniform(0.5, 1.5))
             got = await stream(s, url, key, _ids(rng, args.quiet_prompt), args.quiet_tokens)
             ttft.append(got.ttft_s)
             itl.append(statistics.median(got.itl_s))
@@ -131,18 +141,21 @@ async def noisy_neighbour(url: str, args: argparse.Namespace) -> dict[str, dict[
     rows = {"alone": await quiet_run(url, "sk-quiet-as-flood", args, 1)}
     # One tenant first: a worker schedules fairly from the moment it has seen two tenants.
     modes = args.modes.split(",")
-    rows_wanted = {"fifo": ("beside the flood, one tenant (FIFO)", "sk-quiet-as-flood", "sk-flood"),
-                   "fair": ("beside the flood, own tenant (fair)", "sk-quiet", "sk-flood"),
+    rows_wanted = {"fifo": ("beside the flood, one tenant (FIFO)", "sk-quiet-as-flood", "sk-flood", None),
+                   "fair": ("beside the flood, own tenant (fair)", "sk-quiet", "sk-flood", None),
                    "priority": ("priority 0 beside a priority-10 flood, one tenant", "sk-quiet-urgent",
-                                "sk-flood-batch")}
-    for label, key, flood_key in (rows_wanted[m] for m in modes):
+                                "sk-flood-batch", None),
+                   "fair-b2b": ("beside the flood, own tenant, back to back", "sk-quiet", "sk-flood", 0.0),
+                   "priority-b2b": ("priority 0 beside priority 10, back to back", "sk-quiet-urgent",
+                                    "sk-flood-batch", 0.0)}
+    for label, key, flood_key, think in (rows_wanted[m] for m in modes):
         stop = asyncio.Event()
         itl: list[float] = []
         task = asyncio.create_task(flood(url, flood_key, args.flood, args.flood_prompt, args.flood_tokens, stop, 2,
                                          itl=itl))
         await asyncio.sleep(args.warmup)
         itl.clear()
-        rows[label] = await quiet_run(url, key, args, 3)
+        rows[label] = await quiet_run(url, key, args, 3, think)
         stop.set()
         await task
         rows[label]["flood_itl_ms"] = statistics.median(itl) * 1e3 if itl else float("nan")
@@ -213,7 +226,8 @@ def part_router(args: argparse.Namespace, log_dir: Path) -> dict[str, tuple[floa
     """Per router variant: (median CPU us/request, median of its per-round ratio to the first variant)."""
     procs: list[subprocess.Popen] = []
     worktree = None
-    sink = OTLPSink(keep=False).start()
+    sinks = {"OTLP/gRPC": OTLPSink(keep=False).start(),
+             "OTLP/HTTP": OTLPSink(keep=False, protocol="http/protobuf").start()}
     try:
         up = free_port()
         procs.append(spawn(["-m", "loadtest.fake_upstream", "--port", str(up), "--tokens", "8"], "fake upstream ready",
@@ -233,8 +247,9 @@ def part_router(args: argparse.Namespace, log_dir: Path) -> dict[str, tuple[floa
             "keys, quotas in Redis": (["--api-keys", str(keys), "--redis-url", f"redis://127.0.0.1:{rport}/0"],
                                       "sk-a", ROOT, {}),
             # (the SDK's default batching: a batch of up to 512 spans every 5 s)
-            "no keys, traced (100% sampled, OTLP)": ([], "", ROOT, {k: v for k, v in sink.env().items()
-                                                                   if k != "OTEL_BSP_SCHEDULE_DELAY"}),
+            **{f"no keys, traced (100% sampled, {name})": ([], "", ROOT, {k: v for k, v in sink.env().items()
+                                                                          if k != "OTEL_BSP_SCHEDULE_DELAY"})
+               for name, sink in sinks.items()},
         }
         if args.baseline_ref:
             worktree = Path(tempfile.mkdtemp(prefix="bench-tenancy-base-"))
@@ -258,15 +273,17 @@ def part_router(args: argparse.Namespace, log_dir: Path) -> dict[str, tuple[floa
                 c0 = cpu_seconds(p.pid)
                 n = asyncio.run(router_load(url, key, args.router_clients, args.router_seconds))
                 per_request[label].append((cpu_seconds(p.pid) - c0) / n * 1e6)
-        if sink.count == 0:
-            raise RuntimeError("the traced router exported no spans")
+        for name, sink in sinks.items():
+            if sink.count == 0:
+                raise RuntimeError(f"the router traced over {name} exported no spans")
         # (each row against the first within the same round, then the median: this VM drifts by 10% between
         # minutes, and a round's routers are measured seconds apart)
         first = next(iter(per_request.values()))
         return {k: (statistics.median(v), statistics.median(x / f for x, f in zip(v, first, strict=True)))
                 for k, v in per_request.items()}
     finally:
-        sink.stop()
+        for sink in sinks.values():
+            sink.stop()
         for p in procs:
             p.terminate()
         for p in procs:
@@ -285,9 +302,12 @@ def main() -> int:
     p.add_argument("--quiet-prompt", type=int, default=64)
     p.add_argument("--quiet-tokens", type=int, default=16)
     p.add_argument("--quiet-requests", type=int, default=12)
+    p.add_argument("--quiet-think", type=float, default=1.0,
+                   help="seconds the quiet tenant pauses before each request (drawn from 0.5-1.5x this); 0: none")
     p.add_argument("--warmup", type=float, default=15.0, help="seconds of flood before measuring")
-    p.add_argument("--modes", default="fifo,fair,priority",
-                   help="part 1: the rows beside the flood (besides 'alone'): fifo, fair, priority")
+    p.add_argument("--modes", default="fifo,fair,priority,fair-b2b,priority-b2b",
+                   help="part 1: the rows beside the flood (besides 'alone'): fifo, fair, priority, and fair-b2b, "
+                        "priority-b2b (the quiet requests back to back, whatever --quiet-think)")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--weight-streams", type=int, default=48, help="part 2: streams per tenant")
     p.add_argument("--weights-seconds", type=float, default=60.0)

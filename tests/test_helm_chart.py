@@ -348,7 +348,11 @@ def test_tracing_endpoint_reaches_every_router_and_worker_as_otel_variables(helm
         env = on[name]
         assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://otel-collector.obs:4317", name
         assert env["OTEL_TRACES_SAMPLER"] == "parentbased_traceidratio" and env["OTEL_TRACES_SAMPLER_ARG"] == "0.25"
-        assert env["OTEL_EXPORTER_OTLP_INSECURE"] == "true"
+        assert env["OTEL_EXPORTER_OTLP_INSECURE"] == "true" and env["OTEL_EXPORTER_OTLP_PROTOCOL"] == "http/protobuf"
+    grpc = env_of("--set", "tracing.otlpEndpoint=http://otel-collector.obs:4317", "--set", "tracing.protocol=grpc")
+    assert grpc["rel-splitfire-router"]["OTEL_EXPORTER_OTLP_PROTOCOL"] == "grpc"
+    bad = render(helm, ROOT / "helm/ci/default-values.yaml", "--set", "tracing.protocol=http/json")
+    assert bad.returncode != 0 and "protocol" in bad.stderr
 
 
 def test_routers_share_a_files_volume_when_one_is_named(helm):

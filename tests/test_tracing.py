@@ -35,8 +35,9 @@ def test_tracing_is_off_unless_the_environment_asks():
     assert not tracing.wanted({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4317", "OTEL_TRACES_EXPORTER": "none"})
     with pytest.raises(ValueError, match="zipkin"):
         tracing.wanted({"OTEL_TRACES_EXPORTER": "zipkin"})
-    with pytest.raises(ValueError, match="gRPC"):
-        tracing.wanted({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4318", "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf"})
+    assert tracing.wanted({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4318", "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf"})
+    with pytest.raises(ValueError, match="http/json"):
+        tracing.wanted({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4318", "OTEL_EXPORTER_OTLP_PROTOCOL": "http/json"})
 
 
 async def test_one_trace_across_router_decode_prefill_and_the_kv_transfer(tiny_model_dir, tmp_path, receiver,
@@ -149,8 +150,9 @@ def test_the_hand_written_otlp_encoding_is_what_opentelemetry_proto_reads(monkey
 
 
 def test_memoised_attributes_encode_as_the_first_time(monkeypatch):
-    """Attribute fields are memoised per key (up to 64 values): a repeated value, a value of another type that
-    compares equal (True and 1, 1 and 1.0), and a key past its 64 values all parse as what they were."""
+    """Attribute fields are memoised per key (up to 64 values), and numbers written inline: a repeated value, a
+    value of another type that compares equal (True and 1, 1 and 1.0), a key past its 64 values, and ints of
+    one to five varint bytes, negative ints and floats all parse as what they were."""
     from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
 
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:9")
@@ -158,7 +160,9 @@ def test_memoised_attributes_encode_as_the_first_time(monkeypatch):
     try:
         spans = []
         for i in range(100):  # "i": 100 distinct values (past the memo); "same": one value; "x": three types
-            s = t.span("r", attributes={"i": i, "same": "model-a", "x": [True, 1, 1.0][i % 3]})
+            s = t.span("r", attributes={"i": i, "same": "model-a", "x": [True, 1, 1.0][i % 3], "big": i * 10**9,
+                                        "f": i / 7, "neg": -i})
+            s.add_event("e")
             s.end()
             spans.append(s)
         raw = tracing.encode_request({}, "splitfire", spans)
@@ -168,7 +172,56 @@ def test_memoised_attributes_encode_as_the_first_time(monkeypatch):
     for i, sp in enumerate(got):
         attrs = {a.key: a.value for a in sp.attributes}
         assert attrs["i"].int_value == i and attrs["same"].string_value == "model-a"
+        assert (attrs["big"].int_value, attrs["f"].double_value, attrs["neg"].int_value) == (i * 10**9, i / 7, -i)
+        assert [e.name for e in sp.events] == ["e"] and sp.flags == 1
         assert attrs["x"].WhichOneof("value") == ["bool_value", "int_value", "double_value"][i % 3]
+
+
+def test_spans_leave_over_otlp_http_with_headers_and_gzip_and_a_refusal_is_counted(monkeypatch):
+    """OTEL_EXPORTER_OTLP_PROTOCOL=http/protobuf: batches POSTed to <endpoint>/v1/traces as binary protobuf on
+    one connection, with the configured headers and gzip; opentelemetry-proto reads what arrives. A collector
+    that refuses a batch (here a wrong path: 404) loses that batch, counted and logged, and nothing else."""
+    sink = OTLPSink(protocol="http/protobuf").start()
+    try:
+        for k, v in sink.env().items():
+            monkeypatch.setenv(k, v)
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_HEADERS", "x-tenant=a%20b,authorization=Bearer t")
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_COMPRESSION", "gzip")
+        t = tracing.Tracing("http-test")
+        try:
+            assert t.batcher.export.endpoint == sink.endpoint + "/v1/traces"
+            for i in range(300):
+                root = t.span("POST /v1/completions", kind="server", attributes={"i": i, "m": "tiny"})
+                tracing.end(t.span("router.attempt", root, "client"), generated_tokens=i)
+                tracing.end(root)
+        finally:
+            t.shutdown()
+        assert sink.count == 600 and t.batcher.failed == 0
+        spans = [s for _, s in sink.spans]
+        roots = {s.span_id: s for s in spans if s.name == "POST /v1/completions"}
+        assert sorted(a.value.int_value for s in roots.values() for a in s.attributes if a.key == "i") == list(range(300))
+        assert all(s.parent_span_id in roots for s in spans if s.name == "router.attempt")
+        h = {k.lower(): v for k, v in sink.requests[0].items()}
+        assert h["x-tenant"] == "a b" and h["authorization"] == "Bearer t" and h["content-encoding"] == "gzip"
+
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", sink.endpoint + "/not-traces")
+        monkeypatch.delenv("OTEL_EXPORTER_OTLP_COMPRESSION")
+        t = tracing.Tracing("http-refused")
+        try:
+            for _ in range(5):
+                tracing.end(t.span("r"))
+        finally:
+            t.shutdown()
+        assert t.batcher.failed == 5 and sink.count == 600
+    finally:
+        sink.stop()
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "collector:4318")
+    with pytest.raises(ValueError, match="http:// or https://"):
+        tracing.Tracing("bad")
+    monkeypatch.delenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_COMPRESSION", "zstd")
+    with pytest.raises(ValueError, match="zstd"):
+        tracing.Tracing("bad")
 
 
 def test_sampling_follows_the_parent_and_the_ratio(monkeypatch):

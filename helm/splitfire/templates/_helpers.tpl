@@ -114,6 +114,8 @@ initContainers:
 {{- if .Values.tracing.otlpEndpoint }}
 - name: OTEL_EXPORTER_OTLP_ENDPOINT
   value: {{ .Values.tracing.otlpEndpoint | quote }}
+- name: OTEL_EXPORTER_OTLP_PROTOCOL
+  value: {{ .Values.tracing.protocol | quote }}
 - name: OTEL_EXPORTER_OTLP_INSECURE
   value: {{ .Values.tracing.insecure | quote }}
 - name: OTEL_TRACES_SAMPLER
