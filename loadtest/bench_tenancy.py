@@ -148,14 +148,17 @@ async def noisy_neighbour(url: str, args: argparse.Namespace) -> dict[str, dict[
                    "fair-b2b": ("beside the flood, own tenant, back to back", "sk-quiet", "sk-flood", 0.0),
                    "priority-b2b": ("priority 0 beside priority 10, back to back", "sk-quiet-urgent",
                                     "sk-flood-batch", 0.0)}
-    for label, key, flood_key, think in (rows_wanted[m] for m in modes):
+    # Every row draws prompts of its own (seeds by row), for the flood and the quiet requests: a prompt seen in
+    # an earlier row would be a prefix-cache hit here (a quiet prompt with nothing to compute; a flood whose
+    # prompts skip their prefill decodes more streams at once, and its steps take longer).
+    for row, (label, key, flood_key, think) in enumerate((rows_wanted[m] for m in modes), start=1):
         stop = asyncio.Event()
         itl: list[float] = []
-        task = asyncio.create_task(flood(url, flood_key, args.flood, args.flood_prompt, args.flood_tokens, stop, 2,
-                                         itl=itl))
+        task = asyncio.create_task(flood(url, flood_key, args.flood, args.flood_prompt, args.flood_tokens, stop,
+                                         100 + row, itl=itl))
         await asyncio.sleep(args.warmup)
         itl.clear()
-        rows[label] = await quiet_run(url, key, args, 3, think)
+        rows[label] = await quiet_run(url, key, args, 200 + row, think)
         stop.set()
         await task
         rows[label]["flood_itl_ms"] = statistics.median(itl) * 1e3 if itl else float("nan")
