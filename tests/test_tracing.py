@@ -1,6 +1,7 @@
 """OpenTelemetry traces: one disaggregated request's spans from the router, the decode worker, the prefill
-worker and the KV transfer, under the caller's `traceparent`, received by a real OTLP/gRPC endpoint
-(opentelemetry-proto's TraceService); tracing off unless the standard OTEL_* variables ask for it."""
+worker and the KV transfer, under the caller's `traceparent`, received by a real OTLP endpoint over gRPC
+(opentelemetry-proto's TraceService) and over HTTP (its types); tracing off unless the standard OTEL_*
+variables ask for it."""
 
 from __future__ import annotations
 
@@ -19,9 +20,10 @@ TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 CALLER_SPAN = "00f067aa0ba902b7"
 
 
-@pytest.fixture
-def receiver():
-    sink = OTLPSink().start()
+@pytest.fixture(params=["http/protobuf", "grpc"])
+def receiver(request):
+    """A collector over each OTLP protocol (http/protobuf is the default)."""
+    sink = OTLPSink(protocol=request.param).start()
     yield sink
     sink.stop()
 
