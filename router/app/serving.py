@@ -152,7 +152,7 @@ class ServingPath:
         for r in reqs:
             r.span = span
         try:
-            resp = await self._serve(request, reqs, caller, fmt, used, span)
+            resp = await self._serve(request, reqs, caller, fmt, used, span, priority=priority)
         except APIError as e:
             span.set_attribute("http.response.status_code", e.status)
             end_span(span, error=f"{e.code or e.type}: {e.message}", prompt_tokens=used["prompt"])
