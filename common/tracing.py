@@ -141,7 +141,6 @@ class Sampler:
 
 _SMALL = [bytes([i]) for i in range(128)]
 _TAGS = {n: bytes([n << 3 | 2]) for n in range(1, 16)}  # length-delimited fields 1-15: one tag byte
-_KEYS: dict[str, bytes] = {}  # attribute key -> its encoded KeyValue.key field (keys repeat on every span)
 _PACK_D, _PACK_Q = struct.Struct("<d").pack, struct.Struct("<Q").pack
 
 
@@ -181,68 +180,84 @@ def _any(value: Any) -> bytes:
 
 
 def _kv(key: str, value: Any) -> bytes:
-    k = _KEYS.get(key)
-    if k is None:
-        k = _field(1, key.encode())
-        if len(_KEYS) < 4096:  # (a bound, should keys ever carry values)
-            _KEYS[key] = k
-    v = _any(value)
-    n = len(v)
-    return k + b"\x12" + (_SMALL[n] if n < 128 else _varint(n)) + v
-
-
-_ATTRS: dict[str, dict[tuple[type, Any], bytes] | None] = {}  # key -> {(type, value): its encoded field}
-_PER_KEY = 64  # distinct values memoised per key; a key with more (ids, timings) is encoded every time
+    """A `KeyValue` message (a resource's attribute, and inside a span's)."""
+    return _field(1, key.encode()) + _field(2, _any(value))
 
 
 def _attribute(key: str, value: Any) -> bytes:
-    """A span's attribute field (Span.attributes, 9). Most repeat on every request (model, tenant, route,
-    endpoints, status), so each key keeps the encodings of its first 64 distinct values; a key with more
-    stops memoising. (Encoding was 77 us of the router's CPU per traced request on a 2-vCPU EPYC.)"""
-    cls = value.__class__
-    if cls is list or cls is tuple:
-        return _field(9, _kv(key, value))
-    seen = _ATTRS.get(key, {})
-    if seen is None:
-        return _field(9, _kv(key, value))
-    hit = seen.get((cls, value))
-    if hit is None:
-        hit = _field(9, _kv(key, value))
-        if len(seen) < _PER_KEY:
-            if not seen and len(_ATTRS) < 4096:
-                _ATTRS[key] = seen
-            seen[(cls, value)] = hit
-        else:
-            _ATTRS[key] = None
-    return hit
+    """A span's attribute field (Span.attributes, 9), the plain way: what `_Key`'s fast paths must equal."""
+    return _field(9, _kv(key, value))
 
 
+class _Key:
+    """One attribute key's encodings, made once (keys repeat on every span): the head of the field for an int
+    of each varint length and for a float (the value's bytes follow), both bools, and the whole fields of the
+    first 64 distinct strings (model, tenant, route, endpoints, results repeat; a key with more values, such as
+    an id, stops memoising). (Encoding was 77 us of the router's CPU per traced request on a 2-vCPU EPYC before
+    memos; `test_tracing` holds these to `_attribute`.)"""
+
+    __slots__ = ("bools", "float", "ints", "key", "strs")
+
+    def __init__(self, key: str):
+        self.key = key
+        k = _field(1, key.encode())
+        self.ints = [b""] + [b"\x4a" + _varint(len(k) + 3 + n) + k + b"\x12" + _SMALL[1 + n] + b"\x18"
+                             for n in range(1, 11)]  # by the value's varint length
+        self.float = b"\x4a" + _varint(len(k) + 11) + k + b"\x12\x09\x21"
+        self.bools = (_attribute(key, False), _attribute(key, True))
+        self.strs: dict[str, bytes] | None = {}
+
+    def string(self, value: str) -> bytes:
+        hit = _attribute(self.key, value)
+        strs = self.strs
+        if strs is not None:
+            if len(strs) < 64:
+                strs[value] = hit
+            else:
+                self.strs = None
+        return hit
+
+
+_KEYS: dict[str, _Key] = {}  # attribute key -> its encodings (bounded, should keys ever carry values)
 _NAMED: dict[tuple[str, int], bytes] = {}  # (span name, kind) -> its name and kind fields
 _EVENTS: dict[str, bytes] = {}  # event name -> its Event.name field
 _FLAGS = (b"\x85\x01" + struct.pack("<I", 0), b"\x85\x01" + struct.pack("<I", 1))  # the W3C trace flags
 
 
-def _scalar(key: str, value: Any) -> bytes | None:
-    """An int (0 to 2^63) or float attribute's field written without memo or calls (they are the attributes
-    that vary per request: counts, timings, loads); None for any other value or a key of 100+ bytes."""
+def _key(key: str) -> _Key:
     k = _KEYS.get(key)
-    if k is None or len(k) > 100:
-        return None
-    cls = value.__class__
-    if cls is float:
-        return b"\x4a" + _SMALL[len(k) + 11] + k + b"\x12\x09\x21" + _PACK_D(value)
-    if cls is int and value >= 0:
-        v = _SMALL[value] if value < 128 else _varint(value)
-        if len(v) > 10:
-            return None
-        return b"\x4a" + _SMALL[len(k) + 3 + len(v)] + k + b"\x12" + _SMALL[1 + len(v)] + b"\x18" + v
-    return None
+    if k is None:
+        k = _Key(key)
+        if len(_KEYS) < 4096:
+            _KEYS[key] = k
+    return k
+
+
+def encode_attributes(attributes: Mapping[str, Any], out: list[bytes]) -> None:
+    """A span's attribute fields appended to `out`, None values left out: strings, bools, ints from 0 to
+    2^64 - 1 and floats through their key's `_Key` (no call per attribute on a memo hit), anything else (lists,
+    negative ints) through `_attribute`."""
+    keys = _KEYS
+    for k, v in attributes.items():
+        cls = v.__class__
+        if cls is str:
+            e = keys.get(k) or _key(k)
+            strs = e.strs
+            out.append((strs.get(v) if strs is not None else None) or e.string(v))
+        elif cls is int and 0 <= v <= 0xFFFF_FFFF_FFFF_FFFF:
+            b = _SMALL[v] if v < 128 else _varint(v)
+            out += ((keys.get(k) or _key(k)).ints[len(b)], b)
+        elif cls is float:
+            out += ((keys.get(k) or _key(k)).float, _PACK_D(v))
+        elif cls is bool:
+            out.append((keys.get(k) or _key(k)).bools[v])
+        elif v is not None:
+            out.append(_attribute(k, v))
 
 
 def encode_span(s: Span) -> bytes:
     """An OTLP `Span` message. (Fields in number order; ids, times and flags are fixed-size and written
-    directly; `_attribute` is the general path the inline ones agree with, `test_tracing` holds both to
-    opentelemetry-proto's reading.)"""
+    directly; test_tracing holds the whole to opentelemetry-proto's reading.)"""
     ctx = s.ctx
     out = [b"\x0a\x10", ctx.trace_id.to_bytes(16, "big"), b"\x12\x08", ctx.span_id.to_bytes(8, "big")]
     if ctx.trace_state:
@@ -255,17 +270,7 @@ def encode_span(s: Span) -> bytes:
         if len(_NAMED) < 4096:
             _NAMED[(s.name, s.kind)] = named
     out += (named, b"\x39", _PACK_Q(s.start_ns), b"\x41", _PACK_Q(s.end_ns))
-    memo = _ATTRS
-    for k, v in s.attributes.items():
-        if v is None:
-            continue
-        cls = v.__class__
-        if cls is float or cls is int:  # (bool is not `int` by class)
-            hit = _scalar(k, v)
-        else:  # (`_attribute`, with its memo's hit inlined: most string attributes repeat)
-            seen = memo.get(k)
-            hit = seen.get((cls, v)) if seen is not None and cls is not list and cls is not tuple else None
-        out.append(hit if hit is not None else _attribute(k, v))
+    encode_attributes(s.attributes, out)
     for ts, name in s.events:
         ev = _EVENTS.get(name)
         if ev is None:
@@ -493,22 +498,24 @@ class Tracing:
     """One process's tracer. `span` starts a span (ended by the caller, with `end`), `traceparent` is the
     header form of a span's context, `extract` reads one."""
 
-    def __init__(self, service: str):
+    def __init__(self, service: str, resource: Mapping[str, Any] | None = None):
         self.sampler = Sampler(os.environ.get("OTEL_TRACES_SAMPLER", "parentbased_always_on").strip().lower(),
                                os.environ.get("OTEL_TRACES_SAMPLER_ARG", "").strip())
-        resource: dict[str, Any] = {"telemetry.sdk.name": "splitfire", "telemetry.sdk.language": "python"}
-        resource |= _pairs(os.environ.get("OTEL_RESOURCE_ATTRIBUTES", ""))
-        resource["service.name"] = os.environ.get("OTEL_SERVICE_NAME") or resource.get("service.name") or service
-        self.service = resource["service.name"]
-        self.batcher = Batcher(resource)
+        res: dict[str, Any] = {"telemetry.sdk.name": "splitfire", "telemetry.sdk.language": "python",
+                               **(resource or {}), **_pairs(os.environ.get("OTEL_RESOURCE_ATTRIBUTES", ""))}
+        res["service.name"] = os.environ.get("OTEL_SERVICE_NAME") or res.get("service.name") or service
+        self.service = res["service.name"]
+        self.batcher = Batcher(res)
         self._rand = random.Random()
 
     @classmethod
-    def from_env(cls, service: str) -> Tracing | None:
-        """A tracer when the environment asks for one (`wanted`), else None. A bad setting fails here, at start."""
+    def from_env(cls, service: str, resource: Mapping[str, Any] | None = None) -> Tracing | None:
+        """A tracer when the environment asks for one (`wanted`), else None. A bad setting fails here, at start.
+        `resource`: the process's own attributes, on every span it exports (what never changes per request:
+        sent once per batch, not once per span); OTEL_RESOURCE_ATTRIBUTES override them."""
         if not wanted():
             return None
-        t = cls(service)
+        t = cls(service, resource)
         log.info("event=tracing_on service=%s protocol=%s endpoint=%s sampler=%s", t.service, t.batcher.protocol,
                  t.batcher.export.endpoint, os.environ.get("OTEL_TRACES_SAMPLER", "parentbased_always_on"))
         return t
@@ -549,7 +556,8 @@ class Tracing:
     @staticmethod
     def traceparent(span: Span) -> str:
         c = span.ctx
-        return f"00-{c.trace_id:032x}-{c.span_id:016x}-{'01' if c.sampled else '00'}"
+        return "-".join(("00", c.trace_id.to_bytes(16, "big").hex(), c.span_id.to_bytes(8, "big").hex(),
+                         "01" if c.sampled else "00"))
 
     def shutdown(self) -> None:
         """Export what is still queued and stop (a process's exit)."""

@@ -15,8 +15,10 @@ Part 2 (weights): two tenants of weights 2 and 1, each with more streams than th
 `--max-num-seqs` (both saturating), for `--weights-seconds`: completion tokens each streamed in that
 window, and their ratio.
 
-Part 3 (router CPU): a router in front of a zero-cost upstream (`fake_upstream.py`), closed loop with
-more clients than `--max-concurrency` (the admission queue is used): router CPU-microseconds per
+Part 3 (router CPU): a router in front of a zero-cost upstream (`fake_upstream.py`) at `--router-rate`
+requests/s on a fixed schedule (the same offered load for every router: CPU per request at a load is what
+sizes a router; `--router-rate 0`: closed loop with more clients than `--max-concurrency`, where each
+router's own speed moves its batching and a round's ratio spreads 0.95-1.35 on 2 cores): router CPU-microseconds per
 request with no keys, with keys (weights and quotas counted in memory), and with keys and quotas in
 Redis, and with no keys and every request traced (OpenTelemetry, 100% sampled, exported over OTLP to a
 collector in this process: `loadtest/otlp_sink.py`); beside the router of `--baseline-ref` (a git ref,
@@ -206,22 +208,43 @@ def part_stack(args: argparse.Namespace, log_dir: Path) -> tuple[dict, dict]:
 # -- part 3: the router's CPU per request --------------------------------------------------------
 
 
-async def router_load(url: str, key: str, clients: int, duration: float) -> int:
+async def router_load(url: str, key: str, clients: int, duration: float, rate: float = 0.0) -> int:
+    """Requests sent for `duration` seconds: `rate` per second on a fixed schedule (open loop, at most
+    2 x `clients` in flight), or with `rate` 0 by `clients` each sending the next as the last ends (closed
+    loop). Returns how many completed."""
     body = {"model": "fake", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "stream": True}
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     done = 0
-    stop = time.perf_counter() + duration
+    start = time.perf_counter()
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
-        async def client() -> None:
+        async def one() -> None:
             nonlocal done
-            while time.perf_counter() < stop:
-                async with s.post(url + "/v1/chat/completions", json=body, headers=headers) as r:
-                    if r.status != 200:
-                        raise RuntimeError(f"{r.status}: {await r.text()}")
-                    await r.read()
-                done += 1
+            async with s.post(url + "/v1/chat/completions", json=body, headers=headers) as r:
+                if r.status != 200:
+                    raise RuntimeError(f"{r.status}: {await r.text()}")
+                await r.read()
+            done += 1
 
-        await asyncio.gather(*(client() for _ in range(clients)))
+        if not rate:
+            async def client() -> None:
+                while time.perf_counter() < start + duration:
+                    await one()
+
+            await asyncio.gather(*(client() for _ in range(clients)))
+            return done
+        room = asyncio.Semaphore(2 * clients)
+
+        async def paced() -> None:
+            async with room:
+                await one()
+
+        sent: list[asyncio.Task] = []
+        for i in range(int(duration * rate)):
+            wait = start + i / rate - time.perf_counter()
+            if wait > 0:
+                await asyncio.sleep(wait)
+            sent.append(asyncio.create_task(paced()))
+        await asyncio.gather(*sent)
     return done
 
 
@@ -271,17 +294,21 @@ def part_router(args: argparse.Namespace, log_dir: Path) -> dict[str, tuple[floa
             routers[label] = (f"http://127.0.0.1:{port}", p, key)
             asyncio.run(router_load(routers[label][0], key, 4, 1.0))
         per_request: dict[str, list[float]] = {k: [] for k in routers}
+        achieved: list[float] = []  # requests/s each round reached
         for _ in range(args.router_rounds):
             for label, (url, p, key) in routers.items():
-                c0 = cpu_seconds(p.pid)
-                n = asyncio.run(router_load(url, key, args.router_clients, args.router_seconds))
+                c0, t0 = cpu_seconds(p.pid), time.perf_counter()
+                n = asyncio.run(router_load(url, key, args.router_clients, args.router_seconds, args.router_rate))
                 per_request[label].append((cpu_seconds(p.pid) - c0) / n * 1e6)
+                achieved.append(n / (time.perf_counter() - t0))
         for name, sink in sinks.items():
             if sink.count == 0:
                 raise RuntimeError(f"the router traced over {name} exported no spans")
         # (each row against the first within the same round, then the median: this VM drifts by 10% between
         # minutes, and a round's routers are measured seconds apart)
         first = next(iter(per_request.values()))
+        print(f"router load: {statistics.median(achieved):.0f} requests/s (median of rounds; slowest "
+              f"{min(achieved):.0f})", flush=True)
         return {k: (statistics.median(v), statistics.median(x / f for x, f in zip(v, first, strict=True)))
                 for k, v in per_request.items()}
     finally:
@@ -317,6 +344,9 @@ def main() -> int:
     p.add_argument("--router-clients", type=int, default=32)
     p.add_argument("--router-seconds", type=float, default=5.0)
     p.add_argument("--router-rounds", type=int, default=3)
+    p.add_argument("--router-rate", type=float, default=700.0,
+                   help="part 3: requests/s on a fixed schedule, the same offered load for every router; 0: closed "
+                        "loop (--router-clients each send the next as the last ends)")
     p.add_argument("--baseline-ref", default="", help="git ref whose router is the 'before' row of part 3")
     p.add_argument("--worker-arg", action="append", default=[])
     p.add_argument("--json", default="")
@@ -347,7 +377,9 @@ def main() -> int:
         cpu = part_router(args, log_dir)
         results["router_us_per_request"] = {k: us for k, (us, _) in cpu.items()}
         results["router_vs_first"] = {k: ratio for k, (_, ratio) in cpu.items()}
-        print(f"\nRouter CPU per request (zero-cost upstream, {args.router_clients} clients, --max-concurrency "
+        load = (f"{args.router_rate:.0f} requests/s offered" if args.router_rate else
+                f"{args.router_clients} clients, closed loop")
+        print(f"\nRouter CPU per request (zero-cost upstream, {load}, --max-concurrency "
               f"{args.router_clients // 2}; medians of {args.router_rounds} rounds; 'vs first': the median of each "
               "round's ratio)")
         print(f"{'router':<48}{'CPU us/request':>16}{'vs first':>10}")

@@ -6,11 +6,12 @@ variables ask for it."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import aiohttp
 import pytest
-from procs import address, base_url, start_router, start_worker
+from procs import address, base_url, free_port, start_router, start_worker
 
 from common import tracing
 from loadtest.otlp_sink import OTLPSink
@@ -109,6 +110,62 @@ async def test_one_trace_across_router_decode_prefill_and_the_kv_transfer(tiny_m
     assert spans["decode.generate"][1].start_time_unix_nano <= s.start_time_unix_nano <= s.end_time_unix_nano
 
 
+async def test_an_openai_upstream_gets_the_attempt_as_its_traceparent(tiny_model_dir, tmp_path, monkeypatch):
+    """In front of vLLM or SGLang (`--openai-upstream`), a traced request's `traceparent` header names the
+    router's attempt span, in the caller's trace, so the upstream's own spans join it."""
+    from aiohttp import web
+
+    seen: list[str | None] = []
+
+    async def chat(req: web.Request) -> web.StreamResponse:
+        seen.append(req.headers.get("traceparent"))
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(req)
+        chunk = {"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "m",
+                 "choices": [{"index": 0, "delta": {"content": "hi"}, "finish_reason": "stop"}]}
+        usage = {"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "m", "choices": [],
+                 "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}}
+        for e in (chunk, usage):
+            await resp.write(f"data: {json.dumps(e)}\n\n".encode())
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    app.router.add_get("/health", lambda _: web.json_response({"status": "ok"}))
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    sink = OTLPSink().start()
+    for k, v in sink.env().items():
+        monkeypatch.setenv(k, v)
+    router = start_router(tiny_model_dir, tmp_path, "--served-model-name", MODEL, "--openai-upstream",
+                          f"http://127.0.0.1:{port}")
+    try:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
+        async with aiohttp.ClientSession() as s:
+            for traceparent in (f"00-{TRACE_ID}-{CALLER_SPAN}-01", None):
+                headers = {"traceparent": traceparent} if traceparent else {}
+                async with s.post(base_url(router) + "/v1/chat/completions", json=body, headers=headers) as r:
+                    assert r.status == 200, await r.text()
+        deadline = time.monotonic() + 30
+        while sum(s.name == "router.attempt" for _, s in sink.spans) < 2 and time.monotonic() < deadline:
+            await asyncio.sleep(0.2)
+    finally:
+        router.stop()
+        sink.stop()
+        await runner.cleanup()
+    attempts = [s for _, s in sink.spans if s.name == "router.attempt"]
+    assert len(attempts) == 2 and len(seen) == 2
+    by_trace = {s.trace_id.hex(): s for s in attempts}
+    ours = by_trace[TRACE_ID]
+    assert seen[0] == f"00-{TRACE_ID}-{ours.span_id.hex()}-01"
+    other = next(s for t, s in by_trace.items() if t != TRACE_ID)  # (no caller context: a trace of its own)
+    assert seen[1] == f"00-{other.trace_id.hex()}-{other.span_id.hex()}-01"
+
+
 def test_the_hand_written_otlp_encoding_is_what_opentelemetry_proto_reads(monkeypatch):
     """common/tracing.py writes OTLP protobuf by hand; opentelemetry-proto's own types parse it to the same
     spans, attributes of every type, events, status, parents and flags."""
@@ -116,7 +173,7 @@ def test_the_hand_written_otlp_encoding_is_what_opentelemetry_proto_reads(monkey
 
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:9")  # (nothing is exported here)
     monkeypatch.setenv("OTEL_RESOURCE_ATTRIBUTES", "deployment.environment=test,team=a%20b")
-    t = tracing.Tracing("splitfire-test")
+    t = tracing.Tracing("splitfire-test", {"splitfire.router.policy": "token", "team": "overridden"})
     try:
         caller = t.extract(f"00-{TRACE_ID}-{CALLER_SPAN}-01", "vendor=x")
         root = t.span("POST /v1/chat/completions", caller, "server", {"n": -3, "big": 2**40, "f": 0.25, "ok": True,
@@ -147,7 +204,8 @@ def test_the_hand_written_otlp_encoding_is_what_opentelemetry_proto_reads(monkey
     assert [(e.name, e.time_unix_nano) for e in c.events] == [("first_token", 123)]
     assert c.status.code == 2 and c.status.message == "UNAVAILABLE: worker gone"
     assert {a.key: a.value.int_value for a in c.attributes} == {"splitfire.generated_tokens": 3}
-    assert t.service == "splitfire-test" and t.batcher.resource["team"] == "a b"
+    assert t.service == "splitfire-test" and t.batcher.resource["team"] == "a b"  # (the environment's wins)
+    assert t.batcher.resource["splitfire.router.policy"] == "token"
 
 
 
@@ -177,6 +235,21 @@ def test_memoised_attributes_encode_as_the_first_time(monkeypatch):
         assert (attrs["big"].int_value, attrs["f"].double_value, attrs["neg"].int_value) == (i * 10**9, i / 7, -i)
         assert [e.name for e in sp.events] == ["e"] and sp.flags == 1
         assert attrs["x"].WhichOneof("value") == ["bool_value", "int_value", "double_value"][i % 3]
+
+
+def test_the_fast_attribute_encoding_equals_the_plain_one():
+    """`encode_attributes` (per-key heads, memoised strings and bools, numbers written inline) gives the bytes of
+    `_attribute` for every value: past a key's 64 memoised strings, at each varint length, past 2^63 and 2^64,
+    negative, bool beside int, a key of 200 bytes, None left out."""
+    values: list = [0, 1, 127, 128, 2**14, 2**35, 2**63 - 1, 2**63, 2**64 - 1, 2**64, 2**70, -1, -(2**40), 0.0,
+                    -2.5, 1e300, True, False, "", "é" * 100, "x" * 300, [1, "a"], (2.5,), None]
+    values += [f"value-{i}" for i in range(80)]
+    for key in ("k", "splitfire.decode.load_tokens", "a" * 200):
+        for v in values:
+            for _ in range(2):  # (the second time from the memo)
+                out: list[bytes] = []
+                tracing.encode_attributes({key: v}, out)
+                assert b"".join(out) == (b"" if v is None else tracing._attribute(key, v)), (key, v)
 
 
 def test_spans_leave_over_otlp_http_with_headers_and_gzip_and_a_refusal_is_counted(monkeypatch):

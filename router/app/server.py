@@ -111,7 +111,7 @@ class Router:
                                                      aioredis.from_url(cfg.redis_url), cfg.health_timeout_s)
         if self.kv_index is not None:
             self.metrics.registry.register(KVIndexCollector(self.kv_index))
-        self.tracing = Tracing.from_env("splitfire-router")
+        self.tracing = Tracing.from_env("splitfire-router", {"splitfire.router.policy": cfg.policy})
         self.dispatcher = Dispatcher(cfg, self.registry, make_policy(cfg.policy), self.affinity, index, self.backends,
                                      self.metrics, tokenizer, self.tracing)
         self.dispatcher.pool_tokenizers = {p.worker_model: p.tokenizer for p in self.pools.pools.values()}

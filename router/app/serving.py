@@ -147,8 +147,9 @@ class ServingPath:
                        tr.extract(request.headers.get("traceparent"), request.headers.get("tracestate")), "server",
                        {"http.request.method": request.method, "http.route": request.path,
                         "splitfire.request_id": reqs[0].id, "splitfire.model": reqs[0].model,
-                        "splitfire.tenant": caller.tenant, "splitfire.stream": reqs[0].stream,
-                        "splitfire.choices": len(reqs)})
+                        "splitfire.tenant": caller.tenant, "splitfire.stream": reqs[0].stream})
+        if len(reqs) > 1:  # (defaults are left out: each attribute is encoded on every request)
+            span.attributes["splitfire.choices"] = len(reqs)
         for r in reqs:
             r.span = span
         try:
@@ -191,8 +192,10 @@ class ServingPath:
             async with self.admission.slot(tenant, policy.weight, priority):
                 t0 = time.perf_counter()
                 self.metrics.tenants.admitted(tenant, t0 - queued)
-                if span is not None:  # (the admission wait: attributes and an event of the request's span)
-                    span.set_attributes({"splitfire.priority": priority, "splitfire.weight": policy.weight,
+                if span is not None:  # (the admission wait: attributes and an event of the request's span;
+                    # priority 0 and weight 1 are left out)
+                    span.set_attributes({"splitfire.priority": priority or None,
+                                         "splitfire.weight": policy.weight if policy.weight != 1 else None,
                                          "splitfire.admission.wait_ms": round((t0 - queued) * 1e3, 3),
                                          "splitfire.admission.queued": self.admission.waiting,
                                          "splitfire.admission.running": self.admission.running})

@@ -260,7 +260,9 @@ class OpenAIUpstreamClient:
         payload = compact_json(body).encode()
         resp = None
         try:
-            resp = r = await self.http.request("POST", base_url, path, payload, self._post_headers, timeout_s)
+            headers = ({**self._post_headers, "traceparent": req.traceparent} if req.traceparent else
+                       self._post_headers)  # (a traced request: the upstream's spans join its trace)
+            resp = r = await self.http.request("POST", base_url, path, payload, headers, timeout_s)
             if r.status != 200:
                 text = (await r.read_all())[:500].decode(errors="replace")
                 # Refused credentials are this router's misconfiguration, not the client's: 502,

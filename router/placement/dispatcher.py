@@ -203,10 +203,12 @@ class Dispatcher:
         chosen endpoint its load, the prompt blocks it is expected to hold and the policy's cost
         (`balancer.token_cost`: load + uncached prompt tokens); the endpoints excluded after failures; the
         time placement took. (Attributes, not a span of its own: one span fewer per request. Defaults are left
-        out: no `splitfire.excluded` on a first attempt, no `splitfire.prefill` when the decode worker prefills.)"""
+        out: no `splitfire.attempt` and `splitfire.excluded` on a first attempt, no `splitfire.prefill` when the
+        decode worker prefills; the policy is the router's resource attribute `splitfire.router.policy`.)"""
         n, bs = len(req.prompt_token_ids), self.registry.block_size
-        attrs: dict[str, Any] = {"splitfire.policy": self.policy.name, "splitfire.attempt": retry.attempts,
-                                 "splitfire.placement_ms": round((time.perf_counter() - t0) * 1e3, 3)}
+        attrs: dict[str, Any] = {"splitfire.placement_ms": round((time.perf_counter() - t0) * 1e3, 3)}
+        if retry.attempts:  # (failures before this one: 1 on the first retry)
+            attrs["splitfire.attempt"] = retry.attempts
         if retry.exclude:
             attrs["splitfire.excluded"] = sorted(retry.exclude)
         for role, ep in (("decode", route.decode if route else None), ("prefill", route.prefill if route else None)):
