@@ -305,6 +305,23 @@ def test_a_backlog_being_cleared_teaches_no_correction():
     assert d.prefill == 4 and pl.correction["prefill"] > 1.0
 
 
+def test_a_role_missing_its_slo_or_clearing_a_backlog_is_never_drained():
+    """The load falls while the prefill queue is minutes long (a cold start's backlog on the Azure code hour: the
+    planner drained a prefill worker at a TTFT p90 of 186 s): the forecast alone would fit fewer workers, but a role
+    that misses its SLO, or is still clearing a backlog, keeps what it has; once both are over, it drains."""
+    pl = Planner(PROFILE, ttft_slo_s=2.0, itl_slo_s=0.1, alpha=1.0)
+    quiet = snap(rate=0.2, ttft=0.5, p=4, d=2)  # the forecast fits 1 prefill worker
+    for missing in (dataclasses.replace(quiet, ttft_p90_s=180.0, first_token_rate=0.6),  # missing, clearing
+                    dataclasses.replace(quiet, first_token_rate=0.6)):  # SLO met, the backlog still being cleared
+        pl = Planner(PROFILE, ttft_slo_s=2.0, itl_slo_s=0.1, alpha=1.0)
+        assert [pl.decide(missing).prefill for _ in range(6)] == [4] * 6
+    counts, have = [], 4
+    for _ in range(6):
+        have = pl.decide(dataclasses.replace(quiet, prefill_workers=have)).prefill
+        counts.append(have)
+    assert counts == [4, 4, 3, 3, 3, 2]
+
+
 def test_an_interval_in_which_no_request_finished_keeps_the_token_means():
     """An interval in which requests arrived but none ended (long streams, short intervals) says nothing
     of the mean output: the last one seen stands (the decode load is not zeroed)."""
