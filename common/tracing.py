@@ -20,7 +20,9 @@ tests' collector.
 The context travels as a W3C `traceparent`: from the client's HTTP header into the router, and from the
 router to the decode worker and on to the prefill worker in the request message itself
 (`GenerateRequest.traceparent`, `PrefillRequest.traceparent`) — the router reaches a worker over gRPC, an
-HTTP frame stream or one multiplexed connection for many requests, and only the message is common to all.
+HTTP frame stream or one multiplexed connection for many requests, and only the message is common to all. gRPC
+calls carry it as metadata too (`Tracing.incoming` reads either), and the router sends it to an OpenAI-compatible
+upstream as its `traceparent` header.
 
 Each process holds its own `Tracing` (no global tracer).
 """
@@ -537,6 +539,18 @@ class Tracing:
         if not trace_id or not span_id:
             return None
         return SpanContext(trace_id, span_id, bool(flags & 1), (tracestate or "").strip())
+
+    @staticmethod
+    def incoming(field: str, context: Any) -> str:
+        """A gRPC call's `traceparent`: its message's field (what splitfire's own callers set, on every transport),
+        else the call's metadata's — where a client instrumented by OpenTelemetry's gRPC interceptors puts it."""
+        if field:
+            return field
+        metadata = getattr(context, "invocation_metadata", None)  # (the HTTP and mux streams' contexts have none)
+        for key, value in (metadata() or ()) if metadata is not None else ():
+            if key == "traceparent":
+                return value if isinstance(value, str) else value.decode("latin-1")
+        return ""
 
     def span(self, name: str, parent: Span | SpanContext | None = None, kind: str = "internal",
              attributes: dict[str, Any] | None = None, start_s: float | None = None) -> Span:

@@ -154,7 +154,8 @@ class DecodeService(pb_grpc.DecodeServicer):
                                  tenant_weight=request.tenant_weight, adapter=request.adapter,
                                  priority=request.priority)
         span = trace.prefill_call(preq, endpoint, len(blocks) - first) if trace is not None else None
-        call = self._stub(endpoint).Prefill(preq, timeout=self.ctx.config.prefill_timeout_s)
+        call = self._stub(endpoint).Prefill(preq, timeout=self.ctx.config.prefill_timeout_s,
+                                            metadata=(("traceparent", preq.traceparent),) if preq.traceparent else None)
         self._remote_calls[rid] = call
         try:
             resp: pb.PrefillResponse = await call
@@ -269,7 +270,8 @@ class DecodeService(pb_grpc.DecodeServicer):
         except RequestError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         t0 = time.perf_counter()
-        trace = _Trace(ctx.tracing, request, rid, len(ids), t0) if ctx.tracing is not None else None
+        trace = (_Trace(ctx.tracing, request, ctx.tracing.incoming(request.traceparent, context), rid, len(ids), t0)
+                 if ctx.tracing is not None else None)
         stream = aeng.open_stream(rid)
         ctx.inflight.add(rid)
         done = False
@@ -340,10 +342,11 @@ class _Trace:
     `decode.prefill` (the prefill worker's call, or the local prefill until the first token), a
     `first_token` event, and `decode.stream` (first token to the end)."""
 
-    def __init__(self, tracing: Tracing, request: pb.GenerateRequest, rid: str, prompt_tokens: int, t0: float):
+    def __init__(self, tracing: Tracing, request: pb.GenerateRequest, traceparent: str, rid: str, prompt_tokens: int,
+                 t0: float):
         self.tr = tracing
         self.t0 = t0
-        self.span = tracing.span("decode.generate", tracing.extract(request.traceparent), "server",
+        self.span = tracing.span("decode.generate", tracing.extract(traceparent), "server",
                                  {"splitfire.request_id": rid, "splitfire.prompt_tokens": prompt_tokens,
                                   "splitfire.priority": request.priority, "splitfire.tenant": request.tenant},
                                  start_s=t0)

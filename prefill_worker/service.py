@@ -84,12 +84,12 @@ def landable_sections(plan: TransferPlan) -> list[pb.KVSection]:
     return [pb.KVSection(rank=rank, first=first, count=count) for rank, first, count in sections]
 
 
-def _trace(tr: Tracing, request: pb.PrefillRequest, rid: str, prompt: int, cached: int, store_blocks: int,
-           plan: TransferPlan, layers: int, t0: float) -> None:
+def _trace(tr: Tracing, request: pb.PrefillRequest, traceparent: str, rid: str, prompt: int, cached: int,
+           store_blocks: int, plan: TransferPlan, layers: int, t0: float) -> None:
     """The spans of one finished Prefill call (common/tracing.py), under the decode worker's prefill-call
     span: `prefill.prefill` (the call), `prefill.queue` (until its first forward step), `prefill.compute`
     (its forward steps) and `kv.transfer` (the layer-by-layer writes into the decode worker's blocks)."""
-    span = tr.span("prefill.prefill", tr.extract(request.traceparent), "server",
+    span = tr.span("prefill.prefill", tr.extract(traceparent), "server",
                    {"splitfire.request_id": rid, "splitfire.prompt_tokens": prompt, "splitfire.cached_tokens": cached,
                     "splitfire.kv_store_hit_blocks": store_blocks, "splitfire.priority": request.priority,
                     "splitfire.tenant": request.tenant}, start_s=t0)
@@ -174,8 +174,8 @@ class PrefillService(pb_grpc.PrefillServicer):
             if out.logprobs:
                 resp.logprob.CopyFrom(logprob_to_proto(out.logprobs[0]))
             if ctx.tracing is not None:
-                _trace(ctx.tracing, request, rid, len(ids), out.num_cached_tokens, store_blocks, plan,
-                       self.sender.split.cfg.num_layers, t0)
+                _trace(ctx.tracing, request, ctx.tracing.incoming(request.traceparent, context), rid, len(ids),
+                       out.num_cached_tokens, store_blocks, plan, self.sender.split.cfg.num_layers, t0)
             log.info("event=prefill_done rid=%s tokens=%d cached=%d bytes=%d entries=%d transfer_s=%.4f total_s=%.4f "
                      "priority=%d", rid, len(ids), out.num_cached_tokens, plan.bytes, plan.entries, plan.transfer_s,
                      time.perf_counter() - t0, request.priority)

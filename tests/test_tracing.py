@@ -10,14 +10,19 @@ import json
 import time
 
 import aiohttp
+import grpc
 import pytest
+from grpc_client import greedy
 from procs import address, base_url, free_port, start_router, start_worker
 
 from common import tracing
 from loadtest.otlp_sink import OTLPSink
+from protos import splitfire_pb2 as pb
+from protos import splitfire_pb2_grpc as pbg
 
 MODEL = "tiny"
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
+META_TRACE_ID = "0af7651916cd43dd8448eb211c80319c"
 CALLER_SPAN = "00f067aa0ba902b7"
 
 
@@ -60,19 +65,31 @@ async def test_one_trace_across_router_decode_prefill_and_the_kv_transfer(tiny_m
         async with aiohttp.ClientSession() as s, s.post(base_url(router) + "/v1/chat/completions", json=body,
                                                         headers=headers) as r:
             assert r.status == 200, await r.text()
+        # A gRPC client of the decode worker's own, instrumented the OpenTelemetry way: the context in the call's
+        # metadata, not in the message (the decode worker passes it on to the prefill worker both ways).
+        async with grpc.aio.insecure_channel(address(dec)) as ch:
+            call = pbg.DecodeStub(ch).Generate(
+                pb.GenerateRequest(token_ids=list(range(3, 43)), sampling=greedy(2), prefill_endpoint=address(pre)),
+                metadata=(("traceparent", f"00-{META_TRACE_ID}-{CALLER_SPAN}-01"),))
+            async for _ in call:
+                pass
         want = {"POST /v1/chat/completions", "router.attempt",
                 "decode.generate", "decode.queue", "decode.prefill", "decode.stream", "prefill.prefill",
                 "prefill.queue", "prefill.compute", "kv.transfer"}
         deadline = time.monotonic() + 30
-        while {s.name for _, s in receiver.spans} < want and time.monotonic() < deadline:
+        while ({s.name for _, s in receiver.spans if s.trace_id.hex() == TRACE_ID} < want
+               or sum(s.trace_id.hex() == META_TRACE_ID for _, s in receiver.spans) < 8) and time.monotonic() < deadline:
             await asyncio.sleep(0.2)
     finally:
         router.stop()
         pre.stop()
         dec.stop()
-    spans = {s.name: (service, s) for service, s in receiver.spans}
+    assert {s.trace_id.hex() for _, s in receiver.spans} == {TRACE_ID, META_TRACE_ID}  # the callers' traces only
+    by_metadata = {s.name: s for _, s in receiver.spans if s.trace_id.hex() == META_TRACE_ID}
+    assert by_metadata["decode.generate"].parent_span_id.hex() == CALLER_SPAN
+    assert by_metadata["prefill.prefill"].parent_span_id == by_metadata["decode.prefill"].span_id
+    spans = {s.name: (service, s) for service, s in receiver.spans if s.trace_id.hex() == TRACE_ID}
     assert set(spans) >= want, sorted(spans)
-    assert {s.trace_id.hex() for _, s in receiver.spans} == {TRACE_ID}  # one trace, the caller's
 
     def parent(name: str) -> str:
         return spans[name][1].parent_span_id.hex()

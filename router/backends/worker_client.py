@@ -161,7 +161,9 @@ class WorkerClient:
         return self._generate_grpc(ep.address, msg, timeout_s)
 
     async def _generate_grpc(self, decode: str, msg: pb.GenerateRequest, timeout_s: float) -> AsyncIterator[Chunk]:
-        call = pbg.DecodeStub(self.channel(decode)).Generate(msg, timeout=timeout_s)
+        # (a traced request's context also as gRPC metadata, for proxies and meshes that read it there)
+        call = pbg.DecodeStub(self.channel(decode)).Generate(
+            msg, timeout=timeout_s, metadata=(("traceparent", msg.traceparent),) if msg.traceparent else None)
         try:
             async for ev in call:
                 c = add_event(None, ev)
