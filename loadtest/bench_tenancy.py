@@ -22,8 +22,9 @@ router's own speed moves its batching and a round's ratio spreads 0.95-1.35 on 2
 request with no keys, with keys (weights and quotas counted in memory), and with keys and quotas in
 Redis, and with no keys and every request traced (OpenTelemetry, 100% sampled, exported over OTLP to a
 collector in this process: `loadtest/otlp_sink.py`); beside the router of `--baseline-ref` (a git ref,
-checked out into a temporary worktree: "today's" router before tenancy), when given. Rounds alternate;
-medians.
+checked out into a temporary worktree: "today's" router before tenancy), when given; with `--tracing-parts`,
+traced routers whose spans are never queued, and encoded but never exported (where tracing's cost goes).
+Rounds alternate; medians.
 
     python -m loadtest.bench_tenancy                      # all three parts, ~15 minutes on 2 cores
     python -m loadtest.bench_tenancy --parts router --baseline-ref 47ec1e8
@@ -277,6 +278,12 @@ def part_router(args: argparse.Namespace, log_dir: Path) -> dict[str, tuple[floa
                                                                           if k != "OTEL_BSP_SCHEDULE_DELAY"})
                for name, sink in sinks.items()},
         }
+        if args.tracing_parts:  # where tracing's cost goes: spans made but never queued; also encoded, never exported
+            http = {k: v for k, v in sinks["OTLP/HTTP"].env().items() if k != "OTEL_BSP_SCHEDULE_DELAY"}
+            variants["no keys, traced, spans never queued"] = ([], "", ROOT, {**http, "OTEL_BSP_MAX_QUEUE_SIZE": "0"})
+            variants["no keys, traced, spans encoded, never exported"] = ([], "", ROOT, {
+                **http, "OTEL_BSP_MAX_QUEUE_SIZE": str(10**9), "OTEL_BSP_MAX_EXPORT_BATCH_SIZE": str(10**9),
+                "OTEL_BSP_SCHEDULE_DELAY": str(10**9)})
         if args.baseline_ref:
             worktree = Path(tempfile.mkdtemp(prefix="bench-tenancy-base-"))
             subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(worktree), args.baseline_ref],
@@ -301,7 +308,7 @@ def part_router(args: argparse.Namespace, log_dir: Path) -> dict[str, tuple[floa
                 n = asyncio.run(router_load(url, key, args.router_clients, args.router_seconds, args.router_rate))
                 per_request[label].append((cpu_seconds(p.pid) - c0) / n * 1e6)
                 achieved.append(n / (time.perf_counter() - t0))
-        for name, sink in sinks.items():
+        for name, sink in sinks.items():  # (the "never exported" router sends nothing: the HTTP sink has the other's)
             if sink.count == 0:
                 raise RuntimeError(f"the router traced over {name} exported no spans")
         # (each row against the first within the same round, then the median: this VM drifts by 10% between
@@ -348,6 +355,8 @@ def main() -> int:
                    help="part 3: requests/s on a fixed schedule, the same offered load for every router; 0: closed "
                         "loop (--router-clients each send the next as the last ends)")
     p.add_argument("--baseline-ref", default="", help="git ref whose router is the 'before' row of part 3")
+    p.add_argument("--tracing-parts", action="store_true",
+                   help="part 3: also traced routers whose spans are never queued, and encoded but never exported")
     p.add_argument("--worker-arg", action="append", default=[])
     p.add_argument("--json", default="")
     args = p.parse_args()
