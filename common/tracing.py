@@ -578,6 +578,12 @@ class Tracing:
         self.batcher.shutdown()
 
 
+def grpc_metadata(traceparent: str) -> tuple[tuple[str, str], ...] | None:
+    """The metadata of a gRPC call carrying `traceparent` beside its message (None: not traced), for proxies and
+    meshes that read it there; `Tracing.incoming` is the other side."""
+    return (("traceparent", traceparent),) if traceparent else None
+
+
 _NAMES: dict[str, str] = {}  # `end`'s keyword -> its attribute's name
 
 

@@ -15,7 +15,7 @@ import grpc
 from common.block_hash import cache_scope
 from common.errors import RequestError
 from common.sampling_params import SamplingParams
-from common.tracing import Tracing, wall_ns
+from common.tracing import Tracing, grpc_metadata, wall_ns
 from common.tracing import end as end_span
 from decode_worker.prefill_policy import PrefillDecision, decide_prefill
 from kvtransfer.descriptors import KVRegion
@@ -155,7 +155,7 @@ class DecodeService(pb_grpc.DecodeServicer):
                                  priority=request.priority)
         span = trace.prefill_call(preq, endpoint, len(blocks) - first) if trace is not None else None
         call = self._stub(endpoint).Prefill(preq, timeout=self.ctx.config.prefill_timeout_s,
-                                            metadata=(("traceparent", preq.traceparent),) if preq.traceparent else None)
+                                            metadata=grpc_metadata(preq.traceparent))
         self._remote_calls[rid] = call
         try:
             resp: pb.PrefillResponse = await call

@@ -268,18 +268,18 @@ def part_router(args: argparse.Namespace, log_dir: Path) -> dict[str, tuple[floa
                                              "sk-b": {"tenant": "b", **limits}}}))
         base = ["--host", "127.0.0.1", "--served-model-name", "fake", "--openai-upstream", f"http://127.0.0.1:{up}",
                 "--max-concurrency", str(args.router_clients // 2), "--max-queue", "100000"]
+        # (the SDK's default batching: a batch of up to 512 spans every 5 s)
+        traced = {name: {k: v for k, v in sink.env().items() if k != "OTEL_BSP_SCHEDULE_DELAY"}
+                  for name, sink in sinks.items()}
         variants: dict[str, tuple[list[str], str, Path, dict[str, str]]] = {
             "no keys": ([], "", ROOT, {}),
             "keys, quotas in memory": (["--api-keys", str(keys)], "sk-a", ROOT, {}),
             "keys, quotas in Redis": (["--api-keys", str(keys), "--redis-url", f"redis://127.0.0.1:{rport}/0"],
                                       "sk-a", ROOT, {}),
-            # (the SDK's default batching: a batch of up to 512 spans every 5 s)
-            **{f"no keys, traced (100% sampled, {name})": ([], "", ROOT, {k: v for k, v in sink.env().items()
-                                                                          if k != "OTEL_BSP_SCHEDULE_DELAY"})
-               for name, sink in sinks.items()},
+            **{f"no keys, traced (100% sampled, {name})": ([], "", ROOT, env) for name, env in traced.items()},
         }
         if args.tracing_parts:  # where tracing's cost goes: spans made but never queued; also encoded, never exported
-            http = {k: v for k, v in sinks["OTLP/HTTP"].env().items() if k != "OTEL_BSP_SCHEDULE_DELAY"}
+            http = traced["OTLP/HTTP"]
             variants["no keys, traced, spans never queued"] = ([], "", ROOT, {**http, "OTEL_BSP_MAX_QUEUE_SIZE": "0"})
             variants["no keys, traced, spans encoded, never exported"] = ([], "", ROOT, {
                 **http, "OTEL_BSP_MAX_QUEUE_SIZE": str(10**9), "OTEL_BSP_MAX_EXPORT_BATCH_SIZE": str(10**9),

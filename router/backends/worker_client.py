@@ -13,6 +13,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from common.block_hash import HASH_BYTES
+from common.tracing import grpc_metadata
 from protos import frames, sampling, trailers
 from protos import splitfire_pb2 as pb
 from protos import splitfire_pb2_grpc as pbg
@@ -161,9 +162,8 @@ class WorkerClient:
         return self._generate_grpc(ep.address, msg, timeout_s)
 
     async def _generate_grpc(self, decode: str, msg: pb.GenerateRequest, timeout_s: float) -> AsyncIterator[Chunk]:
-        # (a traced request's context also as gRPC metadata, for proxies and meshes that read it there)
-        call = pbg.DecodeStub(self.channel(decode)).Generate(
-            msg, timeout=timeout_s, metadata=(("traceparent", msg.traceparent),) if msg.traceparent else None)
+        call = pbg.DecodeStub(self.channel(decode)).Generate(msg, timeout=timeout_s,
+                                                             metadata=grpc_metadata(msg.traceparent))
         try:
             async for ev in call:
                 c = add_event(None, ev)
