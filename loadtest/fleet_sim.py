@@ -664,8 +664,8 @@ class Scaler:
             self.decisions.append((now, f"{len(rs)} arrived, {len(firsts)} first tokens (TTFT p90 {snap.ttft_p90_s:.2f} s), "
                                         f"ITL p90 {snap.itl_p90_s * 1e3:.0f} ms", d.reasons))
             want = {"prefill": d.prefill, "decode": d.decode}
-        elif self.kind == "schedule":  # (the interval starting now)
-            p, dec = self.plan[min(round(now / self.interval), len(self.plan) - 1)]
+        elif self.kind == "schedule":  # (the interval starting now, and those a new worker's start-up ahead)
+            p, dec = foreseen(self.plan, round(now / self.interval), self.startup, self.interval)
             want = {"prefill": p, "decode": dec}
         else:
             want = {}
@@ -715,19 +715,35 @@ def warm_start(reqs: list[TraceRequest], model: CostModel, args: argparse.Namesp
     return d.prefill, d.decode
 
 
+def foreseen(plan: list[tuple[int, int]], k: int, startup: float, interval: float) -> tuple[int, int]:
+    """The workers a schedule that knows its future keeps during interval `k` of `plan`: each role's most over
+    intervals k to k + a start-up — a worker needed within a start-up is kept (draining it and starting another
+    would cost as much and serve less), and one the plan needs that far ahead is started now, ready when it is
+    needed. With no start-up, the plan's own counts."""
+    ahead = math.ceil(round(startup / interval, 9)) if startup > 0 else 0
+    window = plan[min(k, len(plan) - 1): k + ahead + 1] or plan[-1:]
+    return max(p for p, _ in window), max(d for _, d in window)
+
+
 def clairvoyant(reqs: list[TraceRequest], model: CostModel, split: tuple[int, int], target: float, interval: float,
-                kw: dict, sweeps: int = 2) -> tuple[dict[str, float], list[tuple[int, int]]]:
-    """What hindsight could do with autoscaling: a (prefill, decode) count per interval, new workers
-    serving at once (no start-up), found greedily — from `split` everywhere, each interval in turn gives
-    up one worker of a role whenever the whole trace still meets `target` attainment, `sweeps` times
-    over both roles. A feasible schedule, not a proven optimum: how far below a static split's
-    worker-hours an autoscaler that knew the future could go (one simulation per try: minutes)."""
+                kw: dict, sweeps: int = 2, startup: float = 0.0) -> tuple[dict[str, float], list[tuple[int, int]]]:
+    """What hindsight could do with autoscaling: a (prefill, decode) count per interval, found greedily — from
+    `split` everywhere, each interval in turn gives up one worker of a role whenever the whole trace still meets
+    `target` attainment, `sweeps` times over both roles. Each worker the schedule adds is started `startup` seconds
+    before its interval and paid from then (`foreseen`: an autoscaler that knew the future would still wait for
+    its workers to load); `startup` 0 is the looser bound of workers that serve the moment they are asked for.
+    A feasible schedule, not a proven optimum: how far below a static split's worker-hours an autoscaler that
+    knew the future could go (one simulation per try: minutes)."""
     end = max(r.at_s for r in reqs)
     plan = [list(split) for _ in range(int(end // interval) + 2)]
 
+    def kept() -> list[tuple[int, int]]:
+        sched = [(p, d) for p, d in plan]
+        return [foreseen(sched, k, startup, interval) for k in range(len(sched))]
+
     def run() -> dict[str, float]:
         sched = [(p, d) for p, d in plan]
-        summ, _ = run_scaled(reqs, model, Scaler("schedule", interval, 0.0, Limits(), plan=sched), sched[0], **kw)
+        summ, _ = run_scaled(reqs, model, Scaler("schedule", interval, startup, Limits(), plan=sched), kept()[0], **kw)
         return summ
 
     best = run()
@@ -736,7 +752,10 @@ def clairvoyant(reqs: list[TraceRequest], model: CostModel, split: tuple[int, in
             for k in range(len(plan)):
                 if plan[k][role] <= 1:
                     continue
+                before = kept()
                 plan[k][role] -= 1
+                if kept() == before:  # (a worker still kept for a later interval's need: nothing changes yet)
+                    continue
                 trial = run()
                 if trial["slo_attainment"] >= target:
                     best = trial
@@ -744,15 +763,17 @@ def clairvoyant(reqs: list[TraceRequest], model: CostModel, split: tuple[int, in
                     plan[k][role] += 1
             print(f"clairvoyant: {best['slo_attainment']:.4f} at {best['worker_hours']:.3f} worker-hours",
                   file=sys.stderr, flush=True)
-    return best, [(p, d) for p, d in plan]
+    return best, kept()
 
 
 def clairvoyant_windows(reqs: list[TraceRequest], model: CostModel, target: float, window: float, most: int,
-                        kw: dict, warmup: float = 600.0) -> tuple[dict[str, float], list[tuple[int, int]]]:
+                        kw: dict, warmup: float = 600.0, startup: float = 0.0,
+                        interval: float = 60.0) -> tuple[dict[str, float], list[tuple[int, int]]]:
     """Hindsight for a long trace (a day: `clairvoyant`'s greedy search would take thousands of whole-day
     simulations): each `window` of the trace gets the cheapest static split that meets `target` on the requests
     arriving in it (`static_splits` on the window's requests, the `warmup` seconds before it served first and not
-    counted), and the schedule of those splits, new workers serving at once, is then simulated whole. Feasible,
+    counted), and the schedule of those splits, each window's new workers started `startup` before it (`foreseen`,
+    per `interval`), is then simulated whole. Feasible,
     not optimal: a window's split must meet the target on its own, where a whole-trace search could trade a
     hard window against an easy one."""
     end = max(r.at_s for r in reqs)
@@ -771,7 +792,10 @@ def clairvoyant_windows(reqs: list[TraceRequest], model: CostModel, target: floa
         p_, d_ = key.removesuffix("D").split("P")
         plan.append((int(p_), int(d_)))
         print(f"clairvoyant window {k}: {key} ({found[key]['slo_attainment']:.4f})", file=sys.stderr, flush=True)
-    summ, _ = run_scaled(reqs, model, Scaler("schedule", window, 0.0, Limits(), plan=plan), plan[0], **kw)
+    per = max(round(window / interval), 1)  # (the schedule acts every interval: a start-up is far shorter than a window)
+    steps = [pd for pd in plan for _ in range(per)]
+    summ, _ = run_scaled(reqs, model, Scaler("schedule", window / per, startup, Limits(), plan=steps),
+                         foreseen(steps, 0, startup, window / per), **kw)
     return summ, plan
 
 
@@ -879,7 +903,8 @@ def compare_planner(reqs: list[TraceRequest], model: CostModel, args: argparse.N
         "settings": {"ttft_slo_s": args.ttft_slo, "itl_slo_s": args.itl_slo, "interval_s": args.interval,
                      "startup_s": args.startup, "max_workers": args.max_workers, "cost_model": args.cost_model,
                      "policy": args.policy, "store": args.store, "requests": len(reqs),
-                     "start": args.start, "start_workers": list(start)}}
+                     "start": args.start, "start_workers": list(start),
+                     **({"clairvoyant_startup_s": args.clairvoyant_startup} if args.clairvoyant else {})}}
     if args.planner_only:
         return result
     h_sum, h_scaler = run_scaled(reqs, model, Scaler("cpu_hpa", args.interval, args.startup, limits), start, **kw)
@@ -891,12 +916,14 @@ def compare_planner(reqs: list[TraceRequest], model: CostModel, args: argparse.N
                    "statics": statics})
     if args.clairvoyant and args.clairvoyant_window:
         c_sum, plan = clairvoyant_windows(reqs, model, statics[best]["slo_attainment"], args.clairvoyant_window,
-                                          args.max_workers, kw)
+                                          args.max_workers, kw, startup=args.clairvoyant_startup,
+                                          interval=args.interval)
         result["clairvoyant"] = {**c_sum, "window_s": args.clairvoyant_window, "plan": plan}
     elif args.clairvoyant:
         p_, d_ = best.removesuffix("D").split("P")
-        c_sum, plan = clairvoyant(reqs, model, (int(p_), int(d_)), statics[best]["slo_attainment"], args.interval, kw)
-        result["clairvoyant"] = {**c_sum, "from": best, "plan": plan}
+        c_sum, plan = clairvoyant(reqs, model, (int(p_), int(d_)), statics[best]["slo_attainment"], args.interval, kw,
+                                  startup=args.clairvoyant_startup)
+        result["clairvoyant"] = {**c_sum, "from": best, "plan": plan}  # (the workers kept per interval)
     return result
 
 
@@ -987,8 +1014,11 @@ def main() -> int:
                    help="--clairvoyant on a long trace: the cheapest split per S-second window, found window by window "
                         "(default 0: the greedy per-interval search over the whole trace)")
     p.add_argument("--clairvoyant", action="store_true",
-                   help="--compare-planner: also search (greedily, minutes) a per-interval schedule with no start-up "
-                        "that meets the best static split's attainment with the fewest worker-hours found")
+                   help="--compare-planner: also search (greedily, minutes) a per-interval schedule that knows the "
+                        "future and meets the best static split's attainment with the fewest worker-hours found")
+    p.add_argument("--clairvoyant-startup", type=float, default=None, metavar="S",
+                   help="--clairvoyant: the start-up its workers take, started that far ahead and paid from then "
+                        "(default: --startup, as the planner's; 0: workers that serve the moment they are asked for)")
     p.add_argument("--max-workers", type=int, default=12, help="autoscaling: most workers per role; static: in all")
     p.add_argument("--planner-only", action="store_true",
                    help="--compare-planner: the planner's passes only (no static splits, HPA or clairvoyant): "
@@ -1010,6 +1040,10 @@ def main() -> int:
         p.error("--planner-only, --decisions and --planner-set are --compare-planner's: give --compare-planner too")
     if args.planner_only and (args.clairvoyant or args.plot):
         p.error("--planner-only runs no clairvoyant schedule or static splits to plot: drop --clairvoyant / --plot")
+    if args.clairvoyant_startup is None:
+        args.clairvoyant_startup = args.startup
+    elif args.clairvoyant_startup < 0 or not args.clairvoyant:
+        p.error("--clairvoyant-startup is --clairvoyant's start-up, seconds >= 0: give --clairvoyant too")
     if args.clairvoyant_window and not (args.compare_planner and args.clairvoyant):
         p.error("--clairvoyant-window is --clairvoyant's window: give --compare-planner --clairvoyant too")
     if args.cost_model_json:

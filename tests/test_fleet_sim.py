@@ -189,3 +189,31 @@ def test_static_splits_find_the_cheapest_and_give_up_on_hopeless_ones():
     assert fleet.misses == 6
     summ, plan = clairvoyant_windows(reqs, MODEL, 0.9, 120.0, 4, kw, warmup=60.0)
     assert len(plan) == int(max(r.at_s for r in reqs) // 120) + 1 and summ["completed"] == len(reqs)
+
+
+def test_a_clairvoyant_schedule_starts_its_workers_a_start_up_ahead_and_pays_for_them(tmp_path):
+    """`foreseen`: a worker the plan needs in interval k is started a start-up before it (and kept while needed within
+    a start-up); run by the schedule scaler, the fleet's extra prefill worker is paid from its start, not its first
+    request — the bound the planner is compared with pays what any autoscaler pays."""
+    from loadtest.fleet_sim import Scaler, foreseen, run_scaled
+    from planner.decision import Limits
+
+    plan = [(1, 1), (1, 1), (2, 1), (1, 1), (1, 3), (1, 1)]
+    assert [foreseen(plan, k, 0.0, 30.0) for k in range(6)] == plan
+    assert [foreseen(plan, k, 30.0, 30.0) for k in range(6)] == [(1, 1), (2, 1), (2, 1), (1, 3), (1, 3), (1, 1)]
+    assert foreseen(plan, 0, 45.0, 30.0) == (2, 1)  # (a start-up of 1.5 intervals: started two intervals ahead)
+    assert foreseen(plan, 9, 30.0, 30.0) == (1, 1)  # (past the plan: its last interval)
+    reqs = read_trace(write_trace(tmp_path / "t.jsonl", [(t * 1000, 600, 4, []) for t in range(0, 200, 25)]))
+    kw = dict(KW, store=False)
+    for startup in (0.0, 30.0):
+        summ, scaler = run_scaled(reqs, MODEL, Scaler("schedule", 30.0, startup, Limits(), plan=plan),
+                                  foreseen(plan, 0, startup, 30.0), **kw)
+        assert summ["completed"] == len(reqs)
+        # 1P1D throughout, one more prefill worker for an interval and two more decode workers for one, each of
+        # them for a start-up longer when started ahead
+        extra_s = 30.0 + 2 * 30.0 + 3 * startup
+        ends = summ["worker_hours"] * 3600 - extra_s
+        assert ends / 2 == pytest.approx(175.0, abs=0.5)  # (1P1D until the last request is done, at 175 s and a bit)
+        # (the fleet after each tick, from the first at 30 s: interval 1)
+        assert [(p, d) for _, p, d in scaler.history][:5] == ([(1, 1), (2, 1), (1, 1), (1, 3), (1, 1)] if not startup
+                                                              else [(2, 1), (2, 1), (1, 3), (1, 3), (1, 1)])
