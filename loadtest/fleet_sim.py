@@ -936,8 +936,9 @@ def write_decisions(scaler: Scaler, path: str) -> None:
 
 
 def plot(result: dict[str, object], reqs: list[TraceRequest], path: str) -> None:
-    """The load (prompt and output tokens/s per 5 minutes) above each role's workers over the trace: the planner,
-    the HPA, the clairvoyant schedule (when run) and the best static split."""
+    """The load (prompt and output tokens/s per minute on an hour's trace, per 5 minutes on a longer one) above each
+    role's workers over the trace: the planner, the HPA, the clairvoyant schedule (when run) and the best static
+    split."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -946,12 +947,13 @@ def plot(result: dict[str, object], reqs: list[TraceRequest], path: str) -> None
     end = max(r.at_s for r in reqs)
     unit, label = (3600.0, "hours") if end > 3 * 3600 else (60.0, "minutes")
     fig, (load, prefill, decode) = plt.subplots(3, 1, figsize=(10, 8), sharex=True)
-    bins = int(end // 300) + 1
+    width = 300.0 if end > 3 * 3600 else 60.0
+    bins = int(end // width) + 1
     prompt, output = [0.0] * bins, [0.0] * bins
     for r in reqs:
-        prompt[int(r.at_s // 300)] += r.input_length / 300
-        output[int(r.at_s // 300)] += r.output_length / 300
-    t = [k * 300 / unit for k in range(bins)]
+        prompt[int(r.at_s // width)] += r.input_length / width
+        output[int(r.at_s // width)] += r.output_length / width
+    t = [k * width / unit for k in range(bins)]
     load.step(t, prompt, where="post", label="prompt tokens/s")
     load.step(t, output, where="post", label="output tokens/s")
     load.set_ylabel("load")
