@@ -370,6 +370,10 @@ def cases() -> list[Case]:
     out.append(Case("RMSNorm", lambda: triton_ops.rms_norm(randn(4, 4096), randn(4096), 1e-5)))
     out.append(Case("RMSNorm + residual", lambda: triton_ops.rms_norm(randn(4, 4096), randn(4096), 1e-5,
                                                                       randn(4, 4096))))
+    out.append(Case("RMSNorm + residual, Llama's order", lambda: triton_ops.rms_norm(
+        randn(4, 4096), randn(4096), 1e-5, randn(4, 4096), weight_after_cast=True)))
+    out.append(Case("RMSNorm, 8192 wide", lambda: triton_ops.rms_norm(randn(4, 8192), randn(4096 * 2), 1e-5,
+                                                                      randn(4, 8192), weight_after_cast=True)))
     out.append(Case("RoPE", lambda: triton_ops.rope_(randn(4, 32, 128), randn(4096, 64, dtype=torch.float32),
                                                      randn(4096, 64, dtype=torch.float32), torch.arange(4))))
     return out

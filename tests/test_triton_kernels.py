@@ -844,3 +844,40 @@ def test_the_split_k_reduction_equals_its_reference(split, m, n, bias):
     split_k.reduce_reference(part, b, outs[1][:, 2:2 + n])
     torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5 if not CUDA else 8e-3)
     assert (outs[0][:, :2] == 7.0).all() and (outs[0][:, 2 + n:] == 7.0).all()
+
+
+@pytest.mark.parametrize("gemma", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_fused_norm_layer_equals_its_plain_ops(monkeypatch, gemma, dtype):
+    """`layers.RMSNorm` on the Triton kernel (the residual add and the norm in one launch) against its own torch ops
+    (`plain`, `plain_add_forward`), both orders: Llama's (cast, then scaled in the model dtype) and Gemma's (scaled by
+    1 + w in float32, then cast). The residual stream is updated in place to the same rounded sum; the norms agree
+    to within four units in the last place of the dtype (the row's sum of squares is reduced in another order, and
+    its reciprocal square root is not torch's), most of them bit for bit."""
+    from engine.model import layers
+
+    torch.manual_seed(5)
+    rows, dim = 9, 96
+    norm = layers.RMSNorm(dim, 1e-6, gemma=gemma).to(DEV)
+    norm.load(torch.randn(dim) * 0.1 + (0.0 if gemma else 1.0), "w")
+    if not gemma:
+        norm.weight.data = norm.weight.data.to(dtype)
+    monkeypatch.setattr(layers, "kernels", lambda name, device_type: triton_ops)  # (CUDA's choice, on any device)
+    monkeypatch.setattr(norm, "_fused", lambda x: False)  # (float32 on the CPU: the C kernels' turn otherwise)
+    x = (torch.randn(rows, dim, device=DEV) * 3).to(dtype)
+    h = torch.randn(rows, dim, device=DEV).to(dtype)
+    ulp = 4 * torch.finfo(dtype).eps
+    torch.testing.assert_close(norm(x), norm.plain(x), atol=0, rtol=ulp)
+    res_ours, res_plain = x.clone(), x.clone()
+    out_ours, res_ours = norm.add_forward(h, res_ours)
+    out_plain, res_plain = norm.plain_add_forward(h, res_plain)
+    # (the interpreter narrows float32 to bfloat16 by truncation where a GPU rounds to nearest: one unit apart there)
+    truncates = dtype == torch.bfloat16 and not CUDA
+    torch.testing.assert_close(res_ours, res_plain, atol=0, rtol=torch.finfo(dtype).eps if truncates else 0)
+    torch.testing.assert_close(out_ours, out_plain, atol=0, rtol=ulp)
+    if not truncates:
+        assert (out_ours == out_plain).float().mean() > 0.75  # (most of them bit for bit)
+    # the layer takes the kernel only for rows it can launch on: a 3-D input goes to torch's ops
+    assert norm._triton(x.view(3, 3, dim)) is None and norm._triton(x) is triton_ops
+    monkeypatch.setattr(layers, "_NORM_KERNEL", False)
+    assert norm._triton(x) is None

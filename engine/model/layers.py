@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 from functools import cache
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -14,11 +16,14 @@ from common.errors import ModelLoadError
 from engine.model import quant
 from engine.model.compressed_weight import CompressedBF16
 from engine.model.compressed_weight import linear as compressed_linear
-from engine.model.kernels import cpu_ops
+from engine.model.kernels import cpu_ops, kernels
 from engine.model.lora import LoRAWeights
 from engine.model.parallel import ONE, Shard
 
 log = logging.getLogger("splitfire.engine")
+# SPLITFIRE_NORM_KERNEL=0 keeps RMSNorm on torch's ops where the Triton kernels run (read at import): the A/B of
+# `gpu_check.sh normkernel` until the fused norm is timed on a GPU.
+_NORM_KERNEL = os.environ.get("SPLITFIRE_NORM_KERNEL", "1") != "0"
 
 
 @cache
@@ -191,17 +196,41 @@ class RMSNorm(nn.Module):
         return (x.dtype == torch.float32 and self.weight.dtype == torch.float32 and x.device.type == "cpu"
                 and x.dim() == 2 and x.is_contiguous() and cpu_ops.small(x.shape[0]))
 
+    def _triton(self, *xs: torch.Tensor) -> ModuleType | None:
+        """The Triton kernels (`triton_ops.rms_norm`: the residual add and the norm in one launch, where the plain
+        path takes up to nine) when they run on these rows' device (`kernels`: CUDA by default), for rows of
+        one dtype laid out with unit column stride."""
+        ops = kernels("triton_ops", xs[0].device.type)
+        if ops is None or not _NORM_KERNEL:
+            return None
+        ok = all(x.dim() == 2 and x.stride(-1) == 1 and x.dtype == xs[0].dtype for x in xs)
+        return ops if ok and xs[0].shape[-1] <= 32768 else None
+
     def add_forward(self, h: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(residual + h), residual + h): the pre-norm block's residual add fused with the next
         norm. `residual` may be updated in place."""
         if self._fused(residual) and h.dtype == torch.float32 and h.is_contiguous():
             return cpu_ops.add_rmsnorm(residual, h, self.weight, self.eps), residual
+        ops = self._triton(h, residual)
+        if ops is not None:
+            return ops.rms_norm(h, self.weight, self.eps, residual, weight_after_cast=not self.gemma), residual
+        return self.plain_add_forward(h, residual)
+
+    def plain_add_forward(self, h: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`add_forward` in torch's own ops (the reference the fused kernels are held to)."""
         residual = residual + h
-        return self(residual), residual
+        return self.plain(residual), residual
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._fused(x):
             return cpu_ops.add_rmsnorm(x, None, self.weight, self.eps)
+        ops = self._triton(x)
+        if ops is not None:
+            return ops.rms_norm(x, self.weight, self.eps, weight_after_cast=not self.gemma)
+        return self.plain(x)
+
+    def plain(self, x: torch.Tensor) -> torch.Tensor:
+        """The norm in torch's own ops."""
         shape = (x.shape[-1],)
         if self.gemma:
             return F.rms_norm(x.float(), shape, self.weight, self.eps).to(x.dtype)

@@ -197,27 +197,40 @@ def store_kv(layer_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, n_cols, eps, stride_x, stride_r, stride_o,
-                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+                     HAS_RESIDUAL: tl.constexpr, WEIGHT_AFTER_CAST: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
-        x += tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
-        tl.store(res_ptr + row * stride_r + cols, x.to(res_ptr.dtype.element_ty), mask=mask)
+        # the sum rounded to the residual stream's dtype, as a separate add would leave it, then normalized
+        s = (x + tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)).to(
+            res_ptr.dtype.element_ty)
+        tl.store(res_ptr + row * stride_r + cols, s, mask=mask)
+        x = s.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / n_cols + eps)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + cols, (x * rstd * w).to(out_ptr.dtype.element_ty), mask=mask)
+    if WEIGHT_AFTER_CAST:  # (Llama's order: normalized, cast to the model dtype, then scaled in it)
+        y = (x * rstd).to(out_ptr.dtype.element_ty).to(tl.float32) * w
+    else:  # (Gemma's: scaled by its float32 weight, then cast)
+        y = x * rstd * w
+    tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None) -> torch.Tensor:
-    """RMSNorm of x (+ residual, which is updated in place to x + residual: one pass instead of two)."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+             weight_after_cast: bool = False) -> torch.Tensor:
+    """RMSNorm of the rows of x — of residual + x when `residual` is given, which is then updated in place to that
+    sum (one pass instead of two: the pre-norm block's residual add fused with its norm). `weight_after_cast`:
+    normalize in float32, cast to x's dtype and scale by the weight in it (Llama's order, `layers.RMSNorm`);
+    otherwise scale in float32 and cast once (Gemma's, whose weight holds 1 + w in float32)."""
     rows, cols = x.shape
     out = torch.empty_like(x)
+    block = triton.next_power_of_2(cols)
     _rms_norm_kernel[(rows,)](
         x, residual if residual is not None else x, weight, out, cols, eps, x.stride(0),
         residual.stride(0) if residual is not None else 0, out.stride(0),
-        HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(cols),
+        HAS_RESIDUAL=residual is not None, WEIGHT_AFTER_CAST=weight_after_cast, BLOCK=block,
+        num_warps=4 if block <= 4096 else 8 if block <= 8192 else 16,
     )
     return out
 
