@@ -24,7 +24,7 @@
 #                                                  #   context: bf16 vs e4m3 KV), fp8moe (DeepSeek-V2-Lite: bf16 vs fp8),
 #                                                  #   fp8gemm (weight-only vs w8a8 per matrix: sets W8A8_MIN_ROWS),
 #                                                  #   fp8native (e4m3 widened by the GPU's cvt vs bit placement),
-#                                                  #   normkernel (RMSNorm: the fused Triton kernel vs torch's ops)
+#                                                  #   normrope (RMSNorm and RoPE: their Triton kernels vs torch's ops)
 #
 # Needs the project's Python dependencies importable (pip install -e '.[test]'); on a host with no
 # network, carry what its image lacks as wheels (the H200 image's grpcio 1.84 is older than the generated
@@ -96,5 +96,5 @@ step fp8moe 150 bash -c "$PY -m loadtest.bench_gpu --preset deepseek-v2-lite --b
 # e4m3 widened by the GPU's cvt (SPLITFIRE_E4M3_NATIVE=1) against the bit placement (0): the FP8 tests compiled with it,
 # then the 8B FP8 decode (weight-only, where every weight is widened) and the e4m3 KV cache at 16k, each both ways.
 step fp8native 300 bash -c "SPLITFIRE_E4M3_NATIVE=1 $PY -m pytest -q -p no:cacheprovider --timeout 110 -n 8 -rfE tests/test_cuda_engine.py tests/test_triton_kernels.py -k 'fp8 or e4m3 or w8a8'; for n in 0 1; do SPLITFIRE_E4M3_NATIVE=\$n $PY -m loadtest.bench_gpu --preset llama3-8b --backends triton --batches 1,32 --iters 10 --quantization fp8 --fp8-gemm weight-only,auto; SPLITFIRE_E4M3_NATIVE=\$n $PY -m loadtest.bench_gpu --preset llama3-8b --backends triton --batches 1,8 --context 16384 --iters 10 --prefill-tokens 512 --kv-cache-dtype fp8; done"
-step normkernel 300 bash -c "$PY -m pytest -q -p no:cacheprovider --timeout 110 -n 8 -rfE tests/test_cuda_engine.py tests/test_triton_kernels.py -k 'norm or engine'; for n in 0 1; do SPLITFIRE_NORM_KERNEL=\$n $PY -m loadtest.bench_gpu --preset llama3-8b --backends triton --batches 1,8,32,128 --iters 10; SPLITFIRE_NORM_KERNEL=\$n $PY -m loadtest.bench_gpu --preset smollm2-135m --backends triton --batches 1,32 --iters 10; done"
+step normrope 300 bash -c "$PY -m pytest -q -p no:cacheprovider --timeout 110 -n 8 -rfE tests/test_cuda_engine.py tests/test_triton_kernels.py -k 'norm or rope or engine'; for n in 0 1; do SPLITFIRE_NORM_ROPE_KERNELS=\$n $PY -m loadtest.bench_gpu --preset llama3-8b --backends triton --batches 1,8,32,128 --iters 10; SPLITFIRE_NORM_ROPE_KERNELS=\$n $PY -m loadtest.bench_gpu --preset smollm2-135m --backends triton --batches 1,32 --iters 10; done"
 cat "$summary"

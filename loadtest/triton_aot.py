@@ -374,8 +374,10 @@ def cases() -> list[Case]:
         randn(4, 4096), randn(4096), 1e-5, randn(4, 4096), weight_after_cast=True)))
     out.append(Case("RMSNorm, 8192 wide", lambda: triton_ops.rms_norm(randn(4, 8192), randn(4096 * 2), 1e-5,
                                                                       randn(4, 8192), weight_after_cast=True)))
-    out.append(Case("RoPE", lambda: triton_ops.rope_(randn(4, 32, 128), randn(4096, 64, dtype=torch.float32),
-                                                     randn(4096, 64, dtype=torch.float32), torch.arange(4))))
+    out.append(Case("RoPE", lambda: triton_ops.rope(randn(4, 40, 128), torch.polar(
+        torch.ones(4, 1, 64), randn(4, 1, 64, dtype=torch.float32)))))
+    out.append(Case("RoPE, MLA's 64-wide rope part", lambda: triton_ops.rope(randn(4, 128, 192)[..., 128:], torch.polar(
+        torch.ones(4, 1, 32), randn(4, 1, 32, dtype=torch.float32)))))
     return out
 
 

@@ -15,7 +15,6 @@ if not CUDA:
 triton = pytest.importorskip("triton")
 
 from engine.model.attention import AttentionMetadata, DecodeBatch, paged_attention, write_kv  # noqa: E402
-from engine.model.decoder import apply_rope  # noqa: E402
 from engine.model.kernels import triton_ops  # noqa: E402
 
 DEV = torch.device("cuda" if CUDA else "cpu")
@@ -106,16 +105,32 @@ def test_fused_rms_norm_matches_torch(with_residual):
         torch.testing.assert_close(res_copy, expected_in.to(DTYPE), **TOL)
 
 
-def test_rope_matches_complex_reference():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_rope_matches_complex_reference(monkeypatch, dtype):
+    """`triton_ops.rope` against `rope.plain_rope` (the float32 complex multiply): q and k roped together as a view of
+    the fused qkv rows (row stride past the heads), a latent head narrower than a power of two's pairs (MLA's rope
+    part of 48), attention-scaled frequencies; and `apply_rope` takes the kernel where the Triton kernels run."""
+    from engine.model import rope as rope_module
+    from engine.model.rope import plain_rope
+
     torch.manual_seed(3)
-    t, heads, dim = 11, 6, HEAD_DIM
-    inv = 1.0 / (10000 ** (torch.arange(0, dim, 2, dtype=torch.float32, device=DEV) / dim))
-    ang = torch.outer(torch.arange(64, dtype=torch.float32, device=DEV), inv)
-    pos = torch.tensor([0, 1, 2, 15, 16, 17, 31, 32, 40, 63, 5], device=DEV)
-    x = torch.randn(t, heads, dim, device=DEV, dtype=DTYPE)
-    expected = apply_rope(x.clone(), torch.polar(torch.ones_like(ang), ang)[pos].unsqueeze(1))
-    ours = triton_ops.rope_(x.clone(), ang.cos().contiguous(), ang.sin().contiguous(), pos)
-    torch.testing.assert_close(ours, expected, **TOL)
+    dtype = DTYPE if CUDA else dtype
+    for t, heads, dim, extra in ((11, 6, HEAD_DIM, 3 * HEAD_DIM), (5, 1, 48, 0)):
+        inv = 1.0 / (10000 ** (torch.arange(0, dim, 2, dtype=torch.float32, device=DEV) / dim))
+        ang = torch.outer(torch.arange(64, dtype=torch.float32, device=DEV), inv)
+        pos = torch.tensor([0, 1, 2, 15, 16, 17, 31, 32, 40, 63, 5][:t], device=DEV)
+        freqs = torch.polar(torch.full_like(ang, 1.2), ang)[pos].unsqueeze(1)
+        rows = torch.randn(t, heads * dim + extra, device=DEV).to(dtype)
+        x = rows[:, : heads * dim].view(t, heads, dim)
+        expected = plain_rope(x, freqs)
+        ours = triton_ops.rope(x, freqs)
+        tol = dict(atol=0, rtol=4 * torch.finfo(dtype).eps) if dtype != torch.float32 else dict(atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(ours, expected, **tol)
+        assert (ours == expected).float().mean() > 0.9
+    monkeypatch.setattr(rope_module, "kernels", lambda name, device_type: triton_ops)
+    torch.testing.assert_close(rope_module.apply_rope(x, freqs), ours, atol=0, rtol=0)
+    monkeypatch.setattr(rope_module, "norm_rope_kernels", lambda: False)
+    torch.testing.assert_close(rope_module.apply_rope(x, freqs), expected, atol=0, rtol=0)
 
 
 @ON_CPU_ONLY
@@ -879,5 +894,5 @@ def test_the_fused_norm_layer_equals_its_plain_ops(monkeypatch, gemma, dtype):
         assert (out_ours == out_plain).float().mean() > 0.75  # (most of them bit for bit)
     # the layer takes the kernel only for rows it can launch on: a 3-D input goes to torch's ops
     assert norm._triton(x.view(3, 3, dim)) is None and norm._triton(x) is triton_ops
-    monkeypatch.setattr(layers, "_NORM_KERNEL", False)
+    monkeypatch.setattr(layers, "norm_rope_kernels", lambda: False)
     assert norm._triton(x) is None

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable
 from functools import cache
 from types import ModuleType
@@ -16,14 +15,11 @@ from common.errors import ModelLoadError
 from engine.model import quant
 from engine.model.compressed_weight import CompressedBF16
 from engine.model.compressed_weight import linear as compressed_linear
-from engine.model.kernels import cpu_ops, kernels
+from engine.model.kernels import cpu_ops, kernels, norm_rope_kernels
 from engine.model.lora import LoRAWeights
 from engine.model.parallel import ONE, Shard
 
 log = logging.getLogger("splitfire.engine")
-# SPLITFIRE_NORM_KERNEL=0 keeps RMSNorm on torch's ops where the Triton kernels run (read at import): the A/B of
-# `gpu_check.sh normkernel` until the fused norm is timed on a GPU.
-_NORM_KERNEL = os.environ.get("SPLITFIRE_NORM_KERNEL", "1") != "0"
 
 
 @cache
@@ -201,7 +197,7 @@ class RMSNorm(nn.Module):
         path takes up to nine) when they run on these rows' device (`kernels`: CUDA by default), for rows of
         one dtype laid out with unit column stride."""
         ops = kernels("triton_ops", xs[0].device.type)
-        if ops is None or not _NORM_KERNEL:
+        if ops is None or not norm_rope_kernels():
             return None
         ok = all(x.dim() == 2 and x.stride(-1) == 1 and x.dtype == xs[0].dtype for x in xs)
         return ops if ok and xs[0].shape[-1] <= 32768 else None

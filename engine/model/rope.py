@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from common.errors import ModelLoadError
+from engine.model.kernels import kernels, norm_rope_kernels
 
 KINDS = ("default", "linear", "llama3", "yarn")
 # Every key a rope dict may carry; each is honoured by the kinds that use it.
@@ -131,7 +132,17 @@ def rope_cache(spec: RopeSpec, head_dim: int, max_positions: int, device: torch.
 
 
 def apply_rope(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, dim] with interleaved pairs; freqs: [T, 1, dim/2] complex (cos + i sin)."""
+    """x: [T, heads, dim] with interleaved pairs; freqs: [T, 1, dim/2] complex (cos + i sin). One Triton launch
+    where the kernels run (`triton_ops.rope`: CUDA by default), else `plain_rope`."""
+    ops = kernels("triton_ops", x.device.type)
+    if ops is not None and norm_rope_kernels() and x.dim() == 3 and x.stride(-1) == 1 \
+            and freqs.dtype == torch.complex64:
+        return ops.rope(x, freqs)
+    return plain_rope(x, freqs)
+
+
+def plain_rope(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    """`apply_rope` in torch's ops: a float32 complex multiply (3-4 launches on a GPU)."""
     t, h, d = x.shape
     xc = torch.view_as_complex(x.float().reshape(t, h, d // 2, 2))
     return torch.view_as_real(xc * freqs).reshape(t, h, d).to(x.dtype)

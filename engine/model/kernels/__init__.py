@@ -32,3 +32,10 @@ def kernels(name: str, device_type: str) -> ModuleType | None:
         if choice == "triton":
             raise
         return None
+
+
+@cache
+def norm_rope_kernels() -> bool:
+    """Whether RMSNorm and RoPE take their Triton kernels where `kernels()` runs Triton: yes unless
+    SPLITFIRE_NORM_ROPE_KERNELS=0 (the A/B of `gpu_check.sh normrope` until they are timed on a GPU)."""
+    return os.environ.get("SPLITFIRE_NORM_ROPE_KERNELS", "1") != "0"

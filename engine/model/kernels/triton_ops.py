@@ -236,25 +236,32 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
 
 
 @triton.jit
-def _rope_kernel(x_ptr, cos_ptr, sin_ptr, pos_ptr, stride_t, stride_h, stride_c, HALF: tl.constexpr):
+def _rope_kernel(x_ptr, f_ptr, out_ptr, half, stride_t, stride_h, stride_f, stride_ot, stride_oh,
+                 BLOCK: tl.constexpr):
     t = tl.program_id(0)
     h = tl.program_id(1)
-    i = tl.arange(0, HALF)
-    pos = tl.load(pos_ptr + t)
-    c = tl.load(cos_ptr + pos * stride_c + i)
-    s = tl.load(sin_ptr + pos * stride_c + i)
+    i = tl.arange(0, BLOCK)
+    m = i < half
+    c = tl.load(f_ptr + t * stride_f + 2 * i, mask=m, other=0.0)
+    s = tl.load(f_ptr + t * stride_f + 2 * i + 1, mask=m, other=0.0)
     base = x_ptr + t * stride_t + h * stride_h
-    x0 = tl.load(base + 2 * i).to(tl.float32)
-    x1 = tl.load(base + 2 * i + 1).to(tl.float32)
-    tl.store(base + 2 * i, (x0 * c - x1 * s).to(x_ptr.dtype.element_ty))
-    tl.store(base + 2 * i + 1, (x1 * c + x0 * s).to(x_ptr.dtype.element_ty))
+    x0 = tl.load(base + 2 * i, mask=m, other=0.0).to(tl.float32)
+    x1 = tl.load(base + 2 * i + 1, mask=m, other=0.0).to(tl.float32)
+    out = out_ptr + t * stride_ot + h * stride_oh
+    tl.store(out + 2 * i, (x0 * c - x1 * s).to(out_ptr.dtype.element_ty), mask=m)
+    tl.store(out + 2 * i + 1, (x0 * s + x1 * c).to(out_ptr.dtype.element_ty), mask=m)
 
 
-def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """Rotate interleaved pairs (2i, 2i+1) of x [T, heads, dim] in place; cos/sin: [max_pos, dim/2] fp32."""
+def rope(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    """`rope.plain_rope` in one launch: the interleaved pairs (2i, 2i+1) of x [T, heads, dim] (any row and head
+    strides, unit column stride) times freqs [T, 1, dim/2] complex64 (cos + i sin), in float32, into a new tensor of
+    x's dtype."""
     t, heads, dim = x.shape
-    _rope_kernel[(t, heads)](x, cos, sin, positions, x.stride(0), x.stride(1), cos.stride(0), HALF=dim // 2)
-    return x
+    f = torch.view_as_real(freqs.reshape(t, dim // 2).contiguous())  # [T, dim/2, (cos, sin)] float32
+    out = torch.empty(t, heads, dim, dtype=x.dtype, device=x.device)
+    _rope_kernel[(t, heads)](x, f, out, dim // 2, x.stride(0), x.stride(1), f.stride(0), out.stride(0),
+                             out.stride(1), BLOCK=triton.next_power_of_2(dim // 2))
+    return out
 
 
 @triton.jit
