@@ -32,7 +32,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from loadtest.fleet_sim import COST_MODELS, superposed
+from loadtest.fleet_sim import COST_MODELS, CostModel, superposed
 from loadtest.trace_replay import TraceRequest, read_trace
 
 
@@ -44,12 +44,13 @@ class Online:
     short_workers: int  # the workers they lacked, summed
 
 
-def work_bins(reqs: list[TraceRequest], prefill_tps: float, overhead_s: float, bin_s: float) -> list[float]:
-    """Seconds of one prefill worker's work arriving in each `bin_s` of the trace."""
+def work_bins(reqs: list[TraceRequest], model: CostModel, bin_s: float) -> list[float]:
+    """Seconds of one prefill worker's work (the cost model's, each prompt computed whole) arriving in each `bin_s`
+    of the trace."""
     end = max((r.at_s for r in reqs), default=0.0)
     bins = [0.0] * (int(end // bin_s) + 1)
     for r in reqs:
-        bins[int(r.at_s // bin_s)] += overhead_s + r.input_length / prefill_tps
+        bins[int(r.at_s // bin_s)] += model.prefill_overhead_s + model.prefill_time(r.input_length, 0)
     return bins
 
 
@@ -112,10 +113,10 @@ def main() -> int:
     if not reqs:
         p.error(f"{args.trace}: no requests")
     mean_input = sum(r.input_length for r in reqs) / len(reqs)
-    budget = args.ttft_slo - model.prefill_overhead_s - mean_input / model.prefill_tps
+    budget = args.ttft_slo - model.prefill_overhead_s - model.prefill_time(round(mean_input), 0)
     if budget <= 0:
         p.error(f"a mean prompt alone takes longer than the TTFT SLO ({args.ttft_slo} s)")
-    bins = work_bins(reqs, model.prefill_tps, model.prefill_overhead_s, args.bin)
+    bins = work_bins(reqs, model, args.bin)
     need = needs(bins, args.bin, round(args.interval / args.bin), budget)
     rules = [online(need, int(k), args.lead) for k in args.lookback.split(",")]
     out = {"intervals": len(need), "need": need, "per_interval": sum(need),
